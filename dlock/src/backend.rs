@@ -1,0 +1,126 @@
+//! The trait every lock store implements.
+//!
+//! Applications do not call these methods themselves: they go through a
+//! [`LockProvider`](crate::LockProvider), which adds what every backend shares (key validation,
+//! the in-process table, timeouts, backoff, cancellation, release on drop). Implement
+//! [`LockBackend`] to put locks on a store this crate does not cover, then wrap it with
+//! [`LockProvider::from_backend`](crate::LockProvider::from_backend).
+
+use std::fmt::Debug;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::LockError;
+
+/// A boxed, `Send` future, as the backend trait returns them (the trait must stay object safe).
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a backend is asked to lock.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct LockRequest<'a> {
+    /// The key, already validated (non-empty).
+    pub key: &'a str,
+    /// The lease asked for this acquisition, if the caller set one; lease-based backends use
+    /// their configured default otherwise, and session-based backends ignore it.
+    pub lease: Option<Duration>,
+}
+
+impl<'a> LockRequest<'a> {
+    /// A request for `key` with the backend's default lease.
+    pub fn new(key: &'a str) -> Self {
+        LockRequest { key, lease: None }
+    }
+
+    /// The same request with the given lease.
+    pub fn with_lease(mut self, lease: Option<Duration>) -> Self {
+        self.lease = lease;
+        self
+    }
+}
+
+/// A lock a backend has taken.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Acquired {
+    /// The fencing token of this acquisition, if the backend issues them.
+    pub fencing_token: Option<u64>,
+    /// Cancelled by the backend when it learns (or must presume) that the lock is no longer
+    /// held: a dead connection, a failed or refused lease renewal.
+    pub lost: CancellationToken,
+    /// Gives the lock back.
+    pub handle: Box<dyn HeldLock>,
+}
+
+impl Acquired {
+    /// A taken lock.
+    pub fn new(
+        fencing_token: Option<u64>,
+        lost: CancellationToken,
+        handle: Box<dyn HeldLock>,
+    ) -> Self {
+        Acquired {
+            fencing_token,
+            lost,
+            handle,
+        }
+    }
+}
+
+/// The backend's handle on one held lock.
+///
+/// Dropping the handle without calling [`release`](HeldLock::release) must not leave the lock
+/// held forever: the provider always calls `release`, but a backend should still stop any
+/// renewal it runs for the lock when the handle is dropped.
+pub trait HeldLock: Send + Sync + Debug + 'static {
+    /// Gives the lock back. Releasing a lock that is already gone (lease expired, connection
+    /// closed) is not an error: the provider reports the loss itself.
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>>;
+}
+
+/// A lock store.
+///
+/// # Cancel safety
+///
+/// The provider drops the futures these methods return when a timeout runs out, a
+/// cancellation token fires or the caller drops its own future. Implementations must make that
+/// safe: a future dropped before it completes must not leave a lock held (if the store may have
+/// granted it already, the backend gives it back in the background).
+pub trait LockBackend: Send + Sync + Debug + 'static {
+    /// A short name for messages, metrics and spans: `"sqlite"`, `"postgres"`, `"redis"`, ...
+    fn name(&self) -> &'static str;
+
+    /// Whether [`acquire_wait`](LockBackend::acquire_wait) waits natively on the server. When it
+    /// does not, the provider polls [`try_acquire`](LockBackend::try_acquire) with backoff.
+    fn supports_native_wait(&self) -> bool {
+        false
+    }
+
+    /// One attempt: `Ok(Some(_))` when the lock was taken, `Ok(None)` when it is held elsewhere.
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>>;
+
+    /// Waits on the server for up to `timeout` (which may be [`Duration::MAX`], for no limit):
+    /// `Ok(None)` when it ran out. Called only when
+    /// [`supports_native_wait`](LockBackend::supports_native_wait) is true.
+    fn acquire_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        let _ = (request, timeout);
+        let name = self.name();
+        Box::pin(async move {
+            Err(LockError::unsupported(
+                name,
+                "native waits",
+                "this backend has no blocking wait; the provider polls it instead",
+            ))
+        })
+    }
+}

@@ -1,0 +1,129 @@
+//! Exponential backoff with randomized jitter, for backends that cannot wait natively.
+
+use std::time::Duration;
+
+use crate::LockError;
+
+/// How a waiting acquisition polls a backend that has no blocking wait of its own.
+///
+/// The n-th pause is `initial * 2^n`, capped at `max`, then scaled by a random factor in
+/// `[1 - jitter, 1 + jitter]` so that waiters on many replicas spread out instead of polling
+/// in step. A pause never runs past the acquisition's deadline: the last try happens at the
+/// deadline, so a timeout answers after at least the timeout and at most one pause more.
+///
+/// ```
+/// use std::time::Duration;
+/// let backoff = dlock::Backoff::new(Duration::from_millis(10), Duration::from_millis(500), 0.25)?;
+/// assert_eq!(backoff.initial(), Duration::from_millis(10));
+/// # Ok::<(), dlock::LockError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    jitter: f64,
+}
+
+impl Default for Backoff {
+    /// 10 ms first pause, doubling up to 500 ms, ±25 % jitter.
+    fn default() -> Self {
+        Backoff {
+            initial: Duration::from_millis(10),
+            max: Duration::from_millis(500),
+            jitter: 0.25,
+        }
+    }
+}
+
+impl Backoff {
+    /// A backoff policy; `jitter` is a ratio in `0.0..=1.0`.
+    ///
+    /// Errors with [`LockError::Config`] when `initial` is zero, `max < initial`, or `jitter`
+    /// is outside `0.0..=1.0`.
+    pub fn new(initial: Duration, max: Duration, jitter: f64) -> Result<Self, LockError> {
+        if initial.is_zero() {
+            return Err(LockError::config(
+                "backoff: the initial interval must be greater than zero",
+            ));
+        }
+        if max < initial {
+            return Err(LockError::config(format!(
+                "backoff: the max interval ({max:?}) must not be less than the initial interval ({initial:?})"
+            )));
+        }
+        if !(0.0..=1.0).contains(&jitter) {
+            return Err(LockError::config(format!(
+                "backoff: the jitter ratio must be between 0.0 and 1.0, got {jitter}"
+            )));
+        }
+        Ok(Backoff {
+            initial,
+            max,
+            jitter,
+        })
+    }
+
+    /// The first pause, before jitter.
+    pub fn initial(&self) -> Duration {
+        self.initial
+    }
+
+    /// The longest pause, before jitter.
+    pub fn max(&self) -> Duration {
+        self.max
+    }
+
+    /// The jitter ratio.
+    pub fn jitter(&self) -> f64 {
+        self.jitter
+    }
+
+    /// The pause before try number `attempt + 1` (0-based), with jitter applied.
+    pub fn delay(&self, attempt: u32) -> Duration {
+        let base = self
+            .initial
+            .checked_mul(1u32.checked_shl(attempt.min(30)).unwrap_or(u32::MAX))
+            .unwrap_or(self.max)
+            .min(self.max);
+        if self.jitter == 0.0 {
+            return base;
+        }
+        let factor = 1.0 + self.jitter * (fastrand::f64() * 2.0 - 1.0);
+        base.mul_f64(factor.max(0.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_and_caps() {
+        let b = Backoff::new(Duration::from_millis(10), Duration::from_millis(100), 0.0).unwrap();
+        assert_eq!(b.delay(0), Duration::from_millis(10));
+        assert_eq!(b.delay(1), Duration::from_millis(20));
+        assert_eq!(b.delay(3), Duration::from_millis(80));
+        assert_eq!(b.delay(4), Duration::from_millis(100));
+        assert_eq!(b.delay(u32::MAX), Duration::from_millis(100));
+    }
+
+    #[test]
+    fn jitter_stays_in_range_and_varies() {
+        let b = Backoff::new(Duration::from_millis(100), Duration::from_millis(100), 0.5).unwrap();
+        let delays: Vec<_> = (0..200).map(|_| b.delay(0)).collect();
+        assert!(
+            delays
+                .iter()
+                .all(|d| *d >= Duration::from_millis(50) && *d <= Duration::from_millis(150))
+        );
+        assert!(delays.iter().any(|d| *d != delays[0]));
+    }
+
+    #[test]
+    fn rejects_bad_settings() {
+        assert!(Backoff::new(Duration::ZERO, Duration::from_secs(1), 0.1).is_err());
+        assert!(Backoff::new(Duration::from_secs(2), Duration::from_secs(1), 0.1).is_err());
+        assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), 1.5).is_err());
+        assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), f64::NAN).is_err());
+    }
+}

@@ -1,0 +1,86 @@
+//! Distributed locks on the storage you already run.
+//!
+//! Services run as many replicas; billing runs, webhook handlers, ledger updates and cron jobs
+//! must run on exactly one of them at a time. `dlock` puts mutual exclusion on a store the
+//! replicas already share: a SQLite file (the embedded default, for processes on one machine),
+//! and, as they land, PostgreSQL, MySQL/MariaDB, SQL Server, Oracle and Redis.
+//!
+//! ```
+//! use std::time::Duration;
+//! use dlock::{LockError, LockProvider};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), LockError> {
+//! # let dir = tempfile::tempdir().unwrap();
+//! # let url = format!("sqlite://{}/locks.db", dir.path().display());
+//! let locks = LockProvider::connect(&url).await?; // e.g. "sqlite://locks.db"
+//!
+//! // One attempt, no waiting: contention is `Err(LockError::AlreadyHeld { .. })`.
+//! match locks.try_acquire("jobs:billing").await {
+//!     Ok(guard) => {
+//!         // ... run the job; stop if `guard.lost_token()` fires ...
+//!         guard.release().await?;
+//!     }
+//!     Err(LockError::AlreadyHeld { .. }) => { /* another replica runs it */ }
+//!     Err(other) => return Err(other),
+//! }
+//!
+//! // Wait up to ten seconds.
+//! let guard = locks.acquire("invoices:42", Duration::from_secs(10)).await?;
+//! println!("fencing token {:?}", guard.fencing_token());
+//! drop(guard); // releases in the background
+//! # Ok(()) }
+//! ```
+//!
+//! # Concepts
+//!
+//! - [`LockProvider`] hands out locks on one store; clone it freely. It keeps an in-process
+//!   table of the keys it holds, so contention inside one process costs no I/O, and local
+//!   waiters queue instead of polling the store.
+//! - [`LockGuard`] is a held lock: its [`key`](LockGuard::key), a
+//!   [`fencing_token`](LockGuard::fencing_token), and a
+//!   [`lost_token`](LockGuard::lost_token) that fires if ownership is lost. Dropping it releases
+//!   the lock (in the background); [`release`](LockGuard::release) waits for it.
+//! - [`LockError`] says what went wrong, with a stable [`code`](LockError::code) and an HTTP
+//!   [`status`](LockError::status).
+//! - Keys are any non-empty strings. [`lock_id`] is the 64-bit id that integer-keyed engines
+//!   lock.
+//!
+//! # Backends
+//!
+//! | backend | feature | waiting | lost detection | fencing |
+//! |---|---|---|---|---|
+//! | [SQLite](sqlite) | `sqlite` (default) | polling with backoff | lease renewal | built in |
+//!
+//! The other engines are on their way; see the README for the current state.
+//!
+//! # Cancellation
+//!
+//! Every future of this crate is cancel safe as far as locks go: dropping an acquisition never
+//! leaves a lock held, and dropping a release finishes it in the background. To end a wait on a
+//! signal and get [`LockError::Canceled`], pass a token:
+//! [`locks.lock(key).cancel_on(&token)`](LockProvider::lock), or one for the whole provider
+//! with [`ProviderBuilder::cancel_on`].
+#![forbid(unsafe_code)]
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+
+pub mod backend;
+mod backoff;
+mod error;
+mod guard;
+mod key;
+mod options;
+mod provider;
+mod table;
+
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use backoff::Backoff;
+pub use error::{BoxError, LockError};
+pub use guard::LockGuard;
+pub use key::lock_id;
+pub use options::parse_duration;
+pub use provider::{LockBuilder, LockProvider, LockedCommand, ProviderBuilder, SUPPORTED_SCHEMES};
+pub use tokio_util::sync::CancellationToken;

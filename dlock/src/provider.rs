@@ -1,0 +1,515 @@
+//! The provider: the entry point of the crate.
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Acquired, LockBackend, LockRequest};
+use crate::key::validate_key;
+use crate::table::{LocalTable, Slot};
+use crate::{Backoff, LockError, LockGuard};
+
+/// Hands out distributed locks on one lock store.
+///
+/// A provider is cheap to clone (an [`Arc`] inside) and is meant to be created once and shared
+/// (in application state, an axum `State`, a `static`). It does not depend on the backend's
+/// type, so the attribute macro and the axum layer work with every backend.
+///
+/// Locks are **not reentrant**: a second acquisition of a key this provider holds is contention,
+/// answered from the provider's in-process table without asking the store. Tasks of this
+/// process that wait for such a key queue in order and take it when the local holder lets go.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), dlock::LockError> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+/// let locks = dlock::LockProvider::connect(&url).await?;
+///
+/// let guard = locks.acquire("invoices:42", Duration::from_secs(10)).await?;
+/// assert!(matches!(
+///     locks.try_acquire("invoices:42").await,
+///     Err(dlock::LockError::AlreadyHeld { .. })
+/// ));
+/// guard.release().await?;
+///
+/// let total = locks
+///     .with_lock("reports:daily", Duration::from_secs(15), |_lost| async { 40 + 2 })
+///     .await?;
+/// assert_eq!(total, 42);
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct LockProvider {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Arc<dyn LockBackend>,
+    table: Arc<LocalTable>,
+    backoff: Backoff,
+    lease: Option<Duration>,
+    shutdown: Option<CancellationToken>,
+}
+
+/// The URL schemes [`LockProvider::connect`] understands.
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://)";
+
+impl LockProvider {
+    /// Connects to the lock store named by `url`; the scheme picks the backend.
+    ///
+    /// | scheme | backend | cargo feature |
+    /// |---|---|---|
+    /// | `sqlite://relative.db`, `sqlite:///absolute/path.db` | [`sqlite`](crate::sqlite) | `sqlite` (default) |
+    /// | `postgres://`, `postgresql://` | PostgreSQL | `postgres` |
+    /// | `mysql://`, `mariadb://` | MySQL / MariaDB | `mysql` |
+    /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
+    /// | `oracle://` | Oracle | `oracle` |
+    /// | `redis://`, `rediss://` | Redis / Valkey | `redis` |
+    ///
+    /// Each backend documents its own query options (for example `?lease=30s`).
+    ///
+    /// Errors with [`LockError::Config`] for an unknown scheme, a malformed URL, or a backend
+    /// this build was compiled without; with [`LockError::Unavailable`] when the store cannot
+    /// be reached. Error messages never repeat the URL (it may carry a password).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future closes whatever connection it had opened.
+    pub async fn connect(url: &str) -> Result<LockProvider, LockError> {
+        let Some((scheme, _)) = url.split_once(':') else {
+            return Err(LockError::config(format!(
+                "the lock store URL has no scheme; expected one of {SUPPORTED_SCHEMES}"
+            )));
+        };
+        let scheme = scheme.to_ascii_lowercase();
+        match scheme.as_str() {
+            "sqlite" => connect_sqlite(url).await,
+            "postgres" | "postgresql" => Err(not_built("postgres", "PostgreSQL")),
+            "mysql" | "mariadb" => Err(not_built("mysql", "MySQL and MariaDB")),
+            "mssql" | "sqlserver" => Err(not_built("mssql", "SQL Server")),
+            "oracle" => Err(not_built("oracle", "Oracle")),
+            "redis" | "rediss" => Err(not_built("redis", "Redis")),
+            _ => Err(LockError::config(format!(
+                "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
+                scheme.escape_debug()
+            ))),
+        }
+    }
+
+    /// A provider on a backend with the default settings. See [`builder`](LockProvider::builder)
+    /// for the others.
+    pub fn from_backend(backend: impl LockBackend) -> LockProvider {
+        LockProvider::builder(backend).build()
+    }
+
+    /// A builder for a provider on `backend`, to set the backoff, the default lease and a
+    /// shutdown token.
+    pub fn builder(backend: impl LockBackend) -> ProviderBuilder {
+        ProviderBuilder {
+            backend: Arc::new(backend),
+            backoff: Backoff::default(),
+            lease: None,
+            shutdown: None,
+        }
+    }
+
+    /// One attempt to take the lock, without waiting.
+    ///
+    /// Returns [`LockError::AlreadyHeld`] when it is held elsewhere. When this provider holds
+    /// the key itself (another task of the process has it), the answer comes from the
+    /// in-process table with no I/O and no allocation.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: if the future is dropped, no lock is left held.
+    pub async fn try_acquire(&self, key: &str) -> Result<LockGuard, LockError> {
+        self.acquire_with(key, Duration::ZERO, None, None, None)
+            .await
+    }
+
+    /// Takes the lock, waiting up to `timeout` for it.
+    ///
+    /// Backends with a blocking wait of their own (PostgreSQL, MySQL, SQL Server, Oracle) wait
+    /// on the server; the others are polled with exponential backoff and jitter. Returns
+    /// [`LockError::Timeout`] after at least `timeout` (and at most one backoff pause more).
+    /// `Duration::ZERO` is one try (contention is then [`LockError::AlreadyHeld`]);
+    /// `Duration::MAX` waits without limit.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: if the future is dropped while waiting, the wait ends and no lock is left
+    /// held. Use [`lock`](LockProvider::lock) with
+    /// [`cancel_on`](LockBuilder::cancel_on) to end a wait with [`LockError::Canceled`].
+    pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockGuard, LockError> {
+        self.acquire_with(key, timeout, None, None, None).await
+    }
+
+    /// Runs `f` while holding the lock, then releases it.
+    ///
+    /// `f` gets the lock's lost token, cancelled if ownership is lost while it runs. If `f`
+    /// panics or its future is dropped, the guard is dropped with it and the lock is released
+    /// in the background. Returns [`LockError::Lost`] instead of `f`'s output when the lock was
+    /// lost before `f` finished (the work may have overlapped with another holder's).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe as far as the lock goes (it is released); whatever `f` was doing is dropped
+    /// mid-way, as with any future.
+    pub async fn with_lock<F, Fut, T>(
+        &self,
+        key: &str,
+        timeout: Duration,
+        f: F,
+    ) -> Result<T, LockError>
+    where
+        F: FnOnce(CancellationToken) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let guard = self.acquire(key, timeout).await?;
+        let output = f(guard.lost_token().clone()).await;
+        guard.release().await?;
+        Ok(output)
+    }
+
+    /// Takes the lock for a command whose key and timeout it defines itself (see
+    /// [`LockedCommand`], which `#[distributed_lock]` implements for structs).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`acquire`](LockProvider::acquire).
+    pub async fn acquire_for<C>(&self, command: &C) -> Result<LockGuard, LockError>
+    where
+        C: LockedCommand + ?Sized,
+    {
+        let key = command.lock_key();
+        self.acquire(&key, command.lock_timeout()).await
+    }
+
+    /// Starts building an acquisition of `key` with the less common options: a cancellation
+    /// token, a lease, a backoff policy.
+    ///
+    /// ```
+    /// # async fn demo(locks: dlock::LockProvider) -> Result<(), dlock::LockError> {
+    /// use std::time::Duration;
+    /// let shutdown = tokio_util::sync::CancellationToken::new();
+    /// let guard = locks
+    ///     .lock("jobs:nightly")
+    ///     .timeout(Duration::from_secs(30))
+    ///     .cancel_on(&shutdown)
+    ///     .lease(Duration::from_secs(60))
+    ///     .acquire()
+    ///     .await?;
+    /// # drop(guard); Ok(()) }
+    /// ```
+    pub fn lock<'a>(&'a self, key: &'a str) -> LockBuilder<'a> {
+        LockBuilder {
+            provider: self,
+            key,
+            timeout: Duration::MAX,
+            cancel: None,
+            lease: None,
+            backoff: None,
+        }
+    }
+
+    /// The backend's name (`"sqlite"`, `"postgres"`, ...).
+    pub fn backend_name(&self) -> &'static str {
+        self.inner.backend.name()
+    }
+
+    /// How many keys this provider holds or is acquiring right now.
+    pub fn local_key_count(&self) -> usize {
+        self.inner.table.len()
+    }
+
+    async fn acquire_with(
+        &self,
+        key: &str,
+        timeout: Duration,
+        cancel: Option<&CancellationToken>,
+        lease: Option<Duration>,
+        backoff: Option<&Backoff>,
+    ) -> Result<LockGuard, LockError> {
+        validate_key(key)?;
+        let inner = &*self.inner;
+        let shutdown = inner.shutdown.as_ref();
+        let one_try = timeout.is_zero();
+        // `None` when the timeout is too long to represent: wait without limit.
+        let deadline = Instant::now().checked_add(timeout);
+        if is_cancelled(cancel, shutdown) {
+            return Err(LockError::Canceled {
+                key: Arc::from(key),
+            });
+        }
+
+        let slot = match inner.table.try_slot(key) {
+            Ok(slot) => slot,
+            Err(stored) if one_try => return Err(LockError::AlreadyHeld { key: stored }),
+            Err(stored) => tokio::select! {
+                biased;
+                () = cancelled(cancel, shutdown) => return Err(LockError::Canceled { key: stored }),
+                () = sleep_until(deadline) => return Err(LockError::Timeout { key: stored, timeout }),
+                slot = inner.table.wait_slot(key) => slot,
+            },
+        };
+
+        let request = LockRequest::new(key).with_lease(lease.or(inner.lease));
+        let backend = &*inner.backend;
+        let attempt = async {
+            if one_try {
+                return match backend.try_acquire(request).await? {
+                    Some(acquired) => Ok(acquired),
+                    None => Err(LockError::AlreadyHeld {
+                        key: Arc::clone(slot.key()),
+                    }),
+                };
+            }
+            if backend.supports_native_wait() {
+                let remaining = deadline.map_or(Duration::MAX, |deadline| {
+                    deadline.saturating_duration_since(Instant::now())
+                });
+                return match backend.acquire_wait(request, remaining).await? {
+                    Some(acquired) => Ok(acquired),
+                    None => Err(LockError::Timeout {
+                        key: Arc::clone(slot.key()),
+                        timeout,
+                    }),
+                };
+            }
+            poll(
+                backend,
+                request,
+                &slot,
+                deadline,
+                timeout,
+                backoff.unwrap_or(&inner.backoff),
+            )
+            .await
+        };
+        let acquired = tokio::select! {
+            biased;
+            () = cancelled(cancel, shutdown) => {
+                return Err(LockError::Canceled { key: Arc::clone(slot.key()) })
+            }
+            acquired = attempt => acquired?,
+        };
+        Ok(LockGuard::new(slot, acquired, backend.name()))
+    }
+}
+
+/// Polls `backend` with backoff until the lock is taken or the deadline passes. The last try
+/// happens at the deadline, so a timeout is answered after at least `timeout`.
+async fn poll(
+    backend: &dyn LockBackend,
+    request: LockRequest<'_>,
+    slot: &Slot,
+    deadline: Option<Instant>,
+    timeout: Duration,
+    backoff: &Backoff,
+) -> Result<Acquired, LockError> {
+    let mut attempt = 0u32;
+    loop {
+        if let Some(acquired) = backend.try_acquire(request).await? {
+            return Ok(acquired);
+        }
+        let mut pause = backoff.delay(attempt);
+        attempt = attempt.saturating_add(1);
+        if let Some(deadline) = deadline {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(LockError::Timeout {
+                    key: Arc::clone(slot.key()),
+                    timeout,
+                });
+            }
+            pause = pause.min(deadline - now);
+        }
+        tokio::time::sleep(pause).await;
+    }
+}
+
+fn is_cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) -> bool {
+    a.is_some_and(CancellationToken::is_cancelled) || b.is_some_and(CancellationToken::is_cancelled)
+}
+
+async fn cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) {
+    match (a, b) {
+        (Some(a), Some(b)) => tokio::select! {
+            () = a.cancelled() => {}
+            () = b.cancelled() => {}
+        },
+        (Some(token), None) | (None, Some(token)) => token.cancelled().await,
+        (None, None) => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(deadline) => tokio::time::sleep_until(deadline.into()).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(feature = "sqlite")]
+async fn connect_sqlite(url: &str) -> Result<LockProvider, LockError> {
+    crate::sqlite::SqliteBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn connect_sqlite(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("sqlite", "SQLite"))
+}
+
+fn not_built(feature: &str, engine: &str) -> LockError {
+    LockError::config(format!(
+        "this build of dlock has no {engine} backend: enable the `{feature}` cargo feature of dlock"
+    ))
+}
+
+impl fmt::Debug for LockProvider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LockProvider")
+            .field("backend", &self.inner.backend)
+            .field("backoff", &self.inner.backoff)
+            .field("lease", &self.inner.lease)
+            .field("local_keys", &self.inner.table.len())
+            .finish()
+    }
+}
+
+/// Builds a [`LockProvider`] with non-default settings.
+#[derive(Debug)]
+#[must_use]
+pub struct ProviderBuilder {
+    backend: Arc<dyn LockBackend>,
+    backoff: Backoff,
+    lease: Option<Duration>,
+    shutdown: Option<CancellationToken>,
+}
+
+impl ProviderBuilder {
+    /// How waits are polled on backends without a native wait.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The lease asked for by default on lease-based backends (SQLite, Redis), instead of the
+    /// backend's own default. Ignored by session-based backends.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// A token that cancels every pending and future acquisition of the provider (with
+    /// [`LockError::Canceled`]), for graceful shutdown. Locks already held are not released by
+    /// it; drop their guards.
+    pub fn cancel_on(mut self, shutdown: &CancellationToken) -> Self {
+        self.shutdown = Some(shutdown.clone());
+        self
+    }
+
+    /// The provider.
+    pub fn build(self) -> LockProvider {
+        LockProvider {
+            inner: Arc::new(Inner {
+                backend: self.backend,
+                table: Arc::new(LocalTable::default()),
+                backoff: self.backoff,
+                lease: self.lease,
+                shutdown: self.shutdown,
+            }),
+        }
+    }
+}
+
+/// One acquisition with options, started by [`LockProvider::lock`].
+#[derive(Debug)]
+#[must_use = "nothing is locked until `acquire` or `try_acquire` is awaited"]
+pub struct LockBuilder<'a> {
+    provider: &'a LockProvider,
+    key: &'a str,
+    timeout: Duration,
+    cancel: Option<&'a CancellationToken>,
+    lease: Option<Duration>,
+    backoff: Option<Backoff>,
+}
+
+impl<'a> LockBuilder<'a> {
+    /// How long [`acquire`](LockBuilder::acquire) waits; without limit unless set.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Ends the wait with [`LockError::Canceled`] when `token` is cancelled.
+    pub fn cancel_on(mut self, token: &'a CancellationToken) -> Self {
+        self.cancel = Some(token);
+        self
+    }
+
+    /// The lease for this acquisition on lease-based backends (SQLite, Redis).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = Some(lease);
+        self
+    }
+
+    /// The backoff for this acquisition, instead of the provider's.
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = Some(backoff);
+        self
+    }
+
+    /// Takes the lock, waiting up to the timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`LockProvider::acquire`].
+    pub async fn acquire(self) -> Result<LockGuard, LockError> {
+        self.provider
+            .acquire_with(
+                self.key,
+                self.timeout,
+                self.cancel,
+                self.lease,
+                self.backoff.as_ref(),
+            )
+            .await
+    }
+
+    /// One attempt, ignoring the timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`LockProvider::try_acquire`].
+    pub async fn try_acquire(self) -> Result<LockGuard, LockError> {
+        self.provider
+            .acquire_with(
+                self.key,
+                Duration::ZERO,
+                self.cancel,
+                self.lease,
+                self.backoff.as_ref(),
+            )
+            .await
+    }
+}
+
+/// A command that names the lock it must run under.
+///
+/// `#[distributed_lock("account:{account_id}", timeout = 10)]` on a struct implements it; take
+/// the lock with [`LockProvider::acquire_for`].
+pub trait LockedCommand {
+    /// The key of the lock this command runs under.
+    fn lock_key(&self) -> String;
+    /// How long to wait for the lock (`Duration::ZERO`: one try).
+    fn lock_timeout(&self) -> Duration;
+}
