@@ -1,0 +1,527 @@
+//! The conformance suite: plain async functions that take a [`Harness`], run identically
+//! against every backend. A backend's test file implements `Harness` and calls
+//! [`conformance_suite!`], which makes one `#[tokio::test]` per case so that each failure is
+//! reported on its own.
+#![allow(dead_code, unreachable_pub)]
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use dlock::{CancellationToken, LockError, LockGuard, LockProvider};
+
+use crate::support::unique_key;
+
+/// What the suite needs from a backend.
+pub trait Harness: Send + Sync + 'static {
+    /// A new provider on the shared store. Two providers stand for two processes: they have
+    /// separate in-process tables and separate connections.
+    fn provider(&self) -> impl Future<Output = LockProvider> + Send;
+
+    /// Makes the store drop or hand over the lock behind `guard` without the guard's knowledge
+    /// (kill its connection, steal its row or key), so that the backend must report the loss.
+    fn break_lock(&self, guard: &LockGuard) -> impl Future<Output = ()> + Send;
+
+    /// How soon after `break_lock` the guard's lost token must fire.
+    fn lost_within(&self) -> Duration;
+
+    /// Whether acquisitions carry fencing tokens.
+    fn fencing(&self) -> bool;
+}
+
+/// Generates one test per conformance case for the harness that `$make` (an async expression)
+/// builds.
+#[macro_export]
+macro_rules! conformance_suite {
+    ($make:expr) => {
+        $crate::conformance_suite!(@cases $make;
+            try_vs_held, acquire_waits_then_gets, timeout_is_bounded, zero_timeout_is_one_try,
+            max_timeout_does_not_overflow, cancellation_ends_a_wait, precancelled_token,
+            release_on_drop, explicit_release_cycles, non_reentrant, local_waiters_queue,
+            fencing_increases, with_lock_releases_on_error, with_lock_releases_on_panic,
+            with_lock_returns_output, many_keys_at_once, bad_keys, distinct_keys_do_not_collide,
+            exclusion_under_contention, lost_detection, acquisition_dropped_midway
+        );
+    };
+    (@cases $make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let harness = $make.await;
+                $crate::conformance::$case(&harness).await;
+            }
+        )*
+    };
+}
+
+fn assert_held<T: std::fmt::Debug>(result: Result<T, LockError>) {
+    match result {
+        Err(LockError::AlreadyHeld { .. }) => {}
+        other => panic!("expected AlreadyHeld, got {other:?}"),
+    }
+}
+
+/// A held key answers `AlreadyHeld` to another provider and to its own; once released, the
+/// other provider gets it.
+pub async fn try_vs_held(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("try");
+    let guard = a.try_acquire(&key).await.expect("free key");
+    assert_eq!(guard.key(), key);
+    assert_held(b.try_acquire(&key).await);
+    assert_held(a.try_acquire(&key).await);
+    guard.release().await.expect("release");
+    let again = b.try_acquire(&key).await.expect("free again");
+    again.release().await.expect("release");
+}
+
+/// A waiting acquisition gets the lock when the holder lets go.
+pub async fn acquire_waits_then_gets(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("wait");
+    let guard = a
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("free key");
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move { b.acquire(&key, Duration::from_secs(30)).await })
+    };
+    // The waiter must still be waiting while the lock is held.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(!waiter.is_finished(), "the waiter got a held lock");
+    guard.release().await.expect("release");
+    let got = waiter.await.expect("join").expect("waiter gets the lock");
+    assert_eq!(got.key(), key);
+    got.release().await.expect("release");
+}
+
+/// A timeout is answered after at least the timeout, and not long after it.
+pub async fn timeout_is_bounded(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("timeout");
+    let _guard = a.try_acquire(&key).await.expect("free key");
+    let timeout = Duration::from_millis(400);
+    let started = Instant::now();
+    match b.acquire(&key, timeout).await {
+        Err(LockError::Timeout { timeout: t, .. }) => assert_eq!(t, timeout),
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= timeout,
+        "answered after {elapsed:?}, before the timeout"
+    );
+    assert!(
+        elapsed < timeout + Duration::from_millis(1500),
+        "answered {elapsed:?} after a {timeout:?} timeout"
+    );
+    // The same through the provider's own table.
+    let started = Instant::now();
+    assert!(matches!(
+        a.acquire(&key, timeout).await,
+        Err(LockError::Timeout { .. })
+    ));
+    assert!(started.elapsed() >= timeout);
+}
+
+/// `Duration::ZERO` is one try, answered with `AlreadyHeld`.
+pub async fn zero_timeout_is_one_try(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("zero");
+    let _guard = a.try_acquire(&key).await.expect("free key");
+    assert_held(b.acquire(&key, Duration::ZERO).await);
+    assert_held(a.acquire(&key, Duration::ZERO).await);
+}
+
+/// `Duration::MAX` neither overflows nor returns early.
+pub async fn max_timeout_does_not_overflow(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("max");
+    let guard = a.acquire(&key, Duration::MAX).await.expect("free key");
+    let waiter = {
+        let key = key.clone();
+        tokio::spawn(async move { b.acquire(&key, Duration::MAX).await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiter.is_finished());
+    drop(guard);
+    let got = waiter.await.expect("join").expect("waiter gets it");
+    got.release().await.expect("release");
+}
+
+/// A cancellation token ends a wait with `Canceled`, and leaves nothing held.
+pub async fn cancellation_ends_a_wait(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("cancel");
+    let guard = a.try_acquire(&key).await.expect("free key");
+    let token = CancellationToken::new();
+    let waiter = {
+        let (key, token) = (key.clone(), token.clone());
+        let b = b.clone();
+        tokio::spawn(async move { b.lock(&key).cancel_on(&token).acquire().await })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!waiter.is_finished());
+    token.cancel();
+    match tokio::time::timeout(Duration::from_secs(5), waiter).await {
+        Ok(Ok(Err(LockError::Canceled { key: k }))) => assert_eq!(&*k, key),
+        other => panic!("expected Canceled, got {other:?}"),
+    }
+    guard.release().await.expect("release");
+    let again = b.try_acquire(&key).await.expect("nothing stranded");
+    again.release().await.expect("release");
+}
+
+/// A token cancelled before the call answers `Canceled` without trying.
+pub async fn precancelled_token(h: &impl Harness) {
+    let a = h.provider().await;
+    let key = unique_key("precancel");
+    let token = CancellationToken::new();
+    token.cancel();
+    assert!(matches!(
+        a.lock(&key).cancel_on(&token).acquire().await,
+        Err(LockError::Canceled { .. })
+    ));
+    let guard = a.try_acquire(&key).await.expect("still free");
+    guard.release().await.expect("release");
+}
+
+/// Dropping a guard frees the lock for another provider within 100 ms.
+pub async fn release_on_drop(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("drop");
+    let guard = a.try_acquire(&key).await.expect("free key");
+    drop(guard);
+    let got = b
+        .acquire(&key, Duration::from_millis(100))
+        .await
+        .expect("the dropped lock is free within 100 ms");
+    got.release().await.expect("release");
+}
+
+/// Release, take again, release again: each release is clean and each take succeeds.
+pub async fn explicit_release_cycles(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("cycles");
+    for round in 0..5 {
+        let provider = if round % 2 == 0 { &a } else { &b };
+        let guard = provider
+            .try_acquire(&key)
+            .await
+            .expect("free after release");
+        assert!(!guard.is_lost());
+        guard.release().await.expect("release");
+    }
+    assert_eq!(a.local_key_count(), 0, "released keys leave the table");
+    assert_eq!(b.local_key_count(), 0);
+}
+
+/// A second acquisition through the same provider is contention, not re-entry.
+pub async fn non_reentrant(h: &impl Harness) {
+    let a = h.provider().await;
+    let key = unique_key("reentrant");
+    let guard = a.try_acquire(&key).await.expect("free key");
+    assert_held(a.try_acquire(&key).await);
+    assert!(matches!(
+        a.acquire(&key, Duration::from_millis(150)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    guard.release().await.expect("release");
+    let again = a.try_acquire(&key).await.expect("free");
+    again.release().await.expect("release");
+}
+
+/// Local waiters are served one at a time as the local holder lets go.
+pub async fn local_waiters_queue(h: &impl Harness) {
+    let a = h.provider().await;
+    let key = unique_key("queue");
+    let inside = Arc::new(AtomicBool::new(false));
+    let done = Arc::new(AtomicUsize::new(0));
+    let guard = a.try_acquire(&key).await.expect("free key");
+    let tasks: Vec<_> = (0..6)
+        .map(|_| {
+            let (a, key, inside, done) = (a.clone(), key.clone(), inside.clone(), done.clone());
+            tokio::spawn(async move {
+                let g = a
+                    .acquire(&key, Duration::from_secs(30))
+                    .await
+                    .expect("queued waiter");
+                assert!(
+                    !inside.swap(true, Ordering::SeqCst),
+                    "two local holders at once"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                inside.store(false, Ordering::SeqCst);
+                done.fetch_add(1, Ordering::SeqCst);
+                g.release().await.expect("release");
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(done.load(Ordering::SeqCst), 0);
+    guard.release().await.expect("release");
+    for t in tasks {
+        t.await.expect("waiter task");
+    }
+    assert_eq!(done.load(Ordering::SeqCst), 6);
+}
+
+/// Fencing tokens strictly increase across successive holders of a key.
+pub async fn fencing_increases(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("fencing");
+    let mut last: Option<u64> = None;
+    for round in 0..10 {
+        let provider = if round % 2 == 0 { &a } else { &b };
+        let guard = provider
+            .acquire(&key, Duration::from_secs(5))
+            .await
+            .expect("lock");
+        match (h.fencing(), guard.fencing_token()) {
+            (true, Some(token)) => {
+                if let Some(last) = last {
+                    assert!(token > last, "token {token} after {last}");
+                }
+                last = Some(token);
+            }
+            (true, None) => panic!("the backend promises fencing tokens but gave none"),
+            (false, token) => assert_eq!(token, None),
+        }
+        guard.release().await.expect("release");
+    }
+}
+
+/// `with_lock` releases when the closure's work fails.
+pub async fn with_lock_releases_on_error(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("with-err");
+    let outcome: Result<Result<(), &str>, LockError> = a
+        .with_lock(&key, Duration::from_secs(5), |_lost| async {
+            Err("work failed")
+        })
+        .await;
+    assert_eq!(outcome.expect("lock taken"), Err("work failed"));
+    let guard = b.try_acquire(&key).await.expect("released after the error");
+    guard.release().await.expect("release");
+}
+
+/// `with_lock` releases when the closure panics.
+pub async fn with_lock_releases_on_panic(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("with-panic");
+    let task = {
+        let key = key.clone();
+        tokio::spawn(async move {
+            a.with_lock(&key, Duration::from_secs(5), |_lost| async {
+                panic!("work panicked");
+            })
+            .await
+        })
+    };
+    assert!(task.await.expect_err("the task panicked").is_panic());
+    let guard = b
+        .acquire(&key, Duration::from_secs(2))
+        .await
+        .expect("released after the panic");
+    guard.release().await.expect("release");
+}
+
+/// `with_lock` hands back the closure's output and a live lost token.
+pub async fn with_lock_returns_output(h: &impl Harness) {
+    let a = h.provider().await;
+    let key = unique_key("with-ok");
+    let n = a
+        .with_lock(&key, Duration::from_secs(5), |lost| async move {
+            assert!(!lost.is_cancelled());
+            21 * 2
+        })
+        .await
+        .expect("lock");
+    assert_eq!(n, 42);
+    assert_eq!(a.local_key_count(), 0);
+}
+
+/// Many keys held at once by one provider, all exclusive, all released.
+pub async fn many_keys_at_once(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let prefix = unique_key("many");
+    let keys: Vec<String> = (0..200).map(|i| format!("{prefix}:{i}")).collect();
+    let guards =
+        futures::future::try_join_all(keys.iter().map(|k| a.acquire(k, Duration::from_secs(10))))
+            .await
+            .expect("all keys");
+    assert_eq!(a.local_key_count(), keys.len());
+    for k in keys.iter().step_by(17) {
+        assert_held(b.try_acquire(k).await);
+    }
+    futures::future::try_join_all(guards.into_iter().map(LockGuard::release))
+        .await
+        .expect("release all");
+    assert_eq!(a.local_key_count(), 0);
+    for k in keys.iter().step_by(17) {
+        b.try_acquire(k)
+            .await
+            .expect("free")
+            .release()
+            .await
+            .expect("release");
+    }
+}
+
+/// Awkward keys are locked exactly; the empty key is a typed error.
+pub async fn bad_keys(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    match a.try_acquire("").await {
+        Err(LockError::InvalidKey { reason }) => assert!(reason.contains("empty")),
+        other => panic!("expected InvalidKey, got {other:?}"),
+    }
+    assert!(matches!(
+        a.acquire("", Duration::from_secs(1)).await,
+        Err(LockError::InvalidKey { .. })
+    ));
+    let salt = unique_key("");
+    let awkward = [
+        format!("{salt}\0nul"),
+        format!("{salt}'; DROP TABLE __distributed_locks; --"),
+        format!("{salt}\"quoted\" and 'single'"),
+        format!("{salt}line\nbreak\r\n"),
+        format!("{salt}ü:ключ:鍵"),
+        format!("{salt}{{hash}}:tag"),
+        format!("{salt}redis.call('FLUSHALL')"),
+        format!("{salt}{}", "x".repeat(1 << 20)),
+    ];
+    for key in &awkward {
+        let guard = a.try_acquire(key).await.expect("awkward key locks");
+        assert_eq!(guard.key(), key);
+        assert_held(b.try_acquire(key).await);
+        guard.release().await.expect("release");
+        b.try_acquire(key)
+            .await
+            .expect("free")
+            .release()
+            .await
+            .expect("release");
+    }
+}
+
+/// Keys that differ only slightly are different locks.
+pub async fn distinct_keys_do_not_collide(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let salt = unique_key("");
+    let pairs = [
+        ("Jobs", "jobs"),
+        ("a\0b", "a\0c"),
+        ("x", "x\0"),
+        ("k ", "k"),
+        ("é", "e\u{301}"),
+    ];
+    for (x, y) in pairs {
+        let (x, y) = (format!("{salt}{x}"), format!("{salt}{y}"));
+        let gx = a.try_acquire(&x).await.expect("first key");
+        let gy = b
+            .try_acquire(&y)
+            .await
+            .unwrap_or_else(|e| panic!("{x:?} and {y:?} must be different locks, got {e}"));
+        gx.release().await.expect("release");
+        gy.release().await.expect("release");
+    }
+    // Long keys that share a long prefix stay distinct.
+    let long = "p".repeat(10_000);
+    let gx = a
+        .try_acquire(&format!("{salt}{long}1"))
+        .await
+        .expect("long 1");
+    let gy = b
+        .try_acquire(&format!("{salt}{long}2"))
+        .await
+        .expect("long 2");
+    gx.release().await.expect("release");
+    gy.release().await.expect("release");
+}
+
+/// Several providers and tasks hammering one key never overlap.
+pub async fn exclusion_under_contention(h: &impl Harness) {
+    let key = unique_key("hot");
+    let inside = Arc::new(AtomicBool::new(false));
+    let sections = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let provider = h.provider().await;
+        for _ in 0..3 {
+            let (p, key, inside, sections) = (
+                provider.clone(),
+                key.clone(),
+                inside.clone(),
+                sections.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..15 {
+                    let g = p
+                        .acquire(&key, Duration::from_secs(60))
+                        .await
+                        .expect("lock");
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders at once");
+                    tokio::task::yield_now().await;
+                    inside.store(false, Ordering::SeqCst);
+                    sections.fetch_add(1, Ordering::SeqCst);
+                    g.release().await.expect("release");
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(sections.load(Ordering::SeqCst), 3 * 3 * 15);
+}
+
+/// When the store loses the lock behind a guard, the guard's lost token fires in time and
+/// the release reports the loss.
+pub async fn lost_detection(h: &impl Harness) {
+    let a = h.provider().await;
+    let key = unique_key("lost");
+    let guard = a.try_acquire(&key).await.expect("free key");
+    assert!(!guard.is_lost());
+    h.break_lock(&guard).await;
+    let fired = tokio::time::timeout(h.lost_within(), guard.lost_token().cancelled()).await;
+    assert!(
+        fired.is_ok(),
+        "lost token did not fire within {:?}",
+        h.lost_within()
+    );
+    assert!(guard.is_lost());
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    // The provider still works afterwards.
+    let b = h.provider().await;
+    let next = b.acquire(&key, Duration::from_secs(30)).await;
+    if let Ok(g) = next {
+        g.release().await.expect("release");
+    }
+    let other = a
+        .try_acquire(&unique_key("after-lost"))
+        .await
+        .expect("provider recovers");
+    other.release().await.expect("release");
+}
+
+/// Acquisitions abandoned at arbitrary points never leave a lock behind.
+pub async fn acquisition_dropped_midway(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("abandon");
+    for i in 0..40u64 {
+        // Abandon after 0..2 ms: before, during or after the store's answer.
+        let budget = Duration::from_micros((i * 53) % 2000);
+        let _ = tokio::time::timeout(budget, a.acquire(&key, Duration::from_secs(5))).await;
+    }
+    let guard = b
+        .acquire(&key, Duration::from_secs(2))
+        .await
+        .expect("nothing stranded by abandoned acquisitions");
+    guard.release().await.expect("release");
+    assert!(
+        crate::support::eventually(Duration::from_secs(2), || a.local_key_count() == 0).await,
+        "abandoned acquisitions leave the table"
+    );
+}

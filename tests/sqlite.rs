@@ -1,0 +1,285 @@
+//! The SQLite backend: the conformance suite, plus what only a lock file can do wrong.
+#![cfg(feature = "sqlite")]
+
+mod conformance;
+mod support;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use dlock::sqlite::{SqliteBackend, acquire_in_transaction, try_acquire_in_transaction};
+use dlock::{LockError, LockGuard, LockProvider};
+use support::{Holder, unique_key};
+
+const LEASE: Duration = Duration::from_millis(900);
+
+struct SqliteHarness {
+    dir: tempfile::TempDir,
+}
+
+impl SqliteHarness {
+    async fn new() -> Self {
+        SqliteHarness {
+            dir: tempfile::tempdir().expect("temp dir"),
+        }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("locks.db")
+    }
+
+    fn url(&self) -> String {
+        format!(
+            "sqlite://{}?lease={}ms",
+            self.path().display(),
+            LEASE.as_millis()
+        )
+    }
+}
+
+impl conformance::Harness for SqliteHarness {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.url())
+            .await
+            .expect("open lock file")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        // Another owner takes the row over, as if the lease had run out and been taken.
+        let conn = rusqlite::Connection::open(self.path()).expect("open");
+        let changed = conn
+            .execute(
+                "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+                [guard.key().as_bytes()],
+            )
+            .expect("steal row");
+        assert_eq!(changed, 1);
+    }
+
+    fn lost_within(&self) -> Duration {
+        LEASE / 3 + Duration::from_secs(1)
+    }
+
+    fn fencing(&self) -> bool {
+        true
+    }
+}
+
+conformance_suite!(SqliteHarness::new());
+
+#[test]
+fn multi_process_exclusion() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/mp.db", dir.path().display());
+    support::run_multi_process(&url, "jobs:multi-process", 4, 60);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_holder_frees_the_lock_when_its_lease_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/kill.db?lease=1s", dir.path().display());
+    let key = unique_key("killed");
+    let holder = Holder::start(&url, &key);
+    let first_token = holder.fencing_token.expect("sqlite issues tokens");
+    let locks = LockProvider::connect(&url).await.unwrap();
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    holder.kill();
+    let killed_at = Instant::now();
+    let guard = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("the lease of a killed holder runs out");
+    // The lock was not free before the killed holder's lease could have ended.
+    assert!(killed_at.elapsed() <= Duration::from_secs(3));
+    assert!(guard.fencing_token().unwrap() > first_token);
+    guard.release().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renewal_keeps_a_lock_past_its_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/renew.db?lease=300ms", dir.path().display());
+    let (a, b) = (
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+    );
+    let key = unique_key("renew");
+    let guard = a.try_acquire(&key).await.unwrap();
+    // Three leases later it is still held: renewals ran.
+    let outcome = b.acquire(&key, Duration::from_millis(1200)).await;
+    assert!(
+        matches!(outcome, Err(LockError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    assert!(!guard.is_lost());
+    guard.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn fencing_tokens_survive_reopening_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/fence.db", dir.path().display());
+    let key = unique_key("fence");
+    let first = {
+        let locks = LockProvider::connect(&url).await.unwrap();
+        let g = locks.try_acquire(&key).await.unwrap();
+        let t = g.fencing_token().unwrap();
+        g.release().await.unwrap();
+        t
+    };
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let g = locks.try_acquire(&key).await.unwrap();
+    assert!(g.fencing_token().unwrap() > first);
+    g.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn lease_option_and_per_acquisition_lease() {
+    let dir = tempfile::tempdir().unwrap();
+    let backend = SqliteBackend::builder(dir.path().join("l.db"))
+        .lease(Duration::from_secs(7))
+        .open()
+        .await
+        .unwrap();
+    assert_eq!(backend.lease(), Duration::from_secs(7));
+    let locks = LockProvider::from_backend(backend);
+    let key = unique_key("lease");
+    let g = locks
+        .lock(&key)
+        .lease(Duration::from_secs(2))
+        .try_acquire()
+        .await
+        .unwrap();
+    let conn = rusqlite::Connection::open(dir.path().join("l.db")).unwrap();
+    let expires: i64 = conn
+        .query_row(
+            "SELECT expires_at FROM __distributed_locks WHERE name = ?1",
+            [key.as_bytes()],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let left = expires - now;
+    assert!((0..=2000).contains(&left), "lease left {left} ms");
+    g.release().await.unwrap();
+    assert!(matches!(
+        locks
+            .lock(&key)
+            .lease(Duration::from_millis(1))
+            .try_acquire()
+            .await,
+        Err(LockError::Config { .. })
+    ));
+}
+
+#[tokio::test]
+async fn bad_files_are_clear_errors_and_stay_untouched() {
+    let dir = tempfile::tempdir().unwrap();
+    // A directory.
+    let err = LockProvider::connect(&format!("sqlite://{}", dir.path().display()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+    // A file in a directory that does not exist.
+    let err = LockProvider::connect(&format!(
+        "sqlite://{}/no/such/dir/l.db",
+        dir.path().display()
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+    assert!(err.to_string().contains("cannot open"), "{err}");
+    // A file that is not a database is reported and left exactly as it was.
+    let junk = dir.path().join("notes.txt");
+    let content = b"these are my notes, not a database\n".repeat(200);
+    std::fs::write(&junk, &content).unwrap();
+    let err = LockProvider::connect(&format!("sqlite://{}", junk.display()))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("not a SQLite database"), "{err}");
+    assert_eq!(std::fs::read(&junk).unwrap(), content);
+    assert!(!dir.path().join("notes.txt-wal").exists());
+}
+
+#[tokio::test]
+async fn bad_urls_name_the_accepted_schemes() {
+    for url in [
+        "",
+        "locks.db",
+        "ftp://x",
+        "sqlite://",
+        "sqlite::memory:",
+        "sqlite://x.db?lease=soon",
+    ] {
+        let err = LockProvider::connect(url).await.unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {err}");
+    }
+    let err = LockProvider::connect("ftp://user:secret@host/")
+        .await
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        message.contains("sqlite://") && message.contains("redis://"),
+        "{message}"
+    );
+    assert!(
+        !message.contains("secret"),
+        "the URL's password leaked: {message}"
+    );
+}
+
+#[test]
+fn transaction_locks_end_with_their_transaction() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("tx.db");
+    let url = format!("sqlite://{}?busy_timeout=100ms", path.display());
+    let locks = rt.block_on(LockProvider::connect(&url)).unwrap();
+    let key = unique_key("tx");
+
+    let mut conn = rusqlite::Connection::open(&path).unwrap();
+    for finish in ["commit", "rollback"] {
+        let tx = conn.transaction().unwrap();
+        let lock = try_acquire_in_transaction(&tx, &key).unwrap();
+        assert!(lock.fencing_token() > 0);
+        // While the transaction is open, a session lock on the key cannot be had.
+        assert!(matches!(
+            rt.block_on(locks.try_acquire(&key)),
+            Err(LockError::AlreadyHeld { .. })
+        ));
+        match finish {
+            "commit" => tx.commit().unwrap(),
+            _ => tx.rollback().unwrap(),
+        }
+        let g = rt
+            .block_on(locks.try_acquire(&key))
+            .expect("free after {finish}");
+        rt.block_on(g.release()).unwrap();
+    }
+
+    // A key held by a session lock cannot be taken in a transaction.
+    let g = rt.block_on(locks.try_acquire(&key)).unwrap();
+    let tx = conn.transaction().unwrap();
+    assert!(matches!(
+        try_acquire_in_transaction(&tx, &key),
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    let started = Instant::now();
+    assert!(matches!(
+        acquire_in_transaction(&tx, &key, Duration::from_millis(200)),
+        Err(LockError::Timeout { .. })
+    ));
+    assert!(started.elapsed() >= Duration::from_millis(200));
+    assert!(matches!(
+        try_acquire_in_transaction(&tx, ""),
+        Err(LockError::InvalidKey { .. })
+    ));
+    tx.rollback().unwrap();
+    rt.block_on(g.release()).unwrap();
+}
