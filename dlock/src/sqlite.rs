@@ -72,17 +72,18 @@ const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS __distributed_locks (\
     fencing INTEGER NOT NULL DEFAULT 0\
 ) WITHOUT ROWID";
 
-/// Takes a free or expired row: `?1` name, `?2` owner, `?3` new expiry, `?4` now (ms).
-/// Returns the new fencing token, or no row when the lock is held.
-pub(crate) const ACQUIRE_SQL: &str = "INSERT INTO __distributed_locks (name, owner, expires_at, fencing) \
+/// The statement of an acquisition: takes a free or expired row. Parameters: `?1` name (the
+/// key's bytes), `?2` owner token, `?3` new expiry and `?4` now (Unix ms). Returns the new
+/// fencing token, or no row when the lock is held.
+pub const ACQUIRE_SQL: &str = "INSERT INTO __distributed_locks (name, owner, expires_at, fencing) \
     VALUES (?1, ?2, ?3, 1) \
     ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at, \
     fencing = __distributed_locks.fencing + 1 \
     WHERE __distributed_locks.owner IS NULL OR __distributed_locks.expires_at <= ?4 \
     RETURNING fencing";
 
-/// Frees the row if `?2` still owns it.
-pub(crate) const RELEASE_SQL: &str = "UPDATE __distributed_locks SET owner = NULL, expires_at = 0 \
+/// The statement of a release: frees row `?1` if owner `?2` still holds it.
+pub const RELEASE_SQL: &str = "UPDATE __distributed_locks SET owner = NULL, expires_at = 0 \
     WHERE name = ?1 AND owner = ?2";
 
 /// Extends the lease to `?3` if `?2` still owns the row.
@@ -521,10 +522,13 @@ async fn renew_loop(weak: Weak<Shared>, wake: Arc<Notify>) {
     }
 }
 
+/// A renewal to run: lock id, name, owner, lease.
+type DueRenewal = (u64, Arc<[u8]>, [u8; 16], Duration);
+
 async fn renew_due(shared: &Arc<Shared>) {
     let started = Instant::now();
     shared.expire_overdue(started);
-    let due: Vec<(u64, Arc<[u8]>, [u8; 16], Duration)> = shared
+    let due: Vec<DueRenewal> = shared
         .renewals()
         .iter()
         .filter(|(_, r)| r.next_due <= started)
@@ -602,7 +606,7 @@ async fn renew_due(shared: &Arc<Shared>) {
 
 fn retry_soon(
     renewals: &mut HashMap<u64, Renewal>,
-    due: &[(u64, Arc<[u8]>, [u8; 16], Duration)],
+    due: &[DueRenewal],
     now: Instant,
 ) {
     for (id, ..) in due {
