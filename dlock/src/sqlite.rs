@@ -604,11 +604,7 @@ async fn renew_due(shared: &Arc<Shared>) {
     }
 }
 
-fn retry_soon(
-    renewals: &mut HashMap<u64, Renewal>,
-    due: &[DueRenewal],
-    now: Instant,
-) {
+fn retry_soon(renewals: &mut HashMap<u64, Renewal>, due: &[DueRenewal], now: Instant) {
     for (id, ..) in due {
         if let Some(renewal) = renewals.get_mut(id) {
             renewal.next_due = now + renewal.lease / 10;
