@@ -307,6 +307,12 @@ impl LockProvider {
             },
         };
 
+        // The guard releases in the background on drop, which needs the runtime.
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            LockError::config(
+                "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
+            )
+        })?;
         let request = LockRequest::new(key).with_lease(lease.or(inner.lease));
         let backend = &*inner.backend;
         let attempt = async {
@@ -352,6 +358,7 @@ impl LockProvider {
             acquired,
             backend.name(),
             Arc::clone(&inner.metrics),
+            runtime,
         ))
     }
 }
