@@ -70,6 +70,7 @@ mod backoff;
 mod error;
 mod guard;
 mod key;
+pub mod key_template;
 mod options;
 mod provider;
 mod table;
