@@ -317,7 +317,9 @@ mod tests {
 
     #[test]
     fn distinct_values_give_distinct_keys() {
-        let values = ["x", "x:y", "y", "y:z", "z", ":", "%3A", "%", "", "{y}", "<y>"];
+        let values = [
+            "x", "x:y", "y", "y:z", "z", ":", "%3A", "%", "", "{y}", "<y>",
+        ];
         let mut seen = std::collections::HashSet::new();
         for a in values {
             for b in values {
