@@ -11,8 +11,8 @@ type BoxFuture<E> = Pin<Box<dyn Future<Output = Result<Response, E>> + Send + 's
 
 /// The response future of [`LockService`](crate::LockService).
 ///
-/// It owns the whole request: making the key, waiting for the lock, the [`LockGuard`]
-/// (dlock::LockGuard) and the inner service's future. So the lock is held exactly while this
+/// It owns the whole request: making the key, waiting for the lock, the [`LockGuard`] and the
+/// inner service's future. So the lock is held exactly while this
 /// future runs the handler, and is released when it completes or when it is dropped (the
 /// client went away, a timeout layer above gave up); release on drop happens in the
 /// background, as for any dropped guard.
