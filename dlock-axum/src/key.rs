@@ -109,8 +109,8 @@ fn raw_path_params(parts: &mut Parts) -> Result<RawPathParams, LockError> {
             })
         }
         Poll::Ready(Err(_)) | Poll::Pending => Err(LockError::config(
-            "the lock layer found no path parameters: add it with `Router::route_layer` (not \
-             `Router::layer`) so that it runs after routing",
+            "the lock layer found no path parameters for this request: add it with \
+             `Router::route_layer`, so that it runs for matched routes only",
         )),
     }
 }

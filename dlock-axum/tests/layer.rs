@@ -637,3 +637,87 @@ async fn handlers_return_lock_rejections_and_failures_do_not_leak() {
         Some("1"),
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layer_mistakes_are_500_problems_that_do_not_show_the_configuration() {
+    let store = Store::new();
+    // A placeholder that names no path parameter of the route.
+    let app = Router::new()
+        .route("/orders/{order_id}", post(|| async { "ran" }))
+        .route_layer(LockLayer::new(store.provider().await, "order:{id}"));
+    let server = serve(app).await;
+    let answer = post_to(&format!("{}/orders/1", server.base)).await;
+    assert_problem(
+        &answer,
+        problem(
+            "configuration",
+            500,
+            "Lock Configuration Error",
+            "The server's distributed locking is misconfigured.",
+            "/orders/1",
+            "DistributedLock.Configuration",
+        ),
+        None,
+    );
+
+    // With `Router::layer` instead of `route_layer`, matched routes are locked the same, but
+    // requests that match no route reach the layer without path parameters: a loud 500, not
+    // a silently unlocked request.
+    let app = Router::new()
+        .route("/orders/{id}", post(|| async { "ran" }))
+        .layer(LockLayer::new(store.provider().await, "order:{id}"));
+    let server = serve(app).await;
+    let held = store
+        .provider()
+        .await
+        .try_acquire("order:1")
+        .await
+        .expect("hold");
+    assert_eq!(
+        post_to(&format!("{}/orders/1", server.base)).await.status,
+        409
+    );
+    held.release().await.expect("release");
+    let answer = post_to(&format!("{}/elsewhere", server.base)).await;
+    assert_eq!(answer.status, 500);
+    assert_eq!(answer.body["code"], "DistributedLock.Configuration");
+
+    // A template without placeholders locks one key for every request of the route.
+    let app = Router::new()
+        .route("/jobs/run", post(|| async { "ran" }))
+        .route_layer(LockLayer::new(store.provider().await, "jobs:run"));
+    let server = serve(app).await;
+    let held = store
+        .provider()
+        .await
+        .try_acquire("jobs:run")
+        .await
+        .expect("hold");
+    assert_eq!(
+        post_to(&format!("{}/jobs/run", server.base)).await.status,
+        409
+    );
+    held.release().await.expect("release");
+    assert_eq!(
+        post_to(&format!("{}/jobs/run", server.base)).await.status,
+        200
+    );
+}
+
+#[test]
+fn bad_templates_are_reported_at_construction() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = Store::new();
+    let locks = runtime.block_on(store.provider());
+    let err = LockLayer::try_new(locks.clone(), "account:{id").expect_err("unclosed");
+    assert!(err.to_string().contains("not closed"), "{err}");
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        LockLayer::new(locks, "account:}")
+    }))
+    .expect_err("panics");
+    let message = panic.downcast_ref::<String>().expect("message");
+    assert!(message.contains("invalid lock key template"), "{message}");
+}

@@ -223,6 +223,21 @@ impl LockProvider {
     /// [`LockError::Canceled`] once `shutdown` is cancelled, for graceful shutdown of a
     /// provider made by [`connect`](LockProvider::connect). Replaces a token set with
     /// [`ProviderBuilder::cancel_on`]; locks already held are not released by it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let shutdown = dlock::CancellationToken::new();
+    /// let locks = dlock::LockProvider::connect(&url).await?.with_shutdown(&shutdown);
+    /// shutdown.cancel();
+    /// assert!(matches!(
+    ///     locks.try_acquire("jobs:billing").await,
+    ///     Err(dlock::LockError::Canceled { .. })
+    /// ));
+    /// # Ok(()) }
+    /// ```
     pub fn with_shutdown(&self, shutdown: &CancellationToken) -> LockProvider {
         LockProvider {
             inner: Arc::new(Inner {
