@@ -329,3 +329,137 @@ pub struct ProblemCode {
     /// Such as `"DistributedLock.AlreadyHeld"`.
     pub code: &'static str,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(rejection: LockRejection) -> (u16, Option<String>, ProblemDetails<ProblemCode>) {
+        let problem = rejection.to_problem();
+        let response = rejection.into_response();
+        let retry = response
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap_or_default().to_owned());
+        (response.status().as_u16(), retry, problem)
+    }
+
+    #[test]
+    fn every_error_has_its_status_title_and_code() {
+        let key: std::sync::Arc<str> = "k".into();
+        let cases = [
+            (
+                LockError::AlreadyHeld { key: key.clone() },
+                409,
+                "Lock Already Held",
+                true,
+            ),
+            (
+                LockError::Timeout {
+                    key: key.clone(),
+                    timeout: Duration::from_secs(1),
+                },
+                408,
+                "Lock Acquisition Timeout",
+                true,
+            ),
+            (
+                LockError::Lost {
+                    key: key.clone(),
+                    reason: "r".into(),
+                },
+                500,
+                "Distributed Lock Lost",
+                false,
+            ),
+            (
+                LockError::Canceled { key },
+                499,
+                "Lock Acquisition Canceled",
+                false,
+            ),
+            (
+                LockError::InvalidKey { reason: "r".into() },
+                400,
+                "Invalid Lock Key",
+                false,
+            ),
+            (
+                LockError::unavailable("x", "m", None),
+                503,
+                "Lock Store Unavailable",
+                true,
+            ),
+            (
+                LockError::config("m"),
+                500,
+                "Lock Configuration Error",
+                false,
+            ),
+            (
+                LockError::backend("x", "m", None, None),
+                500,
+                "Lock Store Error",
+                false,
+            ),
+            (
+                LockError::unsupported("x", "op", "m"),
+                501,
+                "Lock Operation Unsupported",
+                false,
+            ),
+        ];
+        for (err, status, title, retry) in cases {
+            let code = err.code();
+            let (got_status, got_retry, problem) = answer(err.into());
+            assert_eq!(got_status, status, "{title}");
+            assert_eq!(problem.title.as_deref(), Some(title));
+            assert_eq!(problem.extensions.code, code);
+            assert_eq!(got_retry.is_some(), retry, "{title}");
+            let ty = problem
+                .r#type
+                .map(|t| Uri::from(t).to_string())
+                .unwrap_or_default();
+            assert!(ty.starts_with(PROBLEM_TYPE_PREFIX), "{ty}");
+        }
+        let (status, retry, problem) = answer(LockRejection::too_many_waiters());
+        assert_eq!((status, retry.as_deref()), (503, Some("1")));
+        assert_eq!(problem.extensions.code, TOO_MANY_WAITERS_CODE);
+    }
+
+    #[test]
+    fn retry_after_is_whole_seconds_rounded_up_and_at_least_one() {
+        let held = || LockRejection::from(LockError::AlreadyHeld { key: "k".into() });
+        for (given, sent) in [
+            (0, "1"),
+            (1, "1"),
+            (999, "1"),
+            (1000, "1"),
+            (1001, "2"),
+            (2500, "3"),
+        ] {
+            let (_, retry, _) = answer(held().with_retry_after(Duration::from_millis(given)));
+            assert_eq!(retry.as_deref(), Some(sent), "{given} ms");
+        }
+    }
+
+    #[test]
+    fn store_failures_keep_their_messages_out_of_the_body() {
+        let err = LockError::backend(
+            "postgres",
+            "SELECT pg_advisory_lock($1) failed on postgres://u:secret@h/db",
+            Some("42P01".into()),
+            None,
+        );
+        let (_, _, problem) = answer(LockRejection::from(err).with_instance("/a"));
+        let body = format!("{:?} {:?}", problem.detail, problem.title);
+        assert!(
+            !body.contains("secret") && !body.contains("SELECT"),
+            "{body}"
+        );
+        assert_eq!(
+            problem.instance.map(|u| u.to_string()).as_deref(),
+            Some("/a")
+        );
+    }
+}
