@@ -18,7 +18,10 @@ use crate::service::LockService;
 /// the handler's response is produced.
 ///
 /// Add it with [`Router::route_layer`](axum::Router::route_layer), so that it runs after
-/// routing and sees the route's path parameters:
+/// routing, for matched routes only, and sees the route's path parameters. (Under
+/// [`Router::layer`](axum::Router::layer) it also sees requests that match no route; a key
+/// template cannot be rendered for those, and they are answered with a 500 configuration
+/// problem rather than let through unlocked.)
 ///
 /// ```no_run
 /// use std::time::Duration;
