@@ -70,6 +70,7 @@ mod backoff;
 mod error;
 mod guard;
 mod key;
+pub mod key_template;
 pub mod metrics;
 mod options;
 mod provider;
