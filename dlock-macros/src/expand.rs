@@ -351,20 +351,28 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
     };
 
     let timeout = Timeout::tokens(args.timeout.as_ref());
-    let key_var = Ident::new("__dlock_key", Span::mixed_site());
-    let guard_var = Ident::new("__dlock_guard", Span::mixed_site());
-    let output_var = Ident::new("__dlock_output", Span::mixed_site());
-    let provider_var = Ident::new("__dlock_provider", Span::mixed_site());
-    let error_var = Ident::new("__dlock_error", Span::mixed_site());
+    // The macro's own variables are invisible to the body (mixed-site hygiene); they are
+    // located at the return type, where a missing `From<LockError>` is reported.
+    let return_span = return_type.span();
+    let internal = |name: &str| Ident::new(name, Span::mixed_site().located_at(return_span));
+    let key_var = internal("__dlock_key");
+    let guard_var = internal("__dlock_guard");
+    let output_var = internal("__dlock_output");
+    let provider_var = internal("__dlock_provider");
+    let error_var = internal("__dlock_error");
     let user_guard = args.guard.as_ref().map(|(_, name)| {
         quote! {
             let #name: &::dlock::__private::LockGuard = &#guard_var;
         }
     });
-    // Spans on the user's tokens, so a provider of the wrong type or an error type without
-    // `From<LockError>` is reported there.
+    // A provider of the wrong type is reported at the provider.
     let provider_ref = quote_spanned!(provider.span()=> &(#provider));
-    let convert = quote_spanned!(return_type.span()=> ::core::convert::From::from(#error_var));
+    let fail = quote_spanned! {return_span=>
+        ::dlock::__private::finish(::core::result::Result::Err(#error_var)).await
+    };
+    let finish = quote_spanned! {return_span=>
+        ::dlock::__private::finish(::core::result::Result::Ok((#guard_var, #output_var))).await
+    };
     let block = &function.block;
     let body = quote! {
         {
@@ -373,16 +381,14 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
                 let #provider_var: &::dlock::__private::LockProvider = #provider_ref;
                 match #provider_var.acquire(&#key_var, #timeout).await {
                     ::core::result::Result::Ok(guard) => guard,
-                    ::core::result::Result::Err(#error_var) => {
-                        return ::core::result::Result::Err(#convert);
-                    }
+                    ::core::result::Result::Err(#error_var) => return #fail,
                 }
             };
             let #output_var = {
                 #user_guard
                 async move #block.await
             };
-            ::dlock::__private::finish(#guard_var, #output_var).await
+            #finish
         }
     };
     function.block = syn::parse2(body)?;
