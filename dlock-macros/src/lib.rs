@@ -53,11 +53,10 @@ mod expand;
 /// let locks = LockProvider::connect(&url).await?;
 /// assert_eq!(debit(&locks, 42, 30).await?, 70);
 ///
-/// // While another holder has the lock, the call waits up to 10 s, then fails with
-/// // `LockError::Timeout` converted into `AppError`.
-/// let held = locks.try_acquire("account:42").await?;
-/// # let _ = ();
-/// # drop(held);
+/// assert!(matches!(debit(&locks, 42, 130).await, Err(AppError::Overdrawn)));
+///
+/// // While "account:42" is held elsewhere, a call waits up to 10 s for it, then returns
+/// // `LockError::Timeout` (as `AppError::Lock`) without running the body.
 /// # Ok(()) }
 /// ```
 ///
