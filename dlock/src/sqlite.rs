@@ -521,10 +521,13 @@ async fn renew_loop(weak: Weak<Shared>, wake: Arc<Notify>) {
     }
 }
 
+/// A renewal to run: lock id, name, owner, lease.
+type DueRenewal = (u64, Arc<[u8]>, [u8; 16], Duration);
+
 async fn renew_due(shared: &Arc<Shared>) {
     let started = Instant::now();
     shared.expire_overdue(started);
-    let due: Vec<(u64, Arc<[u8]>, [u8; 16], Duration)> = shared
+    let due: Vec<DueRenewal> = shared
         .renewals()
         .iter()
         .filter(|(_, r)| r.next_due <= started)
@@ -600,11 +603,7 @@ async fn renew_due(shared: &Arc<Shared>) {
     }
 }
 
-fn retry_soon(
-    renewals: &mut HashMap<u64, Renewal>,
-    due: &[(u64, Arc<[u8]>, [u8; 16], Duration)],
-    now: Instant,
-) {
+fn retry_soon(renewals: &mut HashMap<u64, Renewal>, due: &[DueRenewal], now: Instant) {
     for (id, ..) in due {
         if let Some(renewal) = renewals.get_mut(id) {
             renewal.next_due = now + renewal.lease / 10;
