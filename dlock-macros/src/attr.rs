@@ -300,3 +300,108 @@ fn is_identifier(s: &str) -> bool {
         && chars.all(|c| c == '_' || c.is_alphanumeric())
         && s != "_"
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(template: &str) -> Result<Vec<String>, String> {
+        let lit = LitStr::new(template, Span::call_site());
+        Template::parse(&lit)
+            .map(|t| {
+                t.parts
+                    .iter()
+                    .map(|part| match part {
+                        Part::Literal(text) => format!("lit {text}"),
+                        Part::Placeholder(p) => {
+                            let mut path = vec![p.root.clone()];
+                            path.extend(p.members.iter().cloned());
+                            format!("var {}", path.join("."))
+                        }
+                    })
+                    .collect()
+            })
+            .map_err(|err| err.to_string())
+    }
+
+    #[test]
+    fn both_spellings_are_one_placeholder() {
+        let expected = ["lit account:", "var account_id"];
+        assert_eq!(parse("account:{account_id}").unwrap(), expected);
+        assert_eq!(parse("account:<account_id>").unwrap(), expected);
+        assert_eq!(parse("account:< account_id >").unwrap(), expected);
+    }
+
+    #[test]
+    fn paths_indices_and_raw_identifiers() {
+        assert_eq!(
+            parse("t:{cmd.owner.0}:<self.name>:{r#type}").unwrap(),
+            [
+                "lit t:",
+                "var cmd.owner.0",
+                "lit :",
+                "var self.name",
+                "lit :",
+                "var type"
+            ]
+        );
+    }
+
+    #[test]
+    fn doubled_delimiters_are_literal() {
+        assert_eq!(parse("{{a}}<<b>>:{x}").unwrap(), ["lit {a}<b>:", "var x"]);
+        assert_eq!(
+            parse("a:{x}{{:{y}").unwrap(),
+            ["lit a:", "var x", "lit {:", "var y"]
+        );
+    }
+
+    #[test]
+    fn placeholders_need_a_separator() {
+        assert!(parse("{a}{b}").unwrap_err().contains("need a `:`"));
+        assert!(parse("{a}-{b}").unwrap_err().contains("with only `-`"));
+        assert!(parse("{a}/x/{b}").is_err());
+        for ok in ["{a}:{b}", "{a}<<{b}", "{a}}}{b}", "{a}\n{b}", "{a}-:-{b}"] {
+            assert!(parse(ok).is_ok(), "{ok}");
+        }
+    }
+
+    #[test]
+    fn malformed_templates() {
+        let cases = [
+            ("", "the key template is empty"),
+            ("a:{b", "unclosed `{`"),
+            ("a:<b", "unclosed `<`"),
+            ("a:{b>", "unclosed `{`"),
+            ("a}", "unmatched `}`"),
+            ("a>", "unmatched `>`"),
+            ("a:{}", "empty placeholder `{}`"),
+            ("a:{b c}", "invalid placeholder `{b c}`"),
+            ("a:{b.}", "invalid placeholder"),
+            ("a:{1x}", "invalid placeholder"),
+            ("a:{_}", "invalid placeholder"),
+        ];
+        for (template, message) in cases {
+            let err = parse(template).unwrap_err();
+            assert!(err.contains(message), "{template:?}: {err}");
+        }
+    }
+
+    #[test]
+    fn timeouts() {
+        let secs = |tokens: &str| {
+            let args: Args = syn::parse_str(&format!("\"k\", timeout = {tokens}"))
+                .map_err(|err| err.to_string())?;
+            let t = args.timeout.unwrap();
+            Ok::<_, String>((t.secs, t.nanos))
+        };
+        assert_eq!(secs("10"), Ok((10, 0)));
+        assert_eq!(secs("0"), Ok((0, 0)));
+        assert_eq!(secs("0.25"), Ok((0, 250_000_000)));
+        assert_eq!(secs("1_000"), Ok((1000, 0)));
+        assert!(secs("-1").unwrap_err().contains("cannot be negative"));
+        assert!(secs("10ms").unwrap_err().contains("number of seconds"));
+        assert!(secs("1e300").unwrap_err().contains("too large"));
+        assert!(secs("x").unwrap_err().contains("number of seconds"));
+    }
+}

@@ -73,7 +73,7 @@ mod expand;
 ///   early through `return`. If the body panics or the returned future is dropped
 ///   (cancelled), the guard is dropped with it and the lock is released in the background.
 /// - **A failed release** is reported when it matters: if the body returned `Ok` but the release
-///   fails, most importantly with [`LockError::Lost`](https://docs.rs/dlock) (the lock was lost
+///   fails, most importantly with `LockError::Lost` (the lock was lost
 ///   while the body ran, so its work may have overlapped with another holder's), the function
 ///   returns that error, converted with `From<LockError>`, instead of the body's value. If the
 ///   body returned `Err`, that error is returned and a failed release is only logged.
