@@ -84,12 +84,14 @@ fn key_expr(
 ) -> TokenStream {
     let span = template.lit.span();
     let capacity = template.literal_len();
+    // Invisible to the placeholders' expressions, which may name anything.
+    let builder = Ident::new("__dlock_key_builder", Span::mixed_site().located_at(span));
     let mut steps = Vec::new();
     for part in &template.parts {
         match part {
-            Part::Literal(text) => steps.push(quote_spanned!(span=> __key.literal(#text);)),
+            Part::Literal(text) => steps.push(quote_spanned!(span=> #builder.literal(#text);)),
             Part::Placeholder(placeholder) => match resolve(placeholder, bindings, span) {
-                Some(value) => steps.push(quote_spanned!(span=> __key.value(&#value);)),
+                Some(value) => steps.push(quote_spanned!(span=> #builder.value(&#value);)),
                 None => {
                     let names = bindings
                         .iter()
@@ -113,9 +115,9 @@ fn key_expr(
     }
     quote_spanned! {span=>
         {
-            let mut __key = ::dlock::__private::KeyBuilder::with_capacity(#capacity);
+            let mut #builder = ::dlock::__private::KeyBuilder::with_capacity(#capacity);
             #(#steps)*
-            __key.finish()
+            #builder.finish()
         }
     }
 }

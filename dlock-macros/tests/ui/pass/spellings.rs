@@ -34,6 +34,17 @@ async fn expression(locks: Option<dlock::LockProvider>) -> AppResult<()> {
     Ok(())
 }
 
+// The macro's own variables are invisible to the template and the body.
+#[distributed_lock("h:{__dlock_key}:{__dlock_key_builder}:{__dlock_guard}")]
+async fn hygiene(
+    locks: &dlock::LockProvider,
+    __dlock_key: u64,
+    __dlock_key_builder: u64,
+    __dlock_guard: u64,
+) -> AppResult<u64> {
+    Ok(__dlock_key + __dlock_key_builder + __dlock_guard)
+}
+
 #[distributed_lock("jobs:{0}:{1.name}", timeout = 3)]
 struct Tuple(u64, Named);
 
@@ -50,7 +61,7 @@ struct Generic<T: std::fmt::Display> {
 struct Unit;
 
 fn main() {
-    let _ = (owned, full_path, raw_ident, arc_provider, expression);
+    let _ = (owned, full_path, raw_ident, arc_provider, expression, hygiene);
     let tuple = Tuple(7, Named { name: "a:b".to_owned() });
     assert_eq!(tuple.lock_key(), "jobs:7:a%3Ab");
     assert_eq!(tuple.lock_timeout(), Duration::from_secs(3));
