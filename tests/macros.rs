@@ -1,5 +1,6 @@
 //! `#[distributed_lock]` at run time, on SQLite: two providers on one lock file stand for two
 //! processes.
+#![cfg(all(feature = "macros", feature = "sqlite"))]
 
 use std::collections::HashMap;
 use std::fmt::Display;

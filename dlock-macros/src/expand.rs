@@ -349,7 +349,11 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
     };
     errors.finish()?;
     let (Some(return_type), Some(provider)) = (return_type, provider) else {
-        unreachable!("errors were reported above");
+        // Every `None` above came with an error, returned by `finish`; never panic anyway.
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "#[distributed_lock] cannot expand this function",
+        ));
     };
 
     let timeout = Timeout::tokens(args.timeout.as_ref());
