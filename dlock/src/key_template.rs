@@ -14,8 +14,10 @@
 //! | anything else | itself |
 //!
 //! A name is one or more ASCII letters, digits, `_` or `.` (`{cmd.account_id}` lets the macro
-//! reach into a parameter). A lone `}` or `>`, an unclosed placeholder or an empty name is an
-//! error, so a typo never silently becomes part of every key.
+//! reach into a parameter); spaces around it are ignored. A lone `}` or `>`, an unclosed
+//! placeholder or an empty name is an error, so a typo never silently becomes part of every
+//! key. Two placeholders must have a `:` (or `{` `}` `<` `>`) between them: `"{a}-{b}"` is an
+//! error, because `("x-y", "z")` and `("x", "y-z")` would render to the same key.
 //!
 //! # Why values are encoded
 //!
@@ -36,7 +38,7 @@
 //! ```
 
 use std::borrow::Cow;
-use std::fmt;
+use std::fmt::{self, Display, Write as _};
 
 /// Percent-encodes the characters of a template value that could make two distinct values
 /// render to the same key: `:` `%` `{` `}` `<` `>` and control characters (`char::is_control`:
@@ -55,33 +57,104 @@ use std::fmt;
 /// assert_eq!(encode_component("ключ/ü"), "ключ/ü");
 /// ```
 pub fn encode_component(value: &str) -> Cow<'_, str> {
-    let Some(first) = value.find(needs_encoding) else {
+    if !value.contains(needs_encoding) {
         return Cow::Borrowed(value);
-    };
-    let mut out = String::with_capacity(value.len() + 8);
-    out.push_str(&value[..first]);
-    for c in value[first..].chars() {
-        if needs_encoding(c) {
-            let mut buf = [0u8; 4];
-            for byte in c.encode_utf8(&mut buf).bytes() {
-                push_escaped(&mut out, byte);
-            }
-        } else {
-            out.push(c);
-        }
     }
+    let mut out = String::with_capacity(value.len() + 8);
+    push_encoded(&mut out, value);
     Cow::Owned(out)
 }
 
+/// Characters whose presence between two placeholders keeps keys injective: values never
+/// contain them unencoded.
+fn is_separator(c: char) -> bool {
+    matches!(c, ':' | '{' | '}' | '<' | '>') || c.is_control()
+}
+
+/// Whether a character of a value is percent-encoded in a lock key.
 fn needs_encoding(c: char) -> bool {
     matches!(c, ':' | '%' | '{' | '}' | '<' | '>') || c.is_control()
 }
 
-fn push_escaped(out: &mut String, byte: u8) {
+/// Appends `value` to `out`, encoded as [`encode_component`] describes.
+fn push_encoded(out: &mut String, value: &str) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    out.push('%');
-    out.push(char::from(HEX[usize::from(byte >> 4)]));
-    out.push(char::from(HEX[usize::from(byte & 0x0F)]));
+    let mut rest = value;
+    while let Some(at) = rest.find(needs_encoding) {
+        out.push_str(&rest[..at]);
+        let Some(c) = rest[at..].chars().next() else {
+            break;
+        };
+        let mut utf8 = [0u8; 4];
+        for byte in c.encode_utf8(&mut utf8).bytes() {
+            out.push('%');
+            out.push(char::from(HEX[usize::from(byte >> 4)]));
+            out.push(char::from(HEX[usize::from(byte & 0x0F)]));
+        }
+        rest = &rest[at + c.len_utf8()..];
+    }
+    out.push_str(rest);
+}
+
+/// Streams a value's [`Display`] output into a key, encoded, without an intermediate string.
+struct Encoder<'a>(&'a mut String);
+
+impl fmt::Write for Encoder<'_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        push_encoded(self.0, s);
+        Ok(())
+    }
+}
+
+/// Builds a lock key from literal text and encoded values, the way
+/// `#[distributed_lock("...")]` does.
+///
+/// [`literal`](KeyBuilder::literal) appends text as it is; [`value`](KeyBuilder::value)
+/// appends a value's [`Display`] output encoded by [`encode_component`].
+///
+/// ```
+/// use dlock::key_template::KeyBuilder;
+///
+/// let mut key = KeyBuilder::new();
+/// key.literal("transfer:").value(&"1:2").literal(":").value(&3);
+/// assert_eq!(key.finish(), "transfer:1%3A2:3");
+/// ```
+#[derive(Debug, Default, Clone)]
+pub struct KeyBuilder {
+    key: String,
+}
+
+impl KeyBuilder {
+    /// An empty key.
+    pub fn new() -> Self {
+        KeyBuilder::default()
+    }
+
+    /// An empty key with room for `capacity` bytes.
+    pub fn with_capacity(capacity: usize) -> Self {
+        KeyBuilder {
+            key: String::with_capacity(capacity),
+        }
+    }
+
+    /// Appends `text` as it is.
+    pub fn literal(&mut self, text: &str) -> &mut Self {
+        self.key.push_str(text);
+        self
+    }
+
+    /// Appends `value`'s [`Display`] output, percent-encoded (see [`encode_component`]).
+    pub fn value(&mut self, value: &(impl Display + ?Sized)) -> &mut Self {
+        // Writing to a `String` cannot fail; a `Display` impl that reports an error anyway
+        // keeps what it wrote before the error.
+        let _ = write!(Encoder(&mut self.key), "{value}");
+        self
+    }
+
+    /// The key.
+    pub fn finish(self) -> String {
+        self.key
+    }
 }
 
 /// A parsed lock key template such as `"account:{account_id}"`.
@@ -121,6 +194,13 @@ pub enum TemplateError {
         /// The name as written.
         name: String,
     },
+    /// Two placeholders are not separated by a `:` (or another character that values never
+    /// contain unencoded: `{` `}` `<` `>` or a control character), so distinct values could
+    /// render to the same key (`"ab"` + `"c"` and `"a"` + `"bc"`).
+    NoSeparator {
+        /// Byte offset of the second placeholder.
+        position: usize,
+    },
     /// [`KeyTemplate::render`] found no value for this placeholder.
     Missing {
         /// The placeholder's name.
@@ -146,6 +226,11 @@ impl fmt::Display for TemplateError {
                 "the placeholder at byte {position} has the name `{}`; a name is one or more \
                  ASCII letters, digits, `_` or `.`",
                 name.escape_debug()
+            ),
+            TemplateError::NoSeparator { position } => write!(
+                f,
+                "the placeholder at byte {position} needs a `:` between it and the one before: \
+                 without one, distinct values could give the same key"
             ),
             TemplateError::Missing { name } => {
                 write!(f, "no value for the placeholder `{}`", name.escape_debug())
@@ -191,7 +276,7 @@ impl KeyTemplate {
                     let Some(len) = template[start..].find(close) else {
                         return Err(TemplateError::Unclosed { position });
                     };
-                    let name = &template[start..start + len];
+                    let name = template[start..start + len].trim();
                     if name.is_empty()
                         || !name
                             .chars()
@@ -206,6 +291,16 @@ impl KeyTemplate {
                     while chars.next_if(|&(i, _)| i <= start + len).is_some() {}
                     if !literal.is_empty() {
                         segments.push(Segment::Literal(std::mem::take(&mut literal)));
+                    }
+                    let separated = match segments.as_slice() {
+                        [.., Segment::Placeholder(_)] => false,
+                        [.., Segment::Placeholder(_), Segment::Literal(between)] => {
+                            between.chars().any(is_separator)
+                        }
+                        _ => true,
+                    };
+                    if !separated {
+                        return Err(TemplateError::NoSeparator { position });
                     }
                     segments.push(Segment::Placeholder(name.to_owned()));
                 }
@@ -289,6 +384,29 @@ impl std::str::FromStr for KeyTemplate {
 mod tests {
     use super::*;
 
+    #[test]
+    fn encodes_structure_and_control_characters() {
+        assert_eq!(
+            encode_component("a:b%c{d}<e>\n\u{7f}\u{85}é鍵 /"),
+            "a%3Ab%25c%7Bd%7D%3Ce%3E%0A%7F%C2%85é鍵 /"
+        );
+        assert_eq!(encode_component(""), "");
+        let mut negative = KeyBuilder::new();
+        negative.value(&-7i64);
+        assert_eq!(negative.finish(), "-7");
+        assert_eq!(encode_component("%3A"), "%253A");
+    }
+
+    #[test]
+    fn builder_keeps_literals_and_encodes_values() {
+        let mut a = KeyBuilder::with_capacity(16);
+        a.literal("t:").value("1:2").literal(":").value("3");
+        let mut b = KeyBuilder::new();
+        b.literal("t:").value("1").literal(":").value("2:3");
+        assert_eq!(a.clone().finish(), "t:1%3A2:3");
+        assert_ne!(a.finish(), b.finish());
+    }
+
     fn render(template: &str, pairs: &[(&str, &str)]) -> Result<String, TemplateError> {
         KeyTemplate::parse(template)?.render(|name| {
             pairs
@@ -343,7 +461,19 @@ mod tests {
             render("{{{id}}}<<<id>>>", &[("id", "7")]).unwrap(),
             "{7}<7>"
         );
-        assert_eq!(render("{a}{b}", &[("a", "1"), ("b", "2")]).unwrap(), "12");
+        assert_eq!(
+            render("{a}:{ b }", &[("a", "1"), ("b", "2")]).unwrap(),
+            "1:2"
+        );
+        assert_eq!(
+            KeyTemplate::parse("{a}{b}"),
+            Err(TemplateError::NoSeparator { position: 3 })
+        );
+        assert_eq!(
+            KeyTemplate::parse("{a}-{b}"),
+            Err(TemplateError::NoSeparator { position: 4 })
+        );
+        assert!(KeyTemplate::parse("{a}->>{b}").is_ok());
         assert_eq!(
             render("{cmd.account_id}", &[("cmd.account_id", "9")]).unwrap(),
             "9"

@@ -79,6 +79,10 @@ mod table;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
+#[doc(hidden)]
+#[path = "macro_support.rs"]
+pub mod __private;
+
 pub use backoff::Backoff;
 pub use error::{BoxError, LockError};
 pub use guard::LockGuard;
@@ -86,3 +90,6 @@ pub use key::lock_id;
 pub use options::parse_duration;
 pub use provider::{LockBuilder, LockProvider, LockedCommand, ProviderBuilder, SUPPORTED_SCHEMES};
 pub use tokio_util::sync::CancellationToken;
+
+#[cfg(feature = "macros")]
+pub use dlock_macros::distributed_lock;

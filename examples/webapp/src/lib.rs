@@ -4,7 +4,7 @@
 //! | route | locking |
 //! |---|---|
 //! | `POST /accounts/{id}/debit` `{"amount": n}` | [`LockLayer`] on `account:{id}`, waits up to the lock timeout |
-//! | `POST /accounts/{id}/credit` `{"amount": n}` | taken in the handler on `account:{id}` (the `#[distributed_lock]` shape) |
+//! | `POST /accounts/{id}/credit` `{"amount": n}` | `#[distributed_lock("account:{id}", timeout = 10)]` on the handler |
 //! | `GET /accounts/{id}` | none |
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
 //! | `GET /health` | none |
@@ -24,7 +24,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use dlock::key_template::encode_component;
 use dlock::{CancellationToken, LockProvider};
 use dlock_axum::{LockLayer, LockRejection};
 use problem_details::ProblemDetails;
@@ -223,17 +222,15 @@ async fn debit(
     Ok(Json(Account { id, balance }))
 }
 
-// The lock is taken by hand here, in exactly the shape of
-// `#[dlock::distributed_lock("account:{id}", timeout = 10, provider = state.locks)]` on a
-// handler returning `Result<_, LockRejection>`: the key is the template rendered with the
-// macro's encoding, lock errors leave through `?`, and the guard lives for the body.
+// The attribute renders `account:{id}` from the `Path` extractor's binding (with the same
+// encoding as the layer), takes the lock from `state.locks` before the body, and releases it
+// after the body; lock errors leave through `LockRejection`'s `From<LockError>`.
+#[dlock::distributed_lock("account:{id}", timeout = 10, provider = state.locks)]
 async fn credit(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Json(req): Json<Amount>,
 ) -> Result<Response, LockRejection> {
-    let key = format!("account:{}", encode_component(&id));
-    let _guard = state.locks.acquire(&key, state.lock_timeout).await?;
     Ok(apply_credit(&state, id, req.amount).await.into_response())
 }
 

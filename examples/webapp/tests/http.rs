@@ -204,13 +204,20 @@ async fn contention_answers_409_problems_on_every_locked_route() {
             "code": "DistributedLock.AlreadyHeld",
         })
     );
-    // The credit handler takes the same lock by hand.
-    let (status, body) = post_json(&client, &credit, json!({"amount": 1})).await;
-    assert_eq!(status, 409);
-    assert_eq!(body["code"], "DistributedLock.AlreadyHeld");
+    // The credit handler takes the same lock through #[distributed_lock] (timeout 10 s):
+    // it waits while the lock is held elsewhere and completes once it is released.
+    let pending_credit = tokio::spawn({
+        let (client, credit) = (client.clone(), credit.clone());
+        async move { post_json(&client, &credit, json!({"amount": 1})).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!pending_credit.is_finished(), "credit ran without the lock");
     // Reads are not locked.
     assert_eq!(balance(&client, &app, "acc-2").await, 10);
     held.release().await.expect("release");
+    let (status, body) = pending_credit.await.expect("credit task");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["balance"], 11);
 
     let job = other.try_acquire("jobs:reconcile").await.expect("hold");
     let (status, body) =

@@ -1,0 +1,189 @@
+//! The `#[distributed_lock]` attribute of [dlock](https://docs.rs/dlock).
+//!
+//! Use it as `dlock::distributed_lock` (cargo feature `macros` of `dlock`, on by default)
+//! rather than from this crate: the code it generates refers to `::dlock`.
+#![forbid(unsafe_code)]
+#![warn(missing_docs, unreachable_pub)]
+
+use proc_macro::TokenStream;
+
+mod attr;
+mod expand;
+
+/// Takes a distributed lock around an `async fn`, or names the lock of a command struct.
+///
+/// ```text
+/// #[distributed_lock("<key template>", timeout = <seconds>, provider = <expr>, guard = <name>)]
+/// ```
+///
+/// # On an `async fn`
+///
+/// The lock is taken before the body runs and released after it, whichever way the body ends.
+///
+/// ```
+/// use dlock::{LockError, LockProvider, distributed_lock};
+///
+/// #[derive(Debug)]
+/// enum AppError {
+///     Lock(LockError),
+///     Overdrawn,
+/// }
+///
+/// impl From<LockError> for AppError {
+///     fn from(err: LockError) -> Self {
+///         AppError::Lock(err)
+///     }
+/// }
+///
+/// #[distributed_lock("account:{account_id}", timeout = 10)]
+/// async fn debit(locks: &LockProvider, account_id: u64, amount: i64) -> Result<i64, AppError> {
+///     // Only one caller at a time, in any process sharing the lock store, gets here
+///     // for a given `account_id` (the key is "account:42" for account 42).
+///     let balance = 100 - amount;
+///     if balance < 0 {
+///         return Err(AppError::Overdrawn); // the lock is released on every way out
+///     }
+///     Ok(balance)
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), AppError> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+/// let locks = LockProvider::connect(&url).await?;
+/// assert_eq!(debit(&locks, 42, 30).await?, 70);
+///
+/// assert!(matches!(debit(&locks, 42, 130).await, Err(AppError::Overdrawn)));
+///
+/// // While "account:42" is held elsewhere, a call waits up to 10 s for it, then returns
+/// // `LockError::Timeout` (as `AppError::Lock`) without running the body.
+/// # Ok(()) }
+/// ```
+///
+/// - **The function** must be `async` and return a `Result` (`Result<T, E>`, `io::Result<T>`,
+///   `anyhow::Result<T>`, any alias whose name ends in `Result`) whose error type implements
+///   `From<dlock::LockError>`: a lock that cannot be taken is returned as that error, and the
+///   body does not run.
+/// - **The provider** is the parameter whose type is `LockProvider` (spelled any way: `&LockProvider`,
+///   `dlock::LockProvider`, `&&LockProvider`...). Without one, or to choose among several, name it
+///   with `provider = <expr>`: any expression that borrows as a `&LockProvider`
+///   (`provider = self.locks`, `provider = state.locks`, an `Arc<LockProvider>`).
+/// - **Release.** After the body, the lock is released and the release is awaited, so it is
+///   free again when the function returns, whether it returns `Ok`, `Err` through `?`, or
+///   early through `return`. If the body panics or the returned future is dropped
+///   (cancelled), the guard is dropped with it and the lock is released in the background.
+/// - **A failed release** is reported when it matters: if the body returned `Ok` but the release
+///   fails, most importantly with `LockError::Lost` (the lock was lost
+///   while the body ran, so its work may have overlapped with another holder's), the function
+///   returns that error, converted with `From<LockError>`, instead of the body's value. If the
+///   body returned `Err`, that error is returned and a failed release is only logged.
+/// - **`guard = <name>`** binds the held lock as `&dlock::LockGuard` for the body: its
+///   `fencing_token()` for the resource the lock protects, its `lost_token()` to stop when the
+///   lock is lost.
+///
+/// Methods, generic functions and functions with destructured parameters work; every name a
+/// parameter's pattern binds can be a placeholder. On an axum handler:
+///
+/// ```
+/// # use dlock::{LockError, LockProvider, distributed_lock};
+/// # pub struct Path<T>(pub T);
+/// # pub struct State<T>(pub T);
+/// #[derive(Clone)]
+/// struct AppState {
+///     locks: LockProvider,
+/// }
+///
+/// #[distributed_lock("account:{account_id}", provider = state.locks, timeout = 0.5, guard = lock)]
+/// async fn debit(
+///     State(state): State<AppState>,
+///     Path(account_id): Path<u64>,
+/// ) -> Result<String, LockError> {
+///     Ok(format!("debited {account_id} under fencing token {:?}", lock.fencing_token()))
+/// }
+///
+/// struct Ledger {
+///     locks: LockProvider,
+///     name: String,
+/// }
+///
+/// impl Ledger {
+///     #[distributed_lock("ledger:{self.name}:{day}", provider = self.locks, timeout = 10)]
+///     async fn close_day(&self, day: u32) -> Result<(), LockError> {
+///         Ok(())
+///     }
+/// }
+/// ```
+///
+/// # On a struct
+///
+/// The struct gets an implementation of `dlock::LockedCommand`: `lock_key(&self)` fills the
+/// template from its fields and `lock_timeout(&self)` returns the timeout.
+/// `LockProvider::acquire_for(&command)` takes the lock for it.
+///
+/// ```
+/// use std::time::Duration;
+/// use dlock::{LockProvider, LockedCommand, distributed_lock};
+///
+/// struct Owner {
+///     name: String,
+/// }
+///
+/// #[distributed_lock("account:<account_id>:{owner.name}", timeout = 0.25)]
+/// struct DebitAccount {
+///     account_id: u64,
+///     owner: Owner,
+///     amount: i64,
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), dlock::LockError> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+/// # let locks = LockProvider::connect(&url).await?;
+/// let command = DebitAccount { account_id: 42, owner: Owner { name: "ann".into() }, amount: 5 };
+/// assert_eq!(command.lock_key(), "account:42:ann");
+/// assert_eq!(command.lock_timeout(), Duration::from_millis(250));
+///
+/// let guard = locks.acquire_for(&command).await?;
+/// assert_eq!(guard.key(), "account:42:ann");
+/// guard.release().await?;
+/// # Ok(()) }
+/// ```
+///
+/// Tuple structs name their fields by position (`"job:{0}"`). `provider` and `guard` are
+/// options of functions only.
+///
+/// # The key template
+///
+/// - `{name}` and `<name>` are the same placeholder: the value of the parameter or field
+///   `name`. `{a.b}` reaches into it (`{cmd.account_id}`, `{self.name}`, `{0}` on tuple
+///   structs). `{{` `}}` `<<` `>>` are literal `{` `}` `<` `>`.
+/// - Values are formatted with `Display`, and `:` `%` `{` `}` `<` `>` and control characters in
+///   them are percent-encoded (`%3A`, uppercase hex of the UTF-8 bytes), as
+///   `dlock::key_template::encode_component` does. So distinct values never give the same key:
+///   `"transfer:{from}:{to}"` gives `transfer:1%3A2:3` for `("1:2", "3")` and
+///   `transfer:1:2%3A3` for `("1", "2:3")`.
+/// - For that to hold, the text between two placeholders must contain one of `:` `{` `}` `<`
+///   `>` (a `:` by convention): `"{a}-{b}"` is rejected, since `("x-y", "z")` and `("x", "y-z")`
+///   would both give `x-y-z`.
+///
+/// # Options
+///
+/// - `timeout = <seconds>`: how long to wait for the lock, a non-negative integer or decimal
+///   literal (`timeout = 10`, `timeout = 0.25`). `timeout = 0` tries once: a held lock fails at
+///   once with `LockError::AlreadyHeld`. **Without `timeout`, the lock is tried once**, so a
+///   forgotten timeout fails fast rather than leaving callers waiting.
+/// - `provider = <expr>`: the provider to lock with (functions only).
+/// - `guard = <name>`: binds `&LockGuard` for the body (functions only).
+///
+/// # Compile errors
+///
+/// Mistakes are reported at the mistake, and the item is kept as written so the rest of the
+/// code still compiles: an unknown placeholder (listing the parameters or fields), a function
+/// that is not `async`, a function without a provider, an unknown or repeated option, a bad
+/// timeout, a return type that is not a `Result`, an error type without `From<LockError>`, a
+/// malformed template.
+#[proc_macro_attribute]
+pub fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
+    expand::distributed_lock(args.into(), item.into()).into()
+}
