@@ -70,11 +70,17 @@ mod backoff;
 mod error;
 mod guard;
 mod key;
+#[cfg(any(feature = "mssql", feature = "oracle"))]
+mod lanes;
 pub mod metrics;
 mod options;
 mod provider;
 mod table;
 
+#[cfg(feature = "mssql")]
+pub mod mssql;
+#[cfg(feature = "oracle")]
+pub mod oracle;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
