@@ -2,6 +2,7 @@
 //! resource name of a key, and the meaning of every `sp_getapplock` / `sp_releaseapplock`
 //! return code. No I/O here, so unit tests pin all of it.
 
+use std::fmt::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -89,9 +90,7 @@ pub fn resource_name(key: &str) -> String {
     let mut name = String::with_capacity(RESOURCE_PREFIX.len() + 64);
     name.push_str(RESOURCE_PREFIX);
     for byte in digest {
-        const HEX: &[u8; 16] = b"0123456789abcdef";
-        name.push(char::from(HEX[usize::from(byte >> 4)]));
-        name.push(char::from(HEX[usize::from(byte & 0x0f)]));
+        let _ = write!(name, "{byte:02x}");
     }
     name
 }
