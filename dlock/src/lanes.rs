@@ -77,6 +77,10 @@ pub(crate) trait Connector: Send + Sync + 'static {
     /// The longest wait one lock statement is given; longer waits are split into several
     /// statements of at most this length.
     const MAX_WAIT: Duration;
+    /// The granularity of the server's wait timeout (1 ms for SQL Server, 1 s for Oracle). A
+    /// wait asks the server for whole units only; what is left below one unit is waited out
+    /// here, followed by one last try at the deadline, so timeouts are kept exactly.
+    const WAIT_RESOLUTION: Duration;
 
     /// The resource that `key` locks.
     fn resource(&self, key: &str) -> Self::Resource;
@@ -599,8 +603,17 @@ impl<C: Connector> WaitTask<C> {
                 }
                 None => C::MAX_WAIT,
             };
+            let whole = round_down(chunk, C::WAIT_RESOLUTION);
+            let last = whole.is_zero();
+            if last {
+                // Less than the server's resolution is left: wait it out, then try once more.
+                tokio::select! {
+                    () = tokio::time::sleep(chunk) => {}
+                    () = reply.closed() => return,
+                }
+            }
             let step = {
-                let statement = session.lock(&self.resource, chunk);
+                let statement = session.lock(&self.resource, whole);
                 tokio::select! {
                     result = statement => match result {
                         Ok(true) => Step::Granted,
@@ -612,6 +625,11 @@ impl<C: Connector> WaitTask<C> {
             };
             match step {
                 Step::Granted => break,
+                Step::NotGranted if last => {
+                    let _ = reply.send(Ok(None));
+                    self.pool.put(session);
+                    return;
+                }
                 Step::NotGranted => continue,
                 Step::Abandoned => {
                     // Stop the server's wait where the driver can; dropping the session ends
@@ -696,6 +714,12 @@ impl<C: Connector> WaitTask<C> {
     }
 }
 
+/// `wait` rounded down to a whole number of `unit`s.
+pub(crate) fn round_down(wait: Duration, unit: Duration) -> Duration {
+    let units = wait.as_nanos().checked_div(unit.as_nanos()).unwrap_or(0);
+    unit.saturating_mul(u32::try_from(units).unwrap_or(u32::MAX))
+}
+
 /// A lock taken by a native wait, held by its wait task.
 #[derive(Debug)]
 struct WaitHeld {
@@ -714,5 +738,38 @@ impl HeldLock for WaitHeld {
             }
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounding_waits_down_to_the_server_resolution() {
+        let second = Duration::from_secs(1);
+        let milli = Duration::from_millis(1);
+        assert_eq!(
+            round_down(Duration::from_millis(400), second),
+            Duration::ZERO
+        );
+        assert_eq!(round_down(Duration::from_millis(2999), second), 2 * second);
+        assert_eq!(
+            round_down(Duration::from_secs(32766), second),
+            32766 * second
+        );
+        assert_eq!(round_down(Duration::from_micros(1500), milli), milli);
+        assert_eq!(
+            round_down(Duration::from_secs(30), milli),
+            Duration::from_secs(30)
+        );
+        assert_eq!(
+            round_down(Duration::from_micros(999), milli),
+            Duration::ZERO
+        );
+        assert_eq!(
+            round_down(Duration::from_secs(5), Duration::ZERO),
+            Duration::ZERO
+        );
     }
 }

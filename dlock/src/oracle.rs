@@ -28,8 +28,10 @@
 //!
 //! As for [SQL Server](crate::mssql): `connections` lock sessions (default 4) take every try
 //! (`timeout => 0`) and hold the locks so taken; at most `wait_connections` sessions (default 4)
-//! run native waits (`DBMS_LOCK.REQUEST` with the timeout, in whole seconds, rounded up) and
-//! keep the lock a wait got until release. The `oracle` crate is blocking: every call runs on
+//! run native waits and keep the lock a wait got until release. `DBMS_LOCK.REQUEST` takes its
+//! timeout in whole seconds: a wait asks the server for the whole seconds of its timeout, then
+//! sleeps out the fraction left and tries once more at the deadline, so timeouts are kept to
+//! the millisecond (a wait shorter than a second is a sleep and a try). The `oracle` crate is blocking: every call runs on
 //! Tokio's blocking thread pool (`spawn_blocking`), one call at a time per session.
 //!
 //! A wait that is abandoned (timeout, cancellation token, dropped future) is interrupted with
@@ -439,6 +441,7 @@ impl Connector for OracleConnector {
 
     const NAME: &'static str = NAME;
     const MAX_WAIT: Duration = Duration::from_secs(MAXWAIT_SECS as u64 - 1);
+    const WAIT_RESOLUTION: Duration = Duration::from_secs(1);
 
     fn resource(&self, key: &str) -> OracleResource {
         OracleResource {
@@ -734,8 +737,9 @@ pub fn try_acquire_in_transaction(conn: &oracle::Connection, key: &str) -> Resul
     acquire_in_transaction(conn, key, Duration::ZERO)
 }
 
-/// Locks `key` until the caller's next commit or rollback on `conn`, waiting on the server up
-/// to `timeout` (in whole seconds, rounded up; `Duration::MAX` waits without limit). Returns
+/// Locks `key` until the caller's next commit or rollback on `conn`, waiting up to `timeout`
+/// (whole seconds on the server, the fraction left as a sleep and a last try; `Duration::MAX`
+/// waits without limit). Returns
 /// [`LockError::Timeout`] when it stays held elsewhere ([`LockError::AlreadyHeld`] for a zero
 /// timeout). Blocking.
 pub fn acquire_in_transaction(
@@ -747,25 +751,29 @@ pub fn acquire_in_transaction(
     let id = dbms_lock_id(key);
     let deadline = Instant::now().checked_add(timeout);
     loop {
-        let secs = match deadline {
-            None => MAXWAIT_SECS,
-            // Waits of MAXWAIT seconds or more are split, so that they end at the deadline.
-            Some(deadline) => timeout_secs(deadline.saturating_duration_since(Instant::now()))
-                .min(MAXWAIT_SECS - 1),
+        // Whole seconds wait on the server (split below MAXWAIT so they end at the deadline);
+        // a fraction of a second left is slept here, followed by one last try.
+        let (secs, last) = match deadline {
+            None => (MAXWAIT_SECS, false),
+            Some(deadline) => {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let whole = i64::try_from(left.as_secs())
+                    .unwrap_or(MAXWAIT_SECS)
+                    .min(MAXWAIT_SECS - 1);
+                if whole == 0 {
+                    std::thread::sleep(left);
+                }
+                (whole, whole == 0)
+            }
         };
         let call = request_call(id, Scope::Transaction, secs);
         let code = run_call(conn, &call)
             .map_err(|err| map_error("taking a transaction-bound lock", &err).error)?;
         match request_result(code)? {
             Grant::Granted => return Ok(()),
-            Grant::NotGranted if code == Some(4) || secs == 0 => {
-                return Err(contention(key, timeout));
-            }
-            Grant::NotGranted => {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
-                    return Err(contention(key, timeout));
-                }
-            }
+            // 4: this session already owns the id (the same key, or one sharing its id).
+            Grant::NotGranted if last || code == Some(4) => return Err(contention(key, timeout)),
+            Grant::NotGranted => {}
         }
     }
 }

@@ -181,6 +181,7 @@ impl Connector for MssqlConnector {
 
     const NAME: &'static str = NAME;
     const MAX_WAIT: Duration = MAX_WAIT;
+    const WAIT_RESOLUTION: Duration = Duration::from_millis(1);
 
     fn resource(&self, key: &str) -> Resource {
         Resource {
