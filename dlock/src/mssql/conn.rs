@@ -119,6 +119,14 @@ pub(crate) fn looks_like_tls(message: &str) -> bool {
     .any(|needle| message.contains(needle))
 }
 
+/// The driver value a parameter is sent as: `nvarchar` text, `int` numbers.
+fn bind(param: &Param) -> &dyn ToSql {
+    match param {
+        Param::NVarChar(text) => text,
+        Param::Int(number) => number,
+    }
+}
+
 /// Runs `call` and reads the `int` in the first column of its first row.
 pub(crate) async fn run_scalar<S>(
     client: &mut Client<S>,
@@ -127,14 +135,7 @@ pub(crate) async fn run_scalar<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let params: Vec<&dyn ToSql> = call
-        .params
-        .iter()
-        .map(|param| match param {
-            Param::NVarChar(text) => text as &dyn ToSql,
-            Param::Int(number) => number as &dyn ToSql,
-        })
-        .collect();
+    let params: Vec<&dyn ToSql> = call.params.iter().map(bind).collect();
     let row = client.query(call.sql, &params).await?.into_row().await?;
     match row {
         Some(row) => row.try_get::<i32, _>(0),
@@ -147,18 +148,23 @@ where
 pub(crate) fn failure(what: &str, err: TdsError) -> Failure {
     match err {
         TdsError::Server(token) => {
-            let error = server_error(what, token.code(), token.message());
-            if token.class() >= 20 {
-                Failure::connection(error)
-            } else {
-                Failure::statement(error)
-            }
+            server_failure(what, token.code(), token.class(), token.message())
         }
         other => Failure::connection(LockError::unavailable(
             NAME,
             format!("{what}: the connection to SQL Server failed: {other}"),
             Some(Box::new(other)),
         )),
+    }
+}
+
+/// A server error of severity `class`: from 20 up the server closes the connection.
+fn server_failure(what: &str, code: u32, class: u8, message: &str) -> Failure {
+    let error = server_error(what, code, message);
+    if class >= 20 {
+        Failure::connection(error)
+    } else {
+        Failure::statement(error)
     }
 }
 
@@ -249,6 +255,46 @@ impl Session for MssqlSession {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn parameters_are_sent_as_nvarchar_and_int() {
+        use std::borrow::Cow;
+        use tiberius::ColumnData;
+
+        let call = getapplock_call("dlock:ab", Owner::Session, 250);
+        let sent: Vec<ColumnData<'_>> = call.params.iter().map(|p| bind(p).to_sql()).collect();
+        assert_eq!(
+            sent,
+            vec![
+                ColumnData::String(Some(Cow::Borrowed("dlock:ab"))),
+                ColumnData::I32(Some(250)),
+            ]
+        );
+        let call = releaseapplock_call("dlock:cd");
+        let sent: Vec<ColumnData<'_>> = call.params.iter().map(|p| bind(p).to_sql()).collect();
+        assert_eq!(
+            sent,
+            vec![ColumnData::String(Some(Cow::Borrowed("dlock:cd")))]
+        );
+    }
+
+    #[test]
+    fn failures_keep_or_drop_the_connection() {
+        let kept = server_failure("taking a lock", 229, 14, "permission denied");
+        assert!(kept.connection_ok);
+        assert_eq!(kept.error.db_code(), Some("229"));
+        let dropped = server_failure("taking a lock", 596, 21, "session is in the kill state");
+        assert!(!dropped.connection_ok);
+        let io = failure(
+            "taking a lock",
+            TdsError::Io {
+                kind: std::io::ErrorKind::ConnectionReset,
+                message: "reset".into(),
+            },
+        );
+        assert!(!io.connection_ok);
+        assert_eq!(io.error.code(), "DistributedLock.Unavailable");
+    }
 
     #[test]
     fn connect_errors() {
