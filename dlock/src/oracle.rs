@@ -517,6 +517,15 @@ impl Session for OracleSession {
             let code = self
                 .blocking("taking a lock", move |conn| run_call(conn, &call))
                 .await?;
+            if code == Some(4) && !wait.is_zero() {
+                // Wait sessions hold nothing while they wait, so this cannot happen; answering
+                // it as contention would make the wait spin on the server.
+                return Err(Failure::statement(dbms_error(
+                    "REQUEST",
+                    4,
+                    "the waiting session already owns this lock id",
+                )));
+            }
             match request_result(code) {
                 Ok(Grant::Granted) => Ok(true),
                 Ok(Grant::NotGranted) => Ok(false),
