@@ -48,6 +48,7 @@ impl LockGuard {
         acquired: crate::backend::Acquired,
         backend: &'static str,
         metrics: Arc<Metrics>,
+        runtime: tokio::runtime::Handle,
     ) -> Self {
         LockGuard {
             key: Arc::clone(slot.key()),
@@ -55,7 +56,7 @@ impl LockGuard {
             lost: acquired.lost,
             backend,
             acquired_at: Instant::now(),
-            runtime: tokio::runtime::Handle::current(),
+            runtime,
             metrics,
             state: Some(Held {
                 handle: acquired.handle,

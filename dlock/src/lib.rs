@@ -75,6 +75,7 @@ mod backoff;
 mod error;
 mod guard;
 mod key;
+pub mod key_template;
 #[cfg(any(feature = "mssql", feature = "oracle"))]
 mod lanes;
 pub mod metrics;

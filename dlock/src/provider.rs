@@ -224,6 +224,39 @@ impl LockProvider {
         }
     }
 
+    /// A provider on the same store and the same in-process table (so the two exclude each
+    /// other as one provider would) whose pending and future acquisitions also end with
+    /// [`LockError::Canceled`] once `shutdown` is cancelled, for graceful shutdown of a
+    /// provider made by [`connect`](LockProvider::connect). Replaces a token set with
+    /// [`ProviderBuilder::cancel_on`]; locks already held are not released by it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let shutdown = dlock::CancellationToken::new();
+    /// let locks = dlock::LockProvider::connect(&url).await?.with_shutdown(&shutdown);
+    /// shutdown.cancel();
+    /// assert!(matches!(
+    ///     locks.try_acquire("jobs:billing").await,
+    ///     Err(dlock::LockError::Canceled { .. })
+    /// ));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_shutdown(&self, shutdown: &CancellationToken) -> LockProvider {
+        LockProvider {
+            inner: Arc::new(Inner {
+                backend: Arc::clone(&self.inner.backend),
+                table: Arc::clone(&self.inner.table),
+                backoff: self.inner.backoff,
+                lease: self.inner.lease,
+                shutdown: Some(shutdown.clone()),
+                metrics: Arc::clone(&self.inner.metrics),
+            }),
+        }
+    }
+
     /// The backend's name (`"sqlite"`, `"postgres"`, ...).
     pub fn backend_name(&self) -> &'static str {
         self.inner.backend.name()
@@ -307,6 +340,12 @@ impl LockProvider {
             },
         };
 
+        // The guard releases in the background on drop, which needs the runtime.
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            LockError::config(
+                "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
+            )
+        })?;
         let request = LockRequest::new(key).with_lease(lease.or(inner.lease));
         let backend = &*inner.backend;
         let attempt = async {
@@ -352,6 +391,7 @@ impl LockProvider {
             acquired,
             backend.name(),
             Arc::clone(&inner.metrics),
+            runtime,
         ))
     }
 }

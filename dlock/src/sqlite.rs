@@ -278,7 +278,7 @@ impl LockBackend for SqliteBackend {
         Box::pin(async move {
             let lease = request.lease.unwrap_or(self.shared.lease);
             check_lease(lease)?;
-            self.shared.start_renewer();
+            self.shared.start_renewer()?;
             let owner = self.shared.new_owner();
             let name = request.key.as_bytes();
             let started = Instant::now();
@@ -434,10 +434,12 @@ impl Shared {
 
     fn count_commit(&self) {
         let commits = self.commits.fetch_add(1, Ordering::Relaxed) + 1;
-        if commits % CHECKPOINT_EVERY == 0 {
+        if commits % CHECKPOINT_EVERY == 0
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
             let background = Arc::clone(&self.background);
             // Best effort; a checkpoint that finds readers in the way just does less.
-            drop(tokio::task::spawn_blocking(move || {
+            drop(runtime.spawn_blocking(move || {
                 let conn = background.lock().unwrap_or_else(PoisonError::into_inner);
                 let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
             }));
@@ -455,12 +457,18 @@ impl Shared {
         self.renewals().remove(&id);
     }
 
-    fn start_renewer(self: &Arc<Self>) {
+    fn start_renewer(self: &Arc<Self>) -> Result<(), LockError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            LockError::config(
+                "the SQLite backend renews leases on Tokio: use it within a Tokio runtime",
+            )
+        })?;
         self.renewer.call_once(|| {
             let weak = Arc::downgrade(self);
             let wake = Arc::clone(&self.wake);
-            drop(tokio::spawn(renew_loop(weak, wake)));
+            drop(runtime.spawn(renew_loop(weak, wake)));
         });
+        Ok(())
     }
 
     /// Fires the lost token of every lock whose lease may have run out unrenewed.
