@@ -601,7 +601,9 @@ impl OracleBuilder {
         self
     }
 
-    /// How long opening a session may take (default 10 s).
+    /// How long opening a session may take (default 10 s). The driver cannot be interrupted
+    /// while it connects: an attempt that outlives the timeout finishes on its blocking thread
+    /// and the session is closed at once.
     pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
         self.connect_timeout = connect_timeout;
         self
