@@ -62,6 +62,39 @@ pub(crate) fn unknown_option(backend: &str, option: &str, valid: &[&str]) -> Loc
     ))
 }
 
+/// Percent-decodes `text` (`+` stays `+`); `None` when the result is not UTF-8.
+#[cfg(any(feature = "mssql", feature = "oracle"))]
+pub(crate) fn percent_decode(text: &str) -> Option<String> {
+    fn hex(byte: u8) -> Option<u8> {
+        match byte {
+            b'0'..=b'9' => Some(byte - b'0'),
+            b'a'..=b'f' => Some(byte - b'a' + 10),
+            b'A'..=b'F' => Some(byte - b'A' + 10),
+            _ => None,
+        }
+    }
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while let Some(&byte) = bytes.get(i) {
+        let pair = (
+            bytes.get(i + 1).copied().and_then(hex),
+            bytes.get(i + 2).copied().and_then(hex),
+        );
+        match (byte, pair) {
+            (b'%', (Some(high), Some(low))) => {
+                out.push(high << 4 | low);
+                i += 3;
+            }
+            _ => {
+                out.push(byte);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

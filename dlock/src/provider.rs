@@ -96,8 +96,8 @@ impl LockProvider {
             "sqlite" => connect_sqlite(url).await,
             "postgres" | "postgresql" => Err(not_built("postgres", "PostgreSQL")),
             "mysql" | "mariadb" => Err(not_built("mysql", "MySQL and MariaDB")),
-            "mssql" | "sqlserver" => Err(not_built("mssql", "SQL Server")),
-            "oracle" => Err(not_built("oracle", "Oracle")),
+            "mssql" | "sqlserver" => connect_mssql(url).await,
+            "oracle" => connect_oracle(url).await,
             "redis" | "rediss" => Err(not_built("redis", "Redis")),
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
@@ -459,6 +459,30 @@ async fn connect_sqlite(url: &str) -> Result<LockProvider, LockError> {
 #[cfg(not(feature = "sqlite"))]
 async fn connect_sqlite(_url: &str) -> Result<LockProvider, LockError> {
     Err(not_built("sqlite", "SQLite"))
+}
+
+#[cfg(feature = "mssql")]
+async fn connect_mssql(url: &str) -> Result<LockProvider, LockError> {
+    crate::mssql::MssqlBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "mssql"))]
+async fn connect_mssql(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("mssql", "SQL Server"))
+}
+
+#[cfg(feature = "oracle")]
+async fn connect_oracle(url: &str) -> Result<LockProvider, LockError> {
+    crate::oracle::OracleBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "oracle"))]
+async fn connect_oracle(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("oracle", "Oracle"))
 }
 
 fn not_built(feature: &str, engine: &str) -> LockError {

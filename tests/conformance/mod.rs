@@ -34,8 +34,16 @@ pub trait Harness: Send + Sync + 'static {
 /// builds.
 #[macro_export]
 macro_rules! conformance_suite {
+    // `optional`: `$make` yields `Option<Harness>`; `None` (the server is not configured,
+    // and `$make` has said so) makes every case return early.
+    (optional $make:expr) => {
+        $crate::conformance_suite!(@list [optional] $make);
+    };
     ($make:expr) => {
-        $crate::conformance_suite!(@cases $make;
+        $crate::conformance_suite!(@list [required] $make);
+    };
+    (@list [$mode:ident] $make:expr) => {
+        $crate::conformance_suite!(@cases [$mode] $make;
             try_vs_held, acquire_waits_then_gets, timeout_is_bounded, zero_timeout_is_one_try,
             max_timeout_does_not_overflow, cancellation_ends_a_wait, precancelled_token,
             release_on_drop, explicit_release_cycles, non_reentrant, local_waiters_queue,
@@ -44,11 +52,20 @@ macro_rules! conformance_suite {
             exclusion_under_contention, lost_detection, acquisition_dropped_midway
         );
     };
-    (@cases $make:expr; $($case:ident),* $(,)?) => {
+    (@cases [required] $make:expr; $($case:ident),* $(,)?) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn $case() {
                 let harness = $make.await;
+                $crate::conformance::$case(&harness).await;
+            }
+        )*
+    };
+    (@cases [optional] $make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let Some(harness) = $make.await else { return };
                 $crate::conformance::$case(&harness).await;
             }
         )*

@@ -1,0 +1,333 @@
+//! The I/O of the SQL Server backend: opening `tiberius` connections over Tokio TCP, running
+//! the calls of [`statements`](super::statements), and mapping driver errors.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::io::{AsyncRead, AsyncWrite};
+use tiberius::error::Error as TdsError;
+use tiberius::{Client, Config, ToSql};
+use tokio::net::TcpStream;
+use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
+
+use super::statements::{
+    Call, Grant, MAX_WAIT, NAME, NOT_HELD_ERROR, Owner, Param, getapplock_call, getapplock_result,
+    keepalive_call, lock_timeout_ms, releaseapplock_call, releaseapplock_result, resource_name,
+    server_error,
+};
+use crate::LockError;
+use crate::backend::BoxFuture;
+use crate::lanes::{Connector, Failure, Session};
+
+/// A connection opened by the backend.
+pub(crate) type MssqlClient = Client<Compat<TcpStream>>;
+
+/// Opens a connection, following at most one server redirect, within `connect_timeout`.
+pub(crate) async fn open_client(
+    config: &Config,
+    connect_timeout: Duration,
+) -> Result<MssqlClient, LockError> {
+    match tokio::time::timeout(connect_timeout, connect(config)).await {
+        Ok(result) => result,
+        Err(_) => Err(LockError::unavailable(
+            NAME,
+            format!(
+                "connecting to SQL Server at {} did not complete within connect_timeout {connect_timeout:?}",
+                config.get_addr()
+            ),
+            None,
+        )),
+    }
+}
+
+async fn connect(config: &Config) -> Result<MssqlClient, LockError> {
+    let mut config = config.clone();
+    for _ in 0..2 {
+        let addr = config.get_addr();
+        let tcp = TcpStream::connect(&addr).await.map_err(|err| {
+            LockError::unavailable(
+                NAME,
+                format!("could not connect to SQL Server at {addr}: {err}"),
+                Some(Box::new(err)),
+            )
+        })?;
+        let _ = tcp.set_nodelay(true);
+        match Client::connect(config.clone(), tcp.compat_write()).await {
+            Ok(client) => return Ok(client),
+            Err(TdsError::Routing { host, port }) => {
+                // Azure SQL's gateway redirects once to the node that serves the database.
+                config.host(host);
+                config.port(port);
+            }
+            Err(err) => return Err(connect_error(&addr, err)),
+        }
+    }
+    Err(LockError::unavailable(
+        NAME,
+        "the server redirected the connection more than once",
+        None,
+    ))
+}
+
+/// The error for a failed connection handshake or login.
+pub(crate) fn connect_error(addr: &str, err: TdsError) -> LockError {
+    match err {
+        TdsError::Server(token) => server_error(
+            &format!("logging in to SQL Server at {addr}"),
+            token.code(),
+            token.message(),
+        ),
+        TdsError::Tls(message) => tls_error(addr, &message),
+        // rustls reports a broken handshake as an I/O error of the TLS stream.
+        TdsError::Io { message, .. } if looks_like_tls(&message) => tls_error(addr, &message),
+        other => LockError::unavailable(
+            NAME,
+            format!(
+                "{addr} did not complete the SQL Server (TDS) handshake: {other}; check that \
+                 this is a SQL Server port"
+            ),
+            Some(Box::new(other)),
+        ),
+    }
+}
+
+fn tls_error(addr: &str, message: &str) -> LockError {
+    LockError::unavailable(
+        NAME,
+        format!(
+            "the TLS handshake with {addr} failed: {message}; check that this is a SQL Server \
+             port, and the `encrypt` and `trust_server_certificate` options (the server's \
+             certificate must be trusted unless trust_server_certificate=true)"
+        ),
+        None,
+    )
+}
+
+/// Whether an I/O error's text comes from the TLS layer.
+pub(crate) fn looks_like_tls(message: &str) -> bool {
+    let message = message.to_ascii_lowercase();
+    [
+        "corrupt message",
+        "invalidcontenttype",
+        "certificate",
+        "handshake",
+        "tls",
+        "alert",
+        "peer misbehaved",
+    ]
+    .iter()
+    .any(|needle| message.contains(needle))
+}
+
+/// The driver value a parameter is sent as: `nvarchar` text, `int` numbers.
+fn bind(param: &Param) -> &dyn ToSql {
+    match param {
+        Param::NVarChar(text) => text,
+        Param::Int(number) => number,
+    }
+}
+
+/// Runs `call` and reads the `int` in the first column of its first row.
+pub(crate) async fn run_scalar<S>(
+    client: &mut Client<S>,
+    call: &Call,
+) -> Result<Option<i32>, TdsError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let params: Vec<&dyn ToSql> = call.params.iter().map(bind).collect();
+    let row = client.query(call.sql, &params).await?.into_row().await?;
+    match row {
+        Some(row) => row.try_get::<i32, _>(0),
+        None => Ok(None),
+    }
+}
+
+/// Whether a driver error leaves the connection usable: a server error below severity 20
+/// does (the statement failed, the session lives on); anything else does not.
+pub(crate) fn failure(what: &str, err: TdsError) -> Failure {
+    match err {
+        TdsError::Server(token) => {
+            server_failure(what, token.code(), token.class(), token.message())
+        }
+        other => Failure::connection(LockError::unavailable(
+            NAME,
+            format!("{what}: the connection to SQL Server failed: {other}"),
+            Some(Box::new(other)),
+        )),
+    }
+}
+
+/// A server error of severity `class`: from 20 up the server closes the connection.
+fn server_failure(what: &str, code: u32, class: u8, message: &str) -> Failure {
+    let error = server_error(what, code, message);
+    if class >= 20 {
+        Failure::connection(error)
+    } else {
+        Failure::statement(error)
+    }
+}
+
+/// The resource of one key: the key (for error messages) and its application-lock name.
+#[derive(Debug, Clone)]
+pub(crate) struct Resource {
+    pub(crate) key: Arc<str>,
+    pub(crate) name: Arc<str>,
+}
+
+/// Opens backend connections.
+pub(crate) struct MssqlConnector {
+    pub(crate) config: Config,
+    pub(crate) connect_timeout: Duration,
+}
+
+impl Connector for MssqlConnector {
+    type Resource = Resource;
+    type Session = MssqlSession;
+
+    const NAME: &'static str = NAME;
+    const MAX_WAIT: Duration = MAX_WAIT;
+    const WAIT_RESOLUTION: Duration = Duration::from_millis(1);
+
+    fn resource(&self, key: &str) -> Resource {
+        Resource {
+            key: Arc::from(key),
+            name: Arc::from(resource_name(key)),
+        }
+    }
+
+    fn open(&self) -> BoxFuture<'_, Result<MssqlSession, LockError>> {
+        Box::pin(async move {
+            let client = open_client(&self.config, self.connect_timeout).await?;
+            Ok(MssqlSession { client })
+        })
+    }
+}
+
+/// One backend connection: its session owns the application locks it takes.
+pub(crate) struct MssqlSession {
+    client: MssqlClient,
+}
+
+impl Session for MssqlSession {
+    type Resource = Resource;
+
+    fn lock<'a>(
+        &'a mut self,
+        resource: &'a Resource,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<bool, Failure>> {
+        Box::pin(async move {
+            let call = getapplock_call(&resource.name, Owner::Session, lock_timeout_ms(wait));
+            let code = run_scalar(&mut self.client, &call)
+                .await
+                .map_err(|err| failure("taking a lock", err))?;
+            match getapplock_result(code, &resource.key) {
+                Ok(Grant::Granted) => Ok(true),
+                Ok(Grant::TimedOut) => Ok(false),
+                Err(error) => Err(Failure::statement(error)),
+            }
+        })
+    }
+
+    fn unlock<'a>(&'a mut self, resource: &'a Resource) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            let call = releaseapplock_call(&resource.name);
+            match run_scalar(&mut self.client, &call).await {
+                Ok(code) => releaseapplock_result(code).map_err(Failure::statement),
+                // Not held any more: nothing to give back.
+                Err(TdsError::Server(token)) if token.code() == NOT_HELD_ERROR => Ok(()),
+                Err(err) => Err(failure("releasing a lock", err)),
+            }
+        })
+    }
+
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            run_scalar(&mut self.client, &keepalive_call())
+                .await
+                .map(drop)
+                .map_err(|err| failure("checking a connection", err))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parameters_are_sent_as_nvarchar_and_int() {
+        use std::borrow::Cow;
+        use tiberius::ColumnData;
+
+        let call = getapplock_call("dlock:ab", Owner::Session, 250);
+        let sent: Vec<ColumnData<'_>> = call.params.iter().map(|p| bind(p).to_sql()).collect();
+        assert_eq!(
+            sent,
+            vec![
+                ColumnData::String(Some(Cow::Borrowed("dlock:ab"))),
+                ColumnData::I32(Some(250)),
+            ]
+        );
+        let call = releaseapplock_call("dlock:cd");
+        let sent: Vec<ColumnData<'_>> = call.params.iter().map(|p| bind(p).to_sql()).collect();
+        assert_eq!(
+            sent,
+            vec![ColumnData::String(Some(Cow::Borrowed("dlock:cd")))]
+        );
+    }
+
+    #[test]
+    fn failures_keep_or_drop_the_connection() {
+        let kept = server_failure("taking a lock", 229, 14, "permission denied");
+        assert!(kept.connection_ok);
+        assert_eq!(kept.error.db_code(), Some("229"));
+        let dropped = server_failure("taking a lock", 596, 21, "session is in the kill state");
+        assert!(!dropped.connection_ok);
+        let io = failure(
+            "taking a lock",
+            TdsError::Io {
+                kind: std::io::ErrorKind::ConnectionReset,
+                message: "reset".into(),
+            },
+        );
+        assert!(!io.connection_ok);
+        assert_eq!(io.error.code(), "DistributedLock.Unavailable");
+    }
+
+    #[test]
+    fn connect_errors() {
+        let io = |message: &str| TdsError::Io {
+            kind: std::io::ErrorKind::InvalidData,
+            message: message.to_owned(),
+        };
+        let tls = connect_error(
+            "h:1",
+            io("received corrupt message of type InvalidContentType"),
+        );
+        assert!(
+            tls.to_string().contains("TLS handshake with h:1 failed"),
+            "{tls}"
+        );
+        let tls = connect_error("h:1", io("invalid peer certificate: UnknownIssuer"));
+        assert!(
+            tls.to_string().contains("trust_server_certificate"),
+            "{tls}"
+        );
+        let tls = connect_error("h:1", TdsError::Tls("bad".into()));
+        assert_eq!(tls.code(), "DistributedLock.Unavailable");
+        let tds = connect_error(
+            "h:1",
+            TdsError::Protocol("header: invalid packet type: 72".into()),
+        );
+        assert!(
+            tds.to_string()
+                .contains("did not complete the SQL Server (TDS) handshake"),
+            "{tds}"
+        );
+        assert_eq!(tds.code(), "DistributedLock.Unavailable");
+        let reset = connect_error("h:1", io("Connection reset by peer (os error 104)"));
+        assert!(reset.to_string().contains("TDS"), "{reset}");
+    }
+}

@@ -1,0 +1,394 @@
+//! What the SQL Server backend sends, as plain data: statement text and typed parameters, the
+//! resource name of a key, and the meaning of every `sp_getapplock` / `sp_releaseapplock`
+//! return code. No I/O here, so unit tests pin all of it.
+
+use std::fmt::Write;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sha2::{Digest, Sha256};
+
+use crate::LockError;
+
+pub(crate) const NAME: &str = "mssql";
+
+/// The prefix of every resource name this crate locks.
+pub(crate) const RESOURCE_PREFIX: &str = "dlock:";
+
+/// The liveness check.
+pub(crate) const KEEPALIVE_SQL: &str = "SELECT 1";
+
+/// The longest `@LockTimeout` one `sp_getapplock` is given (longer waits are repeated), so a
+/// wait whose client went away ends on the server within this time at the latest.
+pub(crate) const MAX_WAIT: Duration = Duration::from_secs(30);
+
+/// The `sp_getapplock` call with `@LockOwner = 'Session'`.
+pub(crate) const GETAPPLOCK_SESSION_SQL: &str = "DECLARE @r int; \
+EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Session', \
+@LockTimeout = @P2, @DbPrincipal = 'public'; \
+SELECT @r;";
+
+/// The `sp_getapplock` call with `@LockOwner = 'Transaction'`.
+pub(crate) const GETAPPLOCK_TRANSACTION_SQL: &str = "DECLARE @r int; \
+EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Transaction', \
+@LockTimeout = @P2, @DbPrincipal = 'public'; \
+SELECT @r;";
+
+/// The `sp_releaseapplock` call for session locks.
+pub(crate) const RELEASEAPPLOCK_SESSION_SQL: &str = "DECLARE @r int; \
+EXEC @r = sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+SELECT @r;";
+
+/// SQL Server error 1223: "Cannot release the application lock ... because it is not currently
+/// held." Releasing a lock that is already gone is not an error for the backend.
+pub(crate) const NOT_HELD_ERROR: u32 = 1223;
+/// SQL Server error 1205: the session was chosen as deadlock victim.
+pub(crate) const DEADLOCK_ERROR: u32 = 1205;
+
+/// Who owns an application lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Owner {
+    /// Held until released or the session ends.
+    Session,
+    /// Held until the caller's transaction commits or rolls back.
+    Transaction,
+}
+
+/// A bound parameter, with the SQL type it is sent as.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Param {
+    /// `nvarchar`.
+    NVarChar(String),
+    /// `int`.
+    Int(i32),
+}
+
+/// One statement and its parameters (`@P1`, `@P2`, ... in order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Call {
+    pub(crate) sql: &'static str,
+    pub(crate) params: Vec<Param>,
+}
+
+/// The SQL Server application-lock resource that locks `key`.
+///
+/// `"dlock:"` followed by the 64 lowercase hex digits of SHA-256 of the key's UTF-8 bytes
+/// (70 characters). Resource names are compared under the database's collation (often
+/// case-insensitive) and are limited to 255 characters; a lowercase hex digest is the same under
+/// every collation and always fits, and keys that differ in any way (case, length, Unicode
+/// normalization, NUL bytes) get different digests. Other clients lock the same resource by
+/// computing the same string.
+///
+/// ```
+/// assert_eq!(
+///     dlock::mssql::resource_name("account:42"),
+///     "dlock:38dbcc9b3c91186a47fe584026e251871e4e5940987bf29436754c1fb177446d"
+/// );
+/// ```
+pub fn resource_name(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let mut name = String::with_capacity(RESOURCE_PREFIX.len() + 64);
+    name.push_str(RESOURCE_PREFIX);
+    for byte in digest {
+        let _ = write!(name, "{byte:02x}");
+    }
+    name
+}
+
+/// The `@LockTimeout` for a wait: milliseconds, `-1` for no limit (`Duration::MAX`), capped at
+/// `i32::MAX` milliseconds (about 24.8 days) otherwise.
+pub(crate) fn lock_timeout_ms(wait: Duration) -> i32 {
+    if wait == Duration::MAX {
+        return -1;
+    }
+    i32::try_from(wait.as_millis()).unwrap_or(i32::MAX)
+}
+
+/// The `sp_getapplock` call for `resource`.
+pub(crate) fn getapplock_call(resource: &str, owner: Owner, timeout_ms: i32) -> Call {
+    Call {
+        sql: match owner {
+            Owner::Session => GETAPPLOCK_SESSION_SQL,
+            Owner::Transaction => GETAPPLOCK_TRANSACTION_SQL,
+        },
+        params: vec![Param::NVarChar(resource.to_owned()), Param::Int(timeout_ms)],
+    }
+}
+
+/// The `sp_releaseapplock` call for a session lock on `resource`.
+pub(crate) fn releaseapplock_call(resource: &str) -> Call {
+    Call {
+        sql: RELEASEAPPLOCK_SESSION_SQL,
+        params: vec![Param::NVarChar(resource.to_owned())],
+    }
+}
+
+/// The keepalive statement.
+pub(crate) fn keepalive_call() -> Call {
+    Call {
+        sql: KEEPALIVE_SQL,
+        params: Vec::new(),
+    }
+}
+
+/// What an `sp_getapplock` return code means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Grant {
+    /// 0 (granted at once) or 1 (granted after waiting).
+    Granted,
+    /// -1: the timeout ran out with the lock held elsewhere.
+    TimedOut,
+}
+
+/// Maps an `sp_getapplock` return code. -1 is contention ([`Grant::TimedOut`]); the caller
+/// turns it into `AlreadyHeld` or `Timeout`. Every other failure is an error that carries the
+/// code in its message and as its `db_code`.
+pub(crate) fn getapplock_result(code: Option<i32>, key: &str) -> Result<Grant, LockError> {
+    match code {
+        Some(0 | 1) => Ok(Grant::Granted),
+        Some(-1) => Ok(Grant::TimedOut),
+        Some(-2) => {
+            tracing::debug!(
+                backend = NAME,
+                code = -2,
+                "sp_getapplock returned -2: the lock request was canceled"
+            );
+            Err(LockError::Canceled {
+                key: Arc::from(key),
+            })
+        }
+        Some(-3) => Err(LockError::backend(
+            NAME,
+            "sp_getapplock returned -3: the lock request was chosen as a deadlock victim; \
+             retry the acquisition",
+            Some("-3".to_owned()),
+            None,
+        )),
+        Some(-999) => Err(LockError::backend(
+            NAME,
+            "sp_getapplock returned -999: parameter validation or another call error \
+             (for a transaction-bound lock: is a transaction open on this connection?)",
+            Some("-999".to_owned()),
+            None,
+        )),
+        Some(other) => Err(LockError::backend(
+            NAME,
+            format!("sp_getapplock returned the unexpected code {other}"),
+            Some(other.to_string()),
+            None,
+        )),
+        None => Err(LockError::backend(
+            NAME,
+            "sp_getapplock returned no result",
+            None,
+            None,
+        )),
+    }
+}
+
+/// Maps an `sp_releaseapplock` return code: 0 released; -999 (not held, or a parameter error)
+/// and anything else are errors with the code.
+pub(crate) fn releaseapplock_result(code: Option<i32>) -> Result<(), LockError> {
+    match code {
+        Some(0) => Ok(()),
+        Some(other) => Err(LockError::backend(
+            NAME,
+            format!("sp_releaseapplock returned {other}"),
+            Some(other.to_string()),
+            None,
+        )),
+        None => Err(LockError::backend(
+            NAME,
+            "sp_releaseapplock returned no result",
+            None,
+            None,
+        )),
+    }
+}
+
+/// The error for a server error (an error token) while doing `what`: its number is the
+/// `db_code`; the message says what to do for the ones with a known remedy.
+pub(crate) fn server_error(what: &str, number: u32, message: &str) -> LockError {
+    let hint = match number {
+        DEADLOCK_ERROR => "; the session was chosen as deadlock victim, retry the acquisition",
+        18456 => "; login failed: check the user name and password",
+        4060 => "; the database cannot be opened: check the database name and the user's access",
+        229 | 230 => {
+            "; permission denied: the user needs EXECUTE on sp_getapplock and sp_releaseapplock (granted to public by default)"
+        }
+        _ => "",
+    };
+    LockError::backend(
+        NAME,
+        format!("{what}: server error {number}: {message}{hint}"),
+        Some(number.to_string()),
+        None,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn session_getapplock_statement_and_parameters() {
+        let call = getapplock_call("dlock:ab", Owner::Session, 0);
+        assert_eq!(
+            call.sql,
+            "DECLARE @r int; EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', \
+             @LockOwner = 'Session', @LockTimeout = @P2, @DbPrincipal = 'public'; SELECT @r;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::NVarChar("dlock:ab".into()), Param::Int(0)]
+        );
+    }
+
+    #[test]
+    fn transaction_getapplock_statement_and_parameters() {
+        let call = getapplock_call("dlock:cd", Owner::Transaction, 2500);
+        assert_eq!(
+            call.sql,
+            "DECLARE @r int; EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', \
+             @LockOwner = 'Transaction', @LockTimeout = @P2, @DbPrincipal = 'public'; SELECT @r;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::NVarChar("dlock:cd".into()), Param::Int(2500)]
+        );
+    }
+
+    #[test]
+    fn release_and_keepalive_statements() {
+        let call = releaseapplock_call("dlock:ef");
+        assert_eq!(
+            call.sql,
+            "DECLARE @r int; EXEC @r = sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', \
+             @DbPrincipal = 'public'; SELECT @r;"
+        );
+        assert_eq!(call.params, vec![Param::NVarChar("dlock:ef".into())]);
+        assert_eq!(keepalive_call().sql, "SELECT 1");
+        assert!(keepalive_call().params.is_empty());
+    }
+
+    #[test]
+    fn statements_never_contain_the_key() {
+        // Keys travel only as bound parameters, and only as their digest.
+        let key = "'; DROP TABLE t; --";
+        let call = getapplock_call(&resource_name(key), Owner::Session, 0);
+        assert!(!call.sql.contains("DROP"));
+        assert_eq!(call.params[0], Param::NVarChar(resource_name(key)));
+    }
+
+    #[test]
+    fn lock_timeouts() {
+        assert_eq!(lock_timeout_ms(Duration::ZERO), 0);
+        assert_eq!(lock_timeout_ms(Duration::from_micros(1500)), 1);
+        assert_eq!(lock_timeout_ms(Duration::from_secs(30)), 30_000);
+        assert_eq!(lock_timeout_ms(Duration::MAX), -1);
+        assert_eq!(lock_timeout_ms(Duration::from_secs(30 * 86_400)), i32::MAX);
+        assert_eq!(lock_timeout_ms(MAX_WAIT), 30_000);
+    }
+
+    #[test]
+    fn resource_names_are_pinned() {
+        assert_eq!(
+            resource_name("account:42"),
+            "dlock:38dbcc9b3c91186a47fe584026e251871e4e5940987bf29436754c1fb177446d"
+        );
+        let long = "x".repeat(10_000);
+        assert_eq!(resource_name(&long).len(), 70);
+        assert_eq!(resource_name("a"), resource_name("a"));
+    }
+
+    #[test]
+    fn resource_names_fit_and_survive_collations() {
+        for key in ["a", "A", "ключ", "\0", &"é".repeat(300)] {
+            let name = resource_name(key);
+            assert!(name.len() <= 255);
+            assert!(name.is_ascii());
+            // Lowercase only: a case-insensitive collation cannot merge two names.
+            assert_eq!(name, name.to_ascii_lowercase());
+        }
+    }
+
+    #[test]
+    fn distinct_keys_get_distinct_resources() {
+        let long_a = format!("{}a", "k".repeat(300));
+        let long_b = format!("{}b", "k".repeat(300));
+        let keys = [
+            "jobs:billing",
+            "JOBS:BILLING",
+            "Jobs:Billing",
+            "a",
+            "a\0",
+            "a\0b",
+            "\0",
+            "é",        // precomposed
+            "e\u{301}", // decomposed: a different key
+            "ß",
+            "ss",
+            "İ",
+            "i",
+            "dlock:a",
+            " a",
+            "a ",
+            long_a.as_str(),
+            long_b.as_str(),
+        ];
+        let mut names = std::collections::HashSet::new();
+        for key in keys {
+            // Compare the way a case-insensitive collation would.
+            assert!(
+                names.insert(resource_name(key).to_lowercase()),
+                "{key:?} collides"
+            );
+        }
+    }
+
+    #[test]
+    fn every_getapplock_code() {
+        assert_eq!(getapplock_result(Some(0), "k").unwrap(), Grant::Granted);
+        assert_eq!(getapplock_result(Some(1), "k").unwrap(), Grant::Granted);
+        assert_eq!(getapplock_result(Some(-1), "k").unwrap(), Grant::TimedOut);
+        let canceled = getapplock_result(Some(-2), "k").unwrap_err();
+        assert!(matches!(&canceled, LockError::Canceled { key } if &**key == "k"));
+        for (code, words) in [
+            (-3, "deadlock victim"),
+            (-999, "parameter validation"),
+            (-7, "unexpected code -7"),
+        ] {
+            let err = getapplock_result(Some(code), "k").unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.BackendError");
+            assert_eq!(err.db_code(), Some(code.to_string().as_str()));
+            let text = err.to_string();
+            assert!(text.contains(&code.to_string()), "{text}");
+            assert!(text.contains(words), "{text}");
+        }
+        let none = getapplock_result(None, "k").unwrap_err();
+        assert_eq!(none.code(), "DistributedLock.BackendError");
+    }
+
+    #[test]
+    fn every_releaseapplock_code() {
+        assert!(releaseapplock_result(Some(0)).is_ok());
+        let err = releaseapplock_result(Some(-999)).unwrap_err();
+        assert_eq!(err.db_code(), Some("-999"));
+        assert!(err.to_string().contains("-999"));
+        assert!(releaseapplock_result(None).is_err());
+    }
+
+    #[test]
+    fn server_errors() {
+        let err = server_error("taking a lock", 1205, "Transaction was deadlocked");
+        assert_eq!(err.db_code(), Some("1205"));
+        assert!(err.to_string().contains("deadlock victim"));
+        let err = server_error("connecting", 18456, "Login failed for user 'app'.");
+        assert!(err.to_string().contains("check the user name and password"));
+        let err = server_error("taking a lock", 229, "The EXECUTE permission was denied");
+        assert!(err.to_string().contains("EXECUTE on sp_getapplock"));
+        let err = server_error("taking a lock", 50000, "custom");
+        assert_eq!(err.db_code(), Some("50000"));
+        assert!(err.to_string().contains("custom"));
+    }
+}

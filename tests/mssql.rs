@@ -1,0 +1,351 @@
+//! The SQL Server backend.
+//!
+//! No SQL Server can run on the machines this suite is developed and checked on, so:
+//! - the conformance suite and the transaction-bound tests run against the server named by
+//!   `DLOCK_MSSQL_URL` (for example `mssql://sa:Secret-123@127.0.0.1:1433/master?trust_server_certificate=true`;
+//!   the user needs `VIEW SERVER STATE` and `ALTER ANY CONNECTION` for the lost-lock case, which
+//!   kills the holding session), and each says it is skipped when the variable is unset;
+//! - the client-side failures below (refused connection, a port that does not speak TDS, a
+//!   broken TLS handshake, a silent server) run everywhere, against real sockets;
+//! - the statements, parameters and return-code mapping are pinned by the unit tests of
+//!   `dlock::mssql`.
+#![cfg(feature = "mssql")]
+
+mod conformance;
+mod support;
+
+use std::time::Duration;
+
+use dlock::mssql::tiberius::{Client, Config};
+use dlock::mssql::{MssqlBackend, acquire_in_transaction, try_acquire_in_transaction};
+use dlock::{LockError, LockGuard, LockProvider};
+use support::unique_key;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
+
+const ENV: &str = "DLOCK_MSSQL_URL";
+const KEEPALIVE: Duration = Duration::from_millis(250);
+
+/// The server under test, or `None` (after saying so) when `DLOCK_MSSQL_URL` is unset.
+fn live_url() -> Option<String> {
+    match std::env::var(ENV) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            eprintln!("skipped: {ENV} is not set (no SQL Server can run here)");
+            None
+        }
+    }
+}
+
+struct MssqlHarness {
+    url: String,
+    /// The program name of this harness's lock connections, so `break_lock` can find them.
+    application: String,
+}
+
+impl MssqlHarness {
+    async fn from_env() -> Option<Self> {
+        live_url().map(|url| MssqlHarness {
+            url,
+            application: unique_key("dlock-conformance").replace(':', "-"),
+        })
+    }
+
+    fn url(&self) -> String {
+        let sep = if self.url.contains('?') { '&' } else { '?' };
+        format!(
+            "{}{sep}keepalive={}ms&application_name={}",
+            self.url,
+            KEEPALIVE.as_millis(),
+            self.application
+        )
+    }
+
+    async fn client(&self) -> Client<Compat<TcpStream>> {
+        raw_client(&self.url).await
+    }
+}
+
+async fn raw_client(url: &str) -> Client<Compat<TcpStream>> {
+    let builder = MssqlBackend::builder_from_url(url).expect("DLOCK_MSSQL_URL is an mssql:// URL");
+    let config: Config = builder.config().clone();
+    let tcp = TcpStream::connect(config.get_addr())
+        .await
+        .expect("connect");
+    Client::connect(config, tcp.compat_write())
+        .await
+        .expect("log in")
+}
+
+impl conformance::Harness for MssqlHarness {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.url())
+            .await
+            .expect("connect to SQL Server")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        // Kill the lock connections of this harness's providers (found by their program name),
+        // after checking that one of them holds the guard's application lock.
+        let mut client = self.client().await;
+        let rows = client
+            .query(
+                "SELECT s.session_id, \
+                 (SELECT COUNT(*) FROM sys.dm_tran_locks l \
+                  WHERE l.request_session_id = s.session_id AND l.resource_type = 'APPLICATION') \
+                 FROM sys.dm_exec_sessions s WHERE s.program_name = @P1",
+                &[&self.application],
+            )
+            .await
+            .expect("query sessions")
+            .into_first_result()
+            .await
+            .expect("rows");
+        let app_locks: i32 = rows
+            .iter()
+            .map(|row| row.get::<i32, _>(1).unwrap_or(0))
+            .sum();
+        assert!(
+            app_locks > 0,
+            "no connection of this harness holds an application lock"
+        );
+        let _ = guard;
+        for row in rows {
+            let session: i16 = row.get(0).expect("session id");
+            // KILL takes no parameters; the id is an integer read from the server.
+            client
+                .simple_query(format!("KILL {session}"))
+                .await
+                .expect("kill")
+                .into_results()
+                .await
+                .expect("kill done");
+        }
+    }
+
+    fn lost_within(&self) -> Duration {
+        KEEPALIVE + Duration::from_secs(3)
+    }
+
+    fn fencing(&self) -> bool {
+        false
+    }
+}
+
+mod live {
+    use super::*;
+
+    conformance_suite!(optional MssqlHarness::from_env());
+}
+
+#[tokio::test]
+async fn live_transaction_bound_locks() {
+    let Some(url) = live_url() else { return };
+    let mut a = raw_client(&url).await;
+    let mut b = raw_client(&url).await;
+    let key = unique_key("mssql-tx");
+    // Without a transaction the server refuses: return code -999, or an error token of its
+    // own (depending on the version), either way a backend error.
+    let err = try_acquire_in_transaction(&mut a, &key).await.unwrap_err();
+    eprintln!("without a transaction: {err}");
+    assert_eq!(err.code(), "DistributedLock.BackendError", "{err}");
+
+    a.simple_query("BEGIN TRANSACTION")
+        .await
+        .unwrap()
+        .into_results()
+        .await
+        .unwrap();
+    try_acquire_in_transaction(&mut a, &key)
+        .await
+        .expect("free");
+    b.simple_query("BEGIN TRANSACTION")
+        .await
+        .unwrap()
+        .into_results()
+        .await
+        .unwrap();
+    assert!(matches!(
+        try_acquire_in_transaction(&mut b, &key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(matches!(
+        acquire_in_transaction(&mut b, &key, Duration::from_millis(300)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    // A session lock through a provider contends with it too.
+    let locks = LockProvider::connect(&url).await.expect("provider");
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    a.simple_query("COMMIT")
+        .await
+        .unwrap()
+        .into_results()
+        .await
+        .unwrap();
+    acquire_in_transaction(&mut b, &key, Duration::from_secs(10))
+        .await
+        .expect("free after commit");
+    b.simple_query("ROLLBACK")
+        .await
+        .unwrap()
+        .into_results()
+        .await
+        .unwrap();
+    let guard = locks.try_acquire(&key).await.expect("free after rollback");
+    guard.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn live_multi_process_exclusion() {
+    let Some(url) = live_url() else { return };
+    support::run_multi_process(&url, &unique_key("mssql-mp"), 3, 10);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client-side failures, against real sockets on this machine.
+
+const PASSWORD: &str = "pw-never-shown-9431";
+
+fn url_for(port: u16, options: &str) -> String {
+    format!("mssql://app:{PASSWORD}@127.0.0.1:{port}/app?{options}")
+}
+
+fn assert_unavailable(err: &LockError, words: &str) {
+    let text = err.to_string();
+    eprintln!("{text}");
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{text}");
+    assert!(text.contains(words), "expected `{words}` in: {text}");
+    assert!(!text.contains(PASSWORD), "{text}");
+    assert!(!format!("{err:?}").contains(PASSWORD));
+}
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), f)
+        .await
+        .expect("the connection attempt hung")
+}
+
+#[tokio::test]
+async fn refused_connection_is_unavailable() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let err = bounded(LockProvider::connect(&url_for(port, "connect_timeout=30s")))
+        .await
+        .unwrap_err();
+    assert_unavailable(&err, "could not connect to SQL Server at 127.0.0.1");
+}
+
+#[tokio::test]
+async fn a_port_that_does_not_speak_tds_fails_the_handshake() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 512];
+        let _ = socket.read(&mut buf).await;
+        let _ = socket
+            .write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+            .await;
+        let _ = socket.shutdown().await;
+    });
+    // A generous connect timeout: the failure must come from the handshake, not the clock.
+    let err = bounded(LockProvider::connect(&url_for(port, "connect_timeout=30s")))
+        .await
+        .unwrap_err();
+    assert_unavailable(&err, "did not complete the SQL Server (TDS) handshake");
+    assert!(!err.to_string().contains("connect_timeout"), "{err}");
+    server.await.unwrap();
+}
+
+/// A PRELOGIN response that asks for encryption, as a TDS 7.x server sends it.
+fn prelogin_response() -> Vec<u8> {
+    // Options: VERSION at offset 11 (6 bytes), ENCRYPTION at offset 17 (1 byte), terminator.
+    let payload: Vec<u8> = vec![
+        0x00, 0x00, 11, 0x00, 6, // VERSION
+        0x01, 0x00, 17, 0x00, 1,    // ENCRYPTION
+        0xff, // terminator
+        16, 0, 0x07, 0xd0, 0, 0,    // version 16.0.2000.0
+        0x01, // ENCRYPT_ON
+    ];
+    let length = u16::try_from(8 + payload.len()).unwrap();
+    let mut packet = vec![0x04, 0x01];
+    packet.extend_from_slice(&length.to_be_bytes());
+    packet.extend_from_slice(&[0, 0, 1, 0]);
+    packet.extend_from_slice(&payload);
+    packet
+}
+
+#[tokio::test]
+async fn a_broken_tls_handshake_is_reported() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move {
+        let (mut socket, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        // The client's PRELOGIN.
+        let _ = socket.read(&mut buf).await;
+        socket.write_all(&prelogin_response()).await.unwrap();
+        // The client's TLS ClientHello (wrapped in a PRELOGIN packet): answer with a TDS packet
+        // that carries no TLS record at all.
+        let _ = socket.read(&mut buf).await;
+        let _ = socket
+            .write_all(&[0x12, 0x01, 0x00, 0x0c, 0, 0, 1, 0, b'n', b'o', b'p', b'e'])
+            .await;
+        let _ = socket.shutdown().await;
+    });
+    let err = bounded(LockProvider::connect(&url_for(port, "connect_timeout=30s")))
+        .await
+        .unwrap_err();
+    assert_unavailable(&err, "TLS handshake with 127.0.0.1");
+    assert!(!err.to_string().contains("connect_timeout"), "{err}");
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_silent_server_ends_at_the_connect_timeout() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = tokio::spawn(async move {
+        let (socket, _) = listener.accept().await.unwrap();
+        // Accept and say nothing until the client gives up.
+        let mut socket = socket;
+        let mut buf = [0u8; 512];
+        while matches!(socket.read(&mut buf).await, Ok(n) if n > 0) {}
+    });
+    let err = bounded(LockProvider::connect(&url_for(
+        port,
+        "connect_timeout=300ms",
+    )))
+    .await
+    .unwrap_err();
+    assert_unavailable(&err, "did not complete within connect_timeout 300ms");
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn url_and_ado_errors_are_configuration_errors() {
+    for url in [
+        format!("mssql://app:{PASSWORD}@127.0.0.1/app?nonsense=1"),
+        format!("sqlserver://app:{PASSWORD}@127.0.0.1/app?encrypt=perhaps"),
+        format!("mssql://app:{PASSWORD}@/app"),
+    ] {
+        let err = LockProvider::connect(&url).await.unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+        assert!(!err.to_string().contains(PASSWORD), "{err}");
+    }
+    let builder = MssqlBackend::builder_from_ado(&format!(
+        "Server=tcp:127.0.0.1,1;User Id=app;Password={PASSWORD};TrustServerCertificate=true"
+    ))
+    .expect("ADO string");
+    let err = builder
+        .connect_timeout(Duration::from_secs(30))
+        .open()
+        .await
+        .unwrap_err();
+    assert_unavailable(&err, "127.0.0.1:1");
+}

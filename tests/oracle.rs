@@ -1,0 +1,214 @@
+//! The Oracle backend.
+//!
+//! No Oracle server (nor Oracle client library) can run on the machines this suite is developed
+//! and checked on, so:
+//! - the conformance suite and the transaction-bound tests run against the server named by
+//!   `DLOCK_ORACLE_URL` (for example `oracle://app:secret@127.0.0.1:1521/FREEPDB1`; the user
+//!   needs `EXECUTE ON SYS.DBMS_LOCK`, and `SELECT` on `V$LOCK` / `V$SESSION` plus
+//!   `ALTER SYSTEM` for the lost-lock case, which kills the holding session), and each says it
+//!   is skipped when the variable is unset;
+//! - the client-side failure "no Oracle client library" runs everywhere (with a client library
+//!   installed, the same test checks the refused connection instead);
+//! - the statements, parameters and return-code mapping are pinned by the unit tests of
+//!   `dlock::oracle`.
+#![cfg(feature = "oracle")]
+
+mod conformance;
+mod support;
+
+use std::time::Duration;
+
+use dlock::oracle::driver::Connection;
+use dlock::oracle::{OracleBackend, acquire_in_transaction, try_acquire_in_transaction};
+use dlock::{LockError, LockGuard, LockProvider};
+use support::unique_key;
+
+const ENV: &str = "DLOCK_ORACLE_URL";
+const KEEPALIVE: Duration = Duration::from_millis(250);
+
+fn live_url() -> Option<String> {
+    match std::env::var(ENV) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            eprintln!("skipped: {ENV} is not set (no Oracle server can run here)");
+            None
+        }
+    }
+}
+
+/// A plain blocking connection to the server under test, for setting up and breaking locks.
+fn raw_connection(url: &str) -> Connection {
+    let parsed = url::Url::parse(url).expect("DLOCK_ORACLE_URL is a URL");
+    let host = parsed.host_str().expect("host");
+    let port = parsed.port().unwrap_or(1521);
+    let service = parsed.path().trim_start_matches('/');
+    Connection::connect(
+        parsed.username(),
+        parsed.password().unwrap_or(""),
+        format!("//{host}:{port}/{service}"),
+    )
+    .expect("connect to Oracle")
+}
+
+struct OracleHarness {
+    url: String,
+}
+
+impl OracleHarness {
+    async fn from_env() -> Option<Self> {
+        live_url().map(|url| OracleHarness { url })
+    }
+
+    fn url(&self) -> String {
+        let sep = if self.url.contains('?') { '&' } else { '?' };
+        format!("{}{sep}keepalive={}ms", self.url, KEEPALIVE.as_millis())
+    }
+}
+
+impl conformance::Harness for OracleHarness {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.url())
+            .await
+            .expect("connect to Oracle")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        let url = self.url.clone();
+        let id = i64::from(dlock::oracle::dbms_lock_id(guard.key()));
+        tokio::task::spawn_blocking(move || {
+            let conn = raw_connection(&url);
+            let rows = conn
+                .query_as::<(i64, i64)>(
+                    "SELECT s.sid, s.serial# FROM v$lock l JOIN v$session s ON s.sid = l.sid \
+                     WHERE l.type = 'UL' AND l.id1 = :1",
+                    &[&id],
+                )
+                .expect("query locks");
+            let mut killed = 0;
+            for row in rows {
+                let (sid, serial) = row.expect("row");
+                // ALTER SYSTEM takes no binds; both numbers come from the server.
+                conn.execute(
+                    &format!("ALTER SYSTEM KILL SESSION '{sid},{serial}' IMMEDIATE"),
+                    &[],
+                )
+                .expect("kill session");
+                killed += 1;
+            }
+            assert!(killed > 0, "no session holds lock id {id}");
+        })
+        .await
+        .expect("break lock");
+    }
+
+    fn lost_within(&self) -> Duration {
+        KEEPALIVE + Duration::from_secs(3)
+    }
+
+    fn fencing(&self) -> bool {
+        false
+    }
+}
+
+mod live {
+    use super::*;
+
+    conformance_suite!(optional OracleHarness::from_env());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_transaction_bound_locks() {
+    let Some(url) = live_url() else { return };
+    let key = unique_key("oracle-tx");
+    let locks = LockProvider::connect(&url).await.expect("provider");
+    let (k, u) = (key.clone(), url.clone());
+    let a = tokio::task::spawn_blocking(move || {
+        let a = raw_connection(&u);
+        try_acquire_in_transaction(&a, &k).expect("free");
+        a
+    })
+    .await
+    .unwrap();
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    let (k, u) = (key.clone(), url.clone());
+    let b = tokio::task::spawn_blocking(move || {
+        let b = raw_connection(&u);
+        assert!(matches!(
+            try_acquire_in_transaction(&b, &k),
+            Err(LockError::AlreadyHeld { .. })
+        ));
+        assert!(matches!(
+            acquire_in_transaction(&b, &k, Duration::from_millis(500)),
+            Err(LockError::Timeout { .. })
+        ));
+        b
+    })
+    .await
+    .unwrap();
+    let k = key.clone();
+    tokio::task::spawn_blocking(move || {
+        a.commit().expect("commit releases");
+        acquire_in_transaction(&b, &k, Duration::from_secs(10)).expect("free after commit");
+        b.rollback().expect("rollback releases");
+    })
+    .await
+    .unwrap();
+    let guard = locks.try_acquire(&key).await.expect("free after rollback");
+    guard.release().await.expect("release");
+}
+
+#[tokio::test]
+async fn live_multi_process_exclusion() {
+    let Some(url) = live_url() else { return };
+    support::run_multi_process(&url, &unique_key("oracle-mp"), 3, 10);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Client-side failures, on this machine.
+
+const PASSWORD: &str = "pw-never-shown-5520";
+
+/// Without the Oracle client library (as on this machine and in CI) opening a session fails
+/// with DPI-1047, which must come back as a configuration error that says what to install and
+/// how it is found. Where a client library is installed, the closed port answers instead.
+#[tokio::test]
+async fn missing_client_library_or_refused_connection() {
+    let url = format!("oracle://app:{PASSWORD}@127.0.0.1:1/FREEPDB1?connect_timeout=30s");
+    let err = tokio::time::timeout(Duration::from_secs(60), LockProvider::connect(&url))
+        .await
+        .expect("connect hung")
+        .unwrap_err();
+    let text = err.to_string();
+    eprintln!("{text}");
+    assert!(!text.contains(PASSWORD), "{text}");
+    assert!(!format!("{err:?}").contains(PASSWORD));
+    if text.contains("DPI-1047") {
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{text}");
+        assert!(text.contains("Oracle Instant Client"), "{text}");
+        assert!(text.contains("LD_LIBRARY_PATH"), "{text}");
+    } else {
+        eprintln!("an Oracle client library is installed: checking the refused connection");
+        assert_eq!(err.code(), "DistributedLock.Unavailable", "{text}");
+        assert!(text.contains("ORA-12541") || text.contains("TNS"), "{text}");
+    }
+}
+
+#[tokio::test]
+async fn url_errors_are_configuration_errors() {
+    for url in [
+        format!("oracle://app:{PASSWORD}@127.0.0.1/x?nonsense=1"),
+        format!("oracle://app:{PASSWORD}@127.0.0.1/x?connections=0"),
+        format!("oracle://:{PASSWORD}@127.0.0.1/x"),
+    ] {
+        let err = LockProvider::connect(&url).await.unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+        assert!(!err.to_string().contains(PASSWORD), "{err}");
+    }
+    let builder =
+        OracleBackend::builder_from_url(&format!("oracle://app:{PASSWORD}@db.internal:1522/svc"))
+            .expect("valid URL");
+    assert!(!format!("{builder:?}").contains(PASSWORD));
+}
