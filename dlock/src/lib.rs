@@ -51,6 +51,7 @@
 //! | backend | feature | waiting | lost detection | fencing |
 //! |---|---|---|---|---|
 //! | [SQLite](sqlite) | `sqlite` (default) | polling with backoff | lease renewal | built in |
+//! | [PostgreSQL](postgres) | `postgres` | native (`pg_advisory_lock` under `lock_timeout`) | connection liveness checks | opt-in (counter table) |
 //!
 //! The other engines are on their way; see the README for the current state.
 //!
@@ -74,6 +75,8 @@ mod options;
 mod provider;
 mod table;
 
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 

@@ -90,7 +90,7 @@ impl LockProvider {
         let scheme = scheme.to_ascii_lowercase();
         match scheme.as_str() {
             "sqlite" => connect_sqlite(url).await,
-            "postgres" | "postgresql" => Err(not_built("postgres", "PostgreSQL")),
+            "postgres" | "postgresql" => connect_postgres(url).await,
             "mysql" | "mariadb" => Err(not_built("mysql", "MySQL and MariaDB")),
             "mssql" | "sqlserver" => Err(not_built("mssql", "SQL Server")),
             "oracle" => Err(not_built("oracle", "Oracle")),
@@ -366,6 +366,18 @@ async fn connect_sqlite(url: &str) -> Result<LockProvider, LockError> {
 #[cfg(not(feature = "sqlite"))]
 async fn connect_sqlite(_url: &str) -> Result<LockProvider, LockError> {
     Err(not_built("sqlite", "SQLite"))
+}
+
+#[cfg(feature = "postgres")]
+async fn connect_postgres(url: &str) -> Result<LockProvider, LockError> {
+    crate::postgres::PostgresBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn connect_postgres(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("postgres", "PostgreSQL"))
 }
 
 fn not_built(feature: &str, engine: &str) -> LockError {
