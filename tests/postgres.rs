@@ -349,6 +349,11 @@ async fn transaction_locks_end_with_their_transaction() {
         .execute(&mut *tx)
         .await
         .unwrap();
+    // Shorter than the waits below: it must not cut them short.
+    sqlx::query("SET LOCAL statement_timeout = '100ms'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
     assert!(matches!(
         try_acquire_in_transaction(&mut tx, &key).await,
         Err(LockError::AlreadyHeld { .. })
@@ -359,11 +364,13 @@ async fn transaction_locks_end_with_their_transaction() {
         other => panic!("expected Timeout, got {other:?}"),
     }
     assert!(started.elapsed() >= Duration::from_millis(300));
-    let setting: String = sqlx::query_scalar("SHOW lock_timeout")
-        .fetch_one(&mut *tx)
-        .await
-        .expect("the transaction is still usable");
-    assert_eq!(setting, "7s");
+    let setting: (String, String) = sqlx::query_as(
+        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .expect("the transaction is still usable");
+    assert_eq!(setting, ("7s".to_owned(), "100ms".to_owned()));
     // Granted once the holder lets go, while waiting.
     let release = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -373,11 +380,13 @@ async fn transaction_locks_end_with_their_transaction() {
         .await
         .expect("granted after the release");
     release.await.unwrap().unwrap();
-    let setting: String = sqlx::query_scalar("SHOW lock_timeout")
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
-    assert_eq!(setting, "7s");
+    let setting: (String, String) = sqlx::query_as(
+        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(setting, ("7s".to_owned(), "100ms".to_owned()));
     assert!(matches!(
         locks.try_acquire(&key).await,
         Err(LockError::AlreadyHeld { .. })

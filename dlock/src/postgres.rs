@@ -33,6 +33,37 @@
 //! `statement_timeout` would otherwise cut waits short, and an idle timeout would drop held
 //! locks); waits are bounded by `lock_timeout` instead.
 //!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! # async fn demo() -> Result<(), dlock::LockError> {
+//! let locks = dlock::LockProvider::connect(
+//!     "postgres://app:secret@db.internal:5432/app?fencing=true&keepalive=2s",
+//! )
+//! .await?;
+//! let guard = locks.acquire("invoices:42", Duration::from_secs(10)).await?;
+//! let token = guard.fencing_token(); // Some(n) with fencing=true
+//! # let _ = token;
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Waits and cancellation
+//!
+//! `acquire` first tries on a lock connection; only a key that is held elsewhere starts a
+//! server-side wait, on a wait connection, with `lock_timeout` set to what is left of the
+//! timeout. PostgreSQL queues the waiters of a key and grants the lock to one of them as soon
+//! as it is free: no polling, no thundering herd. If the wait's `lock_timeout` fires at the
+//! moment the lock is granted (SQLSTATE 55P03 with the lock in fact held), the backend looks
+//! in `pg_locks` before it answers [`LockError::Timeout`], and keeps the lock if it has it.
+//!
+//! Dropping an acquisition is safe at every point. A try whose answer nobody reads is undone
+//! on its lock connection (`pg_advisory_unlock`). A wait that is abandoned (timeout, cancel
+//! token, dropped future) is cancelled on the server (`pg_cancel_backend`, aimed by process id
+//! and session start time) and its connection is closed, which ends the lock if the server
+//! granted it in the meantime; the connection is not reused, so a late cancel can never hit a
+//! later statement.
+//!
 //! # Lost locks
 //!
 //! Every connection that holds locks is checked every `keepalive` (default 5 s) with a ping
@@ -159,6 +190,14 @@ const HELD_SQL: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = '
 
 const FENCING_TABLE_SQL: &str =
     "CREATE TABLE IF NOT EXISTS dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL)";
+
+/// `$1` pid, `$2` backend start time (text) of a wait connection: cancels its statement.
+const CANCEL_SQL: &str = "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+    WHERE pid = $1 AND backend_start::text = $2";
+
+/// Process id and start time of this session, which identify it for [`CANCEL_SQL`].
+const IDENTITY_SQL: &str = "SELECT pid, backend_start::text FROM pg_stat_activity \
+    WHERE pid = pg_backend_pid()";
 
 const SET_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', $1, false)";
 
@@ -377,17 +416,18 @@ impl PostgresBackend {
         self.shared.keepalive
     }
 
-    fn lane(&self) -> &mpsc::UnboundedSender<LaneCommand> {
+    /// The next lock connection, round robin.
+    fn lane(&self) -> Result<&mpsc::UnboundedSender<LaneCommand>, LockError> {
         let n = self.shared.next_lane.fetch_add(1, Ordering::Relaxed);
-        // `lanes` is never empty (checked when built); fall back to the first one regardless.
-        let index = n % self.shared.lanes.len().max(1);
-        &self.shared.lanes[index.min(self.shared.lanes.len().saturating_sub(1))]
+        let lanes = &self.shared.lanes;
+        // Never empty (the builder checks), but answer an error rather than panic.
+        lanes.get(n % lanes.len().max(1)).ok_or_else(lane_gone)
     }
 
     /// One `pg_try_advisory_lock` on a lock connection.
     async fn try_on_lane(&self, key: &str) -> Result<Option<Acquired>, LockError> {
         let id = lock_id(key);
-        let lane = self.lane().clone();
+        let lane = self.lane()?.clone();
         let handle = self.shared.next_handle.fetch_add(1, Ordering::Relaxed);
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
@@ -460,7 +500,7 @@ impl PostgresBackend {
             options: self.shared.options.clone(),
             connect_timeout: self.shared.connect_timeout,
             pool: Arc::clone(&self.shared.waits),
-            canceller: self.lane().clone(),
+            canceller: self.lane()?.clone(),
             lost: lost.clone(),
             _permit: permit,
         };
@@ -543,8 +583,9 @@ enum LaneCommand {
         handle: u64,
         done: oneshot::Sender<()>,
     },
-    /// `pg_cancel_backend` for an abandoned wait on another connection.
-    Cancel { pid: i32 },
+    /// `pg_cancel_backend` for an abandoned wait on another connection, identified by its
+    /// process id and start time (so a reused process id is never hit).
+    Cancel { pid: i32, started: String },
 }
 
 /// One lock connection, owned by its task: every statement on it runs in order, and the
@@ -604,10 +645,11 @@ impl Lane {
                 self.unlock(handle).await;
                 let _ = done.send(());
             }
-            LaneCommand::Cancel { pid } => {
+            LaneCommand::Cancel { pid, started } => {
                 if let Ok(conn) = self.connection().await {
-                    let cancel = sqlx::query("SELECT pg_cancel_backend($1)")
+                    let cancel = sqlx::query(CANCEL_SQL)
                         .bind(pid)
+                        .bind(started)
                         .execute(&mut *conn);
                     match tokio::time::timeout(STATEMENT_TIMEOUT, cancel).await {
                         Ok(Ok(_)) => {}
@@ -791,6 +833,7 @@ impl WaitPool {
 struct WaitConnection {
     conn: PgConnection,
     pid: i32,
+    started: String,
 }
 
 type WaitReply = oneshot::Sender<Result<Option<(Option<u64>, ReleaseSender)>, LockError>>;
@@ -819,7 +862,7 @@ enum WaitOutcome {
 
 impl WaitTask {
     async fn run(self, mut reply: WaitReply) {
-        let mut wc = match self.pool.take() {
+        let mut wc = match self.reuse().await {
             Some(wc) => wc,
             None => match self.open().await {
                 Ok(wc) => wc,
@@ -829,7 +872,14 @@ impl WaitTask {
                 }
             },
         };
-        let outcome = match self.wait(&mut wc, &mut reply).await {
+        let mut abandoned = false;
+        let outcome = match self.wait(&mut wc, &mut reply, &mut abandoned).await {
+            Ok(_) if abandoned => {
+                // The server was asked to cancel this connection's statement: a late cancel
+                // could hit a later statement, so the connection is not reused. Closing it
+                // also ends whatever the wait may have been granted.
+                return;
+            }
             Ok(outcome) => outcome,
             Err(err) => {
                 // The connection's state is unknown: close it, which ends anything it held.
@@ -854,19 +904,30 @@ impl WaitTask {
         self.hold(wc, release_rx).await;
     }
 
+    /// An idle wait connection that still answers, if there is one.
+    async fn reuse(&self) -> Option<WaitConnection> {
+        while let Some(mut wc) = self.pool.take() {
+            if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, wc.conn.ping()).await {
+                return Some(wc);
+            }
+        }
+        None
+    }
+
     async fn open(&self) -> Result<WaitConnection, LockError> {
         let mut conn = open_connection(&self.options, self.connect_timeout).await?;
-        let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        let (pid, started): (i32, String) = sqlx::query_as(IDENTITY_SQL)
             .fetch_one(&mut conn)
             .await
             .map_err(|e| pg_error("opening a wait connection", e))?;
-        Ok(WaitConnection { conn, pid })
+        Ok(WaitConnection { conn, pid, started })
     }
 
     async fn wait(
         &self,
         wc: &mut WaitConnection,
         reply: &mut WaitReply,
+        abandoned: &mut bool,
     ) -> Result<WaitOutcome, LockError> {
         sqlx::query(SET_LOCK_TIMEOUT_SQL)
             .bind(lock_timeout_setting(self.timeout))
@@ -875,7 +936,10 @@ impl WaitTask {
             .map_err(|e| pg_error("starting a wait", e))?;
         let id = self.id;
         let fencing = self.fencing;
-        let pid = wc.pid;
+        let cancel = LaneCommand::Cancel {
+            pid: wc.pid,
+            started: wc.started.clone(),
+        };
         let result = {
             let conn = &mut wc.conn;
             let mut statement = std::pin::pin!(async move {
@@ -893,13 +957,11 @@ impl WaitTask {
             tokio::select! {
                 result = &mut statement => result,
                 () = reply.closed() => {
-                    // Abandoned: ask the server to end the wait, then see how it ended (it may
-                    // have been granted in the meantime; `run` then gives the lock back).
-                    let _ = self.canceller.send(LaneCommand::Cancel { pid });
-                    match tokio::time::timeout(STATEMENT_TIMEOUT, &mut statement).await {
-                        Ok(result) => result,
-                        Err(_) => return Err(LockError::unavailable(NAME, "an abandoned wait did not end", None)),
-                    }
+                    // Abandoned: ask the server to end the wait. `run` closes the connection,
+                    // which also ends the lock if the server granted it in the meantime.
+                    *abandoned = true;
+                    let _ = self.canceller.send(cancel);
+                    return Ok(WaitOutcome::NotGranted);
                 }
             }
         };
@@ -1080,10 +1142,12 @@ pub async fn acquire_in_transaction(
     }
     let id = lock_id(key);
     let err = |e| pg_error("taking a transaction lock", e);
-    let previous: String = sqlx::query_scalar("SELECT current_setting('lock_timeout')")
-        .fetch_one(&mut *conn)
-        .await
-        .map_err(err)?;
+    let previous: (String, String) = sqlx::query_as(
+        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(err)?;
     match sqlx::query("SAVEPOINT dlock_wait")
         .execute(&mut *conn)
         .await
@@ -1097,10 +1161,13 @@ pub async fn acquire_in_transaction(
         Err(e) => return Err(err(e)),
     }
     let waited = async {
-        sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-            .bind(lock_timeout_setting(timeout))
-            .execute(&mut *conn)
-            .await?;
+        // The caller's statement_timeout must not cut the wait short: lock_timeout bounds it.
+        sqlx::query(
+            "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', '0', true)",
+        )
+        .bind(lock_timeout_setting(timeout))
+        .execute(&mut *conn)
+        .await?;
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(id)
             .execute(&mut *conn)
@@ -1109,9 +1176,12 @@ pub async fn acquire_in_transaction(
     .await;
     match waited {
         Ok(_) => {
-            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-                .bind(&previous)
-                .execute(&mut *conn)
+            sqlx::query(
+                "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+            )
+            .bind(&previous.0)
+            .bind(&previous.1)
+            .execute(&mut *conn)
                 .await
                 .map_err(err)?;
             sqlx::query("RELEASE SAVEPOINT dlock_wait")
