@@ -87,8 +87,11 @@
 //! # URL
 //!
 //! `postgres://user:password@host:port/database` (or `postgresql://`). The options below are
-//! read by the backend; any other query option (`sslmode`, `application_name`, `options`, ...)
-//! goes to the driver as usual.
+//! read by the backend; the driver's own options (`sslmode`, `sslrootcert`, `sslcert`,
+//! `sslkey`, `application_name`, `options`, `statement-cache-capacity`, `host`, `port`,
+//! `dbname`, `user`, `password`) go to it as usual, and any other option is refused (so a typo
+//! does not pass unnoticed). Connections are named `application_name=dlock` unless the URL
+//! names them.
 //!
 //! | option | default | meaning |
 //! |---|---|---|
@@ -128,7 +131,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::key::validate_key;
-use crate::options::{parse_duration, query_pairs};
+use crate::options::{parse_duration, query_pairs, unknown_option};
 use crate::{Backoff, LockError, lock_id};
 
 const NAME: &str = "postgres";
@@ -151,6 +154,29 @@ const OPTIONS: &[&str] = &[
     "connections",
     "wait_connections",
     "connect_timeout",
+];
+
+/// Query options the driver reads (it would ignore any other silently, so a typo would go
+/// unnoticed: they are refused instead).
+const DRIVER_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
 ];
 
 /// Session settings of lock and wait connections: no server-side timeouts that could cut a
@@ -1361,11 +1387,15 @@ fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
             "connect_timeout" => connect_timeout = parse_duration("connect_timeout", &value)?,
             "connections" => connections = parse_count("connections", &value)?,
             "wait_connections" => wait_connections = parse_count("wait_connections", &value)?,
-            other => {
+            other if DRIVER_OPTIONS.contains(&other) || other.starts_with("options[") => {
                 if other == "application_name" {
                     named = true;
                 }
                 passthrough.push((name, value));
+            }
+            other => {
+                let valid: Vec<&str> = OPTIONS.iter().chain(DRIVER_OPTIONS).copied().collect();
+                return Err(unknown_option(NAME, other, &valid));
             }
         }
     }
@@ -1435,6 +1465,7 @@ mod tests {
             "postgres://h/db?connections=0",
             "postgres://h/db?connections=100",
             "postgres://h/db?keepalive=1ms",
+            "postgres://h/db?fencng=true",
             "postgres://h:notaport/db",
         ] {
             let err = parse_url(bad).unwrap_err();
