@@ -74,6 +74,10 @@
 //! connections. Releasing a lost lock is not an error of its own: [`LockGuard::release`]
 //! reports the loss once, as [`LockError::Lost`].
 //!
+//! A lock connection checks itself between statements; if the network is cut while one of its
+//! short statements (a try, an unlock) is in flight, that statement is given up after 10 s,
+//! and the connection's locks are reported lost then.
+//!
 //! [`LockGuard::release`]: crate::LockGuard::release
 //!
 //! # Fencing tokens
