@@ -6,9 +6,11 @@ use std::task::Poll;
 use std::time::Instant;
 
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
+use crate::metrics::Metrics;
 use crate::table::Slot;
 
 /// A held lock. Dropping it releases the lock.
@@ -31,6 +33,7 @@ pub struct LockGuard {
     backend: &'static str,
     acquired_at: Instant,
     runtime: tokio::runtime::Handle,
+    metrics: Arc<Metrics>,
 }
 
 struct Held {
@@ -44,6 +47,8 @@ impl LockGuard {
         slot: Slot,
         acquired: crate::backend::Acquired,
         backend: &'static str,
+        metrics: Arc<Metrics>,
+        runtime: tokio::runtime::Handle,
     ) -> Self {
         LockGuard {
             key: Arc::clone(slot.key()),
@@ -51,7 +56,8 @@ impl LockGuard {
             lost: acquired.lost,
             backend,
             acquired_at: Instant::now(),
-            runtime: tokio::runtime::Handle::current(),
+            runtime,
+            metrics,
             state: Some(Held {
                 handle: acquired.handle,
                 slot,
@@ -110,6 +116,8 @@ impl LockGuard {
         let Some(Held { handle, slot }) = self.state.take() else {
             return Ok(());
         };
+        self.record_end();
+        let span = tracing::debug_span!("dlock.release", key = &*self.key, backend = self.backend);
         let mut releasing = Releasing {
             future: Some(handle.release()),
             slot: Some(slot),
@@ -119,6 +127,7 @@ impl LockGuard {
             Some(future) => future.as_mut().poll(cx),
             None => Poll::Ready(Ok(())),
         })
+        .instrument(span)
         .await;
         releasing.future = None;
         drop(releasing);
@@ -152,9 +161,26 @@ impl Drop for Releasing {
     }
 }
 
+impl LockGuard {
+    /// Records the hold's duration and, if it ended lost, the loss (once: the state is gone).
+    fn record_end(&self) {
+        let lost = self.lost.is_cancelled();
+        if lost {
+            tracing::warn!(
+                key = &*self.key,
+                backend = self.backend,
+                "the lock was lost while held"
+            );
+        }
+        self.metrics
+            .released(self.backend, &self.key, self.acquired_at.elapsed(), lost);
+    }
+}
+
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if let Some(Held { handle, slot }) = self.state.take() {
+            self.record_end();
             let key = Arc::clone(&self.key);
             let backend = self.backend;
             let task = async move {

@@ -71,6 +71,8 @@ mod backoff;
 mod error;
 mod guard;
 mod key;
+pub mod key_template;
+pub mod metrics;
 mod options;
 mod provider;
 mod table;

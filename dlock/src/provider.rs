@@ -5,10 +5,13 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use opentelemetry::metrics::Meter;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::backend::{Acquired, LockBackend, LockRequest};
 use crate::key::validate_key;
+use crate::metrics::Metrics;
 use crate::table::{LocalTable, Slot};
 use crate::{Backoff, LockError, LockGuard};
 
@@ -55,6 +58,7 @@ struct Inner {
     backoff: Backoff,
     lease: Option<Duration>,
     shutdown: Option<CancellationToken>,
+    metrics: Arc<Metrics>,
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
@@ -116,6 +120,8 @@ impl LockProvider {
             backoff: Backoff::default(),
             lease: None,
             shutdown: None,
+            meter: None,
+            metric_key_prefix: false,
         }
     }
 
@@ -218,6 +224,39 @@ impl LockProvider {
         }
     }
 
+    /// A provider on the same store and the same in-process table (so the two exclude each
+    /// other as one provider would) whose pending and future acquisitions also end with
+    /// [`LockError::Canceled`] once `shutdown` is cancelled, for graceful shutdown of a
+    /// provider made by [`connect`](LockProvider::connect). Replaces a token set with
+    /// [`ProviderBuilder::cancel_on`]; locks already held are not released by it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let shutdown = dlock::CancellationToken::new();
+    /// let locks = dlock::LockProvider::connect(&url).await?.with_shutdown(&shutdown);
+    /// shutdown.cancel();
+    /// assert!(matches!(
+    ///     locks.try_acquire("jobs:billing").await,
+    ///     Err(dlock::LockError::Canceled { .. })
+    /// ));
+    /// # Ok(()) }
+    /// ```
+    pub fn with_shutdown(&self, shutdown: &CancellationToken) -> LockProvider {
+        LockProvider {
+            inner: Arc::new(Inner {
+                backend: Arc::clone(&self.inner.backend),
+                table: Arc::clone(&self.inner.table),
+                backoff: self.inner.backoff,
+                lease: self.inner.lease,
+                shutdown: Some(shutdown.clone()),
+                metrics: Arc::clone(&self.inner.metrics),
+            }),
+        }
+    }
+
     /// The backend's name (`"sqlite"`, `"postgres"`, ...).
     pub fn backend_name(&self) -> &'static str {
         self.inner.backend.name()
@@ -229,6 +268,48 @@ impl LockProvider {
     }
 
     async fn acquire_with(
+        &self,
+        key: &str,
+        timeout: Duration,
+        cancel: Option<&CancellationToken>,
+        lease: Option<Duration>,
+        backoff: Option<&Backoff>,
+    ) -> Result<LockGuard, LockError> {
+        let backend = self.inner.backend.name();
+        let span = tracing::debug_span!(
+            "dlock.acquire",
+            key,
+            backend,
+            timeout_ms = timeout.as_millis() as u64,
+            outcome = tracing::field::Empty,
+        );
+        let started = Instant::now();
+        let outcome = self
+            .acquire_untraced(key, timeout, cancel, lease, backoff)
+            .instrument(span.clone())
+            .await;
+        let waited = started.elapsed();
+        self.inner
+            .metrics
+            .acquisition(backend, key, &outcome, waited);
+        if !span.is_disabled() {
+            let status = match &outcome {
+                Ok(_) => "acquired",
+                Err(err) => err.code(),
+            };
+            span.record("outcome", status);
+            span.in_scope(|| {
+                tracing::debug!(
+                    wait_ms = waited.as_secs_f64() * 1000.0,
+                    outcome = status,
+                    "lock acquisition ended"
+                );
+            });
+        }
+        outcome
+    }
+
+    async fn acquire_untraced(
         &self,
         key: &str,
         timeout: Duration,
@@ -259,6 +340,12 @@ impl LockProvider {
             },
         };
 
+        // The guard releases in the background on drop, which needs the runtime.
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            LockError::config(
+                "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
+            )
+        })?;
         let request = LockRequest::new(key).with_lease(lease.or(inner.lease));
         let backend = &*inner.backend;
         let attempt = async {
@@ -299,7 +386,13 @@ impl LockProvider {
             }
             acquired = attempt => acquired?,
         };
-        Ok(LockGuard::new(slot, acquired, backend.name()))
+        Ok(LockGuard::new(
+            slot,
+            acquired,
+            backend.name(),
+            Arc::clone(&inner.metrics),
+            runtime,
+        ))
     }
 }
 
@@ -405,9 +498,25 @@ pub struct ProviderBuilder {
     backoff: Backoff,
     lease: Option<Duration>,
     shutdown: Option<CancellationToken>,
+    meter: Option<Meter>,
+    metric_key_prefix: bool,
 }
 
 impl ProviderBuilder {
+    /// The OpenTelemetry meter to record into, instead of the global provider's meter named
+    /// `dlock` (see the [`metrics` docs](crate::metrics) for the instruments).
+    pub fn meter(mut self, meter: Meter) -> Self {
+        self.meter = Some(meter);
+        self
+    }
+
+    /// Adds the attribute `key_prefix` (the key's text before its first `:`) to the metrics.
+    /// Off by default; turn it on only when key prefixes are few (`jobs`, `account`, ...).
+    pub fn metric_key_prefix(mut self, enabled: bool) -> Self {
+        self.metric_key_prefix = enabled;
+        self
+    }
+
     /// How waits are polled on backends without a native wait.
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = backoff;
@@ -431,6 +540,10 @@ impl ProviderBuilder {
 
     /// The provider.
     pub fn build(self) -> LockProvider {
+        let meter = self
+            .meter
+            .unwrap_or_else(|| opentelemetry::global::meter("dlock"));
+        let metrics = Arc::new(Metrics::new(&meter, self.metric_key_prefix));
         LockProvider {
             inner: Arc::new(Inner {
                 backend: self.backend,
@@ -438,6 +551,7 @@ impl ProviderBuilder {
                 backoff: self.backoff,
                 lease: self.lease,
                 shutdown: self.shutdown,
+                metrics,
             }),
         }
     }

@@ -72,17 +72,18 @@ const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS __distributed_locks (\
     fencing INTEGER NOT NULL DEFAULT 0\
 ) WITHOUT ROWID";
 
-/// Takes a free or expired row: `?1` name, `?2` owner, `?3` new expiry, `?4` now (ms).
-/// Returns the new fencing token, or no row when the lock is held.
-pub(crate) const ACQUIRE_SQL: &str = "INSERT INTO __distributed_locks (name, owner, expires_at, fencing) \
+/// The statement of an acquisition: takes a free or expired row. Parameters: `?1` name (the
+/// key's bytes), `?2` owner token, `?3` new expiry and `?4` now (Unix ms). Returns the new
+/// fencing token, or no row when the lock is held.
+pub const ACQUIRE_SQL: &str = "INSERT INTO __distributed_locks (name, owner, expires_at, fencing) \
     VALUES (?1, ?2, ?3, 1) \
     ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, expires_at = excluded.expires_at, \
     fencing = __distributed_locks.fencing + 1 \
     WHERE __distributed_locks.owner IS NULL OR __distributed_locks.expires_at <= ?4 \
     RETURNING fencing";
 
-/// Frees the row if `?2` still owns it.
-pub(crate) const RELEASE_SQL: &str = "UPDATE __distributed_locks SET owner = NULL, expires_at = 0 \
+/// The statement of a release: frees row `?1` if owner `?2` still holds it.
+pub const RELEASE_SQL: &str = "UPDATE __distributed_locks SET owner = NULL, expires_at = 0 \
     WHERE name = ?1 AND owner = ?2";
 
 /// Extends the lease to `?3` if `?2` still owns the row.
@@ -277,7 +278,7 @@ impl LockBackend for SqliteBackend {
         Box::pin(async move {
             let lease = request.lease.unwrap_or(self.shared.lease);
             check_lease(lease)?;
-            self.shared.start_renewer();
+            self.shared.start_renewer()?;
             let owner = self.shared.new_owner();
             let name = request.key.as_bytes();
             let started = Instant::now();
@@ -433,10 +434,12 @@ impl Shared {
 
     fn count_commit(&self) {
         let commits = self.commits.fetch_add(1, Ordering::Relaxed) + 1;
-        if commits % CHECKPOINT_EVERY == 0 {
+        if commits % CHECKPOINT_EVERY == 0
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
             let background = Arc::clone(&self.background);
             // Best effort; a checkpoint that finds readers in the way just does less.
-            drop(tokio::task::spawn_blocking(move || {
+            drop(runtime.spawn_blocking(move || {
                 let conn = background.lock().unwrap_or_else(PoisonError::into_inner);
                 let _ = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()));
             }));
@@ -454,12 +457,18 @@ impl Shared {
         self.renewals().remove(&id);
     }
 
-    fn start_renewer(self: &Arc<Self>) {
+    fn start_renewer(self: &Arc<Self>) -> Result<(), LockError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            LockError::config(
+                "the SQLite backend renews leases on Tokio: use it within a Tokio runtime",
+            )
+        })?;
         self.renewer.call_once(|| {
             let weak = Arc::downgrade(self);
             let wake = Arc::clone(&self.wake);
-            drop(tokio::spawn(renew_loop(weak, wake)));
+            drop(runtime.spawn(renew_loop(weak, wake)));
         });
+        Ok(())
     }
 
     /// Fires the lost token of every lock whose lease may have run out unrenewed.
@@ -521,10 +530,13 @@ async fn renew_loop(weak: Weak<Shared>, wake: Arc<Notify>) {
     }
 }
 
+/// A renewal to run: lock id, name, owner, lease.
+type DueRenewal = (u64, Arc<[u8]>, [u8; 16], Duration);
+
 async fn renew_due(shared: &Arc<Shared>) {
     let started = Instant::now();
     shared.expire_overdue(started);
-    let due: Vec<(u64, Arc<[u8]>, [u8; 16], Duration)> = shared
+    let due: Vec<DueRenewal> = shared
         .renewals()
         .iter()
         .filter(|(_, r)| r.next_due <= started)
@@ -600,11 +612,7 @@ async fn renew_due(shared: &Arc<Shared>) {
     }
 }
 
-fn retry_soon(
-    renewals: &mut HashMap<u64, Renewal>,
-    due: &[(u64, Arc<[u8]>, [u8; 16], Duration)],
-    now: Instant,
-) {
+fn retry_soon(renewals: &mut HashMap<u64, Renewal>, due: &[DueRenewal], now: Instant) {
     for (id, ..) in due {
         if let Some(renewal) = renewals.get_mut(id) {
             renewal.next_due = now + renewal.lease / 10;

@@ -1,0 +1,723 @@
+//! The layer over real HTTP: servers on loopback ports, a real client, a SQLite lock file
+//! shared with a second provider that plays "another replica".
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::Path;
+use axum::routing::{get, post};
+use dlock::sqlite::SqliteBackend;
+use dlock::{Backoff, CancellationToken, LockError, LockProvider};
+use dlock_axum::{LockLayer, LockRejection};
+use http::request::Parts;
+use serde_json::{Value, json};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::Notify;
+
+/// A lock file and providers on it.
+struct Store {
+    dir: tempfile::TempDir,
+}
+
+impl Store {
+    fn new() -> Store {
+        Store {
+            dir: tempfile::tempdir().expect("temp dir"),
+        }
+    }
+
+    fn path(&self) -> std::path::PathBuf {
+        self.dir.path().join("locks.db")
+    }
+
+    /// A provider that polls quickly, as another replica would.
+    async fn provider(&self) -> LockProvider {
+        let backend = SqliteBackend::builder(self.path())
+            .lease(Duration::from_millis(900))
+            .open()
+            .await
+            .expect("open lock file");
+        LockProvider::builder(backend)
+            .backoff(
+                Backoff::new(Duration::from_millis(1), Duration::from_millis(5), 0.5)
+                    .expect("backoff"),
+            )
+            .build()
+    }
+}
+
+struct Server {
+    base: String,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+async fn serve(app: Router) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        axum::serve(listener, app).await.expect("serve");
+    });
+    Server {
+        base: format!("http://{addr}"),
+        _task: task,
+    }
+}
+
+struct Answer {
+    status: u16,
+    content_type: Option<String>,
+    retry_after: Option<String>,
+    body: Value,
+}
+
+async fn post_to(url: &str) -> Answer {
+    let response = reqwest::Client::new()
+        .post(url)
+        .send()
+        .await
+        .expect("request");
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().expect("ascii header").to_owned())
+    };
+    let content_type = header("content-type");
+    let retry_after = header("retry-after");
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("body");
+    let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    Answer {
+        status,
+        content_type,
+        retry_after,
+        body,
+    }
+}
+
+fn problem(
+    slug: &str,
+    status: u16,
+    title: &str,
+    detail: &str,
+    instance: &str,
+    code: &str,
+) -> Value {
+    json!({
+        "type": format!("/problems/distributed-lock/{slug}"),
+        "status": status,
+        "title": title,
+        "detail": detail,
+        "instance": instance,
+        "code": code,
+    })
+}
+
+fn assert_problem(answer: &Answer, expected: Value, retry_after: Option<&str>) {
+    assert_eq!(answer.body, expected);
+    assert_eq!(
+        Some(answer.status),
+        expected["status"].as_u64().map(|s| s as u16)
+    );
+    assert_eq!(
+        answer.content_type.as_deref(),
+        Some("application/problem+json")
+    );
+    assert_eq!(answer.retry_after.as_deref(), retry_after);
+}
+
+/// A route on `/accounts/{account_id}/debit` that counts its calls.
+fn counting_app(layer: LockLayer) -> (Router, Arc<AtomicUsize>) {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counter = Arc::clone(&calls);
+    let app = Router::new()
+        .route(
+            "/accounts/{account_id}/debit",
+            post(move |Path(id): Path<String>| {
+                let counter = Arc::clone(&counter);
+                async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    format!("debited {id}")
+                }
+            }),
+        )
+        .route_layer(layer);
+    (app, calls)
+}
+
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contention_is_a_409_problem_and_the_handler_is_not_called() {
+    let store = Store::new();
+    let (app, calls) = counting_app(LockLayer::new(
+        store.provider().await,
+        "account:{account_id}",
+    ));
+    let server = serve(app).await;
+    let other = store.provider().await;
+
+    let held = other.try_acquire("account:42").await.expect("hold");
+    let answer = post_to(&format!("{}/accounts/42/debit", server.base)).await;
+    assert_problem(
+        &answer,
+        problem(
+            "already-held",
+            409,
+            "Lock Already Held",
+            "Another request holds the lock this request needs; retry later.",
+            "/accounts/42/debit",
+            "DistributedLock.AlreadyHeld",
+        ),
+        Some("1"),
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+
+    held.release().await.expect("release");
+    let answer = post_to(&format!("{}/accounts/42/debit", server.base)).await;
+    assert_eq!((answer.status, answer.body), (200, json!("debited 42")));
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_that_runs_out_is_a_408_problem() {
+    let store = Store::new();
+    let layer = LockLayer::new(store.provider().await, "account:{account_id}")
+        .timeout(Duration::from_millis(150))
+        .retry_after(Duration::from_millis(2500));
+    let (app, calls) = counting_app(layer);
+    let server = serve(app).await;
+    let _held = store
+        .provider()
+        .await
+        .try_acquire("account:7")
+        .await
+        .expect("hold");
+
+    let started = Instant::now();
+    let answer = post_to(&format!("{}/accounts/7/debit", server.base)).await;
+    assert!(started.elapsed() >= Duration::from_millis(150));
+    assert_problem(
+        &answer,
+        problem(
+            "timeout",
+            408,
+            "Lock Acquisition Timeout",
+            "The lock this request needs stayed held by another request for the whole 150 ms \
+             the server waits; retry later.",
+            "/accounts/7/debit",
+            "DistributedLock.Timeout",
+        ),
+        Some("3"),
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_lost_mid_handler_drops_the_handler_and_answers_500() {
+    let store = Store::new();
+    let started = Arc::new(Notify::new());
+    let dropped = Arc::new(AtomicUsize::new(0));
+    struct OnDrop(Arc<AtomicUsize>);
+    impl Drop for OnDrop {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    let (s, d) = (Arc::clone(&started), Arc::clone(&dropped));
+    let app = Router::new()
+        .route(
+            "/jobs/{name}",
+            post(move || {
+                let (s, d) = (Arc::clone(&s), Arc::clone(&d));
+                async move {
+                    let _on_drop = OnDrop(d);
+                    s.notify_one();
+                    std::future::pending::<()>().await;
+                    "never"
+                }
+            }),
+        )
+        .route_layer(LockLayer::new(store.provider().await, "job:{name}"));
+    let server = serve(app).await;
+
+    let request =
+        tokio::spawn(async move { post_to(&format!("{}/jobs/nightly", server.base)).await });
+    started.notified().await;
+    // Another owner takes the row over, as if the lease had run out and been taken.
+    let conn = rusqlite::Connection::open(store.path()).expect("open");
+    let changed = conn
+        .execute(
+            "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+            [b"job:nightly".as_slice()],
+        )
+        .expect("steal row");
+    assert_eq!(changed, 1);
+
+    let answer = request.await.expect("request task");
+    assert_problem(
+        &answer,
+        problem(
+            "lost",
+            500,
+            "Distributed Lock Lost",
+            "The lock protecting this request was lost before the response was ready; the \
+             request may have been carried out partly, or alongside another one.",
+            "/jobs/nightly",
+            "DistributedLock.Lost",
+        ),
+        None,
+    );
+    assert_eq!(
+        dropped.load(Ordering::SeqCst),
+        1,
+        "the handler future was dropped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancellation_ends_waits_with_499() {
+    let store = Store::new();
+    let shutdown = CancellationToken::new();
+    let layer = LockLayer::new(store.provider().await, "account:{account_id}")
+        .timeout(Duration::from_secs(60))
+        .max_waiting(8)
+        .cancel_on(&shutdown);
+    let (app, calls) = counting_app(layer.clone());
+    let server = serve(app).await;
+    let _held = store
+        .provider()
+        .await
+        .try_acquire("account:9")
+        .await
+        .expect("hold");
+
+    let url = format!("{}/accounts/9/debit", server.base);
+    let waiting = tokio::spawn(async move { post_to(&url).await });
+    eventually("the request waits", || layer.waiting() == 1).await;
+    shutdown.cancel();
+    let answer = waiting.await.expect("request task");
+    assert_problem(
+        &answer,
+        problem(
+            "canceled",
+            499,
+            "Lock Acquisition Canceled",
+            "The server stopped waiting for the lock this request needs (it is shutting down); \
+             retry later.",
+            "/accounts/9/debit",
+            "DistributedLock.Canceled",
+        ),
+        None,
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 0);
+    assert_eq!(layer.waiting(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn beyond_the_waiter_limit_requests_get_503() {
+    let store = Store::new();
+    let layer = LockLayer::new(store.provider().await, "account:{account_id}")
+        .timeout(Duration::from_secs(60))
+        .max_waiting(2);
+    let (app, calls) = counting_app(layer.clone());
+    let server = serve(app).await;
+    let held = store
+        .provider()
+        .await
+        .try_acquire("account:5")
+        .await
+        .expect("hold");
+
+    let url = format!("{}/accounts/5/debit", server.base);
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post_to(&url).await })
+        })
+        .collect();
+    eventually("two requests wait", || layer.waiting() == 2).await;
+
+    let answer = post_to(&url).await;
+    assert_problem(
+        &answer,
+        problem(
+            "too-many-waiters",
+            503,
+            "Too Many Lock Waiters",
+            "Too many requests are already waiting for locks here; retry later.",
+            "/accounts/5/debit",
+            "DistributedLock.TooManyWaiters",
+        ),
+        Some("1"),
+    );
+    // A request over the limit whose lock is free is still served.
+    let free = post_to(&format!("{}/accounts/6/debit", server.base)).await;
+    assert_eq!(free.status, 200);
+
+    held.release().await.expect("release");
+    for waiter in waiters {
+        assert_eq!(waiter.await.expect("task").status, 200);
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_keys_are_400_and_long_path_parameters_are_bounded() {
+    let store = Store::new();
+    let (app, calls) = counting_app(LockLayer::new(
+        store.provider().await,
+        "account:{account_id}",
+    ));
+    let server = serve(app).await;
+
+    let long = "x".repeat(10 * 1024);
+    let answer = post_to(&format!("{}/accounts/{long}/debit", server.base)).await;
+    assert_problem(
+        &answer,
+        problem(
+            "invalid-key",
+            400,
+            "Invalid Lock Key",
+            "This request does not name a usable lock: the lock key would be 10248 bytes long, \
+             more than the 1024 this route accepts.",
+            &format!("/accounts/{long}/debit"),
+            "DistributedLock.InvalidKey",
+        ),
+        None,
+    );
+    // Up to the limit is fine: "account:" is 8 bytes.
+    let fits = "y".repeat(1024 - 8);
+    let answer = post_to(&format!("{}/accounts/{fits}/debit", server.base)).await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+    // A key function that makes an empty key.
+    let app = Router::new()
+        .route("/x", post(|| async { "ran" }))
+        .route_layer(LockLayer::with_key_fn(
+            store.provider().await,
+            |_: &Parts| Some(String::new()),
+        ));
+    let server = serve(app).await;
+    let answer = post_to(&format!("{}/x", server.base)).await;
+    assert_eq!(answer.status, 400);
+    assert_eq!(answer.body["code"], "DistributedLock.InvalidKey");
+    assert_eq!(answer.body["instance"], "/x");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_values_are_encoded_as_the_macro_encodes_them() {
+    let store = Store::new();
+    let (app, _calls) = counting_app(LockLayer::new(
+        store.provider().await,
+        "account:{account_id}",
+    ));
+    let server = serve(app).await;
+    let other = store.provider().await;
+
+    // `a%3Ab` in the URL is the value `a:b`, locked as `account:a%3Ab`.
+    let encoded = other.try_acquire("account:a%3Ab").await.expect("hold");
+    let answer = post_to(&format!("{}/accounts/a%3Ab/debit", server.base)).await;
+    assert_eq!(answer.status, 409);
+    encoded.release().await.expect("release");
+
+    let raw = other.try_acquire("account:a:b").await.expect("hold");
+    let answer = post_to(&format!("{}/accounts/a%3Ab/debit", server.base)).await;
+    assert_eq!((answer.status, answer.body), (200, json!("debited a:b")));
+    raw.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lock_is_held_while_the_handler_runs_and_free_when_the_response_arrives() {
+    let store = Store::new();
+    let other = store.provider().await;
+    let probe = other.clone();
+    let app = Router::new()
+        .route(
+            "/accounts/{account_id}/debit",
+            post(move || {
+                let probe = probe.clone();
+                async move {
+                    match probe.try_acquire("account:1").await {
+                        Err(LockError::AlreadyHeld { .. }) => "held",
+                        Ok(_) => "free",
+                        Err(_) => "error",
+                    }
+                }
+            }),
+        )
+        .route_layer(LockLayer::new(
+            store.provider().await,
+            "account:{account_id}",
+        ));
+    let server = serve(app).await;
+
+    for _ in 0..3 {
+        let answer = post_to(&format!("{}/accounts/1/debit", server.base)).await;
+        assert_eq!((answer.status, answer.body), (200, json!("held")));
+        // Released before the response was sent.
+        let guard = other
+            .try_acquire("account:1")
+            .await
+            .expect("free after the response");
+        guard.release().await.expect("release");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_disconnects_frees_the_lock_promptly() {
+    let store = Store::new();
+    let started = Arc::new(Notify::new());
+    let s = Arc::clone(&started);
+    let app = Router::new()
+        .route(
+            "/accounts/{account_id}/debit",
+            post(move || {
+                let s = Arc::clone(&s);
+                async move {
+                    s.notify_one();
+                    std::future::pending::<()>().await;
+                    "never"
+                }
+            }),
+        )
+        .route_layer(LockLayer::new(
+            store.provider().await,
+            "account:{account_id}",
+        ));
+    let server = serve(app).await;
+    let other = store.provider().await;
+
+    let addr = server.base.trim_start_matches("http://");
+    let mut stream = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    stream
+        .write_all(b"POST /accounts/3/debit HTTP/1.1\r\nhost: test\r\ncontent-length: 0\r\n\r\n")
+        .await
+        .expect("write");
+    started.notified().await;
+    assert!(matches!(
+        other.try_acquire("account:3").await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+
+    drop(stream);
+    let guard = other
+        .acquire("account:3", Duration::from_millis(100))
+        .await
+        .expect("the lock is free within 100 ms of the disconnect");
+    guard.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_without_the_layer_are_untouched() {
+    let store = Store::new();
+    let app = Router::new()
+        .route("/locked/{id}", post(|| async { "locked route" }))
+        .route_layer(LockLayer::new(store.provider().await, "item:{id}"))
+        .route("/open/{id}", post(|| async { "open route" }))
+        .route("/get/{id}", get(|| async { "get route" }));
+    let server = serve(app).await;
+    let _held = store
+        .provider()
+        .await
+        .try_acquire("item:1")
+        .await
+        .expect("hold");
+
+    assert_eq!(
+        post_to(&format!("{}/locked/1", server.base)).await.status,
+        409
+    );
+    let open = post_to(&format!("{}/open/1", server.base)).await;
+    assert_eq!((open.status, open.body), (200, json!("open route")));
+    assert_eq!(
+        open.content_type.as_deref(),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(open.retry_after, None);
+    let got = reqwest::get(format!("{}/get/1", server.base))
+        .await
+        .expect("get");
+    assert_eq!(got.status(), 200);
+    let missing = post_to(&format!("{}/nowhere", server.base)).await;
+    assert_eq!(missing.status, 404);
+
+    // A key function that answers `None` lets the request through without a lock.
+    let app = Router::new()
+        .route("/tenants", post(|| async { "ran" }))
+        .route_layer(LockLayer::with_key_fn(
+            store.provider().await,
+            |parts: &Parts| {
+                let tenant = parts.headers.get("x-tenant")?.to_str().ok()?;
+                Some(format!("item:{tenant}"))
+            },
+        ));
+    let server = serve(app).await;
+    let client = reqwest::Client::new();
+    let url = format!("{}/tenants", server.base);
+    let with = client
+        .post(&url)
+        .header("x-tenant", "1")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(with.status(), 409);
+    let without = client.post(&url).send().await.expect("send");
+    assert_eq!(without.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_return_lock_rejections_and_failures_do_not_leak() {
+    let store = Store::new();
+    let locks = store.provider().await;
+    let app =
+        Router::new()
+            .route(
+                "/close",
+                post(move || {
+                    let locks = locks.clone();
+                    async move {
+                        let guard = locks.try_acquire("books:close").await?;
+                        guard.release().await?;
+                        Ok::<_, LockRejection>("closed")
+                    }
+                }),
+            )
+            .route(
+                "/down",
+                post(|| async {
+                    let source: dlock::BoxError =
+                        "connect to postgres://ledger:s3cret@db.internal:5432 failed".into();
+                    Err::<(), _>(LockRejection::from(LockError::unavailable(
+                    "postgres",
+                    "SELECT pg_try_advisory_lock($1) on postgres://ledger:s3cret@db.internal",
+                    Some(source),
+                ))
+                .with_instance("/down"))
+                }),
+            );
+    let server = serve(app).await;
+
+    let held = store
+        .provider()
+        .await
+        .try_acquire("books:close")
+        .await
+        .expect("hold");
+    let answer = post_to(&format!("{}/close", server.base)).await;
+    assert_eq!(answer.status, 409);
+    assert_eq!(answer.body["code"], "DistributedLock.AlreadyHeld");
+    assert_eq!(answer.body["title"], "Lock Already Held");
+    assert_eq!(answer.retry_after.as_deref(), Some("1"));
+    held.release().await.expect("release");
+    assert_eq!(post_to(&format!("{}/close", server.base)).await.status, 200);
+
+    let answer = post_to(&format!("{}/down", server.base)).await;
+    assert_problem(
+        &answer,
+        problem(
+            "unavailable",
+            503,
+            "Lock Store Unavailable",
+            "The lock store cannot be reached right now; retry later.",
+            "/down",
+            "DistributedLock.Unavailable",
+        ),
+        Some("1"),
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn layer_mistakes_are_500_problems_that_do_not_show_the_configuration() {
+    let store = Store::new();
+    // A placeholder that names no path parameter of the route.
+    let app = Router::new()
+        .route("/orders/{order_id}", post(|| async { "ran" }))
+        .route_layer(LockLayer::new(store.provider().await, "order:{id}"));
+    let server = serve(app).await;
+    let answer = post_to(&format!("{}/orders/1", server.base)).await;
+    assert_problem(
+        &answer,
+        problem(
+            "configuration",
+            500,
+            "Lock Configuration Error",
+            "The server's distributed locking is misconfigured.",
+            "/orders/1",
+            "DistributedLock.Configuration",
+        ),
+        None,
+    );
+
+    // With `Router::layer` instead of `route_layer`, matched routes are locked the same, but
+    // requests that match no route reach the layer without path parameters: a loud 500, not
+    // a silently unlocked request.
+    let app = Router::new()
+        .route("/orders/{id}", post(|| async { "ran" }))
+        .layer(LockLayer::new(store.provider().await, "order:{id}"));
+    let server = serve(app).await;
+    let held = store
+        .provider()
+        .await
+        .try_acquire("order:1")
+        .await
+        .expect("hold");
+    assert_eq!(
+        post_to(&format!("{}/orders/1", server.base)).await.status,
+        409
+    );
+    held.release().await.expect("release");
+    let answer = post_to(&format!("{}/elsewhere", server.base)).await;
+    assert_eq!(answer.status, 500);
+    assert_eq!(answer.body["code"], "DistributedLock.Configuration");
+
+    // A template without placeholders locks one key for every request of the route.
+    let app = Router::new()
+        .route("/jobs/run", post(|| async { "ran" }))
+        .route_layer(LockLayer::new(store.provider().await, "jobs:run"));
+    let server = serve(app).await;
+    let held = store
+        .provider()
+        .await
+        .try_acquire("jobs:run")
+        .await
+        .expect("hold");
+    assert_eq!(
+        post_to(&format!("{}/jobs/run", server.base)).await.status,
+        409
+    );
+    held.release().await.expect("release");
+    assert_eq!(
+        post_to(&format!("{}/jobs/run", server.base)).await.status,
+        200
+    );
+}
+
+#[test]
+fn bad_templates_are_reported_at_construction() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let store = Store::new();
+    let locks = runtime.block_on(store.provider());
+    let err = LockLayer::try_new(locks.clone(), "account:{id").expect_err("unclosed");
+    assert!(err.to_string().contains("not closed"), "{err}");
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        LockLayer::new(locks, "account:}")
+    }))
+    .expect_err("panics");
+    let message = panic.downcast_ref::<String>().expect("message");
+    assert!(message.contains("invalid lock key template"), "{message}");
+}

@@ -1,0 +1,295 @@
+//! The ledger service as users run it: real `webapp` processes on loopback ports, sharing a
+//! lock store and a balance file, driven by a real HTTP client.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use dlock::LockProvider;
+use serde_json::{Value, json};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// A running `webapp` process, killed when dropped.
+struct Instance {
+    base: String,
+    child: Child,
+}
+
+/// A temp dir with the balance file, and the lock store the instances share: a SQLite file
+/// (a PostgreSQL or Redis URL works the same once those backends are built).
+struct Setup {
+    dir: tempfile::TempDir,
+    lock_url: String,
+}
+
+impl Setup {
+    fn new() -> Setup {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let lock_url = format!("sqlite://{}", dir.path().join("locks.db").display());
+        Setup { dir, lock_url }
+    }
+
+    fn lock_url(&self) -> String {
+        self.lock_url.clone()
+    }
+
+    fn ledger(&self) -> PathBuf {
+        self.dir.path().join("ledger.db")
+    }
+
+    /// Another replica's view of the lock store.
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.lock_url())
+            .await
+            .expect("lock store")
+    }
+
+    async fn start(&self, env: &[(&str, &str)]) -> Instance {
+        start(&self.lock_url(), &self.ledger(), env).await
+    }
+}
+
+async fn start(lock_url: &str, ledger: &Path, env: &[(&str, &str)]) -> Instance {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_webapp"));
+    command
+        .env("DLOCK_URL", lock_url)
+        .env("LEDGER_DB", ledger)
+        .env("PORT", "0")
+        .env("LOCK_TIMEOUT", "60s")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    for (name, value) in env {
+        command.env(name, value);
+    }
+    let mut child = command.spawn().expect("spawn webapp");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
+        .await
+        .expect("webapp starts within 30 s")
+        .expect("read stdout")
+        .expect("webapp printed its address");
+    let base = line
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"))
+        .to_owned();
+    Instance { base, child }
+}
+
+impl Instance {
+    fn pid(&self) -> u32 {
+        self.child.id().expect("running")
+    }
+}
+
+async fn post_json(client: &reqwest::Client, url: &str, body: Value) -> (u16, Value) {
+    let response = client.post(url).json(&body).send().await.expect("request");
+    let status = response.status().as_u16();
+    (status, response.json().await.unwrap_or(Value::Null))
+}
+
+async fn balance(client: &reqwest::Client, instance: &Instance, id: &str) -> i64 {
+    let body: Value = client
+        .get(format!("{}/accounts/{id}", instance.base))
+        .send()
+        .await
+        .expect("request")
+        .json()
+        .await
+        .expect("json");
+    body["balance"].as_i64().expect("balance")
+}
+
+struct Outcome {
+    failures: Vec<(u16, Value)>,
+    balance: i64,
+    mismatches: usize,
+}
+
+/// Credits 1000, then sends 200 debits of 1 at once, alternating between two instances.
+async fn two_hundred_concurrent_debits(setup: &Setup, env: &[(&str, &str)]) -> Outcome {
+    let a = setup.start(env).await;
+    let b = setup.start(env).await;
+    let client = reqwest::Client::new();
+    let (status, _) = post_json(
+        &client,
+        &format!("{}/accounts/acc-1/credit", a.base),
+        json!({"amount": 1000}),
+    )
+    .await;
+    assert_eq!(status, 200);
+
+    let debits = (0..200).map(|i| {
+        let base = if i % 2 == 0 { &a.base } else { &b.base };
+        let url = format!("{base}/accounts/acc-1/debit");
+        let client = client.clone();
+        async move { post_json(&client, &url, json!({"amount": 1})).await }
+    });
+    let results = futures::future::join_all(debits).await;
+    let failures = results.into_iter().filter(|(s, _)| *s != 200).collect();
+    let balance = balance(&client, &b, "acc-1").await;
+    let (status, report) =
+        post_json(&client, &format!("{}/jobs/reconcile", a.base), json!({})).await;
+    assert_eq!(status, 200, "{report}");
+    Outcome {
+        failures,
+        balance,
+        mismatches: report["mismatches"].as_array().map_or(0, Vec::len),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_lose_no_debit() {
+    let setup = Setup::new();
+    let outcome = two_hundred_concurrent_debits(&setup, &[]).await;
+    assert_eq!(outcome.failures, Vec::<(u16, Value)>::new());
+    assert_eq!(outcome.balance, 1000 - 200);
+    assert_eq!(outcome.mismatches, 0);
+}
+
+/// The same run with the layer removed: every debit answers 200, yet updates are lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_lock_layer_the_same_debits_lose_updates() {
+    let setup = Setup::new();
+    let outcome = two_hundred_concurrent_debits(&setup, &[("DEBIT_LOCK", "off")]).await;
+    assert_eq!(outcome.failures, Vec::<(u16, Value)>::new());
+    assert!(
+        outcome.balance > 1000 - 200,
+        "expected lost updates, got the exact balance {}",
+        outcome.balance
+    );
+    assert_eq!(outcome.mismatches, 1, "reconcile finds the damaged account");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn contention_answers_409_problems_on_every_locked_route() {
+    let setup = Setup::new();
+    let app = setup.start(&[("LOCK_TIMEOUT", "0")]).await;
+    let client = reqwest::Client::new();
+    let other = setup.provider().await;
+    let credit = format!("{}/accounts/acc-2/credit", app.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 10})).await.0,
+        200
+    );
+
+    let held = other
+        .acquire("account:acc-2", Duration::from_secs(5))
+        .await
+        .expect("hold");
+    let response = client
+        .post(format!("{}/accounts/acc-2/debit", app.base))
+        .json(&json!({"amount": 1}))
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 409);
+    assert_eq!(
+        response.headers()["content-type"],
+        "application/problem+json"
+    );
+    assert_eq!(response.headers()["retry-after"], "1");
+    let body: Value = response.json().await.expect("json");
+    assert_eq!(
+        body,
+        json!({
+            "type": "/problems/distributed-lock/already-held",
+            "status": 409,
+            "title": "Lock Already Held",
+            "detail": "Another request holds the lock this request needs; retry later.",
+            "instance": "/accounts/acc-2/debit",
+            "code": "DistributedLock.AlreadyHeld",
+        })
+    );
+    // The credit handler takes the same lock by hand.
+    let (status, body) = post_json(&client, &credit, json!({"amount": 1})).await;
+    assert_eq!(status, 409);
+    assert_eq!(body["code"], "DistributedLock.AlreadyHeld");
+    // Reads are not locked.
+    assert_eq!(balance(&client, &app, "acc-2").await, 10);
+    held.release().await.expect("release");
+
+    let job = other.try_acquire("jobs:reconcile").await.expect("hold");
+    let (status, body) =
+        post_json(&client, &format!("{}/jobs/reconcile", app.base), json!({})).await;
+    assert_eq!(status, 409);
+    assert_eq!(body["instance"], "/jobs/reconcile");
+    job.release().await.expect("release");
+    let (status, body) =
+        post_json(&client, &format!("{}/jobs/reconcile", app.base), json!({})).await;
+    assert_eq!(
+        (status, body),
+        (200, json!({"accounts": 1, "mismatches": []}))
+    );
+
+    let health: Value = client
+        .get(format!("{}/health", app.base))
+        .send()
+        .await
+        .expect("request")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(health["status"], "ok");
+    assert_eq!(health["lock_backend"], "sqlite");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_cancels_waiting_requests_and_exits_cleanly() {
+    let setup = Setup::new();
+    let mut app = setup.start(&[]).await;
+    let client = reqwest::Client::new();
+    let credit = format!("{}/accounts/acc-3/credit", app.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 10})).await.0,
+        200
+    );
+
+    let held = setup
+        .provider()
+        .await
+        .acquire("account:acc-3", Duration::from_secs(5))
+        .await
+        .expect("hold");
+    let url = format!("{}/accounts/acc-3/debit", app.base);
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { post_json(&client, &url, json!({"amount": 1})).await }
+    });
+    let health = format!("{}/health", app.base);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let body: Value = client
+            .get(&health)
+            .send()
+            .await
+            .expect("health")
+            .json()
+            .await
+            .expect("json");
+        if body["waiting_debits"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the debit never started waiting");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &app.pid().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let (status, body) = waiting.await.expect("request task");
+    assert_eq!(status, 499, "{body}");
+    assert_eq!(body["code"], "DistributedLock.Canceled");
+    assert_eq!(body["title"], "Lock Acquisition Canceled");
+    let exit = tokio::time::timeout(Duration::from_secs(10), app.child.wait())
+        .await
+        .expect("the service exits after the signal")
+        .expect("wait");
+    assert!(exit.success(), "{exit:?}");
+    held.release().await.expect("release");
+}

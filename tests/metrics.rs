@@ -1,0 +1,158 @@
+//! Metrics: exact counts and attributes for each outcome, recorded into an in-memory exporter.
+#![cfg(feature = "sqlite")]
+
+mod support;
+
+use std::time::Duration;
+
+use dlock::{CancellationToken, LockError, LockProvider};
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use support::unique_key;
+
+struct Recorder {
+    provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+}
+
+impl Recorder {
+    fn new() -> Self {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        Recorder { provider, exporter }
+    }
+
+    /// (attributes sorted, value) of every data point of `name`: sums for counters, counts for
+    /// histograms.
+    fn points(&self, name: &str) -> Vec<(Vec<(String, String)>, u64)> {
+        self.provider.force_flush().unwrap();
+        let exported = self.exporter.get_finished_metrics().unwrap();
+        let last = exported.last().expect("something exported");
+        let mut points = Vec::new();
+        for scope in last.scope_metrics() {
+            for metric in scope.metrics().filter(|m| m.name() == name) {
+                match metric.data() {
+                    AggregatedMetrics::U64(MetricData::Sum(sum)) => {
+                        for p in sum.data_points() {
+                            points.push((attrs(p.attributes()), p.value()));
+                        }
+                    }
+                    AggregatedMetrics::F64(MetricData::Histogram(h)) => {
+                        for p in h.data_points() {
+                            points.push((attrs(p.attributes()), p.count()));
+                        }
+                    }
+                    other => panic!("unexpected data for {name}: {other:?}"),
+                }
+            }
+        }
+        points.sort();
+        points
+    }
+}
+
+fn attrs<'a>(kvs: impl Iterator<Item = &'a KeyValue>) -> Vec<(String, String)> {
+    let mut v: Vec<_> = kvs
+        .map(|kv| (kv.key.to_string(), kv.value.to_string()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn status(s: &str) -> Vec<(String, String)> {
+    vec![
+        ("lock_type".into(), "sqlite".into()),
+        ("status".into(), s.into()),
+    ]
+}
+
+async fn provider(dir: &tempfile::TempDir, recorder: &Recorder, prefix: bool) -> LockProvider {
+    let backend = dlock::sqlite::SqliteBackend::builder(dir.path().join("m.db"))
+        .lease(Duration::from_millis(600))
+        .open()
+        .await
+        .unwrap();
+    LockProvider::builder(backend)
+        .meter(recorder.provider.meter("dlock"))
+        .metric_key_prefix(prefix)
+        .build()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_outcome_is_counted_once_with_its_status() {
+    let dir = tempfile::tempdir().unwrap();
+    let recorder = Recorder::new();
+    let locks = provider(&dir, &recorder, false).await;
+    let key = unique_key("m");
+
+    let guard = locks.try_acquire(&key).await.unwrap(); // acquired
+    let _ = locks.try_acquire(&key).await; // already_held
+    let _ = locks.try_acquire(&key).await; // already_held
+    let _ = locks.acquire(&key, Duration::from_millis(50)).await; // timeout
+    let token = CancellationToken::new();
+    token.cancel();
+    let _ = locks.lock(&key).cancel_on(&token).acquire().await; // canceled
+    let _ = locks
+        .lock(&unique_key("m"))
+        .lease(Duration::from_millis(1))
+        .try_acquire()
+        .await; // error (lease too short)
+    let _ = locks.try_acquire("").await; // invalid key: not counted
+    guard.release().await.unwrap();
+
+    assert_eq!(
+        recorder.points("distributed_lock.acquisitions"),
+        vec![
+            (status("acquired"), 1),
+            (status("already_held"), 2),
+            (status("canceled"), 1),
+            (status("error"), 1),
+            (status("timeout"), 1),
+        ]
+    );
+    assert_eq!(
+        recorder.points("distributed_lock.wait_duration"),
+        recorder.points("distributed_lock.acquisitions")
+    );
+    assert_eq!(
+        recorder.points("distributed_lock.hold_duration"),
+        vec![(vec![("lock_type".into(), "sqlite".into())], 1)]
+    );
+    assert!(recorder.points("distributed_lock.lost").is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hold_is_recorded_on_drop_and_loss_counted_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let recorder = Recorder::new();
+    let locks = provider(&dir, &recorder, true).await;
+
+    let dropped = locks.try_acquire("jobs:dropped").await.unwrap();
+    drop(dropped);
+
+    let lost = locks.try_acquire("jobs:lost").await.unwrap();
+    let conn = rusqlite::Connection::open(dir.path().join("m.db")).unwrap();
+    conn.execute(
+        "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+        [b"jobs:lost".as_slice()],
+    )
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(3), lost.lost_token().cancelled())
+        .await
+        .expect("lost detected");
+    assert!(matches!(lost.release().await, Err(LockError::Lost { .. })));
+
+    let jobs = vec![
+        ("key_prefix".to_owned(), "jobs".to_owned()),
+        ("lock_type".to_owned(), "sqlite".to_owned()),
+    ];
+    assert_eq!(
+        recorder.points("distributed_lock.hold_duration"),
+        vec![(jobs.clone(), 2)]
+    );
+    assert_eq!(recorder.points("distributed_lock.lost"), vec![(jobs, 1)]);
+}
