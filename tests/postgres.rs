@@ -563,3 +563,46 @@ async fn fencing_tokens_survive_a_new_provider_and_builder_options() {
     ));
     g.release().await.unwrap();
 }
+
+/// Abandoned native waits leave nothing on the server: no queued waiter, no granted lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_waits_leave_the_server_clean() {
+    let server = PgServer::shared();
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+    let key = unique_key("abandoned-wait");
+    let held = b.try_acquire(&key).await.unwrap();
+    let mut conn = admin(server).await;
+    for _ in 0..5 {
+        // The wait reaches the server, then its future is dropped.
+        let wait = a.acquire(&key, Duration::from_secs(60));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), wait)
+                .await
+                .is_err()
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1",
+        )
+        .bind(lock_id(&key))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        if waiting == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{waiting} abandoned waits still queued"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    held.release().await.unwrap();
+    // Nobody was left to take it over.
+    assert!(holders(&mut conn, &key).await.is_empty());
+    b.try_acquire(&key).await.unwrap().release().await.unwrap();
+}
