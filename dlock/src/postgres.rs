@@ -319,11 +319,11 @@ impl PostgresBuilder {
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn open(self) -> Result<PostgresBackend, LockError> {
         self.check()?;
-        if tokio::runtime::Handle::try_current().is_err() {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Err(LockError::config(
                 "the PostgreSQL backend must be opened inside a Tokio runtime",
             ));
-        }
+        };
         let mut first = open_connection(&self.options, self.connect_timeout).await?;
         if self.fencing {
             create_fencing_table(&mut first).await?;
@@ -340,7 +340,7 @@ impl PostgresBuilder {
                 conn: first.take(),
                 held: HashMap::new(),
             };
-            tokio::spawn(lane.run(rx));
+            drop(runtime.spawn(lane.run(rx)));
             lanes.push(tx);
         }
         Ok(PostgresBackend {
@@ -534,7 +534,12 @@ impl PostgresBackend {
             lost: lost.clone(),
             _permit: permit,
         };
-        tokio::spawn(task.run(reply));
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(LockError::config(
+                "PostgreSQL waits must run inside a Tokio runtime",
+            ));
+        };
+        drop(runtime.spawn(task.run(reply)));
         // If this future is dropped, the task sees the closed reply, stops the server's wait
         // and gives back whatever it got.
         let answer = match remaining.checked_add(WAIT_GRACE) {
