@@ -51,6 +51,7 @@
 //! | backend | feature | waiting | lost detection | fencing |
 //! |---|---|---|---|---|
 //! | [SQLite](sqlite) | `sqlite` (default) | polling with backoff | lease renewal | built in |
+//! | [PostgreSQL](postgres) | `postgres` | native (`pg_advisory_lock` under `lock_timeout`) | connection liveness checks | opt-in (counter table) |
 //! | SQL Server (`dlock::mssql`) | `mssql` | native (`sp_getapplock`) | keepalive per connection | no |
 //! | Oracle (`dlock::oracle`) | `oracle` | native (`DBMS_LOCK.REQUEST`) | keepalive per session | no |
 //!
@@ -87,6 +88,8 @@ mod table;
 pub mod mssql;
 #[cfg(feature = "oracle")]
 pub mod oracle;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 

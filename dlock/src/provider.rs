@@ -94,7 +94,7 @@ impl LockProvider {
         let scheme = scheme.to_ascii_lowercase();
         match scheme.as_str() {
             "sqlite" => connect_sqlite(url).await,
-            "postgres" | "postgresql" => Err(not_built("postgres", "PostgreSQL")),
+            "postgres" | "postgresql" => connect_postgres(url).await,
             "mysql" | "mariadb" => Err(not_built("mysql", "MySQL and MariaDB")),
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
@@ -459,6 +459,18 @@ async fn connect_sqlite(url: &str) -> Result<LockProvider, LockError> {
 #[cfg(not(feature = "sqlite"))]
 async fn connect_sqlite(_url: &str) -> Result<LockProvider, LockError> {
     Err(not_built("sqlite", "SQLite"))
+}
+
+#[cfg(feature = "postgres")]
+async fn connect_postgres(url: &str) -> Result<LockProvider, LockError> {
+    crate::postgres::PostgresBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn connect_postgres(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("postgres", "PostgreSQL"))
 }
 
 #[cfg(feature = "mssql")]

@@ -1,0 +1,1484 @@
+//! PostgreSQL: session advisory locks on a few multiplexed connections, native waits, and
+//! transaction-bound locks.
+//!
+//! A key is locked as the advisory lock [`lock_id(key)`](crate::lock_id) (a `bigint`, the
+//! single-key form of `pg_advisory_lock`), so every client that derives ids the same way, in
+//! any language, locks the same thing. Two distinct keys share an id with probability 2^-64 per
+//! pair; they would then exclude each other (never the reverse: one key always maps to one id).
+//!
+//! # Connections
+//!
+//! The backend opens its own connections (from the URL, or with the connect options of a
+//! [`PgPool`] the application already has, so it never takes connections out of that pool):
+//!
+//! | connections | how many | what they do |
+//! |---|---|---|
+//! | lock connections | `connections` (default 4) | hold the session locks taken without waiting: `pg_try_advisory_lock`, and every `acquire` of a free key |
+//! | wait connections | at most `wait_connections` (default 4) | run the server's blocking wait, `pg_advisory_lock` under `lock_timeout`; a wait that is granted keeps its lock on that connection until release |
+//!
+//! So one provider never has more than `connections + wait_connections` (8 by default) server
+//! connections, however many locks it holds: ten thousand held locks share the four lock
+//! connections. A lock connection runs one short statement at a time for all the locks pinned
+//! to it, and never waits on the server, so a wait never delays the locks that share a
+//! connection. When every wait connection is busy (waiting, or holding the lock its wait got),
+//! further waits poll `pg_try_advisory_lock` on the lock connections with backoff and jitter
+//! until one is free again. `wait_connections=0` makes every wait poll.
+//!
+//! The in-process table of the provider lets only one task at a time acquire a given key, so
+//! the re-entrancy of session advisory locks (a session may take its own lock again) can never
+//! let two tasks of one process in at once.
+//!
+//! Lock and wait connections run with `statement_timeout`, `idle_session_timeout` and
+//! `idle_in_transaction_session_timeout` turned off for their session (a pool's or role's
+//! `statement_timeout` would otherwise cut waits short, and an idle timeout would drop held
+//! locks); waits are bounded by `lock_timeout` instead.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! # async fn demo() -> Result<(), dlock::LockError> {
+//! let locks = dlock::LockProvider::connect(
+//!     "postgres://app:secret@db.internal:5432/app?fencing=true&keepalive=2s",
+//! )
+//! .await?;
+//! let guard = locks.acquire("invoices:42", Duration::from_secs(10)).await?;
+//! let token = guard.fencing_token(); // Some(n) with fencing=true
+//! # let _ = token;
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Waits and cancellation
+//!
+//! `acquire` first tries on a lock connection; only a key that is held elsewhere starts a
+//! server-side wait, on a wait connection, with `lock_timeout` set to what is left of the
+//! timeout. PostgreSQL queues the waiters of a key and grants the lock to one of them as soon
+//! as it is free: no polling, no thundering herd. If the wait's `lock_timeout` fires at the
+//! moment the lock is granted (SQLSTATE 55P03 with the lock in fact held), the backend looks
+//! in `pg_locks` before it answers [`LockError::Timeout`], and keeps the lock if it has it.
+//!
+//! Dropping an acquisition is safe at every point. A try whose answer nobody reads is undone
+//! on its lock connection (`pg_advisory_unlock`). A wait that is abandoned (timeout, cancel
+//! token, dropped future) is cancelled on the server (`pg_cancel_backend`, aimed by process id
+//! and session start time) and its connection is closed, which ends the lock if the server
+//! granted it in the meantime; the connection is not reused, so a late cancel can never hit a
+//! later statement.
+//!
+//! # Lost locks
+//!
+//! Every connection that holds locks is checked every `keepalive` (default 5 s) with a ping
+//! that must answer within one second. When a connection dies (server restart,
+//! `pg_terminate_backend`, a cut network), the [`lost_token`](crate::LockGuard::lost_token)
+//! of every guard on it is cancelled within `keepalive` + 1 s, the connection is dropped
+//! (the server frees a session's locks when it ends), and later acquisitions open fresh
+//! connections. Releasing a lost lock is not an error of its own: [`LockGuard::release`]
+//! reports the loss once, as [`LockError::Lost`].
+//!
+//! A lock connection checks itself between statements; if the network is cut while one of its
+//! short statements (a try, an unlock) is in flight, that statement is given up after 10 s,
+//! and the connection's locks are reported lost then.
+//!
+//! [`LockGuard::release`]: crate::LockGuard::release
+//!
+//! # Fencing tokens
+//!
+//! Opt-in (`fencing=true`, or [`PostgresBuilder::fencing`]): the backend keeps one counter row
+//! per lock id in the table `dlock_fencing (id bigint primary key, token bigint)` (created if
+//! missing) and increments it in the same statement that takes the lock, so an acquisition
+//! costs one round trip either way. Tokens increase strictly for each key across holders,
+//! processes and server restarts (the row is an ordinary committed row).
+//!
+//! # URL
+//!
+//! `postgres://user:password@host:port/database` (or `postgresql://`). The options below are
+//! read by the backend; the driver's own options (`sslmode`, `sslrootcert`, `sslcert`,
+//! `sslkey`, `application_name`, `options`, `statement-cache-capacity`, `host`, `port`,
+//! `dbname`, `user`, `password`) go to it as usual, and any other option is refused (so a typo
+//! does not pass unnoticed). Connections are named `application_name=dlock` unless the URL
+//! names them.
+//!
+//! | option | default | meaning |
+//! |---|---|---|
+//! | `fencing` | `false` | issue fencing tokens (see above) |
+//! | `keepalive` | `5s` | liveness check cadence of connections that hold locks |
+//! | `connections` | `4` | lock connections (1 to 64) |
+//! | `wait_connections` | `4` | connections for native waits (0 to 64) |
+//! | `connect_timeout` | `10s` | how long opening a connection may take |
+//!
+//! # Transaction-bound locks and PgBouncer
+//!
+//! [`try_acquire_in_transaction`] and [`acquire_in_transaction`] take `pg_try_advisory_xact_lock`
+//! / `pg_advisory_xact_lock` inside the caller's open transaction (`&mut *tx` of a
+//! `sqlx::Transaction`); the lock ends with the transaction's commit or rollback and uses no
+//! connection of its own. Rules behind PgBouncer:
+//!
+//! - **session pooling**: everything works.
+//! - **transaction pooling**: only the transaction-bound functions work (a session lock would
+//!   stay with a server connection that PgBouncer hands to other clients). Point the
+//!   [`LockProvider`](crate::LockProvider) at the server directly or at a session-mode pool.
+//! - **statement pooling**: nothing works (no transactions); use a direct connection.
+//!
+//! The waiting form sets `lock_timeout` only for its own statement, inside a savepoint, and
+//! restores the transaction's setting afterwards, so a timed-out wait leaves the transaction
+//! usable (it answers [`LockError::Timeout`] and the caller may carry on or roll back).
+
+use std::collections::HashMap;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+use sqlx::{Connection, Row};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::key::validate_key;
+use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::{Backoff, LockError, lock_id};
+
+const NAME: &str = "postgres";
+
+const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
+const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+const DEFAULT_CONNECTIONS: usize = 4;
+const DEFAULT_WAIT_CONNECTIONS: usize = 4;
+const MAX_CONNECTIONS: usize = 64;
+/// A liveness check that takes longer than this counts as a dead connection.
+const PING_TIMEOUT: Duration = Duration::from_secs(1);
+/// Bound on one short statement (try, unlock, fencing) on a lock connection.
+const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Extra time a native wait gets beyond its `lock_timeout` before the client gives up on it.
+const WAIT_GRACE: Duration = Duration::from_secs(1);
+
+const OPTIONS: &[&str] = &[
+    "fencing",
+    "keepalive",
+    "connections",
+    "wait_connections",
+    "connect_timeout",
+];
+
+/// Query options the driver reads (it would ignore any other silently, so a typo would go
+/// unnoticed: they are refused instead).
+const DRIVER_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// Session settings of lock and wait connections: no server-side timeouts that could cut a
+/// wait short or drop an idle session that holds locks. Settings the server does not know
+/// (older versions) are skipped.
+const SESSION_SQL: &str = "SELECT count(set_config(name, '0', false)) FROM pg_settings \
+    WHERE name IN ('statement_timeout', 'idle_session_timeout', 'idle_in_transaction_session_timeout')";
+
+/// `$1` lock id. Returns whether the lock was taken.
+const TRY_SQL: &str = "SELECT pg_try_advisory_lock($1)";
+
+/// `$1` lock id. Takes the lock and, only if it was taken, increments its fencing counter in
+/// the same statement.
+const TRY_FENCED_SQL: &str = "WITH l AS (SELECT pg_try_advisory_lock($1) AS got), \
+    f AS (INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM l WHERE l.got \
+          ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token) \
+    SELECT l.got, (SELECT token FROM f) FROM l";
+
+/// `$1` lock id. Waits (under the session's `lock_timeout`).
+const WAIT_SQL: &str = "SELECT pg_advisory_lock($1)";
+
+/// `$1` lock id. Waits, then increments the fencing counter in the same statement.
+const WAIT_FENCED_SQL: &str = "WITH l AS (SELECT pg_advisory_lock($1)) \
+    INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM l \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token";
+
+/// `$1` lock id. Increments the fencing counter of a lock this session already holds.
+const FENCE_SQL: &str = "INSERT INTO dlock_fencing (id, token) VALUES ($1, 1) \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token";
+
+const UNLOCK_SQL: &str = "SELECT pg_advisory_unlock($1)";
+
+/// `$1` lock id. Whether this session holds the lock (session or transaction level).
+const HELD_SQL: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
+    AND pid = pg_backend_pid() AND granted AND objsubid = 1 \
+    AND ((classid::bigint << 32) | objid::bigint) = $1)";
+
+const FENCING_TABLE_SQL: &str =
+    "CREATE TABLE IF NOT EXISTS dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL)";
+
+/// `$1` pid, `$2` backend start time (text) of a wait connection: cancels its statement.
+const CANCEL_SQL: &str = "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+    WHERE pid = $1 AND backend_start::text = $2";
+
+/// Process id and start time of this session, which identify it for [`CANCEL_SQL`].
+const IDENTITY_SQL: &str = "SELECT pid, backend_start::text FROM pg_stat_activity \
+    WHERE pid = pg_backend_pid()";
+
+const SET_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', $1, false)";
+
+/// The PostgreSQL backend. Made by [`LockProvider::connect`](crate::LockProvider::connect)
+/// with a `postgres://` URL, by [`PostgresBackend::new`] from an existing pool, or by
+/// [`PostgresBackend::builder`]. See the [module docs](self) for how it uses connections.
+#[derive(Clone)]
+pub struct PostgresBackend {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    options: PgConnectOptions,
+    fencing: bool,
+    keepalive: Duration,
+    connect_timeout: Duration,
+    lanes: Vec<mpsc::UnboundedSender<LaneCommand>>,
+    next_lane: AtomicUsize,
+    waits: Arc<WaitPool>,
+    next_handle: AtomicU64,
+}
+
+/// Builds a [`PostgresBackend`] with options.
+#[derive(Clone)]
+#[must_use]
+pub struct PostgresBuilder {
+    options: PgConnectOptions,
+    fencing: bool,
+    keepalive: Duration,
+    connect_timeout: Duration,
+    connections: usize,
+    wait_connections: usize,
+}
+
+impl std::fmt::Debug for PostgresBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The connect options carry the password: show only where they point.
+        f.debug_struct("PostgresBuilder")
+            .field("host", &self.options.get_host())
+            .field("port", &self.options.get_port())
+            .field("fencing", &self.fencing)
+            .field("keepalive", &self.keepalive)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("connections", &self.connections)
+            .field("wait_connections", &self.wait_connections)
+            .finish()
+    }
+}
+
+impl PostgresBuilder {
+    /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
+    pub fn fencing(mut self, fencing: bool) -> Self {
+        self.fencing = fencing;
+        self
+    }
+
+    /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
+    pub fn keepalive(mut self, keepalive: Duration) -> Self {
+        self.keepalive = keepalive;
+        self
+    }
+
+    /// How long opening a connection may take (default 10 s).
+    pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
+        self.connect_timeout = connect_timeout;
+        self
+    }
+
+    /// The number of lock connections, which hold the locks taken without waiting (default 4,
+    /// 1 to 64).
+    pub fn connections(mut self, connections: usize) -> Self {
+        self.connections = connections;
+        self
+    }
+
+    /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes waits
+    /// poll instead).
+    pub fn wait_connections(mut self, wait_connections: usize) -> Self {
+        self.wait_connections = wait_connections;
+        self
+    }
+
+    /// Opens the first lock connection (so a wrong address or password is reported here) and
+    /// starts the backend; the other connections open when they are first needed. Creates the
+    /// fencing table when fencing is on. Must run inside a Tokio runtime.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future closes the connection it was opening.
+    pub async fn open(self) -> Result<PostgresBackend, LockError> {
+        self.check()?;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(LockError::config(
+                "the PostgreSQL backend must be opened inside a Tokio runtime",
+            ));
+        };
+        let mut first = open_connection(&self.options, self.connect_timeout).await?;
+        if self.fencing {
+            create_fencing_table(&mut first).await?;
+        }
+        let mut lanes = Vec::with_capacity(self.connections);
+        let mut first = Some(first);
+        for _ in 0..self.connections {
+            let (tx, rx) = mpsc::unbounded_channel();
+            let lane = Lane {
+                options: self.options.clone(),
+                connect_timeout: self.connect_timeout,
+                keepalive: self.keepalive,
+                fencing: self.fencing,
+                conn: first.take(),
+                held: HashMap::new(),
+            };
+            drop(runtime.spawn(lane.run(rx)));
+            lanes.push(tx);
+        }
+        Ok(PostgresBackend {
+            shared: Arc::new(Shared {
+                options: self.options,
+                fencing: self.fencing,
+                keepalive: self.keepalive,
+                connect_timeout: self.connect_timeout,
+                lanes,
+                next_lane: AtomicUsize::new(0),
+                waits: Arc::new(WaitPool {
+                    permits: Arc::new(Semaphore::new(self.wait_connections)),
+                    idle: Mutex::new(Vec::new()),
+                }),
+                next_handle: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    fn check(&self) -> Result<(), LockError> {
+        if self.keepalive < Duration::from_millis(10) {
+            return Err(LockError::config(format!(
+                "keepalive {:?} is too short; use at least 10ms",
+                self.keepalive
+            )));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(LockError::config("connect_timeout must be more than zero"));
+        }
+        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
+            return Err(LockError::config(format!(
+                "connections must be between 1 and {MAX_CONNECTIONS}, not {}",
+                self.connections
+            )));
+        }
+        if self.wait_connections > MAX_CONNECTIONS {
+            return Err(LockError::config(format!(
+                "wait_connections must be between 0 and {MAX_CONNECTIONS}, not {}",
+                self.wait_connections
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl PostgresBackend {
+    /// A builder that connects with `options`.
+    pub fn builder(options: PgConnectOptions) -> PostgresBuilder {
+        PostgresBuilder {
+            options,
+            fencing: false,
+            keepalive: DEFAULT_KEEPALIVE,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            connections: DEFAULT_CONNECTIONS,
+            wait_connections: DEFAULT_WAIT_CONNECTIONS,
+        }
+    }
+
+    /// A builder that connects like `pool` does (same server, user, password, TLS and
+    /// options). The backend opens its own connections and never takes any from the pool.
+    pub fn builder_from_pool(pool: &PgPool) -> PostgresBuilder {
+        PostgresBackend::builder((*pool.connect_options()).clone())
+    }
+
+    /// A backend with the default settings that connects like `pool` does.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), dlock::LockError> {
+    /// let backend = dlock::postgres::PostgresBackend::new(pool.clone()).await?;
+    /// let locks = dlock::LockProvider::from_backend(backend);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`PostgresBuilder::open`].
+    pub async fn new(pool: PgPool) -> Result<PostgresBackend, LockError> {
+        PostgresBackend::builder_from_pool(&pool).open().await
+    }
+
+    /// Parses a `postgres://` URL with the options of the [module docs](self) into a builder,
+    /// without connecting.
+    pub fn builder_from_url(url: &str) -> Result<PostgresBuilder, LockError> {
+        parse_url(url)
+    }
+
+    /// Connects with a `postgres://` URL.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`PostgresBuilder::open`].
+    pub async fn connect(url: &str) -> Result<PostgresBackend, LockError> {
+        parse_url(url)?.open().await
+    }
+
+    /// Whether this backend issues fencing tokens.
+    pub fn fencing(&self) -> bool {
+        self.shared.fencing
+    }
+
+    /// The liveness check cadence.
+    pub fn keepalive(&self) -> Duration {
+        self.shared.keepalive
+    }
+
+    /// The next lock connection, round robin.
+    fn lane(&self) -> Result<&mpsc::UnboundedSender<LaneCommand>, LockError> {
+        let n = self.shared.next_lane.fetch_add(1, Ordering::Relaxed);
+        let lanes = &self.shared.lanes;
+        // Never empty (the builder checks), but answer an error rather than panic.
+        lanes.get(n % lanes.len().max(1)).ok_or_else(lane_gone)
+    }
+
+    /// One `pg_try_advisory_lock` on a lock connection.
+    async fn try_on_lane(&self, key: &str) -> Result<Option<Acquired>, LockError> {
+        let id = lock_id(key);
+        let lane = self.lane()?.clone();
+        let handle = self.shared.next_handle.fetch_add(1, Ordering::Relaxed);
+        let lost = CancellationToken::new();
+        let (reply, answer) = oneshot::channel();
+        lane.send(LaneCommand::Try {
+            id,
+            handle,
+            lost: lost.clone(),
+            reply,
+        })
+        .map_err(|_| lane_gone())?;
+        // If this future is dropped here, the lane sees the closed reply and unlocks.
+        match answer.await.map_err(|_| lane_gone())?? {
+            None => Ok(None),
+            Some(token) => Ok(Some(Acquired::new(
+                token,
+                lost,
+                Box::new(LaneHeld { lane, handle }),
+            ))),
+        }
+    }
+
+    async fn poll_lanes(
+        &self,
+        key: &str,
+        deadline: Option<Instant>,
+    ) -> Result<Option<Acquired>, LockError> {
+        let backoff = Backoff::default();
+        let mut attempt = 0u32;
+        loop {
+            if let Some(acquired) = self.try_on_lane(key).await? {
+                return Ok(Some(acquired));
+            }
+            let mut pause = backoff.delay(attempt);
+            attempt = attempt.saturating_add(1);
+            if let Some(deadline) = deadline {
+                let now = Instant::now();
+                if now >= deadline {
+                    return Ok(None);
+                }
+                pause = pause.min(deadline - now);
+            }
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    async fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Acquired>, LockError> {
+        let deadline = Instant::now().checked_add(timeout);
+        // A free key is taken on a lock connection, like a try.
+        if let Some(acquired) = self.try_on_lane(key).await? {
+            return Ok(Some(acquired));
+        }
+        let remaining = deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        if remaining.is_zero() {
+            return Ok(None);
+        }
+        let Ok(permit) = Arc::clone(&self.shared.waits.permits).try_acquire_owned() else {
+            // Every wait connection is busy: poll the lock connections instead.
+            return self.poll_lanes(key, deadline).await;
+        };
+        let id = lock_id(key);
+        let lost = CancellationToken::new();
+        let (reply, answer) = oneshot::channel();
+        let task = WaitTask {
+            id,
+            timeout: remaining,
+            fencing: self.shared.fencing,
+            keepalive: self.shared.keepalive,
+            options: self.shared.options.clone(),
+            connect_timeout: self.shared.connect_timeout,
+            pool: Arc::clone(&self.shared.waits),
+            canceller: self.lane()?.clone(),
+            lost: lost.clone(),
+            _permit: permit,
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return Err(LockError::config(
+                "PostgreSQL waits must run inside a Tokio runtime",
+            ));
+        };
+        drop(runtime.spawn(task.run(reply)));
+        // If this future is dropped, the task sees the closed reply, stops the server's wait
+        // and gives back whatever it got.
+        let answer = match remaining.checked_add(WAIT_GRACE) {
+            Some(limit) => match tokio::time::timeout(limit, answer).await {
+                Ok(answer) => answer,
+                // The server did not answer in time: give up (the task cleans up).
+                Err(_) => return Ok(None),
+            },
+            None => answer.await,
+        };
+        match answer.map_err(|_| lane_gone())?? {
+            None => Ok(None),
+            Some((token, release)) => Ok(Some(Acquired::new(
+                token,
+                lost,
+                Box::new(WaitHeld {
+                    release: Some(release),
+                }),
+            ))),
+        }
+    }
+}
+
+impl std::fmt::Debug for PostgresBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresBackend")
+            .field("host", &self.shared.options.get_host())
+            .field("port", &self.shared.options.get_port())
+            .field("fencing", &self.shared.fencing)
+            .field("keepalive", &self.shared.keepalive)
+            .field("connections", &self.shared.lanes.len())
+            .finish()
+    }
+}
+
+impl LockBackend for PostgresBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn supports_native_wait(&self) -> bool {
+        true
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(self.try_on_lane(request.key))
+    }
+
+    fn acquire_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(self.wait(request.key, timeout))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Lock connections ("lanes").
+
+type TryReply = oneshot::Sender<Result<Option<Option<u64>>, LockError>>;
+
+enum LaneCommand {
+    /// `pg_try_advisory_lock`; on success the lock is pinned to this lane under `handle`.
+    Try {
+        id: i64,
+        handle: u64,
+        lost: CancellationToken,
+        reply: TryReply,
+    },
+    /// Gives back the lock `handle` (if this lane still holds it), then acknowledges.
+    Unlock {
+        handle: u64,
+        done: oneshot::Sender<()>,
+    },
+    /// `pg_cancel_backend` for an abandoned wait on another connection, identified by its
+    /// process id and start time (so a reused process id is never hit).
+    Cancel { pid: i32, started: String },
+}
+
+/// One lock connection, owned by its task: every statement on it runs in order, and the
+/// task also runs the liveness checks.
+struct Lane {
+    options: PgConnectOptions,
+    connect_timeout: Duration,
+    keepalive: Duration,
+    fencing: bool,
+    conn: Option<PgConnection>,
+    /// The locks this connection holds: handle -> (id, lost token).
+    held: HashMap<u64, (i64, CancellationToken)>,
+}
+
+impl Lane {
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand>) {
+        let mut ticker = tokio::time::interval(self.keepalive);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(command) => self.handle(command).await,
+                    // The backend and every lock of this lane are gone.
+                    None => break,
+                },
+                _ = ticker.tick(), if self.conn.is_some() => self.check().await,
+            }
+        }
+    }
+
+    async fn handle(&mut self, command: LaneCommand) {
+        match command {
+            LaneCommand::Try {
+                id,
+                handle,
+                lost,
+                reply,
+            } => {
+                if reply.is_closed() {
+                    return;
+                }
+                let outcome = self.try_lock(id).await;
+                match outcome {
+                    Ok(Some(token)) => {
+                        self.held.insert(handle, (id, lost));
+                        if reply.send(Ok(Some(token))).is_err() {
+                            // The acquisition was abandoned while the server granted it.
+                            self.unlock(handle).await;
+                        }
+                    }
+                    other => {
+                        let _ = reply.send(other.map(|_| None));
+                    }
+                }
+            }
+            LaneCommand::Unlock { handle, done } => {
+                self.unlock(handle).await;
+                let _ = done.send(());
+            }
+            LaneCommand::Cancel { pid, started } => {
+                if let Ok(conn) = self.connection().await {
+                    let cancel = sqlx::query(CANCEL_SQL)
+                        .bind(pid)
+                        .bind(started)
+                        .execute(&mut *conn);
+                    match tokio::time::timeout(STATEMENT_TIMEOUT, cancel).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(err)) if !is_connection_error(&err) => {}
+                        _ => self.die("the lock connection failed"),
+                    }
+                }
+            }
+        }
+    }
+
+    /// The open connection, opening a fresh one if there is none.
+    async fn connection(&mut self) -> Result<&mut PgConnection, LockError> {
+        if self.conn.is_none() {
+            self.conn = Some(open_connection(&self.options, self.connect_timeout).await?);
+        }
+        self.conn.as_mut().ok_or_else(lane_gone)
+    }
+
+    /// One try; `Ok(Some(token))` when taken. A connection found dead before anything was
+    /// sent over it (idle, holding nothing) is replaced once.
+    async fn try_lock(&mut self, id: i64) -> Result<Option<Option<u64>>, LockError> {
+        let reused = self.conn.is_some();
+        match self.try_once(id).await {
+            Err(err) if reused && self.conn.is_none() && self.held.is_empty() => {
+                let _ = err;
+                self.try_once(id).await
+            }
+            other => other,
+        }
+    }
+
+    async fn try_once(&mut self, id: i64) -> Result<Option<Option<u64>>, LockError> {
+        let fencing = self.fencing;
+        let conn = self.connection().await?;
+        let statement = async {
+            if fencing {
+                let row = sqlx::query(TRY_FENCED_SQL)
+                    .bind(id)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                let got: bool = row.try_get(0)?;
+                let token: Option<i64> = row.try_get(1)?;
+                Ok::<_, sqlx::Error>(got.then(|| token.and_then(|t| u64::try_from(t).ok())))
+            } else {
+                let got: bool = sqlx::query_scalar(TRY_SQL)
+                    .bind(id)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                Ok(got.then_some(None))
+            }
+        };
+        match tokio::time::timeout(STATEMENT_TIMEOUT, statement).await {
+            Ok(Ok(outcome)) => Ok(outcome),
+            Ok(Err(err)) if !is_connection_error(&err) => {
+                // The statement failed (say, the fencing table is missing) after the lock may
+                // have been taken: give it back. A session re-entering its own lock cannot
+                // happen here (the in-process table admits one acquisition per key).
+                let unlock = sqlx::query(UNLOCK_SQL).bind(id).execute(&mut *conn);
+                match tokio::time::timeout(STATEMENT_TIMEOUT, unlock).await {
+                    Ok(Ok(_)) => {}
+                    _ => self.die("the lock connection failed"),
+                }
+                Err(pg_error("taking a lock", err))
+            }
+            Ok(Err(err)) => {
+                self.die("the lock connection failed");
+                Err(pg_error("taking a lock", err))
+            }
+            Err(_) => {
+                self.die("the lock connection stopped answering");
+                Err(LockError::unavailable(
+                    NAME,
+                    format!(
+                        "the server did not answer a lock statement within {STATEMENT_TIMEOUT:?}"
+                    ),
+                    None,
+                ))
+            }
+        }
+    }
+
+    async fn unlock(&mut self, handle: u64) {
+        // A lock that is not in `held` went with a dead connection: nothing to give back.
+        let Some((id, _lost)) = self.held.remove(&handle) else {
+            return;
+        };
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        let unlock = sqlx::query_scalar::<_, bool>(UNLOCK_SQL)
+            .bind(id)
+            .fetch_one(&mut *conn);
+        match tokio::time::timeout(STATEMENT_TIMEOUT, unlock).await {
+            Ok(Ok(_)) => {}
+            // The connection's state is unknown: dropping it is the one sure way to free the
+            // lock on the server, and it takes this lane's other locks with it.
+            _ => self.die("releasing a lock failed"),
+        }
+    }
+
+    async fn check(&mut self) {
+        let Some(conn) = self.conn.as_mut() else {
+            return;
+        };
+        match tokio::time::timeout(PING_TIMEOUT, conn.ping()).await {
+            Ok(Ok(())) => {}
+            _ => self.die("the lock connection failed its liveness check"),
+        }
+    }
+
+    /// Drops the connection and reports every lock it held as lost.
+    fn die(&mut self, why: &str) {
+        if !self.held.is_empty() {
+            tracing::warn!(
+                backend = NAME,
+                locks = self.held.len(),
+                "{why}; its locks are lost"
+            );
+        }
+        for (_, (_, lost)) in self.held.drain() {
+            lost.cancel();
+        }
+        self.conn = None;
+    }
+}
+
+/// A lock pinned to a lane.
+#[derive(Debug)]
+struct LaneHeld {
+    lane: mpsc::UnboundedSender<LaneCommand>,
+    handle: u64,
+}
+
+impl HeldLock for LaneHeld {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move {
+            let (done, acknowledged) = oneshot::channel();
+            if self
+                .lane
+                .send(LaneCommand::Unlock {
+                    handle: self.handle,
+                    done,
+                })
+                .is_ok()
+            {
+                // The lane task ends only with its connection, which frees the lock anyway.
+                let _ = acknowledged.await;
+            }
+            Ok(())
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Native waits.
+
+struct WaitPool {
+    /// One permit per wait connection in use (waiting, or holding what its wait got).
+    permits: Arc<Semaphore>,
+    /// Wait connections that hold nothing, ready for the next wait.
+    idle: Mutex<Vec<WaitConnection>>,
+}
+
+impl WaitPool {
+    fn take(&self) -> Option<WaitConnection> {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop()
+    }
+
+    fn put(&self, conn: WaitConnection) {
+        self.idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(conn);
+    }
+}
+
+struct WaitConnection {
+    conn: PgConnection,
+    pid: i32,
+    started: String,
+}
+
+type WaitReply = oneshot::Sender<Result<Option<(Option<u64>, ReleaseSender)>, LockError>>;
+type ReleaseSender = oneshot::Sender<oneshot::Sender<()>>;
+
+/// One native wait on a wait connection; once granted, the task keeps the lock (and checks
+/// the connection) until it is released.
+struct WaitTask {
+    id: i64,
+    timeout: Duration,
+    fencing: bool,
+    keepalive: Duration,
+    options: PgConnectOptions,
+    connect_timeout: Duration,
+    pool: Arc<WaitPool>,
+    canceller: mpsc::UnboundedSender<LaneCommand>,
+    lost: CancellationToken,
+    // Held until the connection is back in the pool (or closed).
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+enum WaitOutcome {
+    Granted(Option<u64>),
+    NotGranted,
+}
+
+impl WaitTask {
+    async fn run(self, mut reply: WaitReply) {
+        let mut wc = match self.reuse().await {
+            Some(wc) => wc,
+            None => match self.open().await {
+                Ok(wc) => wc,
+                Err(err) => {
+                    let _ = reply.send(Err(err));
+                    return;
+                }
+            },
+        };
+        let mut abandoned = false;
+        let outcome = match self.wait(&mut wc, &mut reply, &mut abandoned).await {
+            Ok(_) if abandoned => {
+                // The server was asked to cancel this connection's statement: a late cancel
+                // could hit a later statement, so the connection is not reused. Closing it
+                // also ends whatever the wait may have been granted.
+                return;
+            }
+            Ok(outcome) => outcome,
+            Err(err) => {
+                // The connection's state is unknown: close it, which ends anything it held.
+                let _ = reply.send(Err(err));
+                return;
+            }
+        };
+        let token = match outcome {
+            WaitOutcome::NotGranted => {
+                let _ = reply.send(Ok(None));
+                self.pool.put(wc);
+                return;
+            }
+            WaitOutcome::Granted(token) => token,
+        };
+        let (release_tx, release_rx) = oneshot::channel();
+        if reply.send(Ok(Some((token, release_tx)))).is_err() {
+            // Abandoned after the server granted it: give it back.
+            self.give_back(wc).await;
+            return;
+        }
+        self.hold(wc, release_rx).await;
+    }
+
+    /// An idle wait connection that still answers, if there is one.
+    async fn reuse(&self) -> Option<WaitConnection> {
+        while let Some(mut wc) = self.pool.take() {
+            if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, wc.conn.ping()).await {
+                return Some(wc);
+            }
+        }
+        None
+    }
+
+    async fn open(&self) -> Result<WaitConnection, LockError> {
+        let mut conn = open_connection(&self.options, self.connect_timeout).await?;
+        let (pid, started): (i32, String) = sqlx::query_as(IDENTITY_SQL)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(|e| pg_error("opening a wait connection", e))?;
+        Ok(WaitConnection { conn, pid, started })
+    }
+
+    async fn wait(
+        &self,
+        wc: &mut WaitConnection,
+        reply: &mut WaitReply,
+        abandoned: &mut bool,
+    ) -> Result<WaitOutcome, LockError> {
+        sqlx::query(SET_LOCK_TIMEOUT_SQL)
+            .bind(lock_timeout_setting(self.timeout))
+            .execute(&mut wc.conn)
+            .await
+            .map_err(|e| pg_error("starting a wait", e))?;
+        let id = self.id;
+        let fencing = self.fencing;
+        let cancel = LaneCommand::Cancel {
+            pid: wc.pid,
+            started: wc.started.clone(),
+        };
+        let result = {
+            let conn = &mut wc.conn;
+            let mut statement = std::pin::pin!(async move {
+                if fencing {
+                    let token: i64 = sqlx::query_scalar(WAIT_FENCED_SQL)
+                        .bind(id)
+                        .fetch_one(&mut *conn)
+                        .await?;
+                    Ok::<_, sqlx::Error>(u64::try_from(token).ok())
+                } else {
+                    sqlx::query(WAIT_SQL).bind(id).execute(&mut *conn).await?;
+                    Ok(None)
+                }
+            });
+            tokio::select! {
+                result = &mut statement => result,
+                () = reply.closed() => {
+                    // Abandoned: ask the server to end the wait. `run` closes the connection,
+                    // which also ends the lock if the server granted it in the meantime.
+                    *abandoned = true;
+                    let _ = self.canceller.send(cancel);
+                    return Ok(WaitOutcome::NotGranted);
+                }
+            }
+        };
+        match result {
+            Ok(token) => Ok(WaitOutcome::Granted(token)),
+            Err(err) if is_wait_ended(&err) => {
+                // Timeout or cancel. The lock may have been granted just as the wait ended:
+                // look before answering.
+                if self.holds(&mut wc.conn).await? {
+                    let token = if self.fencing {
+                        sqlx::query_scalar::<_, i64>(FENCE_SQL)
+                            .bind(self.id)
+                            .fetch_one(&mut wc.conn)
+                            .await
+                            .map(|t| u64::try_from(t).ok())
+                            .map_err(|e| pg_error("issuing a fencing token", e))?
+                    } else {
+                        None
+                    };
+                    Ok(WaitOutcome::Granted(token))
+                } else {
+                    Ok(WaitOutcome::NotGranted)
+                }
+            }
+            Err(err) if !is_connection_error(&err) => {
+                // For example a missing fencing table: make sure nothing stays held.
+                let _ = self.unlock(&mut wc.conn).await;
+                Err(pg_error("waiting for a lock", err))
+            }
+            Err(err) => Err(pg_error("waiting for a lock", err)),
+        }
+    }
+
+    async fn holds(&self, conn: &mut PgConnection) -> Result<bool, LockError> {
+        sqlx::query_scalar(HELD_SQL)
+            .bind(self.id)
+            .fetch_one(conn)
+            .await
+            .map_err(|e| pg_error("checking a lock", e))
+    }
+
+    async fn unlock(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
+        let unlock = sqlx::query(UNLOCK_SQL).bind(self.id).execute(conn);
+        match tokio::time::timeout(STATEMENT_TIMEOUT, unlock).await {
+            Ok(result) => result.map(|_| ()),
+            Err(_) => Err(sqlx::Error::PoolTimedOut),
+        }
+    }
+
+    /// Unlocks and returns the connection to the pool; closes it if that fails.
+    async fn give_back(&self, mut wc: WaitConnection) {
+        if self.unlock(&mut wc.conn).await.is_ok() {
+            self.pool.put(wc);
+        }
+    }
+
+    async fn hold(
+        self,
+        mut wc: WaitConnection,
+        mut release: oneshot::Receiver<oneshot::Sender<()>>,
+    ) {
+        let mut ticker = tokio::time::interval(self.keepalive);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        ticker.tick().await;
+        loop {
+            tokio::select! {
+                done = &mut release => {
+                    self.give_back(wc).await;
+                    if let Ok(done) = done {
+                        let _ = done.send(());
+                    }
+                    return;
+                }
+                _ = ticker.tick() => {
+                    match tokio::time::timeout(PING_TIMEOUT, wc.conn.ping()).await {
+                        Ok(Ok(())) => {}
+                        _ => {
+                            tracing::warn!(backend = NAME, "a wait connection failed its liveness check; its lock is lost");
+                            self.lost.cancel();
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A lock held by a wait connection's task.
+#[derive(Debug)]
+struct WaitHeld {
+    release: Option<ReleaseSender>,
+}
+
+impl HeldLock for WaitHeld {
+    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let release = self.release.take();
+        Box::pin(async move {
+            if let Some(release) = release {
+                let (done, acknowledged) = oneshot::channel();
+                if release.send(done).is_ok() {
+                    let _ = acknowledged.await;
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transaction-bound locks.
+
+/// A lock held until the end of the caller's transaction; see the [module docs](self).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransactionLock {
+    id: i64,
+}
+
+impl TransactionLock {
+    /// The advisory lock id that is held ([`lock_id`] of the key).
+    pub fn lock_id(&self) -> i64 {
+        self.id
+    }
+}
+
+/// Locks `key` until the transaction open on `conn` commits or rolls back; one try
+/// (`pg_try_advisory_xact_lock`). Contention is [`LockError::AlreadyHeld`].
+///
+/// `conn` must be inside a transaction (pass `&mut *tx` for a `sqlx::Transaction`): outside
+/// one, the lock would end with this very statement. Works behind PgBouncer in transaction
+/// mode. Locks are re-entrant within one transaction, as PostgreSQL's are.
+///
+/// # Cancel safety
+///
+/// If the future is dropped before it completes, the lock may or may not have been taken;
+/// either way it ends with the transaction, so roll the transaction back.
+pub async fn try_acquire_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
+    validate_key(key)?;
+    let id = lock_id(key);
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        .bind(id)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| pg_error("taking a transaction lock", e))?;
+    if got {
+        Ok(TransactionLock { id })
+    } else {
+        Err(LockError::AlreadyHeld {
+            key: Arc::from(key),
+        })
+    }
+}
+
+/// Locks `key` until the transaction open on `conn` commits or rolls back, waiting on the
+/// server up to `timeout` (`pg_advisory_xact_lock` under a `lock_timeout` set for this
+/// statement only). Errors with [`LockError::Timeout`] when it runs out; the transaction stays
+/// usable (the wait runs in a savepoint). `Duration::ZERO` is one try.
+///
+/// `conn` must be inside a transaction (`&mut *tx`); outside one this answers
+/// [`LockError::Config`]. Works behind PgBouncer in transaction mode.
+///
+/// # Cancel safety
+///
+/// If the future is dropped before it completes, the connection may be left inside the
+/// savepoint with the wait's `lock_timeout`: roll the transaction back (which also ends the
+/// lock, if it was granted).
+pub async fn acquire_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
+    validate_key(key)?;
+    if timeout.is_zero() {
+        return try_acquire_in_transaction(conn, key).await;
+    }
+    let id = lock_id(key);
+    let err = |e| pg_error("taking a transaction lock", e);
+    let previous: (String, String) = sqlx::query_as(
+        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(err)?;
+    match sqlx::query("SAVEPOINT dlock_wait")
+        .execute(&mut *conn)
+        .await
+    {
+        Ok(_) => {}
+        Err(e) if db_code(&e).as_deref() == Some("25P01") => {
+            return Err(LockError::config(
+                "acquire_in_transaction needs an open transaction: pass `&mut *tx` of a transaction begun with `begin()`",
+            ));
+        }
+        Err(e) => return Err(err(e)),
+    }
+    let waited = async {
+        // The caller's statement_timeout must not cut the wait short: lock_timeout bounds it.
+        sqlx::query(
+            "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', '0', true)",
+        )
+        .bind(lock_timeout_setting(timeout))
+        .execute(&mut *conn)
+        .await?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(id)
+            .execute(&mut *conn)
+            .await
+    }
+    .await;
+    match waited {
+        Ok(_) => {
+            sqlx::query(
+                "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)",
+            )
+            .bind(&previous.0)
+            .bind(&previous.1)
+            .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            sqlx::query("RELEASE SAVEPOINT dlock_wait")
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            Ok(TransactionLock { id })
+        }
+        Err(e) => {
+            // Undo the savepoint (and with it the wait's lock_timeout).
+            sqlx::query("ROLLBACK TO SAVEPOINT dlock_wait")
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            sqlx::query("RELEASE SAVEPOINT dlock_wait")
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            if !is_wait_ended(&e) {
+                return Err(err(e));
+            }
+            // The lock may have been granted just as the timeout fired: look before answering.
+            let held: bool = sqlx::query_scalar(HELD_SQL)
+                .bind(id)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(err)?;
+            if held {
+                Ok(TransactionLock { id })
+            } else {
+                Err(LockError::Timeout {
+                    key: Arc::from(key),
+                    timeout,
+                })
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Helpers.
+
+/// `lock_timeout` for a wait of `timeout`: whole milliseconds, rounded up; `0` (no limit) for
+/// waits too long for the setting.
+fn lock_timeout_setting(timeout: Duration) -> String {
+    let ms = timeout.as_nanos().div_ceil(1_000_000).max(1);
+    if ms > i32::MAX as u128 {
+        "0".to_owned()
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+async fn open_connection(
+    options: &PgConnectOptions,
+    timeout: Duration,
+) -> Result<PgConnection, LockError> {
+    let connect = async {
+        let mut conn = PgConnection::connect_with(options).await?;
+        sqlx::query(SESSION_SQL).execute(&mut conn).await?;
+        Ok::<_, sqlx::Error>(conn)
+    };
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(result) => result.map_err(|e| pg_error("connecting", e)),
+        Err(_) => Err(LockError::unavailable(
+            NAME,
+            format!("connecting to the server took longer than {timeout:?} (connect_timeout)"),
+            None,
+        )),
+    }
+}
+
+async fn create_fencing_table(conn: &mut PgConnection) -> Result<(), LockError> {
+    match sqlx::query(FENCING_TABLE_SQL).execute(&mut *conn).await {
+        Ok(_) => Ok(()),
+        // Another process created it at the same moment.
+        Err(e) if matches!(db_code(&e).as_deref(), Some("23505" | "42P07")) => Ok(()),
+        Err(e) => Err(pg_error("creating the fencing table dlock_fencing", e)),
+    }
+}
+
+fn db_code(err: &sqlx::Error) -> Option<String> {
+    match err {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// Whether a wait ended without error of its own: `lock_timeout` (55P03) or a cancel (57014).
+fn is_wait_ended(err: &sqlx::Error) -> bool {
+    matches!(db_code(err).as_deref(), Some("55P03" | "57014"))
+}
+
+/// Whether `err` means the connection can no longer be trusted.
+fn is_connection_error(err: &sqlx::Error) -> bool {
+    match err {
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || code.starts_with("57P") || code == "53300"
+        }),
+        _ => true,
+    }
+}
+
+fn lane_gone() -> LockError {
+    LockError::unavailable(NAME, "the lock connection task has stopped", None)
+}
+
+/// Maps a driver error; messages name what was being done, never the URL.
+fn pg_error(what: &str, err: sqlx::Error) -> LockError {
+    let code = db_code(&err);
+    match &err {
+        sqlx::Error::Database(db) => {
+            let message = db.message().to_owned();
+            match code.as_deref() {
+                Some("28P01" | "28000") => LockError::config(format!(
+                    "{what}: the server refused the credentials ({message}); check the user name and password in the URL"
+                )),
+                Some("3D000") => LockError::config(format!(
+                    "{what}: {message}; check the database name in the URL"
+                )),
+                Some(c) if c.starts_with("08") || c.starts_with("57P") || c == "53300" => {
+                    LockError::unavailable(NAME, format!("{what}: {message}"), Some(Box::new(err)))
+                }
+                _ => LockError::backend(
+                    NAME,
+                    format!("{what}: {message}"),
+                    code,
+                    Some(Box::new(err)),
+                ),
+            }
+        }
+        sqlx::Error::Configuration(_) => {
+            LockError::config(format!("{what}: invalid connection settings: {err}"))
+        }
+        sqlx::Error::Io(io) => LockError::unavailable(
+            NAME,
+            format!("{what}: cannot reach the server: {io}"),
+            Some(Box::new(err)),
+        ),
+        sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => LockError::unavailable(
+            NAME,
+            format!("{what}: the connection failed: {err}"),
+            Some(Box::new(err)),
+        ),
+        _ => LockError::backend(NAME, format!("{what}: {err}"), code, Some(Box::new(err))),
+    }
+}
+
+fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut passthrough = Vec::new();
+    let mut fencing = false;
+    let mut keepalive = DEFAULT_KEEPALIVE;
+    let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
+    let mut connections = DEFAULT_CONNECTIONS;
+    let mut wait_connections = DEFAULT_WAIT_CONNECTIONS;
+    let mut named = false;
+    for (name, value) in query_pairs(query) {
+        match name.as_str() {
+            "fencing" => {
+                fencing = match value.as_str() {
+                    "true" | "1" | "yes" | "on" => true,
+                    "false" | "0" | "no" | "off" => false,
+                    _ => {
+                        return Err(LockError::config(format!(
+                            "option `fencing` has the value `{}`; write `true` or `false`",
+                            value.escape_debug()
+                        )));
+                    }
+                }
+            }
+            "keepalive" => keepalive = parse_duration("keepalive", &value)?,
+            "connect_timeout" => connect_timeout = parse_duration("connect_timeout", &value)?,
+            "connections" => connections = parse_count("connections", &value)?,
+            "wait_connections" => wait_connections = parse_count("wait_connections", &value)?,
+            other if DRIVER_OPTIONS.contains(&other) || other.starts_with("options[") => {
+                if other == "application_name" {
+                    named = true;
+                }
+                passthrough.push((name, value));
+            }
+            other => {
+                let valid: Vec<&str> = OPTIONS.iter().chain(DRIVER_OPTIONS).copied().collect();
+                return Err(unknown_option(NAME, other, &valid));
+            }
+        }
+    }
+    let mut driver_url = base.to_owned();
+    if !passthrough.is_empty() {
+        let encoded: String = url::form_urlencoded::Serializer::new(String::new())
+            .extend_pairs(passthrough.iter())
+            .finish();
+        driver_url.push('?');
+        driver_url.push_str(&encoded);
+    }
+    let mut options = PgConnectOptions::from_str(&driver_url).map_err(|e| {
+        // The driver's message is about the URL's shape; it does not repeat the URL.
+        LockError::config(format!(
+            "the postgres:// URL is not valid ({e}); write it like postgres://user:password@host:5432/database (options: {})",
+            OPTIONS.join(", ")
+        ))
+    })?;
+    if !named {
+        options = options.application_name("dlock");
+    }
+    let builder = PostgresBuilder {
+        options,
+        fencing,
+        keepalive,
+        connect_timeout,
+        connections,
+        wait_connections,
+    };
+    builder.check()?;
+    Ok(builder)
+}
+
+fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
+    value.trim().parse().map_err(|_| {
+        LockError::config(format!(
+            "option `{option}` has the value `{}`, which is not a whole number",
+            value.escape_debug()
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_timeouts() {
+        assert_eq!(lock_timeout_setting(Duration::from_millis(400)), "400ms");
+        assert_eq!(lock_timeout_setting(Duration::from_micros(1)), "1ms");
+        assert_eq!(lock_timeout_setting(Duration::from_micros(1500)), "2ms");
+        assert_eq!(lock_timeout_setting(Duration::MAX), "0");
+    }
+
+    #[test]
+    fn urls() {
+        let b = parse_url("postgres://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&sslmode=disable").unwrap();
+        assert!(b.fencing);
+        assert_eq!(b.keepalive, Duration::from_millis(250));
+        assert_eq!((b.connections, b.wait_connections), (2, 0));
+        assert_eq!(b.options.get_port(), 5);
+        assert_eq!(b.options.get_application_name(), Some("dlock"));
+        assert!(!format!("{b:?}").contains("secret"));
+        for bad in [
+            "postgres://h/db?fencing=maybe",
+            "postgres://h/db?keepalive=soon",
+            "postgres://h/db?connections=0",
+            "postgres://h/db?connections=100",
+            "postgres://h/db?keepalive=1ms",
+            "postgres://h/db?fencng=true",
+            "postgres://h:notaport/db",
+        ] {
+            let err = parse_url(bad).unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+        }
+    }
+}

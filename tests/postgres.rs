@@ -1,0 +1,608 @@
+//! The PostgreSQL backend against real throwaway servers: the conformance suite (with and
+//! without fencing), lost detection, server restarts, other processes, many held locks on few
+//! connections, transaction-bound locks and bad inputs.
+#![cfg(feature = "postgres")]
+
+mod conformance;
+mod support;
+
+use std::time::{Duration, Instant};
+
+use dlock::postgres::{PostgresBackend, acquire_in_transaction, try_acquire_in_transaction};
+use dlock::{LockError, LockGuard, LockProvider, lock_id};
+use sqlx::{Connection, PgConnection};
+use support::postgres::PgServer;
+use support::{Holder, unique_key};
+
+const KEEPALIVE: Duration = Duration::from_millis(200);
+
+async fn admin(server: &PgServer) -> PgConnection {
+    PgConnection::connect(&server.url(""))
+        .await
+        .expect("admin connection")
+}
+
+/// The server pids holding the advisory lock of `key`.
+async fn holders(conn: &mut PgConnection, key: &str) -> Vec<i32> {
+    sqlx::query_scalar(
+        "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 1 \
+         AND ((classid::bigint << 32) | objid::bigint) = $1",
+    )
+    .bind(lock_id(key))
+    .fetch_all(conn)
+    .await
+    .expect("query pg_locks")
+}
+
+async fn terminate_holder(server: &PgServer, key: &str) {
+    let mut conn = admin(server).await;
+    let pids = holders(&mut conn, key).await;
+    assert_eq!(pids.len(), 1, "exactly one session holds {key:?}");
+    let done: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pids[0])
+        .fetch_one(&mut conn)
+        .await
+        .expect("terminate");
+    assert!(done);
+}
+
+struct PgHarness {
+    server: &'static PgServer,
+    options: &'static str,
+    fencing: bool,
+}
+
+impl conformance::Harness for PgHarness {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.server.url(self.options))
+            .await
+            .expect("connect")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        terminate_holder(self.server, guard.key()).await;
+    }
+
+    fn lost_within(&self) -> Duration {
+        KEEPALIVE + Duration::from_secs(1)
+    }
+
+    fn fencing(&self) -> bool {
+        self.fencing
+    }
+}
+
+mod fenced {
+    use super::*;
+
+    async fn harness() -> PgHarness {
+        PgHarness {
+            server: PgServer::shared(),
+            options: "keepalive=200ms&fencing=true",
+            fencing: true,
+        }
+    }
+
+    conformance_suite!(harness());
+}
+
+mod plain {
+    use super::*;
+
+    async fn harness() -> PgHarness {
+        PgHarness {
+            server: PgServer::shared(),
+            options: "keepalive=200ms",
+            fencing: false,
+        }
+    }
+
+    conformance_suite!(harness());
+}
+
+/// 50 trials: the session behind a held lock is terminated, and the guard's lost token fires
+/// within keepalive + 1 s, for locks on lock connections and on wait connections alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_sessions_are_detected() {
+    let server = PgServer::shared();
+    let url = server.url("keepalive=100ms&connections=2&wait_connections=2");
+    let a = LockProvider::connect(&url).await.unwrap();
+    let b = LockProvider::connect(&url).await.unwrap();
+    let limit = Duration::from_millis(100) + Duration::from_secs(1);
+    let mut slowest = Duration::ZERO;
+    for trial in 0..50 {
+        let key = unique_key("terminate");
+        let guard = if trial % 2 == 0 {
+            a.try_acquire(&key).await.expect("free key")
+        } else {
+            // Contended, so it is granted to a native wait on a wait connection.
+            let other = b.try_acquire(&key).await.unwrap();
+            let waiter = {
+                let (a, key) = (a.clone(), key.clone());
+                tokio::spawn(async move { a.acquire(&key, Duration::from_secs(10)).await })
+            };
+            let mut conn = admin(server).await;
+            // Wait until the waiter is queued on the server, then hand over.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                     AND ((classid::bigint << 32) | objid::bigint) = $1",
+                )
+                .bind(lock_id(&key))
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+                if waiting == 1 {
+                    break;
+                }
+                assert!(Instant::now() < deadline, "the waiter never queued");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            other.release().await.unwrap();
+            waiter.await.unwrap().expect("waiter gets the lock")
+        };
+        terminate_holder(server, &key).await;
+        let started = Instant::now();
+        tokio::time::timeout(limit, guard.lost_token().cancelled())
+            .await
+            .unwrap_or_else(|_| panic!("trial {trial}: lost token did not fire within {limit:?}"));
+        slowest = slowest.max(started.elapsed());
+        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    }
+    println!("slowest lost detection: {slowest:?}");
+    // Both providers still work.
+    let g = a.try_acquire(&unique_key("after")).await.unwrap();
+    g.release().await.unwrap();
+}
+
+/// A server stop is reported as lost locks and as unavailability (not a hang); once the
+/// server is back, the provider works again with fresh connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_recovers_from_a_server_restart() {
+    let mut server = PgServer::start();
+    let url = server.url("keepalive=200ms&connect_timeout=2s");
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let key = unique_key("restart");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let other = locks.try_acquire(&unique_key("restart-2")).await.unwrap();
+    server.stop();
+    for g in [&guard, &other] {
+        tokio::time::timeout(
+            KEEPALIVE + Duration::from_secs(1),
+            g.lost_token().cancelled(),
+        )
+        .await
+        .expect("lost token fires when the server stops");
+    }
+    let started = Instant::now();
+    match locks
+        .acquire(&unique_key("down"), Duration::from_secs(1))
+        .await
+    {
+        Err(err @ LockError::Unavailable { .. }) => {
+            assert!(!err.to_string().contains("postgres://"), "{err}")
+        }
+        other => panic!("expected Unavailable while the server is down, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    drop(other);
+    server.resume();
+    let g = locks
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("the provider recovers");
+    let g2 = locks.try_acquire(&unique_key("after")).await.unwrap();
+    g.release().await.unwrap();
+    g2.release().await.unwrap();
+}
+
+#[test]
+fn multi_process_exclusion() {
+    let server = PgServer::shared();
+    support::run_multi_process(&server.url("fencing=true"), &unique_key("mp"), 4, 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_holder_frees_the_lock_at_once() {
+    let server = PgServer::shared();
+    let url = server.url("");
+    let key = unique_key("sigkill");
+    let holder = Holder::start(&url, &key);
+    let locks = LockProvider::connect(&url).await.unwrap();
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    holder.kill();
+    // The server ends the session when the socket closes: no lease to run out.
+    let g = locks
+        .acquire(&key, Duration::from_secs(3))
+        .await
+        .expect("the killed holder's lock is free");
+    g.release().await.unwrap();
+}
+
+/// 10,000 locks held at once, with waits in flight, on at most 8 server connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_locks_on_eight_connections() {
+    let server = PgServer::shared();
+    let app = format!("tenk{}", std::process::id());
+    let locks = LockProvider::connect(&server.url(&format!("application_name={app}")))
+        .await
+        .unwrap();
+    let other = LockProvider::connect(&server.url("")).await.unwrap();
+    let prefix = unique_key("tenk");
+    let mut guards = Vec::with_capacity(10_000);
+    for chunk in 0..20 {
+        let batch = futures::future::try_join_all(
+            (0..500).map(|i| locks.try_acquire_owned_key(format!("{prefix}:{chunk}:{i}"))),
+        )
+        .await
+        .expect("10,000 free keys");
+        guards.extend(batch);
+    }
+    assert_eq!(locks.local_key_count(), 10_000);
+    // Waits in flight too: keys held by another provider, waited for by this one.
+    let contended: Vec<String> = (0..6).map(|i| format!("{prefix}:contended:{i}")).collect();
+    let mut held_elsewhere = Vec::new();
+    for key in &contended {
+        held_elsewhere.push(other.try_acquire(key).await.unwrap());
+    }
+    let waiters: Vec<_> = contended
+        .iter()
+        .map(|key| {
+            let (locks, key) = (locks.clone(), key.clone());
+            tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(20)).await })
+        })
+        .collect();
+    let mut conn = admin(server).await;
+    // Let the waits reach the server.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let connections = count_connections(&mut conn, &app).await;
+    assert!(
+        (1..=8).contains(&connections),
+        "{connections} connections for 10,000 locks"
+    );
+    let advisory: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+         WHERE l.locktype = 'advisory' AND l.granted AND a.application_name = $1",
+    )
+    .bind(&app)
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(advisory, 10_000);
+    // Every contended key is still held elsewhere: hand them over, and all waiters get theirs.
+    for g in held_elsewhere {
+        g.release().await.unwrap();
+    }
+    for w in waiters {
+        guards.push(w.await.unwrap().expect("waiter"));
+    }
+    let connections = count_connections(&mut conn, &app).await;
+    assert!(connections <= 8, "{connections} connections");
+    futures::future::try_join_all(guards.into_iter().map(LockGuard::release))
+        .await
+        .unwrap();
+    assert_eq!(locks.local_key_count(), 0);
+}
+
+async fn count_connections(conn: &mut PgConnection, app: &str) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+        .bind(app)
+        .fetch_one(conn)
+        .await
+        .unwrap()
+}
+
+trait OwnedKey {
+    fn try_acquire_owned_key(
+        &self,
+        key: String,
+    ) -> impl std::future::Future<Output = Result<LockGuard, LockError>> + Send;
+}
+
+impl OwnedKey for LockProvider {
+    fn try_acquire_owned_key(
+        &self,
+        key: String,
+    ) -> impl std::future::Future<Output = Result<LockGuard, LockError>> + Send {
+        let locks = self.clone();
+        async move { locks.try_acquire(&key).await }
+    }
+}
+
+/// Transaction locks end with commit and with rollback; a timed-out wait leaves the
+/// transaction usable and its `lock_timeout` as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_locks_end_with_their_transaction() {
+    let server = PgServer::shared();
+    let locks = LockProvider::connect(&server.url("")).await.unwrap();
+    let mut conn = admin(server).await;
+    let key = unique_key("tx");
+    for finish in ["commit", "rollback"] {
+        let mut tx = conn.begin().await.unwrap();
+        let lock = try_acquire_in_transaction(&mut tx, &key).await.unwrap();
+        assert_eq!(lock.lock_id(), lock_id(&key));
+        assert!(matches!(
+            locks.try_acquire(&key).await,
+            Err(LockError::AlreadyHeld { .. })
+        ));
+        match finish {
+            "commit" => tx.commit().await.unwrap(),
+            _ => tx.rollback().await.unwrap(),
+        }
+        let g = locks
+            .try_acquire(&key)
+            .await
+            .unwrap_or_else(|e| panic!("free after {finish}: {e}"));
+        g.release().await.unwrap();
+    }
+
+    // A session lock held elsewhere: the transaction's wait times out, and the transaction
+    // carries on with its own lock_timeout.
+    let g = locks.try_acquire(&key).await.unwrap();
+    let mut tx = conn.begin().await.unwrap();
+    sqlx::query("SET LOCAL lock_timeout = '7s'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    // Shorter than the waits below: it must not cut them short.
+    sqlx::query("SET LOCAL statement_timeout = '100ms'")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    assert!(matches!(
+        try_acquire_in_transaction(&mut tx, &key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    let started = Instant::now();
+    match acquire_in_transaction(&mut tx, &key, Duration::from_millis(300)).await {
+        Err(LockError::Timeout { .. }) => {}
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    let setting: (String, String) = sqlx::query_as(
+        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .expect("the transaction is still usable");
+    assert_eq!(setting, ("7s".to_owned(), "100ms".to_owned()));
+    // Granted once the holder lets go, while waiting.
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        g.release().await
+    });
+    acquire_in_transaction(&mut tx, &key, Duration::from_secs(10))
+        .await
+        .expect("granted after the release");
+    release.await.unwrap().unwrap();
+    let setting: (String, String) = sqlx::query_as(
+        "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    assert_eq!(setting, ("7s".to_owned(), "100ms".to_owned()));
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    tx.rollback().await.unwrap();
+    locks
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    // Outside a transaction the waiting form says so; bad keys are typed errors.
+    assert!(matches!(
+        acquire_in_transaction(&mut conn, &key, Duration::from_secs(1)).await,
+        Err(LockError::Config { .. })
+    ));
+    assert!(matches!(
+        try_acquire_in_transaction(&mut conn, "").await,
+        Err(LockError::InvalidKey { .. })
+    ));
+}
+
+/// A pool-wide `statement_timeout` does not cut the provider's waits short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_timeout_does_not_cut_waits() {
+    let server = PgServer::shared();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(
+            server
+                .url("")
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .unwrap()
+                .options([("statement_timeout", "100")]),
+        )
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(PostgresBackend::new(pool.clone()).await.unwrap());
+    let other = LockProvider::connect(&server.url("")).await.unwrap();
+    let key = unique_key("stmt-timeout");
+    let g = other.try_acquire(&key).await.unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        g.release().await
+    });
+    let got = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("the wait outlasts the pool's statement_timeout");
+    release.await.unwrap().unwrap();
+    got.release().await.unwrap();
+    assert_eq!(
+        pool.size(),
+        1,
+        "the backend takes no connections from the pool"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_credentials_and_unreachable_servers_are_clear_errors() {
+    let server = PgServer::shared();
+    let mut conn = admin(server).await;
+    sqlx::query(
+        "DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'locker') THEN \
+         CREATE ROLE locker LOGIN PASSWORD 'right-password'; END IF; END $$",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let port = server.port();
+    let ok = LockProvider::connect(&format!(
+        "postgres://locker:right-password@127.0.0.1:{port}/postgres"
+    ))
+    .await
+    .expect("the right password works");
+    ok.try_acquire(&unique_key("pw"))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    let err = LockProvider::connect(&format!(
+        "postgres://locker:wrong-secret@127.0.0.1:{port}/postgres"
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+    let message = err.to_string();
+    assert!(message.contains("password"), "{message}");
+    assert!(
+        !message.contains("wrong-secret"),
+        "the password leaked: {message}"
+    );
+
+    // Nothing listens on this port.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let started = Instant::now();
+    let err = LockProvider::connect(&format!(
+        "postgres://u:secret@127.0.0.1:{closed_port}/db?connect_timeout=2s"
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
+    assert!(!err.to_string().contains("secret"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+
+    // Something accepts the connection but never answers: the connect timeout holds.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    let started = Instant::now();
+    let err = LockProvider::connect(&format!(
+        "postgres://u@127.0.0.1:{silent_port}/db?connect_timeout=500ms"
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_millis(500) && elapsed < Duration::from_secs(2),
+        "{elapsed:?}"
+    );
+    drop(silent);
+
+    for bad in [
+        "postgres://h/db?fencing=maybe",
+        "postgres://h/db?connections=0",
+        "postgres://h/db?nonsense_option_x=1",
+        "postgres://h/db?keepalive=soon",
+    ] {
+        let err = LockProvider::connect(bad).await.unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_survive_a_new_provider_and_builder_options() {
+    let server = PgServer::shared();
+    let key = unique_key("fence");
+    let first = {
+        let locks = LockProvider::connect(&server.url("fencing=true"))
+            .await
+            .unwrap();
+        let g = locks.try_acquire(&key).await.unwrap();
+        let t = g.fencing_token().expect("token");
+        g.release().await.unwrap();
+        t
+    };
+    let opts: sqlx::postgres::PgConnectOptions = server.url("").parse().unwrap();
+    let backend = PostgresBackend::builder(opts)
+        .fencing(true)
+        .keepalive(Duration::from_secs(1))
+        .connections(1)
+        .wait_connections(0)
+        .open()
+        .await
+        .unwrap();
+    assert!(backend.fencing());
+    let locks = LockProvider::from_backend(backend);
+    let g = locks.acquire(&key, Duration::from_secs(1)).await.unwrap();
+    assert!(g.fencing_token().unwrap() > first);
+    // The key is held by this provider; with no wait connections, a wait from another
+    // provider polls and times out.
+    let other = LockProvider::connect(&server.url("wait_connections=0"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        other.acquire(&key, Duration::from_millis(200)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    g.release().await.unwrap();
+}
+
+/// Abandoned native waits leave nothing on the server: no queued waiter, no granted lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abandoned_waits_leave_the_server_clean() {
+    let server = PgServer::shared();
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+    let key = unique_key("abandoned-wait");
+    let held = b.try_acquire(&key).await.unwrap();
+    let mut conn = admin(server).await;
+    for _ in 0..5 {
+        // The wait reaches the server, then its future is dropped.
+        let wait = a.acquire(&key, Duration::from_secs(60));
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), wait)
+                .await
+                .is_err()
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1",
+        )
+        .bind(lock_id(&key))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        if waiting == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{waiting} abandoned waits still queued"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    held.release().await.unwrap();
+    // Nobody was left to take it over.
+    assert!(holders(&mut conn, &key).await.is_empty());
+    b.try_acquire(&key).await.unwrap().release().await.unwrap();
+}

@@ -1,0 +1,247 @@
+//! Throwaway PostgreSQL servers, spawned from the installed binaries in a temp dir on a free
+//! loopback port. As root, the server runs as the `postgres` user (PostgreSQL refuses root).
+//!
+//! Each server trusts every local user except `locker`, who must give a password (for the
+//! wrong-password test). A server is stopped when its [`PgServer`] is dropped; the shared
+//! server of a test binary is stopped by a small reaper process when the test binary exits.
+
+use std::io::Write;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// A running (or stopped) throwaway server.
+pub struct PgServer {
+    dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+    bin: PathBuf,
+    // Ends the server when this process exits, even if `Drop` never runs (statics).
+    _reaper: ChildStdin,
+}
+
+fn bin_dir() -> PathBuf {
+    if let Ok(path) = std::env::var("PATH") {
+        for dir in std::env::split_paths(&path) {
+            if dir.join("initdb").is_file() && dir.join("postgres").is_file() {
+                return dir;
+            }
+        }
+    }
+    if let Ok(entries) = std::fs::read_dir("/usr/lib/postgresql") {
+        let mut dirs: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .filter(|d| d.join("initdb").is_file())
+            .collect();
+        dirs.sort();
+        if let Some(dir) = dirs.pop() {
+            return dir;
+        }
+    }
+    panic!(
+        "PostgreSQL server binaries (initdb, postgres) were not found on PATH or in /usr/lib/postgresql/*/bin; \
+         install the `postgresql` package (bash .ci/run does)"
+    );
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
+/// A command that runs `program` as the `postgres` user when this process is root.
+fn as_postgres(program: &Path) -> Command {
+    if is_root() {
+        let mut cmd = Command::new("setpriv");
+        cmd.args([
+            "--reuid=postgres",
+            "--regid=postgres",
+            "--init-groups",
+            "--reset-env",
+        ]);
+        cmd.arg(program);
+        cmd
+    } else {
+        Command::new(program)
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+impl PgServer {
+    /// Creates a cluster in a new temp dir and starts it.
+    pub fn start() -> PgServer {
+        let bin = bin_dir();
+        let dir = tempfile::Builder::new()
+            .prefix("dlock-pg-")
+            .tempdir()
+            .expect("temp dir")
+            .keep();
+        let data = dir.join("data");
+        std::fs::create_dir(&data).expect("data dir");
+        if is_root() {
+            let status = Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(&dir)
+                .status()
+                .expect("chown");
+            assert!(status.success(), "chown of the server dir failed");
+        }
+        let out = as_postgres(&bin.join("initdb"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"])
+            .output()
+            .expect("run initdb");
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::fs::write(
+            data.join("pg_hba.conf"),
+            "local all all trust\n\
+             host all locker 127.0.0.1/32 scram-sha-256\n\
+             host all all 127.0.0.1/32 trust\n",
+        )
+        .expect("write pg_hba.conf");
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(data.join("postgresql.conf"))
+            .expect("open postgresql.conf");
+        writeln!(
+            conf,
+            "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\nmax_connections = 300\n\
+             max_locks_per_transaction = 256\nshared_buffers = 32MB\nlisten_addresses = '127.0.0.1'"
+        )
+        .expect("write postgresql.conf");
+        drop(conf);
+
+        // The reaper: when this process exits (its stdin closes), stop the server and remove
+        // the directory.
+        let script = format!(
+            "cat >/dev/null; pid=$(head -n1 '{data}/postmaster.pid' 2>/dev/null); \
+             [ -n \"$pid\" ] && kill -QUIT \"$pid\" 2>/dev/null; \
+             for i in 1 2 3 4 5 6 7 8 9 10; do [ -e '{data}/postmaster.pid' ] || break; sleep 0.2; done; \
+             rm -rf '{dir}'",
+            data = data.display(),
+            dir = dir.display()
+        );
+        let mut reaper = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn reaper");
+        let reaper_stdin = reaper.stdin.take().expect("reaper stdin");
+        // The reaper is reaped by nobody; it is tiny and exits with this process.
+        std::mem::forget(reaper);
+
+        let mut server = PgServer {
+            dir,
+            port: free_port(),
+            child: None,
+            bin,
+            _reaper: reaper_stdin,
+        };
+        server.resume();
+        server
+    }
+
+    /// The one server shared by the tests of this binary.
+    pub fn shared() -> &'static PgServer {
+        static SHARED: OnceLock<PgServer> = OnceLock::new();
+        static STARTING: Mutex<()> = Mutex::new(());
+        let _once = STARTING.lock().unwrap_or_else(|e| e.into_inner());
+        SHARED.get_or_init(PgServer::start)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A URL for the trusted superuser, with extra query options (`a=b&c=d`).
+    pub fn url(&self, options: &str) -> String {
+        let mut url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.port);
+        if !options.is_empty() {
+            url.push('?');
+            url.push_str(options);
+        }
+        url
+    }
+
+    fn data(&self) -> PathBuf {
+        self.dir.join("data")
+    }
+
+    /// Starts the server again after [`stop`](PgServer::stop), on the same port.
+    pub fn resume(&mut self) {
+        assert!(self.child.is_none(), "the server is running");
+        let log = std::fs::File::create(self.dir.join("server.log")).expect("log file");
+        let _ = Command::new("chown")
+            .args(["postgres:postgres"])
+            .arg(self.dir.join("server.log"))
+            .status();
+        let child = as_postgres(&self.bin.join("postgres"))
+            .arg("-D")
+            .arg(self.data())
+            .arg("-p")
+            .arg(self.port.to_string())
+            .arg("-k")
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start postgres");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+            if text.contains("ready to accept connections") {
+                break;
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                panic!("postgres exited with {status}: {text}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "postgres did not start in time: {text}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Fast shutdown: every session is terminated, then the server exits.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-INT", &child.id().to_string()])
+                .status();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = Command::new("kill")
+                .args(["-QUIT", &child.id().to_string()])
+                .status();
+            let _ = child.wait();
+        }
+        // The reaper removes the directory when its stdin closes (now).
+    }
+}
