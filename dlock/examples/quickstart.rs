@@ -43,7 +43,9 @@ async fn main() -> Result<(), LockError> {
     };
     tokio::time::sleep(Duration::from_millis(200)).await;
     billing.release().await?;
-    waiter.await.map_err(|e| LockError::config(e.to_string()))??;
+    waiter
+        .await
+        .map_err(|e| LockError::config(e.to_string()))??;
 
     let timeout = replica_b
         .acquire("jobs:never-free", Duration::ZERO)

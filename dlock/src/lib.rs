@@ -74,6 +74,8 @@ mod options;
 mod provider;
 mod table;
 
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 
