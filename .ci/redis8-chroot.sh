@@ -12,7 +12,9 @@ if [ -x "$WRAPPER" ] && "$WRAPPER" --version 2>/dev/null | grep -Eq 'v=(8\.([4-9
     exit 0
 fi
 
-command -v debootstrap >/dev/null || apt-get install -y -q debootstrap >/dev/null
+if ! command -v debootstrap >/dev/null; then
+    apt-get install -y -q debootstrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q debootstrap >/dev/null; }
+fi
 # The mirror this machine already uses, read from its apt sources (security suites excluded).
 MIRROR=$(cat /etc/apt/sources.list /etc/apt/sources.list.d/* 2>/dev/null \
     | grep -E '^(URIs:|deb )' | grep -v -- '-security' \

@@ -254,7 +254,7 @@ async fn client_kill(server: &RedisServer) {
             && if per_connection == 0 {
                 delta == probes
             } else {
-                (delta - probes) % per_connection == 0
+                (delta - probes).is_multiple_of(per_connection)
             },
         "after a reconnect the paths are probed again: {delta} errors, {probes} probes, {per_connection} per connection"
     );

@@ -51,6 +51,7 @@
 //! | backend | feature | waiting | lost detection | fencing |
 //! |---|---|---|---|---|
 //! | [SQLite](sqlite) | `sqlite` (default) | polling with backoff | lease renewal | built in |
+//! | [Redis / Valkey](redis) | `redis` | polling with backoff | lease renewal, local deadline | built in (optional) |
 //!
 //! The other engines are on their way; see the README for the current state.
 //!

@@ -164,11 +164,11 @@ impl RedisServer {
         self.child = Some(child);
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
-            if let Some(child) = self.child.as_mut() {
-                if let Ok(Some(_)) = child.try_wait() {
-                    self.child = None;
-                    return false;
-                }
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false;
             }
             if self.raw(&["PING"]).is_some_and(|r| r.starts_with("+PONG")) {
                 return true;

@@ -145,7 +145,7 @@ struct Shared {
 }
 
 enum Source {
-    Client(redis::Client),
+    Client(Box<redis::Client>),
     Manager(ConnectionManager),
 }
 
@@ -220,6 +220,7 @@ impl RedisBuilder {
         let manager = match self.source {
             Source::Manager(manager) => manager,
             Source::Client(client) => {
+                let client = *client;
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout))
@@ -254,7 +255,7 @@ impl RedisBackend {
     /// A builder on a `redis::Client` (which knows the server's address and credentials).
     pub fn builder(client: redis::Client) -> RedisBuilder {
         RedisBuilder {
-            source: Source::Client(client),
+            source: Source::Client(Box::new(client)),
             lease: DEFAULT_LEASE,
             prefix: DEFAULT_PREFIX.to_owned(),
             fencing: true,
@@ -811,7 +812,7 @@ mod tests {
             "redis://h/?fencing=maybe",
             "redis://user:hunter2@[::1/",
         ] {
-            let err = parse_url(bad).err().expect(bad);
+            let err = parse_url(bad).expect_err(bad);
             assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
             assert!(!err.to_string().contains("hunter2"), "{err}");
         }
