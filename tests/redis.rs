@@ -548,16 +548,16 @@ async fn raw_token_api(server: &RedisServer) {
 
 /// Renewal keeps a lock past several leases; fencing=false issues no tokens.
 async fn renewal_and_options(server: &RedisServer) {
-    let a = LockProvider::connect(&server.url("lease=300ms&fencing=false"))
+    let a = LockProvider::connect(&server.url("lease=500ms&fencing=false"))
         .await
         .unwrap();
-    let b = LockProvider::connect(&server.url("lease=300ms"))
+    let b = LockProvider::connect(&server.url("lease=500ms"))
         .await
         .unwrap();
     let key = unique_key("renew");
     let guard = a.try_acquire(&key).await.unwrap();
     assert_eq!(guard.fencing_token(), None);
-    let outcome = b.acquire(&key, Duration::from_millis(1200)).await;
+    let outcome = b.acquire(&key, Duration::from_millis(1500)).await;
     assert!(
         matches!(outcome, Err(LockError::Timeout { .. })),
         "{outcome:?}"
