@@ -597,6 +597,44 @@ async fn renewal_and_options(server: &RedisServer) {
     g.release().await.unwrap();
 }
 
+/// A backend on the application's own connection manager and options from code.
+async fn existing_manager(server: &RedisServer) {
+    let manager = redis::aio::ConnectionManager::new(server.client())
+        .await
+        .unwrap();
+    let backend = RedisBackend::builder_on_manager(manager.clone())
+        .prefix("app-locks:")
+        .lease(Duration::from_secs(2))
+        .connect()
+        .await
+        .unwrap();
+    let storage = backend.storage_key("jobs:{nightly}");
+    assert_eq!(storage, b"app-locks:{jobs:%7Bnightly%7D}".to_vec());
+    let locks = LockProvider::from_backend(backend);
+    let guard = locks.try_acquire("jobs:{nightly}").await.unwrap();
+    let mut conn = manager.clone();
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(&storage)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!((1..=2000).contains(&ttl), "{ttl}");
+    guard.release().await.unwrap();
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(&storage)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0);
+    assert!(matches!(
+        RedisBackend::builder_on_manager(manager)
+            .prefix("bad{")
+            .connect()
+            .await,
+        Err(LockError::Config { .. })
+    ));
+}
+
 fn fastrand_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -683,6 +721,12 @@ macro_rules! flavor_tests {
             async fn renewal() {
                 let Some(server) = start() else { return };
                 renewal_and_options(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn application_manager() {
+                let Some(server) = start() else { return };
+                existing_manager(&server).await;
             }
 
             #[test]

@@ -59,7 +59,8 @@
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
 //!
 //! [`RedisBackend::builder`] builds one from a `redis::Client`, and
-//! [`RedisBuilder::manager`] from a `ConnectionManager` the application already has.
+//! [`RedisBackend::builder_on_manager`] (or [`RedisBackend::from_manager`]) on a
+//! `ConnectionManager` the application already has.
 //!
 //! # Lost locks
 //!
@@ -171,6 +172,16 @@ impl std::fmt::Debug for RedisBuilder {
 }
 
 impl RedisBuilder {
+    fn on(source: Source) -> RedisBuilder {
+        RedisBuilder {
+            source,
+            lease: DEFAULT_LEASE,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            fencing: true,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
     /// Uses a connection manager the application already has instead of opening one.
     pub fn manager(mut self, manager: ConnectionManager) -> Self {
         self.source = Source::Manager(manager);
@@ -254,13 +265,12 @@ impl RedisBuilder {
 impl RedisBackend {
     /// A builder on a `redis::Client` (which knows the server's address and credentials).
     pub fn builder(client: redis::Client) -> RedisBuilder {
-        RedisBuilder {
-            source: Source::Client(Box::new(client)),
-            lease: DEFAULT_LEASE,
-            prefix: DEFAULT_PREFIX.to_owned(),
-            fencing: true,
-            timeout: DEFAULT_TIMEOUT,
-        }
+        RedisBuilder::on(Source::Client(Box::new(client)))
+    }
+
+    /// A builder on a connection manager the application already has.
+    pub fn builder_on_manager(manager: ConnectionManager) -> RedisBuilder {
+        RedisBuilder::on(Source::Manager(manager))
     }
 
     /// A backend on a connection manager the application already has, with default options.
@@ -269,12 +279,7 @@ impl RedisBackend {
     ///
     /// Cancel safe: nothing is sent.
     pub async fn from_manager(manager: ConnectionManager) -> Result<RedisBackend, LockError> {
-        let client = redis::Client::open("redis://127.0.0.1/")
-            .map_err(|err| redis_error("making a placeholder client", err))?;
-        RedisBackend::builder(client)
-            .manager(manager)
-            .connect()
-            .await
+        RedisBackend::builder_on_manager(manager).connect().await
     }
 
     /// Connects to the server named by a `redis://` or `rediss://` URL (see the
