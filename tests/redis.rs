@@ -353,6 +353,39 @@ async fn sigstop_holder(server: &RedisServer) {
     let _ = child.wait();
 }
 
+/// When renewals keep failing (here: the user's permissions are revoked, so every renewal
+/// answers NOPERM), the lost token fires while the server still has the lock: before anyone
+/// else can take it.
+async fn failing_renewals(server: &RedisServer) {
+    let mut conn = admin(server).await;
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "holder", "on", ">pw", "~*", "+@all"])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let url = format!("redis://holder:pw@127.0.0.1:{}/?lease=2s", server.port());
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let key = unique_key("failing");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let _: () = redis::cmd("ACL")
+        .arg(&["SETUSER", "holder", "-@all"])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let fired = tokio::time::timeout(Duration::from_secs(3), guard.lost_token().cancelled()).await;
+    assert!(fired.is_ok(), "lost token fired");
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(backend.storage_key(&key))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(
+        ttl > 0,
+        "the lock had already expired ({ttl}) when the holder learned of the loss"
+    );
+}
+
 /// A user without EVAL/EVALSHA gets NOPERM, clearly, and never a silent fallback. Where the
 /// server has native release and renewal, fencing=false needs no script at all.
 async fn noperm_without_eval(server: &RedisServer) {
@@ -697,6 +730,12 @@ macro_rules! flavor_tests {
             async fn stopped_holder() {
                 let Some(server) = start() else { return };
                 sigstop_holder(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renewals_failing() {
+                let Some(server) = start() else { return };
+                failing_renewals(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
