@@ -54,6 +54,7 @@
 //! | [PostgreSQL](postgres) | `postgres` | native (`pg_advisory_lock` under `lock_timeout`) | connection liveness checks | opt-in (counter table) |
 //! | SQL Server (`dlock::mssql`) | `mssql` | native (`sp_getapplock`) | keepalive per connection | no |
 //! | Oracle (`dlock::oracle`) | `oracle` | native (`DBMS_LOCK.REQUEST`) | keepalive per session | no |
+//! | [Redis / Valkey](redis) | `redis` | polling with backoff | lease renewal, local deadline | built in (optional) |
 //!
 //! SQLite is verified against the real store in CI; SQL Server and Oracle are not (their servers
 //! cannot run there): their statements, parameters and return-code mappings are pinned by unit
@@ -90,6 +91,8 @@ pub mod mssql;
 pub mod oracle;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
 #[cfg(feature = "sqlite")]
 pub mod sqlite;
 

@@ -74,7 +74,7 @@ impl LockProvider {
     /// | `mysql://`, `mariadb://` | MySQL / MariaDB | `mysql` |
     /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
     /// | `oracle://` | Oracle | `oracle` |
-    /// | `redis://`, `rediss://` | Redis / Valkey | `redis` |
+    /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
     ///
     /// Each backend documents its own query options (for example `?lease=30s`).
     ///
@@ -98,7 +98,7 @@ impl LockProvider {
             "mysql" | "mariadb" => Err(not_built("mysql", "MySQL and MariaDB")),
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
-            "redis" | "rediss" => Err(not_built("redis", "Redis")),
+            "redis" | "rediss" => connect_redis(url).await,
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
                 scheme.escape_debug()
@@ -495,6 +495,18 @@ async fn connect_oracle(url: &str) -> Result<LockProvider, LockError> {
 #[cfg(not(feature = "oracle"))]
 async fn connect_oracle(_url: &str) -> Result<LockProvider, LockError> {
     Err(not_built("oracle", "Oracle"))
+}
+
+#[cfg(feature = "redis")]
+async fn connect_redis(url: &str) -> Result<LockProvider, LockError> {
+    crate::redis::RedisBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "redis"))]
+async fn connect_redis(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("redis", "Redis"))
 }
 
 fn not_built(feature: &str, engine: &str) -> LockError {

@@ -6,7 +6,8 @@
 //! the interleaving: any `enter` that follows an `enter` without its `exit` is an overlap.
 //!
 //! `dlock-worker hold URL KEY` takes the lock, prints `held TOKEN` on stdout and sleeps until
-//! it is killed.
+//! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
+//! clock when it fired).
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -80,6 +81,13 @@ async fn hold(url: &str, key: &str) -> Result<(), String> {
             .map_or_else(|| "-".to_owned(), |t| t.to_string())
     );
     std::io::stdout().flush().map_err(|e| e.to_string())?;
+    guard.lost_token().cancelled().await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    println!("lost {now}");
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
     std::future::pending::<()>().await;
+    drop(guard);
     Ok(())
 }

@@ -2,6 +2,9 @@
 //! backend) throwaway servers.
 #![allow(dead_code, unreachable_pub)]
 
+#[cfg(feature = "redis")]
+pub mod redis;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};

@@ -1,0 +1,146 @@
+//! Redis acquire+release against the raw driver, on throwaway servers started here.
+//!
+//! - `acquire_release/<server>/raw`: `SET key token NX PX` plus a Lua compare-and-delete
+//!   through `EVALSHA`, on the same kind of client (`redis` connection manager);
+//! - `.../dlock`: the same through `LockProvider::try_acquire` and `LockGuard::release`
+//!   (`fencing=false`: the same commands on servers without native ones, plus the guard, the
+//!   in-process table and the renewal task), and `.../dlock_fenced` with fencing tokens;
+//! - `release/valkey91/{native,lua}`: `SET NX PX` followed by `DELIFEQ` or by the Lua delete.
+//!
+//! Servers whose binary is missing are left out (see tests/support/redis.rs).
+
+#[path = "../tests/support/redis.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod redis_support;
+
+use std::time::Duration;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use dlock::LockProvider;
+use redis::aio::ConnectionManager;
+use redis_support::{Flavor, RedisServer};
+
+const RELEASE_LUA: &str =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
+
+fn bench(c: &mut Criterion) {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let mut group = c.benchmark_group("acquire_release");
+    group
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    for (name, flavor) in [
+        ("redis7", Flavor::Redis7),
+        ("valkey81", Flavor::Valkey81),
+        ("valkey91", Flavor::Valkey91),
+        ("redis8", Flavor::Redis8),
+    ] {
+        let Some(server) = start(flavor) else {
+            continue;
+        };
+        let manager: ConnectionManager = rt
+            .block_on(ConnectionManager::new(server.client()))
+            .expect("connect");
+        let script = redis::Script::new(RELEASE_LUA);
+        group.bench_function(format!("{name}/raw"), |b| {
+            b.to_async(&rt).iter(|| {
+                let mut conn = manager.clone();
+                let script = &script;
+                async move {
+                    let set: Option<String> = redis::cmd("SET")
+                        .arg("bench:raw")
+                        .arg("token-0123456789")
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(30_000)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("set");
+                    assert!(set.is_some());
+                    let deleted: i64 = script
+                        .key("bench:raw")
+                        .arg("token-0123456789")
+                        .invoke_async(&mut conn)
+                        .await
+                        .expect("delete");
+                    assert_eq!(deleted, 1);
+                }
+            });
+        });
+        for (label, options) in [("dlock", "fencing=false"), ("dlock_fenced", "")] {
+            let locks = rt
+                .block_on(LockProvider::connect(&server.url(options)))
+                .expect("connect");
+            group.bench_function(format!("{name}/{label}"), |b| {
+                b.to_async(&rt).iter(|| {
+                    let locks = &locks;
+                    async move {
+                        let guard = locks.try_acquire("bench:dlock").await.expect("free");
+                        guard.release().await.expect("release");
+                    }
+                });
+            });
+        }
+    }
+    group.finish();
+
+    let Some(server) = start(Flavor::Valkey91) else {
+        return;
+    };
+    let manager: ConnectionManager = rt
+        .block_on(ConnectionManager::new(server.client()))
+        .expect("connect");
+    let script = redis::Script::new(RELEASE_LUA);
+    let mut group = c.benchmark_group("release/valkey91");
+    group
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    for native in [true, false] {
+        group.bench_function(if native { "native" } else { "lua" }, |b| {
+            b.to_async(&rt).iter(|| {
+                let mut conn = manager.clone();
+                let script = &script;
+                async move {
+                    let _: Option<String> = redis::cmd("SET")
+                        .arg("bench:release")
+                        .arg("token-0123456789")
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(30_000)
+                        .query_async(&mut conn)
+                        .await
+                        .expect("set");
+                    let deleted: i64 = if native {
+                        redis::cmd("DELIFEQ")
+                            .arg("bench:release")
+                            .arg("token-0123456789")
+                            .query_async(&mut conn)
+                            .await
+                            .expect("delifeq")
+                    } else {
+                        script
+                            .key("bench:release")
+                            .arg("token-0123456789")
+                            .invoke_async(&mut conn)
+                            .await
+                            .expect("lua")
+                    };
+                    assert_eq!(deleted, 1);
+                }
+            });
+        });
+    }
+    group.finish();
+}
+
+fn start(flavor: Flavor) -> Option<RedisServer> {
+    // Benches never fail for a missing server: they measure what is installed.
+    if flavor.binary().is_none() {
+        eprintln!("{flavor:?}: no server binary, not measured");
+        return None;
+    }
+    RedisServer::start(flavor)
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

