@@ -51,6 +51,7 @@
 //! | backend | feature | waiting | lost detection | fencing |
 //! |---|---|---|---|---|
 //! | [SQLite](sqlite) | `sqlite` (default) | polling with backoff | lease renewal | built in |
+//! | [MySQL / MariaDB](mysql) | `mysql` | native (`GET_LOCK(name, seconds)`) | connection liveness checks | opt-in (counter table) |
 //!
 //! The other engines are on their way; see the README for the current state.
 //!
@@ -71,6 +72,8 @@ mod error;
 mod guard;
 mod key;
 pub mod metrics;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 mod options;
 mod provider;
 mod table;

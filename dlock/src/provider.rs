@@ -71,7 +71,7 @@ impl LockProvider {
     /// |---|---|---|
     /// | `sqlite://relative.db`, `sqlite:///absolute/path.db` | [`sqlite`](crate::sqlite) | `sqlite` (default) |
     /// | `postgres://`, `postgresql://` | PostgreSQL | `postgres` |
-    /// | `mysql://`, `mariadb://` | MySQL / MariaDB | `mysql` |
+    /// | `mysql://`, `mariadb://` | [MySQL / MariaDB](crate::mysql) | `mysql` |
     /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | Redis / Valkey | `redis` |
@@ -95,7 +95,7 @@ impl LockProvider {
         match scheme.as_str() {
             "sqlite" => connect_sqlite(url).await,
             "postgres" | "postgresql" => Err(not_built("postgres", "PostgreSQL")),
-            "mysql" | "mariadb" => Err(not_built("mysql", "MySQL and MariaDB")),
+            "mysql" | "mariadb" => connect_mysql(url).await,
             "mssql" | "sqlserver" => Err(not_built("mssql", "SQL Server")),
             "oracle" => Err(not_built("oracle", "Oracle")),
             "redis" | "rediss" => Err(not_built("redis", "Redis")),
@@ -419,6 +419,18 @@ async fn connect_sqlite(url: &str) -> Result<LockProvider, LockError> {
 #[cfg(not(feature = "sqlite"))]
 async fn connect_sqlite(_url: &str) -> Result<LockProvider, LockError> {
     Err(not_built("sqlite", "SQLite"))
+}
+
+#[cfg(feature = "mysql")]
+async fn connect_mysql(url: &str) -> Result<LockProvider, LockError> {
+    crate::mysql::MySqlBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "mysql"))]
+async fn connect_mysql(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("mysql", "MySQL and MariaDB"))
 }
 
 fn not_built(feature: &str, engine: &str) -> LockError {

@@ -168,3 +168,6 @@ pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) ->
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
+
+#[cfg(feature = "mysql")]
+pub mod mysql;
