@@ -40,11 +40,8 @@ async fn kill_holder(server: &DbServer, key: &str) {
     let id = holder(&mut conn, key)
         .await
         .expect("someone holds the lock");
-    sqlx::query("KILL ?")
-        .bind(id)
-        .execute(&mut conn)
-        .await
-        .expect("KILL");
+    let kill = format!("KILL CONNECTION {id}");
+    sqlx::query(&kill).execute(&mut conn).await.expect("KILL");
 }
 
 fn number(err: &sqlx::Error) -> Option<u16> {
@@ -222,9 +219,13 @@ async fn killed_connections(server: &DbServer) {
             // Wait until the waiter is blocked in GET_LOCK on the server, then hand over.
             let deadline = Instant::now() + Duration::from_secs(5);
             loop {
+                // MySQL shows the statement with its values, MariaDB with placeholders.
                 let waiting: i64 = sqlx::query_scalar(
-                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE INFO LIKE 'SELECT GET_LOCK(?, ?)%'",
+                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+                     WHERE INFO LIKE 'SELECT GET_LOCK(%' AND INFO NOT LIKE '%, 0)' \
+                     AND (INFO LIKE CONCAT('%', ?, '%') OR INFO LIKE '%(?, ?)')",
                 )
+                .bind(server_lock_name(&key))
                 .fetch_one(&mut conn)
                 .await
                 .unwrap();

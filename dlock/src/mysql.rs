@@ -208,8 +208,13 @@ const FENCE_SQL: &str = "INSERT INTO dlock_fencing (name, token) VALUES (?, LAST
 const FENCING_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS dlock_fencing (\
     name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
     token BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB";
-/// `?` connection id: ends that session (and with it its wait and its locks).
-const KILL_SQL: &str = "KILL ?";
+/// Ends a session (and with it its wait and its locks). MySQL takes no parameter in `KILL`
+/// ("dynamic parameters can only be used in DML statements"), so this is the one statement
+/// built by formatting: its only input is a `u64` connection id the server itself reported,
+/// never text from a caller.
+fn kill_sql(id: u64) -> String {
+    format!("KILL CONNECTION {id}")
+}
 const IDENTITY_SQL: &str = "SELECT CAST(CONNECTION_ID() AS UNSIGNED), VERSION()";
 const MYSQL_SESSION_SQL: &str = "SET SESSION wait_timeout = 31536000, max_execution_time = 0";
 const MARIADB_SESSION_SQL: &str = "SET SESSION wait_timeout = 31536000, max_statement_time = 0";
@@ -972,7 +977,8 @@ impl Lane {
             return;
         };
         let work = async {
-            match sqlx::query(KILL_SQL).bind(id).execute(&mut *conn).await {
+            let kill = kill_sql(id);
+            match sqlx::query(&kill).execute(&mut *conn).await {
                 Ok(_) => {}
                 // Unknown thread id: the session is gone already.
                 Err(err) if error_number(&err) == Some(1094) => return Ok(()),

@@ -261,7 +261,11 @@ impl DbServer {
             Flavor::MySql => {
                 let mut cmd = Command::new("chroot");
                 cmd.arg(chroot_dir()).arg("/usr/sbin/mysqld").args(&common);
-                cmd.args(["--mysqlx=OFF", "--performance-schema=OFF"]);
+                cmd.args([
+                    "--mysqlx=OFF",
+                    "--performance-schema=OFF",
+                    "--secure-file-priv=NULL",
+                ]);
                 cmd
             }
         };
