@@ -544,6 +544,7 @@ impl MySqlBackend {
         let handle = self.shared.next_handle.fetch_add(1, Ordering::Relaxed);
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
+        let guard = claim.abandon_guard();
         lane.send(LaneCommand::Try {
             claim,
             handle,
@@ -552,7 +553,9 @@ impl MySqlBackend {
         })
         .map_err(|_| lane_gone())?;
         // If this future is dropped here, the lane sees the closed reply and releases.
-        match answer.await.map_err(|_| lane_gone())?? {
+        let answer = answer.await;
+        guard.disarm();
+        match answer.map_err(|_| lane_gone())?? {
             None => Ok(None),
             Some(token) => Ok(Some(Acquired::new(
                 token,
@@ -610,6 +613,7 @@ impl MySqlBackend {
         };
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
+        let guard = claim.abandon_guard();
         let task = WaitTask {
             claim,
             deadline,
@@ -629,11 +633,13 @@ impl MySqlBackend {
         let answer = match remaining.checked_add(WAIT_GRACE) {
             Some(limit) => match tokio::time::timeout(limit, answer).await {
                 Ok(answer) => answer,
-                // The server did not answer in time: give up (the task cleans up).
+                // The server did not answer in time: give up (the task cleans up; the armed
+                // guard marks the name as being freed).
                 Err(_) => return Ok(None),
             },
             None => answer.await,
         };
+        guard.disarm();
         match answer.map_err(|_| lane_gone())?? {
             None => Ok(None),
             Some((token, release)) => Ok(Some(Acquired::new(
@@ -695,11 +701,26 @@ impl LockBackend for MySqlBackend {
 #[derive(Default)]
 struct Names {
     map: Mutex<HashMap<Arc<str>, NameState>>,
+    next_claim: AtomicU64,
 }
 
+/// The state of a claimed name, with the id of the claim.
 enum NameState {
-    Taken,
+    Taken(u64),
     Settling(Arc<Notify>),
+}
+
+impl Names {
+    /// Marks claim `id` of `name` as being freed (if it is still that claim): acquisitions by
+    /// this backend wait for it instead of answering that the name is held.
+    fn settle(&self, name: &Arc<str>, id: u64) {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(state) = map.get_mut(name) {
+            if matches!(state, NameState::Taken(taken) if *taken == id) {
+                *state = NameState::Settling(Arc::new(Notify::new()));
+            }
+        }
+    }
 }
 
 impl Names {
@@ -711,13 +732,15 @@ impl Names {
                 let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
                 match map.get(name) {
                     None => {
-                        map.insert(Arc::clone(name), NameState::Taken);
+                        let id = self.next_claim.fetch_add(1, Ordering::Relaxed);
+                        map.insert(Arc::clone(name), NameState::Taken(id));
                         return Some(Claim {
                             names: Arc::clone(self),
                             name: Arc::clone(name),
+                            id,
                         });
                     }
-                    Some(NameState::Taken) => return None,
+                    Some(NameState::Taken(_)) => return None,
                     Some(NameState::Settling(notify)) => Arc::clone(notify),
                 }
             };
@@ -747,19 +770,45 @@ impl Names {
 struct Claim {
     names: Arc<Names>,
     name: Arc<str>,
+    id: u64,
 }
 
 impl Claim {
     /// Marks the name as being freed on the server: acquisitions by this backend wait until
     /// the claim is dropped instead of answering that it is held.
     fn settling(&self) {
-        let mut map = self
-            .names
-            .map
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(state) = map.get_mut(&self.name) {
-            *state = NameState::Settling(Arc::new(Notify::new()));
+        self.names.settle(&self.name, self.id);
+    }
+
+    /// A guard that marks this claim as being freed if it is dropped armed: an acquisition
+    /// future dropped before its answer arrived leaves the name to a background clean-up.
+    fn abandon_guard(&self) -> AbandonGuard {
+        AbandonGuard {
+            names: Arc::clone(&self.names),
+            name: Arc::clone(&self.name),
+            id: self.id,
+            armed: true,
+        }
+    }
+}
+
+struct AbandonGuard {
+    names: Arc<Names>,
+    name: Arc<str>,
+    id: u64,
+    armed: bool,
+}
+
+impl AbandonGuard {
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for AbandonGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.names.settle(&self.name, self.id);
         }
     }
 }
