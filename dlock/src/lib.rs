@@ -55,6 +55,7 @@
 //! | SQL Server (`dlock::mssql`) | `mssql` | native (`sp_getapplock`) | keepalive per connection | no |
 //! | Oracle (`dlock::oracle`) | `oracle` | native (`DBMS_LOCK.REQUEST`) | keepalive per session | no |
 //! | [Redis / Valkey](redis) | `redis` | polling with backoff | lease renewal, local deadline | built in (optional) |
+//! | [MySQL / MariaDB](mysql) | `mysql` | native (`GET_LOCK(name, seconds)`) | connection liveness checks | opt-in (counter table) |
 //!
 //! SQLite is verified against the real store in CI; SQL Server and Oracle are not (their servers
 //! cannot run there): their statements, parameters and return-code mappings are pinned by unit
@@ -81,6 +82,8 @@ pub mod key_template;
 #[cfg(any(feature = "mssql", feature = "oracle"))]
 mod lanes;
 pub mod metrics;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 mod options;
 mod provider;
 mod table;

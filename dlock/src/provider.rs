@@ -71,7 +71,7 @@ impl LockProvider {
     /// |---|---|---|
     /// | `sqlite://relative.db`, `sqlite:///absolute/path.db` | [`sqlite`](crate::sqlite) | `sqlite` (default) |
     /// | `postgres://`, `postgresql://` | PostgreSQL | `postgres` |
-    /// | `mysql://`, `mariadb://` | MySQL / MariaDB | `mysql` |
+    /// | `mysql://`, `mariadb://` | [MySQL / MariaDB](crate::mysql) | `mysql` |
     /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
@@ -95,7 +95,7 @@ impl LockProvider {
         match scheme.as_str() {
             "sqlite" => connect_sqlite(url).await,
             "postgres" | "postgresql" => connect_postgres(url).await,
-            "mysql" | "mariadb" => Err(not_built("mysql", "MySQL and MariaDB")),
+            "mysql" | "mariadb" => connect_mysql(url).await,
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
             "redis" | "rediss" => connect_redis(url).await,
@@ -509,6 +509,30 @@ async fn connect_redis(_url: &str) -> Result<LockProvider, LockError> {
     Err(not_built("redis", "Redis"))
 }
 
+#[cfg(feature = "mysql")]
+async fn connect_mysql(url: &str) -> Result<LockProvider, LockError> {
+    crate::mysql::MySqlBackend::connect(url)
+        .await
+        .map(LockProvider::from_backend)
+}
+
+#[cfg(not(feature = "mysql"))]
+async fn connect_mysql(_url: &str) -> Result<LockProvider, LockError> {
+    Err(not_built("mysql", "MySQL and MariaDB"))
+}
+
+// Unused only in a build with every backend.
+#[cfg_attr(
+    all(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "mssql",
+        feature = "oracle",
+        feature = "redis"
+    ),
+    allow(dead_code)
+)]
 fn not_built(feature: &str, engine: &str) -> LockError {
     LockError::config(format!(
         "this build of dlock has no {engine} backend: enable the `{feature}` cargo feature of dlock"

@@ -172,5 +172,7 @@ pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) ->
     }
 }
 
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;

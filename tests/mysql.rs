@@ -1,0 +1,695 @@
+//! The MySQL / MariaDB backend against real throwaway servers, both engines: the conformance
+//! suite (with and without fencing), lost detection by `KILL`, server restarts, other
+//! processes, SIGKILLed holders, lock name mapping, many locks on few connections, sub-second
+//! waits, deadlock errors and bad inputs.
+#![cfg(feature = "mysql")]
+
+mod conformance;
+mod support;
+
+use std::time::{Duration, Instant};
+
+use dlock::mysql::{
+    MySqlBackend, acquire_in_transaction, server_lock_name, try_acquire_in_transaction,
+};
+use dlock::{LockError, LockGuard, LockProvider};
+use sqlx::mysql::{MySqlConnection, MySqlDatabaseError};
+use sqlx::{Connection, Executor};
+use support::mysql::{DbServer, Flavor};
+use support::{Holder, unique_key};
+
+const KEEPALIVE: Duration = Duration::from_millis(200);
+
+async fn admin(server: &DbServer) -> MySqlConnection {
+    MySqlConnection::connect(&server.url("").replacen("mariadb://", "mysql://", 1))
+        .await
+        .expect("admin connection")
+}
+
+/// The connection id holding the user lock of `key`, if any.
+async fn holder(conn: &mut MySqlConnection, key: &str) -> Option<u64> {
+    sqlx::query_scalar("SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)")
+        .bind(server_lock_name(key))
+        .fetch_one(conn)
+        .await
+        .expect("IS_USED_LOCK")
+}
+
+async fn kill_holder(server: &DbServer, key: &str) {
+    let mut conn = admin(server).await;
+    let id = holder(&mut conn, key)
+        .await
+        .expect("someone holds the lock");
+    let kill = format!("KILL CONNECTION {id}");
+    sqlx::query(&kill).execute(&mut conn).await.expect("KILL");
+}
+
+fn number(err: &sqlx::Error) -> Option<u16> {
+    match err {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .map(|e| e.number()),
+        _ => None,
+    }
+}
+
+struct MyHarness {
+    server: &'static DbServer,
+    options: &'static str,
+    fencing: bool,
+}
+
+impl conformance::Harness for MyHarness {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.server.url(self.options))
+            .await
+            .expect("connect")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        kill_holder(self.server, guard.key()).await;
+    }
+
+    fn lost_within(&self) -> Duration {
+        KEEPALIVE + Duration::from_secs(1)
+    }
+
+    fn fencing(&self) -> bool {
+        self.fencing
+    }
+}
+
+/// Generates the tests of one engine. A missing server skips them (fails under CI).
+macro_rules! engine_tests {
+    ($module:ident, $flavor:expr) => {
+        mod $module {
+            use super::*;
+
+            fn server() -> Option<&'static DbServer> {
+                DbServer::shared($flavor)
+            }
+
+            mod fenced {
+                use super::*;
+
+                async fn harness() -> Option<MyHarness> {
+                    Some(MyHarness {
+                        server: server()?,
+                        options: "keepalive=200ms&fencing=true",
+                        fencing: true,
+                    })
+                }
+
+                conformance_suite!({
+                    match harness().await {
+                        Some(h) => std::future::ready(h),
+                        None => return,
+                    }
+                });
+            }
+
+            mod plain {
+                use super::*;
+
+                async fn harness() -> Option<MyHarness> {
+                    Some(MyHarness {
+                        server: server()?,
+                        options: "keepalive=200ms",
+                        fencing: false,
+                    })
+                }
+
+                conformance_suite!({
+                    match harness().await {
+                        Some(h) => std::future::ready(h),
+                        None => return,
+                    }
+                });
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn killed_connections_are_detected() {
+                let Some(server) = server() else { return };
+                killed_connections(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn provider_recovers_from_a_server_restart() {
+                let Some(server) = DbServer::start($flavor) else {
+                    return;
+                };
+                server_restart(server).await;
+            }
+
+            #[test]
+            fn multi_process_exclusion() {
+                let Some(server) = server() else { return };
+                support::run_multi_process(&server.url("fencing=true"), &unique_key("mp"), 4, 30);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn killed_holder_frees_the_lock_at_once() {
+                let Some(server) = server() else { return };
+                killed_holder(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn distinct_keys_never_share_a_server_lock() {
+                let Some(server) = server() else { return };
+                name_mapping(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn thousand_locks_on_eight_connections() {
+                let Some(server) = server() else { return };
+                thousand_locks(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn sub_second_timeouts_are_honoured() {
+                let Some(server) = server() else { return };
+                sub_second(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn get_lock_deadlocks_are_errors_not_hangs() {
+                let Some(server) = server() else { return };
+                deadlock(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn errors_and_unsupported_operations_are_clear() {
+                let Some(server) = server() else { return };
+                errors(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn backend_from_an_existing_pool() {
+                let Some(server) = server() else { return };
+                from_pool(server).await;
+            }
+        }
+    };
+}
+
+engine_tests!(mariadb, Flavor::MariaDb);
+engine_tests!(oracle_mysql, Flavor::MySql);
+
+/// 20 trials: the session behind a held lock is killed, and the guard's lost token fires
+/// within keepalive + 1 s, for locks on lock connections and on wait connections alike.
+async fn killed_connections(server: &DbServer) {
+    let url = server.url("keepalive=100ms&connections=2&wait_connections=2");
+    let a = LockProvider::connect(&url).await.unwrap();
+    let b = LockProvider::connect(&url).await.unwrap();
+    let limit = Duration::from_millis(100) + Duration::from_secs(1);
+    let mut conn = admin(server).await;
+    let mut slowest = Duration::ZERO;
+    for trial in 0..20 {
+        let key = unique_key("kill");
+        let guard = if trial % 2 == 0 {
+            a.try_acquire(&key).await.expect("free key")
+        } else {
+            // Contended, so it is granted to a native wait on a wait connection.
+            let other = b.try_acquire(&key).await.unwrap();
+            let first = holder(&mut conn, &key).await;
+            let waiter = {
+                let (a, key) = (a.clone(), key.clone());
+                tokio::spawn(async move { a.acquire(&key, Duration::from_secs(10)).await })
+            };
+            // Wait until the waiter is blocked in GET_LOCK on the server, then hand over.
+            let deadline = Instant::now() + Duration::from_secs(5);
+            loop {
+                // MySQL shows the statement with its values, MariaDB with placeholders.
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+                     WHERE INFO LIKE 'SELECT GET_LOCK(%' AND INFO NOT LIKE '%, 0)' \
+                     AND (INFO LIKE CONCAT('%', ?, '%') OR INFO LIKE '%(?, ?)')",
+                )
+                .bind(server_lock_name(&key))
+                .fetch_one(&mut conn)
+                .await
+                .unwrap();
+                if waiting >= 1 {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "the waiter never waited on the server"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            other.release().await.unwrap();
+            let g = waiter.await.unwrap().expect("waiter gets the lock");
+            assert_ne!(holder(&mut conn, &key).await, first);
+            g
+        };
+        kill_holder(server, &key).await;
+        let started = Instant::now();
+        tokio::time::timeout(limit, guard.lost_token().cancelled())
+            .await
+            .unwrap_or_else(|_| panic!("trial {trial}: lost token did not fire within {limit:?}"));
+        slowest = slowest.max(started.elapsed());
+        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        // The key is free again at once (the session is gone).
+        b.try_acquire(&key)
+            .await
+            .expect("free after the kill")
+            .release()
+            .await
+            .unwrap();
+    }
+    println!("slowest lost detection: {slowest:?}");
+    let g = a.try_acquire(&unique_key("after")).await.unwrap();
+    g.release().await.unwrap();
+}
+
+/// A server crash is reported as lost locks and unavailability (not a hang); once the server
+/// is back, the provider works again with fresh connections.
+async fn server_restart(mut server: DbServer) {
+    let url = server.url("keepalive=200ms&connect_timeout=2s");
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let other = LockProvider::connect(&url).await.unwrap();
+    let key = unique_key("restart");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    // One lock on a wait connection too.
+    let waited_key = unique_key("restart-wait");
+    let blocker = other.try_acquire(&waited_key).await.unwrap();
+    let waiter = {
+        let (locks, k) = (locks.clone(), waited_key.clone());
+        tokio::spawn(async move { locks.acquire(&k, Duration::from_secs(10)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    blocker.release().await.unwrap();
+    let waited = waiter.await.unwrap().expect("waiter");
+    server.stop();
+    for g in [&guard, &waited] {
+        tokio::time::timeout(
+            KEEPALIVE + Duration::from_secs(1),
+            g.lost_token().cancelled(),
+        )
+        .await
+        .expect("lost token fires when the server dies");
+    }
+    let started = Instant::now();
+    match locks
+        .acquire(&unique_key("down"), Duration::from_secs(1))
+        .await
+    {
+        Err(err @ LockError::Unavailable { .. }) => {
+            assert!(!err.to_string().contains("mysql://"), "{err}")
+        }
+        other => panic!("expected Unavailable while the server is down, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    assert!(matches!(
+        waited.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    server.resume();
+    let g = locks
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("the provider recovers");
+    let g2 = locks.try_acquire(&waited_key).await.unwrap();
+    g.release().await.unwrap();
+    g2.release().await.unwrap();
+}
+
+async fn killed_holder(server: &DbServer) {
+    let url = server.url("");
+    let key = unique_key("sigkill");
+    let holder_process = Holder::start(&url, &key);
+    let locks = LockProvider::connect(&url).await.unwrap();
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    holder_process.kill();
+    // The server ends the session when the socket closes: no lease to run out.
+    let g = locks
+        .acquire(&key, Duration::from_secs(3))
+        .await
+        .expect("the killed holder's lock is free");
+    g.release().await.unwrap();
+}
+
+/// Keys that a case-folding, length-limited server could confuse are all held at once, each
+/// on its own server lock.
+async fn name_mapping(server: &DbServer) {
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+    let salt = unique_key("names").replace(':', "-");
+    let long = "l".repeat(64);
+    let suffixes: Vec<String> = vec![
+        // case
+        "jobs".into(),
+        "Jobs".into(),
+        "JOBS".into(),
+        "jObS".into(),
+        // length: beyond 64 characters, sharing the first 64
+        long.clone(),
+        format!("{long}1"),
+        format!("{long}2"),
+        "l".repeat(5000),
+        "L".repeat(5000),
+        // unicode: composed and decomposed, case pairs, lookalikes
+        "é".into(),
+        "e\u{301}".into(),
+        "É".into(),
+        "ß".into(),
+        "ss".into(),
+        "SS".into(),
+        "ı".into(),
+        "i".into(),
+        "İ".into(),
+        "鍵".into(),
+        "ключ".into(),
+        "КЛЮЧ".into(),
+        // awkward bytes
+        "a b".into(),
+        "ab".into(),
+        "a\0b".into(),
+        "a#b".into(),
+        "".into(),
+    ];
+    let keys: Vec<String> = suffixes.iter().map(|s| format!("{salt}{s}")).collect();
+    let mut guards = Vec::new();
+    for key in &keys {
+        guards.push(
+            a.try_acquire(key)
+                .await
+                .unwrap_or_else(|e| panic!("{key:?} collides with an earlier key: {e}")),
+        );
+    }
+    let mut conn = admin(server).await;
+    let mut names = std::collections::HashSet::new();
+    for key in &keys {
+        let name = server_lock_name(key);
+        assert!(name.len() <= 64, "{name}");
+        // Each name is held on the server, and no two keys share one even case-folded.
+        assert!(
+            holder(&mut conn, key).await.is_some(),
+            "{key:?} is not held"
+        );
+        assert!(names.insert(name.to_lowercase()), "{key:?} shares {name}");
+        assert!(matches!(
+            b.try_acquire(key).await,
+            Err(LockError::AlreadyHeld { .. })
+        ));
+    }
+    for g in guards {
+        g.release().await.unwrap();
+    }
+    for key in &keys {
+        assert_eq!(holder(&mut conn, key).await, None, "{key:?} still held");
+    }
+}
+
+/// 1,000 locks held at once, with waits in flight, on at most 8 server connections.
+async fn thousand_locks(server: &DbServer) {
+    let mut conn = admin(server).await;
+    let user = format!("dlock_k{}", std::process::id());
+    for statement in [
+        format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1'"),
+        format!("GRANT ALL PRIVILEGES ON *.* TO '{user}'@'127.0.0.1'"),
+    ] {
+        conn.execute(statement.as_str()).await.unwrap();
+    }
+    let url = format!(
+        "mysql://{user}@127.0.0.1:{}/dlock_test?keepalive=1s",
+        server.port()
+    );
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let other = LockProvider::connect(&server.url("")).await.unwrap();
+    let prefix = unique_key("thousand");
+    let mut guards = Vec::with_capacity(1006);
+    for chunk in 0..4 {
+        let batch = futures::future::try_join_all((0..250).map(|i| {
+            let (locks, key) = (locks.clone(), format!("{prefix}:{chunk}:{i}"));
+            async move { locks.try_acquire(&key).await }
+        }))
+        .await
+        .expect("1,000 free keys");
+        guards.extend(batch);
+    }
+    assert_eq!(locks.local_key_count(), 1000);
+    let contended: Vec<String> = (0..6).map(|i| format!("{prefix}:contended:{i}")).collect();
+    let mut held_elsewhere = Vec::new();
+    for key in &contended {
+        held_elsewhere.push(other.try_acquire(key).await.unwrap());
+    }
+    let waiters: Vec<_> = contended
+        .iter()
+        .map(|key| {
+            let (locks, key) = (locks.clone(), key.clone());
+            tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(20)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let count = || async {
+        let mut c = admin(server).await;
+        sqlx::query_scalar::<_, i64>(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE USER = ?",
+        )
+        .bind(&user)
+        .fetch_one(&mut c)
+        .await
+        .unwrap()
+    };
+    let connections = count().await;
+    assert!(
+        (1..=8).contains(&connections),
+        "{connections} connections for 1,000 locks"
+    );
+    for g in held_elsewhere {
+        g.release().await.unwrap();
+    }
+    for w in waiters {
+        guards.push(w.await.unwrap().expect("waiter"));
+    }
+    let connections = count().await;
+    assert!(connections <= 8, "{connections} connections");
+    // Every lock is held on the server by one of those connections.
+    let mut holders = std::collections::HashSet::new();
+    for g in &guards {
+        holders.insert(holder(&mut conn, g.key()).await.expect("held"));
+    }
+    assert!(holders.len() <= 8, "{} holding sessions", holders.len());
+    futures::future::try_join_all(guards.into_iter().map(LockGuard::release))
+        .await
+        .unwrap();
+    assert_eq!(locks.local_key_count(), 0);
+}
+
+/// Timeouts below and between whole seconds are neither cut short nor overslept by a second,
+/// and a wait still gets a lock freed in its last fraction of a second.
+async fn sub_second(server: &DbServer) {
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+    let key = unique_key("subsecond");
+    let guard = a.try_acquire(&key).await.unwrap();
+    for ms in [150u64, 700, 1300] {
+        let timeout = Duration::from_millis(ms);
+        let started = Instant::now();
+        assert!(matches!(
+            b.acquire(&key, timeout).await,
+            Err(LockError::Timeout { .. })
+        ));
+        let elapsed = started.elapsed();
+        assert!(
+            elapsed >= timeout,
+            "{timeout:?}: answered after {elapsed:?}"
+        );
+        assert!(
+            elapsed < timeout + Duration::from_millis(600),
+            "{timeout:?}: answered after {elapsed:?}"
+        );
+    }
+    // Freed 1.3 s into a 1.6 s wait: past the whole second a whole-second server waits.
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        guard.release().await
+    });
+    let started = Instant::now();
+    let got = b
+        .acquire(&key, Duration::from_millis(1600))
+        .await
+        .expect("granted in the last fraction of a second");
+    assert!(started.elapsed() >= Duration::from_millis(1250));
+    release.await.unwrap().unwrap();
+    got.release().await.unwrap();
+}
+
+/// The servers refuse a GET_LOCK wait that closes a cycle with the error numbers the backend
+/// maps to a clear deadlock error; the refused wait answers at once. (The backend's own waits
+/// hold nothing while they wait, so they cannot close a cycle themselves.)
+async fn deadlock(server: &DbServer) {
+    let mut s1 = admin(server).await;
+    let mut s2 = admin(server).await;
+    let (x, y) = (unique_key("dl-x"), unique_key("dl-y"));
+    let (nx, ny) = (server_lock_name(&x), server_lock_name(&y));
+    let take = |name: String, secs: u64| {
+        sqlx::query_scalar::<_, Option<i64>>("SELECT GET_LOCK(?, ?)")
+            .bind(name)
+            .bind(secs)
+    };
+    assert_eq!(
+        take(nx.clone(), 0).fetch_one(&mut s1).await.unwrap(),
+        Some(1)
+    );
+    assert_eq!(
+        take(ny.clone(), 0).fetch_one(&mut s2).await.unwrap(),
+        Some(1)
+    );
+    let first = tokio::spawn(async move {
+        let r = take(ny, 20).fetch_one(&mut s1).await;
+        (r.map_err(|e| number(&e)), s1)
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let second = take(nx, 20).fetch_one(&mut s2).await;
+    // Whichever wait the server refused, it refused with a deadlock error number.
+    let refused = match second {
+        Err(err) => number(&err),
+        Ok(_) => {
+            let (r, _s1) = first.await.unwrap();
+            r.expect_err("one of the two waits is refused")
+        }
+    };
+    assert!(
+        matches!(refused, Some(3058 | 1213)),
+        "deadlock error number {refused:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the deadlock hung"
+    );
+    // And the provider's acquisitions of these keys are unaffected once the sessions end.
+    drop(s2);
+}
+
+async fn errors(server: &DbServer) {
+    // Transaction-bound locks: a clear Unsupported.
+    let mut conn = admin(server).await;
+    let err = try_acquire_in_transaction(&mut conn, "k")
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Unsupported", "{err}");
+    assert!(err.to_string().contains("transaction"), "{err}");
+    assert!(matches!(
+        acquire_in_transaction(&mut conn, "k", Duration::from_secs(1)).await,
+        Err(LockError::Unsupported { .. })
+    ));
+
+    // Fencing needs a database.
+    let err = LockProvider::connect(&format!("{}?fencing=true", server.url_without_database()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+
+    // Wrong password: a configuration error that does not repeat the password.
+    conn.execute("CREATE USER IF NOT EXISTS 'locker'@'127.0.0.1' IDENTIFIED BY 'right-password'")
+        .await
+        .unwrap();
+    conn.execute("GRANT ALL PRIVILEGES ON dlock_test.* TO 'locker'@'127.0.0.1'")
+        .await
+        .unwrap();
+    let port = server.port();
+    let ok = LockProvider::connect(&format!(
+        "mysql://locker:right-password@127.0.0.1:{port}/dlock_test"
+    ))
+    .await
+    .expect("the right password works");
+    ok.try_acquire(&unique_key("pw"))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let err = LockProvider::connect(&format!(
+        "mariadb://locker:wrong-secret@127.0.0.1:{port}/dlock_test"
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+    assert!(!err.to_string().contains("wrong-secret"), "{err}");
+
+    // Nothing listens: Unavailable, quickly.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let err = LockProvider::connect(&format!(
+        "mysql://u:secret@127.0.0.1:{closed_port}/db?connect_timeout=2s"
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
+    assert!(!err.to_string().contains("secret"), "{err}");
+
+    // Something accepts but never answers: the connect timeout holds.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let silent_port = silent.local_addr().unwrap().port();
+    let started = Instant::now();
+    let err = LockProvider::connect(&format!(
+        "mysql://u@127.0.0.1:{silent_port}/db?connect_timeout=500ms"
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    drop(silent);
+
+    for bad in [
+        "mysql://h/db?fencing=maybe",
+        "mysql://h/db?connections=0",
+        "mariadb://h/db?nonsense_option_x=1",
+    ] {
+        let err = LockProvider::connect(bad).await.unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+    }
+}
+
+async fn from_pool(server: &DbServer) {
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect(&server.url("").replacen("mariadb://", "mysql://", 1))
+        .await
+        .unwrap();
+    let backend = MySqlBackend::builder_from_pool(&pool)
+        .fencing(true)
+        .keepalive(Duration::from_secs(1))
+        .connections(1)
+        .wait_connections(0)
+        .open()
+        .await
+        .unwrap();
+    assert!(backend.fencing());
+    assert_eq!(
+        backend.is_mariadb(),
+        server.flavor == Flavor::MariaDb,
+        "{}",
+        backend.server_version()
+    );
+    let locks = LockProvider::from_backend(backend);
+    let key = unique_key("pool");
+    let g = locks.acquire(&key, Duration::from_secs(1)).await.unwrap();
+    let first = g.fencing_token().expect("token");
+    // With no wait connections, another provider's wait polls and times out.
+    let other = LockProvider::connect(&server.url("wait_connections=0"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        other.acquire(&key, Duration::from_millis(200)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    g.release().await.unwrap();
+    let g = locks.try_acquire(&key).await.unwrap();
+    assert!(g.fencing_token().unwrap() > first);
+    g.release().await.unwrap();
+    assert_eq!(
+        pool.size(),
+        1,
+        "the backend takes no connections from the pool"
+    );
+}

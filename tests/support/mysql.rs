@@ -1,0 +1,312 @@
+//! Throwaway MariaDB and MySQL servers on free loopback ports in temp dirs.
+//!
+//! MariaDB runs from the installed Debian package (`mariadb-install-db`, `mariadbd`). Oracle
+//! MySQL runs from a Debian sid chroot that `.ci/mysql-chroot.sh` installs (default
+//! `/var/cache/dlock-ci/mysql-chroot`, or `DLOCK_MYSQL_CHROOT`): `mysqld` runs inside it via
+//! `chroot`, with its data dir in the chroot's `/tmp`. Both trust `root` from loopback without
+//! a password. A server is stopped and its directory removed when its [`DbServer`] is dropped,
+//! and, for the shared servers held in statics, by a reaper process when the test binary exits.
+//!
+//! Without the binaries the tests say they are skipped; with `CI` set they fail instead.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Which server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    MariaDb,
+    MySql,
+}
+
+impl Flavor {
+    pub fn label(self) -> &'static str {
+        match self {
+            Flavor::MariaDb => "mariadb",
+            Flavor::MySql => "mysql",
+        }
+    }
+}
+
+fn chroot_dir() -> PathBuf {
+    std::env::var_os("DLOCK_MYSQL_CHROOT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/dlock-ci/mysql-chroot"))
+}
+
+fn find_on_path(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/usr/bin")])
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Why `flavor` cannot run here, if it cannot.
+fn missing(flavor: Flavor) -> Option<String> {
+    match flavor {
+        Flavor::MariaDb => {
+            if find_on_path("mariadbd").is_some() && find_on_path("mariadb-install-db").is_some() {
+                None
+            } else {
+                Some("mariadbd / mariadb-install-db are not installed (apt-get install mariadb-server; bash .ci/run does)".into())
+            }
+        }
+        Flavor::MySql => {
+            let dir = chroot_dir();
+            if dir.join("usr/sbin/mysqld").is_file() && dir.join(".dlock-ready").is_file() {
+                None
+            } else {
+                Some(format!(
+                    "no MySQL chroot at {} (bash .ci/mysql-chroot.sh installs it; bash .ci/run does)",
+                    dir.display()
+                ))
+            }
+        }
+    }
+}
+
+/// Whether `flavor` can run; without it, panics under CI and prints a skip note otherwise.
+pub fn available(flavor: Flavor) -> bool {
+    match missing(flavor) {
+        None => true,
+        Some(why) => {
+            if std::env::var_os("CI").is_some() {
+                panic!("{} server missing under CI: {why}", flavor.label());
+            }
+            eprintln!("skipped: {} server missing: {why}", flavor.label());
+            false
+        }
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// A running (or stopped) throwaway server.
+pub struct DbServer {
+    pub flavor: Flavor,
+    /// The server's directory as this process sees it.
+    dir: PathBuf,
+    /// The same directory as the server sees it (inside the chroot for MySQL).
+    server_dir: PathBuf,
+    port: u16,
+    child: Option<Child>,
+    _reaper: ChildStdin,
+}
+
+impl DbServer {
+    /// Creates a data dir and starts a server; `None` (after a skip note) when the binaries
+    /// are missing outside CI.
+    pub fn start(flavor: Flavor) -> Option<DbServer> {
+        if !available(flavor) {
+            return None;
+        }
+        let base = match flavor {
+            Flavor::MariaDb => std::env::temp_dir(),
+            Flavor::MySql => chroot_dir().join("tmp"),
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("dlock-my-")
+            .tempdir_in(&base)
+            .expect("temp dir")
+            .keep();
+        let server_dir = match flavor {
+            Flavor::MariaDb => dir.clone(),
+            Flavor::MySql => PathBuf::from("/tmp").join(dir.file_name().expect("dir name")),
+        };
+        let script = format!(
+            "cat >/dev/null; pid=$(cat '{dir}/server.pid' 2>/dev/null); \
+             [ -n \"$pid\" ] && kill -KILL \"$pid\" 2>/dev/null; sleep 0.2; rm -rf '{dir}'",
+            dir = dir.display()
+        );
+        let mut reaper = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn reaper");
+        let reaper_stdin = reaper.stdin.take().expect("reaper stdin");
+        std::mem::forget(reaper);
+
+        let out = match flavor {
+            Flavor::MariaDb => Command::new(find_on_path("mariadb-install-db").expect("installer"))
+                .args([
+                    "--no-defaults",
+                    "--user=root",
+                    "--auth-root-authentication-method=normal",
+                    "--skip-test-db",
+                    "--skip-name-resolve",
+                    "--innodb-flush-method=nosync",
+                    "--innodb-doublewrite=0",
+                    "--innodb-log-file-size=8M",
+                ])
+                .arg(format!("--datadir={}", dir.join("data").display()))
+                .output()
+                .expect("run mariadb-install-db"),
+            Flavor::MySql => Command::new("chroot")
+                .arg(chroot_dir())
+                .args([
+                    "/usr/sbin/mysqld",
+                    "--no-defaults",
+                    "--initialize-insecure",
+                    "--user=root",
+                    "--innodb-flush-method=nosync",
+                    "--innodb-doublewrite=0",
+                    "--skip-log-bin",
+                ])
+                .arg(format!("--datadir={}", server_dir.join("data").display()))
+                .output()
+                .expect("run mysqld --initialize-insecure"),
+        };
+        assert!(
+            out.status.success(),
+            "initializing the {} data dir failed: {}{}",
+            flavor.label(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let mut server = DbServer {
+            flavor,
+            dir,
+            server_dir,
+            port: free_port(),
+            child: None,
+            _reaper: reaper_stdin,
+        };
+        server.resume();
+        Some(server)
+    }
+
+    /// The one server of `flavor` shared by the tests of this binary.
+    pub fn shared(flavor: Flavor) -> Option<&'static DbServer> {
+        static MARIADB: OnceLock<Option<DbServer>> = OnceLock::new();
+        static MYSQL: OnceLock<Option<DbServer>> = OnceLock::new();
+        static STARTING: Mutex<()> = Mutex::new(());
+        let _once = STARTING.lock().unwrap_or_else(|e| e.into_inner());
+        let cell = match flavor {
+            Flavor::MariaDb => &MARIADB,
+            Flavor::MySql => &MYSQL,
+        };
+        cell.get_or_init(|| DbServer::start(flavor)).as_ref()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// A URL for root on database `dlock_test` with extra query options (`a=b&c=d`).
+    pub fn url(&self, options: &str) -> String {
+        let scheme = self.flavor.label();
+        let mut url = format!("{scheme}://root@127.0.0.1:{}/dlock_test", self.port);
+        if !options.is_empty() {
+            url.push('?');
+            url.push_str(options);
+        }
+        url
+    }
+
+    /// A URL for root without a database.
+    pub fn url_without_database(&self) -> String {
+        format!("{}://root@127.0.0.1:{}", self.flavor.label(), self.port)
+    }
+
+    /// Starts the server again after [`stop`](DbServer::stop), on the same port.
+    pub fn resume(&mut self) {
+        assert!(self.child.is_none(), "the server is running");
+        let log = std::fs::File::create(self.dir.join("server.log")).expect("log file");
+        let data = self.server_dir.join("data");
+        let common = [
+            "--no-defaults".to_owned(),
+            "--user=root".to_owned(),
+            format!("--datadir={}", data.display()),
+            format!("--socket={}", self.server_dir.join("s.sock").display()),
+            format!(
+                "--pid-file={}",
+                self.server_dir.join("server.pid").display()
+            ),
+            format!("--port={}", self.port),
+            "--bind-address=127.0.0.1".to_owned(),
+            "--skip-name-resolve".to_owned(),
+            "--skip-log-bin".to_owned(),
+            "--innodb-flush-log-at-trx-commit=0".to_owned(),
+            "--innodb-flush-method=nosync".to_owned(),
+            "--innodb-doublewrite=0".to_owned(),
+            "--max-connections=500".to_owned(),
+            format!("--init-file={}", self.server_dir.join("init.sql").display()),
+        ];
+        // Run at every start: the test database and root from loopback by address.
+        std::fs::write(
+            self.dir.join("init.sql"),
+            "CREATE DATABASE IF NOT EXISTS dlock_test;\n\
+             CREATE USER IF NOT EXISTS 'root'@'127.0.0.1';\n\
+             GRANT ALL PRIVILEGES ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;\n",
+        )
+        .expect("write init.sql");
+        let mut cmd = match self.flavor {
+            Flavor::MariaDb => {
+                let mut cmd = Command::new(find_on_path("mariadbd").expect("mariadbd"));
+                cmd.args(&common);
+                cmd.arg("--innodb-log-file-size=8M");
+                cmd
+            }
+            Flavor::MySql => {
+                let mut cmd = Command::new("chroot");
+                cmd.arg(chroot_dir()).arg("/usr/sbin/mysqld").args(&common);
+                cmd.args([
+                    "--mysqlx=OFF",
+                    "--performance-schema=OFF",
+                    "--secure-file-priv=NULL",
+                ]);
+                cmd
+            }
+        };
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start the server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
+            if text.contains("ready for connections") {
+                break;
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
+                panic!("{} exited with {status}: {text}", self.flavor.label());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not start in time: {text}",
+                self.flavor.label()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the server hard (SIGKILL) and waits for it to be gone: every session dies as
+    /// in a crash.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for DbServer {
+    fn drop(&mut self) {
+        self.stop();
+        // The reaper removes the directory when its stdin closes (now).
+    }
+}
