@@ -3,7 +3,7 @@
 # Idempotent: a chroot that already has mysqld is kept. The mirror is read from this machine's
 # apt sources, so nothing here names a host. Usage: bash .ci/mysql-chroot.sh [DIR]
 set -euo pipefail
-dir="${1:-/var/cache/dlock-ci/mysql-chroot}"
+dir="${1:-/var/cache/dlock-ci/sid}"
 
 have_mysqld() { ls "$dir"/usr/sbin/mysqld >/dev/null 2>&1 && [ -e "$dir/.dlock-ready" ]; }
 if have_mysqld; then

@@ -2,7 +2,7 @@
 //!
 //! MariaDB runs from the installed Debian package (`mariadb-install-db`, `mariadbd`). Oracle
 //! MySQL runs from a Debian sid chroot that `.ci/mysql-chroot.sh` installs (default
-//! `/var/cache/dlock-ci/mysql-chroot`, or `DLOCK_MYSQL_CHROOT`): `mysqld` runs inside it via
+//! `/var/cache/dlock-ci/sid`, or `DLOCK_MYSQL_CHROOT`): `mysqld` runs inside it via
 //! `chroot`, with its data dir in the chroot's `/tmp`. Both trust `root` from loopback without
 //! a password. A server is stopped and its directory removed when its [`DbServer`] is dropped,
 //! and, for the shared servers held in statics, by a reaper process when the test binary exits.
@@ -34,7 +34,7 @@ impl Flavor {
 fn chroot_dir() -> PathBuf {
     std::env::var_os("DLOCK_MYSQL_CHROOT")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/cache/dlock-ci/mysql-chroot"))
+        .unwrap_or_else(|| PathBuf::from("/var/cache/dlock-ci/sid"))
 }
 
 fn find_on_path(name: &str) -> Option<PathBuf> {
