@@ -3,7 +3,7 @@
 //! Services run as many replicas; billing runs, webhook handlers, ledger updates and cron jobs
 //! must run on exactly one of them at a time. `dlock` puts mutual exclusion on a store the
 //! replicas already share: a SQLite file (the embedded default, for processes on one machine),
-//! and, as they land, PostgreSQL, MySQL/MariaDB, SQL Server, Oracle and Redis.
+//! PostgreSQL, MySQL/MariaDB, SQL Server, Oracle and Redis/Valkey.
 //!
 //! ```
 //! use std::time::Duration;
@@ -52,15 +52,15 @@
 //! |---|---|---|---|---|
 //! | [SQLite](sqlite) | `sqlite` (default) | polling with backoff | lease renewal | built in |
 //! | [PostgreSQL](postgres) | `postgres` | native (`pg_advisory_lock` under `lock_timeout`) | connection liveness checks | opt-in (counter table) |
+//! | [MySQL / MariaDB](mysql) | `mysql` | native (`GET_LOCK(name, seconds)`) | connection liveness checks | opt-in (counter table) |
 //! | SQL Server (`dlock::mssql`) | `mssql` | native (`sp_getapplock`) | keepalive per connection | no |
 //! | Oracle (`dlock::oracle`) | `oracle` | native (`DBMS_LOCK.REQUEST`) | keepalive per session | no |
 //! | [Redis / Valkey](redis) | `redis` | polling with backoff | lease renewal, local deadline | built in (optional) |
-//! | [MySQL / MariaDB](mysql) | `mysql` | native (`GET_LOCK(name, seconds)`) | connection liveness checks | opt-in (counter table) |
 //!
-//! SQLite is verified against the real store in CI; SQL Server and Oracle are not (their servers
-//! cannot run there): their statements, parameters and return-code mappings are pinned by unit
-//! tests, and their conformance suites run when `DLOCK_MSSQL_URL` / `DLOCK_ORACLE_URL` are set.
-//! The other engines are on their way; see the README for the current state.
+//! SQLite, PostgreSQL, MariaDB, MySQL, Redis and Valkey are verified against real servers in
+//! CI; SQL Server and Oracle are not (their servers cannot run there): their statements,
+//! parameters and return-code mappings are pinned by unit tests, and their conformance suites
+//! run when `DLOCK_MSSQL_URL` / `DLOCK_ORACLE_URL` are set.
 //!
 //! # Cancellation
 //!
