@@ -283,3 +283,34 @@ fn transaction_locks_end_with_their_transaction() {
     tx.rollback().unwrap();
     rt.block_on(g.release()).unwrap();
 }
+
+#[test]
+fn renewal_restarts_on_a_new_runtime() {
+    // A provider outlives the runtime it was first used on: its renewal task went with that
+    // runtime, and the next acquisition on a new runtime must start it again.
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/rt.db?lease=300ms", dir.path().display());
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let locks = first.block_on(LockProvider::connect(&url)).unwrap();
+    first.block_on(async {
+        let g = locks.try_acquire("rt:first").await.unwrap();
+        g.release().await.unwrap();
+    });
+    drop(first);
+
+    let second = tokio::runtime::Runtime::new().unwrap();
+    second.block_on(async {
+        let other = LockProvider::connect(&url).await.unwrap();
+        let guard = locks.try_acquire("rt:second").await.unwrap();
+        // Three leases later the lock is still held and not lost: renewals ran.
+        let outcome = other
+            .acquire("rt:second", Duration::from_millis(1000))
+            .await;
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "{outcome:?}"
+        );
+        assert!(!guard.is_lost());
+        guard.release().await.unwrap();
+    });
+}

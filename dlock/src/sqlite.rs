@@ -125,7 +125,8 @@ struct Shared {
     commits: AtomicU64,
     renewals: Mutex<HashMap<u64, Renewal>>,
     wake: Arc<Notify>,
-    renewer: std::sync::Once,
+    /// The renewal task; started on first use, and again if its runtime has gone away.
+    renewer: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 #[derive(Debug)]
@@ -211,7 +212,7 @@ impl SqliteBuilder {
                 commits: AtomicU64::new(0),
                 renewals: Mutex::new(HashMap::new()),
                 wake: Arc::new(Notify::new()),
-                renewer: std::sync::Once::new(),
+                renewer: Mutex::new(None),
             }),
         })
     }
@@ -463,11 +464,15 @@ impl Shared {
                 "the SQLite backend renews leases on Tokio: use it within a Tokio runtime",
             )
         })?;
-        self.renewer.call_once(|| {
+        let mut renewer = self.renewer.lock().unwrap_or_else(PoisonError::into_inner);
+        if renewer
+            .as_ref()
+            .is_none_or(tokio::task::JoinHandle::is_finished)
+        {
             let weak = Arc::downgrade(self);
             let wake = Arc::clone(&self.wake);
-            drop(runtime.spawn(renew_loop(weak, wake)));
-        });
+            *renewer = Some(runtime.spawn(renew_loop(weak, wake)));
+        }
         Ok(())
     }
 
