@@ -28,6 +28,12 @@ pub trait Harness: Send + Sync + 'static {
 
     /// Whether acquisitions carry fencing tokens.
     fn fencing(&self) -> bool;
+
+    /// How soon after abandoned acquisitions (timeout 5 s, dropped within 2 ms) the key must
+    /// be free for another provider. Two seconds unless a backend documents a longer bound.
+    fn abandon_bound(&self) -> Duration {
+        Duration::from_secs(2)
+    }
 }
 
 /// Generates one test per conformance case for the harness that `$make` (an async expression)
@@ -533,7 +539,7 @@ pub async fn acquisition_dropped_midway(h: &impl Harness) {
         let _ = tokio::time::timeout(budget, a.acquire(&key, Duration::from_secs(5))).await;
     }
     let guard = b
-        .acquire(&key, Duration::from_secs(2))
+        .acquire(&key, h.abandon_bound())
         .await
         .expect("nothing stranded by abandoned acquisitions");
     guard.release().await.expect("release");
