@@ -47,6 +47,8 @@ fn bad_duration(option: &str, value: &str) -> LockError {
 }
 
 /// Splits the query string of a lock store URL into decoded `(name, value)` pairs.
+// Used by the backends; unused in a build without any.
+#[allow(dead_code)]
 pub(crate) fn query_pairs(query: &str) -> Vec<(String, String)> {
     url::form_urlencoded::parse(query.as_bytes())
         .map(|(k, v)| (k.into_owned(), v.into_owned()))
@@ -54,6 +56,8 @@ pub(crate) fn query_pairs(query: &str) -> Vec<(String, String)> {
 }
 
 /// The error for an option a backend does not know.
+// Used by the backends; unused in a build without any.
+#[allow(dead_code)]
 pub(crate) fn unknown_option(backend: &str, option: &str, valid: &[&str]) -> LockError {
     LockError::config(format!(
         "unknown {backend} URL option `{}`; valid options are: {}",

@@ -449,76 +449,31 @@ async fn sleep_until(deadline: Option<Instant>) {
     }
 }
 
-#[cfg(feature = "sqlite")]
-async fn connect_sqlite(url: &str) -> Result<LockProvider, LockError> {
-    crate::sqlite::SqliteBackend::connect(url)
-        .await
-        .map(LockProvider::from_backend)
+/// Defines `connect_<backend>(url)` for each backend: the backend's own `connect` when its
+/// feature is on, a configuration error naming the feature when it is off.
+macro_rules! connectors {
+    ($($name:ident => $feature:literal, $engine:literal, $backend:path;)*) => {$(
+        #[cfg(feature = $feature)]
+        async fn $name(url: &str) -> Result<LockProvider, LockError> {
+            <$backend>::connect(url)
+                .await
+                .map(LockProvider::from_backend)
+        }
+
+        #[cfg(not(feature = $feature))]
+        async fn $name(_url: &str) -> Result<LockProvider, LockError> {
+            Err(not_built($feature, $engine))
+        }
+    )*};
 }
 
-#[cfg(not(feature = "sqlite"))]
-async fn connect_sqlite(_url: &str) -> Result<LockProvider, LockError> {
-    Err(not_built("sqlite", "SQLite"))
-}
-
-#[cfg(feature = "postgres")]
-async fn connect_postgres(url: &str) -> Result<LockProvider, LockError> {
-    crate::postgres::PostgresBackend::connect(url)
-        .await
-        .map(LockProvider::from_backend)
-}
-
-#[cfg(not(feature = "postgres"))]
-async fn connect_postgres(_url: &str) -> Result<LockProvider, LockError> {
-    Err(not_built("postgres", "PostgreSQL"))
-}
-
-#[cfg(feature = "mssql")]
-async fn connect_mssql(url: &str) -> Result<LockProvider, LockError> {
-    crate::mssql::MssqlBackend::connect(url)
-        .await
-        .map(LockProvider::from_backend)
-}
-
-#[cfg(not(feature = "mssql"))]
-async fn connect_mssql(_url: &str) -> Result<LockProvider, LockError> {
-    Err(not_built("mssql", "SQL Server"))
-}
-
-#[cfg(feature = "oracle")]
-async fn connect_oracle(url: &str) -> Result<LockProvider, LockError> {
-    crate::oracle::OracleBackend::connect(url)
-        .await
-        .map(LockProvider::from_backend)
-}
-
-#[cfg(not(feature = "oracle"))]
-async fn connect_oracle(_url: &str) -> Result<LockProvider, LockError> {
-    Err(not_built("oracle", "Oracle"))
-}
-
-#[cfg(feature = "redis")]
-async fn connect_redis(url: &str) -> Result<LockProvider, LockError> {
-    crate::redis::RedisBackend::connect(url)
-        .await
-        .map(LockProvider::from_backend)
-}
-
-#[cfg(not(feature = "redis"))]
-async fn connect_redis(_url: &str) -> Result<LockProvider, LockError> {
-    Err(not_built("redis", "Redis"))
-}
-
-#[cfg(feature = "mysql")]
-async fn connect_mysql(url: &str) -> Result<LockProvider, LockError> {
-    crate::mysql::MySqlBackend::connect(url)
-        .await
-        .map(LockProvider::from_backend)
-}
-
-#[cfg(not(feature = "mysql"))]
-async fn connect_mysql(_url: &str) -> Result<LockProvider, LockError> {
-    Err(not_built("mysql", "MySQL and MariaDB"))
+connectors! {
+    connect_sqlite => "sqlite", "SQLite", crate::sqlite::SqliteBackend;
+    connect_postgres => "postgres", "PostgreSQL", crate::postgres::PostgresBackend;
+    connect_mysql => "mysql", "MySQL and MariaDB", crate::mysql::MySqlBackend;
+    connect_mssql => "mssql", "SQL Server", crate::mssql::MssqlBackend;
+    connect_oracle => "oracle", "Oracle", crate::oracle::OracleBackend;
+    connect_redis => "redis", "Redis", crate::redis::RedisBackend;
 }
 
 // Unused only in a build with every backend.
