@@ -67,13 +67,6 @@ impl conformance::Harness for PgHarness {
         KEEPALIVE + Duration::from_secs(1)
     }
 
-    // Known bug (issue 3 stays open for it): after acquisitions abandoned within 0-2 ms, the
-    // key was twice still held by a live session of this backend (once past 2 s, once past
-    // 8 s): the leak is not a slow release. Until the backend is fixed the case is skipped here.
-    fn abandon_bound(&self) -> Option<Duration> {
-        None
-    }
-
     fn fencing(&self) -> bool {
         self.fencing
     }

@@ -231,14 +231,14 @@ impl<C: Connector> Lanes<C> {
             reply,
         })
         .map_err(|_| lane_gone::<C>())?;
-        // If this future is dropped here, the lane sees the closed reply and unlocks.
+        // Armed from here on: if this future is dropped before the answer is turned into a
+        // guard (even after the lane has sent a grant), dropping `held` queues an unlock
+        // behind the try, which frees whatever the try got.
+        let held = LaneHeld::new(lane, handle);
         if answer.await.map_err(|_| lane_gone::<C>())?? {
-            Ok(Some(Acquired::new(
-                None,
-                lost,
-                Box::new(LaneHeld::<C::Resource> { lane, handle }),
-            )))
+            Ok(Some(Acquired::new(None, lost, Box::new(held))))
         } else {
+            held.disarm();
             Ok(None)
         }
     }
@@ -498,9 +498,40 @@ impl<C: Connector> Lane<C> {
 }
 
 /// A lock pinned to a lane.
+/// A lock pinned to a lane (or a try in flight that may become one). Dropped without
+/// [`HeldLock::release`], it queues an unlock for its handle without waiting for it; the lane
+/// runs commands in order, so that unlock comes after the try it answers.
 struct LaneHeld<R> {
     lane: mpsc::UnboundedSender<LaneCommand<R>>,
     handle: u64,
+    armed: bool,
+}
+
+impl<R> LaneHeld<R> {
+    fn new(lane: mpsc::UnboundedSender<LaneCommand<R>>, handle: u64) -> Self {
+        LaneHeld {
+            lane,
+            handle,
+            armed: true,
+        }
+    }
+
+    /// For a try that was not granted: nothing to give back.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl<R> Drop for LaneHeld<R> {
+    fn drop(&mut self) {
+        if self.armed {
+            let (done, _) = oneshot::channel();
+            let _ = self.lane.send(LaneCommand::Unlock {
+                handle: self.handle,
+                done,
+            });
+        }
+    }
 }
 
 impl<R> Debug for LaneHeld<R> {
@@ -512,7 +543,8 @@ impl<R> Debug for LaneHeld<R> {
 }
 
 impl<R: Send + Sync + 'static> HeldLock for LaneHeld<R> {
-    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        self.armed = false;
         Box::pin(async move {
             let (done, acknowledged) = oneshot::channel();
             if self

@@ -552,16 +552,18 @@ impl MySqlBackend {
             reply,
         })
         .map_err(|_| lane_gone())?;
-        // If this future is dropped here, the lane sees the closed reply and releases.
+        // Armed from here on: if this future is dropped before the answer is turned into a
+        // guard (even after the lane has sent a grant), dropping `held` queues a release
+        // behind the try, which frees whatever the try got.
+        let held = LaneHeld::new(lane, handle);
         let answer = answer.await;
         guard.disarm();
         match answer.map_err(|_| lane_gone())?? {
-            None => Ok(None),
-            Some(token) => Ok(Some(Acquired::new(
-                token,
-                lost,
-                Box::new(LaneHeld { lane, handle }),
-            ))),
+            None => {
+                held.disarm();
+                Ok(None)
+            }
+            Some(token) => Ok(Some(Acquired::new(token, lost, Box::new(held)))),
         }
     }
 
@@ -1088,15 +1090,46 @@ impl Lane {
     }
 }
 
-/// A lock pinned to a lane.
+/// A lock pinned to a lane (or a try in flight that may become one). Dropped without
+/// [`HeldLock::release`], it queues a release for its handle without waiting for it; the lane
+/// runs commands in order, so that release comes after the try it answers.
 #[derive(Debug)]
 struct LaneHeld {
     lane: mpsc::UnboundedSender<LaneCommand>,
     handle: u64,
+    armed: bool,
+}
+
+impl LaneHeld {
+    fn new(lane: mpsc::UnboundedSender<LaneCommand>, handle: u64) -> Self {
+        LaneHeld {
+            lane,
+            handle,
+            armed: true,
+        }
+    }
+
+    /// For a try that was not granted: nothing to give back.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for LaneHeld {
+    fn drop(&mut self) {
+        if self.armed {
+            let (done, _) = oneshot::channel();
+            let _ = self.lane.send(LaneCommand::Release {
+                handle: self.handle,
+                done,
+            });
+        }
+    }
 }
 
 impl HeldLock for LaneHeld {
-    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        self.armed = false;
         Box::pin(async move {
             let (done, acknowledged) = oneshot::channel();
             if self

@@ -225,9 +225,15 @@ const FENCING_TABLE_SQL: &str =
 const CANCEL_SQL: &str = "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
     WHERE pid = $1 AND backend_start::text = $2";
 
-/// Process id and start time of this session, which identify it for [`CANCEL_SQL`].
-const IDENTITY_SQL: &str = "SELECT pid, backend_start::text FROM pg_stat_activity \
-    WHERE pid = pg_backend_pid()";
+/// Process id and start time of this session, which identify it for [`CANCEL_SQL`]. Also
+/// has the server look for a vanished client once a second while a statement runs
+/// (`client_connection_check_interval`, PostgreSQL 14 and later; skipped where unknown), so a
+/// wait whose cancel arrived before the wait began still ends soon after its connection is
+/// dropped, instead of at its `lock_timeout`.
+const IDENTITY_SQL: &str = "SELECT pid, backend_start::text, \
+    (SELECT count(set_config(name, '1000', false)) FROM pg_settings \
+     WHERE name = 'client_connection_check_interval') \
+    FROM pg_stat_activity WHERE pid = pg_backend_pid()";
 
 const SET_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', $1, false)";
 
@@ -468,14 +474,16 @@ impl PostgresBackend {
             reply,
         })
         .map_err(|_| lane_gone())?;
-        // If this future is dropped here, the lane sees the closed reply and unlocks.
+        // Armed from here on: if this future is dropped before the answer is turned into a
+        // guard (even after the lane has sent a grant), dropping `held` queues an unlock
+        // behind the try, which frees whatever the try got.
+        let held = LaneHeld::new(lane, handle);
         match answer.await.map_err(|_| lane_gone())?? {
-            None => Ok(None),
-            Some(token) => Ok(Some(Acquired::new(
-                token,
-                lost,
-                Box::new(LaneHeld { lane, handle }),
-            ))),
+            None => {
+                held.disarm();
+                Ok(None)
+            }
+            Some(token) => Ok(Some(Acquired::new(token, lost, Box::new(held)))),
         }
     }
 
@@ -812,15 +820,46 @@ impl Lane {
     }
 }
 
-/// A lock pinned to a lane.
+/// A lock pinned to a lane (or a try in flight that may become one). Dropped without
+/// [`HeldLock::release`], it queues an unlock for its handle without waiting for it; the lane
+/// runs commands in order, so that unlock comes after the try it answers.
 #[derive(Debug)]
 struct LaneHeld {
     lane: mpsc::UnboundedSender<LaneCommand>,
     handle: u64,
+    armed: bool,
+}
+
+impl LaneHeld {
+    fn new(lane: mpsc::UnboundedSender<LaneCommand>, handle: u64) -> Self {
+        LaneHeld {
+            lane,
+            handle,
+            armed: true,
+        }
+    }
+
+    /// For a try that was not granted: nothing to give back.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for LaneHeld {
+    fn drop(&mut self) {
+        if self.armed {
+            let (done, _) = oneshot::channel();
+            let _ = self.lane.send(LaneCommand::Unlock {
+                handle: self.handle,
+                done,
+            });
+        }
+    }
 }
 
 impl HeldLock for LaneHeld {
-    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        self.armed = false;
         Box::pin(async move {
             let (done, acknowledged) = oneshot::channel();
             if self
@@ -951,7 +990,7 @@ impl WaitTask {
 
     async fn open(&self) -> Result<WaitConnection, LockError> {
         let mut conn = open_connection(&self.options, self.connect_timeout).await?;
-        let (pid, started): (i32, String) = sqlx::query_as(IDENTITY_SQL)
+        let (pid, started, _): (i32, String, i64) = sqlx::query_as(IDENTITY_SQL)
             .fetch_one(&mut conn)
             .await
             .map_err(|e| pg_error("opening a wait connection", e))?;
