@@ -1,30 +1,58 @@
-//! A child process for the multi-process tests.
+//! Child processes for the multi-process tests, and the exclusion checker.
 //!
-//! `dlock-worker cycle URL KEY ITERATIONS LOG` takes the lock ITERATIONS times and, inside each
-//! critical section, appends `enter PID TOKEN` and then `exit PID` to LOG (opened in append
-//! mode, so every line lands whole and in the order the writes happened). A checker then reads
-//! the interleaving: any `enter` that follows an `enter` without its `exit` is an overlap.
+//! `dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] [--keys K]
+//! [--acquisitions A] [--soak]` runs N worker processes of M tasks each that together take A
+//! locks on K hot keys (`PREFIX:0` .. `PREFIX:K-1`; with one key, `PREFIX` itself), then
+//! checks the sections log they wrote. It prints one `ok ...` summary line and exits 0, or
+//! names the first violation and exits 1. `--soak` means 8 processes × 16 tasks × 8 keys and
+//! 1,000,000 acquisitions, for runs outside CI.
+//!
+//! `dlock-worker storm URL PREFIX KEYS TASKS ACQUISITIONS LOG` is one such worker process:
+//! each critical section appends `enter KEY HOLDER TOKEN` and then `exit KEY HOLDER` to LOG,
+//! opened in append mode, so every line lands whole and in the order the writes happened.
+//! The checker reads that interleaving: per key, an `enter` while another holder is inside is
+//! an overlap, and fencing tokens (where issued) must strictly increase.
+//!
+//! `dlock-worker verify LOG SECTIONS` checks a log on its own (the checker's own tests).
 //!
 //! `dlock-worker hold URL KEY` takes the lock, prints `held TOKEN` on stdout and sleeps until
 //! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
 //! clock when it fired).
 
+use std::collections::HashMap;
 use std::io::Write;
-use std::process::ExitCode;
-use std::time::Duration;
+use std::path::Path;
+use std::process::{Command, ExitCode, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> ExitCode {
+/// How long one acquisition may wait before the worker gives up (and fails the run).
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long a critical section lasts, yielding all the while, so that a second holder (if
+/// exclusion were broken) has every chance to write its `enter` in between.
+const SECTION: Duration = Duration::from_micros(100);
+
+fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let outcome = match args
-        .iter()
-        .map(String::as_str)
-        .collect::<Vec<_>>()
-        .as_slice()
-    {
-        ["cycle", url, key, iterations, log] => cycle(url, key, iterations, log).await,
-        ["hold", url, key] => hold(url, key).await,
-        _ => Err("usage: dlock-worker cycle URL KEY ITERATIONS LOG | hold URL KEY".to_owned()),
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let outcome = match args.as_slice() {
+        ["exclusion", url, prefix, rest @ ..] => exclusion(url, prefix, rest),
+        ["storm", url, prefix, keys, tasks, acquisitions, log] => {
+            runtime().and_then(|rt| rt.block_on(storm(url, prefix, keys, tasks, acquisitions, log)))
+        }
+        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key))),
+        ["verify", log, expected] => expected
+            .parse()
+            .map_err(|e| format!("expected: {e}"))
+            .and_then(|expected| check(Path::new(log), expected))
+            .map(|summary| println!("ok sections={} fenced={}", summary.sections, summary.fenced)),
+        _ => Err(
+            "usage: dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] \
+                  [--keys K] [--acquisitions A] [--soak] \
+                  | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG | verify LOG SECTIONS \
+                  | hold URL KEY"
+                .to_owned(),
+        ),
     };
     match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -35,33 +63,261 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn cycle(url: &str, key: &str, iterations: &str, log: &str) -> Result<(), String> {
-    let iterations: u32 = iterations.parse().map_err(|e| format!("iterations: {e}"))?;
+fn runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))
+}
+
+/// The settings of one exclusion run.
+struct Run {
+    processes: usize,
+    tasks: usize,
+    keys: usize,
+    acquisitions: usize,
+}
+
+impl Run {
+    fn parse(rest: &[&str]) -> Result<Run, String> {
+        let mut run = Run {
+            processes: 4,
+            tasks: 8,
+            keys: 4,
+            acquisitions: 20_000,
+        };
+        let mut rest = rest.iter();
+        while let Some(flag) = rest.next() {
+            if *flag == "--soak" {
+                run = Run {
+                    processes: 8,
+                    tasks: 16,
+                    keys: 8,
+                    acquisitions: 1_000_000,
+                };
+                continue;
+            }
+            let value = rest
+                .next()
+                .ok_or_else(|| format!("{flag} needs a value"))?
+                .parse::<usize>()
+                .map_err(|e| format!("{flag}: {e}"))?;
+            if value == 0 {
+                return Err(format!("{flag} must be at least 1"));
+            }
+            match *flag {
+                "--processes" => run.processes = value,
+                "--tasks" => run.tasks = value,
+                "--keys" => run.keys = value,
+                "--acquisitions" => run.acquisitions = value,
+                _ => return Err(format!("unknown option {flag}")),
+            }
+        }
+        Ok(run)
+    }
+}
+
+/// Spawns the workers, waits for them and checks their log.
+fn exclusion(url: &str, prefix: &str, rest: &[&str]) -> Result<(), String> {
+    let run = Run::parse(rest)?;
+    let dir = std::env::temp_dir().join(format!("dlock-exclusion-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let log = dir.join("sections.log");
+    let _ = std::fs::remove_file(&log);
+    let me = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
+    let started = Instant::now();
+    let children = (0..run.processes)
+        .map(|i| {
+            let share = run.acquisitions / run.processes
+                + usize::from(i < run.acquisitions % run.processes);
+            Command::new(&me)
+                .arg("storm")
+                .args([url, prefix])
+                .args([run.keys, run.tasks, share].map(|n| n.to_string()))
+                .arg(&log)
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .map_err(|e| format!("spawning a worker: {e}"))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut failures = Vec::new();
+    for child in children {
+        let out = child
+            .wait_with_output()
+            .map_err(|e| format!("waiting for a worker: {e}"))?;
+        if !out.status.success() {
+            failures.push(String::from_utf8_lossy(&out.stderr).trim().to_owned());
+        }
+    }
+    let elapsed = started.elapsed();
+    let verdict = check(&log, run.acquisitions);
+    let _ = std::fs::remove_dir_all(&dir);
+    if !failures.is_empty() {
+        return Err(format!("workers failed: {}", failures.join("; ")));
+    }
+    let summary = verdict?;
+    println!(
+        "ok sections={} keys={} processes={} tasks={} fenced={} seconds={:.2} per_second={:.0}",
+        summary.sections,
+        run.keys,
+        run.processes,
+        run.tasks,
+        summary.fenced,
+        elapsed.as_secs_f64(),
+        summary.sections as f64 / elapsed.as_secs_f64().max(1e-9),
+    );
+    Ok(())
+}
+
+/// What a clean log held.
+struct Summary {
+    sections: usize,
+    /// Sections that carried a fencing token.
+    fenced: usize,
+}
+
+/// Per key: who is inside, and the last fencing token seen.
+#[derive(Default)]
+struct KeyState {
+    inside: Option<String>,
+    last_token: Option<u64>,
+}
+
+/// Reads a sections log and reports the first overlap, non-increasing fencing token,
+/// unmatched exit or missing section.
+fn check(log: &Path, expected: usize) -> Result<Summary, String> {
+    let text = std::fs::read_to_string(log).map_err(|e| format!("{}: {e}", log.display()))?;
+    let mut keys: HashMap<&str, KeyState> = HashMap::new();
+    let mut summary = Summary {
+        sections: 0,
+        fenced: 0,
+    };
+    for (n, line) in text.lines().enumerate() {
+        let n = n + 1;
+        match line.split(' ').collect::<Vec<_>>().as_slice() {
+            ["enter", key, holder, token] => {
+                let state = keys.entry(key).or_default();
+                if let Some(other) = &state.inside {
+                    return Err(format!(
+                        "line {n}: {holder} entered {key} while {other} was inside"
+                    ));
+                }
+                state.inside = Some((*holder).to_owned());
+                if let Ok(token) = token.parse::<u64>() {
+                    if let Some(last) = state.last_token.filter(|last| token <= *last) {
+                        return Err(format!(
+                            "line {n}: fencing token {token} on {key} after {last}"
+                        ));
+                    }
+                    state.last_token = Some(token);
+                    summary.fenced += 1;
+                }
+            }
+            ["exit", key, holder] => {
+                let state = keys.entry(key).or_default();
+                if state.inside.as_deref() != Some(*holder) {
+                    return Err(format!("line {n}: {holder} left {key} without entering"));
+                }
+                state.inside = None;
+                summary.sections += 1;
+            }
+            _ => return Err(format!("line {n}: malformed `{line}`")),
+        }
+    }
+    if let Some((key, state)) = keys.iter().find(|(_, s)| s.inside.is_some()) {
+        return Err(format!(
+            "the log ends with {} inside {key}",
+            state.inside.as_deref().unwrap_or("?")
+        ));
+    }
+    if summary.sections != expected {
+        return Err(format!(
+            "{} sections in the log, {expected} expected",
+            summary.sections
+        ));
+    }
+    Ok(summary)
+}
+
+/// One worker process: `tasks` tasks share one provider and take `acquisitions` locks in all.
+async fn storm(
+    url: &str,
+    prefix: &str,
+    keys: &str,
+    tasks: &str,
+    acquisitions: &str,
+    log: &str,
+) -> Result<(), String> {
+    let parse = |what: &str, value: &str| {
+        value
+            .parse::<usize>()
+            .map_err(|e| format!("{what}: {e}"))
+            .and_then(|n| {
+                if n == 0 {
+                    Err(format!("{what} must be at least 1"))
+                } else {
+                    Ok(n)
+                }
+            })
+    };
+    let (keys, tasks, acquisitions) = (
+        parse("keys", keys)?,
+        parse("tasks", tasks)?,
+        parse("acquisitions", acquisitions)?,
+    );
+    let names: Arc<Vec<String>> = Arc::new(if keys == 1 {
+        vec![prefix.to_owned()]
+    } else {
+        (0..keys).map(|k| format!("{prefix}:{k}")).collect()
+    });
     let locks = dlock::LockProvider::connect(url)
         .await
         .map_err(|e| e.to_string())?;
-    let mut file = std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(log)
-        .map_err(|e| format!("{log}: {e}"))?;
+    let file = Arc::new(
+        std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(log)
+            .map_err(|e| format!("{log}: {e}"))?,
+    );
     let pid = std::process::id();
-    for _ in 0..iterations {
-        let guard = locks
-            .acquire(key, Duration::from_secs(120))
-            .await
-            .map_err(|e| e.to_string())?;
-        let token = guard
-            .fencing_token()
-            .map_or_else(|| "-".to_owned(), |t| t.to_string());
-        file.write_all(format!("enter {pid} {token}\n").as_bytes())
-            .map_err(|e| e.to_string())?;
-        // Give another process every chance to overlap if exclusion were broken.
-        tokio::task::yield_now().await;
-        std::thread::sleep(Duration::from_micros(200));
-        file.write_all(format!("exit {pid}\n").as_bytes())
-            .map_err(|e| e.to_string())?;
-        guard.release().await.map_err(|e| e.to_string())?;
+    let mut set = tokio::task::JoinSet::new();
+    for task in 0..tasks {
+        let share = acquisitions / tasks + usize::from(task < acquisitions % tasks);
+        let (locks, names, file) = (locks.clone(), Arc::clone(&names), Arc::clone(&file));
+        set.spawn(async move {
+            let holder = format!("{pid}.{task}");
+            for _ in 0..share {
+                let key = &names[fastrand::usize(..names.len())];
+                let guard = locks
+                    .acquire(key, ACQUIRE_TIMEOUT)
+                    .await
+                    .map_err(|e| format!("{holder} acquiring {key}: {e}"))?;
+                let token = guard
+                    .fencing_token()
+                    .map_or_else(|| "-".to_owned(), |t| t.to_string());
+                (&*file)
+                    .write_all(format!("enter {key} {holder} {token}\n").as_bytes())
+                    .map_err(|e| e.to_string())?;
+                let until = Instant::now() + SECTION;
+                while Instant::now() < until {
+                    tokio::task::yield_now().await;
+                }
+                (&*file)
+                    .write_all(format!("exit {key} {holder}\n").as_bytes())
+                    .map_err(|e| e.to_string())?;
+                guard
+                    .release()
+                    .await
+                    .map_err(|e| format!("{holder} releasing {key}: {e}"))?;
+            }
+            Ok::<(), String>(())
+        });
+    }
+    while let Some(done) = set.join_next().await {
+        done.map_err(|e| format!("a task failed: {e}"))??;
     }
     Ok(())
 }
@@ -71,7 +327,7 @@ async fn hold(url: &str, key: &str) -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     let guard = locks
-        .acquire(key, Duration::from_secs(120))
+        .acquire(key, ACQUIRE_TIMEOUT)
         .await
         .map_err(|e| e.to_string())?;
     println!(

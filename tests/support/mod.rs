@@ -6,7 +6,6 @@
 pub mod redis;
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -38,76 +37,38 @@ pub fn worker_bin() -> &'static str {
 /// no two critical sections overlap, every worker finished, and fencing tokens (where the
 /// backend issues them) strictly increase in the order the sections ran.
 pub fn run_multi_process(url: &str, key: &str, processes: usize, iterations: usize) {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let log = dir.path().join("sections.log");
-    let children: Vec<Child> = (0..processes)
-        .map(|_| {
-            Command::new(worker_bin())
-                .args(["cycle", url, key, &iterations.to_string()])
-                .arg(&log)
-                .stdout(Stdio::null())
-                .stderr(Stdio::piped())
-                .spawn()
-                .expect("spawn worker")
-        })
-        .collect();
-    for child in children {
-        let out = child.wait_with_output().expect("wait for worker");
-        assert!(
-            out.status.success(),
-            "worker failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    check_sections(&log, processes * iterations);
+    run_exclusion(url, key, processes, 1, 1, processes * iterations);
 }
 
-/// Reads a sections log and fails on any overlap or non-increasing fencing token.
-pub fn check_sections(log: &Path, expected_sections: usize) {
-    let text = std::fs::read_to_string(log).expect("read sections log");
-    let mut inside: Option<String> = None;
-    let mut last_token: Option<u64> = None;
-    let mut sections = 0;
-    for (n, line) in text.lines().enumerate() {
-        let parts: Vec<&str> = line.split(' ').collect();
-        match parts.as_slice() {
-            ["enter", pid, token] => {
-                assert!(
-                    inside.is_none(),
-                    "line {}: process {pid} entered while {} was inside",
-                    n + 1,
-                    inside.as_deref().unwrap_or("?")
-                );
-                inside = Some((*pid).to_owned());
-                if let Ok(token) = token.parse::<u64>() {
-                    if let Some(last) = last_token {
-                        assert!(
-                            token > last,
-                            "line {}: fencing token {token} after {last}",
-                            n + 1
-                        );
-                    }
-                    last_token = Some(token);
-                }
-            }
-            ["exit", pid] => {
-                assert_eq!(
-                    inside.as_deref(),
-                    Some(*pid),
-                    "line {}: exit without enter",
-                    n + 1
-                );
-                inside = None;
-                sections += 1;
-            }
-            _ => panic!("line {}: malformed `{line}`", n + 1),
-        }
-    }
-    assert!(inside.is_none(), "the log ends inside a critical section");
-    assert_eq!(
-        sections, expected_sections,
-        "every worker section is in the log"
+/// The exclusion checker (`dlock-worker exclusion`): `processes` worker processes of `tasks`
+/// tasks each take `acquisitions` locks in all on `keys` hot keys under `prefix`; fails the
+/// test on any overlap, non-increasing fencing token or failed worker. Returns the checker's
+/// summary line (`ok sections=... per_second=...`).
+pub fn run_exclusion(
+    url: &str,
+    prefix: &str,
+    processes: usize,
+    tasks: usize,
+    keys: usize,
+    acquisitions: usize,
+) -> String {
+    let out = Command::new(worker_bin())
+        .args(["exclusion", url, prefix])
+        .args(["--processes", &processes.to_string()])
+        .args(["--tasks", &tasks.to_string()])
+        .args(["--keys", &keys.to_string()])
+        .args(["--acquisitions", &acquisitions.to_string()])
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run the exclusion checker");
+    assert!(
+        out.status.success(),
+        "exclusion check failed on {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
     );
+    let summary = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    eprintln!("{url}: {summary}");
+    summary
 }
 
 /// A child process that holds `key` until killed.
