@@ -120,8 +120,7 @@ struct Shared {
     background: Arc<Mutex<Connection>>,
     lease: Duration,
     busy_timeout: Duration,
-    owner_nonce: [u8; 8],
-    next_owner: AtomicU64,
+    next_renewal: AtomicU64,
     commits: AtomicU64,
     renewals: Mutex<HashMap<u64, Renewal>>,
     wake: Arc<Notify>,
@@ -191,15 +190,6 @@ impl SqliteBuilder {
             .busy_timeout(Duration::ZERO)
             .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
         let background = open_connection(&self.path, self.busy_timeout)?;
-        let mut nonce = [0u8; 8];
-        getrandom::fill(&mut nonce).map_err(|err| {
-            LockError::backend(
-                NAME,
-                format!("the operating system's random generator failed: {err}"),
-                None,
-                None,
-            )
-        })?;
         Ok(SqliteBackend {
             shared: Arc::new(Shared {
                 path: self.path,
@@ -207,8 +197,7 @@ impl SqliteBuilder {
                 background: Arc::new(Mutex::new(background)),
                 lease: self.lease,
                 busy_timeout: self.busy_timeout,
-                owner_nonce: nonce,
-                next_owner: AtomicU64::new(1),
+                next_renewal: AtomicU64::new(1),
                 commits: AtomicU64::new(0),
                 renewals: Mutex::new(HashMap::new()),
                 wake: Arc::new(Notify::new()),
@@ -280,7 +269,7 @@ impl LockBackend for SqliteBackend {
             let lease = request.lease.unwrap_or(self.shared.lease);
             check_lease(lease)?;
             self.shared.start_renewer()?;
-            let owner = self.shared.new_owner();
+            let owner = self.shared.new_owner()?;
             let name = request.key.as_bytes();
             let started = Instant::now();
             let fencing = self
@@ -392,16 +381,19 @@ impl Shared {
         self.renewals.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn new_owner(&self) -> [u8; 16] {
+    /// A fresh owner token: 128 bits from the operating system's secure generator, so no
+    /// other acquisition, in this process or any other, can ever present the same one.
+    fn new_owner(&self) -> Result<[u8; 16], LockError> {
         let mut owner = [0u8; 16];
-        owner[..8].copy_from_slice(&self.owner_nonce);
-        owner[8..].copy_from_slice(
-            &self
-                .next_owner
-                .fetch_add(1, Ordering::Relaxed)
-                .to_le_bytes(),
-        );
-        owner
+        getrandom::fill(&mut owner).map_err(|err| {
+            LockError::backend(
+                NAME,
+                format!("the operating system's random generator failed: {err}"),
+                None,
+                None,
+            )
+        })?;
+        Ok(owner)
     }
 
     /// Runs one short write on the inline connection. When another connection holds the
@@ -448,7 +440,7 @@ impl Shared {
     }
 
     fn register(&self, renewal: Renewal) -> u64 {
-        let id = self.next_owner.fetch_add(1, Ordering::Relaxed);
+        let id = self.next_renewal.fetch_add(1, Ordering::Relaxed);
         self.renewals().insert(id, renewal);
         self.wake.notify_one();
         id
@@ -872,9 +864,9 @@ mod tests {
         let backend = rt
             .block_on(SqliteBackend::open(dir.path().join("l.db")))
             .unwrap();
-        let a = backend.shared.new_owner();
-        let b = backend.shared.new_owner();
+        let a = backend.shared.new_owner().unwrap();
+        let b = backend.shared.new_owner().unwrap();
         assert_ne!(a, b);
-        assert_eq!(a[..8], b[..8]);
+        assert_ne!(a[..8], b[..8], "no shared prefix: every bit is random");
     }
 }
