@@ -721,3 +721,108 @@ fn bad_templates_are_reported_at_construction() {
     let message = panic.downcast_ref::<String>().expect("message");
     assert!(message.contains("invalid lock key template"), "{message}");
 }
+
+/// 1,000 requests at once on one key: one handler at a time, every other request answered
+/// promptly (200 after its turn, 408 when its wait ran out, 503 beyond the waiter limit),
+/// another key served meanwhile, and the key free at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_concurrent_requests_on_one_key() {
+    const REQUESTS: usize = 1_000;
+    const TIMEOUT: Duration = Duration::from_millis(500);
+    let store = Store::new();
+    let provider = store.provider().await;
+    let layer = LockLayer::new(provider, "item:{id}")
+        .timeout(TIMEOUT)
+        .max_waiting(200);
+    let inside = Arc::new(AtomicUsize::new(0));
+    let most_inside = Arc::new(AtomicUsize::new(0));
+    let (now_inside, most) = (Arc::clone(&inside), Arc::clone(&most_inside));
+    let app = Router::new()
+        .route(
+            "/items/{id}",
+            post(move |Path(id): Path<String>| {
+                let (inside, most) = (Arc::clone(&now_inside), Arc::clone(&most));
+                async move {
+                    // Only the hot key's handlers are counted; another key runs beside them.
+                    let hot = id == "hot";
+                    if hot {
+                        let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                        most.fetch_max(now, Ordering::SeqCst);
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    if hot {
+                        inside.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    id
+                }
+            }),
+        )
+        .route_layer(layer);
+    let server = serve(app).await;
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .expect("client");
+
+    let url = format!("{}/items/hot", server.base);
+    let started = Instant::now();
+    let storm: Vec<_> = (0..REQUESTS)
+        .map(|_| {
+            let (client, url) = (client.clone(), url.clone());
+            tokio::spawn(async move {
+                let sent = Instant::now();
+                let status = client
+                    .post(&url)
+                    .send()
+                    .await
+                    .expect("request")
+                    .status()
+                    .as_u16();
+                (status, sent.elapsed())
+            })
+        })
+        .collect();
+
+    // Another key is served while the storm runs.
+    let other = Instant::now();
+    let answer = post_to(&format!("{}/items/cold", server.base)).await;
+    assert_eq!(answer.status, 200);
+    let other = other.elapsed();
+
+    let mut counts = std::collections::BTreeMap::new();
+    let mut slowest = Duration::ZERO;
+    for request in storm {
+        let (status, took) = request.await.expect("task");
+        *counts.entry(status).or_insert(0usize) += 1;
+        slowest = slowest.max(took);
+    }
+    eprintln!(
+        "{REQUESTS} requests in {:?}: {counts:?}; slowest answer {slowest:?}; other key {other:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        most_inside.load(Ordering::SeqCst),
+        1,
+        "one holder at a time"
+    );
+    assert_eq!(counts.values().sum::<usize>(), REQUESTS);
+    assert!(
+        counts.keys().all(|s| [200, 408, 503].contains(s)),
+        "only 200, 408 and 503: {counts:?}"
+    );
+    assert!(counts.get(&200).copied().unwrap_or(0) >= 1, "{counts:?}");
+    // Waits are bounded by the layer's timeout; the rest is the machine working through
+    // 1,000 connections on 2 cores.
+    assert!(slowest < TIMEOUT + Duration::from_secs(10), "{slowest:?}");
+    assert!(
+        other < Duration::from_secs(5),
+        "another key waited {other:?}"
+    );
+    let free = store.provider().await;
+    free.try_acquire("item:hot")
+        .await
+        .expect("the key is free after the storm")
+        .release()
+        .await
+        .expect("release");
+}

@@ -226,6 +226,12 @@ impl SqliteBackend {
         SqliteBackend::builder(path).open().await
     }
 
+    /// Parses a `sqlite://` URL with the options of the [module docs](self) into a builder,
+    /// without opening the file.
+    pub fn builder_from_url(url: &str) -> Result<SqliteBuilder, LockError> {
+        parse_url(url)
+    }
+
     /// Opens the lock file named by a `sqlite://` URL (see the [module docs](self)).
     ///
     /// # Cancel safety

@@ -282,6 +282,12 @@ impl RedisBackend {
         RedisBackend::builder_on_manager(manager).connect().await
     }
 
+    /// Parses a `redis://` or `rediss://` URL with the options of the [module docs](self)
+    /// into a builder, without connecting.
+    pub fn builder_from_url(url: &str) -> Result<RedisBuilder, LockError> {
+        parse_url(url)
+    }
+
     /// Connects to the server named by a `redis://` or `rediss://` URL (see the
     /// [module docs](self) for the options).
     ///
