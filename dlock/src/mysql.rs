@@ -1651,7 +1651,7 @@ fn parse_url(url: &str) -> Result<MySqlBuilder, LockError> {
                     _ => {
                         return Err(LockError::config(format!(
                             "option `fencing` has the value `{}`; write `true` or `false`",
-                            value.escape_debug()
+                            crate::options::shown(&value)
                         )));
                     }
                 }
@@ -1707,7 +1707,7 @@ fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
     value.trim().parse().map_err(|_| {
         LockError::config(format!(
             "option `{option}` has the value `{}`, which is not a whole number",
-            value.escape_debug()
+            crate::options::shown(value)
         ))
     })
 }

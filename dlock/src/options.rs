@@ -42,8 +42,20 @@ pub fn parse_duration(option: &str, value: &str) -> Result<Duration, LockError> 
 fn bad_duration(option: &str, value: &str) -> LockError {
     LockError::config(format!(
         "option `{option}` has the value `{}`, which is not a duration; write it like `30s`, `500ms`, `2m` or `1h`",
-        value.escape_debug()
+        shown(value)
     ))
+}
+
+/// A piece of a URL as an error message may show it: escaped, and only when it is short and
+/// has none of `@`, `:` or `/`. A mangled URL can put its credentials where an option name,
+/// an option value or a scheme is expected (`postgr?es://user:password@host`), and error
+/// messages end up in logs.
+pub(crate) fn shown(text: &str) -> String {
+    if text.chars().count() <= 40 && !text.contains(['@', ':', '/']) {
+        text.escape_debug().to_string()
+    } else {
+        "(not shown: it may contain credentials)".to_owned()
+    }
 }
 
 /// Splits the query string of a lock store URL into decoded `(name, value)` pairs.
@@ -61,7 +73,7 @@ pub(crate) fn query_pairs(query: &str) -> Vec<(String, String)> {
 pub(crate) fn unknown_option(backend: &str, option: &str, valid: &[&str]) -> LockError {
     LockError::config(format!(
         "unknown {backend} URL option `{}`; valid options are: {}",
-        option.escape_debug(),
+        shown(option),
         valid.join(", ")
     ))
 }

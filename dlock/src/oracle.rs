@@ -868,7 +868,7 @@ fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
     value.parse().map_err(|_| {
         LockError::config(format!(
             "option `{option}` has the value `{}`, which is not a count",
-            value.escape_debug()
+            crate::options::shown(value)
         ))
     })
 }

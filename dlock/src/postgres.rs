@@ -1426,7 +1426,7 @@ fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
                     _ => {
                         return Err(LockError::config(format!(
                             "option `fencing` has the value `{}`; write `true` or `false`",
-                            value.escape_debug()
+                            crate::options::shown(&value)
                         )));
                     }
                 }
@@ -1481,7 +1481,7 @@ fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
     value.trim().parse().map_err(|_| {
         LockError::config(format!(
             "option `{option}` has the value `{}`, which is not a whole number",
-            value.escape_debug()
+            crate::options::shown(value)
         ))
     })
 }

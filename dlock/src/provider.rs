@@ -101,7 +101,7 @@ impl LockProvider {
             "redis" | "rediss" => connect_redis(url).await,
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
-                scheme.escape_debug()
+                crate::options::shown(&scheme)
             ))),
         }
     }

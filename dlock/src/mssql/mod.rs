@@ -511,7 +511,7 @@ fn parse_url(url: &str) -> Result<ParsedUrl, LockError> {
                     _ => {
                         return Err(LockError::config(format!(
                             "option `encrypt` has the value `{}`; use true, false or not_supported",
-                            value.escape_debug()
+                            crate::options::shown(&value)
                         )));
                     }
                 }
@@ -579,7 +579,7 @@ fn parse_bool(option: &str, value: &str) -> Result<bool, LockError> {
         "false" | "no" | "off" | "0" => Ok(false),
         _ => Err(LockError::config(format!(
             "option `{option}` has the value `{}`; use true or false",
-            value.escape_debug()
+            crate::options::shown(value)
         ))),
     }
 }
@@ -588,7 +588,7 @@ fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
     value.parse().map_err(|_| {
         LockError::config(format!(
             "option `{option}` has the value `{}`, which is not a count",
-            value.escape_debug()
+            crate::options::shown(value)
         ))
     })
 }

@@ -1,0 +1,254 @@
+//! Bad input that is not a key: mangled connection URLs for every backend, and servers of the
+//! wrong kind (or none that answers) behind a URL. Each gets a typed error within its bound:
+//! no panic, no hang, no password in a message. (Awkward keys are a conformance case that every
+//! backend runs; bad keys over HTTP are in dlock-axum's tests.)
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use dlock::mssql::MssqlBackend;
+use dlock::mysql::MySqlBackend;
+use dlock::postgres::PostgresBackend;
+use dlock::redis::RedisBackend;
+use dlock::sqlite::SqliteBackend;
+use dlock::{LockError, LockProvider};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The password in every seed URL; no error message may repeat it.
+const SECRET: &str = "pa55-SECRET-word";
+
+/// Valid URLs to start mutating from, one or more per backend.
+fn seeds() -> Vec<String> {
+    vec![
+        format!(
+            "postgres://app:{SECRET}@db.internal:5432/app?keepalive=5s&fencing=true&connect_timeout=2s&connections=4&wait_connections=4"
+        ),
+        format!(
+            "mysql://app:{SECRET}@db.internal:3306/app?keepalive=5s&fencing=true&connect_timeout=2s"
+        ),
+        format!(
+            "redis://:{SECRET}@cache.internal:6379/0?lease=30s&prefix=locks:&timeout=1s&fencing=false"
+        ),
+        format!("rediss://user:{SECRET}@cache.internal/?lease=2s"),
+        "sqlite:///var/lib/app/locks.db?lease=30s&busy_timeout=250ms".to_owned(),
+        format!("mssql://app:{SECRET}@sql.internal:1433/app?keepalive=5s&connect_timeout=2s"),
+    ]
+}
+
+/// Every parser, on the same text.
+fn parse_everywhere(url: &str) -> Vec<(&'static str, Result<(), LockError>)> {
+    vec![
+        ("postgres", PostgresBackend::builder_from_url(url).map(drop)),
+        ("mysql", MySqlBackend::builder_from_url(url).map(drop)),
+        ("redis", RedisBackend::builder_from_url(url).map(drop)),
+        ("sqlite", SqliteBackend::builder_from_url(url).map(drop)),
+        ("mssql", MssqlBackend::builder_from_url(url).map(drop)),
+    ]
+}
+
+/// Pieces that tend to break URL and option parsers.
+const PIECES: &[&str] = &[
+    "%",
+    "%zz",
+    "%00",
+    "%FF",
+    "?",
+    "&",
+    "=",
+    "&&",
+    "==",
+    ":",
+    "//",
+    "@",
+    "@@",
+    "[",
+    "]",
+    "[::1]",
+    "#",
+    " ",
+    "\0",
+    "\r\n",
+    "ü",
+    "鍵",
+    "\u{202e}",
+    "-1",
+    "0",
+    "0s",
+    "1e9",
+    "18446744073709551616",
+    "99999999999999999999999s",
+    "1ns",
+    "5m",
+    "NaN",
+    "true",
+    "maybe",
+    "lease=",
+    "keepalive=0ms",
+    "connections=0",
+    "connections=65",
+    "prefix={",
+    "port=",
+    ":65536",
+    ":0",
+    "fencing=",
+];
+
+/// 4,000 mutated URLs through all five parsers (20,000 parses): each answers a builder or a Configuration
+/// error with a message, and no message shows the password.
+#[test]
+fn mangled_urls_get_typed_errors() {
+    let seed = fastrand::u64(..);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let seeds = seeds();
+    let (mut parsed, mut refused) = (0usize, 0usize);
+    for _ in 0..4_000 {
+        let mut url = seeds[rng.usize(..seeds.len())].clone();
+        for _ in 0..rng.usize(1..4) {
+            // Cut at a char boundary, then insert, replace or delete around it.
+            let mut at = rng.usize(..=url.len());
+            while !url.is_char_boundary(at) {
+                at -= 1;
+            }
+            let piece = PIECES[rng.usize(..PIECES.len())];
+            match rng.u8(0..3) {
+                0 => url.insert_str(at, piece),
+                1 => {
+                    let end = url[at..]
+                        .char_indices()
+                        .nth(piece.chars().count())
+                        .map_or(url.len(), |(i, _)| at + i);
+                    url.replace_range(at..end, piece);
+                }
+                _ => {
+                    let end = url[at..]
+                        .char_indices()
+                        .nth(1)
+                        .map_or(url.len(), |(i, _)| at + i);
+                    url.replace_range(at..end, "");
+                }
+            }
+        }
+        for (backend, outcome) in parse_everywhere(&url) {
+            match outcome {
+                Ok(()) => parsed += 1,
+                Err(err) => {
+                    refused += 1;
+                    assert_eq!(
+                        err.code(),
+                        "DistributedLock.Configuration",
+                        "{backend} on {url:?} (seed {seed}): {err}"
+                    );
+                    let message = err.to_string();
+                    assert!(!message.is_empty());
+                    assert!(
+                        !message.contains(SECRET),
+                        "{backend} showed the password for {url:?} (seed {seed}): {message}"
+                    );
+                }
+            }
+        }
+    }
+    eprintln!("{parsed} parsed, {refused} refused (seed {seed})");
+    assert!(
+        parsed > 0 && refused > 0,
+        "the mutations reach both outcomes"
+    );
+}
+
+/// What listens on a port that is not the server the URL names.
+#[derive(Clone, Copy, Debug)]
+enum Impostor {
+    /// Accepts and closes at once.
+    Closes,
+    /// Accepts and answers like a web server, whatever is sent.
+    SpeaksHttp,
+    /// Accepts and never says anything.
+    Silent,
+}
+
+/// A listener that plays `impostor` for every connection; returns its port.
+async fn impostor(kind: Impostor) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                match kind {
+                    Impostor::Closes => drop(socket),
+                    Impostor::SpeaksHttp => {
+                        let mut buf = [0u8; 1024];
+                        let _ =
+                            tokio::time::timeout(Duration::from_millis(200), socket.read(&mut buf))
+                                .await;
+                        let _ = socket
+                            .write_all(b"HTTP/1.1 400 Bad Request\r\ncontent-length: 0\r\n\r\n")
+                            .await;
+                        let _ = socket.shutdown().await;
+                    }
+                    Impostor::Silent => {
+                        let mut buf = [0u8; 1024];
+                        while let Ok(n) = socket.read(&mut buf).await {
+                            if n == 0 {
+                                break;
+                            }
+                        }
+                    }
+                }
+            });
+        }
+    });
+    port
+}
+
+/// Each network backend pointed at a port that closes, speaks HTTP, or stays silent: a
+/// typed error (never a lock) within the connect timeout and a margin, without the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_servers_are_clear_errors_within_the_timeout() {
+    const CONNECT: Duration = Duration::from_secs(1);
+    let mut tasks = Vec::new();
+    for kind in [Impostor::Closes, Impostor::SpeaksHttp, Impostor::Silent] {
+        let port = impostor(kind).await;
+        for url in [
+            format!("postgres://app:{SECRET}@127.0.0.1:{port}/app?connect_timeout=1s"),
+            format!("mysql://app:{SECRET}@127.0.0.1:{port}/app?connect_timeout=1s"),
+            format!("redis://:{SECRET}@127.0.0.1:{port}/?timeout=1s"),
+            format!("mssql://app:{SECRET}@127.0.0.1:{port}/app?connect_timeout=1s"),
+        ] {
+            tasks.push(tokio::spawn(async move {
+                let started = Instant::now();
+                let outcome = match LockProvider::connect(&url).await {
+                    // A backend may connect lazily: then the first acquisition must fail.
+                    Ok(locks) => locks.try_acquire("k").await.map(drop),
+                    Err(err) => Err(err),
+                };
+                (kind, url, outcome, started.elapsed())
+            }));
+        }
+    }
+    for task in tasks {
+        let (kind, url, outcome, took) = task.await.unwrap();
+        let err = outcome.expect_err(&format!("{url} behind {kind:?} gave a lock"));
+        assert!(
+            matches!(
+                err.code(),
+                "DistributedLock.Unavailable"
+                    | "DistributedLock.Backend"
+                    | "DistributedLock.Configuration"
+            ),
+            "{url} behind {kind:?}: {err}"
+        );
+        assert!(!err.to_string().contains(SECRET), "{url}: {err}");
+        assert!(
+            took < CONNECT + Duration::from_secs(3),
+            "{url} behind {kind:?} took {took:?}: {err}"
+        );
+        eprintln!(
+            "{kind:?} {}: {took:?}: {err}",
+            url.split(':').next().unwrap_or("")
+        );
+    }
+}
