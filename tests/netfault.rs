@@ -1,4 +1,5 @@
-//! Network partitions, per backend. A throwaway server runs in its own network namespace
+//! Network partitions, per backend (PostgreSQL, MariaDB, MySQL 9, Redis 7, Redis 8, Valkey
+//! 9.1). A throwaway server runs in its own network namespace
 //! (`tests/support/netns.rs`) with two links to the test: the holder's link is cut with
 //! nftables drop rules (silent: no RST, no FIN, like a real partition) while a second provider
 //! reaches the server over the other link. Each test checks:
@@ -278,4 +279,27 @@ async fn redis7_partition() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn valkey91_partition() {
     redis_partition(RedisFlavor::Valkey91, "valkey 9.1").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_partition() {
+    let Some(netns) = namespace() else { return };
+    let Some(server) = DbServer::start_with(DbFlavor::MySql, netns.placement()) else {
+        return;
+    };
+    let options = format!("keepalive={}ms&connect_timeout=3s", KEEPALIVE.as_millis());
+    partition(Case {
+        label: "mysql",
+        netns: &netns,
+        url_cut: server.url_at(v4(netns.cut_link().server), &options),
+        url_side: server.url_at(v4(netns.side_link().server), &options),
+        lost_within: KEEPALIVE + PING_TIMEOUT + Duration::from_secs(1),
+        ttl_left: None,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis8_partition() {
+    redis_partition(RedisFlavor::Redis8, "redis 8").await;
 }
