@@ -10,6 +10,12 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use dlock::LockProvider;
 use dlock::mysql::server_lock_name;
 
+// The server module names `super::Placement`.
+#[allow(dead_code, unreachable_pub)]
+#[path = "../tests/support/placement.rs"]
+mod placement;
+use placement::Placement;
+
 #[allow(dead_code, unreachable_pub)]
 #[path = "../tests/support/mysql.rs"]
 mod myserver;

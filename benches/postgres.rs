@@ -7,6 +7,12 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use dlock::{LockProvider, lock_id};
 
+// The server module names `super::Placement`.
+#[allow(dead_code, unreachable_pub)]
+#[path = "../tests/support/placement.rs"]
+mod placement;
+use placement::Placement;
+
 #[allow(dead_code, unreachable_pub)]
 #[path = "../tests/support/postgres.rs"]
 mod pgserver;

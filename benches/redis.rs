@@ -9,6 +9,12 @@
 //!
 //! Servers whose binary is missing are left out (see tests/support/redis.rs).
 
+// The server module names `super::Placement`.
+#[allow(dead_code, unreachable_pub)]
+#[path = "../tests/support/placement.rs"]
+mod placement;
+use placement::Placement;
+
 #[path = "../tests/support/redis.rs"]
 #[allow(dead_code, unreachable_pub)]
 mod redis_support;

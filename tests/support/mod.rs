@@ -2,8 +2,13 @@
 //! backend) throwaway servers.
 #![allow(dead_code, unreachable_pub)]
 
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+mod placement;
 #[cfg(feature = "redis")]
 pub mod redis;
+
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+pub use placement::Placement;
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};

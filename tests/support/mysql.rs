@@ -1,4 +1,5 @@
-//! Throwaway MariaDB and MySQL servers on free loopback ports in temp dirs.
+//! Throwaway MariaDB and MySQL servers on free loopback ports (or where a [`Placement`] says)
+//! in temp dirs.
 //!
 //! MariaDB runs from the installed Debian package (`mariadb-install-db`, `mariadbd`). Oracle
 //! MySQL runs from a Debian sid chroot that `.ci/mysql-chroot.sh` installs (default
@@ -9,11 +10,13 @@
 //!
 //! Without the binaries the tests say they are skipped; with `CI` set they fail instead.
 
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+use super::Placement;
 
 /// Which server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,13 +102,19 @@ pub struct DbServer {
     server_dir: PathBuf,
     port: u16,
     child: Option<Child>,
+    placement: Placement,
     _reaper: ChildStdin,
 }
 
 impl DbServer {
-    /// Creates a data dir and starts a server; `None` (after a skip note) when the binaries
-    /// are missing outside CI.
+    /// Creates a data dir and starts a server on loopback; `None` (after a skip note) when the
+    /// binaries are missing outside CI.
     pub fn start(flavor: Flavor) -> Option<DbServer> {
+        DbServer::start_with(flavor, Placement::default())
+    }
+
+    /// [`start`](DbServer::start) where `placement` says, with `root` trusted from its clients.
+    pub fn start_with(flavor: Flavor, placement: Placement) -> Option<DbServer> {
         if !available(flavor) {
             return None;
         }
@@ -180,6 +189,7 @@ impl DbServer {
             server_dir,
             port: free_port(),
             child: None,
+            placement,
             _reaper: reaper_stdin,
         };
         server.resume();
@@ -205,8 +215,14 @@ impl DbServer {
 
     /// A URL for root on database `dlock_test` with extra query options (`a=b&c=d`).
     pub fn url(&self, options: &str) -> String {
+        self.url_at(self.placement.host(), options)
+    }
+
+    /// [`url`](DbServer::url) through another of the server's listen addresses.
+    pub fn url_at(&self, host: IpAddr, options: &str) -> String {
         let scheme = self.flavor.label();
-        let mut url = format!("{scheme}://root@127.0.0.1:{}/dlock_test", self.port);
+        let host = Placement::url_host(host);
+        let mut url = format!("{scheme}://root@{host}:{}/dlock_test", self.port);
         if !options.is_empty() {
             url.push('?');
             url.push_str(options);
@@ -216,7 +232,12 @@ impl DbServer {
 
     /// A URL for root without a database.
     pub fn url_without_database(&self) -> String {
-        format!("{}://root@127.0.0.1:{}", self.flavor.label(), self.port)
+        format!(
+            "{}://root@{}:{}",
+            self.flavor.label(),
+            Placement::url_host(self.placement.host()),
+            self.port
+        )
     }
 
     /// Starts the server again after [`stop`](DbServer::stop), on the same port.
@@ -224,6 +245,12 @@ impl DbServer {
         assert!(self.child.is_none(), "the server is running");
         let log = std::fs::File::create(self.dir.join("server.log")).expect("log file");
         let data = self.server_dir.join("data");
+        let listen: Vec<String> = self
+            .placement
+            .listen()
+            .iter()
+            .map(IpAddr::to_string)
+            .collect();
         let common = [
             "--no-defaults".to_owned(),
             "--user=root".to_owned(),
@@ -234,7 +261,7 @@ impl DbServer {
                 self.server_dir.join("server.pid").display()
             ),
             format!("--port={}", self.port),
-            "--bind-address=127.0.0.1".to_owned(),
+            format!("--bind-address={}", listen.join(",")),
             "--skip-name-resolve".to_owned(),
             "--skip-log-bin".to_owned(),
             "--innodb-flush-log-at-trx-commit=0".to_owned(),
@@ -243,23 +270,28 @@ impl DbServer {
             "--max-connections=500".to_owned(),
             format!("--init-file={}", self.server_dir.join("init.sql").display()),
         ];
-        // Run at every start: the test database and root from loopback by address.
-        std::fs::write(
-            self.dir.join("init.sql"),
-            "CREATE DATABASE IF NOT EXISTS dlock_test;\n\
-             CREATE USER IF NOT EXISTS 'root'@'127.0.0.1';\n\
-             GRANT ALL PRIVILEGES ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;\n",
-        )
-        .expect("write init.sql");
+        // Run at every start: the test database and root from loopback (and the placement's
+        // clients) by address.
+        let mut init = "CREATE DATABASE IF NOT EXISTS dlock_test;\n".to_owned();
+        let loopback = IpAddr::from([127, 0, 0, 1]);
+        for host in std::iter::once(&loopback).chain(&self.placement.clients) {
+            init.push_str(&format!(
+                "CREATE USER IF NOT EXISTS 'root'@'{host}';\n\
+                 GRANT ALL PRIVILEGES ON *.* TO 'root'@'{host}' WITH GRANT OPTION;\n"
+            ));
+        }
+        std::fs::write(self.dir.join("init.sql"), init).expect("write init.sql");
         let mut cmd = match self.flavor {
             Flavor::MariaDb => {
-                let mut cmd = Command::new(find_on_path("mariadbd").expect("mariadbd"));
+                let mut cmd = self
+                    .placement
+                    .command(find_on_path("mariadbd").expect("mariadbd"));
                 cmd.args(&common);
                 cmd.arg("--innodb-log-file-size=8M");
                 cmd
             }
             Flavor::MySql => {
-                let mut cmd = Command::new("chroot");
+                let mut cmd = self.placement.command("chroot");
                 cmd.arg(chroot_dir()).arg("/usr/sbin/mysqld").args(&common);
                 cmd.args([
                     "--mysqlx=OFF",

@@ -1,16 +1,19 @@
 //! Throwaway PostgreSQL servers, spawned from the installed binaries in a temp dir on a free
-//! loopback port. As root, the server runs as the `postgres` user (PostgreSQL refuses root).
+//! loopback port (or where a [`Placement`] says). As root, the server runs as the `postgres`
+//! user (PostgreSQL refuses root).
 //!
 //! Each server trusts every local user except `locker`, who must give a password (for the
 //! wrong-password test). A server is stopped when its [`PgServer`] is dropped; the shared
 //! server of a test binary is stopped by a small reaper process when the test binary exits.
 
 use std::io::Write;
-use std::net::TcpListener;
+use std::net::{IpAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
+
+use super::Placement;
 
 /// A running (or stopped) throwaway server.
 pub struct PgServer {
@@ -18,6 +21,7 @@ pub struct PgServer {
     port: u16,
     child: Option<Child>,
     bin: PathBuf,
+    placement: Placement,
     // Ends the server when this process exits, even if `Drop` never runs (statics).
     _reaper: ChildStdin,
 }
@@ -54,10 +58,11 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-/// A command that runs `program` as the `postgres` user when this process is root.
-fn as_postgres(program: &Path) -> Command {
+/// A command that runs `program` (behind the placement's prefix) as the `postgres` user when
+/// this process is root.
+fn as_postgres(placement: &Placement, program: &Path) -> Command {
     if is_root() {
-        let mut cmd = Command::new("setpriv");
+        let mut cmd = placement.command("setpriv");
         cmd.args([
             "--reuid=postgres",
             "--regid=postgres",
@@ -67,7 +72,7 @@ fn as_postgres(program: &Path) -> Command {
         cmd.arg(program);
         cmd
     } else {
-        Command::new(program)
+        placement.command(program)
     }
 }
 
@@ -79,8 +84,14 @@ fn free_port() -> u16 {
 }
 
 impl PgServer {
-    /// Creates a cluster in a new temp dir and starts it.
+    /// Creates a cluster in a new temp dir and starts it on loopback.
     pub fn start() -> PgServer {
+        PgServer::start_with(Placement::default())
+    }
+
+    /// Creates a cluster in a new temp dir and starts it where `placement` says, trusting its
+    /// clients.
+    pub fn start_with(placement: Placement) -> PgServer {
         let bin = bin_dir();
         let dir = tempfile::Builder::new()
             .prefix("dlock-pg-")
@@ -97,7 +108,7 @@ impl PgServer {
                 .expect("chown");
             assert!(status.success(), "chown of the server dir failed");
         }
-        let out = as_postgres(&bin.join("initdb"))
+        let out = as_postgres(&Placement::default(), &bin.join("initdb"))
             .arg("-D")
             .arg(&data)
             .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"])
@@ -108,13 +119,16 @@ impl PgServer {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        std::fs::write(
-            data.join("pg_hba.conf"),
-            "local all all trust\n\
+        let mut hba = "local all all trust\n\
              host all locker 127.0.0.1/32 scram-sha-256\n\
-             host all all 127.0.0.1/32 trust\n",
-        )
-        .expect("write pg_hba.conf");
+             host all all 127.0.0.1/32 trust\n"
+            .to_owned();
+        for client in &placement.clients {
+            let bits = if client.is_ipv4() { 32 } else { 128 };
+            hba.push_str(&format!("host all all {client}/{bits} trust\n"));
+        }
+        std::fs::write(data.join("pg_hba.conf"), hba).expect("write pg_hba.conf");
+        let listen: Vec<String> = placement.listen().iter().map(IpAddr::to_string).collect();
         let mut conf = std::fs::OpenOptions::new()
             .append(true)
             .open(data.join("postgresql.conf"))
@@ -122,7 +136,8 @@ impl PgServer {
         writeln!(
             conf,
             "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\nmax_connections = 300\n\
-             max_locks_per_transaction = 256\nshared_buffers = 32MB\nlisten_addresses = '127.0.0.1'"
+             max_locks_per_transaction = 256\nshared_buffers = 32MB\nlisten_addresses = '{}'",
+            listen.join(",")
         )
         .expect("write postgresql.conf");
         drop(conf);
@@ -153,6 +168,7 @@ impl PgServer {
             port: free_port(),
             child: None,
             bin,
+            placement,
             _reaper: reaper_stdin,
         };
         server.resume();
@@ -173,7 +189,16 @@ impl PgServer {
 
     /// A URL for the trusted superuser, with extra query options (`a=b&c=d`).
     pub fn url(&self, options: &str) -> String {
-        let mut url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.port);
+        self.url_at(self.placement.host(), options)
+    }
+
+    /// [`url`](PgServer::url) through another of the server's listen addresses.
+    pub fn url_at(&self, host: IpAddr, options: &str) -> String {
+        let mut url = format!(
+            "postgres://postgres@{}:{}/postgres",
+            Placement::url_host(host),
+            self.port
+        );
         if !options.is_empty() {
             url.push('?');
             url.push_str(options);
@@ -193,7 +218,7 @@ impl PgServer {
             .args(["postgres:postgres"])
             .arg(self.dir.join("server.log"))
             .status();
-        let child = as_postgres(&self.bin.join("postgres"))
+        let child = as_postgres(&self.placement, &self.bin.join("postgres"))
             .arg("-D")
             .arg(self.data())
             .arg("-p")

@@ -1,4 +1,5 @@
-//! Throwaway Redis and Valkey servers on free loopback ports, in temp dirs.
+//! Throwaway Redis and Valkey servers on free loopback ports (or where a [`Placement`] says),
+//! in temp dirs.
 //!
 //! | flavour | binary | installed by `.ci/run` from |
 //! |---|---|---|
@@ -13,10 +14,12 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use super::Placement;
 
 /// A server flavour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,12 +103,19 @@ pub struct RedisServer {
     dir: tempfile::TempDir,
     port: u16,
     child: Option<Child>,
+    placement: Placement,
 }
 
 impl RedisServer {
-    /// Starts a server of `flavor`; `None` (after saying so) when its binary is missing and
-    /// `CI` is not set.
+    /// Starts a server of `flavor` on loopback; `None` (after saying so) when its binary is
+    /// missing and `CI` is not set.
     pub fn start(flavor: Flavor) -> Option<RedisServer> {
+        RedisServer::start_with(flavor, Placement::default())
+    }
+
+    /// [`start`](RedisServer::start) where `placement` says (no authentication: every client
+    /// that reaches it is let in).
+    pub fn start_with(flavor: Flavor, placement: Placement) -> Option<RedisServer> {
         let Some(binary) = flavor.binary() else {
             if std::env::var_os("CI").is_some() {
                 panic!(
@@ -126,6 +136,7 @@ impl RedisServer {
                 dir: tempfile::tempdir().expect("temp dir"),
                 port: free_port(),
                 child: None,
+                placement: placement.clone(),
             };
             if server.spawn() {
                 let info = server.info("server");
@@ -144,18 +155,15 @@ impl RedisServer {
 
     /// Spawns the process and waits until it answers PING; false when it did not come up.
     fn spawn(&mut self) -> bool {
-        let child = Command::new(&self.binary)
-            .args([
-                "--port",
-                &self.port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-            ])
+        let mut cmd = self.placement.command(&self.binary);
+        cmd.args(["--port", &self.port.to_string(), "--bind"])
+            .args(self.placement.listen().iter().map(IpAddr::to_string));
+        if !self.placement.clients.is_empty() {
+            // Without a password, protected mode refuses every client but loopback.
+            cmd.args(["--protected-mode", "no"]);
+        }
+        let child = cmd
+            .args(["--save", "", "--appendonly", "no", "--dir"])
             .arg(self.dir.path())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -206,10 +214,16 @@ impl RedisServer {
 
     /// The server's URL, with `options` (`lease=1s&...`) appended.
     pub fn url(&self, options: &str) -> String {
+        self.url_at(self.placement.host(), options)
+    }
+
+    /// [`url`](RedisServer::url) through another of the server's listen addresses.
+    pub fn url_at(&self, host: IpAddr, options: &str) -> String {
+        let host = Placement::url_host(host);
         if options.is_empty() {
-            format!("redis://127.0.0.1:{}/", self.port)
+            format!("redis://{host}:{}/", self.port)
         } else {
-            format!("redis://127.0.0.1:{}/?{options}", self.port)
+            format!("redis://{host}:{}/?{options}", self.port)
         }
     }
 
@@ -220,7 +234,12 @@ impl RedisServer {
 
     /// One command over a fresh connection, answered as raw RESP text.
     pub fn raw(&self, args: &[&str]) -> Option<String> {
-        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        self.raw_at(self.placement.host(), args)
+    }
+
+    /// [`raw`](RedisServer::raw) through another of the server's listen addresses.
+    pub fn raw_at(&self, host: IpAddr, args: &[&str]) -> Option<String> {
+        let mut stream = TcpStream::connect((host, self.port)).ok()?;
         stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
         let mut request = format!("*{}\r\n", args.len());
         for arg in args {

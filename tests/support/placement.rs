@@ -1,0 +1,54 @@
+//! Where a throwaway server of `tests/support` runs. Its own file, so that the benches, which
+//! include single server modules by path, can include it beside them.
+
+use std::ffi::OsStr;
+use std::net::IpAddr;
+use std::process::Command;
+
+/// Where a throwaway server listens, whom it lets in, and how its process is started. The
+/// default is loopback in this process's network namespace, trusting loopback clients.
+#[derive(Debug, Clone, Default)]
+pub struct Placement {
+    /// The addresses the server listens on (default `127.0.0.1`); URLs use the first.
+    pub listen: Vec<IpAddr>,
+    /// Client addresses the server trusts as it trusts loopback.
+    pub clients: Vec<IpAddr>,
+    /// A prefix to the server's command line, e.g. `ip netns exec NAME`.
+    pub prefix: Vec<String>,
+}
+
+impl Placement {
+    /// The listen addresses, `127.0.0.1` when none are given.
+    pub fn listen(&self) -> Vec<IpAddr> {
+        if self.listen.is_empty() {
+            vec![IpAddr::from([127, 0, 0, 1])]
+        } else {
+            self.listen.clone()
+        }
+    }
+
+    /// The address URLs use: the first listen address.
+    pub fn host(&self) -> IpAddr {
+        self.listen()[0]
+    }
+
+    /// `addr` as the host part of a URL (IPv6 in brackets).
+    pub fn url_host(addr: IpAddr) -> String {
+        match addr {
+            IpAddr::V4(a) => a.to_string(),
+            IpAddr::V6(a) => format!("[{a}]"),
+        }
+    }
+
+    /// A command that runs `program` behind the prefix.
+    pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
+        match self.prefix.split_first() {
+            None => Command::new(program),
+            Some((first, rest)) => {
+                let mut cmd = Command::new(first);
+                cmd.args(rest).arg(program);
+                cmd
+            }
+        }
+    }
+}
