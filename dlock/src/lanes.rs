@@ -275,6 +275,7 @@ impl<C: Connector> Lanes<C> {
     }
 
     /// The backend's connector.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) fn connector(&self) -> &C {
         &self.connector
     }
@@ -445,6 +446,44 @@ fn lane_gone<C: Connector>() -> LockError {
         None,
     )
 }
+
+/// Implements [`LockBackend`](crate::backend::LockBackend) named `$name` for a backend whose
+/// field `lanes` holds its [`Lanes`]: tries and native waits are the lanes' own.
+macro_rules! lane_backend {
+    ($backend:ty, $name:expr) => {
+        impl $crate::backend::LockBackend for $backend {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn supports_native_wait(&self) -> bool {
+                true
+            }
+
+            fn try_acquire<'a>(
+                &'a self,
+                request: $crate::backend::LockRequest<'a>,
+            ) -> $crate::backend::BoxFuture<
+                'a,
+                Result<Option<$crate::backend::Acquired>, $crate::LockError>,
+            > {
+                Box::pin(self.lanes.try_acquire(request.key))
+            }
+
+            fn acquire_wait<'a>(
+                &'a self,
+                request: $crate::backend::LockRequest<'a>,
+                timeout: std::time::Duration,
+            ) -> $crate::backend::BoxFuture<
+                'a,
+                Result<Option<$crate::backend::Acquired>, $crate::LockError>,
+            > {
+                Box::pin(self.lanes.acquire_wait(request.key, timeout))
+            }
+        }
+    };
+}
+pub(crate) use lane_backend;
 
 // ---------------------------------------------------------------------------------------------
 // Claims.

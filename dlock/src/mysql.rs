@@ -135,9 +135,11 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlDatabaseError, MySq
 use sqlx::{Connection, Row};
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
+use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::lanes::{Connector, Failure, Grant, LaneSettings, Lanes, SETTLE_LIMIT, Session};
+use crate::lanes::{
+    Connector, Failure, Grant, LaneSettings, Lanes, SETTLE_LIMIT, Session, lane_backend,
+};
 use crate::options::{parse_duration, query_pairs, unknown_option};
 
 const NAME: &str = "mysql";
@@ -482,30 +484,7 @@ impl std::fmt::Debug for MySqlBackend {
     }
 }
 
-impl LockBackend for MySqlBackend {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn supports_native_wait(&self) -> bool {
-        true
-    }
-
-    fn try_acquire<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.try_acquire(request.key))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.acquire_wait(request.key, timeout))
-    }
-}
+lane_backend!(MySqlBackend, NAME);
 
 // ---------------------------------------------------------------------------------------------
 // Sessions: what the shared connection machinery runs on a MySQL connection.

@@ -111,8 +111,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
-use crate::lanes::{Connector, Failure, Grant as LaneGrant, LaneSettings, Lanes, Session};
+use crate::backend::BoxFuture;
+use crate::lanes::{
+    Connector, Failure, Grant as LaneGrant, LaneSettings, Lanes, Session, lane_backend,
+};
 use crate::options::{query_pairs, unknown_option};
 
 /// The `oracle` driver this module is built against, for the transaction-bound functions'
@@ -709,30 +711,7 @@ impl std::fmt::Debug for OracleBackend {
     }
 }
 
-impl LockBackend for OracleBackend {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn supports_native_wait(&self) -> bool {
-        true
-    }
-
-    fn try_acquire<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.try_acquire(request.key))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.acquire_wait(request.key, timeout))
-    }
-}
+lane_backend!(OracleBackend, NAME);
 
 // ---------------------------------------------------------------------------------------------
 // Transaction-bound locks (blocking).

@@ -129,9 +129,9 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
 use sqlx::{Connection, Row};
 
-use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
+use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::lanes::{Connector, Failure, Grant, LaneSettings, Lanes, Session};
+use crate::lanes::{Connector, Failure, Grant, LaneSettings, Lanes, Session, lane_backend};
 use crate::options::{parse_duration, query_pairs, unknown_option};
 use crate::{LockError, lock_id};
 
@@ -414,30 +414,7 @@ impl std::fmt::Debug for PostgresBackend {
     }
 }
 
-impl LockBackend for PostgresBackend {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn supports_native_wait(&self) -> bool {
-        true
-    }
-
-    fn try_acquire<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.try_acquire(request.key))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.acquire_wait(request.key, timeout))
-    }
-}
+lane_backend!(PostgresBackend, NAME);
 
 // ---------------------------------------------------------------------------------------------
 // Sessions: what the shared connection machinery runs on a PostgreSQL connection.
