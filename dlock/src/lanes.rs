@@ -36,6 +36,7 @@ use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Acquired, BoxFuture, HeldLock};
+use crate::options::parse_duration;
 use crate::{Backoff, LockError};
 
 /// The most a lock, unlock, interrupt or ping statement on a lane may take before its
@@ -198,6 +199,83 @@ impl LaneSettings {
         }
         Ok(())
     }
+}
+
+/// The options PostgreSQL and MySQL take alike, from their URL or their builder.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LaneOptions {
+    pub(crate) fencing: bool,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) settings: LaneSettings,
+}
+
+impl Default for LaneOptions {
+    fn default() -> Self {
+        LaneOptions {
+            fencing: false,
+            connect_timeout: Duration::from_secs(10),
+            settings: LaneSettings {
+                connections: 4,
+                wait_connections: 4,
+                keepalive: Duration::from_secs(5),
+            },
+        }
+    }
+}
+
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+impl LaneOptions {
+    /// The URL options [`LaneOptions::parse`] reads.
+    pub(crate) const NAMES: &[&str] = &[
+        "fencing",
+        "keepalive",
+        "connections",
+        "wait_connections",
+        "connect_timeout",
+    ];
+
+    /// Reads the URL option `name` if it is one of [`LaneOptions::NAMES`]: `Ok(false)` when
+    /// it is not.
+    pub(crate) fn parse(&mut self, name: &str, value: &str) -> Result<bool, LockError> {
+        match name {
+            "fencing" => {
+                self.fencing = match value {
+                    "true" | "1" | "yes" | "on" => true,
+                    "false" | "0" | "no" | "off" => false,
+                    _ => {
+                        return Err(LockError::config(format!(
+                            "option `fencing` has the value `{}`; write `true` or `false`",
+                            value.escape_debug()
+                        )));
+                    }
+                }
+            }
+            "keepalive" => self.settings.keepalive = parse_duration(name, value)?,
+            "connect_timeout" => self.connect_timeout = parse_duration(name, value)?,
+            "connections" => self.settings.connections = parse_count(name, value)?,
+            "wait_connections" => self.settings.wait_connections = parse_count(name, value)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Checks the options, naming the one that is wrong.
+    pub(crate) fn check(&self) -> Result<(), LockError> {
+        if self.connect_timeout.is_zero() {
+            return Err(LockError::config("connect_timeout must be more than zero"));
+        }
+        self.settings.check()
+    }
+}
+
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
+    value.trim().parse().map_err(|_| {
+        LockError::config(format!(
+            "option `{option}` has the value `{}`, which is not a whole number",
+            value.escape_debug()
+        ))
+    })
 }
 
 /// The shared machinery of one backend instance.

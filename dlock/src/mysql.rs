@@ -138,29 +138,16 @@ use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
 use crate::lanes::{
-    Connector, Failure, Grant, LaneSettings, Lanes, SETTLE_LIMIT, Session, lane_backend,
+    Connector, Failure, Grant, LaneOptions, Lanes, SETTLE_LIMIT, Session, lane_backend,
 };
-use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::options::{query_pairs, unknown_option};
 
 const NAME: &str = "mysql";
-
-const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
-const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const DEFAULT_CONNECTIONS: usize = 4;
-const DEFAULT_WAIT_CONNECTIONS: usize = 4;
 
 /// Most readable characters kept in front of the hash of a hashed lock name.
 const READABLE_PREFIX: usize = 31;
 /// The longest lock name the server accepts.
 const MAX_NAME: usize = 64;
-
-const OPTIONS: &[&str] = &[
-    "fencing",
-    "keepalive",
-    "connections",
-    "wait_connections",
-    "connect_timeout",
-];
 
 /// Options of the driver that pass through the URL unchanged.
 const DRIVER_OPTIONS: &[&str] = &[
@@ -298,11 +285,7 @@ impl ServerInfo {
 #[must_use]
 pub struct MySqlBuilder {
     options: MySqlConnectOptions,
-    fencing: bool,
-    keepalive: Duration,
-    connect_timeout: Duration,
-    connections: usize,
-    wait_connections: usize,
+    lane: LaneOptions,
 }
 
 impl std::fmt::Debug for MySqlBuilder {
@@ -311,11 +294,7 @@ impl std::fmt::Debug for MySqlBuilder {
         f.debug_struct("MySqlBuilder")
             .field("host", &self.options.get_host())
             .field("port", &self.options.get_port())
-            .field("fencing", &self.fencing)
-            .field("keepalive", &self.keepalive)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("connections", &self.connections)
-            .field("wait_connections", &self.wait_connections)
+            .field("options", &self.lane)
             .finish()
     }
 }
@@ -323,32 +302,32 @@ impl std::fmt::Debug for MySqlBuilder {
 impl MySqlBuilder {
     /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
     pub fn fencing(mut self, fencing: bool) -> Self {
-        self.fencing = fencing;
+        self.lane.fencing = fencing;
         self
     }
 
     /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
     pub fn keepalive(mut self, keepalive: Duration) -> Self {
-        self.keepalive = keepalive;
+        self.lane.settings.keepalive = keepalive;
         self
     }
 
     /// How long opening a connection may take (default 10 s).
     pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
-        self.connect_timeout = connect_timeout;
+        self.lane.connect_timeout = connect_timeout;
         self
     }
 
     /// The number of lock connections (default 4, 1 to 64).
     pub fn connections(mut self, connections: usize) -> Self {
-        self.connections = connections;
+        self.lane.settings.connections = connections;
         self
     }
 
     /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes waits
     /// poll instead).
     pub fn wait_connections(mut self, wait_connections: usize) -> Self {
-        self.wait_connections = wait_connections;
+        self.lane.settings.wait_connections = wait_connections;
         self
     }
 
@@ -366,37 +345,24 @@ impl MySqlBuilder {
                 "the MySQL backend must be opened inside a Tokio runtime",
             ));
         }
-        let (mut conn, id, server) = open_first(&self.options, self.connect_timeout).await?;
-        if self.fencing {
+        let (mut conn, id, server) = open_first(&self.options, self.lane.connect_timeout).await?;
+        if self.lane.fencing {
             create_fencing_table(&mut conn).await?;
         }
         let connector = MySqlConnector {
             options: self.options,
             server,
-            fencing: self.fencing,
-            connect_timeout: self.connect_timeout,
+            fencing: self.lane.fencing,
+            connect_timeout: self.lane.connect_timeout,
         };
         let first = connector.session(conn, id);
-        let settings = LaneSettings {
-            connections: self.connections,
-            wait_connections: self.wait_connections,
-            keepalive: self.keepalive,
-        };
         Ok(MySqlBackend {
-            lanes: Arc::new(Lanes::start(connector, settings, first)?),
+            lanes: Arc::new(Lanes::start(connector, self.lane.settings, first)?),
         })
     }
 
     fn check(&self) -> Result<(), LockError> {
-        if self.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
-        LaneSettings {
-            connections: self.connections,
-            wait_connections: self.wait_connections,
-            keepalive: self.keepalive,
-        }
-        .check()
+        self.lane.check()
     }
 }
 
@@ -405,11 +371,7 @@ impl MySqlBackend {
     pub fn builder(options: MySqlConnectOptions) -> MySqlBuilder {
         MySqlBuilder {
             options,
-            fencing: false,
-            keepalive: DEFAULT_KEEPALIVE,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            connections: DEFAULT_CONNECTIONS,
-            wait_connections: DEFAULT_WAIT_CONNECTIONS,
+            lane: LaneOptions::default(),
         }
     }
 
@@ -925,32 +887,19 @@ fn parse_url(url: &str) -> Result<MySqlBuilder, LockError> {
         ));
     }
     let mut passthrough = Vec::new();
-    let mut fencing = false;
-    let mut keepalive = DEFAULT_KEEPALIVE;
-    let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
-    let mut connections = DEFAULT_CONNECTIONS;
-    let mut wait_connections = DEFAULT_WAIT_CONNECTIONS;
+    let mut lane = LaneOptions::default();
     for (name, value) in query_pairs(query) {
+        if lane.parse(&name, &value)? {
+            continue;
+        }
         match name.as_str() {
-            "fencing" => {
-                fencing = match value.as_str() {
-                    "true" | "1" | "yes" | "on" => true,
-                    "false" | "0" | "no" | "off" => false,
-                    _ => {
-                        return Err(LockError::config(format!(
-                            "option `fencing` has the value `{}`; write `true` or `false`",
-                            value.escape_debug()
-                        )));
-                    }
-                }
-            }
-            "keepalive" => keepalive = parse_duration("keepalive", &value)?,
-            "connect_timeout" => connect_timeout = parse_duration("connect_timeout", &value)?,
-            "connections" => connections = parse_count("connections", &value)?,
-            "wait_connections" => wait_connections = parse_count("wait_connections", &value)?,
             other if DRIVER_OPTIONS.contains(&other) => passthrough.push((name, value)),
             other => {
-                let valid: Vec<&str> = OPTIONS.iter().chain(DRIVER_OPTIONS).copied().collect();
+                let valid: Vec<&str> = LaneOptions::NAMES
+                    .iter()
+                    .chain(DRIVER_OPTIONS)
+                    .copied()
+                    .collect();
                 return Err(unknown_option("mysql", other, &valid));
             }
         }
@@ -968,17 +917,10 @@ fn parse_url(url: &str) -> Result<MySqlBuilder, LockError> {
         LockError::config(format!(
             "the MySQL URL is not valid ({}); write it like mysql://user:password@host:3306/database (options: {})",
             describe_url_error(&e),
-            OPTIONS.join(", ")
+            LaneOptions::NAMES.join(", ")
         ))
     })?;
-    let builder = MySqlBuilder {
-        options,
-        fencing,
-        keepalive,
-        connect_timeout,
-        connections,
-        wait_connections,
-    };
+    let builder = MySqlBuilder { options, lane };
     builder.check()?;
     Ok(builder)
 }
@@ -989,15 +931,6 @@ fn describe_url_error(err: &sqlx::Error) -> String {
         sqlx::Error::Configuration(inner) => inner.to_string(),
         _ => "malformed URL".to_owned(),
     }
-}
-
-fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
-    value.trim().parse().map_err(|_| {
-        LockError::config(format!(
-            "option `{option}` has the value `{}`, which is not a whole number",
-            value.escape_debug()
-        ))
-    })
 }
 
 #[cfg(test)]
@@ -1088,9 +1021,15 @@ mod tests {
             "mariadb://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&ssl-mode=disabled",
         )
         .unwrap();
-        assert!(b.fencing);
-        assert_eq!(b.keepalive, Duration::from_millis(250));
-        assert_eq!((b.connections, b.wait_connections), (2, 0));
+        assert!(b.lane.fencing);
+        assert_eq!(b.lane.settings.keepalive, Duration::from_millis(250));
+        assert_eq!(
+            (
+                b.lane.settings.connections,
+                b.lane.settings.wait_connections
+            ),
+            (2, 0)
+        );
         assert_eq!(b.options.get_port(), 5);
         assert_eq!(b.options.get_database(), Some("db"));
         assert!(!format!("{b:?}").contains("secret"));

@@ -131,24 +131,11 @@ use sqlx::{Connection, Row};
 
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::lanes::{Connector, Failure, Grant, LaneSettings, Lanes, Session, lane_backend};
-use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::lanes::{Connector, Failure, Grant, LaneOptions, Lanes, Session, lane_backend};
+use crate::options::{query_pairs, unknown_option};
 use crate::{LockError, lock_id};
 
 const NAME: &str = "postgres";
-
-const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
-const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const DEFAULT_CONNECTIONS: usize = 4;
-const DEFAULT_WAIT_CONNECTIONS: usize = 4;
-
-const OPTIONS: &[&str] = &[
-    "fencing",
-    "keepalive",
-    "connections",
-    "wait_connections",
-    "connect_timeout",
-];
 
 /// Query options the driver reads (it would ignore any other silently, so a typo would go
 /// unnoticed: they are refused instead).
@@ -240,11 +227,7 @@ pub struct PostgresBackend {
 #[must_use]
 pub struct PostgresBuilder {
     options: PgConnectOptions,
-    fencing: bool,
-    keepalive: Duration,
-    connect_timeout: Duration,
-    connections: usize,
-    wait_connections: usize,
+    lane: LaneOptions,
 }
 
 impl std::fmt::Debug for PostgresBuilder {
@@ -253,11 +236,7 @@ impl std::fmt::Debug for PostgresBuilder {
         f.debug_struct("PostgresBuilder")
             .field("host", &self.options.get_host())
             .field("port", &self.options.get_port())
-            .field("fencing", &self.fencing)
-            .field("keepalive", &self.keepalive)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("connections", &self.connections)
-            .field("wait_connections", &self.wait_connections)
+            .field("options", &self.lane)
             .finish()
     }
 }
@@ -265,33 +244,33 @@ impl std::fmt::Debug for PostgresBuilder {
 impl PostgresBuilder {
     /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
     pub fn fencing(mut self, fencing: bool) -> Self {
-        self.fencing = fencing;
+        self.lane.fencing = fencing;
         self
     }
 
     /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
     pub fn keepalive(mut self, keepalive: Duration) -> Self {
-        self.keepalive = keepalive;
+        self.lane.settings.keepalive = keepalive;
         self
     }
 
     /// How long opening a connection may take (default 10 s).
     pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
-        self.connect_timeout = connect_timeout;
+        self.lane.connect_timeout = connect_timeout;
         self
     }
 
     /// The number of lock connections, which hold the locks taken without waiting (default 4,
     /// 1 to 64).
     pub fn connections(mut self, connections: usize) -> Self {
-        self.connections = connections;
+        self.lane.settings.connections = connections;
         self
     }
 
     /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes waits
     /// poll instead).
     pub fn wait_connections(mut self, wait_connections: usize) -> Self {
-        self.wait_connections = wait_connections;
+        self.lane.settings.wait_connections = wait_connections;
         self
     }
 
@@ -311,33 +290,20 @@ impl PostgresBuilder {
         }
         let connector = PgConnector {
             options: self.options,
-            fencing: self.fencing,
-            connect_timeout: self.connect_timeout,
+            fencing: self.lane.fencing,
+            connect_timeout: self.lane.connect_timeout,
         };
         let mut first = connector.open_session().await?;
-        if self.fencing {
+        if self.lane.fencing {
             create_fencing_table(&mut first.conn).await?;
         }
-        let settings = LaneSettings {
-            connections: self.connections,
-            wait_connections: self.wait_connections,
-            keepalive: self.keepalive,
-        };
         Ok(PostgresBackend {
-            lanes: Arc::new(Lanes::start(connector, settings, first)?),
+            lanes: Arc::new(Lanes::start(connector, self.lane.settings, first)?),
         })
     }
 
     fn check(&self) -> Result<(), LockError> {
-        if self.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
-        LaneSettings {
-            connections: self.connections,
-            wait_connections: self.wait_connections,
-            keepalive: self.keepalive,
-        }
-        .check()
+        self.lane.check()
     }
 }
 
@@ -346,11 +312,7 @@ impl PostgresBackend {
     pub fn builder(options: PgConnectOptions) -> PostgresBuilder {
         PostgresBuilder {
             options,
-            fencing: false,
-            keepalive: DEFAULT_KEEPALIVE,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            connections: DEFAULT_CONNECTIONS,
-            wait_connections: DEFAULT_WAIT_CONNECTIONS,
+            lane: LaneOptions::default(),
         }
     }
 
@@ -894,30 +856,13 @@ fn pg_error(what: &str, err: sqlx::Error) -> LockError {
 fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
     let mut passthrough = Vec::new();
-    let mut fencing = false;
-    let mut keepalive = DEFAULT_KEEPALIVE;
-    let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
-    let mut connections = DEFAULT_CONNECTIONS;
-    let mut wait_connections = DEFAULT_WAIT_CONNECTIONS;
+    let mut lane = LaneOptions::default();
     let mut named = false;
     for (name, value) in query_pairs(query) {
+        if lane.parse(&name, &value)? {
+            continue;
+        }
         match name.as_str() {
-            "fencing" => {
-                fencing = match value.as_str() {
-                    "true" | "1" | "yes" | "on" => true,
-                    "false" | "0" | "no" | "off" => false,
-                    _ => {
-                        return Err(LockError::config(format!(
-                            "option `fencing` has the value `{}`; write `true` or `false`",
-                            value.escape_debug()
-                        )));
-                    }
-                }
-            }
-            "keepalive" => keepalive = parse_duration("keepalive", &value)?,
-            "connect_timeout" => connect_timeout = parse_duration("connect_timeout", &value)?,
-            "connections" => connections = parse_count("connections", &value)?,
-            "wait_connections" => wait_connections = parse_count("wait_connections", &value)?,
             other if DRIVER_OPTIONS.contains(&other) || other.starts_with("options[") => {
                 if other == "application_name" {
                     named = true;
@@ -925,7 +870,11 @@ fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
                 passthrough.push((name, value));
             }
             other => {
-                let valid: Vec<&str> = OPTIONS.iter().chain(DRIVER_OPTIONS).copied().collect();
+                let valid: Vec<&str> = LaneOptions::NAMES
+                    .iter()
+                    .chain(DRIVER_OPTIONS)
+                    .copied()
+                    .collect();
                 return Err(unknown_option(NAME, other, &valid));
             }
         }
@@ -942,31 +891,15 @@ fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
         // The driver's message is about the URL's shape; it does not repeat the URL.
         LockError::config(format!(
             "the postgres:// URL is not valid ({e}); write it like postgres://user:password@host:5432/database (options: {})",
-            OPTIONS.join(", ")
+            LaneOptions::NAMES.join(", ")
         ))
     })?;
     if !named {
         options = options.application_name("dlock");
     }
-    let builder = PostgresBuilder {
-        options,
-        fencing,
-        keepalive,
-        connect_timeout,
-        connections,
-        wait_connections,
-    };
+    let builder = PostgresBuilder { options, lane };
     builder.check()?;
     Ok(builder)
-}
-
-fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
-    value.trim().parse().map_err(|_| {
-        LockError::config(format!(
-            "option `{option}` has the value `{}`, which is not a whole number",
-            value.escape_debug()
-        ))
-    })
 }
 
 #[cfg(test)]
@@ -984,9 +917,15 @@ mod tests {
     #[test]
     fn urls() {
         let b = parse_url("postgres://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&sslmode=disable").unwrap();
-        assert!(b.fencing);
-        assert_eq!(b.keepalive, Duration::from_millis(250));
-        assert_eq!((b.connections, b.wait_connections), (2, 0));
+        assert!(b.lane.fencing);
+        assert_eq!(b.lane.settings.keepalive, Duration::from_millis(250));
+        assert_eq!(
+            (
+                b.lane.settings.connections,
+                b.lane.settings.wait_connections
+            ),
+            (2, 0)
+        );
         assert_eq!(b.options.get_port(), 5);
         assert_eq!(b.options.get_application_name(), Some("dlock"));
         assert!(!format!("{b:?}").contains("secret"));
