@@ -39,8 +39,8 @@ use crate::backend::{Acquired, BoxFuture, HeldLock};
 use crate::options::parse_duration;
 use crate::{Backoff, LockError};
 
-/// The most a lock, unlock, interrupt or ping statement on a lane may take before its
-/// connection is presumed dead.
+/// The most a lock, unlock or interrupt statement on a lane may take before its connection
+/// is presumed dead (pings have [`Connector::PING_TIMEOUT`]).
 pub(crate) const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long an acquisition waits for a claimed resource whose abandoned acquisition is still
 /// being cleaned up before it answers that the resource is held.
@@ -111,10 +111,10 @@ pub(crate) trait Connector: Send + Sync + 'static {
     /// than answered as held.
     const CLAIMS: bool = false;
 
-    /// The granularity of the server's wait timeout (1 ms for SQL Server, 1 s for Oracle). A
-    /// wait asks the server for whole units only; what is left below one unit is tried out
-    /// here with short pauses, with one last try at the deadline, so timeouts are kept
-    /// exactly.
+    /// The granularity of the server's wait timeout (1 ms for SQL Server and PostgreSQL, 1 s
+    /// for Oracle and MySQL, 1 µs for MariaDB). A wait asks the server for whole units only;
+    /// what is left below one unit is tried out here with short pauses, with one last try at
+    /// the deadline, so timeouts are kept exactly.
     fn wait_resolution(&self) -> Duration;
 
     /// The resource that `key` locks.
