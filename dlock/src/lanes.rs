@@ -1,9 +1,10 @@
-//! Connection machinery shared by the session-lock backends (SQL Server, Oracle): a few
-//! multiplexed lock connections ("lanes"), a bounded set of connections for native waits, and
-//! liveness checks that cancel the lost token of every lock on a connection that dies.
+//! Connection machinery shared by the session-lock backends (PostgreSQL, MySQL, SQL Server,
+//! Oracle): a few multiplexed lock connections ("lanes"), a bounded set of connections for
+//! native waits, and liveness checks that cancel the lost token of every lock on a connection
+//! that dies.
 //!
 //! A backend plugs in with a [`Connector`] (opens sessions, maps keys to resources) and a
-//! [`Session`] (one server connection: lock, unlock, ping). Nothing here knows SQL.
+//! [`Session`] (one server connection: lock, unlock, ping, interrupt). Nothing here knows SQL.
 //!
 //! - **Lanes** (`connections` of them) each own one session in one task. They run the tries
 //!   (a lock statement with a zero wait) and keep the locks so taken; statements run one at a
@@ -13,31 +14,41 @@
 //!   until release; the session then goes back to an idle list for the next wait. When every
 //!   wait session is busy, waits poll the lanes with backoff instead.
 //! - A wait that is abandoned (timeout, cancel, dropped future) interrupts the server's
-//!   statement where the driver can ([`Session::interrupt`]) and always drops its session,
-//!   which ends whatever the session may have been granted.
+//!   statement ([`Session::interrupt`]: in the driver, or by a request that a lane runs from
+//!   its own session) and always drops its session, which ends whatever the session may have
+//!   been granted; an interrupted session is never reused.
 //! - Sessions holding locks are pinged every `keepalive`; a failed ping, a failed statement
 //!   or a statement that outlives its bound drops the session and cancels the lost token of
 //!   every lock it held (the server frees a session's locks when the session ends).
+//! - A grant may carry a fencing token issued in the same round trip ([`Grant`]).
+//! - Backends whose server lets a session take a lock it holds again claim each resource in
+//!   process first ([`Connector::CLAIMS`]), so no two acquisitions of one backend ever ask the
+//!   server for the same resource at once.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
+use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Acquired, BoxFuture, HeldLock};
+use crate::options::parse_duration;
 use crate::{Backoff, LockError};
 
-/// The most a lock, unlock or ping statement on a lane may take before its connection is
-/// presumed dead.
+/// The most a lock, unlock or interrupt statement on a lane may take before its connection
+/// is presumed dead (pings have [`Connector::PING_TIMEOUT`]).
 pub(crate) const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
-/// The most a liveness check may take.
-const PING_TIMEOUT: Duration = Duration::from_secs(2);
-/// How long past the caller's timeout a wait may take to answer before it is given up.
-const WAIT_GRACE: Duration = Duration::from_secs(2);
+/// How long an acquisition waits for a claimed resource whose abandoned acquisition is still
+/// being cleaned up before it answers that the resource is held.
+pub(crate) const SETTLE_LIMIT: Duration = Duration::from_secs(5);
+/// The first and the longest pause between the tries that end a wait when less than the
+/// server's wait resolution is left.
+const TAIL_PAUSE: Duration = Duration::from_millis(2);
+const TAIL_PAUSE_MAX: Duration = Duration::from_millis(50);
 
 /// A failed statement: the error, and whether the session is still usable afterwards (a
 /// server-side error such as a permission problem leaves it usable; an I/O error does not).
@@ -65,10 +76,22 @@ impl Failure {
     }
 }
 
+/// A granted lock statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// The fencing token issued in the same round trip, for backends that issue them.
+    pub(crate) token: Option<u64>,
+}
+
+impl Grant {
+    /// A grant without a fencing token.
+    pub(crate) const PLAIN: Grant = Grant { token: None };
+}
+
 /// Opens sessions and names resources for one backend.
 pub(crate) trait Connector: Send + Sync + 'static {
     /// What the server locks for a key (a resource name, an integer id).
-    type Resource: Clone + Send + Sync + Debug + 'static;
+    type Resource: Clone + Send + Sync + Debug + Eq + Hash + 'static;
     /// One server connection.
     type Session: Session<Resource = Self::Resource>;
 
@@ -77,10 +100,22 @@ pub(crate) trait Connector: Send + Sync + 'static {
     /// The longest wait one lock statement is given; longer waits are split into several
     /// statements of at most this length.
     const MAX_WAIT: Duration;
-    /// The granularity of the server's wait timeout (1 ms for SQL Server, 1 s for Oracle). A
-    /// wait asks the server for whole units only; what is left below one unit is waited out
-    /// here, followed by one last try at the deadline, so timeouts are kept exactly.
-    const WAIT_RESOLUTION: Duration;
+    /// The most a liveness check may take.
+    const PING_TIMEOUT: Duration = Duration::from_secs(2);
+    /// How long past the caller's timeout a wait may take to answer before it is given up.
+    const WAIT_GRACE: Duration = Duration::from_secs(2);
+    /// Whether acquisitions claim their resource in process before they ask the server: for
+    /// servers that let a session take a lock it holds again (so two acquisitions of one
+    /// backend must never ask for the same resource at once). A resource whose abandoned
+    /// acquisition is still being cleaned up is waited for (up to [`SETTLE_LIMIT`]) rather
+    /// than answered as held.
+    const CLAIMS: bool = false;
+
+    /// The granularity of the server's wait timeout (1 ms for SQL Server and PostgreSQL, 1 s
+    /// for Oracle and MySQL, 1 µs for MariaDB). A wait asks the server for whole units only;
+    /// what is left below one unit is tried out here with short pauses, with one last try at
+    /// the deadline, so timeouts are kept exactly.
+    fn wait_resolution(&self) -> Duration;
 
     /// The resource that `key` locks.
     fn resource(&self, key: &str) -> Self::Resource;
@@ -93,14 +128,18 @@ pub(crate) trait Connector: Send + Sync + 'static {
 pub(crate) trait Session: Send + 'static {
     /// What the server locks.
     type Resource;
+    /// A request that stops another session's statement from this one (see
+    /// [`Session::interrupt`]); `Infallible` for drivers that stop statements themselves.
+    type Interrupt: Send + 'static;
 
     /// Asks for `resource`, waiting up to `wait` on the server (`Duration::ZERO` is one try):
-    /// `Ok(true)` when granted, `Ok(false)` when it stayed held elsewhere.
+    /// `Ok(Some(grant))` when granted, `Ok(None)` when it stayed held elsewhere. A statement
+    /// that fails after the lock may have been taken gives it back before it answers.
     fn lock<'a>(
         &'a mut self,
         resource: &'a Self::Resource,
         wait: Duration,
-    ) -> BoxFuture<'a, Result<bool, Failure>>;
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>>;
 
     /// Gives `resource` back. A resource the session no longer holds is not an error.
     fn unlock<'a>(&'a mut self, resource: &'a Self::Resource)
@@ -109,10 +148,22 @@ pub(crate) trait Session: Send + 'static {
     /// A liveness check.
     fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>>;
 
-    /// Asks the server to stop the statement in flight on this session, for a wait nobody
-    /// waits for any more. Best effort; the session is dropped afterwards either way.
-    fn interrupt(&self) {}
+    /// Asks the server to stop this session's wait for `resource`, which nobody waits for any
+    /// more: best effort in the driver, and/or a request for a lane to run from its own
+    /// session ([`Session::run_interrupt`]; the wait keeps its claim until the lane has run
+    /// it). The session is dropped right after this call and never reused, so a late
+    /// interrupt cannot hit a later statement.
+    fn interrupt(&self, _resource: &Self::Resource) -> Option<Self::Interrupt> {
+        None
+    }
+
+    /// Runs another session's interrupt request from this session.
+    fn run_interrupt(&mut self, _request: Self::Interrupt) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async { Ok(()) })
+    }
 }
+
+type InterruptOf<C> = <<C as Connector>::Session as Session>::Interrupt;
 
 /// How many connections, and how often they are checked.
 #[derive(Debug, Clone, Copy)]
@@ -150,28 +201,124 @@ impl LaneSettings {
     }
 }
 
+/// The options PostgreSQL and MySQL take alike, from their URL or their builder.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LaneOptions {
+    pub(crate) fencing: bool,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) settings: LaneSettings,
+}
+
+impl Default for LaneOptions {
+    fn default() -> Self {
+        LaneOptions {
+            fencing: false,
+            connect_timeout: Duration::from_secs(10),
+            settings: LaneSettings {
+                connections: 4,
+                wait_connections: 4,
+                keepalive: Duration::from_secs(5),
+            },
+        }
+    }
+}
+
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+impl LaneOptions {
+    /// The URL options [`LaneOptions::parse`] reads.
+    pub(crate) const NAMES: &[&str] = &[
+        "fencing",
+        "keepalive",
+        "connections",
+        "wait_connections",
+        "connect_timeout",
+    ];
+
+    /// Reads the URL option `name` if it is one of [`LaneOptions::NAMES`]: `Ok(false)` when
+    /// it is not.
+    pub(crate) fn parse(&mut self, name: &str, value: &str) -> Result<bool, LockError> {
+        match name {
+            "fencing" => {
+                self.fencing = match value {
+                    "true" | "1" | "yes" | "on" => true,
+                    "false" | "0" | "no" | "off" => false,
+                    _ => {
+                        return Err(LockError::config(format!(
+                            "option `fencing` has the value `{}`; write `true` or `false`",
+                            crate::options::shown(value)
+                        )));
+                    }
+                }
+            }
+            "keepalive" => self.settings.keepalive = parse_duration(name, value)?,
+            "connect_timeout" => self.connect_timeout = parse_duration(name, value)?,
+            "connections" => self.settings.connections = parse_count(name, value)?,
+            "wait_connections" => self.settings.wait_connections = parse_count(name, value)?,
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Checks the options, naming the one that is wrong.
+    pub(crate) fn check(&self) -> Result<(), LockError> {
+        if self.connect_timeout.is_zero() {
+            return Err(LockError::config("connect_timeout must be more than zero"));
+        }
+        self.settings.check()
+    }
+}
+
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
+    value.trim().parse().map_err(|_| {
+        LockError::config(format!(
+            "option `{option}` has the value `{}`, which is not a whole number",
+            crate::options::shown(value)
+        ))
+    })
+}
+
 /// The shared machinery of one backend instance.
 pub(crate) struct Lanes<C: Connector> {
     connector: Arc<C>,
     settings: LaneSettings,
-    lanes: Vec<mpsc::UnboundedSender<LaneCommand<C::Resource>>>,
+    lanes: Vec<mpsc::UnboundedSender<LaneCommand<C>>>,
     next_lane: AtomicUsize,
     next_handle: AtomicU64,
     waits: Arc<WaitPool<C::Session>>,
+    claims: Option<Arc<Claims<C::Resource>>>,
 }
 
 impl<C: Connector> Lanes<C> {
     /// Opens the first lane's session (so a wrong address or password is reported at once)
     /// and starts the lane tasks. Must run inside a Tokio runtime.
+    #[cfg_attr(not(any(feature = "mssql", feature = "oracle")), allow(dead_code))]
     pub(crate) async fn open(connector: C, settings: LaneSettings) -> Result<Self, LockError> {
         settings.check()?;
+        Self::check_runtime()?;
+        let first = connector.open().await?;
+        Self::start(connector, settings, first)
+    }
+
+    fn check_runtime() -> Result<(), LockError> {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(LockError::config(format!(
                 "the {} backend must be opened inside a Tokio runtime",
                 C::NAME
             )));
         }
-        let first = connector.open().await?;
+        Ok(())
+    }
+
+    /// Starts the lane tasks with `first` as the first lane's session (the other lanes open
+    /// theirs when first needed). Must run inside a Tokio runtime.
+    pub(crate) fn start(
+        connector: C,
+        settings: LaneSettings,
+        first: C::Session,
+    ) -> Result<Self, LockError> {
+        settings.check()?;
+        Self::check_runtime()?;
         let connector = Arc::new(connector);
         let mut first = Some(first);
         let mut lanes = Vec::with_capacity(settings.connections);
@@ -196,6 +343,7 @@ impl<C: Connector> Lanes<C> {
                 permits: Arc::new(Semaphore::new(settings.wait_connections)),
                 idle: Mutex::new(Vec::new()),
             }),
+            claims: C::CLAIMS.then(|| Arc::new(Claims::default())),
         })
     }
 
@@ -204,13 +352,27 @@ impl<C: Connector> Lanes<C> {
         self.settings
     }
 
-    fn lane(&self) -> Option<&mpsc::UnboundedSender<LaneCommand<C::Resource>>> {
+    /// The backend's connector.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    pub(crate) fn connector(&self) -> &C {
+        &self.connector
+    }
+
+    fn lane(&self) -> Result<&mpsc::UnboundedSender<LaneCommand<C>>, LockError> {
         let n = self.next_lane.fetch_add(1, Ordering::Relaxed);
-        let count = self.lanes.len();
-        if count == 0 {
-            return None;
+        // Never empty (the settings are checked), but answer an error rather than panic.
+        self.lanes
+            .get(n % self.lanes.len().max(1))
+            .ok_or_else(lane_gone::<C>)
+    }
+
+    /// Claims `resource` where the backend claims resources: `None` when this backend holds
+    /// it already, `Some(None)` when it does not claim resources.
+    async fn claim(&self, resource: &C::Resource) -> Option<Option<Claim<C::Resource>>> {
+        match &self.claims {
+            None => Some(None),
+            Some(claims) => claims.claim(resource).await.map(Some),
         }
-        self.lanes.get(n % count)
     }
 
     /// One try on a lane.
@@ -220,12 +382,18 @@ impl<C: Connector> Lanes<C> {
     }
 
     async fn try_resource(&self, resource: C::Resource) -> Result<Option<Acquired>, LockError> {
-        let lane = self.lane().ok_or_else(lane_gone::<C>)?.clone();
+        let Some(claim) = self.claim(&resource).await else {
+            return Ok(None);
+        };
+        let lane = self.lane()?.clone();
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
+        // Marks the claim as being cleaned up if this future is dropped before the answer.
+        let abandoned = claim.as_ref().map(Claim::abandon_guard);
         lane.send(LaneCommand::Try {
             resource,
+            claim,
             handle,
             lost: lost.clone(),
             reply,
@@ -235,11 +403,14 @@ impl<C: Connector> Lanes<C> {
         // guard (even after the lane has sent a grant), dropping `held` queues an unlock
         // behind the try, which frees whatever the try got.
         let held = LaneHeld::new(lane, handle);
-        if answer.await.map_err(|_| lane_gone::<C>())?? {
-            Ok(Some(Acquired::new(None, lost, Box::new(held))))
-        } else {
-            held.disarm();
-            Ok(None)
+        let answer = answer.await;
+        AbandonGuard::disarm(abandoned);
+        match answer.map_err(|_| lane_gone::<C>())?? {
+            Some(grant) => Ok(Some(Acquired::new(grant.token, lost, Box::new(held)))),
+            None => {
+                held.disarm();
+                Ok(None)
+            }
         }
     }
 
@@ -276,6 +447,7 @@ impl<C: Connector> Lanes<C> {
     ) -> Result<Option<Acquired>, LockError> {
         let deadline = Instant::now().checked_add(timeout);
         let resource = self.connector.resource(key);
+        // A free key is taken on a lane, like a try.
         if let Some(acquired) = self.try_resource(resource.clone()).await? {
             return Ok(Some(acquired));
         }
@@ -286,33 +458,45 @@ impl<C: Connector> Lanes<C> {
             return Ok(None);
         }
         let Ok(permit) = Arc::clone(&self.waits.permits).try_acquire_owned() else {
+            // Every wait session is busy: poll the lanes instead.
+            return self.poll_lanes(resource, deadline).await;
+        };
+        let Some(claim) = self.claim(&resource).await else {
+            // Another acquisition of this backend holds it: poll until it lets go.
+            drop(permit);
             return self.poll_lanes(resource, deadline).await;
         };
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
+        let abandoned = claim.as_ref().map(Claim::abandon_guard);
         let task = WaitTask {
             connector: Arc::clone(&self.connector),
             resource,
+            claim,
             deadline,
             keepalive: self.settings.keepalive,
             pool: Arc::clone(&self.waits),
+            interrupter: self.lane()?.clone(),
             lost: lost.clone(),
             _permit: permit,
         };
         tokio::spawn(task.run(reply));
         // If this future is dropped, the task sees the closed reply, interrupts the wait and
         // drops its session, which also ends a lock granted in the meantime.
-        let answer = match remaining.checked_add(WAIT_GRACE) {
+        let answer = match remaining.checked_add(C::WAIT_GRACE) {
             Some(limit) => match tokio::time::timeout(limit, answer).await {
                 Ok(answer) => answer,
+                // The server did not answer in time: give up (the task cleans up; the armed
+                // guard marks the claim as being cleaned up).
                 Err(_) => return Ok(None),
             },
             None => answer.await,
         };
+        AbandonGuard::disarm(abandoned);
         match answer.map_err(|_| lane_gone::<C>())?? {
             None => Ok(None),
-            Some(release) => Ok(Some(Acquired::new(
-                None,
+            Some((grant, release)) => Ok(Some(Acquired::new(
+                grant.token,
                 lost,
                 Box::new(WaitHeld {
                     release: Some(release),
@@ -341,37 +525,237 @@ fn lane_gone<C: Connector>() -> LockError {
     )
 }
 
+/// Implements [`LockBackend`](crate::backend::LockBackend) named `$name` for a backend whose
+/// field `lanes` holds its [`Lanes`]: tries and native waits are the lanes' own.
+macro_rules! lane_backend {
+    ($backend:ty, $name:expr) => {
+        impl $crate::backend::LockBackend for $backend {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn supports_native_wait(&self) -> bool {
+                true
+            }
+
+            fn try_acquire<'a>(
+                &'a self,
+                request: $crate::backend::LockRequest<'a>,
+            ) -> $crate::backend::BoxFuture<
+                'a,
+                Result<Option<$crate::backend::Acquired>, $crate::LockError>,
+            > {
+                Box::pin(self.lanes.try_acquire(request.key))
+            }
+
+            fn acquire_wait<'a>(
+                &'a self,
+                request: $crate::backend::LockRequest<'a>,
+                timeout: std::time::Duration,
+            ) -> $crate::backend::BoxFuture<
+                'a,
+                Result<Option<$crate::backend::Acquired>, $crate::LockError>,
+            > {
+                Box::pin(self.lanes.acquire_wait(request.key, timeout))
+            }
+        }
+    };
+}
+pub(crate) use lane_backend;
+
+// ---------------------------------------------------------------------------------------------
+// Claims.
+
+/// Resources that an acquisition of one backend holds, is acquiring, or is still cleaning up
+/// after it was abandoned ([`Connector::CLAIMS`]).
+struct Claims<R> {
+    map: Mutex<HashMap<R, ClaimState>>,
+    next: AtomicU64,
+}
+
+impl<R> Default for Claims<R> {
+    fn default() -> Self {
+        Claims {
+            map: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The state of a claimed resource, with the id of the claim.
+enum ClaimState {
+    Taken(u64),
+    Settling(Arc<Notify>),
+}
+
+impl<R: Clone + Eq + Hash> Claims<R> {
+    /// Claims `resource`: `None` when an acquisition of this backend has it (or is still
+    /// cleaning it up after [`SETTLE_LIMIT`]).
+    async fn claim(self: &Arc<Self>, resource: &R) -> Option<Claim<R>> {
+        let started = Instant::now();
+        loop {
+            let notify = {
+                let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+                match map.get(resource) {
+                    None => {
+                        let id = self.next.fetch_add(1, Ordering::Relaxed);
+                        map.insert(resource.clone(), ClaimState::Taken(id));
+                        return Some(Claim {
+                            claims: Arc::clone(self),
+                            resource: resource.clone(),
+                            id,
+                        });
+                    }
+                    Some(ClaimState::Taken(_)) => return None,
+                    Some(ClaimState::Settling(notify)) => Arc::clone(notify),
+                }
+            };
+            let left = SETTLE_LIMIT.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return None;
+            }
+            let notified = notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            // Re-check: the claim may have gone between the look and `enable`.
+            let still = matches!(
+                self.map
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .get(resource),
+                Some(ClaimState::Settling(_))
+            );
+            if still {
+                let _ = tokio::time::timeout(left, notified).await;
+            }
+        }
+    }
+
+    /// Marks claim `id` of `resource` as being cleaned up (if it is still that claim):
+    /// acquisitions wait for it instead of answering that the resource is held.
+    fn settle(&self, resource: &R, id: u64) {
+        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(state) = map.get_mut(resource) {
+            if matches!(state, ClaimState::Taken(taken) if *taken == id) {
+                *state = ClaimState::Settling(Arc::new(Notify::new()));
+            }
+        }
+    }
+}
+
+/// A claimed resource; dropping it frees the claim (and wakes acquisitions waiting for it).
+struct Claim<R: Clone + Eq + Hash> {
+    claims: Arc<Claims<R>>,
+    resource: R,
+    id: u64,
+}
+
+impl<R: Clone + Eq + Hash> Claim<R> {
+    /// Marks the resource as being cleaned up on the server: acquisitions wait until the
+    /// claim is dropped instead of answering that it is held.
+    fn settling(&self) {
+        self.claims.settle(&self.resource, self.id);
+    }
+
+    /// A guard that marks this claim as being cleaned up if it is dropped armed: an
+    /// acquisition future dropped before its answer arrived leaves the resource to the
+    /// background clean-up.
+    fn abandon_guard(&self) -> AbandonGuard<R> {
+        AbandonGuard {
+            claims: Arc::clone(&self.claims),
+            resource: self.resource.clone(),
+            id: self.id,
+            armed: true,
+        }
+    }
+}
+
+impl<R: Clone + Eq + Hash> Drop for Claim<R> {
+    fn drop(&mut self) {
+        let removed = self
+            .claims
+            .map
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.resource);
+        if let Some(ClaimState::Settling(notify)) = removed {
+            notify.notify_waiters();
+        }
+    }
+}
+
+struct AbandonGuard<R: Clone + Eq + Hash> {
+    claims: Arc<Claims<R>>,
+    resource: R,
+    id: u64,
+    armed: bool,
+}
+
+impl<R: Clone + Eq + Hash> AbandonGuard<R> {
+    /// The answer arrived: nothing to mark.
+    fn disarm(guard: Option<Self>) {
+        if let Some(mut guard) = guard {
+            guard.armed = false;
+        }
+    }
+}
+
+impl<R: Clone + Eq + Hash> Drop for AbandonGuard<R> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.claims.settle(&self.resource, self.id);
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Lanes.
 
-enum LaneCommand<R> {
+enum LaneCommand<C: Connector> {
+    /// One try; on success the lock is pinned to this lane under `handle`.
     Try {
-        resource: R,
+        resource: C::Resource,
+        claim: Option<Claim<C::Resource>>,
         handle: u64,
         lost: CancellationToken,
-        reply: oneshot::Sender<Result<bool, LockError>>,
+        reply: oneshot::Sender<Result<Option<Grant>, LockError>>,
     },
+    /// Gives back the lock `handle` (if this lane still holds it), then acknowledges.
     Unlock {
         handle: u64,
         done: oneshot::Sender<()>,
     },
+    /// Runs an abandoned wait's interrupt request, then acknowledges.
+    Interrupt {
+        request: InterruptOf<C>,
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// A lock a lane holds.
+struct LaneLock<C: Connector> {
+    resource: C::Resource,
+    lost: CancellationToken,
+    /// Dropped after the lock is given back (or its session is gone).
+    _claim: Option<Claim<C::Resource>>,
 }
 
 struct Lane<C: Connector> {
     connector: Arc<C>,
     keepalive: Duration,
     session: Option<C::Session>,
-    held: HashMap<u64, (C::Resource, CancellationToken)>,
+    held: HashMap<u64, LaneLock<C>>,
 }
 
 impl<C: Connector> Lane<C> {
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand<C::Resource>>) {
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand<C>>) {
         let mut ticker = tokio::time::interval(self.keepalive);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
                 command = commands.recv() => match command {
                     Some(command) => self.handle(command).await,
+                    // The backend and every lock of this lane are gone.
                     None => break,
                 },
                 _ = ticker.tick(), if self.session.is_some() => self.check().await,
@@ -379,10 +763,11 @@ impl<C: Connector> Lane<C> {
         }
     }
 
-    async fn handle(&mut self, command: LaneCommand<C::Resource>) {
+    async fn handle(&mut self, command: LaneCommand<C>) {
         match command {
             LaneCommand::Try {
                 resource,
+                claim,
                 handle,
                 lost,
                 reply,
@@ -391,14 +776,23 @@ impl<C: Connector> Lane<C> {
                     return;
                 }
                 match self.try_lock(&resource).await {
-                    Ok(true) => {
-                        self.held.insert(handle, (resource, lost));
-                        if reply.send(Ok(true)).is_err() {
+                    Ok(Some(grant)) => {
+                        self.held.insert(
+                            handle,
+                            LaneLock {
+                                resource,
+                                lost,
+                                _claim: claim,
+                            },
+                        );
+                        if reply.send(Ok(Some(grant))).is_err() {
                             // Abandoned while the server granted it: give it back.
                             self.unlock(handle).await;
                         }
                     }
                     other => {
+                        // Free the claim before answering, so a retry can claim it again.
+                        drop(claim);
                         let _ = reply.send(other);
                     }
                 }
@@ -407,11 +801,23 @@ impl<C: Connector> Lane<C> {
                 self.unlock(handle).await;
                 let _ = done.send(());
             }
+            LaneCommand::Interrupt { request, done } => {
+                self.interrupt(request).await;
+                let _ = done.send(());
+            }
         }
     }
 
+    /// The lane's session, opening a fresh one if there is none.
+    async fn session(&mut self) -> Result<&mut C::Session, LockError> {
+        if self.session.is_none() {
+            self.session = Some(self.connector.open().await?);
+        }
+        self.session.as_mut().ok_or_else(lane_gone::<C>)
+    }
+
     /// One try. An idle session found dead (nothing held on it) is replaced once.
-    async fn try_lock(&mut self, resource: &C::Resource) -> Result<bool, LockError> {
+    async fn try_lock(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
         let reused = self.session.is_some();
         match self.try_once(resource).await {
             Err(_) if reused && self.session.is_none() && self.held.is_empty() => {
@@ -421,13 +827,8 @@ impl<C: Connector> Lane<C> {
         }
     }
 
-    async fn try_once(&mut self, resource: &C::Resource) -> Result<bool, LockError> {
-        if self.session.is_none() {
-            self.session = Some(self.connector.open().await?);
-        }
-        let Some(session) = self.session.as_mut() else {
-            return Err(lane_gone::<C>());
-        };
+    async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
+        let session = self.session().await?;
         let outcome =
             tokio::time::timeout(STATEMENT_TIMEOUT, session.lock(resource, Duration::ZERO)).await;
         match outcome {
@@ -453,13 +854,13 @@ impl<C: Connector> Lane<C> {
 
     async fn unlock(&mut self, handle: u64) {
         // A lock that is not in `held` went with a dead session: nothing to give back.
-        let Some((resource, _lost)) = self.held.remove(&handle) else {
+        let Some(lock) = self.held.remove(&handle) else {
             return;
         };
         let Some(session) = self.session.as_mut() else {
             return;
         };
-        match tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&resource)).await {
+        match tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&lock.resource)).await {
             Ok(Ok(())) => {}
             Ok(Err(failure)) if failure.connection_ok => {
                 tracing::warn!(backend = C::NAME, error = %failure.error, "releasing a lock failed; closing its connection");
@@ -471,11 +872,25 @@ impl<C: Connector> Lane<C> {
         }
     }
 
+    /// Runs an abandoned wait's interrupt request from this lane's session.
+    async fn interrupt(&mut self, request: InterruptOf<C>) {
+        let Ok(session) = self.session().await else {
+            return;
+        };
+        match tokio::time::timeout(STATEMENT_TIMEOUT, session.run_interrupt(request)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(failure)) if failure.connection_ok => {
+                tracing::warn!(backend = C::NAME, error = %failure.error, "stopping an abandoned wait failed");
+            }
+            _ => self.die("the lock connection failed"),
+        }
+    }
+
     async fn check(&mut self) {
         let Some(session) = self.session.as_mut() else {
             return;
         };
-        match tokio::time::timeout(PING_TIMEOUT, session.ping()).await {
+        match tokio::time::timeout(C::PING_TIMEOUT, session.ping()).await {
             Ok(Ok(())) => {}
             _ => self.die("the lock connection failed its liveness check"),
         }
@@ -490,25 +905,24 @@ impl<C: Connector> Lane<C> {
                 "{why}; its locks are lost"
             );
         }
-        for (_, (_, lost)) in self.held.drain() {
-            lost.cancel();
+        for (_, lock) in self.held.drain() {
+            lock.lost.cancel();
         }
         self.session = None;
     }
 }
 
-/// A lock pinned to a lane.
 /// A lock pinned to a lane (or a try in flight that may become one). Dropped without
 /// [`HeldLock::release`], it queues an unlock for its handle without waiting for it; the lane
 /// runs commands in order, so that unlock comes after the try it answers.
-struct LaneHeld<R> {
-    lane: mpsc::UnboundedSender<LaneCommand<R>>,
+struct LaneHeld<C: Connector> {
+    lane: mpsc::UnboundedSender<LaneCommand<C>>,
     handle: u64,
     armed: bool,
 }
 
-impl<R> LaneHeld<R> {
-    fn new(lane: mpsc::UnboundedSender<LaneCommand<R>>, handle: u64) -> Self {
+impl<C: Connector> LaneHeld<C> {
+    fn new(lane: mpsc::UnboundedSender<LaneCommand<C>>, handle: u64) -> Self {
         LaneHeld {
             lane,
             handle,
@@ -522,7 +936,7 @@ impl<R> LaneHeld<R> {
     }
 }
 
-impl<R> Drop for LaneHeld<R> {
+impl<C: Connector> Drop for LaneHeld<C> {
     fn drop(&mut self) {
         if self.armed {
             let (done, _) = oneshot::channel();
@@ -534,15 +948,16 @@ impl<R> Drop for LaneHeld<R> {
     }
 }
 
-impl<R> Debug for LaneHeld<R> {
+impl<C: Connector> Debug for LaneHeld<C> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LaneHeld")
+            .field("backend", &C::NAME)
             .field("handle", &self.handle)
             .finish()
     }
 }
 
-impl<R: Send + Sync + 'static> HeldLock for LaneHeld<R> {
+impl<C: Connector> HeldLock for LaneHeld<C> {
     fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         self.armed = false;
         Box::pin(async move {
@@ -590,21 +1005,27 @@ impl<S> WaitPool<S> {
 }
 
 type ReleaseSender = oneshot::Sender<oneshot::Sender<()>>;
-type WaitReply = oneshot::Sender<Result<Option<ReleaseSender>, LockError>>;
+type WaitReply = oneshot::Sender<Result<Option<(Grant, ReleaseSender)>, LockError>>;
 
+/// One native wait on a wait session; once granted, the task keeps the lock (and checks the
+/// session) until it is released.
 struct WaitTask<C: Connector> {
     connector: Arc<C>,
     resource: C::Resource,
+    /// Held until the task ends, after the lock is given back or the session dropped.
+    claim: Option<Claim<C::Resource>>,
     deadline: Option<Instant>,
     keepalive: Duration,
     pool: Arc<WaitPool<C::Session>>,
+    /// The lane that runs this wait's interrupt request if it is abandoned.
+    interrupter: mpsc::UnboundedSender<LaneCommand<C>>,
     lost: CancellationToken,
     // Held until the session is back in the pool (or dropped).
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 enum Step {
-    Granted,
+    Granted(Grant),
     NotGranted,
     Abandoned,
     Failed(Failure),
@@ -622,41 +1043,40 @@ impl<C: Connector> WaitTask<C> {
                 }
             },
         };
-        loop {
-            let chunk = match self.deadline {
-                Some(deadline) => {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        let _ = reply.send(Ok(None));
+        let resolution = self.connector.wait_resolution();
+        let mut pause = TAIL_PAUSE;
+        let grant = loop {
+            let left = self.deadline.map_or(Duration::MAX, |deadline| {
+                deadline.saturating_duration_since(Instant::now())
+            });
+            let last = self.deadline.is_some() && left.is_zero();
+            let whole = round_down(left.min(C::MAX_WAIT), resolution);
+            if whole.is_zero() && !last {
+                // Less than the server's resolution is left: short pauses and tries up to
+                // the deadline, the last one at it.
+                tokio::select! {
+                    () = tokio::time::sleep(pause.min(left)) => {}
+                    () = reply.closed() => {
+                        // Nothing is in flight or held on the session: keep it.
                         self.pool.put(session);
                         return;
                     }
-                    left.min(C::MAX_WAIT)
                 }
-                None => C::MAX_WAIT,
-            };
-            let whole = round_down(chunk, C::WAIT_RESOLUTION);
-            let last = whole.is_zero();
-            if last {
-                // Less than the server's resolution is left: wait it out, then try once more.
-                tokio::select! {
-                    () = tokio::time::sleep(chunk) => {}
-                    () = reply.closed() => return,
-                }
+                pause = (pause * 2).min(TAIL_PAUSE_MAX);
             }
             let step = {
                 let statement = session.lock(&self.resource, whole);
                 tokio::select! {
                     result = statement => match result {
-                        Ok(true) => Step::Granted,
-                        Ok(false) => Step::NotGranted,
+                        Ok(Some(grant)) => Step::Granted(grant),
+                        Ok(None) => Step::NotGranted,
                         Err(failure) => Step::Failed(failure),
                     },
                     () = reply.closed() => Step::Abandoned,
                 }
             };
             match step {
-                Step::Granted => break,
+                Step::Granted(grant) => break grant,
                 Step::NotGranted if last => {
                     let _ = reply.send(Ok(None));
                     self.pool.put(session);
@@ -664,51 +1084,71 @@ impl<C: Connector> WaitTask<C> {
                 }
                 Step::NotGranted => continue,
                 Step::Abandoned => {
-                    // Stop the server's wait where the driver can; dropping the session ends
-                    // anything it was granted in the meantime.
-                    session.interrupt();
+                    self.abandon(session).await;
                     return;
                 }
                 Step::Failed(failure) => {
                     let _ = reply.send(Err(failure.error));
                     if failure.connection_ok {
                         // Make sure nothing stays held, then keep the session.
-                        if let Ok(Ok(())) =
-                            tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&self.resource))
-                                .await
-                        {
-                            self.pool.put(session);
-                        }
+                        self.give_back(session).await;
                     }
                     return;
                 }
             }
-        }
+        };
         let (release_tx, release_rx) = oneshot::channel();
-        if reply.send(Ok(Some(release_tx))).is_err() {
+        if reply.send(Ok(Some((grant, release_tx)))).is_err() {
+            // Abandoned after the server granted it: give it back.
+            self.settling();
             self.give_back(session).await;
             return;
         }
         self.hold(session, release_rx).await;
     }
 
+    fn settling(&self) {
+        if let Some(claim) = &self.claim {
+            claim.settling();
+        }
+    }
+
+    /// Stops the server's wait (interrupting it, from a lane where the session asks for
+    /// that) and drops the session, which ends anything it was granted in the meantime. The
+    /// task (and with it the claim) ends once the lane has run the interrupt.
+    async fn abandon(&self, session: C::Session) {
+        self.settling();
+        let finished = session.interrupt(&self.resource).and_then(|request| {
+            let (done, finished) = oneshot::channel();
+            self.interrupter
+                .send(LaneCommand::Interrupt { request, done })
+                .ok()
+                .map(|()| finished)
+        });
+        drop(session);
+        if let Some(finished) = finished {
+            let _ = finished.await;
+        }
+    }
+
     /// An idle wait session that still answers, if there is one.
     async fn reuse(&self) -> Option<C::Session> {
         while let Some(mut session) = self.pool.take() {
-            if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, session.ping()).await {
+            if let Ok(Ok(())) = tokio::time::timeout(C::PING_TIMEOUT, session.ping()).await {
                 return Some(session);
             }
         }
         None
     }
 
+    /// Gives the lock back and returns the session to the pool; drops the session (which
+    /// frees the lock on the server) if that fails.
     async fn give_back(&self, mut session: C::Session) {
         if let Ok(Ok(())) =
             tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&self.resource)).await
         {
             self.pool.put(session);
         }
-        // Otherwise the session is dropped, which frees the lock on the server.
     }
 
     async fn hold(
@@ -729,7 +1169,7 @@ impl<C: Connector> WaitTask<C> {
                     return;
                 }
                 _ = ticker.tick() => {
-                    match tokio::time::timeout(PING_TIMEOUT, session.ping()).await {
+                    match tokio::time::timeout(C::PING_TIMEOUT, session.ping()).await {
                         Ok(Ok(())) => {}
                         _ => {
                             tracing::warn!(
@@ -776,6 +1216,32 @@ impl HeldLock for WaitHeld {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn claims_exclude_and_settling_claims_are_waited_for() {
+        let claims: Arc<Claims<&str>> = Arc::new(Claims::default());
+        let first = claims.claim(&"a").await.expect("free");
+        assert!(claims.claim(&"a").await.is_none(), "held by this backend");
+        assert!(
+            claims.claim(&"b").await.is_some(),
+            "other resources are free"
+        );
+        // An abandoned acquisition: later claims wait for its clean-up, then get it.
+        AbandonGuard::disarm(Some(first.abandon_guard()));
+        drop(first.abandon_guard());
+        let waiter = tokio::spawn({
+            let claims = Arc::clone(&claims);
+            async move { claims.claim(&"a").await.is_some() }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished(), "waits while the claim settles");
+        drop(first);
+        assert!(waiter.await.unwrap(), "claimed once the clean-up is done");
+        // A settle aimed at an earlier claim of the resource changes nothing.
+        let second = claims.claim(&"a").await.expect("free again");
+        claims.settle(&"a", second.id.wrapping_sub(1));
+        assert!(claims.claim(&"a").await.is_none());
+    }
 
     #[test]
     fn rounding_waits_down_to_the_server_resolution() {

@@ -79,7 +79,12 @@ mod error;
 mod guard;
 mod key;
 pub mod key_template;
-#[cfg(any(feature = "mssql", feature = "oracle"))]
+#[cfg(any(
+    feature = "mssql",
+    feature = "oracle",
+    feature = "postgres",
+    feature = "mysql"
+))]
 mod lanes;
 pub mod metrics;
 #[cfg(feature = "mysql")]

@@ -126,54 +126,28 @@
 //! [`acquire_in_transaction`] exist so that code written for other engines gets a clear
 //! [`LockError::Unsupported`] instead of a lock that silently outlives its transaction.
 
-use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlDatabaseError, MySqlPool};
 use sqlx::{Connection, Row};
-use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::LockError;
+use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::options::{parse_duration, query_pairs, unknown_option};
-use crate::{Backoff, LockError};
+use crate::lanes::{
+    Connector, Failure, Grant, LaneOptions, Lanes, SETTLE_LIMIT, Session, lane_backend,
+};
+use crate::options::{query_pairs, unknown_option};
 
 const NAME: &str = "mysql";
-
-const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
-const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const DEFAULT_CONNECTIONS: usize = 4;
-const DEFAULT_WAIT_CONNECTIONS: usize = 4;
-const MAX_CONNECTIONS: usize = 64;
-/// A liveness check that takes longer than this counts as a dead connection.
-const PING_TIMEOUT: Duration = Duration::from_secs(1);
-/// Bound on one short statement (try, release, fencing, kill) on a lock connection.
-const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Extra time a native wait gets beyond its timeout before the client gives up on it.
-const WAIT_GRACE: Duration = Duration::from_secs(2);
-/// The longest single native wait; longer waits repeat it.
-const MAX_NATIVE_WAIT: Duration = Duration::from_secs(3600);
-/// How long a killed wait's session may take to let go of its lock before the name is
-/// handed out again anyway (the server will still refuse it while that session holds it).
-const SETTLE_LIMIT: Duration = Duration::from_secs(5);
 
 /// Most readable characters kept in front of the hash of a hashed lock name.
 const READABLE_PREFIX: usize = 31;
 /// The longest lock name the server accepts.
 const MAX_NAME: usize = 64;
-
-const OPTIONS: &[&str] = &[
-    "fencing",
-    "keepalive",
-    "connections",
-    "wait_connections",
-    "connect_timeout",
-];
 
 /// Options of the driver that pass through the URL unchanged.
 const DRIVER_OPTIONS: &[&str] = &[
@@ -275,20 +249,7 @@ fn hex_digit(nibble: u8) -> char {
 /// [`MySqlBackend::builder`]. See the [module docs](self).
 #[derive(Clone)]
 pub struct MySqlBackend {
-    shared: Arc<Shared>,
-}
-
-struct Shared {
-    options: MySqlConnectOptions,
-    fencing: bool,
-    keepalive: Duration,
-    connect_timeout: Duration,
-    server: ServerInfo,
-    lanes: Vec<mpsc::UnboundedSender<LaneCommand>>,
-    next_lane: AtomicUsize,
-    waits: Arc<WaitPool>,
-    names: Arc<Names>,
-    next_handle: AtomicU64,
+    lanes: Arc<Lanes<MySqlConnector>>,
 }
 
 /// What the first connection learned about the server.
@@ -324,11 +285,7 @@ impl ServerInfo {
 #[must_use]
 pub struct MySqlBuilder {
     options: MySqlConnectOptions,
-    fencing: bool,
-    keepalive: Duration,
-    connect_timeout: Duration,
-    connections: usize,
-    wait_connections: usize,
+    lane: LaneOptions,
 }
 
 impl std::fmt::Debug for MySqlBuilder {
@@ -337,11 +294,7 @@ impl std::fmt::Debug for MySqlBuilder {
         f.debug_struct("MySqlBuilder")
             .field("host", &self.options.get_host())
             .field("port", &self.options.get_port())
-            .field("fencing", &self.fencing)
-            .field("keepalive", &self.keepalive)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("connections", &self.connections)
-            .field("wait_connections", &self.wait_connections)
+            .field("options", &self.lane)
             .finish()
     }
 }
@@ -349,32 +302,32 @@ impl std::fmt::Debug for MySqlBuilder {
 impl MySqlBuilder {
     /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
     pub fn fencing(mut self, fencing: bool) -> Self {
-        self.fencing = fencing;
+        self.lane.fencing = fencing;
         self
     }
 
     /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
     pub fn keepalive(mut self, keepalive: Duration) -> Self {
-        self.keepalive = keepalive;
+        self.lane.settings.keepalive = keepalive;
         self
     }
 
     /// How long opening a connection may take (default 10 s).
     pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
-        self.connect_timeout = connect_timeout;
+        self.lane.connect_timeout = connect_timeout;
         self
     }
 
     /// The number of lock connections (default 4, 1 to 64).
     pub fn connections(mut self, connections: usize) -> Self {
-        self.connections = connections;
+        self.lane.settings.connections = connections;
         self
     }
 
     /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes waits
     /// poll instead).
     pub fn wait_connections(mut self, wait_connections: usize) -> Self {
-        self.wait_connections = wait_connections;
+        self.lane.settings.wait_connections = wait_connections;
         self
     }
 
@@ -392,69 +345,24 @@ impl MySqlBuilder {
                 "the MySQL backend must be opened inside a Tokio runtime",
             ));
         }
-        let (mut first, _, server) = open_first(&self.options, self.connect_timeout).await?;
-        if self.fencing {
-            create_fencing_table(&mut first).await?;
+        let (mut conn, id, server) = open_first(&self.options, self.lane.connect_timeout).await?;
+        if self.lane.fencing {
+            create_fencing_table(&mut conn).await?;
         }
-        let names = Arc::new(Names::default());
-        let mut lanes = Vec::with_capacity(self.connections);
-        let mut first = Some(first);
-        for _ in 0..self.connections {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let lane = Lane {
-                options: self.options.clone(),
-                server: server.clone(),
-                connect_timeout: self.connect_timeout,
-                keepalive: self.keepalive,
-                fencing: self.fencing,
-                conn: first.take(),
-                held: HashMap::new(),
-            };
-            tokio::spawn(lane.run(rx));
-            lanes.push(tx);
-        }
+        let connector = MySqlConnector {
+            options: self.options,
+            server,
+            fencing: self.lane.fencing,
+            connect_timeout: self.lane.connect_timeout,
+        };
+        let first = connector.session(conn, id);
         Ok(MySqlBackend {
-            shared: Arc::new(Shared {
-                options: self.options,
-                fencing: self.fencing,
-                keepalive: self.keepalive,
-                connect_timeout: self.connect_timeout,
-                server,
-                lanes,
-                next_lane: AtomicUsize::new(0),
-                waits: Arc::new(WaitPool {
-                    permits: Arc::new(Semaphore::new(self.wait_connections)),
-                    idle: Mutex::new(Vec::new()),
-                }),
-                names,
-                next_handle: AtomicU64::new(0),
-            }),
+            lanes: Arc::new(Lanes::start(connector, self.lane.settings, first)?),
         })
     }
 
     fn check(&self) -> Result<(), LockError> {
-        if self.keepalive < Duration::from_millis(10) {
-            return Err(LockError::config(format!(
-                "keepalive {:?} is too short; use at least 10ms",
-                self.keepalive
-            )));
-        }
-        if self.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
-        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
-            return Err(LockError::config(format!(
-                "connections must be between 1 and {MAX_CONNECTIONS}, not {}",
-                self.connections
-            )));
-        }
-        if self.wait_connections > MAX_CONNECTIONS {
-            return Err(LockError::config(format!(
-                "wait_connections must be between 0 and {MAX_CONNECTIONS}, not {}",
-                self.wait_connections
-            )));
-        }
-        Ok(())
+        self.lane.check()
     }
 }
 
@@ -463,11 +371,7 @@ impl MySqlBackend {
     pub fn builder(options: MySqlConnectOptions) -> MySqlBuilder {
         MySqlBuilder {
             options,
-            fencing: false,
-            keepalive: DEFAULT_KEEPALIVE,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            connections: DEFAULT_CONNECTIONS,
-            wait_connections: DEFAULT_WAIT_CONNECTIONS,
+            lane: LaneOptions::default(),
         }
     }
 
@@ -510,908 +414,258 @@ impl MySqlBackend {
 
     /// Whether this backend issues fencing tokens.
     pub fn fencing(&self) -> bool {
-        self.shared.fencing
+        self.lanes.connector().fencing
     }
 
     /// The liveness check cadence.
     pub fn keepalive(&self) -> Duration {
-        self.shared.keepalive
+        self.lanes.settings().keepalive
     }
 
     /// The server's version string, as `VERSION()` answered when the backend opened.
     pub fn server_version(&self) -> &str {
-        &self.shared.server.version
+        &self.lanes.connector().server.version
     }
 
     /// Whether the server is MariaDB (rather than MySQL).
     pub fn is_mariadb(&self) -> bool {
-        self.shared.server.mariadb
-    }
-
-    fn lane(&self) -> &mpsc::UnboundedSender<LaneCommand> {
-        let lanes = &self.shared.lanes;
-        let n = self.shared.next_lane.fetch_add(1, Ordering::Relaxed);
-        // `lanes` is never empty (checked when built).
-        &lanes[n % lanes.len().max(1)]
-    }
-
-    /// One `GET_LOCK(name, 0)` on a lock connection.
-    async fn try_on_lane(&self, name: Arc<str>) -> Result<Option<Acquired>, LockError> {
-        let Some(claim) = self.shared.names.claim(&name).await else {
-            return Ok(None);
-        };
-        let lane = self.lane().clone();
-        let handle = self.shared.next_handle.fetch_add(1, Ordering::Relaxed);
-        let lost = CancellationToken::new();
-        let (reply, answer) = oneshot::channel();
-        let guard = claim.abandon_guard();
-        lane.send(LaneCommand::Try {
-            claim,
-            handle,
-            lost: lost.clone(),
-            reply,
-        })
-        .map_err(|_| lane_gone())?;
-        // Armed from here on: if this future is dropped before the answer is turned into a
-        // guard (even after the lane has sent a grant), dropping `held` queues a release
-        // behind the try, which frees whatever the try got.
-        let held = LaneHeld::new(lane, handle);
-        let answer = answer.await;
-        guard.disarm();
-        match answer.map_err(|_| lane_gone())?? {
-            None => {
-                held.disarm();
-                Ok(None)
-            }
-            Some(token) => Ok(Some(Acquired::new(token, lost, Box::new(held)))),
-        }
-    }
-
-    async fn poll_lanes(
-        &self,
-        name: Arc<str>,
-        deadline: Option<Instant>,
-    ) -> Result<Option<Acquired>, LockError> {
-        let backoff = Backoff::default();
-        let mut attempt = 0u32;
-        loop {
-            if let Some(acquired) = self.try_on_lane(Arc::clone(&name)).await? {
-                return Ok(Some(acquired));
-            }
-            let mut pause = backoff.delay(attempt);
-            attempt = attempt.saturating_add(1);
-            if let Some(deadline) = deadline {
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(None);
-                }
-                pause = pause.min(deadline - now);
-            }
-            tokio::time::sleep(pause).await;
-        }
-    }
-
-    async fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Acquired>, LockError> {
-        let deadline = Instant::now().checked_add(timeout);
-        let name: Arc<str> = Arc::from(server_lock_name(key));
-        // A free key is taken on a lock connection, like a try.
-        if let Some(acquired) = self.try_on_lane(Arc::clone(&name)).await? {
-            return Ok(Some(acquired));
-        }
-        let remaining = deadline.map_or(Duration::MAX, |d| {
-            d.saturating_duration_since(Instant::now())
-        });
-        if remaining.is_zero() {
-            return Ok(None);
-        }
-        let Ok(permit) = Arc::clone(&self.shared.waits.permits).try_acquire_owned() else {
-            // Every wait connection is busy: poll the lock connections instead.
-            return self.poll_lanes(name, deadline).await;
-        };
-        let Some(claim) = self.shared.names.claim(&name).await else {
-            // Another provider on this backend holds it: poll until it lets go.
-            drop(permit);
-            return self.poll_lanes(name, deadline).await;
-        };
-        let lost = CancellationToken::new();
-        let (reply, answer) = oneshot::channel();
-        let guard = claim.abandon_guard();
-        let task = WaitTask {
-            claim,
-            deadline,
-            fencing: self.shared.fencing,
-            keepalive: self.shared.keepalive,
-            options: self.shared.options.clone(),
-            server: self.shared.server.clone(),
-            connect_timeout: self.shared.connect_timeout,
-            pool: Arc::clone(&self.shared.waits),
-            killer: self.lane().clone(),
-            lost: lost.clone(),
-            _permit: permit,
-        };
-        tokio::spawn(task.run(reply));
-        // If this future is dropped, the task sees the closed reply, ends the server's wait
-        // and gives back whatever it got.
-        let answer = match remaining.checked_add(WAIT_GRACE) {
-            Some(limit) => match tokio::time::timeout(limit, answer).await {
-                Ok(answer) => answer,
-                // The server did not answer in time: give up (the task cleans up; the armed
-                // guard marks the name as being freed).
-                Err(_) => return Ok(None),
-            },
-            None => answer.await,
-        };
-        guard.disarm();
-        match answer.map_err(|_| lane_gone())?? {
-            None => Ok(None),
-            Some((token, release)) => Ok(Some(Acquired::new(
-                token,
-                lost,
-                Box::new(WaitHeld {
-                    release: Some(release),
-                }),
-            ))),
-        }
+        self.lanes.connector().server.mariadb
     }
 }
 
 impl std::fmt::Debug for MySqlBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let connector = self.lanes.connector();
         f.debug_struct("MySqlBackend")
-            .field("host", &self.shared.options.get_host())
-            .field("port", &self.shared.options.get_port())
-            .field("server", &self.shared.server.version)
-            .field("fencing", &self.shared.fencing)
-            .field("keepalive", &self.shared.keepalive)
-            .field("connections", &self.shared.lanes.len())
+            .field("host", &connector.options.get_host())
+            .field("port", &connector.options.get_port())
+            .field("server", &connector.server.version)
+            .field("fencing", &connector.fencing)
+            .field("lanes", &self.lanes)
             .finish()
     }
 }
 
-impl LockBackend for MySqlBackend {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn supports_native_wait(&self) -> bool {
-        true
-    }
-
-    fn try_acquire<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.try_on_lane(Arc::from(server_lock_name(request.key))))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.wait(request.key, timeout))
-    }
-}
+lane_backend!(MySqlBackend, NAME);
 
 // ---------------------------------------------------------------------------------------------
-// The names this backend holds or is cleaning up.
+// Sessions: what the shared connection machinery runs on a MySQL connection.
 
-/// Server lock names that some connection of this backend holds, is acquiring, or is still
-/// freeing after an abandoned wait. The server lets a session take its own lock again, so the
-/// backend must never ask for a name it has; and a name whose killed wait is still being torn
-/// down is waited for rather than reported as held.
-#[derive(Default)]
-struct Names {
-    map: Mutex<HashMap<Arc<str>, NameState>>,
-    next_claim: AtomicU64,
-}
-
-/// The state of a claimed name, with the id of the claim.
-enum NameState {
-    Taken(u64),
-    Settling(Arc<Notify>),
-}
-
-impl Names {
-    /// Marks claim `id` of `name` as being freed (if it is still that claim): acquisitions by
-    /// this backend wait for it instead of answering that the name is held.
-    fn settle(&self, name: &Arc<str>, id: u64) {
-        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(state) = map.get_mut(name) {
-            if matches!(state, NameState::Taken(taken) if *taken == id) {
-                *state = NameState::Settling(Arc::new(Notify::new()));
-            }
-        }
-    }
-}
-
-impl Names {
-    /// Claims `name`: `None` when this backend already holds it.
-    async fn claim(self: &Arc<Self>, name: &Arc<str>) -> Option<Claim> {
-        let started = Instant::now();
-        loop {
-            let notify = {
-                let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-                match map.get(name) {
-                    None => {
-                        let id = self.next_claim.fetch_add(1, Ordering::Relaxed);
-                        map.insert(Arc::clone(name), NameState::Taken(id));
-                        return Some(Claim {
-                            names: Arc::clone(self),
-                            name: Arc::clone(name),
-                            id,
-                        });
-                    }
-                    Some(NameState::Taken(_)) => return None,
-                    Some(NameState::Settling(notify)) => Arc::clone(notify),
-                }
-            };
-            let left = SETTLE_LIMIT.saturating_sub(started.elapsed());
-            if left.is_zero() {
-                return None;
-            }
-            let notified = notify.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            // Re-check: the claim may have gone between the look and `enable`.
-            let still = matches!(
-                self.map
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .get(name),
-                Some(NameState::Settling(_))
-            );
-            if still {
-                let _ = tokio::time::timeout(left, notified).await;
-            }
-        }
-    }
-}
-
-/// A claimed name; dropping it frees the name (and wakes acquisitions waiting for it).
-struct Claim {
-    names: Arc<Names>,
-    name: Arc<str>,
-    id: u64,
-}
-
-impl Claim {
-    /// Marks the name as being freed on the server: acquisitions by this backend wait until
-    /// the claim is dropped instead of answering that it is held.
-    fn settling(&self) {
-        self.names.settle(&self.name, self.id);
-    }
-
-    /// A guard that marks this claim as being freed if it is dropped armed: an acquisition
-    /// future dropped before its answer arrived leaves the name to a background clean-up.
-    fn abandon_guard(&self) -> AbandonGuard {
-        AbandonGuard {
-            names: Arc::clone(&self.names),
-            name: Arc::clone(&self.name),
-            id: self.id,
-            armed: true,
-        }
-    }
-}
-
-struct AbandonGuard {
-    names: Arc<Names>,
-    name: Arc<str>,
-    id: u64,
-    armed: bool,
-}
-
-impl AbandonGuard {
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for AbandonGuard {
-    fn drop(&mut self) {
-        if self.armed {
-            self.names.settle(&self.name, self.id);
-        }
-    }
-}
-
-impl Drop for Claim {
-    fn drop(&mut self) {
-        let removed = self
-            .names
-            .map
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.name);
-        if let Some(NameState::Settling(notify)) = removed {
-            notify.notify_waiters();
-        }
-    }
-}
-
-impl std::fmt::Debug for Claim {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_tuple("Claim").field(&self.name).finish()
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Lock connections ("lanes").
-
-type TryReply = oneshot::Sender<Result<Option<Option<u64>>, LockError>>;
-
-enum LaneCommand {
-    /// `GET_LOCK(name, 0)`; on success the lock is pinned to this lane under `handle`.
-    Try {
-        claim: Claim,
-        handle: u64,
-        lost: CancellationToken,
-        reply: TryReply,
-    },
-    /// Gives back the lock `handle` (if this lane still holds it), then acknowledges.
-    Release {
-        handle: u64,
-        done: oneshot::Sender<()>,
-    },
-    /// `KILL` of an abandoned wait's connection, then waits until that session no longer
-    /// holds `name`, then acknowledges.
-    Kill {
-        id: u64,
-        name: Arc<str>,
-        done: oneshot::Sender<()>,
-    },
-}
-
-/// One lock connection, owned by its task: every statement on it runs in order, and the task
-/// also runs the liveness checks.
-struct Lane {
+/// Opens lock and wait connections.
+struct MySqlConnector {
     options: MySqlConnectOptions,
     server: ServerInfo,
-    connect_timeout: Duration,
-    keepalive: Duration,
     fencing: bool,
-    conn: Option<MySqlConnection>,
-    /// The locks this connection holds: handle -> (claim of the name, lost token).
-    held: HashMap<u64, (Claim, CancellationToken)>,
+    connect_timeout: Duration,
 }
 
-impl Lane {
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand>) {
-        let mut ticker = tokio::time::interval(self.keepalive);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                command = commands.recv() => match command {
-                    Some(command) => self.handle(command).await,
-                    // The backend and every lock of this lane are gone.
-                    None => break,
-                },
-                _ = ticker.tick(), if self.conn.is_some() => self.check().await,
-            }
+impl MySqlConnector {
+    fn session(&self, conn: MySqlConnection, id: u64) -> MySqlSession {
+        MySqlSession {
+            conn,
+            id,
+            fencing: self.fencing,
+            fractional: self.server.fractional_waits(),
+        }
+    }
+}
+
+impl Connector for MySqlConnector {
+    /// The server lock name.
+    type Resource = Arc<str>;
+    type Session = MySqlSession;
+
+    const NAME: &'static str = NAME;
+    /// Waits without limit are native waits of an hour each, repeated.
+    const MAX_WAIT: Duration = Duration::from_secs(3600);
+    const PING_TIMEOUT: Duration = Duration::from_secs(1);
+    /// Sessions re-enter their own user locks, and names whose killed wait is still settling
+    /// are waited for.
+    const CLAIMS: bool = true;
+
+    /// MariaDB takes fractional seconds in `GET_LOCK`; MySQL counts whole seconds.
+    fn wait_resolution(&self) -> Duration {
+        if self.server.fractional_waits() {
+            Duration::from_micros(1)
+        } else {
+            Duration::from_secs(1)
         }
     }
 
-    async fn handle(&mut self, command: LaneCommand) {
-        match command {
-            LaneCommand::Try {
-                claim,
-                handle,
-                lost,
-                reply,
-            } => {
-                if reply.is_closed() {
-                    return;
-                }
-                match self.try_lock(&claim.name).await {
-                    Ok(Some(token)) => {
-                        self.held.insert(handle, (claim, lost));
-                        if reply.send(Ok(Some(token))).is_err() {
-                            // The acquisition was abandoned while the server granted it.
-                            self.release(handle).await;
-                        }
-                    }
-                    other => {
-                        drop(claim);
-                        let _ = reply.send(other.map(|_| None));
-                    }
-                }
-            }
-            LaneCommand::Release { handle, done } => {
-                self.release(handle).await;
-                let _ = done.send(());
-            }
-            LaneCommand::Kill { id, name, done } => {
-                self.kill(id, &name).await;
-                let _ = done.send(());
-            }
-        }
+    fn resource(&self, key: &str) -> Arc<str> {
+        Arc::from(server_lock_name(key))
     }
 
-    /// The open connection, opening a fresh one if there is none.
-    async fn connection(&mut self) -> Result<&mut MySqlConnection, LockError> {
-        if self.conn.is_none() {
-            let (conn, _) =
+    fn open(&self) -> BoxFuture<'_, Result<MySqlSession, LockError>> {
+        Box::pin(async move {
+            let (conn, id) =
                 open_connection(&self.options, &self.server, self.connect_timeout).await?;
-            self.conn = Some(conn);
-        }
-        self.conn.as_mut().ok_or_else(lane_gone)
+            Ok(self.session(conn, id))
+        })
     }
+}
 
-    /// One try; `Ok(Some(token))` when taken. A connection found dead before anything was
-    /// sent over it (idle, holding nothing) is replaced once.
-    async fn try_lock(&mut self, name: &str) -> Result<Option<Option<u64>>, LockError> {
-        let reused = self.conn.is_some();
-        match self.try_once(name).await {
-            Err(_) if reused && self.conn.is_none() && self.held.is_empty() => {
-                self.try_once(name).await
-            }
-            other => other,
-        }
-    }
+/// One connection, with the id that `KILL` aims at.
+struct MySqlSession {
+    conn: MySqlConnection,
+    id: u64,
+    fencing: bool,
+    fractional: bool,
+}
 
-    async fn try_once(&mut self, name: &str) -> Result<Option<Option<u64>>, LockError> {
-        let fencing = self.fencing;
-        let conn = self.connection().await?;
-        let statement = async {
-            let got: Option<i64> = sqlx::query_scalar(TRY_SQL)
+/// `KILL` of an abandoned wait's connection; the killing lane then waits until that session
+/// no longer holds `name`.
+struct MySqlKill {
+    id: u64,
+    name: Arc<str>,
+}
+
+impl MySqlSession {
+    /// `GET_LOCK`: 1 when taken, 0 when held elsewhere, NULL on a server-side error.
+    async fn get_lock(&mut self, name: &str, wait: Duration) -> Result<Option<i64>, sqlx::Error> {
+        if wait.is_zero() {
+            sqlx::query_scalar(TRY_SQL)
                 .bind(name)
-                .fetch_one(&mut *conn)
-                .await?;
-            if got != Some(1) {
-                return Ok::<_, sqlx::Error>(Err(got));
-            }
-            if !fencing {
-                return Ok(Ok(None));
-            }
-            match fence(conn, name).await {
-                Ok(token) => Ok(Ok(Some(token))),
-                Err(err) => {
-                    // Do not keep a lock whose token could not be issued.
-                    sqlx::query(RELEASE_SQL)
-                        .bind(name)
-                        .execute(&mut *conn)
-                        .await?;
-                    Err(err)
+                .fetch_one(&mut self.conn)
+                .await
+        } else {
+            let query = sqlx::query_scalar(WAIT_SQL).bind(name);
+            let query = if self.fractional {
+                query.bind(wait.as_secs_f64())
+            } else {
+                query.bind(wait.as_secs())
+            };
+            query.fetch_one(&mut self.conn).await
+        }
+    }
+
+    /// Issues the fencing token of a lock just taken; gives the lock back if that fails.
+    async fn fence_or_release(&mut self, name: &str) -> Result<u64, Failure> {
+        match fence(&mut self.conn, name).await {
+            Ok(token) => Ok(token),
+            Err(err) => {
+                let error = failure("issuing a fencing token", err);
+                // Do not keep a lock whose token could not be issued.
+                match sqlx::query(RELEASE_SQL)
+                    .bind(name)
+                    .execute(&mut self.conn)
+                    .await
+                {
+                    Ok(_) => Err(error),
+                    Err(_) => Err(Failure::connection(error.error)),
                 }
             }
-        };
-        match tokio::time::timeout(STATEMENT_TIMEOUT, statement).await {
-            Ok(Ok(Ok(token))) => Ok(Some(token)),
-            Ok(Ok(Err(Some(_)))) => Ok(None),
-            Ok(Ok(Err(None))) => Err(LockError::backend(
-                NAME,
-                "GET_LOCK answered NULL (an error on the server, such as the session being killed)",
-                None,
-                None,
-            )),
-            Ok(Err(err)) if !is_connection_error(&err) => Err(mysql_error("taking a lock", err)),
-            Ok(Err(err)) => {
-                self.die("the lock connection failed");
-                Err(mysql_error("taking a lock", err))
-            }
-            Err(_) => {
-                self.die("the lock connection stopped answering");
-                Err(LockError::unavailable(
-                    NAME,
-                    format!(
-                        "the server did not answer a lock statement within {STATEMENT_TIMEOUT:?}"
-                    ),
-                    None,
-                ))
-            }
         }
-    }
-
-    async fn release(&mut self, handle: u64) {
-        // A lock that is not in `held` went with a dead connection: nothing to give back.
-        let Some((claim, _lost)) = self.held.remove(&handle) else {
-            return;
-        };
-        let Some(conn) = self.conn.as_mut() else {
-            return;
-        };
-        let release = sqlx::query(RELEASE_SQL)
-            .bind(&*claim.name)
-            .execute(&mut *conn);
-        match tokio::time::timeout(STATEMENT_TIMEOUT, release).await {
-            Ok(Ok(_)) => {}
-            // The connection's state is unknown: dropping it is the one sure way to free the
-            // lock on the server, and it takes this lane's other locks with it.
-            _ => self.die("releasing a lock failed"),
-        }
-        drop(claim);
     }
 
     /// Ends session `id` (an abandoned wait) and waits until it no longer holds `name`.
-    async fn kill(&mut self, id: u64, name: &str) {
-        let Ok(conn) = self.connection().await else {
-            return;
-        };
-        let work = async {
-            let kill = kill_sql(id);
-            match sqlx::query(&kill).execute(&mut *conn).await {
-                Ok(_) => {}
-                // Unknown thread id: the session is gone already.
-                Err(err) if error_number(&err) == Some(1094) => return Ok(()),
-                Err(err) => return Err(err),
-            }
-            // KILL only flags the session: it frees its locks a moment later.
-            let mut pause = Duration::from_millis(1);
-            loop {
-                let holder: Option<u64> = sqlx::query_scalar(HOLDER_SQL)
-                    .bind(name)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                if holder != Some(id) {
-                    return Ok(());
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(20));
-            }
-        };
-        match tokio::time::timeout(SETTLE_LIMIT, work).await {
-            Ok(Ok(())) => {}
-            Ok(Err(err)) if !is_connection_error(&err) => {
-                tracing::warn!(backend = NAME, error = %err, "ending an abandoned wait failed");
-            }
-            Ok(Err(_)) => self.die("the lock connection failed"),
-            Err(_) => {
-                tracing::warn!(
-                    backend = NAME,
-                    "an abandoned wait's session still holds its lock after {SETTLE_LIMIT:?}"
-                );
-            }
+    async fn kill(&mut self, id: u64, name: &str) -> Result<(), sqlx::Error> {
+        let kill = kill_sql(id);
+        match sqlx::query(&kill).execute(&mut self.conn).await {
+            Ok(_) => {}
+            // Unknown thread id: the session is gone already.
+            Err(err) if error_number(&err) == Some(1094) => return Ok(()),
+            Err(err) => return Err(err),
         }
-    }
-
-    async fn check(&mut self) {
-        let Some(conn) = self.conn.as_mut() else {
-            return;
-        };
-        match tokio::time::timeout(PING_TIMEOUT, conn.ping()).await {
-            Ok(Ok(())) => {}
-            _ => self.die("the lock connection failed its liveness check"),
-        }
-    }
-
-    /// Drops the connection and reports every lock it held as lost.
-    fn die(&mut self, why: &str) {
-        if !self.held.is_empty() {
-            tracing::warn!(
-                backend = NAME,
-                locks = self.held.len(),
-                "{why}; its locks are lost"
-            );
-        }
-        for (_, (_claim, lost)) in self.held.drain() {
-            lost.cancel();
-        }
-        self.conn = None;
-    }
-}
-
-/// A lock pinned to a lane (or a try in flight that may become one). Dropped without
-/// [`HeldLock::release`], it queues a release for its handle without waiting for it; the lane
-/// runs commands in order, so that release comes after the try it answers.
-#[derive(Debug)]
-struct LaneHeld {
-    lane: mpsc::UnboundedSender<LaneCommand>,
-    handle: u64,
-    armed: bool,
-}
-
-impl LaneHeld {
-    fn new(lane: mpsc::UnboundedSender<LaneCommand>, handle: u64) -> Self {
-        LaneHeld {
-            lane,
-            handle,
-            armed: true,
-        }
-    }
-
-    /// For a try that was not granted: nothing to give back.
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for LaneHeld {
-    fn drop(&mut self) {
-        if self.armed {
-            let (done, _) = oneshot::channel();
-            let _ = self.lane.send(LaneCommand::Release {
-                handle: self.handle,
-                done,
-            });
-        }
-    }
-}
-
-impl HeldLock for LaneHeld {
-    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        self.armed = false;
-        Box::pin(async move {
-            let (done, acknowledged) = oneshot::channel();
-            if self
-                .lane
-                .send(LaneCommand::Release {
-                    handle: self.handle,
-                    done,
-                })
-                .is_ok()
-            {
-                // The lane task ends only with its connection, which frees the lock anyway.
-                let _ = acknowledged.await;
-            }
-            Ok(())
-        })
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Native waits.
-
-struct WaitPool {
-    /// One permit per wait connection in use (waiting, or holding what its wait got).
-    permits: Arc<Semaphore>,
-    /// Wait connections that hold nothing, ready for the next wait.
-    idle: Mutex<Vec<WaitConnection>>,
-}
-
-impl WaitPool {
-    fn take(&self) -> Option<WaitConnection> {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop()
-    }
-
-    fn put(&self, conn: WaitConnection) {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(conn);
-    }
-}
-
-struct WaitConnection {
-    conn: MySqlConnection,
-    id: u64,
-}
-
-type WaitReply = oneshot::Sender<Result<Option<(Option<u64>, ReleaseSender)>, LockError>>;
-type ReleaseSender = oneshot::Sender<oneshot::Sender<()>>;
-
-/// One native wait on a wait connection; once granted, the task keeps the lock (and checks
-/// the connection) until it is released.
-struct WaitTask {
-    claim: Claim,
-    deadline: Option<Instant>,
-    fencing: bool,
-    keepalive: Duration,
-    options: MySqlConnectOptions,
-    server: ServerInfo,
-    connect_timeout: Duration,
-    pool: Arc<WaitPool>,
-    killer: mpsc::UnboundedSender<LaneCommand>,
-    lost: CancellationToken,
-    // Held until the connection is back in the pool (or closed).
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-enum WaitOutcome {
-    Granted,
-    NotGranted,
-    Abandoned,
-}
-
-impl WaitTask {
-    async fn run(self, mut reply: WaitReply) {
-        let mut wc = match self.reuse().await {
-            Some(wc) => wc,
-            None => match self.open().await {
-                Ok(wc) => wc,
-                Err(err) => {
-                    let _ = reply.send(Err(err));
-                    return;
-                }
-            },
-        };
-        match self.wait(&mut wc, &mut reply).await {
-            Ok(WaitOutcome::Abandoned) => {
-                // The server may grant the lock at any moment: end the session, and keep the
-                // name claimed until it is gone.
-                self.claim.settling();
-                let (done, killed) = oneshot::channel();
-                let kill = LaneCommand::Kill {
-                    id: wc.id,
-                    name: Arc::clone(&self.claim.name),
-                    done,
-                };
-                if self.killer.send(kill).is_ok() {
-                    let _ = killed.await;
-                }
-                // Closing the connection is what ends it if the kill could not be sent.
-                drop(wc);
-            }
-            Ok(WaitOutcome::NotGranted) => {
-                let _ = reply.send(Ok(None));
-                self.pool.put(wc);
-            }
-            Ok(WaitOutcome::Granted) => {
-                let token = if self.fencing {
-                    match fence(&mut wc.conn, &self.claim.name).await {
-                        Ok(token) => Some(token),
-                        Err(err) => {
-                            let _ = reply.send(Err(mysql_error("issuing a fencing token", err)));
-                            self.give_back(wc).await;
-                            return;
-                        }
-                    }
-                } else {
-                    None
-                };
-                let (release_tx, release_rx) = oneshot::channel();
-                if reply.send(Ok(Some((token, release_tx)))).is_err() {
-                    // Abandoned after the server granted it: give it back.
-                    self.claim.settling();
-                    self.give_back(wc).await;
-                    return;
-                }
-                self.hold(wc, release_rx).await;
-            }
-            Err(err) => {
-                // The connection's state is unknown: close it, which ends anything it held.
-                let _ = reply.send(Err(err));
-            }
-        }
-    }
-
-    /// An idle wait connection that still answers, if there is one.
-    async fn reuse(&self) -> Option<WaitConnection> {
-        while let Some(mut wc) = self.pool.take() {
-            if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, wc.conn.ping()).await {
-                return Some(wc);
-            }
-        }
-        None
-    }
-
-    async fn open(&self) -> Result<WaitConnection, LockError> {
-        let (conn, id) = open_connection(&self.options, &self.server, self.connect_timeout).await?;
-        Ok(WaitConnection { conn, id })
-    }
-
-    /// Waits natively, in whole seconds where the server counts them so, then tries out
-    /// what is left of the timeout.
-    async fn wait(
-        &self,
-        wc: &mut WaitConnection,
-        reply: &mut WaitReply,
-    ) -> Result<WaitOutcome, LockError> {
-        let name = &*self.claim.name;
-        let fractional = self.server.fractional_waits();
-        let mut pause = Duration::from_millis(2);
+        // KILL only flags the session: it frees its locks a moment later.
+        let mut pause = Duration::from_millis(1);
         loop {
-            let remaining = self.deadline.map_or(Duration::MAX, |d| {
-                d.saturating_duration_since(Instant::now())
-            });
-            let chunk = remaining.min(MAX_NATIVE_WAIT);
-            let native = if fractional {
-                !chunk.is_zero()
+            let holder: Option<u64> = sqlx::query_scalar(HOLDER_SQL)
+                .bind(name)
+                .fetch_one(&mut self.conn)
+                .await?;
+            if holder != Some(id) {
+                return Ok(());
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Session for MySqlSession {
+    type Resource = Arc<str>;
+    type Interrupt = MySqlKill;
+
+    fn lock<'a>(
+        &'a mut self,
+        name: &'a Arc<str>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
+        Box::pin(async move {
+            let what = if wait.is_zero() {
+                "taking a lock"
             } else {
-                chunk.as_secs() > 0
+                "waiting for a lock"
             };
-            let conn = &mut wc.conn;
-            let statement = async {
-                if native {
-                    let query = sqlx::query_scalar::<_, Option<i64>>(WAIT_SQL).bind(name);
-                    let query = if fractional {
-                        query.bind(chunk.as_secs_f64())
-                    } else {
-                        query.bind(chunk.as_secs())
-                    };
-                    query.fetch_one(&mut *conn).await
-                } else {
-                    // Less than a second left on a whole-second server: a short pause, then a
-                    // try (the last one at the deadline).
-                    if !chunk.is_zero() {
-                        tokio::time::sleep(pause.min(chunk)).await;
-                    }
-                    sqlx::query_scalar::<_, Option<i64>>(TRY_SQL)
-                        .bind(name)
-                        .fetch_one(&mut *conn)
-                        .await
-                }
-            };
-            let result = tokio::select! {
-                result = statement => result,
-                () = reply.closed() => return Ok(WaitOutcome::Abandoned),
-            };
-            match result {
-                Ok(Some(1)) => return Ok(WaitOutcome::Granted),
-                Ok(Some(_)) => {
-                    if remaining.is_zero() {
-                        return Ok(WaitOutcome::NotGranted);
-                    }
-                    pause = (pause * 2).min(Duration::from_millis(50));
-                }
-                Ok(None) => {
-                    return Err(LockError::backend(
-                        NAME,
-                        "GET_LOCK answered NULL (an error on the server, such as the session being killed)",
-                        None,
-                        None,
-                    ));
-                }
-                Err(err) if is_deadlock(&err) => {
-                    return Err(deadlock_error(name, err));
-                }
-                Err(err) => return Err(mysql_error("waiting for a lock", err)),
+            match self.get_lock(name, wait).await {
+                Ok(Some(1)) if self.fencing => Ok(Some(Grant {
+                    token: Some(self.fence_or_release(name).await?),
+                })),
+                Ok(Some(1)) => Ok(Some(Grant::PLAIN)),
+                Ok(Some(_)) => Ok(None),
+                Ok(None) => Err(Failure::statement(LockError::backend(
+                    NAME,
+                    "GET_LOCK answered NULL (an error on the server, such as the session being killed)",
+                    None,
+                    None,
+                ))),
+                Err(err) if is_deadlock(&err) => Err(Failure::statement(deadlock_error(name, err))),
+                Err(err) => Err(failure(what, err)),
             }
-        }
-    }
-
-    /// Releases and returns the connection to the pool; closes it if that fails.
-    async fn give_back(&self, mut wc: WaitConnection) {
-        let release = sqlx::query(RELEASE_SQL)
-            .bind(&*self.claim.name)
-            .execute(&mut wc.conn);
-        if let Ok(Ok(_)) = tokio::time::timeout(STATEMENT_TIMEOUT, release).await {
-            self.pool.put(wc);
-        }
-    }
-
-    async fn hold(
-        self,
-        mut wc: WaitConnection,
-        mut release: oneshot::Receiver<oneshot::Sender<()>>,
-    ) {
-        let mut ticker = tokio::time::interval(self.keepalive);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticker.tick().await;
-        loop {
-            tokio::select! {
-                done = &mut release => {
-                    self.give_back(wc).await;
-                    if let Ok(done) = done {
-                        let _ = done.send(());
-                    }
-                    return;
-                }
-                _ = ticker.tick() => {
-                    match tokio::time::timeout(PING_TIMEOUT, wc.conn.ping()).await {
-                        Ok(Ok(())) => {}
-                        _ => {
-                            tracing::warn!(backend = NAME, "a wait connection failed its liveness check; its lock is lost");
-                            self.lost.cancel();
-                            return;
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// A lock held by a wait connection's task.
-#[derive(Debug)]
-struct WaitHeld {
-    release: Option<ReleaseSender>,
-}
-
-impl HeldLock for WaitHeld {
-    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let release = self.release.take();
-        Box::pin(async move {
-            if let Some(release) = release {
-                let (done, acknowledged) = oneshot::channel();
-                if release.send(done).is_ok() {
-                    let _ = acknowledged.await;
-                }
-            }
-            Ok(())
         })
+    }
+
+    fn unlock<'a>(&'a mut self, name: &'a Arc<str>) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            sqlx::query(RELEASE_SQL)
+                .bind(&**name)
+                .execute(&mut self.conn)
+                .await
+                .map(drop)
+                .map_err(|err| failure("releasing a lock", err))
+        })
+    }
+
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            self.conn
+                .ping()
+                .await
+                .map_err(|err| Failure::connection(mysql_error("checking a connection", err)))
+        })
+    }
+
+    fn interrupt(&self, name: &Arc<str>) -> Option<MySqlKill> {
+        Some(MySqlKill {
+            id: self.id,
+            name: Arc::clone(name),
+        })
+    }
+
+    fn run_interrupt(&mut self, kill: MySqlKill) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            match tokio::time::timeout(SETTLE_LIMIT, self.kill(kill.id, &kill.name)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(err)) => Err(failure("ending an abandoned wait", err)),
+                Err(_) => {
+                    tracing::warn!(
+                        backend = NAME,
+                        "an abandoned wait's session still holds its lock after {SETTLE_LIMIT:?}"
+                    );
+                    Ok(())
+                }
+            }
+        })
+    }
+}
+
+/// A failed statement: the connection stays usable unless the error says otherwise.
+fn failure(what: &str, err: sqlx::Error) -> Failure {
+    if is_connection_error(&err) {
+        Failure::connection(mysql_error(what, err))
+    } else {
+        Failure::statement(mysql_error(what, err))
     }
 }
 
@@ -1570,10 +824,6 @@ fn is_connection_error(err: &sqlx::Error) -> bool {
     }
 }
 
-fn lane_gone() -> LockError {
-    LockError::unavailable(NAME, "the lock connection task has stopped", None)
-}
-
 /// Maps a driver error; messages name what was being done, never the URL.
 fn mysql_error(what: &str, err: sqlx::Error) -> LockError {
     let number = error_number(&err);
@@ -1637,32 +887,19 @@ fn parse_url(url: &str) -> Result<MySqlBuilder, LockError> {
         ));
     }
     let mut passthrough = Vec::new();
-    let mut fencing = false;
-    let mut keepalive = DEFAULT_KEEPALIVE;
-    let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
-    let mut connections = DEFAULT_CONNECTIONS;
-    let mut wait_connections = DEFAULT_WAIT_CONNECTIONS;
+    let mut lane = LaneOptions::default();
     for (name, value) in query_pairs(query) {
+        if lane.parse(&name, &value)? {
+            continue;
+        }
         match name.as_str() {
-            "fencing" => {
-                fencing = match value.as_str() {
-                    "true" | "1" | "yes" | "on" => true,
-                    "false" | "0" | "no" | "off" => false,
-                    _ => {
-                        return Err(LockError::config(format!(
-                            "option `fencing` has the value `{}`; write `true` or `false`",
-                            crate::options::shown(&value)
-                        )));
-                    }
-                }
-            }
-            "keepalive" => keepalive = parse_duration("keepalive", &value)?,
-            "connect_timeout" => connect_timeout = parse_duration("connect_timeout", &value)?,
-            "connections" => connections = parse_count("connections", &value)?,
-            "wait_connections" => wait_connections = parse_count("wait_connections", &value)?,
             other if DRIVER_OPTIONS.contains(&other) => passthrough.push((name, value)),
             other => {
-                let valid: Vec<&str> = OPTIONS.iter().chain(DRIVER_OPTIONS).copied().collect();
+                let valid: Vec<&str> = LaneOptions::NAMES
+                    .iter()
+                    .chain(DRIVER_OPTIONS)
+                    .copied()
+                    .collect();
                 return Err(unknown_option("mysql", other, &valid));
             }
         }
@@ -1680,17 +917,10 @@ fn parse_url(url: &str) -> Result<MySqlBuilder, LockError> {
         LockError::config(format!(
             "the MySQL URL is not valid ({}); write it like mysql://user:password@host:3306/database (options: {})",
             describe_url_error(&e),
-            OPTIONS.join(", ")
+            LaneOptions::NAMES.join(", ")
         ))
     })?;
-    let builder = MySqlBuilder {
-        options,
-        fencing,
-        keepalive,
-        connect_timeout,
-        connections,
-        wait_connections,
-    };
+    let builder = MySqlBuilder { options, lane };
     builder.check()?;
     Ok(builder)
 }
@@ -1701,15 +931,6 @@ fn describe_url_error(err: &sqlx::Error) -> String {
         sqlx::Error::Configuration(inner) => inner.to_string(),
         _ => "malformed URL".to_owned(),
     }
-}
-
-fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
-    value.trim().parse().map_err(|_| {
-        LockError::config(format!(
-            "option `{option}` has the value `{}`, which is not a whole number",
-            crate::options::shown(value)
-        ))
-    })
 }
 
 #[cfg(test)]
@@ -1800,9 +1021,15 @@ mod tests {
             "mariadb://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&ssl-mode=disabled",
         )
         .unwrap();
-        assert!(b.fencing);
-        assert_eq!(b.keepalive, Duration::from_millis(250));
-        assert_eq!((b.connections, b.wait_connections), (2, 0));
+        assert!(b.lane.fencing);
+        assert_eq!(b.lane.settings.keepalive, Duration::from_millis(250));
+        assert_eq!(
+            (
+                b.lane.settings.connections,
+                b.lane.settings.wait_connections
+            ),
+            (2, 0)
+        );
         assert_eq!(b.options.get_port(), 5);
         assert_eq!(b.options.get_database(), Some("db"));
         assert!(!format!("{b:?}").contains("secret"));

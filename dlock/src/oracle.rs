@@ -30,9 +30,10 @@
 //! (`timeout => 0`) and hold the locks so taken; at most `wait_connections` sessions (default 4)
 //! run native waits and keep the lock a wait got until release. `DBMS_LOCK.REQUEST` takes its
 //! timeout in whole seconds: a wait asks the server for the whole seconds of its timeout, then
-//! sleeps out the fraction left and tries once more at the deadline, so timeouts are kept to
-//! the millisecond (a wait shorter than a second is a sleep and a try). The `oracle` crate is blocking: every call runs on
-//! Tokio's blocking thread pool (`spawn_blocking`), one call at a time per session.
+//! tries with short pauses through the fraction left and once more at the deadline, so
+//! timeouts are kept to the millisecond (a wait shorter than a second is a few tries). The
+//! `oracle` crate is blocking: every call runs on Tokio's blocking thread pool
+//! (`spawn_blocking`), one call at a time per session.
 //!
 //! A wait that is abandoned (timeout, cancellation token, dropped future) is interrupted with
 //! `OCIBreak` and its session is closed, which releases anything it was granted meanwhile.
@@ -110,8 +111,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
-use crate::lanes::{Connector, Failure, LaneSettings, Lanes, Session};
+use crate::backend::BoxFuture;
+use crate::lanes::{
+    Connector, Failure, Grant as LaneGrant, LaneSettings, Lanes, Session, lane_backend,
+};
 use crate::options::{query_pairs, unknown_option};
 
 /// The `oracle` driver this module is built against, for the transaction-bound functions'
@@ -441,7 +444,10 @@ impl Connector for OracleConnector {
 
     const NAME: &'static str = NAME;
     const MAX_WAIT: Duration = Duration::from_secs(MAXWAIT_SECS as u64 - 1);
-    const WAIT_RESOLUTION: Duration = Duration::from_secs(1);
+
+    fn wait_resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
 
     fn resource(&self, key: &str) -> OracleResource {
         OracleResource {
@@ -478,7 +484,7 @@ impl Connector for OracleConnector {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct OracleResource {
     id: i32,
 }
@@ -506,12 +512,13 @@ impl OracleSession {
 
 impl Session for OracleSession {
     type Resource = OracleResource;
+    type Interrupt = std::convert::Infallible;
 
     fn lock<'a>(
         &'a mut self,
         resource: &'a OracleResource,
         wait: Duration,
-    ) -> BoxFuture<'a, Result<bool, Failure>> {
+    ) -> BoxFuture<'a, Result<Option<LaneGrant>, Failure>> {
         let call = request_call(resource.id, Scope::Session, timeout_secs(wait));
         Box::pin(async move {
             let code = self
@@ -527,8 +534,8 @@ impl Session for OracleSession {
                 )));
             }
             match request_result(code) {
-                Ok(Grant::Granted) => Ok(true),
-                Ok(Grant::NotGranted) => Ok(false),
+                Ok(Grant::Granted) => Ok(Some(LaneGrant::PLAIN)),
+                Ok(Grant::NotGranted) => Ok(None),
                 Err(error) => Err(Failure::statement(error)),
             }
         })
@@ -551,11 +558,12 @@ impl Session for OracleSession {
         Box::pin(self.blocking("checking a session", ping))
     }
 
-    fn interrupt(&self) {
+    fn interrupt(&self, _resource: &OracleResource) -> Option<std::convert::Infallible> {
         let conn = Arc::clone(&self.conn);
         drop(tokio::task::spawn_blocking(move || {
             let _ = conn.break_execution();
         }));
+        None
     }
 }
 
@@ -703,30 +711,7 @@ impl std::fmt::Debug for OracleBackend {
     }
 }
 
-impl LockBackend for OracleBackend {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn supports_native_wait(&self) -> bool {
-        true
-    }
-
-    fn try_acquire<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.try_acquire(request.key))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.acquire_wait(request.key, timeout))
-    }
-}
+lane_backend!(OracleBackend, NAME);
 
 // ---------------------------------------------------------------------------------------------
 // Transaction-bound locks (blocking).

@@ -122,43 +122,20 @@
 //! restores the transaction's setting afterwards, so a timed-out wait leaves the transaction
 //! usable (it answers [`LockError::Timeout`] and the caller may carry on or roll back).
 
-use std::collections::HashMap;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
 use sqlx::{Connection, Row};
-use tokio::sync::{Semaphore, mpsc, oneshot};
-use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::options::{parse_duration, query_pairs, unknown_option};
-use crate::{Backoff, LockError, lock_id};
+use crate::lanes::{Connector, Failure, Grant, LaneOptions, Lanes, Session, lane_backend};
+use crate::options::{query_pairs, unknown_option};
+use crate::{LockError, lock_id};
 
 const NAME: &str = "postgres";
-
-const DEFAULT_KEEPALIVE: Duration = Duration::from_secs(5);
-const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-const DEFAULT_CONNECTIONS: usize = 4;
-const DEFAULT_WAIT_CONNECTIONS: usize = 4;
-const MAX_CONNECTIONS: usize = 64;
-/// A liveness check that takes longer than this counts as a dead connection.
-const PING_TIMEOUT: Duration = Duration::from_secs(1);
-/// Bound on one short statement (try, unlock, fencing) on a lock connection.
-const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Extra time a native wait gets beyond its `lock_timeout` before the client gives up on it.
-const WAIT_GRACE: Duration = Duration::from_secs(1);
-
-const OPTIONS: &[&str] = &[
-    "fencing",
-    "keepalive",
-    "connections",
-    "wait_connections",
-    "connect_timeout",
-];
 
 /// Query options the driver reads (it would ignore any other silently, so a typo would go
 /// unnoticed: they are refused instead).
@@ -242,18 +219,7 @@ const SET_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', $1, false)
 /// [`PostgresBackend::builder`]. See the [module docs](self) for how it uses connections.
 #[derive(Clone)]
 pub struct PostgresBackend {
-    shared: Arc<Shared>,
-}
-
-struct Shared {
-    options: PgConnectOptions,
-    fencing: bool,
-    keepalive: Duration,
-    connect_timeout: Duration,
-    lanes: Vec<mpsc::UnboundedSender<LaneCommand>>,
-    next_lane: AtomicUsize,
-    waits: Arc<WaitPool>,
-    next_handle: AtomicU64,
+    lanes: Arc<Lanes<PgConnector>>,
 }
 
 /// Builds a [`PostgresBackend`] with options.
@@ -261,11 +227,7 @@ struct Shared {
 #[must_use]
 pub struct PostgresBuilder {
     options: PgConnectOptions,
-    fencing: bool,
-    keepalive: Duration,
-    connect_timeout: Duration,
-    connections: usize,
-    wait_connections: usize,
+    lane: LaneOptions,
 }
 
 impl std::fmt::Debug for PostgresBuilder {
@@ -274,11 +236,7 @@ impl std::fmt::Debug for PostgresBuilder {
         f.debug_struct("PostgresBuilder")
             .field("host", &self.options.get_host())
             .field("port", &self.options.get_port())
-            .field("fencing", &self.fencing)
-            .field("keepalive", &self.keepalive)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("connections", &self.connections)
-            .field("wait_connections", &self.wait_connections)
+            .field("options", &self.lane)
             .finish()
     }
 }
@@ -286,33 +244,33 @@ impl std::fmt::Debug for PostgresBuilder {
 impl PostgresBuilder {
     /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
     pub fn fencing(mut self, fencing: bool) -> Self {
-        self.fencing = fencing;
+        self.lane.fencing = fencing;
         self
     }
 
     /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
     pub fn keepalive(mut self, keepalive: Duration) -> Self {
-        self.keepalive = keepalive;
+        self.lane.settings.keepalive = keepalive;
         self
     }
 
     /// How long opening a connection may take (default 10 s).
     pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
-        self.connect_timeout = connect_timeout;
+        self.lane.connect_timeout = connect_timeout;
         self
     }
 
     /// The number of lock connections, which hold the locks taken without waiting (default 4,
     /// 1 to 64).
     pub fn connections(mut self, connections: usize) -> Self {
-        self.connections = connections;
+        self.lane.settings.connections = connections;
         self
     }
 
     /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes waits
     /// poll instead).
     pub fn wait_connections(mut self, wait_connections: usize) -> Self {
-        self.wait_connections = wait_connections;
+        self.lane.settings.wait_connections = wait_connections;
         self
     }
 
@@ -325,70 +283,27 @@ impl PostgresBuilder {
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn open(self) -> Result<PostgresBackend, LockError> {
         self.check()?;
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        if tokio::runtime::Handle::try_current().is_err() {
             return Err(LockError::config(
                 "the PostgreSQL backend must be opened inside a Tokio runtime",
             ));
-        };
-        let mut first = open_connection(&self.options, self.connect_timeout).await?;
-        if self.fencing {
-            create_fencing_table(&mut first).await?;
         }
-        let mut lanes = Vec::with_capacity(self.connections);
-        let mut first = Some(first);
-        for _ in 0..self.connections {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let lane = Lane {
-                options: self.options.clone(),
-                connect_timeout: self.connect_timeout,
-                keepalive: self.keepalive,
-                fencing: self.fencing,
-                conn: first.take(),
-                held: HashMap::new(),
-            };
-            drop(runtime.spawn(lane.run(rx)));
-            lanes.push(tx);
+        let connector = PgConnector {
+            options: self.options,
+            fencing: self.lane.fencing,
+            connect_timeout: self.lane.connect_timeout,
+        };
+        let mut first = connector.open_session().await?;
+        if self.lane.fencing {
+            create_fencing_table(&mut first.conn).await?;
         }
         Ok(PostgresBackend {
-            shared: Arc::new(Shared {
-                options: self.options,
-                fencing: self.fencing,
-                keepalive: self.keepalive,
-                connect_timeout: self.connect_timeout,
-                lanes,
-                next_lane: AtomicUsize::new(0),
-                waits: Arc::new(WaitPool {
-                    permits: Arc::new(Semaphore::new(self.wait_connections)),
-                    idle: Mutex::new(Vec::new()),
-                }),
-                next_handle: AtomicU64::new(0),
-            }),
+            lanes: Arc::new(Lanes::start(connector, self.lane.settings, first)?),
         })
     }
 
     fn check(&self) -> Result<(), LockError> {
-        if self.keepalive < Duration::from_millis(10) {
-            return Err(LockError::config(format!(
-                "keepalive {:?} is too short; use at least 10ms",
-                self.keepalive
-            )));
-        }
-        if self.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
-        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
-            return Err(LockError::config(format!(
-                "connections must be between 1 and {MAX_CONNECTIONS}, not {}",
-                self.connections
-            )));
-        }
-        if self.wait_connections > MAX_CONNECTIONS {
-            return Err(LockError::config(format!(
-                "wait_connections must be between 0 and {MAX_CONNECTIONS}, not {}",
-                self.wait_connections
-            )));
-        }
-        Ok(())
+        self.lane.check()
     }
 }
 
@@ -397,11 +312,7 @@ impl PostgresBackend {
     pub fn builder(options: PgConnectOptions) -> PostgresBuilder {
         PostgresBuilder {
             options,
-            fencing: false,
-            keepalive: DEFAULT_KEEPALIVE,
-            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
-            connections: DEFAULT_CONNECTIONS,
-            wait_connections: DEFAULT_WAIT_CONNECTIONS,
+            lane: LaneOptions::default(),
         }
     }
 
@@ -444,703 +355,241 @@ impl PostgresBackend {
 
     /// Whether this backend issues fencing tokens.
     pub fn fencing(&self) -> bool {
-        self.shared.fencing
+        self.lanes.connector().fencing
     }
 
     /// The liveness check cadence.
     pub fn keepalive(&self) -> Duration {
-        self.shared.keepalive
-    }
-
-    /// The next lock connection, round robin.
-    fn lane(&self) -> Result<&mpsc::UnboundedSender<LaneCommand>, LockError> {
-        let n = self.shared.next_lane.fetch_add(1, Ordering::Relaxed);
-        let lanes = &self.shared.lanes;
-        // Never empty (the builder checks), but answer an error rather than panic.
-        lanes.get(n % lanes.len().max(1)).ok_or_else(lane_gone)
-    }
-
-    /// One `pg_try_advisory_lock` on a lock connection.
-    async fn try_on_lane(&self, key: &str) -> Result<Option<Acquired>, LockError> {
-        let id = lock_id(key);
-        let lane = self.lane()?.clone();
-        let handle = self.shared.next_handle.fetch_add(1, Ordering::Relaxed);
-        let lost = CancellationToken::new();
-        let (reply, answer) = oneshot::channel();
-        lane.send(LaneCommand::Try {
-            id,
-            handle,
-            lost: lost.clone(),
-            reply,
-        })
-        .map_err(|_| lane_gone())?;
-        // Armed from here on: if this future is dropped before the answer is turned into a
-        // guard (even after the lane has sent a grant), dropping `held` queues an unlock
-        // behind the try, which frees whatever the try got.
-        let held = LaneHeld::new(lane, handle);
-        match answer.await.map_err(|_| lane_gone())?? {
-            None => {
-                held.disarm();
-                Ok(None)
-            }
-            Some(token) => Ok(Some(Acquired::new(token, lost, Box::new(held)))),
-        }
-    }
-
-    async fn poll_lanes(
-        &self,
-        key: &str,
-        deadline: Option<Instant>,
-    ) -> Result<Option<Acquired>, LockError> {
-        let backoff = Backoff::default();
-        let mut attempt = 0u32;
-        loop {
-            if let Some(acquired) = self.try_on_lane(key).await? {
-                return Ok(Some(acquired));
-            }
-            let mut pause = backoff.delay(attempt);
-            attempt = attempt.saturating_add(1);
-            if let Some(deadline) = deadline {
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(None);
-                }
-                pause = pause.min(deadline - now);
-            }
-            tokio::time::sleep(pause).await;
-        }
-    }
-
-    async fn wait(&self, key: &str, timeout: Duration) -> Result<Option<Acquired>, LockError> {
-        let deadline = Instant::now().checked_add(timeout);
-        // A free key is taken on a lock connection, like a try.
-        if let Some(acquired) = self.try_on_lane(key).await? {
-            return Ok(Some(acquired));
-        }
-        let remaining = deadline.map_or(Duration::MAX, |d| {
-            d.saturating_duration_since(Instant::now())
-        });
-        if remaining.is_zero() {
-            return Ok(None);
-        }
-        let Ok(permit) = Arc::clone(&self.shared.waits.permits).try_acquire_owned() else {
-            // Every wait connection is busy: poll the lock connections instead.
-            return self.poll_lanes(key, deadline).await;
-        };
-        let id = lock_id(key);
-        let lost = CancellationToken::new();
-        let (reply, answer) = oneshot::channel();
-        let task = WaitTask {
-            id,
-            timeout: remaining,
-            fencing: self.shared.fencing,
-            keepalive: self.shared.keepalive,
-            options: self.shared.options.clone(),
-            connect_timeout: self.shared.connect_timeout,
-            pool: Arc::clone(&self.shared.waits),
-            canceller: self.lane()?.clone(),
-            lost: lost.clone(),
-            _permit: permit,
-        };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return Err(LockError::config(
-                "PostgreSQL waits must run inside a Tokio runtime",
-            ));
-        };
-        drop(runtime.spawn(task.run(reply)));
-        // If this future is dropped, the task sees the closed reply, stops the server's wait
-        // and gives back whatever it got.
-        let answer = match remaining.checked_add(WAIT_GRACE) {
-            Some(limit) => match tokio::time::timeout(limit, answer).await {
-                Ok(answer) => answer,
-                // The server did not answer in time: give up (the task cleans up).
-                Err(_) => return Ok(None),
-            },
-            None => answer.await,
-        };
-        match answer.map_err(|_| lane_gone())?? {
-            None => Ok(None),
-            Some((token, release)) => Ok(Some(Acquired::new(
-                token,
-                lost,
-                Box::new(WaitHeld {
-                    release: Some(release),
-                }),
-            ))),
-        }
+        self.lanes.settings().keepalive
     }
 }
 
 impl std::fmt::Debug for PostgresBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let connector = self.lanes.connector();
         f.debug_struct("PostgresBackend")
-            .field("host", &self.shared.options.get_host())
-            .field("port", &self.shared.options.get_port())
-            .field("fencing", &self.shared.fencing)
-            .field("keepalive", &self.shared.keepalive)
-            .field("connections", &self.shared.lanes.len())
+            .field("host", &connector.options.get_host())
+            .field("port", &connector.options.get_port())
+            .field("fencing", &connector.fencing)
+            .field("lanes", &self.lanes)
             .finish()
     }
 }
 
-impl LockBackend for PostgresBackend {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn supports_native_wait(&self) -> bool {
-        true
-    }
-
-    fn try_acquire<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.try_on_lane(request.key))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.wait(request.key, timeout))
-    }
-}
+lane_backend!(PostgresBackend, NAME);
 
 // ---------------------------------------------------------------------------------------------
-// Lock connections ("lanes").
+// Sessions: what the shared connection machinery runs on a PostgreSQL connection.
 
-type TryReply = oneshot::Sender<Result<Option<Option<u64>>, LockError>>;
-
-enum LaneCommand {
-    /// `pg_try_advisory_lock`; on success the lock is pinned to this lane under `handle`.
-    Try {
-        id: i64,
-        handle: u64,
-        lost: CancellationToken,
-        reply: TryReply,
-    },
-    /// Gives back the lock `handle` (if this lane still holds it), then acknowledges.
-    Unlock {
-        handle: u64,
-        done: oneshot::Sender<()>,
-    },
-    /// `pg_cancel_backend` for an abandoned wait on another connection, identified by its
-    /// process id and start time (so a reused process id is never hit).
-    Cancel { pid: i32, started: String },
-}
-
-/// One lock connection, owned by its task: every statement on it runs in order, and the
-/// task also runs the liveness checks.
-struct Lane {
+/// Opens lock and wait connections.
+struct PgConnector {
     options: PgConnectOptions,
-    connect_timeout: Duration,
-    keepalive: Duration,
     fencing: bool,
-    conn: Option<PgConnection>,
-    /// The locks this connection holds: handle -> (id, lost token).
-    held: HashMap<u64, (i64, CancellationToken)>,
-}
-
-impl Lane {
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand>) {
-        let mut ticker = tokio::time::interval(self.keepalive);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                command = commands.recv() => match command {
-                    Some(command) => self.handle(command).await,
-                    // The backend and every lock of this lane are gone.
-                    None => break,
-                },
-                _ = ticker.tick(), if self.conn.is_some() => self.check().await,
-            }
-        }
-    }
-
-    async fn handle(&mut self, command: LaneCommand) {
-        match command {
-            LaneCommand::Try {
-                id,
-                handle,
-                lost,
-                reply,
-            } => {
-                if reply.is_closed() {
-                    return;
-                }
-                let outcome = self.try_lock(id).await;
-                match outcome {
-                    Ok(Some(token)) => {
-                        self.held.insert(handle, (id, lost));
-                        if reply.send(Ok(Some(token))).is_err() {
-                            // The acquisition was abandoned while the server granted it.
-                            self.unlock(handle).await;
-                        }
-                    }
-                    other => {
-                        let _ = reply.send(other.map(|_| None));
-                    }
-                }
-            }
-            LaneCommand::Unlock { handle, done } => {
-                self.unlock(handle).await;
-                let _ = done.send(());
-            }
-            LaneCommand::Cancel { pid, started } => {
-                if let Ok(conn) = self.connection().await {
-                    let cancel = sqlx::query(CANCEL_SQL)
-                        .bind(pid)
-                        .bind(started)
-                        .execute(&mut *conn);
-                    match tokio::time::timeout(STATEMENT_TIMEOUT, cancel).await {
-                        Ok(Ok(_)) => {}
-                        Ok(Err(err)) if !is_connection_error(&err) => {}
-                        _ => self.die("the lock connection failed"),
-                    }
-                }
-            }
-        }
-    }
-
-    /// The open connection, opening a fresh one if there is none.
-    async fn connection(&mut self) -> Result<&mut PgConnection, LockError> {
-        if self.conn.is_none() {
-            self.conn = Some(open_connection(&self.options, self.connect_timeout).await?);
-        }
-        self.conn.as_mut().ok_or_else(lane_gone)
-    }
-
-    /// One try; `Ok(Some(token))` when taken. A connection found dead before anything was
-    /// sent over it (idle, holding nothing) is replaced once.
-    async fn try_lock(&mut self, id: i64) -> Result<Option<Option<u64>>, LockError> {
-        let reused = self.conn.is_some();
-        match self.try_once(id).await {
-            Err(err) if reused && self.conn.is_none() && self.held.is_empty() => {
-                let _ = err;
-                self.try_once(id).await
-            }
-            other => other,
-        }
-    }
-
-    async fn try_once(&mut self, id: i64) -> Result<Option<Option<u64>>, LockError> {
-        let fencing = self.fencing;
-        let conn = self.connection().await?;
-        let statement = async {
-            if fencing {
-                let row = sqlx::query(TRY_FENCED_SQL)
-                    .bind(id)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                let got: bool = row.try_get(0)?;
-                let token: Option<i64> = row.try_get(1)?;
-                Ok::<_, sqlx::Error>(got.then(|| token.and_then(|t| u64::try_from(t).ok())))
-            } else {
-                let got: bool = sqlx::query_scalar(TRY_SQL)
-                    .bind(id)
-                    .fetch_one(&mut *conn)
-                    .await?;
-                Ok(got.then_some(None))
-            }
-        };
-        match tokio::time::timeout(STATEMENT_TIMEOUT, statement).await {
-            Ok(Ok(outcome)) => Ok(outcome),
-            Ok(Err(err)) if !is_connection_error(&err) => {
-                // The statement failed (say, the fencing table is missing) after the lock may
-                // have been taken: give it back. A session re-entering its own lock cannot
-                // happen here (the in-process table admits one acquisition per key).
-                let unlock = sqlx::query(UNLOCK_SQL).bind(id).execute(&mut *conn);
-                match tokio::time::timeout(STATEMENT_TIMEOUT, unlock).await {
-                    Ok(Ok(_)) => {}
-                    _ => self.die("the lock connection failed"),
-                }
-                Err(pg_error("taking a lock", err))
-            }
-            Ok(Err(err)) => {
-                self.die("the lock connection failed");
-                Err(pg_error("taking a lock", err))
-            }
-            Err(_) => {
-                self.die("the lock connection stopped answering");
-                Err(LockError::unavailable(
-                    NAME,
-                    format!(
-                        "the server did not answer a lock statement within {STATEMENT_TIMEOUT:?}"
-                    ),
-                    None,
-                ))
-            }
-        }
-    }
-
-    async fn unlock(&mut self, handle: u64) {
-        // A lock that is not in `held` went with a dead connection: nothing to give back.
-        let Some((id, _lost)) = self.held.remove(&handle) else {
-            return;
-        };
-        let Some(conn) = self.conn.as_mut() else {
-            return;
-        };
-        let unlock = sqlx::query_scalar::<_, bool>(UNLOCK_SQL)
-            .bind(id)
-            .fetch_one(&mut *conn);
-        match tokio::time::timeout(STATEMENT_TIMEOUT, unlock).await {
-            Ok(Ok(_)) => {}
-            // The connection's state is unknown: dropping it is the one sure way to free the
-            // lock on the server, and it takes this lane's other locks with it.
-            _ => self.die("releasing a lock failed"),
-        }
-    }
-
-    async fn check(&mut self) {
-        let Some(conn) = self.conn.as_mut() else {
-            return;
-        };
-        match tokio::time::timeout(PING_TIMEOUT, conn.ping()).await {
-            Ok(Ok(())) => {}
-            _ => self.die("the lock connection failed its liveness check"),
-        }
-    }
-
-    /// Drops the connection and reports every lock it held as lost.
-    fn die(&mut self, why: &str) {
-        if !self.held.is_empty() {
-            tracing::warn!(
-                backend = NAME,
-                locks = self.held.len(),
-                "{why}; its locks are lost"
-            );
-        }
-        for (_, (_, lost)) in self.held.drain() {
-            lost.cancel();
-        }
-        self.conn = None;
-    }
-}
-
-/// A lock pinned to a lane (or a try in flight that may become one). Dropped without
-/// [`HeldLock::release`], it queues an unlock for its handle without waiting for it; the lane
-/// runs commands in order, so that unlock comes after the try it answers.
-#[derive(Debug)]
-struct LaneHeld {
-    lane: mpsc::UnboundedSender<LaneCommand>,
-    handle: u64,
-    armed: bool,
-}
-
-impl LaneHeld {
-    fn new(lane: mpsc::UnboundedSender<LaneCommand>, handle: u64) -> Self {
-        LaneHeld {
-            lane,
-            handle,
-            armed: true,
-        }
-    }
-
-    /// For a try that was not granted: nothing to give back.
-    fn disarm(mut self) {
-        self.armed = false;
-    }
-}
-
-impl Drop for LaneHeld {
-    fn drop(&mut self) {
-        if self.armed {
-            let (done, _) = oneshot::channel();
-            let _ = self.lane.send(LaneCommand::Unlock {
-                handle: self.handle,
-                done,
-            });
-        }
-    }
-}
-
-impl HeldLock for LaneHeld {
-    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        self.armed = false;
-        Box::pin(async move {
-            let (done, acknowledged) = oneshot::channel();
-            if self
-                .lane
-                .send(LaneCommand::Unlock {
-                    handle: self.handle,
-                    done,
-                })
-                .is_ok()
-            {
-                // The lane task ends only with its connection, which frees the lock anyway.
-                let _ = acknowledged.await;
-            }
-            Ok(())
-        })
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Native waits.
-
-struct WaitPool {
-    /// One permit per wait connection in use (waiting, or holding what its wait got).
-    permits: Arc<Semaphore>,
-    /// Wait connections that hold nothing, ready for the next wait.
-    idle: Mutex<Vec<WaitConnection>>,
-}
-
-impl WaitPool {
-    fn take(&self) -> Option<WaitConnection> {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop()
-    }
-
-    fn put(&self, conn: WaitConnection) {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(conn);
-    }
-}
-
-struct WaitConnection {
-    conn: PgConnection,
-    pid: i32,
-    started: String,
-}
-
-type WaitReply = oneshot::Sender<Result<Option<(Option<u64>, ReleaseSender)>, LockError>>;
-type ReleaseSender = oneshot::Sender<oneshot::Sender<()>>;
-
-/// One native wait on a wait connection; once granted, the task keeps the lock (and checks
-/// the connection) until it is released.
-struct WaitTask {
-    id: i64,
-    timeout: Duration,
-    fencing: bool,
-    keepalive: Duration,
-    options: PgConnectOptions,
     connect_timeout: Duration,
-    pool: Arc<WaitPool>,
-    canceller: mpsc::UnboundedSender<LaneCommand>,
-    lost: CancellationToken,
-    // Held until the connection is back in the pool (or closed).
-    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
-enum WaitOutcome {
-    Granted(Option<u64>),
-    NotGranted,
-}
-
-impl WaitTask {
-    async fn run(self, mut reply: WaitReply) {
-        let mut wc = match self.reuse().await {
-            Some(wc) => wc,
-            None => match self.open().await {
-                Ok(wc) => wc,
-                Err(err) => {
-                    let _ = reply.send(Err(err));
-                    return;
-                }
-            },
-        };
-        let mut abandoned = false;
-        let outcome = match self.wait(&mut wc, &mut reply, &mut abandoned).await {
-            Ok(_) if abandoned => {
-                // The server was asked to cancel this connection's statement: a late cancel
-                // could hit a later statement, so the connection is not reused. Closing it
-                // also ends whatever the wait may have been granted.
-                return;
-            }
-            Ok(outcome) => outcome,
-            Err(err) => {
-                // The connection's state is unknown: close it, which ends anything it held.
-                let _ = reply.send(Err(err));
-                return;
-            }
-        };
-        let token = match outcome {
-            WaitOutcome::NotGranted => {
-                let _ = reply.send(Ok(None));
-                self.pool.put(wc);
-                return;
-            }
-            WaitOutcome::Granted(token) => token,
-        };
-        let (release_tx, release_rx) = oneshot::channel();
-        if reply.send(Ok(Some((token, release_tx)))).is_err() {
-            // Abandoned after the server granted it: give it back.
-            self.give_back(wc).await;
-            return;
-        }
-        self.hold(wc, release_rx).await;
-    }
-
-    /// An idle wait connection that still answers, if there is one.
-    async fn reuse(&self) -> Option<WaitConnection> {
-        while let Some(mut wc) = self.pool.take() {
-            if let Ok(Ok(())) = tokio::time::timeout(PING_TIMEOUT, wc.conn.ping()).await {
-                return Some(wc);
-            }
-        }
-        None
-    }
-
-    async fn open(&self) -> Result<WaitConnection, LockError> {
+impl PgConnector {
+    async fn open_session(&self) -> Result<PgSession, LockError> {
         let mut conn = open_connection(&self.options, self.connect_timeout).await?;
         let (pid, started, _): (i32, String, i64) = sqlx::query_as(IDENTITY_SQL)
             .fetch_one(&mut conn)
             .await
-            .map_err(|e| pg_error("opening a wait connection", e))?;
-        Ok(WaitConnection { conn, pid, started })
+            .map_err(|e| pg_error("opening a connection", e))?;
+        Ok(PgSession {
+            conn,
+            fencing: self.fencing,
+            identity: PgCancel { pid, started },
+        })
+    }
+}
+
+impl Connector for PgConnector {
+    /// The advisory lock id.
+    type Resource = i64;
+    type Session = PgSession;
+
+    const NAME: &'static str = NAME;
+    /// The longest `lock_timeout` the server takes.
+    const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
+    const PING_TIMEOUT: Duration = Duration::from_secs(1);
+    const WAIT_GRACE: Duration = Duration::from_secs(1);
+
+    fn wait_resolution(&self) -> Duration {
+        Duration::from_millis(1)
     }
 
-    async fn wait(
-        &self,
-        wc: &mut WaitConnection,
-        reply: &mut WaitReply,
-        abandoned: &mut bool,
-    ) -> Result<WaitOutcome, LockError> {
+    fn resource(&self, key: &str) -> i64 {
+        lock_id(key)
+    }
+
+    fn open(&self) -> BoxFuture<'_, Result<PgSession, LockError>> {
+        Box::pin(self.open_session())
+    }
+}
+
+/// One connection, with the identity that [`CANCEL_SQL`] aims at.
+struct PgSession {
+    conn: PgConnection,
+    fencing: bool,
+    identity: PgCancel,
+}
+
+/// `pg_cancel_backend` for an abandoned wait on another connection, identified by its process
+/// id and start time (so a reused process id is never hit).
+struct PgCancel {
+    pid: i32,
+    started: String,
+}
+
+impl PgSession {
+    /// One try; the fencing token is issued in the same statement.
+    async fn try_lock(&mut self, id: i64) -> Result<Option<Grant>, sqlx::Error> {
+        if self.fencing {
+            let row = sqlx::query(TRY_FENCED_SQL)
+                .bind(id)
+                .fetch_one(&mut self.conn)
+                .await?;
+            let got: bool = row.try_get(0)?;
+            let token: Option<i64> = row.try_get(1)?;
+            Ok(got.then(|| Grant {
+                token: token.and_then(|t| u64::try_from(t).ok()),
+            }))
+        } else {
+            let got: bool = sqlx::query_scalar(TRY_SQL)
+                .bind(id)
+                .fetch_one(&mut self.conn)
+                .await?;
+            Ok(got.then_some(Grant::PLAIN))
+        }
+    }
+
+    /// A native wait under `lock_timeout`. If the timeout (or a cancel) fires at the moment
+    /// the lock is granted, `pg_locks` decides.
+    async fn wait_lock(&mut self, id: i64, wait: Duration) -> Result<Option<Grant>, sqlx::Error> {
         sqlx::query(SET_LOCK_TIMEOUT_SQL)
-            .bind(lock_timeout_setting(self.timeout))
-            .execute(&mut wc.conn)
-            .await
-            .map_err(|e| pg_error("starting a wait", e))?;
-        let id = self.id;
-        let fencing = self.fencing;
-        let cancel = LaneCommand::Cancel {
-            pid: wc.pid,
-            started: wc.started.clone(),
+            .bind(lock_timeout_setting(wait))
+            .execute(&mut self.conn)
+            .await?;
+        let waited = if self.fencing {
+            sqlx::query_scalar::<_, i64>(WAIT_FENCED_SQL)
+                .bind(id)
+                .fetch_one(&mut self.conn)
+                .await
+                .map(|token| u64::try_from(token).ok())
+        } else {
+            sqlx::query(WAIT_SQL)
+                .bind(id)
+                .execute(&mut self.conn)
+                .await
+                .map(|_| None)
         };
-        let result = {
-            let conn = &mut wc.conn;
-            let mut statement = std::pin::pin!(async move {
-                if fencing {
-                    let token: i64 = sqlx::query_scalar(WAIT_FENCED_SQL)
-                        .bind(id)
-                        .fetch_one(&mut *conn)
-                        .await?;
-                    Ok::<_, sqlx::Error>(u64::try_from(token).ok())
-                } else {
-                    sqlx::query(WAIT_SQL).bind(id).execute(&mut *conn).await?;
-                    Ok(None)
-                }
-            });
-            tokio::select! {
-                result = &mut statement => result,
-                () = reply.closed() => {
-                    // Abandoned: ask the server to end the wait. `run` closes the connection,
-                    // which also ends the lock if the server granted it in the meantime.
-                    *abandoned = true;
-                    let _ = self.canceller.send(cancel);
-                    return Ok(WaitOutcome::NotGranted);
-                }
-            }
-        };
-        match result {
-            Ok(token) => Ok(WaitOutcome::Granted(token)),
+        match waited {
+            Ok(token) => Ok(Some(Grant { token })),
             Err(err) if is_wait_ended(&err) => {
-                // Timeout or cancel. The lock may have been granted just as the wait ended:
-                // look before answering.
-                if self.holds(&mut wc.conn).await? {
-                    let token = if self.fencing {
-                        sqlx::query_scalar::<_, i64>(FENCE_SQL)
-                            .bind(self.id)
-                            .fetch_one(&mut wc.conn)
-                            .await
-                            .map(|t| u64::try_from(t).ok())
-                            .map_err(|e| pg_error("issuing a fencing token", e))?
-                    } else {
-                        None
-                    };
-                    Ok(WaitOutcome::Granted(token))
+                let held: bool = sqlx::query_scalar(HELD_SQL)
+                    .bind(id)
+                    .fetch_one(&mut self.conn)
+                    .await?;
+                if !held {
+                    return Ok(None);
+                }
+                let token = if self.fencing {
+                    let token: i64 = sqlx::query_scalar(FENCE_SQL)
+                        .bind(id)
+                        .fetch_one(&mut self.conn)
+                        .await?;
+                    u64::try_from(token).ok()
                 } else {
-                    Ok(WaitOutcome::NotGranted)
-                }
+                    None
+                };
+                Ok(Some(Grant { token }))
             }
-            Err(err) if !is_connection_error(&err) => {
-                // For example a missing fencing table: make sure nothing stays held.
-                let _ = self.unlock(&mut wc.conn).await;
-                Err(pg_error("waiting for a lock", err))
-            }
-            Err(err) => Err(pg_error("waiting for a lock", err)),
-        }
-    }
-
-    async fn holds(&self, conn: &mut PgConnection) -> Result<bool, LockError> {
-        sqlx::query_scalar(HELD_SQL)
-            .bind(self.id)
-            .fetch_one(conn)
-            .await
-            .map_err(|e| pg_error("checking a lock", e))
-    }
-
-    async fn unlock(&self, conn: &mut PgConnection) -> Result<(), sqlx::Error> {
-        let unlock = sqlx::query(UNLOCK_SQL).bind(self.id).execute(conn);
-        match tokio::time::timeout(STATEMENT_TIMEOUT, unlock).await {
-            Ok(result) => result.map(|_| ()),
-            Err(_) => Err(sqlx::Error::PoolTimedOut),
-        }
-    }
-
-    /// Unlocks and returns the connection to the pool; closes it if that fails.
-    async fn give_back(&self, mut wc: WaitConnection) {
-        if self.unlock(&mut wc.conn).await.is_ok() {
-            self.pool.put(wc);
-        }
-    }
-
-    async fn hold(
-        self,
-        mut wc: WaitConnection,
-        mut release: oneshot::Receiver<oneshot::Sender<()>>,
-    ) {
-        let mut ticker = tokio::time::interval(self.keepalive);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticker.tick().await;
-        loop {
-            tokio::select! {
-                done = &mut release => {
-                    self.give_back(wc).await;
-                    if let Ok(done) = done {
-                        let _ = done.send(());
-                    }
-                    return;
-                }
-                _ = ticker.tick() => {
-                    match tokio::time::timeout(PING_TIMEOUT, wc.conn.ping()).await {
-                        Ok(Ok(())) => {}
-                        _ => {
-                            tracing::warn!(backend = NAME, "a wait connection failed its liveness check; its lock is lost");
-                            self.lost.cancel();
-                            return;
-                        }
-                    }
-                }
-            }
+            Err(err) => Err(err),
         }
     }
 }
 
-/// A lock held by a wait connection's task.
-#[derive(Debug)]
-struct WaitHeld {
-    release: Option<ReleaseSender>,
-}
+impl Session for PgSession {
+    type Resource = i64;
+    type Interrupt = PgCancel;
 
-impl HeldLock for WaitHeld {
-    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let release = self.release.take();
+    fn lock<'a>(
+        &'a mut self,
+        id: &'a i64,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
         Box::pin(async move {
-            if let Some(release) = release {
-                let (done, acknowledged) = oneshot::channel();
-                if release.send(done).is_ok() {
-                    let _ = acknowledged.await;
+            let (what, outcome) = if wait.is_zero() {
+                ("taking a lock", self.try_lock(*id).await)
+            } else {
+                ("waiting for a lock", self.wait_lock(*id, wait).await)
+            };
+            match outcome {
+                Ok(grant) => Ok(grant),
+                Err(err) if !is_connection_error(&err) => {
+                    // The statement failed (say, the fencing table is missing) after the lock
+                    // may have been taken: give it back. A session re-entering its own lock
+                    // cannot happen here (the in-process table admits one acquisition per key).
+                    let error = pg_error(what, err);
+                    match sqlx::query(UNLOCK_SQL)
+                        .bind(*id)
+                        .execute(&mut self.conn)
+                        .await
+                    {
+                        Ok(_) => Err(Failure::statement(error)),
+                        Err(_) => Err(Failure::connection(error)),
+                    }
                 }
+                Err(err) => Err(Failure::connection(pg_error(what, err))),
             }
-            Ok(())
+        })
+    }
+
+    fn unlock<'a>(&'a mut self, id: &'a i64) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            sqlx::query_scalar::<_, bool>(UNLOCK_SQL)
+                .bind(*id)
+                .fetch_one(&mut self.conn)
+                .await
+                .map(drop)
+                .map_err(|err| Failure::connection(pg_error("releasing a lock", err)))
+        })
+    }
+
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            self.conn
+                .ping()
+                .await
+                .map_err(|err| Failure::connection(pg_error("checking a connection", err)))
+        })
+    }
+
+    fn interrupt(&self, _id: &i64) -> Option<PgCancel> {
+        Some(PgCancel {
+            pid: self.identity.pid,
+            started: self.identity.started.clone(),
+        })
+    }
+
+    fn run_interrupt(&mut self, cancel: PgCancel) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            match sqlx::query(CANCEL_SQL)
+                .bind(cancel.pid)
+                .bind(cancel.started)
+                .execute(&mut self.conn)
+                .await
+            {
+                Ok(_) => Ok(()),
+                Err(err) if !is_connection_error(&err) => Err(Failure::statement(pg_error(
+                    "cancelling an abandoned wait",
+                    err,
+                ))),
+                Err(err) => Err(Failure::connection(pg_error(
+                    "cancelling an abandoned wait",
+                    err,
+                ))),
+            }
         })
     }
 }
@@ -1359,10 +808,6 @@ fn is_connection_error(err: &sqlx::Error) -> bool {
     }
 }
 
-fn lane_gone() -> LockError {
-    LockError::unavailable(NAME, "the lock connection task has stopped", None)
-}
-
 /// Maps a driver error; messages name what was being done, never the URL.
 fn pg_error(what: &str, err: sqlx::Error) -> LockError {
     let code = db_code(&err);
@@ -1411,30 +856,13 @@ fn pg_error(what: &str, err: sqlx::Error) -> LockError {
 fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
     let mut passthrough = Vec::new();
-    let mut fencing = false;
-    let mut keepalive = DEFAULT_KEEPALIVE;
-    let mut connect_timeout = DEFAULT_CONNECT_TIMEOUT;
-    let mut connections = DEFAULT_CONNECTIONS;
-    let mut wait_connections = DEFAULT_WAIT_CONNECTIONS;
+    let mut lane = LaneOptions::default();
     let mut named = false;
     for (name, value) in query_pairs(query) {
+        if lane.parse(&name, &value)? {
+            continue;
+        }
         match name.as_str() {
-            "fencing" => {
-                fencing = match value.as_str() {
-                    "true" | "1" | "yes" | "on" => true,
-                    "false" | "0" | "no" | "off" => false,
-                    _ => {
-                        return Err(LockError::config(format!(
-                            "option `fencing` has the value `{}`; write `true` or `false`",
-                            crate::options::shown(&value)
-                        )));
-                    }
-                }
-            }
-            "keepalive" => keepalive = parse_duration("keepalive", &value)?,
-            "connect_timeout" => connect_timeout = parse_duration("connect_timeout", &value)?,
-            "connections" => connections = parse_count("connections", &value)?,
-            "wait_connections" => wait_connections = parse_count("wait_connections", &value)?,
             other if DRIVER_OPTIONS.contains(&other) || other.starts_with("options[") => {
                 if other == "application_name" {
                     named = true;
@@ -1442,7 +870,11 @@ fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
                 passthrough.push((name, value));
             }
             other => {
-                let valid: Vec<&str> = OPTIONS.iter().chain(DRIVER_OPTIONS).copied().collect();
+                let valid: Vec<&str> = LaneOptions::NAMES
+                    .iter()
+                    .chain(DRIVER_OPTIONS)
+                    .copied()
+                    .collect();
                 return Err(unknown_option(NAME, other, &valid));
             }
         }
@@ -1459,31 +891,15 @@ fn parse_url(url: &str) -> Result<PostgresBuilder, LockError> {
         // The driver's message is about the URL's shape; it does not repeat the URL.
         LockError::config(format!(
             "the postgres:// URL is not valid ({e}); write it like postgres://user:password@host:5432/database (options: {})",
-            OPTIONS.join(", ")
+            LaneOptions::NAMES.join(", ")
         ))
     })?;
     if !named {
         options = options.application_name("dlock");
     }
-    let builder = PostgresBuilder {
-        options,
-        fencing,
-        keepalive,
-        connect_timeout,
-        connections,
-        wait_connections,
-    };
+    let builder = PostgresBuilder { options, lane };
     builder.check()?;
     Ok(builder)
-}
-
-fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
-    value.trim().parse().map_err(|_| {
-        LockError::config(format!(
-            "option `{option}` has the value `{}`, which is not a whole number",
-            crate::options::shown(value)
-        ))
-    })
 }
 
 #[cfg(test)]
@@ -1501,9 +917,15 @@ mod tests {
     #[test]
     fn urls() {
         let b = parse_url("postgres://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&sslmode=disable").unwrap();
-        assert!(b.fencing);
-        assert_eq!(b.keepalive, Duration::from_millis(250));
-        assert_eq!((b.connections, b.wait_connections), (2, 0));
+        assert!(b.lane.fencing);
+        assert_eq!(b.lane.settings.keepalive, Duration::from_millis(250));
+        assert_eq!(
+            (
+                b.lane.settings.connections,
+                b.lane.settings.wait_connections
+            ),
+            (2, 0)
+        );
         assert_eq!(b.options.get_port(), 5);
         assert_eq!(b.options.get_application_name(), Some("dlock"));
         assert!(!format!("{b:?}").contains("secret"));

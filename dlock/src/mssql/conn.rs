@@ -11,13 +11,13 @@ use tokio::net::TcpStream;
 use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
 use super::statements::{
-    Call, Grant, MAX_WAIT, NAME, NOT_HELD_ERROR, Owner, Param, getapplock_call, getapplock_result,
-    keepalive_call, lock_timeout_ms, releaseapplock_call, releaseapplock_result, resource_name,
-    server_error,
+    Call, Grant as AppLock, MAX_WAIT, NAME, NOT_HELD_ERROR, Owner, Param, getapplock_call,
+    getapplock_result, keepalive_call, lock_timeout_ms, releaseapplock_call, releaseapplock_result,
+    resource_name, server_error,
 };
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::lanes::{Connector, Failure, Session};
+use crate::lanes::{Connector, Failure, Grant, Session};
 
 /// A connection opened by the backend.
 pub(crate) type MssqlClient = Client<Compat<TcpStream>>;
@@ -169,7 +169,7 @@ fn server_failure(what: &str, code: u32, class: u8, message: &str) -> Failure {
 }
 
 /// The resource of one key: the key (for error messages) and its application-lock name.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) struct Resource {
     pub(crate) key: Arc<str>,
     pub(crate) name: Arc<str>,
@@ -187,7 +187,10 @@ impl Connector for MssqlConnector {
 
     const NAME: &'static str = NAME;
     const MAX_WAIT: Duration = MAX_WAIT;
-    const WAIT_RESOLUTION: Duration = Duration::from_millis(1);
+
+    fn wait_resolution(&self) -> Duration {
+        Duration::from_millis(1)
+    }
 
     fn resource(&self, key: &str) -> Resource {
         Resource {
@@ -211,20 +214,21 @@ pub(crate) struct MssqlSession {
 
 impl Session for MssqlSession {
     type Resource = Resource;
+    type Interrupt = std::convert::Infallible;
 
     fn lock<'a>(
         &'a mut self,
         resource: &'a Resource,
         wait: Duration,
-    ) -> BoxFuture<'a, Result<bool, Failure>> {
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
         Box::pin(async move {
             let call = getapplock_call(&resource.name, Owner::Session, lock_timeout_ms(wait));
             let code = run_scalar(&mut self.client, &call)
                 .await
                 .map_err(|err| failure("taking a lock", err))?;
             match getapplock_result(code, &resource.key) {
-                Ok(Grant::Granted) => Ok(true),
-                Ok(Grant::TimedOut) => Ok(false),
+                Ok(AppLock::Granted) => Ok(Some(Grant::PLAIN)),
+                Ok(AppLock::TimedOut) => Ok(None),
                 Err(error) => Err(Failure::statement(error)),
             }
         })

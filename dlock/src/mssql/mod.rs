@@ -110,8 +110,7 @@ use futures_util::io::{AsyncRead, AsyncWrite};
 use tiberius::{AuthMethod, Config, EncryptionLevel};
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
-use crate::lanes::{LaneSettings, Lanes};
+use crate::lanes::{LaneSettings, Lanes, lane_backend};
 use crate::options::{query_pairs, unknown_option};
 use conn::MssqlConnector;
 pub use statements::resource_name;
@@ -300,30 +299,7 @@ impl std::fmt::Debug for MssqlBackend {
     }
 }
 
-impl LockBackend for MssqlBackend {
-    fn name(&self) -> &'static str {
-        NAME
-    }
-
-    fn supports_native_wait(&self) -> bool {
-        true
-    }
-
-    fn try_acquire<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.try_acquire(request.key))
-    }
-
-    fn acquire_wait<'a>(
-        &'a self,
-        request: LockRequest<'a>,
-        timeout: Duration,
-    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.acquire_wait(request.key, timeout))
-    }
-}
+lane_backend!(MssqlBackend, NAME);
 
 // ---------------------------------------------------------------------------------------------
 // Transaction-bound locks.
