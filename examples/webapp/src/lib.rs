@@ -9,11 +9,14 @@
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
 //! | `GET /health` | none |
 //!
-//! Configuration comes from the environment (see [`Config::from_env`]).
+//! Configuration comes from the environment (see [`Config::from_env`]); metrics go to an
+//! OTLP collector when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, to the log otherwise (see
+//! [`telemetry`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod ledger;
+pub mod telemetry;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -23,6 +23,10 @@ async fn main() -> std::process::ExitCode {
 
 async fn run() -> Result<(), String> {
     let config = Config::from_env()?;
+    // Before the lock provider, so that dlock's instruments are made on this meter provider;
+    // dropped last, which exports what is left.
+    let telemetry = webapp::telemetry::Telemetry::init()?;
+    tracing::info!(to = %telemetry.destination, "metrics export");
     let shutdown = CancellationToken::new();
     let state = AppState::connect(&config, &shutdown).await?;
     let listener = tokio::net::TcpListener::bind(config.addr)

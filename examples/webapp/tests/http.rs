@@ -51,6 +51,16 @@ impl Setup {
 }
 
 async fn start(lock_url: &str, ledger: &Path, env: &[(&str, &str)]) -> Instance {
+    start_with(lock_url, ledger, env, Stdio::inherit()).await
+}
+
+/// Starts an instance whose stderr (its log) goes to `stderr`.
+async fn start_with(
+    lock_url: &str,
+    ledger: &Path,
+    env: &[(&str, &str)],
+    stderr: Stdio,
+) -> Instance {
     let mut command = Command::new(env!("CARGO_BIN_EXE_webapp"));
     command
         .env("DLOCK_URL", lock_url)
@@ -59,7 +69,7 @@ async fn start(lock_url: &str, ledger: &Path, env: &[(&str, &str)]) -> Instance 
         .env("LOCK_TIMEOUT", "60s")
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(stderr)
         .kill_on_drop(true);
     for (name, value) in env {
         command.env(name, value);
@@ -299,4 +309,128 @@ async fn sigterm_cancels_waiting_requests_and_exits_cleanly() {
         .expect("wait");
     assert!(exit.success(), "{exit:?}");
     held.release().await.expect("release");
+}
+
+/// A stand-in OTLP/HTTP collector: answers every request 200 and keeps (path, body).
+async fn collector() -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<(String, Vec<u8>)>>>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let store = std::sync::Arc::clone(&seen);
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            let store = std::sync::Arc::clone(&store);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    // Headers, then as many body bytes as content-length says.
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| {
+                            let (name, value) = l.split_once(':')?;
+                            name.eq_ignore_ascii_case("content-length")
+                                .then(|| value.trim().parse().ok())?
+                        })
+                        .unwrap_or(0);
+                    while buf.len() < end + 4 + length {
+                        match socket.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    let path = head.split(' ').nth(1).unwrap_or("").to_owned();
+                    let body = buf[end + 4..end + 4 + length].to_vec();
+                    buf.drain(..end + 4 + length);
+                    store.lock().unwrap().push((path, body));
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
+                    if socket.write_all(ok).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, seen)
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// With OTEL_EXPORTER_OTLP_ENDPOINT set, dlock's metrics reach the collector over OTLP/HTTP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_go_to_the_otlp_endpoint() {
+    let (endpoint, seen) = collector().await;
+    let setup = Setup::new();
+    let app = setup
+        .start(&[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_METRIC_EXPORT_INTERVAL", "200"),
+        ])
+        .await;
+    let client = reqwest::Client::new();
+    let credit = format!("{}/accounts/acc-m/credit", app.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 5})).await.0,
+        200
+    );
+    let exported = |name: &[u8]| {
+        seen.lock().unwrap().iter().any(|(path, body)| {
+            path == "/v1/metrics" && contains(body, name) && contains(body, b"acquired")
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !exported(b"distributed_lock.acquisitions") {
+        assert!(
+            Instant::now() < deadline,
+            "no OTLP export of dlock's metrics arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(exported(b"distributed_lock.hold_duration"));
+}
+
+/// Without a collector, the metrics are logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_logged_without_a_collector() {
+    let setup = Setup::new();
+    let mut app = start_with(
+        &setup.lock_url(),
+        &setup.ledger(),
+        &[("RUST_LOG", "info"), ("OTEL_METRIC_EXPORT_INTERVAL", "200")],
+        Stdio::piped(),
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let credit = format!("{}/accounts/acc-l/credit", app.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 5})).await.0,
+        200
+    );
+    let stderr = app.child.stderr.take().expect("stderr");
+    let mut lines = BufReader::new(stderr).lines();
+    let found = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.contains("distributed_lock.acquisitions") && line.contains("status=acquired") {
+                return line;
+            }
+        }
+        String::new()
+    })
+    .await
+    .expect("the metrics are logged within 20 s");
+    assert!(found.contains("lock_type=sqlite"), "{found}");
 }
