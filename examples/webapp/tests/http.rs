@@ -30,6 +30,15 @@ impl Setup {
         Setup { dir, lock_url }
     }
 
+    /// Locks on another store; balances still in a file of the temp dir.
+    #[allow(dead_code)]
+    fn with_lock_url(lock_url: String) -> Setup {
+        Setup {
+            dir: tempfile::tempdir().expect("temp dir"),
+            lock_url,
+        }
+    }
+
     fn lock_url(&self) -> String {
         self.lock_url.clone()
     }
@@ -154,6 +163,95 @@ async fn two_hundred_concurrent_debits(setup: &Setup, env: &[(&str, &str)]) -> O
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_instances_lose_no_debit() {
     let setup = Setup::new();
+    let outcome = two_hundred_concurrent_debits(&setup, &[]).await;
+    assert_eq!(outcome.failures, Vec::<(u16, Value)>::new());
+    assert_eq!(outcome.balance, 1000 - 200);
+    assert_eq!(outcome.mismatches, 0);
+}
+
+// The same 200 debits with the locks on a throwaway PostgreSQL or Redis server.
+#[cfg(any(feature = "postgres", feature = "redis"))]
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../../tests/support/placement.rs"]
+mod placement;
+#[cfg(any(feature = "postgres", feature = "redis"))]
+use placement::Placement;
+
+#[cfg(feature = "postgres")]
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../../tests/support/postgres.rs"]
+mod pg_server;
+
+#[cfg(feature = "redis")]
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../../tests/support/redis.rs"]
+mod redis_server;
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_lose_no_debit_with_postgres_locks() {
+    let server = pg_server::PgServer::start();
+    let setup = Setup::with_lock_url(server.url(""));
+    let outcome = two_hundred_concurrent_debits(&setup, &[]).await;
+    assert_eq!(outcome.failures, Vec::<(u16, Value)>::new());
+    assert_eq!(outcome.balance, 1000 - 200);
+    assert_eq!(outcome.mismatches, 0);
+}
+
+/// The lock store goes away: debits get a 503 problem promptly (nothing is debited), and once
+/// the server is back the same instance serves them again.
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_lock_store_is_a_503_problem_and_the_service_recovers() {
+    let mut server = pg_server::PgServer::start();
+    let setup = Setup::with_lock_url(server.url("connect_timeout=2s&keepalive=500ms"));
+    let app = setup.start(&[("LOCK_TIMEOUT", "3s")]).await;
+    let client = reqwest::Client::new();
+    let credit = format!("{}/accounts/acc-s/credit", app.base);
+    let debit = format!("{}/accounts/acc-s/debit", app.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 10})).await.0,
+        200
+    );
+
+    server.stop();
+    let started = Instant::now();
+    let (status, body) = post_json(&client, &debit, json!({"amount": 1})).await;
+    let took = started.elapsed();
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["code"], "DistributedLock.Unavailable", "{body}");
+    assert_eq!(body["instance"], "/accounts/acc-s/debit", "{body}");
+    assert!(took < Duration::from_secs(6), "the 503 took {took:?}");
+    assert_eq!(
+        balance(&client, &app, "acc-s").await,
+        10,
+        "nothing was debited"
+    );
+
+    server.resume();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let (status, body) = post_json(&client, &debit, json!({"amount": 1})).await;
+        if status == 200 {
+            assert_eq!(body["balance"], 9);
+            break;
+        }
+        assert_eq!(status, 503, "{body}");
+        assert!(
+            Instant::now() < deadline,
+            "the service did not recover: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_lose_no_debit_with_redis_locks() {
+    let Some(server) = redis_server::RedisServer::start(redis_server::Flavor::Redis7) else {
+        return;
+    };
+    let setup = Setup::with_lock_url(server.url(""));
     let outcome = two_hundred_concurrent_debits(&setup, &[]).await;
     assert_eq!(outcome.failures, Vec::<(u16, Value)>::new());
     assert_eq!(outcome.balance, 1000 - 200);
