@@ -98,6 +98,43 @@ async fn killed_holder_frees_the_lock_when_its_lease_ends() {
     guard.release().await.unwrap();
 }
 
+/// A holder frozen (SIGSTOP) past its lease cannot renew: another process takes the lock
+/// with a larger fencing token once the lease has run out, and the holder, resumed, reports
+/// the loss within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_holder_learns_of_its_loss_when_resumed() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/stop.db?lease=1s", dir.path().display());
+    let key = unique_key("stopped");
+    let holder = Holder::start(&url, &key);
+    let first_token = holder.fencing_token.expect("sqlite issues tokens");
+    holder.signal("STOP");
+    let stopped_at = Instant::now();
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let guard = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("the stopped holder's lease runs out");
+    assert!(
+        stopped_at.elapsed() >= Duration::from_millis(500),
+        "taken over after {:?}, before the lease could have run out",
+        stopped_at.elapsed()
+    );
+    assert!(guard.fencing_token().unwrap() > first_token);
+    holder.signal("CONT");
+    let resumed_at = Instant::now();
+    assert!(
+        holder.lost_within(Duration::from_secs(3)).is_some(),
+        "the resumed holder reports the loss"
+    );
+    assert!(
+        resumed_at.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        resumed_at.elapsed()
+    );
+    guard.release().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn renewal_keeps_a_lock_past_its_lease() {
     let dir = tempfile::tempdir().unwrap();

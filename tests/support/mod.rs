@@ -80,6 +80,8 @@ pub fn run_exclusion(
 pub struct Holder {
     child: Child,
     pub fencing_token: Option<u64>,
+    /// Its later stdout lines (`lost UNIX_MS`), read by a thread.
+    lines: std::sync::mpsc::Receiver<String>,
 }
 
 impl Holder {
@@ -92,17 +94,26 @@ impl Holder {
             .spawn()
             .expect("spawn holder");
         let stdout = child.stdout.take().expect("holder stdout");
-        let mut line = String::new();
-        BufReader::new(stdout)
-            .read_line(&mut line)
-            .expect("read holder output");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let line = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the holder reports within 30 s");
         let token = line
             .trim()
             .strip_prefix("held ")
             .unwrap_or_else(|| panic!("holder said `{line}` instead of `held ...`"));
         Holder {
-            child,
             fencing_token: token.parse().ok(),
+            child,
+            lines,
         }
     }
 
@@ -110,6 +121,23 @@ impl Holder {
     pub fn kill(mut self) {
         self.child.kill().expect("kill holder");
         self.child.wait().expect("reap holder");
+    }
+
+    /// Sends `signal` (`"STOP"`, `"CONT"`, ...) to the holder.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal} failed");
+    }
+
+    /// Waits up to `limit` for the holder to report its lock lost; the wall clock (Unix ms)
+    /// at which its lost token fired.
+    pub fn lost_within(&self, limit: Duration) -> Option<u128> {
+        let line = self.lines.recv_timeout(limit).ok()?;
+        line.strip_prefix("lost ")?.parse().ok()
     }
 
     pub fn pid(&self) -> u32 {
