@@ -280,6 +280,34 @@ async fn server_restart(server: &mut RedisServer) {
     assert!(calls(server, expect(server.flavor).release) >= 1);
 }
 
+/// A holder process killed with SIGKILL: its key frees itself when the lease runs out (not
+/// before), and the next holder's fencing token is larger.
+async fn sigkill_holder(server: &RedisServer) {
+    let lease = Duration::from_secs(1);
+    let url = server.url("lease=1s");
+    let key = unique_key("sigkill");
+    let holder = support::Holder::start(&url, &key);
+    let first = holder.fencing_token.expect("redis issues tokens");
+    let locks = LockProvider::connect(&url).await.unwrap();
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    holder.kill();
+    let killed_at = Instant::now();
+    let guard = locks
+        .acquire(&key, lease * 5)
+        .await
+        .expect("the lease of a killed holder runs out");
+    assert!(
+        killed_at.elapsed() <= lease + Duration::from_secs(1),
+        "{:?}",
+        killed_at.elapsed()
+    );
+    assert!(guard.fencing_token().unwrap() > first);
+    guard.release().await.unwrap();
+}
+
 /// A holder stopped with SIGSTOP past its local deadline: when it resumes, its lost token
 /// fires at once, before the server lets anyone else take the lock.
 async fn sigstop_holder(server: &RedisServer) {
@@ -724,6 +752,12 @@ macro_rules! flavor_tests {
             async fn restart() {
                 let Some(mut server) = start() else { return };
                 server_restart(&mut server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn killed_holder() {
+                let Some(server) = start() else { return };
+                sigkill_holder(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
