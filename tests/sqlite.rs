@@ -351,3 +351,148 @@ fn renewal_restarts_on_a_new_runtime() {
         guard.release().await.unwrap();
     });
 }
+
+/// A small tmpfs of its own, unmounted on drop: a place that can fill up or turn read-only.
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    /// `None` (after saying so) where mounting is not allowed, unless `CI` is set.
+    fn mount(size: &str) -> Option<SmallDisk> {
+        let dir = tempfile::tempdir().unwrap();
+        let mounted = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI must be able to mount a tmpfs (run as root)"
+            );
+            eprintln!("skipped: cannot mount a tmpfs here (not root?)");
+            return None;
+        }
+        Some(SmallDisk { dir })
+    }
+
+    fn path(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
+    fn remount(&self, options: &str) {
+        let status = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,{options}")])
+            .arg(self.dir.path())
+            .status()
+            .unwrap();
+        assert!(status.success(), "remount {options}");
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
+
+/// A full disk and a read-only file system: acquisitions get typed errors (no panic, no
+/// hang), a lock taken before is still held and released normally, and once space is back
+/// the file works again with nothing lost (fencing tokens keep increasing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_and_read_only_disks_are_errors_and_lose_nothing() {
+    let Some(disk) = SmallDisk::mount("2m") else {
+        return;
+    };
+    let url = format!("sqlite://{}/locks.db", disk.path().display());
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let held = locks.try_acquire("jobs:held").await.unwrap();
+    let first = held.fencing_token().unwrap();
+    // Many distinct keys so that the file must grow.
+    let mut keys = (0..).map(|i| format!("fill:{i}:{}", "x".repeat(512)));
+
+    // Fill the disk to the last byte.
+    let filler = disk.path().join("filler");
+    let mut file = std::fs::File::create(&filler).unwrap();
+    let block = vec![0u8; 64 * 1024];
+    while std::io::Write::write_all(&mut file, &block).is_ok() {}
+    while std::io::Write::write_all(&mut file, &block[..512]).is_ok() {}
+    drop(file);
+    // Held locks are rows that stay, so the file must grow until there is no room.
+    let mut guards = Vec::new();
+    let mut refused = None;
+    for _ in 0..5_000 {
+        let key = keys.next().unwrap();
+        let started = Instant::now();
+        match tokio::time::timeout(Duration::from_secs(10), locks.try_acquire(&key)).await {
+            Ok(Ok(guard)) => guards.push(guard),
+            Ok(Err(err)) => {
+                assert!(started.elapsed() < Duration::from_secs(5));
+                refused = Some(err);
+                break;
+            }
+            Err(_) => panic!("an acquisition on a full disk hung"),
+        }
+    }
+    let err = refused.expect("a full disk refuses new lock rows");
+    eprintln!(
+        "{} locks taken before the disk refused: {err}",
+        guards.len()
+    );
+    assert!(
+        matches!(
+            err.code(),
+            "DistributedLock.Backend" | "DistributedLock.Unavailable"
+        ),
+        "{err}"
+    );
+    assert!(!held.is_lost(), "the lock held before is not lost");
+
+    // Space back: everything works, the locks held before still exclude others.
+    std::fs::remove_file(&filler).unwrap();
+    assert!(guards.iter().all(|g| !g.is_lost()), "no lock was lost");
+    for guard in guards {
+        guard.release().await.unwrap();
+    }
+    let other = LockProvider::connect(&url).await.unwrap();
+    assert!(matches!(
+        other.try_acquire("jobs:held").await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    held.release().await.unwrap();
+
+    // Read-only (remounting needs every writer closed): opening the file or taking a lock is
+    // an error, not a panic or a hang.
+    drop((locks, other));
+    disk.remount("ro");
+    let started = Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), async {
+        let locks = LockProvider::connect(&url).await?;
+        locks.try_acquire("jobs:held").await.map(drop)
+    })
+    .await
+    .expect("no hang on a read-only file system");
+    let err = outcome.expect_err("a read-only file takes no lock");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    assert!(
+        matches!(
+            err.code(),
+            "DistributedLock.Backend"
+                | "DistributedLock.Unavailable"
+                | "DistributedLock.Configuration"
+        ),
+        "{err}"
+    );
+    disk.remount("rw");
+    let other = LockProvider::connect(&url).await.unwrap();
+    let again = other.try_acquire("jobs:held").await.unwrap();
+    assert!(
+        again.fencing_token().unwrap() > first,
+        "tokens keep increasing"
+    );
+    again.release().await.unwrap();
+}

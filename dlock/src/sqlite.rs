@@ -54,7 +54,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use rusqlite::{Connection, ErrorCode, OpenFlags, OptionalExtension, Transaction, params};
+use rusqlite::{Connection, ErrorCode, OpenFlags, Transaction, params};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
@@ -282,12 +282,10 @@ impl LockBackend for SqliteBackend {
                 .shared
                 .with_busy_retry("acquiring a lock", |conn| {
                     let now = now_ms();
-                    conn.prepare_cached(ACQUIRE_SQL)?
-                        .query_row(
-                            params![name, &owner[..], now.saturating_add(millis(lease)), now],
-                            |row| row.get::<_, i64>(0),
-                        )
-                        .optional()
+                    returning_one(
+                        &mut conn.prepare_cached(ACQUIRE_SQL)?,
+                        params![name, &owner[..], now.saturating_add(millis(lease)), now],
+                    )
                 })
                 .await;
             let fencing = match fencing {
@@ -695,12 +693,10 @@ fn transaction_attempt(
 ) -> Result<Option<TransactionLock>, LockError> {
     let path = PathBuf::from(transaction.path().unwrap_or("<transaction>"));
     let attempt = transaction.execute_batch(SCHEMA).and_then(|()| {
-        transaction
-            .prepare_cached(TRANSACTION_SQL)?
-            .query_row(params![key.as_bytes(), now_ms()], |row| {
-                row.get::<_, i64>(0)
-            })
-            .optional()
+        returning_one(
+            &mut transaction.prepare_cached(TRANSACTION_SQL)?,
+            params![key.as_bytes(), now_ms()],
+        )
     });
     match attempt {
         Ok(fencing) => Ok(fencing.map(|f| TransactionLock {
@@ -709,6 +705,24 @@ fn transaction_attempt(
         Err(err) if is_busy(&err) => Ok(None),
         Err(err) => Err(sqlite_error(&path, "acquiring a transaction lock", err)),
     }
+}
+
+/// Runs a `... RETURNING` statement to completion and gives its one value, if it returned a
+/// row. `query_row` would stop after the first row: the statement's implicit commit then
+/// happens when it is reset, where an error (a full disk, an I/O error) is dropped, and the
+/// caller would take a lock whose row was never written. Stepping until the statement is done
+/// makes such an error this call's error.
+fn returning_one(
+    statement: &mut rusqlite::CachedStatement<'_>,
+    params: impl rusqlite::Params,
+) -> rusqlite::Result<Option<i64>> {
+    let mut rows = statement.query(params)?;
+    let value = match rows.next()? {
+        Some(row) => Some(row.get::<_, i64>(0)?),
+        None => None,
+    };
+    while rows.next()?.is_some() {}
+    Ok(value)
 }
 
 fn open_connection(path: &Path, busy_timeout: Duration) -> Result<Connection, LockError> {
