@@ -273,3 +273,23 @@ async fn owner_tokens_are_never_logged() {
         }
     }
 }
+
+/// Every key a Lua script touches comes through `KEYS`, never `ARGV` or a built string, so
+/// Redis Cluster routes the script and no caller text is ever used as a key name.
+#[test]
+fn lua_scripts_take_keys_through_keys() {
+    let mut calls = 0;
+    for (path, text) in library_sources() {
+        for (at, _) in text.match_indices("redis.call(") {
+            calls += 1;
+            let arguments = &text[at + "redis.call(".len()..];
+            let key = arguments.split(',').nth(1).unwrap_or("").trim();
+            assert!(
+                key.starts_with("KEYS["),
+                "{}: redis.call with key `{key}`",
+                path.display()
+            );
+        }
+    }
+    assert!(calls >= 4, "the scripts were found ({calls} calls)");
+}
