@@ -37,15 +37,18 @@
 //! | [`LockService`], [`ResponseFuture`](future::ResponseFuture) | what it wraps around each route; the future owns the lock guard |
 //! | [`MakeLockKey`], [`PathKey`], [`KeyFn`] | how a request becomes a key: a template over path parameters, or a closure |
 //! | [`LockRejection`] | lock errors as `application/problem+json`, also for handlers that lock by hand |
+//! | [`problem_instance`] | middleware that gives handler-returned lock problems their `instance` |
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 pub mod future;
+mod instance;
 mod key;
 mod layer;
 mod rejection;
 mod service;
 
+pub use instance::problem_instance;
 pub use key::{KeyFn, MakeLockKey, PathKey};
 pub use layer::LockLayer;
 pub use rejection::{LockRejection, PROBLEM_TYPE_PREFIX, ProblemCode, TOO_MANY_WAITERS_CODE};

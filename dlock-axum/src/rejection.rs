@@ -42,7 +42,8 @@ pub const PROBLEM_TYPE_PREFIX: &str = "/problems/distributed-lock/";
 /// ```
 ///
 /// The body has `type`, `title`, `status`, `detail`, `instance` (the request path, when known:
-/// the layer sets it, a handler can with [`with_instance`](LockRejection::with_instance)) and
+/// the layer sets it, a handler can with [`with_instance`](LockRejection::with_instance), and
+/// the [`problem_instance`](crate::problem_instance) middleware fills it in otherwise) and
 /// the extension `code` ([`LockError::code`]):
 ///
 /// | error | status | title | `Retry-After` |
@@ -283,7 +284,14 @@ impl IntoResponse for LockRejection {
     fn into_response(self) -> Response {
         self.log();
         let retry_after = self.retry_after_header();
+        let missing = self.instance.is_none();
         let mut response = self.to_problem().into_response();
+        if missing {
+            // For the problem_instance middleware, if the application uses it.
+            response
+                .extensions_mut()
+                .insert(crate::instance::InstanceMissing);
+        }
         if let Some(value) = retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, value);
         }

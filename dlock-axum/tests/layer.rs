@@ -826,3 +826,62 @@ async fn a_thousand_concurrent_requests_on_one_key() {
         .await
         .expect("release");
 }
+
+/// With the problem_instance middleware, a lock problem returned by a handler through `?`
+/// carries the request path (never the query); other responses pass through untouched, and
+/// without the middleware the problem simply has no instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn problem_instance_fills_in_the_path_of_handler_problems() {
+    let store = Store::new();
+    let locks = store.provider().await;
+    let routes = |locks: LockProvider| {
+        Router::new()
+            .route(
+                "/books/{year}/close",
+                post(move || {
+                    let locks = locks.clone();
+                    async move {
+                        let guard = locks.try_acquire("books:close").await?;
+                        guard.release().await?;
+                        Ok::<_, LockRejection>("closed")
+                    }
+                }),
+            )
+            .route(
+                "/plain",
+                post(|| async { (http::StatusCode::CONFLICT, "not a problem") }),
+            )
+    };
+    let with =
+        serve(routes(locks.clone()).layer(axum::middleware::from_fn(dlock_axum::problem_instance)))
+            .await;
+    let without = serve(routes(locks)).await;
+    let held = store
+        .provider()
+        .await
+        .try_acquire("books:close")
+        .await
+        .expect("hold");
+
+    let answer = post_to(&format!("{}/books/2026/close?token=secret", with.base)).await;
+    assert_problem(
+        &answer,
+        problem(
+            "already-held",
+            409,
+            "Lock Already Held",
+            "Another request holds the lock this request needs; retry later.",
+            "/books/2026/close",
+            "DistributedLock.AlreadyHeld",
+        ),
+        Some("1"),
+    );
+    let answer = post_to(&format!("{}/books/2026/close", without.base)).await;
+    assert_eq!(answer.status, 409);
+    assert!(answer.body.get("instance").is_none(), "{}", answer.body);
+
+    let plain = post_to(&format!("{}/plain", with.base)).await;
+    assert_eq!(plain.status, 409);
+    assert_eq!(plain.body, Value::String("not a problem".to_owned()));
+    held.release().await.expect("release");
+}

@@ -177,6 +177,9 @@ pub fn app(state: AppState) -> Router {
             "/health",
             get(move |state: State<AppState>| health(state, debit_layer.waiting())),
         )
+        // Lock problems returned by handlers (the credit's #[distributed_lock]) get the
+        // request path as `instance`, like the layer's.
+        .layer(axum::middleware::from_fn(dlock_axum::problem_instance))
         .with_state(state)
 }
 

@@ -401,6 +401,7 @@ async fn sigterm_cancels_waiting_requests_and_exits_cleanly() {
     assert_eq!(status, 499, "{body}");
     assert_eq!(body["code"], "DistributedLock.Canceled");
     assert_eq!(body["title"], "Lock Acquisition Canceled");
+    assert_eq!(body["instance"], "/accounts/acc-3/debit");
     let exit = tokio::time::timeout(Duration::from_secs(10), app.child.wait())
         .await
         .expect("the service exits after the signal")
