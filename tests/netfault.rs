@@ -217,15 +217,15 @@ async fn postgres_partition() {
     .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn mariadb_partition() {
+/// MariaDB or MySQL in the namespace.
+async fn db_partition(flavor: DbFlavor, label: &'static str) {
     let Some(netns) = namespace() else { return };
-    let Some(server) = DbServer::start_with(DbFlavor::MariaDb, netns.placement()) else {
+    let Some(server) = DbServer::start_with(flavor, netns.placement()) else {
         return;
     };
     let options = format!("keepalive={}ms&connect_timeout=3s", KEEPALIVE.as_millis());
     partition(Case {
-        label: "mariadb",
+        label,
         netns: &netns,
         url_cut: server.url_at(v4(netns.cut_link().server), &options),
         url_side: server.url_at(v4(netns.side_link().server), &options),
@@ -233,6 +233,11 @@ async fn mariadb_partition() {
         ttl_left: None,
     })
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mariadb_partition() {
+    db_partition(DbFlavor::MariaDb, "mariadb").await;
 }
 
 async fn redis_partition(flavor: RedisFlavor, label: &'static str) {
@@ -283,20 +288,7 @@ async fn valkey91_partition() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mysql_partition() {
-    let Some(netns) = namespace() else { return };
-    let Some(server) = DbServer::start_with(DbFlavor::MySql, netns.placement()) else {
-        return;
-    };
-    let options = format!("keepalive={}ms&connect_timeout=3s", KEEPALIVE.as_millis());
-    partition(Case {
-        label: "mysql",
-        netns: &netns,
-        url_cut: server.url_at(v4(netns.cut_link().server), &options),
-        url_side: server.url_at(v4(netns.side_link().server), &options),
-        lost_within: KEEPALIVE + PING_TIMEOUT + Duration::from_secs(1),
-        ttl_left: None,
-    })
-    .await;
+    db_partition(DbFlavor::MySql, "mysql").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -85,49 +85,33 @@ fn attributes<'a>(attributes: impl Iterator<Item = &'a KeyValue>) -> String {
 }
 
 fn log_data<T: std::fmt::Display + Copy>(name: &str, unit: &str, data: &MetricData<T>) {
-    match data {
-        MetricData::Sum(sum) => {
-            for point in sum.data_points() {
-                tracing::info!(
-                    metric = name,
-                    attributes = %attributes(point.attributes()),
-                    "{} {unit}",
-                    point.value()
-                );
-            }
-        }
-        MetricData::Gauge(gauge) => {
-            for point in gauge.data_points() {
-                tracing::info!(
-                    metric = name,
-                    attributes = %attributes(point.attributes()),
-                    "{} {unit}",
-                    point.value()
-                );
-            }
-        }
-        MetricData::Histogram(histogram) => {
-            for point in histogram.data_points() {
-                tracing::info!(
-                    metric = name,
-                    attributes = %attributes(point.attributes()),
-                    "count {} sum {} {unit}",
-                    point.count(),
-                    point.sum()
-                );
-            }
-        }
-        MetricData::ExponentialHistogram(histogram) => {
-            for point in histogram.data_points() {
-                tracing::info!(
-                    metric = name,
-                    attributes = %attributes(point.attributes()),
-                    "count {} sum {} {unit}",
-                    point.count(),
-                    point.sum()
-                );
-            }
-        }
+    // (attributes, value) of each data point.
+    let points: Vec<(String, String)> = match data {
+        MetricData::Sum(sum) => sum
+            .data_points()
+            .map(|p| (attributes(p.attributes()), format!("{} {unit}", p.value())))
+            .collect(),
+        MetricData::Gauge(gauge) => gauge
+            .data_points()
+            .map(|p| (attributes(p.attributes()), format!("{} {unit}", p.value())))
+            .collect(),
+        MetricData::Histogram(histogram) => histogram
+            .data_points()
+            .map(|p| {
+                let value = format!("count {} sum {} {unit}", p.count(), p.sum());
+                (attributes(p.attributes()), value)
+            })
+            .collect(),
+        MetricData::ExponentialHistogram(histogram) => histogram
+            .data_points()
+            .map(|p| {
+                let value = format!("count {} sum {} {unit}", p.count(), p.sum());
+                (attributes(p.attributes()), value)
+            })
+            .collect(),
+    };
+    for (attributes, value) in points {
+        tracing::info!(metric = name, attributes = %attributes, "{value}");
     }
 }
 
