@@ -87,8 +87,9 @@ fn main() {
     drop(peers);
     for note in [
         "Figures vary with the machine's load: quote them only from a run on a quiet machine.",
-        "1, 7: per backend, the raw baseline, dlock and the peers run in 10 interleaved rounds of \
-         ~60 ms batches on one key each; medians per operation. Raw SQL baselines take one \
+        "1, 7: per backend, the raw baseline, dlock and the peers run in 20 interleaved rounds of \
+         ~40 ms batches on one key each; a ratio is the median of the rounds' ratios, the \
+         times beside it are medians per operation. Raw SQL baselines take one \
          connection from a sqlx pool (no health check on acquire) for both statements; on \
          Redis and Valkey the raw commands are `SET NX PX` + Lua compare-and-delete, compared \
          with dlock `fencing=false` (the same commands); dlock's default (fencing tokens) is \

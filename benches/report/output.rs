@@ -87,15 +87,18 @@ impl Row {
         }
     }
 
-    /// A ratio `a / b` (each a median time per operation) against its target.
+    /// A ratio `a / b` of times per operation against its target: the median of the
+    /// ratios of the rounds (each pair measured back to back), beside each side's median.
     pub fn ratio(
         section: &str,
         name: &str,
-        (a_name, a): (&str, f64),
-        (b_name, b): (&str, f64),
+        (a_name, a): (&str, &[f64]),
+        (b_name, b): (&str, &[f64]),
         target: Target,
     ) -> Row {
-        let r = a / b;
+        let pairs: Vec<f64> = a.iter().zip(b).map(|(x, y)| x / y).collect();
+        let r = crate::measure::median(&pairs);
+        let (a, b) = (crate::measure::median(a), crate::measure::median(b));
         Row {
             section: section.to_owned(),
             name: name.to_owned(),
