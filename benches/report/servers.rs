@@ -87,8 +87,12 @@ impl Servers {
     /// Starts every server that is installed and records its version.
     pub fn start(rt: &Runtime, report: &mut Report) -> Servers {
         let redis = |flavor: RedisFlavor| {
-            if flavor.binary().is_none() {
-                return Err("server binary not installed".to_owned());
+            match flavor.binary() {
+                None => return Err("server binary not installed".to_owned()),
+                Some(path) if !path.is_file() => {
+                    return Err(format!("no server binary at {}", path.display()));
+                }
+                Some(_) => {}
             }
             caught(move || RedisServer::start(flavor)).map(Store::Redis)
         };
@@ -171,6 +175,16 @@ fn peer_batch<'a>(peers: &'a RefCell<Peers>, peer: &'static str) -> Box<Batch<'a
     Box::new(move |n| peers.borrow_mut().run(peer, n))
 }
 
+/// The peers measured on a backend.
+fn peers_of(label: &str) -> &'static [&'static str] {
+    match label {
+        "PostgreSQL" => &["sqlx PgAdvisoryLock", "distributed-lock-postgres"],
+        "MariaDB" | "MySQL 9" => &["distributed-lock-mysql"],
+        "Redis 7" | "Valkey 9.1" => &["distributed-lock-redis", "rslock"],
+        _ => &[],
+    }
+}
+
 /// Sections 1 and 7: per backend, dlock beside its raw baseline and its peers, interleaved.
 pub fn uncontended_all(
     rt: &Runtime,
@@ -188,6 +202,14 @@ pub fn uncontended_all(
                     e,
                     "≤ 1.10×",
                 ));
+                for peer in peers_of(b.label) {
+                    report.add(Row::not_measured(
+                        S7,
+                        &format!("{}: {peer} / dlock", b.label),
+                        e,
+                        "≥ 1.00×",
+                    ));
+                }
                 continue;
             }
         };
