@@ -654,8 +654,13 @@ async fn herd(b: &Backend) -> Result<f64, String> {
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (after, _) = counter.queries(b).await?;
     let elapsed = started.elapsed().as_secs_f64();
+    // Every waiter must still be waiting: one that gave up would make the server quiet.
+    let ended = waiters.iter().filter(|w| w.is_finished()).count();
     for w in &waiters {
         w.abort();
+    }
+    if ended > 0 {
+        return Err(format!("{ended} of 100 waiters stopped waiting early"));
     }
     for w in waiters {
         let _ = w.await;
