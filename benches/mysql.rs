@@ -22,6 +22,9 @@ mod myserver;
 
 use myserver::{DbServer, Flavor};
 
+#[path = "shared/raw.rs"]
+mod raw;
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -69,21 +72,7 @@ fn uncontended(c: &mut Criterion, server: &DbServer) {
     });
     // A larger pool: take one connection for both statements.
     group.bench_function("raw_sqlx_same_connection", |b| {
-        b.to_async(&rt).iter(|| async {
-            let mut conn = four.acquire().await.expect("connection");
-            let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
-                .bind(&name)
-                .fetch_one(&mut *conn)
-                .await
-                .expect("lock");
-            assert_eq!(got, Some(1));
-            let released: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
-                .bind(&name)
-                .fetch_one(&mut *conn)
-                .await
-                .expect("release");
-            assert_eq!(released, Some(1));
-        })
+        b.to_async(&rt).iter(|| raw::mysql(&four, &name))
     });
     group.bench_function("dlock_try_acquire_release", |b| {
         b.to_async(&rt).iter(|| async {

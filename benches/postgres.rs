@@ -17,6 +17,9 @@ use placement::Placement;
 #[path = "../tests/support/postgres.rs"]
 mod pgserver;
 
+#[path = "shared/raw.rs"]
+mod raw;
+
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -67,21 +70,7 @@ fn uncontended(c: &mut Criterion, server: &pgserver::PgServer) {
     });
     // A larger pool: take one connection for both statements.
     group.bench_function("raw_sqlx_same_connection", |b| {
-        b.to_async(&rt).iter(|| async {
-            let mut conn = pool.acquire().await.expect("connection");
-            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
-                .bind(id)
-                .fetch_one(&mut *conn)
-                .await
-                .expect("lock");
-            assert!(got);
-            let released: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
-                .bind(id)
-                .fetch_one(&mut *conn)
-                .await
-                .expect("unlock");
-            assert!(released);
-        })
+        b.to_async(&rt).iter(|| raw::postgres(&pool, id))
     });
     group.bench_function("dlock_try_acquire_release", |b| {
         b.to_async(&rt).iter(|| async {

@@ -26,8 +26,9 @@ use dlock::LockProvider;
 use redis::aio::ConnectionManager;
 use redis_support::{Flavor, RedisServer};
 
-const RELEASE_LUA: &str =
-    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
+#[path = "shared/raw.rs"]
+mod raw;
+use raw::REDIS_RELEASE_LUA as RELEASE_LUA;
 
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Runtime::new().expect("runtime");
@@ -52,25 +53,7 @@ fn bench(c: &mut Criterion) {
             b.to_async(&rt).iter(|| {
                 let mut conn = manager.clone();
                 let script = &script;
-                async move {
-                    let set: Option<String> = redis::cmd("SET")
-                        .arg("bench:raw")
-                        .arg("token-0123456789")
-                        .arg("NX")
-                        .arg("PX")
-                        .arg(30_000)
-                        .query_async(&mut conn)
-                        .await
-                        .expect("set");
-                    assert!(set.is_some());
-                    let deleted: i64 = script
-                        .key("bench:raw")
-                        .arg("token-0123456789")
-                        .invoke_async(&mut conn)
-                        .await
-                        .expect("delete");
-                    assert_eq!(deleted, 1);
-                }
+                async move { raw::redis(&mut conn, script, "bench:raw").await }
             });
         });
         for (label, options) in [("dlock", "fencing=false"), ("dlock_fenced", "")] {

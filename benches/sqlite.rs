@@ -2,18 +2,12 @@
 //! two statements on one connection with the same settings, in the same run.
 
 use std::hint::black_box;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use dlock::sqlite::{ACQUIRE_SQL, RELEASE_SQL};
-use rusqlite::{Connection, OptionalExtension, params};
 
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as i64
-}
+#[path = "shared/raw.rs"]
+mod raw;
 
 fn acquire_release(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
@@ -29,34 +23,11 @@ fn acquire_release(c: &mut Criterion) {
         )))
         .unwrap();
 
-    let raw = Connection::open(&path).unwrap();
-    raw.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
-        .unwrap();
-    raw.pragma_update(None, "synchronous", "NORMAL").unwrap();
-    raw.busy_timeout(Duration::from_secs(5)).unwrap();
-    let lease = 30_000i64;
+    let mut raw = raw::Sqlite::open(&path);
 
     let mut group = c.benchmark_group("sqlite/acquire_release");
     group.bench_function("raw_rusqlite", |b| {
-        let mut n = 0u64;
-        b.iter(|| {
-            n += 1;
-            let owner = n.to_le_bytes();
-            let now = now_ms();
-            let token: Option<i64> = raw
-                .prepare_cached(ACQUIRE_SQL)
-                .unwrap()
-                .query_row(params![b"bench:raw", &owner[..], now + lease, now], |r| {
-                    r.get(0)
-                })
-                .optional()
-                .unwrap();
-            assert!(token.is_some());
-            raw.prepare_cached(RELEASE_SQL)
-                .unwrap()
-                .execute(params![b"bench:raw", &owner[..]])
-                .unwrap();
-        })
+        b.iter(|| raw.acquire_release(b"bench:raw"))
     });
     group.bench_function("dlock", |b| {
         b.to_async(&rt).iter(|| async {

@@ -1,0 +1,183 @@
+//! The benchmark report: `cargo bench --bench report`.
+//!
+//! Spawns throwaway servers (as the tests do: PostgreSQL, MariaDB, MySQL 9, Redis 7, Valkey
+//! 9.1; a server whose binary is missing is reported as not measured) and measures, in one run
+//! on this machine:
+//!
+//! 1. uncontended acquire + release per backend beside its raw-driver baseline;
+//! 2. handover latency with 16 waiters on one key across 4 providers;
+//! 3. server queries per second while 100 waiters wait for one held key;
+//! 4. locks held at once per connection;
+//! 5. contended in-process `try_acquire` and `lock_id`;
+//! 6. the axum layer's requests/s against the same route locking by hand;
+//! 7. other lock crates on the same servers (`sqlx::postgres::PgAdvisoryLock` here, the rest
+//!    through the `benches/peers` workspace, run with `cargo run`).
+//!
+//! Figures that are compared are measured in interleaved rounds (A, B, A, B, ...) and
+//! summarised by their medians, so that the machine's noise hits both sides alike. Prints a
+//! table and writes `benches/RESULTS.md` and `benches/results.svg`.
+
+use std::cell::RefCell;
+use std::time::{Duration, Instant};
+
+use dlock::LockProvider;
+
+// The server modules name `super::Placement`.
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../tests/support/placement.rs"]
+mod placement;
+use placement::Placement;
+
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../tests/support/postgres.rs"]
+mod pgserver;
+
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../tests/support/mysql.rs"]
+mod myserver;
+
+#[allow(dead_code, unreachable_pub)]
+#[path = "../../tests/support/redis.rs"]
+mod redis_support;
+
+#[path = "../shared/raw.rs"]
+mod raw;
+
+mod axum_layer;
+mod measure;
+mod output;
+mod peers;
+mod servers;
+
+use measure::{Contender, interleave, median};
+use output::{Report, Row, Target};
+use peers::Peers;
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
+fn main() {
+    let started = Instant::now();
+    let rt = runtime();
+    let mut report = Report::new();
+    // The peers build (first run) while the servers start.
+    let peers = RefCell::new(Peers::spawn());
+
+    eprintln!("report: starting servers");
+    let servers = servers::Servers::start(&rt, &mut report);
+
+    eprintln!("report: 1+7 uncontended acquire + release, raw baselines and peers");
+    servers::uncontended_all(&rt, &servers, &peers, &mut report);
+    eprintln!("report: 2 handover");
+    servers::handover_all(&rt, &servers, &mut report);
+    eprintln!("report: 3 thundering herd");
+    servers::herd_all(&rt, &servers, &mut report);
+    eprintln!("report: 4 locks per connection");
+    servers::locks_per_connection_all(&rt, &servers, &mut report);
+    eprintln!("report: 5 in-process");
+    in_process(&rt, &mut report);
+    eprintln!("report: 6 axum layer");
+    axum_layer::run(&rt, &mut report);
+
+    drop(peers);
+    for note in [
+        "Figures vary with the machine's load: quote them only from a run on a quiet machine.",
+        "1, 7: per backend, the raw baseline, dlock and the peers run in 20 interleaved rounds of \
+         ~40 ms batches on one key each; a ratio is the median of the rounds' ratios, the \
+         times beside it are medians per operation. Raw SQL baselines take one \
+         connection from a sqlx pool (no health check on acquire) for both statements; on \
+         Redis and Valkey the raw commands are `SET NX PX` + Lua compare-and-delete, compared \
+         with dlock `fencing=false` (the same commands); dlock's default (fencing tokens) is \
+         shown beside it. Peers are compared with the same dlock column; all but \
+         `sqlx::postgres::PgAdvisoryLock` run in the `benches/peers` workspace, driven over a \
+         pipe by this run.",
+        "2: 16 tasks over 4 providers each take the key 4 times, in 3 rounds; a handover is the \
+         time from one holder starting its release to the next holder having the lock.",
+        "3: 100 waiters (10 providers × 10) wait while an 11th provider holds the key; counted \
+         over 3 s after 0.5 s to settle, less the counting statements. PostgreSQL: \
+         `xact_commit + xact_rollback` of `pg_stat_database` (backends publish it up to ~1 s \
+         late); MySQL / MariaDB: `SHOW GLOBAL STATUS LIKE 'Questions'`; Redis / Valkey: \
+         `INFO commandstats` without `INFO` itself. The MySQL and Redis counters are first \
+         checked to see 20 test statements of another connection.",
+        "4: one provider takes the keys 32 at a time and holds them all; the figure is the \
+         server's client connections (pg_stat_activity, SHOW PROCESSLIST, connected_clients) \
+         then less before.",
+        "6: 16 client tasks (reqwest) against an in-process axum server on loopback, 6 \
+         interleaved rounds of 0.7 s per route, a new key per request.",
+    ] {
+        report.note(note.to_owned());
+    }
+    report.note(format!(
+        "The run took {:.0} s.",
+        started.elapsed().as_secs_f64()
+    ));
+    report.finish();
+}
+
+/// Section 5: a contended `try_acquire` answered from the in-process table, and `lock_id`.
+fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
+    use futures::FutureExt;
+    use std::hint::black_box;
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}/inproc.db", dir.path().display());
+    let locks = rt.block_on(LockProvider::connect(&url)).expect("provider");
+    let guard = rt
+        .block_on(locks.try_acquire("bench:contended"))
+        .expect("holder");
+    let _enter = rt.enter();
+    let mut contended = |n: u64| {
+        let t = Instant::now();
+        for _ in 0..n {
+            let outcome = locks
+                .try_acquire(black_box("bench:contended"))
+                .now_or_never()
+                .expect("answered at once");
+            black_box(outcome.is_err());
+        }
+        Ok(t.elapsed())
+    };
+    let result = interleave(
+        &mut [Contender::new("contended", &mut contended)],
+        9,
+        Duration::from_millis(40),
+    );
+    let ns = result[0].as_ref().map(|v| median(v)).unwrap_or(f64::NAN);
+    report.add(Row::figure(
+        "5. In-process",
+        "contended try_acquire (answered from the in-process table)",
+        ns,
+        "ns",
+        Target::AtMost(1000.0),
+    ));
+    drop(guard);
+
+    for len in [8usize, 32, 64, 256] {
+        let key = "k".repeat(len);
+        let mut hash = |n: u64| {
+            let t = Instant::now();
+            for _ in 0..n {
+                black_box(dlock::lock_id(black_box(&key)));
+            }
+            Ok(t.elapsed())
+        };
+        let result = interleave(
+            &mut [Contender::new("lock_id", &mut hash)],
+            9,
+            Duration::from_millis(20),
+        );
+        let ns = result[0].as_ref().map(|v| median(v)).unwrap_or(f64::NAN);
+        report.add(Row::figure(
+            "5. In-process",
+            &format!("lock_id, {len}-byte key"),
+            ns,
+            "ns",
+            Target::AtMost(100.0),
+        ));
+    }
+}

@@ -1,0 +1,86 @@
+//! Interleaved timed rounds: each contender runs a batch in turn (A, B, C, A, B, C, ...), the
+//! order rotating every round, and the per-operation times of its batches are kept.
+
+use std::time::Duration;
+
+/// Runs `n` operations and says how long they took, or why it could not.
+pub type Batch<'a> = dyn FnMut(u64) -> Result<Duration, String> + 'a;
+
+/// One side of a comparison.
+pub struct Contender<'a, 'b> {
+    pub name: &'static str,
+    pub batch: &'b mut Batch<'a>,
+}
+
+impl<'a, 'b> Contender<'a, 'b> {
+    pub fn new(name: &'static str, batch: &'b mut Batch<'a>) -> Self {
+        Contender { name, batch }
+    }
+}
+
+/// Warms each contender up, sizes its batches to about `batch_time`, then runs `rounds`
+/// interleaved rounds. Per contender: the nanoseconds per operation of each round, or the
+/// error that stopped it (it then sits out the remaining rounds).
+pub fn interleave(
+    contenders: &mut [Contender<'_, '_>],
+    rounds: usize,
+    batch_time: Duration,
+) -> Vec<Result<Vec<f64>, String>> {
+    let mut sizes = Vec::new();
+    let mut results: Vec<Result<Vec<f64>, String>> = Vec::new();
+    for c in contenders.iter_mut() {
+        // Warm-up: a few operations, then enough for ~batch_time / 4 to size the batches.
+        let size = (c.batch)(5).and_then(|d| {
+            let per_op = (d.as_secs_f64() / 5.0).max(1e-9);
+            let n = ((batch_time.as_secs_f64() / 4.0) / per_op).clamp(1.0, 1e8) as u64;
+            let d = (c.batch)(n)?;
+            let per_op = (d.as_secs_f64() / n as f64).max(1e-9);
+            Ok(((batch_time.as_secs_f64() / per_op) as u64).clamp(3, 100_000_000))
+        });
+        match size {
+            Ok(n) => {
+                sizes.push(n);
+                results.push(Ok(Vec::with_capacity(rounds)));
+            }
+            Err(e) => {
+                eprintln!("  {}: {e}", c.name);
+                sizes.push(0);
+                results.push(Err(e));
+            }
+        }
+    }
+    let k = contenders.len();
+    for round in 0..rounds {
+        for i in 0..k {
+            let idx = (i + round) % k;
+            let Ok(samples) = &mut results[idx] else {
+                continue;
+            };
+            let n = sizes[idx];
+            match (contenders[idx].batch)(n) {
+                Ok(d) => samples.push(d.as_nanos() as f64 / n as f64),
+                Err(e) => {
+                    eprintln!("  {}: {e}", contenders[idx].name);
+                    results[idx] = Err(e);
+                }
+            }
+        }
+    }
+    results
+}
+
+/// The median (NaN for no samples).
+pub fn median(samples: &[f64]) -> f64 {
+    quantile(samples, 0.5)
+}
+
+/// The `q` quantile by nearest rank (NaN for no samples).
+pub fn quantile(samples: &[f64], q: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    let mut v = samples.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}

@@ -1,0 +1,115 @@
+//! The raw-driver baselines of the benches: the statements or commands a backend's acquire +
+//! release runs, straight on the driver, without dlock. Shared by the per-backend benches and
+//! the report (`#[path]`-included; each includer uses the parts its features enable).
+
+#![allow(dead_code, unreachable_pub)]
+
+/// The Lua compare-and-delete a Redis release runs when the server has no native one.
+pub const REDIS_RELEASE_LUA: &str =
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
+
+/// PostgreSQL: `pg_try_advisory_lock($1)` + `pg_advisory_unlock($1)` on one connection taken
+/// from `pool`.
+#[cfg(feature = "postgres")]
+pub async fn postgres(pool: &sqlx::PgPool, id: i64) {
+    let mut conn = pool.acquire().await.expect("connection");
+    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+        .bind(id)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("lock");
+    assert!(got, "the advisory lock was not free");
+    let released: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+        .bind(id)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("unlock");
+    assert!(released);
+}
+
+/// MySQL / MariaDB: `GET_LOCK(?, 0)` + `RELEASE_LOCK(?)` on one connection taken from `pool`.
+#[cfg(feature = "mysql")]
+pub async fn mysql(pool: &sqlx::MySqlPool, name: &str) {
+    let mut conn = pool.acquire().await.expect("connection");
+    let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+        .bind(name)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("lock");
+    assert_eq!(got, Some(1), "the named lock was not free");
+    let released: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+        .bind(name)
+        .fetch_one(&mut *conn)
+        .await
+        .expect("release");
+    assert_eq!(released, Some(1));
+}
+
+/// Redis: `SET key token NX PX 30000` + the Lua compare-and-delete through `EVALSHA`.
+#[cfg(feature = "redis")]
+pub async fn redis(conn: &mut redis::aio::ConnectionManager, script: &redis::Script, key: &str) {
+    let set: Option<String> = redis::cmd("SET")
+        .arg(key)
+        .arg("token-0123456789")
+        .arg("NX")
+        .arg("PX")
+        .arg(30_000)
+        .query_async(conn)
+        .await
+        .expect("set");
+    assert!(set.is_some(), "the key was not free");
+    let deleted: i64 = script
+        .key(key)
+        .arg("token-0123456789")
+        .invoke_async(conn)
+        .await
+        .expect("delete");
+    assert_eq!(deleted, 1);
+}
+
+/// SQLite: dlock's own acquire and release statements through rusqlite, on one connection
+/// with dlock's settings (WAL, `synchronous = NORMAL`, a busy timeout).
+#[cfg(feature = "sqlite")]
+pub struct Sqlite {
+    conn: rusqlite::Connection,
+    n: u64,
+}
+
+#[cfg(feature = "sqlite")]
+impl Sqlite {
+    /// Opens `path` (a database dlock created, so that its table exists).
+    pub fn open(path: &std::path::Path) -> Sqlite {
+        let conn = rusqlite::Connection::open(path).expect("open");
+        conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
+            .expect("wal");
+        conn.pragma_update(None, "synchronous", "NORMAL")
+            .expect("synchronous");
+        conn.busy_timeout(std::time::Duration::from_secs(5))
+            .expect("busy timeout");
+        Sqlite { conn, n: 0 }
+    }
+
+    /// One acquire + release of `key` with a new owner.
+    pub fn acquire_release(&mut self, key: &[u8]) {
+        use rusqlite::{OptionalExtension, params};
+        self.n += 1;
+        let owner = self.n.to_le_bytes();
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("clock")
+            .as_millis() as i64;
+        let token: Option<i64> = self
+            .conn
+            .prepare_cached(dlock::sqlite::ACQUIRE_SQL)
+            .expect("prepare")
+            .query_row(params![key, &owner[..], now + 30_000, now], |r| r.get(0))
+            .optional()
+            .expect("acquire");
+        assert!(token.is_some(), "the row was not free");
+        self.conn
+            .prepare_cached(dlock::sqlite::RELEASE_SQL)
+            .expect("prepare")
+            .execute(params![key, &owner[..]])
+            .expect("release");
+    }
+}
