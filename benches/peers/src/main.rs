@@ -130,6 +130,12 @@ async fn answer(peers: &mut HashMap<String, Peer>, line: &str) -> String {
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
+    // On a worker thread, where a service's code runs (as the report runs dlock and the raw
+    // baselines), not on the thread that blocks on the runtime.
+    let _ = tokio::spawn(serve()).await;
+}
+
+async fn serve() {
     let mut peers = HashMap::new();
     let mut lines = BufReader::new(tokio::io::stdin()).lines();
     let mut out = tokio::io::stdout();
