@@ -280,6 +280,44 @@ async fn server_restart(server: &mut RedisServer) {
     assert!(calls(server, expect(server.flavor).release) >= 1);
 }
 
+/// Locks with different leases on one backend are each renewed on their own schedule: one
+/// with a 30 s lease is taken first (the renewal driver then plans to look in 10 s), then one
+/// with a 300 ms lease, which must still be renewed every 100 ms and never lost; both stay
+/// held for 2 s (more than six short leases) and another provider cannot take either.
+async fn mixed_leases(server: &RedisServer) {
+    let url = server.url("lease=30s");
+    let (a, b) = (
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+    );
+    let (long_key, short_key) = (unique_key("long"), unique_key("short"));
+    let long = a.try_acquire(&long_key).await.unwrap();
+    let short = a
+        .lock(&short_key)
+        .lease(Duration::from_millis(300))
+        .try_acquire()
+        .await
+        .unwrap();
+    let outcome = b.acquire(&short_key, Duration::from_secs(2)).await;
+    assert!(
+        matches!(outcome, Err(LockError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    assert!(!short.is_lost() && !long.is_lost());
+    assert!(matches!(
+        b.try_acquire(&long_key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    short.release().await.unwrap();
+    long.release().await.unwrap();
+    b.try_acquire(&short_key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
+
 /// A holder process killed with SIGKILL: its key frees itself when the lease runs out (not
 /// before), and the next holder's fencing token is larger.
 async fn sigkill_holder(server: &RedisServer) {
@@ -752,6 +790,12 @@ macro_rules! flavor_tests {
             async fn restart() {
                 let Some(mut server) = start() else { return };
                 server_restart(&mut server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn different_leases() {
+                let Some(server) = start() else { return };
+                mixed_leases(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

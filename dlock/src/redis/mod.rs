@@ -92,6 +92,7 @@
 //! dropped guard releases in the background, and its renewal stops at once.
 
 mod commands;
+mod renewals;
 mod token;
 
 use std::sync::Arc;
@@ -108,6 +109,7 @@ use crate::options::{parse_duration, query_pairs, unknown_option};
 
 use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
+use renewals::Renewals;
 pub use token::OwnerToken;
 
 const NAME: &str = "redis";
@@ -143,6 +145,14 @@ struct Shared {
     prefix: Vec<u8>,
     fencing: bool,
     timeout: Duration,
+    renewals: Arc<Renewals>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Lets the renewal driver see that the backend is gone and end.
+        self.renewals.shut_down();
+    }
 }
 
 enum Source {
@@ -257,6 +267,7 @@ impl RedisBuilder {
                 prefix: self.prefix.into_bytes(),
                 fencing: self.fencing,
                 timeout: self.timeout,
+                renewals: Arc::default(),
             }),
         })
     }
@@ -650,16 +661,23 @@ impl LockBackend for RedisBackend {
                 return Ok(None);
             };
             let lost = CancellationToken::new();
-            let stop = CancellationToken::new();
-            tokio::spawn(renew(
-                Arc::clone(shared),
+            let renewal = match Renewals::register(
+                shared,
                 Arc::clone(&lock_key),
                 token.clone(),
                 lease,
                 sent,
                 lost.clone(),
-                stop.clone(),
-            ));
+            ) {
+                Ok(id) => id,
+                Err(err) => {
+                    // Without renewal the lock could not be kept: give it back.
+                    let _ = shared
+                        .bounded("releasing a lock", shared.conn.release(&lock_key, &token))
+                        .await;
+                    return Err(err);
+                }
+            };
             Ok(Some(Acquired::new(
                 fencing_token,
                 lost.clone(),
@@ -668,7 +686,7 @@ impl LockBackend for RedisBackend {
                     key: lock_key,
                     token,
                     lost,
-                    stop,
+                    renewal,
                 }),
             )))
         })
@@ -710,65 +728,20 @@ impl Drop for Cleanup {
     }
 }
 
-/// Renews one lock until `stop`, and declares it lost when a renewal says it is not ours or
-/// when the local deadline passes without a successful renewal.
-async fn renew(
-    shared: Arc<Shared>,
-    key: Arc<[u8]>,
-    token: OwnerToken,
-    lease: Duration,
-    sent: Instant,
-    lost: CancellationToken,
-    stop: CancellationToken,
-) {
-    let period = lease / 3;
-    let retry = (lease / 20).max(Duration::from_millis(10));
-    let mut deadline = sent + safe_window(lease);
-    let mut next = sent + period;
-    loop {
-        tokio::select! {
-            biased;
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep_until(deadline.into()) => break,
-            () = tokio::time::sleep_until(next.into()) => {}
-        }
-        let attempt = Instant::now();
-        let outcome = tokio::select! {
-            biased;
-            () = stop.cancelled() => return,
-            () = tokio::time::sleep_until(deadline.into()) => break,
-            outcome = shared.bounded("renewing a lock", shared.conn.extend(&key, &token, lease)) => outcome,
-        };
-        match outcome {
-            Ok((true, _)) => {
-                deadline = attempt + safe_window(lease);
-                next = attempt + period;
-            }
-            Ok((false, _)) => {
-                tracing::warn!(
-                    "a redis lock was lost: the renewal found it gone or held by another owner"
-                );
-                lost.cancel();
-                return;
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, "renewing a redis lock failed; retrying until its lease may have run out");
-                next = Instant::now() + retry;
-            }
-        }
-    }
-    tracing::warn!(
-        "a redis lock is presumed lost: no renewal succeeded before its lease could run out"
-    );
-    lost.cancel();
-}
-
 struct RedisHeld {
     shared: Arc<Shared>,
     key: Arc<[u8]>,
     token: OwnerToken,
     lost: CancellationToken,
-    stop: CancellationToken,
+    /// Its entry in the backend's renewals.
+    renewal: u64,
+}
+
+impl Drop for RedisHeld {
+    fn drop(&mut self) {
+        // Released or not, it is no longer renewed (a no-op after `release`).
+        self.shared.renewals.remove(self.renewal);
+    }
 }
 
 impl std::fmt::Debug for RedisHeld {
@@ -782,7 +755,7 @@ impl std::fmt::Debug for RedisHeld {
 impl HeldLock for RedisHeld {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         Box::pin(async move {
-            self.stop.cancel();
+            self.shared.renewals.remove(self.renewal);
             let (outcome, _) = self
                 .shared
                 .bounded(
@@ -796,12 +769,6 @@ impl HeldLock for RedisHeld {
             }
             Ok(())
         })
-    }
-}
-
-impl Drop for RedisHeld {
-    fn drop(&mut self) {
-        self.stop.cancel();
     }
 }
 

@@ -1,0 +1,229 @@
+//! Lease renewal for every lock a backend holds, driven by one task per backend.
+//!
+//! A lock is renewed every third of its lease. If no renewal has succeeded by 80% of the lease
+//! after the last one was sent (the local deadline), the lock is presumed lost: the server may
+//! let someone else take it at the full lease, and the holder must know first. A renewal that
+//! finds the key gone or owned by another token means the lock is lost at once.
+//!
+//! One driver task sleeps until the earliest renewal or deadline of all entries and spawns the
+//! renewals that are due. Registering a lock is a map insert; only a lock due earlier than the
+//! driver's planned wake-up wakes it (the first one, or one with a shorter lease). A task per
+//! lock, as before, cost a spawn and a cross-thread wake on every acquisition and release:
+//! more than the two round trips of an uncontended acquire + release on a local server.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+use super::{OwnerToken, Shared, safe_window};
+use crate::LockError;
+
+/// The renewal entries of one backend.
+#[derive(Default)]
+pub(super) struct Renewals {
+    state: Mutex<State>,
+    /// Wakes the driver when its planned wake-up is too late, or the backend is gone.
+    wake: Notify,
+    driver: Mutex<Option<JoinHandle<()>>>,
+}
+
+#[derive(Default)]
+struct State {
+    entries: HashMap<u64, Entry>,
+    next_id: u64,
+    /// When the driver will next look, if it sleeps on a timer.
+    planned: Option<Instant>,
+}
+
+struct Entry {
+    key: Arc<[u8]>,
+    token: OwnerToken,
+    lease: Duration,
+    /// When the next renewal is due.
+    next: Instant,
+    /// The local deadline: lost if no renewal has succeeded by then.
+    deadline: Instant,
+    lost: CancellationToken,
+    /// A renewal of this entry is running.
+    in_flight: bool,
+}
+
+impl Entry {
+    fn wake_at(&self) -> Instant {
+        if self.in_flight {
+            self.deadline
+        } else {
+            self.next.min(self.deadline)
+        }
+    }
+}
+
+impl Renewals {
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Starts renewing a lock taken with a command sent at `sent`; returns the entry's id.
+    pub(super) fn register(
+        shared: &Arc<Shared>,
+        key: Arc<[u8]>,
+        token: OwnerToken,
+        lease: Duration,
+        sent: Instant,
+        lost: CancellationToken,
+    ) -> Result<u64, LockError> {
+        let renewals = &shared.renewals;
+        renewals.ensure_driver(shared)?;
+        let entry = Entry {
+            key,
+            token,
+            lease,
+            next: sent + lease / 3,
+            deadline: sent + safe_window(lease),
+            lost,
+            in_flight: false,
+        };
+        let mut state = renewals.state();
+        let id = state.next_id;
+        state.next_id += 1;
+        let wake_at = entry.wake_at();
+        state.entries.insert(id, entry);
+        renewals.plan(state, wake_at);
+        Ok(id)
+    }
+
+    /// Stops renewing entry `id` (released, or the guard dropped). No wake-up needed: the
+    /// driver skips what it no longer finds.
+    pub(super) fn remove(&self, id: u64) {
+        self.state().entries.remove(&id);
+    }
+
+    /// Wakes the driver if `wake_at` is before its planned wake-up.
+    fn plan(&self, mut state: MutexGuard<'_, State>, wake_at: Instant) {
+        if state.planned.is_none_or(|planned| wake_at < planned) {
+            state.planned = Some(wake_at);
+            drop(state);
+            self.wake.notify_one();
+        }
+    }
+
+    /// Tells the driver to look again (the backend is being dropped).
+    pub(super) fn shut_down(&self) {
+        self.wake.notify_one();
+    }
+
+    /// Starts the driver if it is not running (the first lock, or its runtime has gone).
+    fn ensure_driver(&self, shared: &Arc<Shared>) -> Result<(), LockError> {
+        let mut driver = self.driver.lock().unwrap_or_else(PoisonError::into_inner);
+        if driver.as_ref().is_some_and(|task| !task.is_finished()) {
+            return Ok(());
+        }
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            LockError::config("redis locks must be taken inside a Tokio runtime (lease renewal)")
+        })?;
+        // A restarted driver must look at every entry now.
+        self.state().planned = None;
+        *driver = Some(runtime.spawn(drive(Arc::downgrade(shared))));
+        Ok(())
+    }
+}
+
+/// The driver: declares overdue entries lost, spawns due renewals, sleeps until the next
+/// renewal or deadline. It holds the backend only while it works, and ends with it.
+async fn drive(shared: Weak<Shared>) {
+    loop {
+        let Some(backend) = shared.upgrade() else {
+            return;
+        };
+        let now = Instant::now();
+        let mut due = Vec::new();
+        let planned = {
+            let mut state = backend.renewals.state();
+            let overdue: Vec<u64> = state
+                .entries
+                .iter()
+                .filter(|(_, e)| e.deadline <= now)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in overdue {
+                if let Some(entry) = state.entries.remove(&id) {
+                    tracing::warn!(
+                        "a redis lock is presumed lost: no renewal succeeded before its lease could run out"
+                    );
+                    entry.lost.cancel();
+                }
+            }
+            for (id, entry) in &mut state.entries {
+                if !entry.in_flight && entry.next <= now {
+                    entry.in_flight = true;
+                    due.push((
+                        *id,
+                        Arc::clone(&entry.key),
+                        entry.token.clone(),
+                        entry.lease,
+                    ));
+                }
+            }
+            // With nothing to renew it still looks again a third of the default lease from
+            // now, so that locks taken meanwhile with that lease need no wake-up: a busy
+            // acquire/release loop then never wakes the driver.
+            let planned = state
+                .entries
+                .values()
+                .map(Entry::wake_at)
+                .min()
+                .unwrap_or(now + backend.lease / 3);
+            state.planned = Some(planned);
+            planned
+        };
+        for (id, key, token, lease) in due {
+            tokio::spawn(renew(Arc::clone(&backend), id, key, token, lease));
+        }
+        let renewals = Arc::clone(&backend.renewals);
+        drop(backend);
+        tokio::select! {
+            () = renewals.wake.notified() => {}
+            () = tokio::time::sleep_until(planned.into()) => {}
+        }
+    }
+}
+
+/// One renewal of entry `id`; updates the entry with the outcome.
+async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, lease: Duration) {
+    let attempt = Instant::now();
+    let outcome = shared
+        .bounded("renewing a lock", shared.conn.extend(&key, &token, lease))
+        .await;
+    let renewals = &shared.renewals;
+    let mut state = renewals.state();
+    // Released, or declared lost at its deadline, while the renewal ran.
+    let Some(entry) = state.entries.get_mut(&id) else {
+        return;
+    };
+    entry.in_flight = false;
+    match outcome {
+        Ok((true, _)) => {
+            entry.deadline = attempt + safe_window(lease);
+            entry.next = attempt + lease / 3;
+        }
+        Ok((false, _)) => {
+            if let Some(entry) = state.entries.remove(&id) {
+                tracing::warn!(
+                    "a redis lock was lost: the renewal found it gone or held by another owner"
+                );
+                entry.lost.cancel();
+            }
+            return;
+        }
+        Err(err) => {
+            tracing::warn!(error = %err, "renewing a redis lock failed; retrying until its lease may have run out");
+            entry.next = Instant::now() + (lease / 20).max(Duration::from_millis(10));
+        }
+    }
+    let wake_at = entry.wake_at();
+    renewals.plan(state, wake_at);
+}
