@@ -606,3 +606,40 @@ async fn abandoned_waits_leave_the_server_clean() {
     assert!(holders(&mut conn, &key).await.is_empty());
     b.try_acquire(&key).await.unwrap().release().await.unwrap();
 }
+
+/// The fenced statements (`pg_try_advisory_lock` + `INSERT ... RETURNING token` in one
+/// statement) read their row with `fetch_one`. This pins what that relies on: an error raised
+/// when the implicit transaction commits, after the row was sent, still reaches the caller (a
+/// deferred constraint fails at commit), so no token is handed out that the server rolled back.
+/// (SQLite's driver did drop such errors; see its full-disk test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn errors_at_commit_after_a_returned_row_reach_the_caller() {
+    let server = PgServer::shared();
+    let mut conn = admin(server).await;
+    let suffix = std::process::id();
+    let (parent, child) = (format!("fence_p_{suffix}"), format!("fence_c_{suffix}"));
+    for statement in [
+        format!("CREATE TABLE {parent} (id int PRIMARY KEY)"),
+        format!(
+            "CREATE TABLE {child} (id int PRIMARY KEY, \
+             p int REFERENCES {parent}(id) DEFERRABLE INITIALLY DEFERRED)"
+        ),
+    ] {
+        sqlx::query(&statement).execute(&mut conn).await.unwrap();
+    }
+    let outcome: Result<i32, _> =
+        sqlx::query_scalar(&format!("INSERT INTO {child} VALUES (1, 42) RETURNING id"))
+            .fetch_one(&mut conn)
+            .await;
+    let err = outcome.expect_err("the commit fails after the row was returned");
+    assert!(err.to_string().contains("foreign key"), "{err}");
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {child}"))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0);
+    sqlx::query(&format!("DROP TABLE {child}, {parent}"))
+        .execute(&mut conn)
+        .await
+        .unwrap();
+}
