@@ -749,7 +749,8 @@ struct Lane<C: Connector> {
 
 impl<C: Connector> Lane<C> {
     async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand<C>>) {
-        let mut ticker = tokio::time::interval(self.keepalive);
+        let mut ticker =
+            tokio::time::interval_at(tokio::time::Instant::now() + self.keepalive, self.keepalive);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -1156,9 +1157,12 @@ impl<C: Connector> WaitTask<C> {
         mut session: C::Session,
         mut release: oneshot::Receiver<oneshot::Sender<()>>,
     ) {
-        let mut ticker = tokio::time::interval(self.keepalive);
+        // The first check one period from now. (`interval`'s immediate first tick still goes
+        // through the timer wheel: awaiting it here cost up to a millisecond before a release
+        // could be seen, on every lock granted through a wait.)
+        let mut ticker =
+            tokio::time::interval_at(tokio::time::Instant::now() + self.keepalive, self.keepalive);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        ticker.tick().await;
         loop {
             tokio::select! {
                 asked = &mut release => {
