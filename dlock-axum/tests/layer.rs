@@ -32,6 +32,12 @@ impl Store {
         self.dir.path().join("locks.db")
     }
 
+    /// Takes `key` from another provider (another replica) and keeps it until the guard
+    /// is released.
+    async fn hold(&self, key: &str) -> dlock::LockGuard {
+        self.provider().await.try_acquire(key).await.expect("hold")
+    }
+
     /// A provider that polls quickly, as another replica would.
     async fn provider(&self) -> LockProvider {
         let backend = SqliteBackend::builder(self.path())
@@ -197,12 +203,7 @@ async fn a_wait_that_runs_out_is_a_408_problem() {
         .retry_after(Duration::from_millis(2500));
     let (app, calls) = counting_app(layer);
     let server = serve(app).await;
-    let _held = store
-        .provider()
-        .await
-        .try_acquire("account:7")
-        .await
-        .expect("hold");
+    let _held = store.hold("account:7").await;
 
     let started = Instant::now();
     let answer = post_to(&format!("{}/accounts/7/debit", server.base)).await;
@@ -295,12 +296,7 @@ async fn cancellation_ends_waits_with_499() {
         .cancel_on(&shutdown);
     let (app, calls) = counting_app(layer.clone());
     let server = serve(app).await;
-    let _held = store
-        .provider()
-        .await
-        .try_acquire("account:9")
-        .await
-        .expect("hold");
+    let _held = store.hold("account:9").await;
 
     let url = format!("{}/accounts/9/debit", server.base);
     let waiting = tokio::spawn(async move { post_to(&url).await });
@@ -332,12 +328,7 @@ async fn beyond_the_waiter_limit_requests_get_503() {
         .max_waiting(2);
     let (app, calls) = counting_app(layer.clone());
     let server = serve(app).await;
-    let held = store
-        .provider()
-        .await
-        .try_acquire("account:5")
-        .await
-        .expect("hold");
+    let held = store.hold("account:5").await;
 
     let url = format!("{}/accounts/5/debit", server.base);
     let waiters: Vec<_> = (0..2)
@@ -528,12 +519,7 @@ async fn routes_without_the_layer_are_untouched() {
         .route("/open/{id}", post(|| async { "open route" }))
         .route("/get/{id}", get(|| async { "get route" }));
     let server = serve(app).await;
-    let _held = store
-        .provider()
-        .await
-        .try_acquire("item:1")
-        .await
-        .expect("hold");
+    let _held = store.hold("item:1").await;
 
     assert_eq!(
         post_to(&format!("{}/locked/1", server.base)).await.status,
@@ -609,12 +595,7 @@ async fn handlers_return_lock_rejections_and_failures_do_not_leak() {
             );
     let server = serve(app).await;
 
-    let held = store
-        .provider()
-        .await
-        .try_acquire("books:close")
-        .await
-        .expect("hold");
+    let held = store.hold("books:close").await;
     let answer = post_to(&format!("{}/close", server.base)).await;
     assert_eq!(answer.status, 409);
     assert_eq!(answer.body["code"], "DistributedLock.AlreadyHeld");
@@ -667,12 +648,7 @@ async fn layer_mistakes_are_500_problems_that_do_not_show_the_configuration() {
         .route("/orders/{id}", post(|| async { "ran" }))
         .layer(LockLayer::new(store.provider().await, "order:{id}"));
     let server = serve(app).await;
-    let held = store
-        .provider()
-        .await
-        .try_acquire("order:1")
-        .await
-        .expect("hold");
+    let held = store.hold("order:1").await;
     assert_eq!(
         post_to(&format!("{}/orders/1", server.base)).await.status,
         409
@@ -687,12 +663,7 @@ async fn layer_mistakes_are_500_problems_that_do_not_show_the_configuration() {
         .route("/jobs/run", post(|| async { "ran" }))
         .route_layer(LockLayer::new(store.provider().await, "jobs:run"));
     let server = serve(app).await;
-    let held = store
-        .provider()
-        .await
-        .try_acquire("jobs:run")
-        .await
-        .expect("hold");
+    let held = store.hold("jobs:run").await;
     assert_eq!(
         post_to(&format!("{}/jobs/run", server.base)).await.status,
         409
@@ -856,12 +827,7 @@ async fn problem_instance_fills_in_the_path_of_handler_problems() {
         serve(routes(locks.clone()).layer(axum::middleware::from_fn(dlock_axum::problem_instance)))
             .await;
     let without = serve(routes(locks)).await;
-    let held = store
-        .provider()
-        .await
-        .try_acquire("books:close")
-        .await
-        .expect("hold");
+    let held = store.hold("books:close").await;
 
     let answer = post_to(&format!("{}/books/2026/close?token=secret", with.base)).await;
     assert_problem(

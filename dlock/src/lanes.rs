@@ -563,6 +563,78 @@ macro_rules! lane_backend {
 }
 pub(crate) use lane_backend;
 
+/// The builder setters of the options every lane backend shares ([`LaneOptions`]), for a
+/// builder whose field `lane` holds them. Invoked inside the builder's `impl` block.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_macros)
+)]
+macro_rules! lane_builder_options {
+    () => {
+        /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
+        pub fn fencing(mut self, fencing: bool) -> Self {
+            self.lane.fencing = fencing;
+            self
+        }
+
+        /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
+        pub fn keepalive(mut self, keepalive: std::time::Duration) -> Self {
+            self.lane.settings.keepalive = keepalive;
+            self
+        }
+
+        /// How long opening a connection may take (default 10 s).
+        pub fn connect_timeout(mut self, connect_timeout: std::time::Duration) -> Self {
+            self.lane.connect_timeout = connect_timeout;
+            self
+        }
+
+        /// The number of lock connections, which hold the locks taken without waiting
+        /// (default 4, 1 to 64).
+        pub fn connections(mut self, connections: usize) -> Self {
+            self.lane.settings.connections = connections;
+            self
+        }
+
+        /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes
+        /// waits poll instead).
+        pub fn wait_connections(mut self, wait_connections: usize) -> Self {
+            self.lane.settings.wait_connections = wait_connections;
+            self
+        }
+    };
+}
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_imports)
+)]
+pub(crate) use lane_builder_options;
+
+/// The option accessors of a lane backend whose connector has a `fencing` field. Invoked
+/// inside the backend's `impl` block.
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_macros)
+)]
+macro_rules! lane_backend_options {
+    () => {
+        /// Whether this backend issues fencing tokens.
+        pub fn fencing(&self) -> bool {
+            self.lanes.connector().fencing
+        }
+
+        /// The liveness check cadence.
+        pub fn keepalive(&self) -> std::time::Duration {
+            self.lanes.settings().keepalive
+        }
+    };
+}
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql")),
+    allow(unused_imports)
+)]
+pub(crate) use lane_backend_options;
+
 // ---------------------------------------------------------------------------------------------
 // Claims.
 

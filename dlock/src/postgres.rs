@@ -242,37 +242,7 @@ impl std::fmt::Debug for PostgresBuilder {
 }
 
 impl PostgresBuilder {
-    /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
-    pub fn fencing(mut self, fencing: bool) -> Self {
-        self.lane.fencing = fencing;
-        self
-    }
-
-    /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
-    pub fn keepalive(mut self, keepalive: Duration) -> Self {
-        self.lane.settings.keepalive = keepalive;
-        self
-    }
-
-    /// How long opening a connection may take (default 10 s).
-    pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
-        self.lane.connect_timeout = connect_timeout;
-        self
-    }
-
-    /// The number of lock connections, which hold the locks taken without waiting (default 4,
-    /// 1 to 64).
-    pub fn connections(mut self, connections: usize) -> Self {
-        self.lane.settings.connections = connections;
-        self
-    }
-
-    /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes waits
-    /// poll instead).
-    pub fn wait_connections(mut self, wait_connections: usize) -> Self {
-        self.lane.settings.wait_connections = wait_connections;
-        self
-    }
+    crate::lanes::lane_builder_options!();
 
     /// Opens the first lock connection (so a wrong address or password is reported here) and
     /// starts the backend; the other connections open when they are first needed. Creates the
@@ -353,15 +323,7 @@ impl PostgresBackend {
         parse_url(url)?.open().await
     }
 
-    /// Whether this backend issues fencing tokens.
-    pub fn fencing(&self) -> bool {
-        self.lanes.connector().fencing
-    }
-
-    /// The liveness check cadence.
-    pub fn keepalive(&self) -> Duration {
-        self.lanes.settings().keepalive
-    }
+    crate::lanes::lane_backend_options!();
 }
 
 impl std::fmt::Debug for PostgresBackend {

@@ -14,7 +14,7 @@ use std::net::{IpAddr, TcpListener};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::Placement;
 
@@ -307,23 +307,14 @@ impl DbServer {
             .stderr(log)
             .spawn()
             .expect("start the server");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(120);
-        loop {
-            let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
-            if text.contains("ready for connections") {
-                break;
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                panic!("{} exited with {status}: {text}", self.flavor.label());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not start in time: {text}",
-                self.flavor.label()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = self.child.insert(child);
+        Placement::wait_until_ready(
+            child,
+            &self.dir.join("server.log"),
+            "ready for connections",
+            self.flavor.label(),
+            Duration::from_secs(120),
+        );
     }
 
     /// Stops the server hard (SIGKILL) and waits for it to be gone: every session dies as

@@ -61,14 +61,6 @@ fn on_path(name: &str) -> bool {
         .any(|d| d.join(name).is_file())
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
 /// Runs `program args`, panicking with its output when it fails.
 fn run(program: &str, args: &[&str]) {
     let out = Command::new(program)
@@ -198,7 +190,7 @@ impl Netns {
     pub fn available() -> bool {
         let why = if !cfg!(target_os = "linux") {
             Some("network namespaces need Linux")
-        } else if !is_root() {
+        } else if !Placement::running_as_root() {
             Some("network namespaces need root")
         } else if !on_path("ip") {
             Some("`ip` (iproute2) is not installed")

@@ -3,7 +3,9 @@
 
 use std::ffi::OsStr;
 use std::net::IpAddr;
-use std::process::Command;
+use std::path::Path;
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
 
 /// Where a throwaway server listens, whom it lets in, and how its process is started. The
 /// default is loopback in this process's network namespace, trusting loopback clients.
@@ -49,6 +51,42 @@ impl Placement {
                 cmd.args(rest).arg(program);
                 cmd
             }
+        }
+    }
+
+    /// Whether this process runs as root (servers that refuse root then run as their own user;
+    /// network namespaces need it).
+    pub fn running_as_root() -> bool {
+        Command::new("id")
+            .arg("-u")
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+            .unwrap_or(false)
+    }
+
+    /// Waits until the server's `log` says `ready`, failing with the log if `child` exits
+    /// first or `limit` passes; `what` names the server in those messages.
+    pub fn wait_until_ready(
+        child: &mut Child,
+        log: &Path,
+        ready: &str,
+        what: &str,
+        limit: Duration,
+    ) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            if text.contains(ready) {
+                return;
+            }
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("{what} exited with {status}: {text}");
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{what} did not start in time: {text}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 }

@@ -11,7 +11,7 @@ use std::net::{IpAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::Placement;
 
@@ -50,18 +50,10 @@ fn bin_dir() -> PathBuf {
     );
 }
 
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
-}
-
 /// A command that runs `program` (behind the placement's prefix) as the `postgres` user when
 /// this process is root.
 fn as_postgres(placement: &Placement, program: &Path) -> Command {
-    if is_root() {
+    if Placement::running_as_root() {
         let mut cmd = placement.command("setpriv");
         cmd.args([
             "--reuid=postgres",
@@ -100,7 +92,7 @@ impl PgServer {
             .keep();
         let data = dir.join("data");
         std::fs::create_dir(&data).expect("data dir");
-        if is_root() {
+        if Placement::running_as_root() {
             let status = Command::new("chown")
                 .args(["-R", "postgres:postgres"])
                 .arg(&dir)
@@ -230,22 +222,14 @@ impl PgServer {
             .stderr(log)
             .spawn()
             .expect("start postgres");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
-            if text.contains("ready to accept connections") {
-                break;
-            }
-            if let Some(Ok(Some(status))) = self.child.as_mut().map(Child::try_wait) {
-                panic!("postgres exited with {status}: {text}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "postgres did not start in time: {text}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let child = self.child.insert(child);
+        Placement::wait_until_ready(
+            child,
+            &self.dir.join("server.log"),
+            "ready to accept connections",
+            "postgres",
+            Duration::from_secs(60),
+        );
     }
 
     /// Fast shutdown: every session is terminated, then the server exits.
