@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::LockError;
+use crate::time::{MAX_SETTING, check_setting};
 
 /// How a waiting acquisition polls a backend that has no blocking wait of its own.
 ///
@@ -38,14 +39,17 @@ impl Default for Backoff {
 impl Backoff {
     /// A backoff policy; `jitter` is a ratio in `0.0..=1.0`.
     ///
-    /// Errors with [`LockError::Config`] when `initial` is zero, `max < initial`, or `jitter`
-    /// is outside `0.0..=1.0`.
+    /// Errors with [`LockError::Config`] when `initial` is zero, either interval is longer than
+    /// 365 days, `max < initial`, or `jitter` is outside `0.0..=1.0`.
     pub fn new(initial: Duration, max: Duration, jitter: f64) -> Result<Self, LockError> {
-        if initial.is_zero() {
-            return Err(LockError::config(
-                "backoff: the initial interval must be greater than zero",
-            ));
-        }
+        let nanosecond = Duration::from_nanos(1);
+        check_setting(
+            "backoff: the initial interval",
+            initial,
+            nanosecond,
+            MAX_SETTING,
+        )?;
+        check_setting("backoff: the max interval", max, nanosecond, MAX_SETTING)?;
         if max < initial {
             return Err(LockError::config(format!(
                 "backoff: the max interval ({max:?}) must not be less than the initial interval ({initial:?})"

@@ -37,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Acquired, BoxFuture, HeldLock};
 use crate::options::parse_duration;
+use crate::time::{MAX_SETTING, check_setting};
 use crate::{Backoff, LockError};
 
 /// The most a lock, unlock or interrupt statement on a lane may take before its connection
@@ -179,12 +180,12 @@ pub(crate) const MAX_CONNECTIONS: usize = 64;
 impl LaneSettings {
     /// Checks the settings, naming the option that is wrong.
     pub(crate) fn check(&self) -> Result<(), LockError> {
-        if self.keepalive < Duration::from_millis(10) {
-            return Err(LockError::config(format!(
-                "keepalive {:?} is too short; use at least 10ms",
-                self.keepalive
-            )));
-        }
+        check_setting(
+            "keepalive",
+            self.keepalive,
+            Duration::from_millis(10),
+            MAX_SETTING,
+        )?;
         if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
             return Err(LockError::config(format!(
                 "connections must be between 1 and {MAX_CONNECTIONS}, not {}",
@@ -261,9 +262,12 @@ impl LaneOptions {
 
     /// Checks the options, naming the one that is wrong.
     pub(crate) fn check(&self) -> Result<(), LockError> {
-        if self.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
+        check_setting(
+            "connect_timeout",
+            self.connect_timeout,
+            Duration::from_nanos(1),
+            MAX_SETTING,
+        )?;
         self.settings.check()
     }
 }
@@ -445,7 +449,7 @@ impl<C: Connector> Lanes<C> {
         key: &str,
         timeout: Duration,
     ) -> Result<Option<Acquired>, LockError> {
-        let deadline = Instant::now().checked_add(timeout);
+        let deadline = crate::time::deadline(Instant::now(), timeout);
         let resource = self.connector.resource(key);
         // A free key is taken on a lane, like a try.
         if let Some(acquired) = self.try_resource(resource.clone()).await? {
@@ -821,8 +825,10 @@ struct Lane<C: Connector> {
 
 impl<C: Connector> Lane<C> {
     async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand<C>>) {
-        let mut ticker =
-            tokio::time::interval_at(tokio::time::Instant::now() + self.keepalive, self.keepalive);
+        let mut ticker = tokio::time::interval_at(
+            crate::time::later_tokio(tokio::time::Instant::now(), self.keepalive),
+            self.keepalive,
+        );
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -1232,8 +1238,10 @@ impl<C: Connector> WaitTask<C> {
         // The first check one period from now. (`interval`'s immediate first tick still goes
         // through the timer wheel: awaiting it here cost up to a millisecond before a release
         // could be seen, on every lock granted through a wait.)
-        let mut ticker =
-            tokio::time::interval_at(tokio::time::Instant::now() + self.keepalive, self.keepalive);
+        let mut ticker = tokio::time::interval_at(
+            crate::time::later_tokio(tokio::time::Instant::now(), self.keepalive),
+            self.keepalive,
+        );
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {

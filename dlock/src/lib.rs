@@ -92,6 +92,7 @@ pub mod mysql;
 mod options;
 mod provider;
 mod table;
+mod time;
 
 #[cfg(feature = "mssql")]
 pub mod mssql;

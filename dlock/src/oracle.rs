@@ -745,7 +745,7 @@ pub fn acquire_in_transaction(
 ) -> Result<(), LockError> {
     crate::key::validate_key(key)?;
     let id = dbms_lock_id(key);
-    let deadline = Instant::now().checked_add(timeout);
+    let deadline = crate::time::deadline(Instant::now(), timeout);
     loop {
         // Whole seconds wait on the server (split below MAXWAIT so they end at the deadline);
         // a fraction of a second left is slept here, followed by one last try.

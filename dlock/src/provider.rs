@@ -322,7 +322,7 @@ impl LockProvider {
         let shutdown = inner.shutdown.as_ref();
         let one_try = timeout.is_zero();
         // `None` when the timeout is too long to represent: wait without limit.
-        let deadline = Instant::now().checked_add(timeout);
+        let deadline = crate::time::deadline(Instant::now(), timeout);
         if is_cancelled(cancel, shutdown) {
             return Err(LockError::Canceled {
                 key: Arc::from(key),

@@ -61,6 +61,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::key::validate_key;
 use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::time::later;
 use crate::{Backoff, LockError};
 
 const NAME: &str = "sqlite";
@@ -302,8 +303,8 @@ impl LockBackend for SqliteBackend {
                 owner,
                 lost: lost.clone(),
                 lease,
-                next_due: started + lease / 3,
-                deadline: started + safe_window(lease),
+                next_due: later(started, lease / 3),
+                deadline: later(started, safe_window(lease)),
             });
             Ok(Some(Acquired::new(
                 u64::try_from(fencing).ok(),
@@ -590,8 +591,8 @@ async fn renew_due(shared: &Arc<Shared>) {
                     continue;
                 };
                 if held {
-                    renewal.next_due = started + renewal.lease / 3;
-                    renewal.deadline = started + safe_window(renewal.lease);
+                    renewal.next_due = later(started, renewal.lease / 3);
+                    renewal.deadline = later(started, safe_window(renewal.lease));
                 } else {
                     tracing::warn!(
                         backend = NAME,
@@ -616,7 +617,7 @@ async fn renew_due(shared: &Arc<Shared>) {
 fn retry_soon(renewals: &mut HashMap<u64, Renewal>, due: &[DueRenewal], now: Instant) {
     for (id, ..) in due {
         if let Some(renewal) = renewals.get_mut(id) {
-            renewal.next_due = now + renewal.lease / 10;
+            renewal.next_due = later(now, renewal.lease / 10);
         }
     }
 }
@@ -664,7 +665,7 @@ pub fn acquire_in_transaction(
     if timeout.is_zero() {
         return try_acquire_in_transaction(transaction, key);
     }
-    let deadline = Instant::now().checked_add(timeout);
+    let deadline = crate::time::deadline(Instant::now(), timeout);
     let backoff = Backoff::default();
     let mut attempt = 0;
     loop {

@@ -21,6 +21,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{OwnerToken, Shared, safe_window};
 use crate::LockError;
+use crate::time::later;
 
 /// The renewal entries of one backend.
 #[derive(Default)]
@@ -82,8 +83,8 @@ impl Renewals {
             key,
             token,
             lease,
-            next: sent + lease / 3,
-            deadline: sent + safe_window(lease),
+            next: later(sent, lease / 3),
+            deadline: later(sent, safe_window(lease)),
             lost,
             in_flight: false,
         };
@@ -176,7 +177,7 @@ async fn drive(shared: Weak<Shared>) {
                 .values()
                 .map(Entry::wake_at)
                 .min()
-                .unwrap_or(now + backend.lease / 3);
+                .unwrap_or_else(|| later(now, backend.lease / 3));
             state.planned = Some(planned);
             planned
         };
@@ -207,8 +208,8 @@ async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, 
     entry.in_flight = false;
     match outcome {
         Ok((true, _)) => {
-            entry.deadline = attempt + safe_window(lease);
-            entry.next = attempt + lease / 3;
+            entry.deadline = later(attempt, safe_window(lease));
+            entry.next = later(attempt, lease / 3);
         }
         Ok((false, _)) => {
             if let Some(entry) = state.entries.remove(&id) {
@@ -221,7 +222,7 @@ async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, 
         }
         Err(err) => {
             tracing::warn!(error = %err, "renewing a redis lock failed; retrying until its lease may have run out");
-            entry.next = Instant::now() + (lease / 20).max(Duration::from_millis(10));
+            entry.next = later(Instant::now(), (lease / 20).max(Duration::from_millis(10)));
         }
     }
     let wake_at = entry.wake_at();
