@@ -36,6 +36,15 @@ pub(crate) fn later(now: Instant, after: Duration) -> Instant {
 }
 
 /// [`later`] for Tokio instants.
+#[cfg_attr(
+    not(any(
+        feature = "mssql",
+        feature = "oracle",
+        feature = "postgres",
+        feature = "mysql"
+    )),
+    allow(dead_code)
+)]
 #[inline]
 pub(crate) fn later_tokio(now: tokio::time::Instant, after: Duration) -> tokio::time::Instant {
     later(now.into_std(), after).into()
