@@ -131,6 +131,16 @@ impl conformance::Harness for MssqlHarness {
     fn fencing(&self) -> bool {
         false
     }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let url = format!("{}&connections=1", self.url());
+        let backend = dlock::mssql::MssqlBackend::connect(&url)
+            .await
+            .expect("connect to SQL Server");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
 }
 
 mod live {

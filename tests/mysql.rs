@@ -77,6 +77,16 @@ impl conformance::Harness for MyHarness {
     fn fencing(&self) -> bool {
         self.fencing
     }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let url = self.server.url(&format!("{}&connections=1", self.options));
+        let backend = dlock::mysql::MySqlBackend::connect(&url)
+            .await
+            .expect("connect");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
 }
 
 /// Generates the tests of one engine. A missing server skips them (fails under CI).
@@ -100,12 +110,7 @@ macro_rules! engine_tests {
                     })
                 }
 
-                conformance_suite!({
-                    match harness().await {
-                        Some(h) => std::future::ready(h),
-                        None => return,
-                    }
-                });
+                conformance_suite!(optional harness());
             }
 
             mod plain {
@@ -119,12 +124,7 @@ macro_rules! engine_tests {
                     })
                 }
 
-                conformance_suite!({
-                    match harness().await {
-                        Some(h) => std::future::ready(h),
-                        None => return,
-                    }
-                });
+                conformance_suite!(optional harness());
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -108,6 +108,17 @@ impl conformance::Harness for OracleHarness {
     fn fencing(&self) -> bool {
         false
     }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let sep = if self.url().contains('?') { '&' } else { '?' };
+        let url = format!("{}{sep}connections=1", self.url());
+        let backend = dlock::oracle::OracleBackend::connect(&url)
+            .await
+            .expect("connect to Oracle");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
 }
 
 mod live {

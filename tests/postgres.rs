@@ -70,6 +70,14 @@ impl conformance::Harness for PgHarness {
     fn fencing(&self) -> bool {
         self.fencing
     }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let url = self.server.url(&format!("{}&connections=1", self.options));
+        let backend = PostgresBackend::connect(&url).await.expect("connect");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
 }
 
 mod fenced {

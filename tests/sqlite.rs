@@ -63,6 +63,15 @@ impl conformance::Harness for SqliteHarness {
     fn fencing(&self) -> bool {
         true
     }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let backend = dlock::sqlite::SqliteBackend::connect(&self.url())
+            .await
+            .expect("open lock file");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
 }
 
 conformance_suite!(SqliteHarness::new());

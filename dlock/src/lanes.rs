@@ -21,9 +21,19 @@
 //!   or a statement that outlives its bound drops the session and cancels the lost token of
 //!   every lock it held (the server frees a session's locks when the session ends).
 //! - A grant may carry a fencing token issued in the same round trip ([`Grant`]).
-//! - Backends whose server lets a session take a lock it holds again claim each resource in
-//!   process first ([`Connector::CLAIMS`]), so no two acquisitions of one backend ever ask the
-//!   server for the same resource at once.
+//! - Every acquisition claims its resource in process first ([`Claims`]), so no two
+//!   acquisitions of one backend ever ask the server for the same resource at once, however
+//!   many providers share the backend. Servers let a session take a lock it holds again
+//!   (PostgreSQL, MySQL and SQL Server count re-entries, Oracle answers "already own"), and
+//!   every lane is one session that many acquisitions share: without the claim, two providers
+//!   built on clones of one backend would both be granted a key on a shared lane. A waiting
+//!   acquisition whose resource another acquisition of the backend holds waits for that claim
+//!   to end (no server round trips), then for the server.
+//! - Every task that keeps locks alive (a lane, a wait task) cancels the lost token of each
+//!   lock it keeps when it stops for any reason, its runtime being dropped included: its
+//!   session, and with it the locks, end with it. A lane found stopped is started again on the
+//!   runtime of the acquisition that finds it, so a backend keeps working when the runtime
+//!   that opened it is gone.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
@@ -105,13 +115,6 @@ pub(crate) trait Connector: Send + Sync + 'static {
     const PING_TIMEOUT: Duration = Duration::from_secs(2);
     /// How long past the caller's timeout a wait may take to answer before it is given up.
     const WAIT_GRACE: Duration = Duration::from_secs(2);
-    /// Whether acquisitions claim their resource in process before they ask the server: for
-    /// servers that let a session take a lock it holds again (so two acquisitions of one
-    /// backend must never ask for the same resource at once). A resource whose abandoned
-    /// acquisition is still being cleaned up is waited for (up to [`SETTLE_LIMIT`]) rather
-    /// than answered as held.
-    const CLAIMS: bool = false;
-
     /// The granularity of the server's wait timeout (1 ms for SQL Server and PostgreSQL, 1 s
     /// for Oracle and MySQL, 1 µs for MariaDB). A wait asks the server for whole units only;
     /// what is left below one unit is tried out here with short pauses, with one last try at
@@ -286,11 +289,13 @@ fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
 pub(crate) struct Lanes<C: Connector> {
     connector: Arc<C>,
     settings: LaneSettings,
-    lanes: Vec<mpsc::UnboundedSender<LaneCommand<C>>>,
+    /// The lanes' command channels; a lane whose task has stopped (its runtime was dropped) is
+    /// started again when next picked.
+    lanes: Vec<Mutex<mpsc::UnboundedSender<LaneCommand<C>>>>,
     next_lane: AtomicUsize,
     next_handle: AtomicU64,
     waits: Arc<WaitPool<C::Session>>,
-    claims: Option<Arc<Claims<C::Resource>>>,
+    claims: Arc<Claims<C::Resource>>,
 }
 
 impl<C: Connector> Lanes<C> {
@@ -327,15 +332,11 @@ impl<C: Connector> Lanes<C> {
         let mut first = Some(first);
         let mut lanes = Vec::with_capacity(settings.connections);
         for _ in 0..settings.connections {
-            let (tx, rx) = mpsc::unbounded_channel();
-            let lane = Lane {
-                connector: Arc::clone(&connector),
-                keepalive: settings.keepalive,
-                session: first.take(),
-                held: HashMap::new(),
-            };
-            tokio::spawn(lane.run(rx));
-            lanes.push(tx);
+            lanes.push(Mutex::new(Lane::spawn(
+                &connector,
+                settings.keepalive,
+                first.take(),
+            )));
         }
         Ok(Lanes {
             connector,
@@ -347,7 +348,7 @@ impl<C: Connector> Lanes<C> {
                 permits: Arc::new(Semaphore::new(settings.wait_connections)),
                 idle: Mutex::new(Vec::new()),
             }),
-            claims: C::CLAIMS.then(|| Arc::new(Claims::default())),
+            claims: Arc::new(Claims::default()),
         })
     }
 
@@ -362,21 +363,21 @@ impl<C: Connector> Lanes<C> {
         &self.connector
     }
 
-    fn lane(&self) -> Result<&mpsc::UnboundedSender<LaneCommand<C>>, LockError> {
+    /// The next lane's command channel. A lane whose task has stopped (the runtime it ran on
+    /// was dropped; its locks were reported lost then) is started again on this runtime.
+    fn lane(&self) -> Result<mpsc::UnboundedSender<LaneCommand<C>>, LockError> {
         let n = self.next_lane.fetch_add(1, Ordering::Relaxed);
         // Never empty (the settings are checked), but answer an error rather than panic.
-        self.lanes
+        let lane = self
+            .lanes
             .get(n % self.lanes.len().max(1))
-            .ok_or_else(lane_gone::<C>)
-    }
-
-    /// Claims `resource` where the backend claims resources: `None` when this backend holds
-    /// it already, `Some(None)` when it does not claim resources.
-    async fn claim(&self, resource: &C::Resource) -> Option<Option<Claim<C::Resource>>> {
-        match &self.claims {
-            None => Some(None),
-            Some(claims) => claims.claim(resource).await.map(Some),
+            .ok_or_else(lane_gone::<C>)?;
+        let mut sender = lane.lock().unwrap_or_else(PoisonError::into_inner);
+        if sender.is_closed() {
+            Self::check_runtime()?;
+            *sender = Lane::spawn(&self.connector, self.settings.keepalive, None);
         }
+        Ok(sender.clone())
     }
 
     /// One try on a lane.
@@ -386,15 +387,24 @@ impl<C: Connector> Lanes<C> {
     }
 
     async fn try_resource(&self, resource: C::Resource) -> Result<Option<Acquired>, LockError> {
-        let Some(claim) = self.claim(&resource).await else {
+        let Some(claim) = self.claims.claim(&resource, Until::Try).await else {
             return Ok(None);
         };
-        let lane = self.lane()?.clone();
+        self.try_claimed(resource, claim).await
+    }
+
+    /// One try on a lane for a resource this acquisition has claimed.
+    async fn try_claimed(
+        &self,
+        resource: C::Resource,
+        claim: Claim<C::Resource>,
+    ) -> Result<Option<Acquired>, LockError> {
+        let lane = self.lane()?;
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
         // Marks the claim as being cleaned up if this future is dropped before the answer.
-        let abandoned = claim.as_ref().map(Claim::abandon_guard);
+        let abandoned = claim.abandon_guard();
         lane.send(LaneCommand::Try {
             resource,
             claim,
@@ -408,7 +418,7 @@ impl<C: Connector> Lanes<C> {
         // behind the try, which frees whatever the try got.
         let held = LaneHeld::new(lane, handle);
         let answer = answer.await;
-        AbandonGuard::disarm(abandoned);
+        abandoned.disarm();
         match answer.map_err(|_| lane_gone::<C>())?? {
             Some(grant) => Ok(Some(Acquired::new(grant.token, lost, Box::new(held)))),
             None => {
@@ -426,7 +436,16 @@ impl<C: Connector> Lanes<C> {
         let backoff = Backoff::default();
         let mut attempt = 0u32;
         loop {
-            if let Some(acquired) = self.try_resource(resource.clone()).await? {
+            // Another acquisition of this backend holding the resource is waited for here,
+            // without asking the server.
+            let Some(claim) = self
+                .claims
+                .claim(&resource, Until::Deadline(deadline))
+                .await
+            else {
+                return Ok(None);
+            };
+            if let Some(acquired) = self.try_claimed(resource.clone(), claim).await? {
                 return Ok(Some(acquired));
             }
             let mut pause = backoff.delay(attempt);
@@ -461,18 +480,24 @@ impl<C: Connector> Lanes<C> {
         if remaining.is_zero() {
             return Ok(None);
         }
+        // Another acquisition of this backend (through this provider or another provider on a
+        // clone of the backend) may hold the resource: wait for it to let go here, since the
+        // server would let a shared session in, and could not queue this wait behind it.
+        let Some(claim) = self
+            .claims
+            .claim(&resource, Until::Deadline(deadline))
+            .await
+        else {
+            return Ok(None);
+        };
         let Ok(permit) = Arc::clone(&self.waits.permits).try_acquire_owned() else {
             // Every wait session is busy: poll the lanes instead.
-            return self.poll_lanes(resource, deadline).await;
-        };
-        let Some(claim) = self.claim(&resource).await else {
-            // Another acquisition of this backend holds it: poll until it lets go.
-            drop(permit);
+            drop(claim);
             return self.poll_lanes(resource, deadline).await;
         };
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
-        let abandoned = claim.as_ref().map(Claim::abandon_guard);
+        let abandoned = claim.abandon_guard();
         let task = WaitTask {
             connector: Arc::clone(&self.connector),
             resource,
@@ -480,7 +505,7 @@ impl<C: Connector> Lanes<C> {
             deadline,
             keepalive: self.settings.keepalive,
             pool: Arc::clone(&self.waits),
-            interrupter: self.lane()?.clone(),
+            interrupter: self.lane()?,
             lost: lost.clone(),
             _permit: permit,
         };
@@ -496,7 +521,7 @@ impl<C: Connector> Lanes<C> {
             },
             None => answer.await,
         };
-        AbandonGuard::disarm(abandoned);
+        abandoned.disarm();
         match answer.map_err(|_| lane_gone::<C>())?? {
             None => Ok(None),
             Some((grant, release)) => Ok(Some(Acquired::new(
@@ -642,8 +667,9 @@ pub(crate) use lane_backend_options;
 // ---------------------------------------------------------------------------------------------
 // Claims.
 
-/// Resources that an acquisition of one backend holds, is acquiring, or is still cleaning up
-/// after it was abandoned ([`Connector::CLAIMS`]).
+/// The resources that acquisitions of one backend hold, are acquiring, or are still cleaning
+/// up after they were abandoned. Every acquisition claims its resource before it asks the
+/// server, and keeps the claim until the lock is given back (or its session is gone).
 struct Claims<R> {
     map: Mutex<HashMap<R, ClaimState>>,
     next: AtomicU64,
@@ -658,68 +684,94 @@ impl<R> Default for Claims<R> {
     }
 }
 
-/// The state of a claimed resource, with the id of the claim.
-enum ClaimState {
-    Taken(u64),
-    Settling(Arc<Notify>),
+/// A claimed resource: the claim's id, whether its abandoned acquisition is being cleaned up,
+/// and what wakes acquisitions waiting for the claim to end.
+struct ClaimState {
+    id: u64,
+    settling: bool,
+    ended: Arc<Notify>,
+}
+
+/// How long [`Claims::claim`] waits for a claim of another acquisition to end.
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    /// A try: a resource another acquisition holds is answered as held at once; one whose
+    /// abandoned acquisition is still being cleaned up is waited for, up to [`SETTLE_LIMIT`].
+    Try,
+    /// A wait: any claim is waited for, up to the deadline (`None`: without limit).
+    Deadline(Option<Instant>),
 }
 
 impl<R: Clone + Eq + Hash> Claims<R> {
-    /// Claims `resource`: `None` when an acquisition of this backend has it (or is still
-    /// cleaning it up after [`SETTLE_LIMIT`]).
-    async fn claim(self: &Arc<Self>, resource: &R) -> Option<Claim<R>> {
-        let started = Instant::now();
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<R, ClaimState>> {
+        self.map.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Claims `resource`: `None` when another acquisition of this backend holds it (and, for
+    /// a wait, still holds it at the deadline).
+    async fn claim(self: &Arc<Self>, resource: &R, until: Until) -> Option<Claim<R>> {
+        let limit = match until {
+            Until::Try => crate::time::deadline(Instant::now(), SETTLE_LIMIT),
+            Until::Deadline(deadline) => deadline,
+        };
         loop {
-            let notify = {
-                let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
+            let ended = {
+                let mut map = self.map();
                 match map.get(resource) {
                     None => {
                         let id = self.next.fetch_add(1, Ordering::Relaxed);
-                        map.insert(resource.clone(), ClaimState::Taken(id));
+                        map.insert(
+                            resource.clone(),
+                            ClaimState {
+                                id,
+                                settling: false,
+                                ended: Arc::new(Notify::new()),
+                            },
+                        );
                         return Some(Claim {
                             claims: Arc::clone(self),
                             resource: resource.clone(),
                             id,
                         });
                     }
-                    Some(ClaimState::Taken(_)) => return None,
-                    Some(ClaimState::Settling(notify)) => Arc::clone(notify),
+                    Some(state) if !state.settling && matches!(until, Until::Try) => return None,
+                    Some(state) => Arc::clone(&state.ended),
                 }
             };
-            let left = SETTLE_LIMIT.saturating_sub(started.elapsed());
-            if left.is_zero() {
+            if limit.is_some_and(|limit| Instant::now() >= limit) {
                 return None;
             }
-            let notified = notify.notified();
+            let notified = ended.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            // Re-check: the claim may have gone between the look and `enable`.
-            let still = matches!(
-                self.map
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .get(resource),
-                Some(ClaimState::Settling(_))
-            );
+            // Re-check: the claim may have ended between the look and `enable`.
+            let still = self
+                .map()
+                .get(resource)
+                .is_some_and(|state| Arc::ptr_eq(&state.ended, &ended));
             if still {
-                let _ = tokio::time::timeout(left, notified).await;
+                match limit {
+                    Some(limit) => {
+                        let _ = tokio::time::timeout_at(limit.into(), notified).await;
+                    }
+                    None => notified.await,
+                }
             }
         }
     }
 
-    /// Marks claim `id` of `resource` as being cleaned up (if it is still that claim):
-    /// acquisitions wait for it instead of answering that the resource is held.
+    /// Marks claim `id` of `resource` as being cleaned up (if it is still that claim): tries
+    /// wait for it instead of answering that the resource is held.
     fn settle(&self, resource: &R, id: u64) {
-        let mut map = self.map.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(state) = map.get_mut(resource) {
-            if matches!(state, ClaimState::Taken(taken) if *taken == id) {
-                *state = ClaimState::Settling(Arc::new(Notify::new()));
+        if let Some(state) = self.map().get_mut(resource) {
+            if state.id == id {
+                state.settling = true;
             }
         }
     }
 }
 
-/// A claimed resource; dropping it frees the claim (and wakes acquisitions waiting for it).
+/// A claimed resource; dropping it ends the claim and wakes the acquisitions waiting for it.
 struct Claim<R: Clone + Eq + Hash> {
     claims: Arc<Claims<R>>,
     resource: R,
@@ -727,8 +779,8 @@ struct Claim<R: Clone + Eq + Hash> {
 }
 
 impl<R: Clone + Eq + Hash> Claim<R> {
-    /// Marks the resource as being cleaned up on the server: acquisitions wait until the
-    /// claim is dropped instead of answering that it is held.
+    /// Marks the resource as being cleaned up on the server: tries wait until the claim is
+    /// dropped instead of answering that it is held.
     fn settling(&self) {
         self.claims.settle(&self.resource, self.id);
     }
@@ -748,14 +800,15 @@ impl<R: Clone + Eq + Hash> Claim<R> {
 
 impl<R: Clone + Eq + Hash> Drop for Claim<R> {
     fn drop(&mut self) {
-        let removed = self
-            .claims
-            .map
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .remove(&self.resource);
-        if let Some(ClaimState::Settling(notify)) = removed {
-            notify.notify_waiters();
+        let mut map = self.claims.map();
+        if map
+            .get(&self.resource)
+            .is_some_and(|state| state.id == self.id)
+        {
+            if let Some(state) = map.remove(&self.resource) {
+                drop(map);
+                state.ended.notify_waiters();
+            }
         }
     }
 }
@@ -769,10 +822,8 @@ struct AbandonGuard<R: Clone + Eq + Hash> {
 
 impl<R: Clone + Eq + Hash> AbandonGuard<R> {
     /// The answer arrived: nothing to mark.
-    fn disarm(guard: Option<Self>) {
-        if let Some(mut guard) = guard {
-            guard.armed = false;
-        }
+    fn disarm(mut self) {
+        self.armed = false;
     }
 }
 
@@ -791,7 +842,7 @@ enum LaneCommand<C: Connector> {
     /// One try; on success the lock is pinned to this lane under `handle`.
     Try {
         resource: C::Resource,
-        claim: Option<Claim<C::Resource>>,
+        claim: Claim<C::Resource>,
         handle: u64,
         lost: CancellationToken,
         reply: oneshot::Sender<Result<Option<Grant>, LockError>>,
@@ -813,7 +864,7 @@ struct LaneLock<C: Connector> {
     resource: C::Resource,
     lost: CancellationToken,
     /// Dropped after the lock is given back (or its session is gone).
-    _claim: Option<Claim<C::Resource>>,
+    _claim: Claim<C::Resource>,
 }
 
 struct Lane<C: Connector> {
@@ -824,6 +875,24 @@ struct Lane<C: Connector> {
 }
 
 impl<C: Connector> Lane<C> {
+    /// Starts a lane task on the current runtime (with `session`, or opening one when first
+    /// needed) and returns its command channel.
+    fn spawn(
+        connector: &Arc<C>,
+        keepalive: Duration,
+        session: Option<C::Session>,
+    ) -> mpsc::UnboundedSender<LaneCommand<C>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let lane = Lane {
+            connector: Arc::clone(connector),
+            keepalive,
+            session,
+            held: HashMap::new(),
+        };
+        tokio::spawn(lane.run(rx));
+        tx
+    }
+
     async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand<C>>) {
         let mut ticker = tokio::time::interval_at(
             crate::time::later_tokio(tokio::time::Instant::now(), self.keepalive),
@@ -991,6 +1060,17 @@ impl<C: Connector> Lane<C> {
     }
 }
 
+impl<C: Connector> Drop for Lane<C> {
+    /// The lane's task has stopped: normally only once the backend and every lock of the lane
+    /// are gone, but also when the runtime it ran on is dropped with locks still held. Its
+    /// session (and with it every lock it held) ends here, so their holders must hear it.
+    fn drop(&mut self) {
+        if !self.held.is_empty() {
+            self.die("the lock connection's task stopped (was its Tokio runtime dropped?)");
+        }
+    }
+}
+
 /// A lock pinned to a lane (or a try in flight that may become one). Dropped without
 /// [`HeldLock::release`], it queues an unlock for its handle without waiting for it; the lane
 /// runs commands in order, so that unlock comes after the try it answers.
@@ -1092,7 +1172,7 @@ struct WaitTask<C: Connector> {
     connector: Arc<C>,
     resource: C::Resource,
     /// Held until the task ends, after the lock is given back or the session dropped.
-    claim: Option<Claim<C::Resource>>,
+    claim: Claim<C::Resource>,
     deadline: Option<Instant>,
     keepalive: Duration,
     pool: Arc<WaitPool<C::Session>>,
@@ -1187,9 +1267,7 @@ impl<C: Connector> WaitTask<C> {
     }
 
     fn settling(&self) {
-        if let Some(claim) = &self.claim {
-            claim.settling();
-        }
+        self.claim.settling();
     }
 
     /// Stops the server's wait (interrupting it, from a lane where the session asks for
@@ -1243,9 +1321,13 @@ impl<C: Connector> WaitTask<C> {
             self.keepalive,
         );
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // If this task stops before the lock is released (its runtime is dropped), the
+        // session and the lock end with it: the holder is told.
+        let lost = self.lost.clone().drop_guard();
         loop {
             tokio::select! {
                 asked = &mut release => {
+                    lost.disarm();
                     self.give_back(session).await;
                     if let Ok(done) = asked {
                         let _ = done.send(());
@@ -1260,7 +1342,7 @@ impl<C: Connector> WaitTask<C> {
                                 backend = C::NAME,
                                 "a wait connection failed its liveness check; its lock is lost"
                             );
-                            self.lost.cancel();
+                            drop(lost);
                             return;
                         }
                     }
@@ -1304,27 +1386,307 @@ mod tests {
     #[tokio::test]
     async fn claims_exclude_and_settling_claims_are_waited_for() {
         let claims: Arc<Claims<&str>> = Arc::new(Claims::default());
-        let first = claims.claim(&"a").await.expect("free");
-        assert!(claims.claim(&"a").await.is_none(), "held by this backend");
+        let first = claims.claim(&"a", Until::Try).await.expect("free");
         assert!(
-            claims.claim(&"b").await.is_some(),
+            claims.claim(&"a", Until::Try).await.is_none(),
+            "held by this backend"
+        );
+        assert!(
+            claims.claim(&"b", Until::Try).await.is_some(),
             "other resources are free"
         );
-        // An abandoned acquisition: later claims wait for its clean-up, then get it.
-        AbandonGuard::disarm(Some(first.abandon_guard()));
+        // An abandoned acquisition: later tries wait for its clean-up, then get it.
+        first.abandon_guard().disarm();
         drop(first.abandon_guard());
         let waiter = tokio::spawn({
             let claims = Arc::clone(&claims);
-            async move { claims.claim(&"a").await.is_some() }
+            async move { claims.claim(&"a", Until::Try).await.is_some() }
         });
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiter.is_finished(), "waits while the claim settles");
         drop(first);
         assert!(waiter.await.unwrap(), "claimed once the clean-up is done");
         // A settle aimed at an earlier claim of the resource changes nothing.
-        let second = claims.claim(&"a").await.expect("free again");
+        let second = claims.claim(&"a", Until::Try).await.expect("free again");
         claims.settle(&"a", second.id.wrapping_sub(1));
-        assert!(claims.claim(&"a").await.is_none());
+        assert!(claims.claim(&"a", Until::Try).await.is_none());
+        // Nor does the drop of a claim that is no longer the resource's.
+        let stale = Claim {
+            claims: Arc::clone(&claims),
+            resource: "a",
+            id: second.id.wrapping_sub(1),
+        };
+        drop(stale);
+        assert!(claims.claim(&"a", Until::Try).await.is_none());
+    }
+
+    #[tokio::test]
+    async fn waiting_claims_queue_behind_the_holder_and_keep_their_deadline() {
+        let claims: Arc<Claims<u8>> = Arc::new(Claims::default());
+        let held = claims.claim(&1, Until::Try).await.expect("free");
+        // A wait that runs out while the claim is held gets nothing.
+        let started = Instant::now();
+        let soon = Some(started + Duration::from_millis(50));
+        assert!(claims.claim(&1, Until::Deadline(soon)).await.is_none());
+        assert!(started.elapsed() >= Duration::from_millis(50));
+        // Waits without a limit all get it, one after another.
+        let inside = Arc::new(AtomicUsize::new(0));
+        let mut waiters = Vec::new();
+        for _ in 0..8 {
+            let (claims, inside) = (Arc::clone(&claims), Arc::clone(&inside));
+            waiters.push(tokio::spawn(async move {
+                let claim = claims
+                    .claim(&1, Until::Deadline(None))
+                    .await
+                    .expect("claimed");
+                assert_eq!(
+                    inside.fetch_add(1, Ordering::SeqCst),
+                    0,
+                    "two claims at once"
+                );
+                tokio::task::yield_now().await;
+                inside.fetch_sub(1, Ordering::SeqCst);
+                drop(claim);
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            waiters.iter().all(|w| !w.is_finished()),
+            "waiting on the holder"
+        );
+        drop(held);
+        for waiter in waiters {
+            waiter.await.expect("waiter");
+        }
+        assert!(claims.map().is_empty(), "every claim ended");
+    }
+
+    /// An in-memory lock server with the semantics the session engines share: a session may
+    /// take a lock it holds again (counted, as PostgreSQL, MySQL and SQL Server count it), and
+    /// a session's locks end when the session does. It stands in for SQL Server and Oracle,
+    /// which cannot run here, to pin what the lane machinery must do for every engine.
+    #[derive(Default)]
+    struct Server {
+        locks: Mutex<HashMap<u64, (u64, u32)>>,
+        next_session: AtomicU64,
+    }
+
+    struct Model(Arc<Server>);
+
+    struct ModelSession {
+        server: Arc<Server>,
+        id: u64,
+    }
+
+    impl Connector for Model {
+        type Resource = u64;
+        type Session = ModelSession;
+        const NAME: &'static str = "model";
+        const MAX_WAIT: Duration = Duration::from_secs(1);
+
+        fn wait_resolution(&self) -> Duration {
+            Duration::from_millis(1)
+        }
+
+        fn resource(&self, key: &str) -> u64 {
+            crate::lock_id(key) as u64
+        }
+
+        fn open(&self) -> BoxFuture<'_, Result<ModelSession, LockError>> {
+            let server = Arc::clone(&self.0);
+            Box::pin(async move {
+                let id = server.next_session.fetch_add(1, Ordering::Relaxed);
+                Ok(ModelSession { server, id })
+            })
+        }
+    }
+
+    impl ModelSession {
+        fn take(&self, resource: u64) -> bool {
+            let mut locks = self.server.locks.lock().unwrap();
+            match locks.get_mut(&resource) {
+                None => {
+                    locks.insert(resource, (self.id, 1));
+                    true
+                }
+                Some((owner, count)) if *owner == self.id => {
+                    *count += 1;
+                    true
+                }
+                Some(_) => false,
+            }
+        }
+    }
+
+    impl Session for ModelSession {
+        type Resource = u64;
+        type Interrupt = std::convert::Infallible;
+
+        fn lock<'a>(
+            &'a mut self,
+            resource: &'a u64,
+            wait: Duration,
+        ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
+            Box::pin(async move {
+                let deadline = Instant::now() + wait;
+                loop {
+                    if self.take(*resource) {
+                        return Ok(Some(Grant::PLAIN));
+                    }
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+        }
+
+        fn unlock<'a>(&'a mut self, resource: &'a u64) -> BoxFuture<'a, Result<(), Failure>> {
+            let mut locks = self.server.locks.lock().unwrap();
+            if let Some((owner, count)) = locks.get_mut(resource) {
+                if *owner == self.id {
+                    *count -= 1;
+                    if *count == 0 {
+                        locks.remove(resource);
+                    }
+                }
+            }
+            Box::pin(async { Ok(()) })
+        }
+
+        fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    impl Drop for ModelSession {
+        fn drop(&mut self) {
+            let id = self.id;
+            self.server
+                .locks
+                .lock()
+                .unwrap()
+                .retain(|_, (owner, _)| *owner != id);
+        }
+    }
+
+    fn settings(connections: usize, wait_connections: usize) -> LaneSettings {
+        LaneSettings {
+            connections,
+            wait_connections,
+            keepalive: Duration::from_secs(5),
+        }
+    }
+
+    async fn model_lanes(
+        server: &Arc<Server>,
+        connections: usize,
+        wait_connections: usize,
+    ) -> Lanes<Model> {
+        Lanes::open(
+            Model(Arc::clone(server)),
+            settings(connections, wait_connections),
+        )
+        .await
+        .expect("lanes")
+    }
+
+    /// Acquisitions of one backend (two providers on clones of it share its lanes) never both
+    /// get a resource, although the one lane's session would let them re-enter.
+    #[tokio::test]
+    async fn one_backend_never_grants_a_resource_twice_on_a_shared_session() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 1, 1).await;
+        let first = lanes.try_acquire("k").await.unwrap().expect("free");
+        assert!(
+            lanes.try_acquire("k").await.unwrap().is_none(),
+            "a second try on the same session was granted"
+        );
+        let started = Instant::now();
+        assert!(
+            lanes
+                .acquire_wait("k", Duration::from_millis(60))
+                .await
+                .unwrap()
+                .is_none(),
+            "a wait was granted a held resource"
+        );
+        assert!(started.elapsed() >= Duration::from_millis(60));
+        // A waiter gets it once the holder lets go.
+        let lanes = Arc::new(lanes);
+        let waiter = tokio::spawn({
+            let lanes = Arc::clone(&lanes);
+            async move { lanes.acquire_wait("k", Duration::from_secs(10)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(!waiter.is_finished());
+        first.handle.release().await.unwrap();
+        let second = waiter
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("granted after release");
+        assert_eq!(server.locks.lock().unwrap().len(), 1);
+        second.handle.release().await.unwrap();
+        assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
+    }
+
+    /// The lane task that keeps a lock dies with the runtime it ran on: the lock's lost token
+    /// fires, and the backend keeps working from another runtime.
+    #[test]
+    fn a_lane_stopped_with_its_runtime_reports_its_locks_lost() {
+        let server = Arc::new(Server::default());
+        let first = tokio::runtime::Runtime::new().unwrap();
+        let lanes = first.block_on(model_lanes(&server, 1, 1));
+        let second = tokio::runtime::Runtime::new().unwrap();
+        let held = second
+            .block_on(lanes.try_acquire("k"))
+            .unwrap()
+            .expect("free");
+        assert!(!held.lost.is_cancelled());
+        drop(first);
+        assert!(held.lost.is_cancelled(), "the lane's runtime is gone");
+        assert!(
+            server.locks.lock().unwrap().is_empty(),
+            "the session, and its lock, ended with the lane"
+        );
+        second.block_on(async {
+            let again = lanes.try_acquire("k").await.unwrap().expect("a new lane");
+            assert!(!again.lost.is_cancelled());
+            again.handle.release().await.unwrap();
+            // The lost lock's release reports nothing of its own.
+            held.handle.release().await.unwrap();
+        });
+    }
+
+    /// The same for a lock granted through a native wait, kept by its wait task.
+    #[test]
+    fn a_wait_task_stopped_with_its_runtime_reports_its_lock_lost() {
+        let server = Arc::new(Server::default());
+        let second = tokio::runtime::Runtime::new().unwrap();
+        let lanes = Arc::new(second.block_on(model_lanes(&server, 1, 1)));
+        let first = tokio::runtime::Runtime::new().unwrap();
+        // A holder on another session of the server, so the acquisition must wait.
+        let blocker = ModelSession {
+            server: Arc::clone(&server),
+            id: u64::MAX,
+        };
+        assert!(blocker.take(lanes.connector().resource("k")));
+        let waiting = first.spawn({
+            let lanes = Arc::clone(&lanes);
+            async move { lanes.acquire_wait("k", Duration::from_secs(10)).await }
+        });
+        std::thread::sleep(Duration::from_millis(30));
+        drop(blocker);
+        let held = first
+            .block_on(waiting)
+            .unwrap()
+            .unwrap()
+            .expect("granted to the wait");
+        assert!(!held.lost.is_cancelled());
+        drop(first);
+        assert!(held.lost.is_cancelled(), "the wait task's runtime is gone");
+        assert!(server.locks.lock().unwrap().is_empty());
     }
 
     #[test]

@@ -43,9 +43,9 @@
 //! connection. When every wait connection is busy, further waits poll `GET_LOCK(name, 0)` on
 //! the lock connections with backoff and jitter. `wait_connections=0` makes every wait poll.
 //!
-//! Sessions re-enter their own user locks on the server; the provider's in-process table, and
-//! a table of names in the backend shared by every provider made from it, make sure one
-//! backend never asks the server for a name it already holds.
+//! Sessions re-enter their own user locks on the server; the backend claims each name in
+//! process before it asks the server (one claim table for every provider made from clones of
+//! the backend), so one backend never asks the server for a name it already holds.
 //!
 //! Lock and wait connections set `wait_timeout` to its maximum and turn off the statement time
 //! limit (`max_execution_time` on MySQL, `max_statement_time` on MariaDB) for their session, so
@@ -442,10 +442,6 @@ impl Connector for MySqlConnector {
     /// Waits without limit are native waits of an hour each, repeated.
     const MAX_WAIT: Duration = Duration::from_secs(3600);
     const PING_TIMEOUT: Duration = Duration::from_secs(1);
-    /// Sessions re-enter their own user locks, and names whose killed wait is still settling
-    /// are waited for.
-    const CLAIMS: bool = true;
-
     /// MariaDB takes fractional seconds in `GET_LOCK`; MySQL counts whole seconds.
     fn wait_resolution(&self) -> Duration {
         if self.server.fractional_waits() {

@@ -24,9 +24,11 @@
 //! further waits poll `pg_try_advisory_lock` on the lock connections with backoff and jitter
 //! until one is free again. `wait_connections=0` makes every wait poll.
 //!
-//! The in-process table of the provider lets only one task at a time acquire a given key, so
-//! the re-entrancy of session advisory locks (a session may take its own lock again) can never
-//! let two tasks of one process in at once.
+//! Every acquisition claims its lock id in the backend before it asks the server, and keeps the
+//! claim while it holds the lock; the claims are shared by every provider made from clones of
+//! the backend. So the re-entrancy of session advisory locks (a session may take its own lock
+//! again) can never let two tasks or two providers of one process in at once, even with one
+//! lock connection.
 //!
 //! Lock and wait connections run with `statement_timeout`, `idle_session_timeout` and
 //! `idle_in_transaction_session_timeout` turned off for their session (a pool's or role's
@@ -490,8 +492,9 @@ impl Session for PgSession {
                 Ok(grant) => Ok(grant),
                 Err(err) if !is_connection_error(&err) => {
                     // The statement failed (say, the fencing table is missing) after the lock
-                    // may have been taken: give it back. A session re-entering its own lock
-                    // cannot happen here (the in-process table admits one acquisition per key).
+                    // may have been taken: give it back. The unlock cannot end another
+                    // acquisition's hold on this session: the backend's claims admit one
+                    // acquisition per lock id at a time, however many providers share it.
                     let error = pg_error(what, err);
                     match sqlx::query(UNLOCK_SQL)
                         .bind(*id)

@@ -6,9 +6,11 @@
 //!   allocation (the error reuses the key stored in the table);
 //! - local waiters queue on the slot in FIFO order and are woken by the local release, and only
 //!   the one at the head talks to the store;
-//! - a backend never sees two acquisitions of one key from one provider at the same time, which
-//!   keeps session re-entrancy (PostgreSQL advisory locks, MySQL `GET_LOCK`) from breaking
-//!   exclusion between tasks that share a connection.
+//! - a backend never sees two acquisitions of one key from one provider at the same time.
+//!
+//! Providers made from clones of one backend have separate tables; backends whose sessions
+//! re-enter their own locks (PostgreSQL, MySQL, SQL Server, Oracle) keep them apart with claims
+//! of their own, shared by every clone (see `lanes.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

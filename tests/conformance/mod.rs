@@ -35,6 +35,12 @@ pub trait Harness: Send + Sync + 'static {
     fn abandon_bound(&self) -> Option<Duration> {
         Some(Duration::from_secs(2))
     }
+
+    /// `count` providers on clones of one backend, as an application that builds several
+    /// providers over one backend value gets them: they share the backend's connections (one
+    /// lock connection, where the backend has that setting) but each has its own in-process
+    /// table. Exclusion must hold between them as between processes.
+    fn shared_providers(&self, count: usize) -> impl Future<Output = Vec<LockProvider>> + Send;
 }
 
 /// Generates one test per conformance case for the harness that `$make` (an async expression)
@@ -57,8 +63,25 @@ macro_rules! conformance_suite {
             fencing_increases, with_lock_releases_on_error, with_lock_releases_on_panic,
             with_lock_returns_output, many_keys_at_once, bad_keys, distinct_keys_do_not_collide,
             exclusion_under_contention, lost_detection, acquisition_dropped_midway,
-            cancellation_sweep
+            cancellation_sweep, shared_backend_excludes, shared_backend_contention
         );
+        // $crate::conformance_suite!(@sync [$mode] $make; background_runtime_dropped);
+    };
+    (@sync [required] $make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::conformance::$case(|| $make);
+            }
+        )*
+    };
+    (@sync [optional] $make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                $crate::conformance::$case(|| async { $make.await.ok_or(()) });
+            }
+        )*
     };
     (@cases [required] $make:expr; $($case:ident),* $(,)?) => {
         $(
@@ -630,4 +653,207 @@ pub async fn cancellation_sweep(h: &impl Harness) {
         crate::support::eventually(Duration::from_secs(5), || a.local_key_count() == 0).await,
         "abandoned acquisitions leave the table (seed {seed})"
     );
+}
+
+/// Providers on clones of one backend exclude each other: a try, a bounded wait and a try
+/// from an independent provider all see the key held; a waiter on another clone gets it when
+/// the holder lets go. (A server session re-entering its own lock would let every provider on
+/// the shared connection in.)
+pub async fn shared_backend_excludes(h: &impl Harness) {
+    let providers = h.shared_providers(3).await;
+    let outsider = h.provider().await;
+    let key = unique_key("shared");
+    let guard = providers[0].try_acquire(&key).await.expect("free key");
+    for other in &providers[1..] {
+        assert_held(other.try_acquire(&key).await);
+        match other.acquire(&key, Duration::from_millis(150)).await {
+            Err(LockError::Timeout { .. }) => {}
+            got => panic!("a provider on the same backend waited and got {got:?}"),
+        }
+    }
+    assert_held(outsider.try_acquire(&key).await);
+    let waiter = {
+        let (p, key) = (providers[2].clone(), key.clone());
+        tokio::spawn(async move { p.acquire(&key, Duration::from_secs(30)).await })
+    };
+    // Still waiting while the first provider holds the key.
+    assert!(
+        !crate::support::eventually(Duration::from_millis(200), || waiter.is_finished()).await,
+        "a provider on the same backend got a held key"
+    );
+    guard.release().await.expect("release");
+    let got = tokio::time::timeout(Duration::from_secs(10), waiter)
+        .await
+        .expect("the waiter gets the key once it is released")
+        .expect("join")
+        .expect("acquire");
+    assert_held(providers[0].try_acquire(&key).await);
+    assert_held(providers[1].try_acquire(&key).await);
+    assert_held(outsider.try_acquire(&key).await);
+    got.release().await.expect("release");
+    let again = outsider
+        .try_acquire(&key)
+        .await
+        .expect("free after release");
+    again.release().await.expect("release");
+}
+
+/// Tasks on providers over one cloned backend hammering one key never overlap, with tries and
+/// waits mixed, and every section gets a larger fencing token than the one before.
+pub async fn shared_backend_contention(h: &impl Harness) {
+    let providers = h.shared_providers(3).await;
+    let key = unique_key("shared-hot");
+    let inside = Arc::new(AtomicBool::new(false));
+    let sections = Arc::new(AtomicUsize::new(0));
+    let last_token = Arc::new(std::sync::Mutex::new(None::<u64>));
+    let fencing = h.fencing();
+    let mut tasks = Vec::new();
+    for (n, provider) in providers.iter().enumerate() {
+        for t in 0..3 {
+            let (p, key, inside, sections, last_token) = (
+                provider.clone(),
+                key.clone(),
+                inside.clone(),
+                sections.clone(),
+                last_token.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                let mut done = 0;
+                while done < 10 {
+                    let got = if (n + t) % 2 == 0 {
+                        p.try_acquire(&key).await
+                    } else {
+                        p.acquire(&key, Duration::from_secs(60)).await
+                    };
+                    let g = match got {
+                        Ok(g) => g,
+                        Err(LockError::AlreadyHeld { .. }) => {
+                            tokio::task::yield_now().await;
+                            continue;
+                        }
+                        Err(e) => panic!("acquire: {e}"),
+                    };
+                    assert!(!inside.swap(true, Ordering::SeqCst), "two holders at once");
+                    {
+                        let mut last = last_token.lock().unwrap();
+                        match (fencing, g.fencing_token()) {
+                            (true, Some(token)) => {
+                                assert!(
+                                    last.is_none_or(|l| token > l),
+                                    "token {token} after {last:?}"
+                                );
+                                *last = Some(token);
+                            }
+                            (true, None) => panic!("a fenced backend gave no token"),
+                            (false, _) => {}
+                        }
+                    }
+                    tokio::task::yield_now().await;
+                    inside.store(false, Ordering::SeqCst);
+                    sections.fetch_add(1, Ordering::SeqCst);
+                    g.release().await.expect("release");
+                    done += 1;
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(sections.load(Ordering::SeqCst), 3 * 3 * 10);
+}
+
+/// The runtime that opened a provider and took its first lock (starting whatever background
+/// work the backend runs there: connection tasks, lease renewal) is dropped while a lock taken
+/// from a second runtime is held. Either that lock stays alive, or its holder hears of the loss
+/// before anyone else can take the key; and the provider keeps working from the second runtime.
+///
+/// `make` builds the harness (a `Harness` future, or for optional backends a future of
+/// `Result<Harness, ()>`, `Err` when the server is not configured).
+pub fn background_runtime_dropped<F, Fut, R, H>(make: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = R>,
+    R: IntoHarness<H>,
+    H: Harness,
+{
+    let runtime = |workers| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(workers)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    };
+    let main = runtime(1);
+    let Some(h) = main.block_on(async { make().await.into_harness() }) else {
+        return;
+    };
+    let first = runtime(2);
+    let (provider, key) = first.block_on(async {
+        let provider = h.provider().await;
+        let warm = provider
+            .try_acquire(&unique_key("warm"))
+            .await
+            .expect("warm-up");
+        warm.release().await.expect("release");
+        (provider, unique_key("runtime-drop"))
+    });
+    let second = runtime(2);
+    let guard = second
+        .block_on(provider.try_acquire(&key))
+        .expect("free key");
+    let outsider = main.block_on(h.provider());
+    first.shutdown_timeout(Duration::from_secs(10));
+    second.block_on(async {
+        let watch_for = h.lost_within() * 3;
+        let started = Instant::now();
+        while started.elapsed() < watch_for {
+            match outsider.try_acquire(&key).await {
+                Ok(other) => {
+                    assert!(
+                        guard.is_lost(),
+                        "another provider took the key {:?} after the runtime was dropped, \
+                         while its holder was never told",
+                        started.elapsed()
+                    );
+                    other.release().await.expect("release");
+                    break;
+                }
+                Err(LockError::AlreadyHeld { .. }) => {}
+                Err(e) => panic!("outsider: {e}"),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The provider still works from the runtime that is left.
+        let other = provider
+            .try_acquire(&unique_key("after-runtime-drop"))
+            .await
+            .expect("the provider works on after its first runtime is gone");
+        other.release().await.expect("release");
+        let lost = guard.is_lost();
+        match guard.release().await {
+            Err(LockError::Lost { .. }) if lost => {}
+            Ok(()) if !lost => {}
+            other => panic!("release after the runtime drop (lost: {lost}): {other:?}"),
+        }
+    });
+    drop(second);
+}
+
+/// What [`background_runtime_dropped`] accepts from its `make` closure.
+pub trait IntoHarness<H> {
+    /// The harness, or `None` when the backend is not configured here.
+    fn into_harness(self) -> Option<H>;
+}
+
+impl<H: Harness> IntoHarness<H> for H {
+    fn into_harness(self) -> Option<H> {
+        Some(self)
+    }
+}
+
+impl<H: Harness> IntoHarness<H> for Result<H, ()> {
+    fn into_harness(self) -> Option<H> {
+        self.ok()
+    }
 }

@@ -20,9 +20,10 @@
 //!
 //! So one provider never has more than `connections + wait_connections` server connections,
 //! however many locks it holds. When every wait connection is busy, further waits poll the lock
-//! connections with backoff and jitter. `wait_connections=0` makes every wait poll. The
-//! provider's in-process table lets only one task at a time acquire a given key, so the
-//! re-entrancy of session application locks never lets two tasks of one process in at once.
+//! connections with backoff and jitter. `wait_connections=0` makes every wait poll. Every
+//! acquisition claims its resource in the backend before it asks the server (one claim table
+//! for every provider made from clones of the backend), so the re-entrancy of session
+//! application locks never lets two tasks or two providers of one process in at once.
 //!
 //! ```no_run
 //! use std::time::Duration;
