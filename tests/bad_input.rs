@@ -252,3 +252,83 @@ async fn wrong_servers_are_clear_errors_within_the_timeout() {
         );
     }
 }
+
+/// Durations near `Duration::MAX` from a URL or a builder are refused when the provider is
+/// made, with a configuration error that names the option and its bound; before, a keepalive
+/// like this panicked the task that planned the next liveness check. (Lease stores check
+/// their leases and timeouts in their own tests.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_store_durations_beyond_their_bound_are_refused() {
+    // Nothing listens on port 1: a refusal must come before any connection.
+    let huge = "10000000000000000s";
+    let urls = [
+        format!("postgres://app:{SECRET}@127.0.0.1:1/app?keepalive={huge}"),
+        format!("postgres://app:{SECRET}@127.0.0.1:1/app?connect_timeout={huge}"),
+        format!("mysql://app:{SECRET}@127.0.0.1:1/app?keepalive={huge}"),
+        format!("mariadb://app:{SECRET}@127.0.0.1:1/app?connect_timeout={huge}"),
+        format!("mssql://app:{SECRET}@127.0.0.1:1/app?keepalive={huge}"),
+        format!("mssql://app:{SECRET}@127.0.0.1:1/app?connect_timeout={huge}"),
+    ];
+    for url in &urls {
+        let err = LockProvider::connect(url).await.expect_err(url);
+        let text = err.to_string();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {text}");
+        assert!(text.contains("at most 365 days"), "{url}: {text}");
+        assert!(!text.contains(SECRET), "{text}");
+    }
+    let base = format!("postgres://app:{SECRET}@127.0.0.1:1/app");
+    let refused = [
+        PostgresBackend::builder_from_url(&base)
+            .unwrap()
+            .keepalive(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
+        PostgresBackend::builder_from_url(&base)
+            .unwrap()
+            .connect_timeout(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
+        MySqlBackend::builder_from_url(&base.replace("postgres", "mysql"))
+            .unwrap()
+            .keepalive(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
+        MssqlBackend::builder_from_url(&base.replace("postgres", "mssql"))
+            .unwrap()
+            .keepalive(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
+        MssqlBackend::builder_from_url(&base.replace("postgres", "mssql"))
+            .unwrap()
+            .connect_timeout(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
+    ];
+    for (n, outcome) in refused.into_iter().enumerate() {
+        let err = outcome.expect_err("refused");
+        assert_eq!(
+            err.code(),
+            "DistributedLock.Configuration",
+            "builder {n}: {err}"
+        );
+        assert!(
+            err.to_string().contains("at most 365 days"),
+            "builder {n}: {err}"
+        );
+    }
+    // The longest accepted setting is accepted (the connection then fails: nothing listens).
+    let err = LockProvider::connect(&format!(
+        "postgres://app:{SECRET}@127.0.0.1:1/app?keepalive=8760h&connect_timeout=1s"
+    ))
+    .await
+    .expect_err("nothing listens");
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
+    // A backoff's intervals have the same bound.
+    let err = dlock::Backoff::new(Duration::from_millis(1), Duration::MAX, 0.5).unwrap_err();
+    assert!(err.to_string().contains("at most 365 days"), "{err}");
+}

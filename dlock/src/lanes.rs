@@ -265,12 +265,7 @@ impl LaneOptions {
 
     /// Checks the options, naming the one that is wrong.
     pub(crate) fn check(&self) -> Result<(), LockError> {
-        check_setting(
-            "connect_timeout",
-            self.connect_timeout,
-            Duration::from_nanos(1),
-            MAX_SETTING,
-        )?;
+        check_connect_timeout(self.connect_timeout)?;
         self.settings.check()
     }
 }
@@ -283,6 +278,18 @@ fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
             crate::options::shown(value)
         ))
     })
+}
+
+/// Checks a session engine's `connect_timeout`: more than zero, at most
+/// [`MAX_SETTING`](crate::time::MAX_SETTING).
+pub(crate) fn check_connect_timeout(connect_timeout: Duration) -> Result<(), LockError> {
+    check_setting(
+        "connect_timeout",
+        connect_timeout,
+        Duration::from_nanos(1),
+        MAX_SETTING,
+    )
+    .map(drop)
 }
 
 /// The shared machinery of one backend instance.

@@ -113,7 +113,8 @@ use std::time::{Duration, Instant};
 use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::lanes::{
-    Connector, Failure, Grant as LaneGrant, LaneSettings, Lanes, Session, lane_backend,
+    Connector, Failure, Grant as LaneGrant, LaneSettings, Lanes, Session, check_connect_timeout,
+    lane_backend,
 };
 use crate::options::{query_pairs, unknown_option};
 
@@ -653,9 +654,7 @@ impl OracleBuilder {
     }
 
     fn check(&self) -> Result<(), LockError> {
-        if self.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
+        check_connect_timeout(self.connect_timeout)?;
         self.settings.check()
     }
 }
@@ -1055,6 +1054,8 @@ mod tests {
             "oracle://app:hunter2@db/x?connections=0",
             "oracle://app:hunter2@db/x?wait_connections=99",
             "oracle://app:hunter2@db/x?connect_timeout=0",
+            "oracle://app:hunter2@db/x?connect_timeout=10000000000000000s",
+            "oracle://app:hunter2@db/x?keepalive=10000000000000000s",
             "oracle://:hunter2@db/x",
             "oracle://app:hunter2@/x",
             "oracle://app:hunter2@db/x/y",

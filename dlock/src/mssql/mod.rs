@@ -111,7 +111,7 @@ use futures_util::io::{AsyncRead, AsyncWrite};
 use tiberius::{AuthMethod, Config, EncryptionLevel};
 
 use crate::LockError;
-use crate::lanes::{LaneSettings, Lanes, lane_backend};
+use crate::lanes::{LaneSettings, Lanes, check_connect_timeout, lane_backend};
 use crate::options::{query_pairs, unknown_option};
 use conn::MssqlConnector;
 pub use statements::resource_name;
@@ -206,9 +206,7 @@ impl MssqlBuilder {
     ///
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn open(self) -> Result<MssqlBackend, LockError> {
-        if self.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
+        check_connect_timeout(self.connect_timeout)?;
         self.settings.check()?;
         let addr = self.config.get_addr();
         let connector = MssqlConnector {
@@ -535,9 +533,7 @@ impl ParsedUrl {
             .connections(self.connections)
             .wait_connections(self.wait_connections);
         builder.settings.check()?;
-        if builder.connect_timeout.is_zero() {
-            return Err(LockError::config("connect_timeout must be more than zero"));
-        }
+        check_connect_timeout(builder.connect_timeout)?;
         Ok(builder)
     }
 }
@@ -631,6 +627,8 @@ mod tests {
             "mssql://app:hunter2@db/app?connections=many",
             "mssql://app:hunter2@db/app?wait_connections=65",
             "mssql://app:hunter2@db/app?connect_timeout=0",
+            "mssql://app:hunter2@db/app?connect_timeout=10000000000000000s",
+            "mssql://app:hunter2@db/app?keepalive=10000000000000000s",
             "mssql://app:hunter2@db:99999/app",
             "mssql://:hunter2@db/app",
             "mssql://app:hunter2@/app",
