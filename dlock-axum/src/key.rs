@@ -2,36 +2,79 @@
 
 use std::fmt;
 use std::future::Future;
-use std::pin::pin;
-use std::task::{Context, Poll, Waker};
+use std::marker::PhantomData;
 
 use axum::extract::{FromRequestParts, RawPathParams};
+use axum::response::{IntoResponse, Response};
 use dlock::LockError;
 use dlock::key_template::{KeyTemplate, TemplateError};
 use http::request::Parts;
 
 /// Makes the lock key for a request: the strategy behind [`LockLayer`](crate::LockLayer).
 ///
-/// [`PathKey`] (a key template over path parameters) is the default; [`KeyFn`] wraps a closure
-/// for keys taken from headers, the query or anything else. Implement it yourself when neither
-/// fits.
+/// [`ExtractorKey`] (a closure over an axum extractor, so the key comes from the value the
+/// handler sees) is the one to use for typed parameters; [`PathKey`] (a key template over the
+/// path's text) is the default; [`KeyFn`] wraps a closure over the request head for keys taken
+/// from headers, the query or anything else. Implement it yourself when none fits.
 pub trait MakeLockKey: Send + Sync + 'static {
     /// The key for this request; `Ok(None)` runs the handler without a lock.
     ///
-    /// An `Err` is answered as a problem without calling the handler: an
-    /// [`InvalidKey`](LockError::InvalidKey) error with 400, a [`Config`](LockError::Config)
-    /// error with 500.
-    fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, LockError>;
+    /// An `Err` is answered without calling the handler and without taking a lock: see
+    /// [`KeyRejection`]. Whatever this leaves in `parts` is what the handler gets.
+    ///
+    /// # Cancel safety
+    ///
+    /// The layer drops this future when the client goes away; no lock is held while it runs.
+    fn make_key(
+        &self,
+        parts: &mut Parts,
+    ) -> impl Future<Output = Result<Option<String>, KeyRejection>> + Send;
+}
+
+/// Why a [`MakeLockKey`] made no key for a request. The layer answers it at once: the handler
+/// is not called and no lock is taken.
+#[derive(Debug)]
+pub enum KeyRejection {
+    /// A lock error, answered as a [`LockRejection`](crate::LockRejection) problem with the
+    /// request's path as `instance`: [`InvalidKey`](LockError::InvalidKey) with 400,
+    /// [`Config`](LockError::Config) with 500.
+    Lock(LockError),
+    /// A response sent as it is, such as an extractor's rejection (the answer the handler
+    /// would have given had it run the same extractor).
+    Response(Response),
+}
+
+impl From<LockError> for KeyRejection {
+    fn from(err: LockError) -> Self {
+        KeyRejection::Lock(err)
+    }
 }
 
 /// The default key strategy: a [`KeyTemplate`] whose placeholders name path parameters of the
 /// route, such as `"account:{account_id}"` on `/accounts/{account_id}/debit`.
 ///
-/// Parameter values are percent-decoded by the router, then encoded with
-/// [`encode_component`](dlock::key_template::encode_component), exactly as the
-/// `#[distributed_lock]` macro encodes argument values, so the same template locks the same key
-/// from both. A placeholder that names no parameter of the route is a configuration mistake,
-/// answered with 500 and logged; a parameter that is not UTF-8 once decoded is answered with 400.
+/// **It locks the text of the path, not the value a handler parses from it.** Parameter values
+/// are percent-decoded by the router (`%34%32` is `42`), then encoded with
+/// [`encode_component`](dlock::key_template::encode_component); nothing else is done to them.
+/// That is exactly what a handler taking the parameter as a `Path<String>` sees, so for
+/// string parameters the template, [`ExtractorKey`] with `encode_component`, and
+/// `#[distributed_lock]` on the handler's `String` all lock the same key. A handler that
+/// parses the parameter sees one value where the template sees several texts:
+///
+/// | handler parameter | one value to the handler | keys of `"acct:{id}"` |
+/// |---|---|---|
+/// | `Path<u64>` (any integer) | `/acct/42`, `/acct/042`, `/acct/+42`, `/acct/%2B042` | `acct:42`, `acct:042`, `acct:+42`, `acct:+042` |
+/// | `Path<Uuid>` | lower or upper case, with or without hyphens, braces or `urn:uuid:` | one key per spelling |
+/// | `Path<f64>`, a serde enum with aliases, any `FromStr` that normalizes | spellings it accepts as equal | one key per spelling |
+///
+/// Requests that spell one value differently then run at the same time under different
+/// locks. For such handlers use [`LockLayer::with_extractor`](crate::LockLayer::with_extractor),
+/// which makes the key from the parsed value. For the same reason a template on a typed
+/// parameter and `#[distributed_lock]` on the handler (which formats the parsed value) agree
+/// only for the canonical spelling (`acct:42`, not `acct:042`).
+///
+/// A placeholder that names no parameter of the route is a configuration mistake, answered
+/// with 500 and logged; a parameter that is not UTF-8 once decoded is answered with 400.
 #[derive(Clone)]
 pub struct PathKey {
     template: KeyTemplate,
@@ -58,15 +101,15 @@ impl fmt::Debug for PathKey {
 }
 
 impl MakeLockKey for PathKey {
-    fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, LockError> {
+    async fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, KeyRejection> {
         if self.template.placeholders().next().is_none() {
-            return self
-                .template
-                .render(|_| None::<&str>)
-                .map(Some)
-                .map_err(LockError::from);
+            return Ok(Some(
+                self.template
+                    .render(|_| None::<&str>)
+                    .map_err(LockError::from)?,
+            ));
         }
-        let params = raw_path_params(parts)?;
+        let params = raw_path_params(parts).await?;
         let rendered = self.template.render(|name| {
             params
                 .iter()
@@ -81,8 +124,9 @@ impl MakeLockKey for PathKey {
                 self.template.as_str().escape_debug(),
                 name.escape_debug(),
                 matched_path(parts).escape_debug(),
-            ))),
-            Err(other) => Err(other.into()),
+            ))
+            .into()),
+            Err(other) => Err(LockError::from(other).into()),
         }
     }
 }
@@ -94,21 +138,14 @@ fn matched_path(parts: &Parts) -> &str {
         .map_or("?", |path| path.as_str())
 }
 
-/// The route's path parameters. The extractor is synchronous inside (it reads the request's
-/// extensions), so one poll completes it.
-fn raw_path_params(parts: &mut Parts) -> Result<RawPathParams, LockError> {
-    let poll = {
-        let future = pin!(RawPathParams::from_request_parts(parts, &()));
-        future.poll(&mut Context::from_waker(Waker::noop()))
-    };
-    match poll {
-        Poll::Ready(Ok(params)) => Ok(params),
-        Poll::Ready(Err(rejection)) if rejection.status().is_client_error() => {
-            Err(LockError::InvalidKey {
-                reason: "a path parameter is not valid UTF-8 once percent-decoded".to_owned(),
-            })
-        }
-        Poll::Ready(Err(_)) | Poll::Pending => Err(LockError::config(
+/// The route's path parameters, percent-decoded.
+async fn raw_path_params(parts: &mut Parts) -> Result<RawPathParams, LockError> {
+    match RawPathParams::from_request_parts(parts, &()).await {
+        Ok(params) => Ok(params),
+        Err(rejection) if rejection.status().is_client_error() => Err(LockError::InvalidKey {
+            reason: "a path parameter is not valid UTF-8 once percent-decoded".to_owned(),
+        }),
+        Err(_) => Err(LockError::config(
             "the lock layer found no path parameters for this request: add it with \
              `Router::route_layer`, so that it runs for matched routes only",
         )),
@@ -134,7 +171,79 @@ impl<F> MakeLockKey for KeyFn<F>
 where
     F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
 {
-    fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, LockError> {
+    async fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, KeyRejection> {
         Ok((self.0)(parts))
+    }
+}
+
+/// A key strategy from an axum extractor and a closure over its value, so the key comes from
+/// the value the handler sees. Made by
+/// [`LockLayer::with_extractor`](crate::LockLayer::with_extractor) (extractors that need no
+/// router state) and
+/// [`LockLayer::with_extractor_and_state`](crate::LockLayer::with_extractor_and_state).
+///
+/// For each request it runs `E`'s [`FromRequestParts`] on a copy of the request head (method,
+/// URI, headers and extensions, including the path parameters `route_layer` puts there), so
+/// an extractor that takes something out of the request (as `WebSocketUpgrade` takes the
+/// connection upgrade) leaves the handler's request whole. Then:
+///
+/// - the extractor's value goes to the closure, whose `String` is the key. It is checked as
+///   every key of the layer is (an empty key or one longer than
+///   [`max_key_len`](crate::LockLayer::max_key_len) is answered with 400) and locked as it is:
+///   encode strings you put into it with
+///   [`encode_component`](dlock::key_template::encode_component), as the key template and
+///   `#[distributed_lock]` do, where two values could otherwise give the same key (or where
+///   the key must match the macro's);
+/// - a rejection is answered with the rejection's own response, the answer the handler
+///   would have given for the same extractor, before any lock is taken.
+///
+/// The body is not available to the extractor (`FromRequestParts`, not `FromRequest`): a key
+/// from the body would need the body read before the lock is taken.
+pub struct ExtractorKey<F, E, S = ()> {
+    key_fn: F,
+    state: S,
+    // `fn() -> E`: the strategy makes `E`s, it holds none (so it is `Send + Sync` whatever `E` is).
+    extractor: PhantomData<fn() -> E>,
+}
+
+impl<F, E, S> ExtractorKey<F, E, S> {
+    /// A strategy extracting `E` with `state` as the router state and making the key with
+    /// `key_fn`.
+    pub fn new(state: S, key_fn: F) -> Self {
+        ExtractorKey {
+            key_fn,
+            state,
+            extractor: PhantomData,
+        }
+    }
+}
+
+impl<F: Clone, E, S: Clone> Clone for ExtractorKey<F, E, S> {
+    fn clone(&self) -> Self {
+        ExtractorKey::new(self.state.clone(), self.key_fn.clone())
+    }
+}
+
+impl<F, E, S> fmt::Debug for ExtractorKey<F, E, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExtractorKey")
+            .field("extractor", &std::any::type_name::<E>())
+            .field("state", &std::any::type_name::<S>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F, E, S> MakeLockKey for ExtractorKey<F, E, S>
+where
+    F: Fn(E) -> String + Send + Sync + 'static,
+    E: FromRequestParts<S> + 'static,
+    S: Send + Sync + 'static,
+{
+    async fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, KeyRejection> {
+        let mut copy = parts.clone();
+        match E::from_request_parts(&mut copy, &self.state).await {
+            Ok(value) => Ok(Some((self.key_fn)(value))),
+            Err(rejection) => Err(KeyRejection::Response(rejection.into_response())),
+        }
     }
 }

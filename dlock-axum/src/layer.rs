@@ -4,13 +4,14 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::extract::FromRequestParts;
 use dlock::key_template::{KeyTemplate, TemplateError};
 use dlock::{CancellationToken, LockProvider};
 use http::request::Parts;
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
-use crate::key::{KeyFn, MakeLockKey, PathKey};
+use crate::key::{ExtractorKey, KeyFn, MakeLockKey, PathKey};
 use crate::rejection::LockRejection;
 use crate::service::LockService;
 
@@ -20,21 +21,26 @@ use crate::service::LockService;
 /// Add it with [`Router::route_layer`](axum::Router::route_layer), so that it runs after
 /// routing, for matched routes only, and sees the route's path parameters. (Under
 /// [`Router::layer`](axum::Router::layer) it also sees requests that match no route; a key
-/// template cannot be rendered for those, and they are answered with a 500 configuration
-/// problem rather than let through unlocked.)
+/// cannot be made from path parameters for those, and they are answered with a 500
+/// configuration problem, or the extractor's rejection, rather than let through unlocked.)
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use axum::{Router, routing::post};
+/// use axum::{Router, extract::Path, routing::post};
 /// use dlock_axum::LockLayer;
 ///
-/// # async fn debit() -> &'static str { "ok" }
+/// async fn debit(Path(account_id): Path<u64>) -> String {
+///     format!("debited {account_id}")
+/// }
+///
 /// # async fn demo() -> Result<(), dlock::LockError> {
 /// let locks = dlock::LockProvider::connect("sqlite://locks.db").await?;
 /// let app: Router = Router::new()
 ///     .route("/accounts/{account_id}/debit", post(debit))
 ///     .route_layer(
-///         LockLayer::new(locks.clone(), "account:{account_id}")
+///         // The key comes from the value the handler gets: `/accounts/042/debit` and
+///         // `/accounts/42/debit` are account 42 to `debit`, and both lock "account:42".
+///         LockLayer::with_extractor(locks.clone(), |Path(id): Path<u64>| format!("account:{id}"))
 ///             .timeout(Duration::from_secs(10))
 ///             .max_waiting(256),
 ///     );
@@ -43,11 +49,21 @@ use crate::service::LockService;
 ///
 /// For each request the layer
 ///
-/// 1. makes the key: by default from the key template, whose placeholders name path parameters
-///    (values encoded as [`encode_component`](dlock::key_template::encode_component) does, as
-///    the `#[distributed_lock]` macro does); with [`with_key_fn`](LockLayer::with_key_fn) from
-///    a closure over the request's [`Parts`], where `None` means "no lock, just run the
-///    handler". Keys longer than [`max_key_len`](LockLayer::max_key_len) are answered with 400;
+/// 1. makes the key, in one of three ways:
+///    - [`with_extractor`](LockLayer::with_extractor): from an axum extractor (the handler's
+///      own `Path<u64>`, a tuple of extractors, ...) and a closure over its value, so the key
+///      comes from the parsed value the handler acts on. Use it whenever the handler parses
+///      what it locks. A rejection is answered as the handler would answer it;
+///    - [`new`](LockLayer::new): from a key template over the *text* of the path parameters
+///      (percent-decoded, then encoded as
+///      [`encode_component`](dlock::key_template::encode_component) does). Right for
+///      parameters the handler takes as `String`, and for constant keys; for a typed
+///      parameter it locks one key per spelling of a value (see [`PathKey`]);
+///    - [`with_key_fn`](LockLayer::with_key_fn): from a closure over the request's [`Parts`],
+///      where `None` means "no lock, just run the handler".
+///
+///    Empty keys and keys longer than [`max_key_len`](LockLayer::max_key_len) are answered
+///    with 400, whichever way they were made;
 /// 2. takes the lock, waiting up to [`timeout`](LockLayer::timeout) (zero, the default: one try);
 /// 3. runs the handler while holding it. If the lock is lost meanwhile, the handler's future is
 ///    dropped and the client gets the `Lost` problem (500);
@@ -57,7 +73,8 @@ use crate::service::LockService;
 ///
 /// The inner service is **not called** when no lock is taken: contention, timeouts, an
 /// unreachable store, a bad key and the waiter limit are answered by the layer itself as
-/// problem details (see [`LockRejection`]). The service's error type stays the inner one's.
+/// problem details (see [`LockRejection`]), a key extractor's rejection with its own response.
+/// The service's error type stays the inner one's.
 ///
 /// The lock covers producing the response, not streaming its body.
 #[must_use]
@@ -77,8 +94,15 @@ pub(crate) struct Shared<K> {
 }
 
 impl LockLayer<PathKey> {
-    /// A layer locking the key `template` renders from the route's path parameters, such as
-    /// `"account:{account_id}"` (see [`dlock::key_template`] for the syntax).
+    /// A layer locking the key `template` renders from the *text* of the route's path
+    /// parameters, such as `"account:{account_id}"` (see [`dlock::key_template`] for the
+    /// syntax).
+    ///
+    /// The text, not a parsed value: for a handler taking `Path<u64>`, `/accounts/42` and
+    /// `/accounts/042` are one account but two keys here, so their requests would run at the
+    /// same time. Use [`with_extractor`](LockLayer::with_extractor) for typed parameters; the
+    /// template fits parameters the handler takes as `String` (it sees the same
+    /// percent-decoded text) and constant keys (`"jobs:reconcile"`). See [`PathKey`].
     ///
     /// # Panics
     ///
@@ -108,6 +132,11 @@ where
     /// A layer locking the key `key_fn` makes from the request (headers, query, extensions,
     /// anything); `None` runs the handler without a lock.
     ///
+    /// The closure sees the request's text, as the key template does. Where the handler parses
+    /// what the key names (a number in a header, an id in the query), build the key from the
+    /// parsed value with [`with_extractor`](LockLayer::with_extractor) instead, or parse the
+    /// same way in the closure.
+    ///
     /// ```
     /// # fn demo(locks: dlock::LockProvider) {
     /// use dlock::key_template::encode_component;
@@ -119,6 +148,165 @@ where
     /// ```
     pub fn with_key_fn(provider: LockProvider, key_fn: F) -> Self {
         Self::with_make_key(provider, KeyFn(key_fn))
+    }
+}
+
+impl<F, E> LockLayer<ExtractorKey<F, E>>
+where
+    F: Fn(E) -> String + Send + Sync + 'static,
+    E: FromRequestParts<()> + 'static,
+{
+    /// A layer locking the key `key_fn` makes from the value of the axum extractor `E`, so
+    /// that the key comes from the value the handler sees rather than from the text of the
+    /// request.
+    ///
+    /// ```
+    /// use axum::{Router, extract::{Path, Query}, routing::post};
+    /// use dlock::key_template::encode_component;
+    /// use dlock_axum::LockLayer;
+    ///
+    /// # async fn debit() {}
+    /// # async fn transfer() {}
+    /// # async fn rename() {}
+    /// #[derive(serde::Deserialize)]
+    /// struct Branch { branch: String }
+    ///
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// // `/accounts/42/debit`, `/accounts/042/debit` and `/accounts/+42/debit` all reach a
+    /// // `Path<u64>` handler as account 42, and all lock "account:42".
+    /// let debits = Router::new()
+    ///     .route("/accounts/{id}/debit", post(debit))
+    ///     .route_layer(LockLayer::with_extractor(locks.clone(), |Path(id): Path<u64>| {
+    ///         format!("account:{id}")
+    ///     }));
+    /// // Several path parameters, and several extractors as a tuple.
+    /// let transfers = Router::new()
+    ///     .route("/transfers/{from}/{to}", post(transfer))
+    ///     .route_layer(LockLayer::with_extractor(
+    ///         locks.clone(),
+    ///         |(Path((from, to)), Query(q)): (Path<(u64, u64)>, Query<Branch>)| {
+    ///             // Encode strings, as the key template and #[distributed_lock] do.
+    ///             format!("transfer:{}:{from}:{to}", encode_component(&q.branch))
+    ///         },
+    ///     ));
+    /// let users = Router::new()
+    ///     .route("/users/{name}", post(rename))
+    ///     .route_layer(LockLayer::with_extractor(locks, |Path(name): Path<String>| {
+    ///         format!("user:{}", encode_component(&name))
+    ///     }));
+    /// // `route_layer` wraps every route added before it: one router per lock, merged.
+    /// let app: Router = debits.merge(transfers).merge(users);
+    /// # let _ = app; }
+    /// ```
+    ///
+    /// - **The extractor** is any [`FromRequestParts`] type: the handler's own `Path<T>`,
+    ///   `Query<T>`, axum-extra's `TypedHeader<T>`, your own extractors, tuples of them (up to 16), and
+    ///   `Option<T>`/`Result<T, _>` where axum provides them. Name its type on the closure's
+    ///   parameter (`|Path(id): Path<u64>|`); the compiler cannot guess it. It runs on a copy
+    ///   of the request head, so the handler gets the request whole.
+    /// - **The value** must be the one the handler acts on. If the handler normalizes further
+    ///   (lower-cases an e-mail address, resolves an alias), do it in the closure too, or
+    ///   better in an extractor of your own that the handler and the layer both use.
+    /// - **A rejection** (`/accounts/abc/debit` for a `Path<u64>`) is answered with the
+    ///   extractor's own response, as the handler would answer it, before any lock is taken.
+    /// - **The key** is checked like every key of the layer: empty or longer than
+    ///   [`max_key_len`](LockLayer::max_key_len), it is answered with a 400 problem. It is
+    ///   locked as the closure returns it: encode strings with
+    ///   [`encode_component`](dlock::key_template::encode_component) (or build the key with
+    ///   [`KeyBuilder`](dlock::key_template::KeyBuilder)) where two values could otherwise
+    ///   give one key. So encoded, the key is the one `#[distributed_lock]` renders from the
+    ///   same template and the handler's parsed value (numbers contain nothing to encode:
+    ///   `format!("account:{id}")` of a `u64` is the macro's `"account:{id}"`).
+    /// - **Router state.** The layer runs outside the handler, where the router's state is not
+    ///   passed; this constructor extracts with the state `()`, which every extractor generic
+    ///   over the state accepts (`Path`, `Query`, headers, ...). An extractor that needs the
+    ///   state (`State<AppState>`, or one that reads it through `FromRef`) does not compile
+    ///   here: the error says "the trait bound `State<AppState>: FromRequestParts<()>` is not
+    ///   satisfied" (or names the tuple that contains it), "required by a bound in
+    ///   `LockLayer::<ExtractorKey<F, E>>::with_extractor`". Give the layer the state with
+    ///   [`with_extractor_and_state`](LockLayer::with_extractor_and_state):
+    ///
+    /// ```compile_fail,E0277
+    /// # use axum::extract::{Path, State};
+    /// # #[derive(Clone)] struct AppState { region: &'static str }
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// // Does not compile: `State<AppState>` needs the router's state.
+    /// let layer = dlock_axum::LockLayer::with_extractor(
+    ///     locks,
+    ///     |(State(s), Path(id)): (State<AppState>, Path<u64>)| format!("{}:{id}", s.region),
+    /// );
+    /// # }
+    /// ```
+    ///
+    /// ```
+    /// # use axum::extract::{Path, State};
+    /// # #[derive(Clone)] struct AppState { region: &'static str }
+    /// # fn demo(locks: dlock::LockProvider, state: AppState) {
+    /// // Compiles: the layer extracts with the state it was given.
+    /// let layer = dlock_axum::LockLayer::with_extractor_and_state(
+    ///     locks,
+    ///     state,
+    ///     |(State(s), Path(id)): (State<AppState>, Path<u64>)| format!("{}:{id}", s.region),
+    /// );
+    /// # }
+    /// ```
+    pub fn with_extractor(provider: LockProvider, key_fn: F) -> Self {
+        Self::with_make_key(provider, ExtractorKey::new((), key_fn))
+    }
+}
+
+impl<F, E, S> LockLayer<ExtractorKey<F, E, S>>
+where
+    F: Fn(E) -> String + Send + Sync + 'static,
+    E: FromRequestParts<S> + 'static,
+    S: Send + Sync + 'static,
+{
+    /// As [`with_extractor`](LockLayer::with_extractor), for extractors that need the router
+    /// state: `E` is extracted with `state`, normally a clone of the state given to
+    /// [`Router::with_state`](axum::Router::with_state).
+    ///
+    /// ```
+    /// use axum::{Router, extract::{FromRef, FromRequestParts, Path}, routing::post};
+    /// use dlock_axum::LockLayer;
+    /// use http::{StatusCode, request::Parts};
+    ///
+    /// #[derive(Clone)]
+    /// struct AppState { tenants: Vec<&'static str> }
+    ///
+    /// /// The tenant of `/tenants/{tenant}/...`, checked against the state.
+    /// struct Tenant(&'static str);
+    ///
+    /// impl<S: Send + Sync> FromRequestParts<S> for Tenant
+    /// where
+    ///     AppState: FromRef<S>,
+    /// {
+    ///     type Rejection = StatusCode;
+    ///     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, StatusCode> {
+    ///         let Path(name) = Path::<String>::from_request_parts(parts, state)
+    ///             .await
+    ///             .map_err(|_| StatusCode::BAD_REQUEST)?;
+    ///         let state = AppState::from_ref(state);
+    ///         let known = state.tenants.iter().find(|t| **t == name).ok_or(StatusCode::NOT_FOUND)?;
+    ///         Ok(Tenant(known))
+    ///     }
+    /// }
+    ///
+    /// async fn close_books(_tenant: Tenant) -> &'static str { "closed" }
+    ///
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// let state = AppState { tenants: vec!["acme"] };
+    /// let app: Router = Router::new()
+    ///     .route("/tenants/{tenant}/close", post(close_books))
+    ///     .route_layer(LockLayer::with_extractor_and_state(
+    ///         locks,
+    ///         state.clone(),
+    ///         |Tenant(name): Tenant| format!("books:{name}"),
+    ///     ))
+    ///     .with_state(state);
+    /// # let _ = app; }
+    /// ```
+    pub fn with_extractor_and_state(provider: LockProvider, state: S, key_fn: F) -> Self {
+        Self::with_make_key(provider, ExtractorKey::new(state, key_fn))
     }
 }
 

@@ -3,18 +3,23 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use axum::{Router, routing::{get, post}};
+//! use axum::{Router, extract::Path, routing::{get, post}};
 //! use dlock_axum::LockLayer;
 //!
-//! # async fn debit() -> &'static str { "ok" }
+//! async fn debit(Path(account_id): Path<u64>) -> String { format!("debited {account_id}") }
 //! # async fn balance() -> &'static str { "0" }
 //! # async fn demo() -> Result<(), dlock::LockError> {
 //! let locks = dlock::LockProvider::connect("sqlite://locks.db").await?;
 //! let app: Router = Router::new()
-//!     // Two debits of one account never run at the same time, in any replica.
+//!     // Two debits of one account never run at the same time, in any replica. The key is
+//!     // made from the `Path<u64>` the handler gets, so `/accounts/42/debit` and
+//!     // `/accounts/042/debit` (account 42 both) lock the same "account:42".
 //!     .route("/accounts/{account_id}/debit", post(debit))
-//!     .route_layer(LockLayer::new(locks.clone(), "account:{account_id}").timeout(Duration::from_secs(10)))
-//!     // Routes added after `route_layer` are not locked.
+//!     .route_layer(
+//!         LockLayer::with_extractor(locks.clone(), |Path(id): Path<u64>| format!("account:{id}"))
+//!             .timeout(Duration::from_secs(10)),
+//!     )
+//!     // `route_layer` wraps the routes added before it; routes added after it are not locked.
 //!     .route("/accounts/{account_id}", get(balance));
 //! # Ok(()) }
 //! ```
@@ -31,11 +36,31 @@
 //!  "instance":"/accounts/42/debit","code":"DistributedLock.AlreadyHeld"}
 //! ```
 //!
+//! # Which key: extractor or template
+//!
+//! A lock protects what the handler acts on, so its key must come from the same value.
+//! [`LockLayer::with_extractor`] makes the key from an axum extractor, normally the one the
+//! handler takes, and is the way for typed parameters. [`LockLayer::new`] takes a key template
+//! such as `"account:{account_id}"`, which locks the **text** of the path parameter
+//! (percent-decoded): that is the handler's value when the handler takes a `String`, but for
+//! a `Path<u64>` handler `/accounts/42`, `/accounts/042` and `/accounts/+42` are one account
+//! locked under three keys, and requests spelling it differently run at the same time. The
+//! same goes for `#[distributed_lock]`: it formats the handler's parsed value, so on a typed
+//! parameter it agrees with a template only for the canonical spelling, and with
+//! `with_extractor` always (encode strings with
+//! [`encode_component`](dlock::key_template::encode_component), as the macro does).
+//!
+//! | handler parameter | key strategy | same key as `#[distributed_lock("account:{id}")]` on the handler |
+//! |---|---|---|
+//! | `Path<u64>` (or any type parsed from the path) | `with_extractor(.., \|Path(id): Path<u64>\| format!("account:{id}"))` | yes |
+//! | `Path<u64>` | `new(.., "account:{id}")` | only for canonical spellings: `/accounts/042` locks `account:042`, the macro `account:42` |
+//! | `Path<String>` | `new(.., "account:{id}")`, or `with_extractor` with `encode_component` | yes (both see the decoded text and encode it) |
+//!
 //! | item | role |
 //! |---|---|
 //! | [`LockLayer`] | the layer and its options: timeout, waiter limit, key length limit, `Retry-After`, cancellation |
 //! | [`LockService`], [`ResponseFuture`](future::ResponseFuture) | what it wraps around each route; the future owns the lock guard |
-//! | [`MakeLockKey`], [`PathKey`], [`KeyFn`] | how a request becomes a key: a template over path parameters, or a closure |
+//! | [`MakeLockKey`], [`ExtractorKey`], [`PathKey`], [`KeyFn`], [`KeyRejection`] | how a request becomes a key: an extractor and a closure, a template over the path's text, or a closure over the request head |
 //! | [`LockRejection`] | lock errors as `application/problem+json`, also for handlers that lock by hand |
 //! | [`problem_instance`] | middleware that gives handler-returned lock problems their `instance` |
 #![forbid(unsafe_code)]
@@ -49,7 +74,7 @@ mod rejection;
 mod service;
 
 pub use instance::problem_instance;
-pub use key::{KeyFn, MakeLockKey, PathKey};
+pub use key::{ExtractorKey, KeyFn, KeyRejection, MakeLockKey, PathKey};
 pub use layer::LockLayer;
 pub use rejection::{LockRejection, PROBLEM_TYPE_PREFIX, ProblemCode, TOO_MANY_WAITERS_CODE};
 pub use service::LockService;

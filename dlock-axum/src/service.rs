@@ -10,7 +10,7 @@ use http::Request;
 use tower_service::Service;
 
 use crate::future::ResponseFuture;
-use crate::key::{MakeLockKey, PathKey};
+use crate::key::{KeyRejection, MakeLockKey, PathKey};
 use crate::layer::Shared;
 use crate::rejection::LockRejection;
 
@@ -103,13 +103,14 @@ where
             .into_response())
     };
 
-    let key = match shared.make_key.make_key(&mut parts) {
+    let key = match shared.make_key.make_key(&mut parts).await {
         Ok(Some(key)) => key,
         Ok(None) => {
             let response = inner.call(Request::from_parts(parts, body)).await?;
             return Ok(response.into_response());
         }
-        Err(err) => return reject(err.into()),
+        Err(KeyRejection::Lock(err)) => return reject(err.into()),
+        Err(KeyRejection::Response(response)) => return Ok(response),
     };
     if key.len() > shared.max_key_len {
         return reject(

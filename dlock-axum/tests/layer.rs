@@ -123,6 +123,22 @@ fn problem(
     })
 }
 
+/// Why the layer refuses the key made from a 10 KB path parameter.
+const KEY_OF_10248_BYTES: &str =
+    "the lock key would be 10248 bytes long, more than the 1024 this route accepts";
+
+/// The 400 problem of a key the layer refuses for `reason`.
+fn invalid_key(reason: &str, instance: &str) -> Value {
+    problem(
+        "invalid-key",
+        400,
+        "Invalid Lock Key",
+        &format!("This request does not name a usable lock: {reason}."),
+        instance,
+        "DistributedLock.InvalidKey",
+    )
+}
+
 fn assert_problem(answer: &Answer, expected: Value, retry_after: Option<&str>) {
     assert_eq!(answer.body, expected);
     assert_eq!(
@@ -153,6 +169,14 @@ fn counting_app(layer: LockLayer) -> (Router, Arc<AtomicUsize>) {
         )
         .route_layer(layer);
     (app, calls)
+}
+
+/// The status of a POST to `url` while another replica holds `key`.
+async fn status_while_held(store: &Store, key: &str, url: &str) -> u16 {
+    let held = store.hold(key).await;
+    let status = post_to(url).await.status;
+    held.release().await.expect("release");
+    status
 }
 
 async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
@@ -376,15 +400,7 @@ async fn bad_keys_are_400_and_long_path_parameters_are_bounded() {
     let answer = post_to(&format!("{}/accounts/{long}/debit", server.base)).await;
     assert_problem(
         &answer,
-        problem(
-            "invalid-key",
-            400,
-            "Invalid Lock Key",
-            "This request does not name a usable lock: the lock key would be 10248 bytes long, \
-             more than the 1024 this route accepts.",
-            &format!("/accounts/{long}/debit"),
-            "DistributedLock.InvalidKey",
-        ),
+        invalid_key(KEY_OF_10248_BYTES, &format!("/accounts/{long}/debit")),
         None,
     );
     // Up to the limit is fine: "account:" is 8 bytes.
@@ -850,4 +866,428 @@ async fn problem_instance_fills_in_the_path_of_handler_problems() {
     assert_eq!(plain.status, 409);
     assert_eq!(plain.body, Value::String("not a problem".to_owned()));
     held.release().await.expect("release");
+}
+
+// Typed keys: the key must come from the value the handler acts on.
+
+/// Spellings of account 42 that a `Path<u64>` handler accepts: leading zeros, a sign, and
+/// percent-encoded forms of both (the router decodes `%2B` to `+` and `%34%32` to `42`).
+const SPELLINGS_OF_42: [&str; 6] = ["42", "042", "0042", "+42", "%2B042", "%34%32"];
+
+/// How long a debit stays in its critical section unless another one comes in.
+const SECTION: Duration = Duration::from_millis(400);
+
+struct SpellingRun {
+    /// The most debits of account 42 that were inside their critical section at once.
+    most_inside: usize,
+    took: Duration,
+}
+
+/// Debits account 42 once per spelling, all at once, through `layer` on a `Path<u64>` handler
+/// that stays in its critical section for `SECTION` and counts who else is in. The requests
+/// pass a barrier outside the layer together, so they all contend for the lock at once.
+async fn debit_every_spelling_at_once<K: dlock_axum::MakeLockKey>(
+    strategy: &str,
+    layer: LockLayer<K>,
+) -> SpellingRun {
+    let inside = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let ids = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let barrier = Arc::new(tokio::sync::Barrier::new(SPELLINGS_OF_42.len()));
+    let (now_inside, most_seen, seen_ids) =
+        (Arc::clone(&inside), Arc::clone(&most), Arc::clone(&ids));
+    let app = Router::new()
+        .route(
+            "/acct/{id}/debit",
+            post(move |Path(id): Path<u64>| {
+                let (inside, most, ids) = (
+                    Arc::clone(&now_inside),
+                    Arc::clone(&most_seen),
+                    Arc::clone(&seen_ids),
+                );
+                async move {
+                    let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    // The debit's work: long enough for the others to come in if they can.
+                    tokio::time::sleep(SECTION).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    ids.lock().expect("ids").push(id);
+                    id.to_string()
+                }
+            }),
+        )
+        .route_layer(layer)
+        .layer(axum::middleware::from_fn(
+            move |request: axum::extract::Request, next: axum::middleware::Next| {
+                let barrier = Arc::clone(&barrier);
+                async move {
+                    barrier.wait().await;
+                    next.run(request).await
+                }
+            },
+        ));
+    let server = serve(app).await;
+    let started = Instant::now();
+    let requests: Vec<_> = SPELLINGS_OF_42
+        .iter()
+        .map(|spelling| {
+            let url = format!("{}/acct/{spelling}/debit", server.base);
+            tokio::spawn(async move { post_to(&url).await.status })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for request in requests {
+        statuses.push(request.await.expect("request task"));
+    }
+    let run = SpellingRun {
+        most_inside: most.load(Ordering::SeqCst),
+        took: started.elapsed(),
+    };
+    eprintln!(
+        "{strategy}: {} debits of account 42 in {:?}, at most {} at once",
+        SPELLINGS_OF_42.len(),
+        run.took,
+        run.most_inside
+    );
+    assert_eq!(statuses, vec![200; SPELLINGS_OF_42.len()]);
+    let ids = ids.lock().expect("ids").clone();
+    assert_eq!(
+        ids,
+        vec![42; SPELLINGS_OF_42.len()],
+        "every spelling is account 42 to the handler"
+    );
+    run
+}
+
+/// `/acct/42`, `/acct/042`, `/acct/+42`, ... are one account to a `Path<u64>` handler; with the
+/// key made from the handler's extractor they are one lock, and the debits run one at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extractor_keys_serialize_every_spelling_of_one_account() {
+    let store = Store::new();
+    let layer = LockLayer::with_extractor(store.provider().await, |Path(id): Path<u64>| {
+        format!("acct:{id}")
+    })
+    .timeout(Duration::from_secs(60));
+    let run = debit_every_spelling_at_once("with_extractor", layer).await;
+    assert_eq!(run.most_inside, 1, "debits of account 42 ran at once");
+    // One after the other, each for its whole section.
+    let serial = SECTION * u32::try_from(SPELLINGS_OF_42.len()).expect("count");
+    assert!(run.took >= serial, "{:?} < {serial:?}", run.took);
+    assert!(
+        run.took < serial + Duration::from_secs(20),
+        "{:?}",
+        run.took
+    );
+}
+
+/// The documented limit of the text template: it locks the (percent-decoded) text of the path,
+/// so the spellings of account 42 take different locks and their debits run at the same time.
+/// This is why typed parameters need `with_extractor`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_text_template_locks_each_spelling_of_a_typed_value_apart() {
+    let store = Store::new();
+    let layer =
+        LockLayer::new(store.provider().await, "acct:{id}").timeout(Duration::from_secs(60));
+    let run = debit_every_spelling_at_once("template", layer).await;
+    assert!(
+        run.most_inside >= 2,
+        "the spellings did not overlap under the template (at most {} at once)",
+        run.most_inside
+    );
+}
+
+/// Which keys each strategy takes for spellings of one typed value, against a lock held
+/// elsewhere: the extractor and `#[distributed_lock]` on the handler's `u64` lock
+/// `acct:42` for every spelling; the template locks the text (`acct:042` for `/042`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extractor_and_macro_keys_agree_and_the_template_locks_text() {
+    #[dlock::distributed_lock("acct:{id}", provider = locks)]
+    async fn macro_debit(
+        axum::extract::State(locks): axum::extract::State<LockProvider>,
+        Path(id): Path<u64>,
+    ) -> Result<String, LockRejection> {
+        Ok(format!("macro {id}"))
+    }
+
+    let store = Store::new();
+    let locks = store.provider().await;
+    let handler = |Path(id): Path<u64>| async move { id.to_string() };
+    // One router per route: `route_layer` applies to every route added before it.
+    let app = Router::new()
+        .merge(
+            Router::new()
+                .route("/extractor/{id}", post(handler))
+                .route_layer(LockLayer::with_extractor(
+                    locks.clone(),
+                    |Path(id): Path<u64>| format!("acct:{id}"),
+                )),
+        )
+        .merge(
+            Router::new()
+                .route("/template/{id}", post(handler))
+                .route_layer(LockLayer::new(locks.clone(), "acct:{id}")),
+        )
+        .route("/macro/{id}", post(macro_debit))
+        .with_state(locks);
+    let server = serve(app).await;
+    let status = |path: String| {
+        let url = format!("{}{path}", server.base);
+        async move { post_to(&url).await.status }
+    };
+
+    let canonical = store.hold("acct:42").await;
+    for spelling in SPELLINGS_OF_42 {
+        assert_eq!(
+            status(format!("/extractor/{spelling}")).await,
+            409,
+            "{spelling}"
+        );
+        assert_eq!(
+            status(format!("/macro/{spelling}")).await,
+            409,
+            "{spelling}"
+        );
+    }
+    // The template sees `acct:42` only where the decoded text is `42`.
+    for (spelling, expected) in [("42", 409), ("%34%32", 409), ("042", 200), ("+42", 200)] {
+        assert_eq!(
+            status(format!("/template/{spelling}")).await,
+            expected,
+            "{spelling}"
+        );
+    }
+    canonical.release().await.expect("release");
+
+    let text = store.hold("acct:042").await;
+    assert_eq!(status("/template/042".to_owned()).await, 409);
+    assert_eq!(status("/extractor/042".to_owned()).await, 200);
+    assert_eq!(status("/macro/042".to_owned()).await, 200);
+    text.release().await.expect("release");
+}
+
+/// An extractor that fails answers what the handler would answer for the same extractor, and
+/// the layer takes no lock for it (here every lock attempt would be a 499: the layer's
+/// cancellation token is already cancelled).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejecting_extractor_answers_as_the_handler_would_and_takes_no_lock() {
+    #[derive(serde::Deserialize)]
+    struct Memo {
+        #[allow(dead_code)]
+        memo: String,
+    }
+    async fn debit(Path(id): Path<u64>, Query(_): Query<Memo>) -> String {
+        id.to_string()
+    }
+    use axum::extract::Query;
+
+    let store = Store::new();
+    let cancelled = CancellationToken::new();
+    cancelled.cancel();
+    let layer = LockLayer::with_extractor(
+        store.provider().await,
+        |(Path(id), Query(_)): (Path<u64>, Query<Memo>)| format!("acct:{id}"),
+    )
+    .timeout(Duration::from_secs(5))
+    .cancel_on(&cancelled);
+    let app = Router::new()
+        .route("/locked/{id}", post(debit))
+        .route_layer(layer)
+        .route("/bare/{id}", post(debit));
+    let server = serve(app).await;
+
+    // Extraction succeeds: the layer goes on to lock, and the cancelled token answers.
+    let answer = post_to(&format!("{}/locked/42?memo=x", server.base)).await;
+    assert_eq!(answer.status, 499, "{}", answer.body);
+    assert_eq!(answer.body["code"], "DistributedLock.Canceled");
+
+    for request in [
+        "abc?memo=x",                  // not a number
+        "99999999999999999999?memo=x", // beyond u64
+        "-1?memo=x",                   // a sign u64 does not take
+        "42",                          // the tuple's second extractor fails
+    ] {
+        let locked = post_to(&format!("{}/locked/{request}", server.base)).await;
+        let bare = post_to(&format!("{}/bare/{request}", server.base)).await;
+        assert!(
+            (400..500).contains(&bare.status) && bare.status != 499,
+            "{request}: the bare handler answered {}",
+            bare.status
+        );
+        assert_eq!(
+            (
+                locked.status,
+                &locked.content_type,
+                &locked.retry_after,
+                &locked.body
+            ),
+            (
+                bare.status,
+                &bare.content_type,
+                &bare.retry_after,
+                &bare.body
+            ),
+            "{request}"
+        );
+    }
+}
+
+/// Keys from an extractor go through the same checks as the template's: an empty key and an
+/// over-long key are the same 400 problems, before the store is asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extractor_keys_are_checked_like_template_keys() {
+    use dlock::key_template::encode_component;
+    let store = Store::new();
+    let locks = store.provider().await;
+    // One router per route: `route_layer` applies to every route added before it.
+    let app = Router::new()
+        .merge(
+            Router::new()
+                .route("/template/{account_id}/debit", post(|| async { "ran" }))
+                .route_layer(LockLayer::new(locks.clone(), "account:{account_id}")),
+        )
+        .merge(
+            Router::new()
+                .route("/extractor/{account_id}/debit", post(|| async { "ran" }))
+                .route_layer(LockLayer::with_extractor(
+                    locks.clone(),
+                    |Path(id): Path<String>| format!("account:{}", encode_component(&id)),
+                )),
+        )
+        .merge(
+            Router::new()
+                .route("/empty/{id}", post(|| async { "ran" }))
+                .route_layer(LockLayer::with_extractor(locks, |Path(_): Path<u64>| {
+                    String::new()
+                })),
+        );
+    let server = serve(app).await;
+
+    let long = "x".repeat(10 * 1024);
+    let template = post_to(&format!("{}/template/{long}/debit", server.base)).await;
+    let extractor = post_to(&format!("{}/extractor/{long}/debit", server.base)).await;
+    assert_problem(
+        &template,
+        invalid_key(KEY_OF_10248_BYTES, &format!("/template/{long}/debit")),
+        None,
+    );
+    assert_problem(
+        &extractor,
+        invalid_key(KEY_OF_10248_BYTES, &format!("/extractor/{long}/debit")),
+        None,
+    );
+
+    // Encoded as the template encodes: `a%3Ab` in the URL is `a:b`, locked as `account:a%3Ab`
+    // by both.
+    let held = store.hold("account:a%3Ab").await;
+    for route in ["template", "extractor"] {
+        let answer = post_to(&format!("{}/{route}/a%3Ab/debit", server.base)).await;
+        assert_eq!(answer.status, 409, "{route}");
+    }
+    held.release().await.expect("release");
+
+    let answer = post_to(&format!("{}/empty/7", server.base)).await;
+    assert_problem(
+        &answer,
+        invalid_key(
+            "the key is empty; a lock key must be a non-empty string such as \"jobs:billing\"",
+            "/empty/7",
+        ),
+        None,
+    );
+}
+
+/// The key extractor runs on a copy of the request head: an extractor that takes something
+/// out of the request (as `WebSocketUpgrade` takes the connection upgrade) leaves the handler
+/// its request whole: extensions, path parameters, headers and body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_gets_the_request_whole() {
+    use axum::extract::{Extension, FromRequestParts, MatchedPath};
+
+    #[derive(Clone)]
+    struct Ticket(&'static str);
+
+    /// Takes the ticket out of the request's extensions.
+    struct TakeTicket(&'static str);
+    impl<S: Send + Sync> FromRequestParts<S> for TakeTicket {
+        type Rejection = (http::StatusCode, &'static str);
+        async fn from_request_parts(parts: &mut Parts, _: &S) -> Result<Self, Self::Rejection> {
+            match parts.extensions.remove::<Ticket>() {
+                Some(Ticket(name)) => Ok(TakeTicket(name)),
+                None => Err((http::StatusCode::IM_A_TEAPOT, "no ticket")),
+            }
+        }
+    }
+
+    let store = Store::new();
+    let app = Router::new()
+        .route(
+            "/acct/{id}/debit",
+            post(
+                |Path(id): Path<u64>,
+                 matched: MatchedPath,
+                 Extension(Ticket(ticket)): Extension<Ticket>,
+                 headers: http::HeaderMap,
+                 body: String| async move {
+                    let memo = headers.get("x-memo").and_then(|v| v.to_str().ok());
+                    format!("{id} {} {ticket} {memo:?} {body}", matched.as_str())
+                },
+            ),
+        )
+        .route_layer(LockLayer::with_extractor(
+            store.provider().await,
+            |(TakeTicket(ticket), Path(id)): (TakeTicket, Path<u64>)| format!("{ticket}:{id}"),
+        ))
+        .layer(Extension(Ticket("t1")));
+    let server = serve(app).await;
+
+    let url = format!("{}/acct/007/debit", server.base);
+    assert_eq!(status_while_held(&store, "t1:7", &url).await, 409);
+
+    let response = reqwest::Client::new()
+        .post(&url)
+        .header("x-memo", "rent")
+        .body("50 cents")
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        response.text().await.expect("body"),
+        "7 /acct/{id}/debit t1 Some(\"rent\") 50 cents"
+    );
+}
+
+/// Extractors that need the router state get it from `with_extractor_and_state`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn extractors_that_need_state_get_the_layers_state() {
+    use axum::extract::State;
+
+    #[derive(Clone)]
+    struct AppState {
+        region: &'static str,
+    }
+
+    let store = Store::new();
+    let state = AppState { region: "eu" };
+    let app = Router::new()
+        .route(
+            "/acct/{id}/debit",
+            post(
+                |State(s): State<AppState>, Path(id): Path<u64>| async move {
+                    format!("{} {id}", s.region)
+                },
+            ),
+        )
+        .route_layer(LockLayer::with_extractor_and_state(
+            store.provider().await,
+            state.clone(),
+            |(State(s), Path(id)): (State<AppState>, Path<u64>)| format!("{}:acct:{id}", s.region),
+        ))
+        .with_state(state);
+    let server = serve(app).await;
+
+    let url = format!("{}/acct/042/debit", server.base);
+    assert_eq!(status_while_held(&store, "eu:acct:42", &url).await, 409);
+    let answer = post_to(&url).await;
+    assert_eq!((answer.status, answer.body), (200, json!("eu 42")));
 }

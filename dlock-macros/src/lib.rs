@@ -82,7 +82,12 @@ mod expand;
 ///   lock is lost.
 ///
 /// Methods, generic functions and functions with destructured parameters work; every name a
-/// parameter's pattern binds can be a placeholder. On an axum handler:
+/// parameter's pattern binds can be a placeholder. On an axum handler, the key is made from the
+/// value the extractor parsed: `/accounts/42`, `/accounts/042` and `/accounts/+42` all lock
+/// `account:42` below. (A `dlock_axum::LockLayer::new(locks, "account:{account_id}")` template
+/// on the same route would lock the path's text, `account:042` for the second; the layer's
+/// `LockLayer::with_extractor(locks, |Path(id): Path<u64>| format!("account:{id}"))` locks the
+/// macro's key for every spelling.)
 ///
 /// ```
 /// # use dlock::{LockError, LockProvider, distributed_lock};

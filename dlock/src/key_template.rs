@@ -3,7 +3,11 @@
 //!
 //! The attribute macro and the axum layer build keys from a template and values that come
 //! from arguments, struct fields or path parameters. Both use this module, so one template
-//! gives the same key wherever it is rendered.
+//! rendered from the same values gives the same key. The values are not always the same: the
+//! macro formats an argument's parsed value (`42` for a `u64` however the request spelled it),
+//! while the layer's template (`dlock_axum::LockLayer::new`) renders the text of the path
+//! (`042` for `/accounts/042`). They agree for `String` parameters; for typed ones the layer
+//! makes its key from the handler's extractor (`dlock_axum::LockLayer::with_extractor`).
 //!
 //! # Template syntax
 //!

@@ -9,6 +9,16 @@
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
 //! | `GET /health` | none |
 //!
+//! Account ids are strings: the handlers take `Path<String>`, which is the percent-decoded
+//! text of the path. That text is exactly what the layer's template `account:{id}` locks, and
+//! the credit's `#[distributed_lock("account:{id}")]` encodes the same `String` the same way,
+//! so a debit and a credit of one account take one lock however a client spells the id
+//! (`a:b`, `a%3Ab`, `a%3ab` are all the account `a:b`, locked as `account:a%3Ab`). A service
+//! whose handlers parse the id (`Path<u64>`, `Path<Uuid>`) must not use the template: it locks
+//! the text, so `/accounts/42` and `/accounts/042` would be one account under two locks. Such a
+//! service makes the key from the parsed value with
+//! `LockLayer::with_extractor(locks, |Path(id): Path<u64>| format!("account:{id}"))`.
+//!
 //! Configuration comes from the environment (see [`Config::from_env`]); metrics go to an
 //! OTLP collector when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, to the log otherwise (see
 //! [`telemetry`]).
@@ -155,6 +165,8 @@ impl AppState {
 
 /// The service's router.
 pub fn app(state: AppState) -> Router {
+    // The template locks the path's text, which is the debit's `Path<String>` (see the
+    // module docs: a handler that parsed the id would need `LockLayer::with_extractor`).
     let debit_layer = LockLayer::new(state.locks.clone(), "account:{id}")
         .timeout(state.lock_timeout)
         .max_waiting(state.max_waiting);
@@ -228,9 +240,10 @@ async fn debit(
     Ok(Json(Account { id, balance }))
 }
 
-// The attribute renders `account:{id}` from the `Path` extractor's binding (with the same
-// encoding as the layer), takes the lock from `state.locks` before the body, and releases it
-// after the body; lock errors leave through `LockRejection`'s `From<LockError>`.
+// The attribute renders `account:{id}` from the `Path` extractor's binding, the same `String`
+// the debit's layer template sees, encoded the same way (so both lock one key per account);
+// it takes the lock from `state.locks` before the body and releases it after the body; lock
+// errors leave through `LockRejection`'s `From<LockError>`.
 #[dlock::distributed_lock("account:{id}", timeout = 10, provider = state.locks)]
 async fn credit(
     State(state): State<AppState>,

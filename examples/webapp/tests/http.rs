@@ -531,3 +531,67 @@ async fn metrics_are_logged_without_a_collector() {
     .expect("the metrics are logged within 20 s");
     assert!(found.contains("lock_type=sqlite"), "{found}");
 }
+
+/// Account ids are strings, and clients may spell one id several ways (`a:b`, `a%3Ab`,
+/// `a%3ab`). The debit's layer template and the credit's `#[distributed_lock]` both lock
+/// `account:a%3Ab` for all of them, so a credit sent while a debit of the same account is in
+/// its read-work-write section waits for it, and no update is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn debit_and_credit_exclude_each_other_however_the_id_is_spelled() {
+    let setup = Setup::new();
+    let app = setup.start(&[("DEBIT_WORK", "3s")]).await;
+    let client = reqwest::Client::new();
+    let url = |spelling: &str, op: &str| format!("{}/accounts/{spelling}/{op}", app.base);
+    let (status, body) = post_json(&client, &url("a:b", "credit"), json!({"amount": 10})).await;
+    assert_eq!((status, &body["id"]), (200, &json!("a:b")), "{body}");
+
+    let other = setup.provider().await;
+    let debit = tokio::spawn({
+        let (client, url) = (client.clone(), url("a%3Ab", "debit"));
+        async move {
+            let answer = post_json(&client, &url, json!({"amount": 3})).await;
+            (answer, Instant::now())
+        }
+    });
+    // The debit holds the account's lock (the key the macro renders for the id `a:b`).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match other.try_acquire("account:a%3Ab").await {
+            Err(dlock::LockError::AlreadyHeld { .. }) => break,
+            Ok(guard) => guard.release().await.expect("release"),
+            Err(err) => panic!("probe failed: {err}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the debit never held account:a%3Ab, the key the credit locks"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (credit, credited_at) = {
+        let answer = post_json(&client, &url("a%3ab", "credit"), json!({"amount": 5})).await;
+        (answer, Instant::now())
+    };
+    let (debit, debited_at) = debit.await.expect("debit task");
+    assert_eq!(debit.0, 200, "{}", debit.1);
+    assert_eq!(credit.0, 200, "{}", credit.1);
+    assert!(
+        debited_at <= credited_at,
+        "the credit finished during the debit: {} then {}",
+        credit.1,
+        debit.1
+    );
+    assert_eq!(
+        (&debit.1["id"], &debit.1["balance"]),
+        (&json!("a:b"), &json!(7))
+    );
+    assert_eq!(
+        (&credit.1["id"], &credit.1["balance"]),
+        (&json!("a:b"), &json!(12))
+    );
+    let (status, report) =
+        post_json(&client, &format!("{}/jobs/reconcile", app.base), json!({})).await;
+    assert_eq!(
+        (status, report),
+        (200, json!({"accounts": 1, "mismatches": []}))
+    );
+}
