@@ -13,8 +13,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dlock::backend::LockBackend;
 use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
-use dlock::{LockError, LockGuard, LockProvider};
-use support::redis::{Flavor, RedisServer};
+use dlock::{Backoff, LockError, LockGuard, LockProvider};
+use support::redis::{DelayProxy, Flavor, RedisServer};
 use support::unique_key;
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -696,6 +696,218 @@ async fn renewal_and_options(server: &RedisServer) {
     g.release().await.unwrap();
 }
 
+/// A provider on `url` that polls every few milliseconds, to take a key the moment it frees.
+async fn eager_provider(url: &str) -> LockProvider {
+    let backend = RedisBackend::connect(url).await.unwrap();
+    let backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(4), 0.0).unwrap();
+    LockProvider::builder(backend).backoff(backoff).build()
+}
+
+/// Whether the server has the Redis key `storage` right now.
+fn exists(server: &RedisServer, storage: &[u8]) -> bool {
+    server
+        .raw(&["EXISTS", std::str::from_utf8(storage).unwrap()])
+        .is_some_and(|r| r.starts_with(":1"))
+}
+
+/// The server's remaining time to live of `storage`, in ms (negative: none, or no key).
+fn pttl(server: &RedisServer, storage: &[u8]) -> i64 {
+    server
+        .raw(&["PTTL", std::str::from_utf8(storage).unwrap()])
+        .and_then(|r| r.trim().strip_prefix(':')?.parse().ok())
+        .unwrap_or(-2)
+}
+
+/// Waits until the server has renewed `storage` (its time to live went up between two
+/// readings), for at most `limit`.
+async fn renewed(server: &RedisServer, storage: &[u8], limit: Duration) -> bool {
+    let mut last = pttl(server, storage);
+    support::eventually(limit, || {
+        let now = pttl(server, storage);
+        let up = now > last;
+        last = now;
+        up
+    })
+    .await
+}
+
+/// An acquisition whose answer arrives after the lease may have run out is not a lock. With a
+/// 200 ms lease and answers held back 600 ms (well inside the 5 s command timeout, so a lease
+/// shorter than the timeout is allowed, and this is its effect), the server lets another client
+/// take the key before the first client's answer arrives. The late try must hand out no guard,
+/// must not answer `AlreadyHeld` (the key was free), and must leave the other client's lock
+/// alone.
+async fn late_acquisition_reply(server: &RedisServer) {
+    let proxy = DelayProxy::start(server.port());
+    let slow = LockProvider::connect(&proxy.url("lease=200ms"))
+        .await
+        .unwrap();
+    let other = eager_provider(&server.url("")).await;
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let key = unique_key("late");
+    let storage = backend.storage_key(&key);
+    // Scripts loaded and paths found while answers are prompt.
+    slow.try_acquire(&unique_key("warm"))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    proxy.set_reply_delay(Duration::from_millis(600));
+    let sent = Instant::now();
+    let attempt = tokio::spawn({
+        let (slow, key) = (slow.clone(), key.clone());
+        async move {
+            slow.try_acquire(&key)
+                .await
+                .map(|guard| (guard.is_lost(), guard))
+        }
+    });
+    // The slow client's command has run on the server ...
+    assert!(
+        support::eventually(Duration::from_secs(5), || exists(server, &storage)).await,
+        "the slow acquisition reached the server"
+    );
+    // ... and once its lease has run out there, another client takes the key, before the slow
+    // answer arrives.
+    let theirs = other
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("free once the slow client's lease ran out");
+    let theirs_at = sent.elapsed();
+    assert!(
+        theirs_at < Duration::from_millis(550),
+        "premise: the other client got in before the late answer ({theirs_at:?})"
+    );
+    let outcome = attempt.await.unwrap();
+    let answered = sent.elapsed();
+    assert!(answered >= Duration::from_millis(600), "{answered:?}");
+    match outcome {
+        Ok((lost_when_returned, _guard)) => panic!(
+            "a guard was handed out {answered:?} after its command (is_lost() = \
+             {lost_when_returned} when returned) while another client has held the key since \
+             {theirs_at:?}"
+        ),
+        Err(LockError::Lost { reason, .. }) => {
+            assert!(reason.contains("lease"), "{reason}");
+            eprintln!(
+                "late answer after {answered:?} refused; the other client held the key from {theirs_at:?}"
+            );
+        }
+        Err(err) => panic!("a late acquisition answered {err:?}, not Lost"),
+    }
+    // The other client's lock is untouched: still its own, still renewed.
+    proxy.set_reply_delay(Duration::ZERO);
+    assert!(matches!(
+        slow.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(!theirs.is_lost());
+    theirs
+        .release()
+        .await
+        .expect("the other client's lock was left alone");
+}
+
+/// A waiting acquisition whose first answer comes too late retries within its timeout, and the
+/// guard it returns is a lock taken in time: renewed, exclusive, with the fencing token of the
+/// retry (the late attempt used one up).
+async fn late_reply_then_retry(server: &RedisServer) {
+    let proxy = DelayProxy::start(server.port());
+    let backend = RedisBackend::connect(&proxy.url("lease=300ms"))
+        .await
+        .unwrap();
+    let backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(10), 0.0).unwrap();
+    let slow = LockProvider::builder(backend).backoff(backoff).build();
+    let key = unique_key("late-wait");
+    let before = slow.try_acquire(&key).await.unwrap();
+    let first = before.fencing_token().unwrap();
+    before.release().await.unwrap();
+    proxy.set_reply_delay(Duration::from_millis(600));
+    let started = Instant::now();
+    let waiting = tokio::spawn({
+        let (slow, key) = (slow.clone(), key.clone());
+        async move { slow.acquire(&key, Duration::from_secs(10)).await }
+    });
+    // Once the first answer is held back, later ones come at once.
+    assert!(
+        support::eventually(Duration::from_secs(5), || proxy.held_replies() >= 1).await,
+        "the first answer reached the proxy"
+    );
+    proxy.set_reply_delay(Duration::ZERO);
+    let guard = waiting
+        .await
+        .unwrap()
+        .expect("the wait retries after a late answer");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(600), "{waited:?}");
+    assert!(
+        guard.fencing_token().unwrap() >= first + 2,
+        "the guard is the late attempt's ({:?} after {first}), not the retry's",
+        guard.fencing_token()
+    );
+    // Held for real: another client cannot take it for three leases.
+    let other = eager_provider(&server.url("")).await;
+    let outcome = other.acquire(&key, Duration::from_millis(900)).await;
+    assert!(
+        matches!(outcome, Err(LockError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    assert!(!guard.is_lost());
+    guard.release().await.unwrap();
+}
+
+/// Renewals whose answers come late keep the lock only as long as the time measured from when
+/// they were sent: with a 1 s lease, answers held back 300 ms still keep it (one renewal is in
+/// flight at a time, so round trips up to 40% of the lease can be kept up); once nothing more
+/// reaches the server, the holder is told before another client can take the key. (A deadline
+/// counted from the answer instead of the send would end 100 ms after the server's expiry.)
+async fn late_renewal_replies(server: &RedisServer) {
+    let proxy = DelayProxy::start(server.port());
+    let holder = LockProvider::connect(&proxy.url("lease=1s")).await.unwrap();
+    let other = eager_provider(&server.url("")).await;
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let key = unique_key("late-renewal");
+    let storage = backend.storage_key(&key);
+    let guard = holder.try_acquire(&key).await.unwrap();
+    let lost = guard.lost_token().clone();
+    let lost_at = tokio::spawn(async move {
+        lost.cancelled().await;
+        Instant::now()
+    });
+    // The first renewal finds its path while answers are prompt.
+    assert!(renewed(server, &storage, Duration::from_secs(3)).await);
+    proxy.set_reply_delay(Duration::from_millis(300));
+    let held = proxy.held_replies();
+    assert!(
+        support::eventually(Duration::from_secs(5), || proxy.late_replies() >= held + 3).await,
+        "three renewals answered late (lost: {})",
+        guard.is_lost()
+    );
+    assert!(!guard.is_lost(), "late but timely renewals keep the lock");
+    // From now on no command reaches the server.
+    proxy.set_request_delay(Duration::from_secs(30));
+    let theirs = other
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("the key frees with its lease");
+    let theirs_at = Instant::now();
+    let lost_at = tokio::time::timeout(Duration::from_secs(1), lost_at)
+        .await
+        .expect("the holder is told it lost the lock")
+        .unwrap();
+    assert!(
+        lost_at < theirs_at,
+        "the holder was told {:?} after another client took the key",
+        lost_at - theirs_at
+    );
+    eprintln!(
+        "holder told {:?} before another client took the key",
+        theirs_at - lost_at
+    );
+    theirs.release().await.unwrap();
+}
+
 /// A backend on the application's own connection manager and options from code.
 async fn existing_manager(server: &RedisServer) {
     let manager = redis::aio::ConnectionManager::new(server.client())
@@ -844,6 +1056,24 @@ macro_rules! flavor_tests {
             async fn application_manager() {
                 let Some(server) = start() else { return };
                 existing_manager(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn late_acquisition() {
+                let Some(server) = start() else { return };
+                late_acquisition_reply(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn late_acquisition_retried() {
+                let Some(server) = start() else { return };
+                late_reply_then_retry(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn late_renewals() {
+                let Some(server) = start() else { return };
+                late_renewal_replies(&server).await;
             }
 
             #[test]

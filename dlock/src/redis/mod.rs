@@ -62,6 +62,12 @@
 //! [`RedisBackend::builder_on_manager`] (or [`RedisBackend::from_manager`]) on a
 //! `ConnectionManager` the application already has.
 //!
+//! A lease shorter than the `timeout` is allowed. The timeout then never makes a lock count
+//! for longer than its lease allows: an acquisition whose answer takes more than 40% of the
+//! lease is not handed out, and a renewal not answered within 80% of the lease is a loss (see
+//! [Lost locks](self#lost-locks)), however long the timeout. What the timeout still bounds is
+//! how long a silent server holds up a call.
+//!
 //! # Lost locks
 //!
 //! The guard's [`lost_token`](crate::LockGuard::lost_token) fires when a renewal answers that
@@ -70,8 +76,23 @@
 //! of the lease**, and fires when it passes. Since the server starts the lease no earlier than
 //! it received the command, the holder learns of the loss at least a fifth of a lease before
 //! anyone else can take the lock (given clocks that run at the same rate, which the lease
-//! relies on anyway). [`RedisBackend::remaining_lease`] reads the server's remaining time to
-//! live; like any such reading it is an estimate, already older by a round trip when it arrives.
+//! relies on anyway). A renewal answered late extends the deadline only from when it was sent.
+//! A release that finds the lock gone or taken over reports the loss too
+//! ([`LockError::Lost`] from [`release`](crate::LockGuard::release), and the token fires).
+//!
+//! Acquisitions are measured the same way, from before the command is sent. An answer that
+//! comes more than **40% of the lease** after that is not a lock to hand out: the lease may be
+//! nearly over, or over already with the lock in someone else's hands. The acquisition gives
+//! the lock back (a compare-and-delete of its own token, in the background) and returns
+//! [`LockError::Lost`], saying how long the answer took; a waiting
+//! [`acquire`](crate::LockProvider::acquire) tries again within its timeout. The 40% leave at
+//! least as long again before the local deadline, time for the first renewal to make a round
+//! trip as slow; since one renewal of a lock is in flight at a time, a server whose round
+//! trips take longer than that could not keep the lock anyway. Use a lease of more than two
+//! and a half round trips of the slowest answers you expect.
+//!
+//! [`RedisBackend::remaining_lease`] reads the server's remaining time to live; like any such
+//! reading it is an estimate, already older by a round trip when it arrives.
 //!
 //! # Fencing tokens
 //!
@@ -123,6 +144,15 @@ const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protoco
 /// passed since the last successful renewal was sent.
 fn safe_window(lease: Duration) -> Duration {
     lease.mul_f64(0.8)
+}
+
+/// The longest an acquisition's answer may take, from before the command was sent, for the
+/// lock to be handed out: half the safe window, 40% of the lease. What is left of the window is
+/// at least as long again, time for the first renewal to make a round trip as slow. (One
+/// renewal is in flight at a time, so round trips longer than this could not keep the lock
+/// anyway.)
+fn answer_window(lease: Duration) -> Duration {
+    safe_window(lease) / 2
 }
 
 /// The Redis / Valkey backend. Usually made through
@@ -217,7 +247,8 @@ impl RedisBuilder {
         self
     }
 
-    /// Limit for connecting and for each command (default 5 s).
+    /// Limit for connecting and for each command (default 5 s). A lease shorter than it is
+    /// allowed; see the [module docs](self#url) for the effect.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -331,7 +362,10 @@ impl RedisBackend {
 
     /// Takes the lock `key` under `token` for `lease` if it is free (`SET NX PX`): `Ok(true)`
     /// when taken, `Ok(false)` when the key is held (by any token, this one included). Nothing
-    /// renews it: call [`reset_expiry`](RedisBackend::reset_expiry) to keep it.
+    /// renews it: call [`reset_expiry`](RedisBackend::reset_expiry) to keep it. The lease runs
+    /// from when the server ran the command: count on it from before the call, not from the
+    /// answer (which may come late; the provider's acquisitions do this for you, see
+    /// [Lost locks](self#lost-locks)).
     ///
     /// # Cancel safety
     ///
@@ -656,10 +690,32 @@ impl LockBackend for RedisBackend {
                         .acquire(&lock_key, fence.as_deref(), &token, lease),
                 )
                 .await?;
-            cleanup.armed = false;
             let Some(fencing_token) = taken else {
+                cleanup.armed = false;
                 return Ok(None);
             };
+            // The lease began when the server ran the command, at some moment after `sent`:
+            // an answer that comes late leaves too little of it to hold the lock, or none (the
+            // server may have let someone else take it already). Such a lock is given back,
+            // by the still armed cleanup, and reported lost: a wait tries again.
+            let took = sent.elapsed();
+            let window = answer_window(lease);
+            if took > window {
+                tracing::warn!(
+                    took_ms = took.as_millis() as u64,
+                    lease_ms = lease.as_millis() as u64,
+                    "a redis lock was taken, but the answer came too late to count on its lease; giving it back"
+                );
+                return Err(LockError::Lost {
+                    key: Arc::from(request.key),
+                    reason: format!(
+                        "the server's answer took {took:?}, more than {window:?} (40% of the \
+                         {lease:?} lease), so the lease could run out before its first renewal; \
+                         the lock was given back (use a longer lease for a server this slow)"
+                    ),
+                });
+            }
+            cleanup.armed = false;
             let lost = CancellationToken::new();
             let renewal = match Renewals::register(
                 shared,

@@ -195,6 +195,8 @@ async fn drive(shared: Weak<Shared>) {
 
 /// One renewal of entry `id`; updates the entry with the outcome.
 async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, lease: Duration) {
+    // Taken before the command is sent: the server's new lease starts no earlier, so a late
+    // answer never moves the deadline past what the server granted.
     let attempt = Instant::now();
     let outcome = shared
         .bounded("renewing a lock", shared.conn.extend(&key, &token, lease))
