@@ -908,6 +908,78 @@ async fn late_renewal_replies(server: &RedisServer) {
     theirs.release().await.unwrap();
 }
 
+/// Fails unless `outcome` is a `Configuration` error naming `what` and the 365-day bound.
+fn refused_past_the_bound<T>(outcome: Result<T, LockError>, what: &str) {
+    match outcome {
+        Err(err @ LockError::Config { .. }) => {
+            let text = err.to_string();
+            assert!(
+                text.contains(what) && text.contains("365 days"),
+                "{what}: {text}"
+            );
+        }
+        Err(err) => panic!("{what}: {err:?} instead of a Configuration error"),
+        Ok(_) => panic!("{what}: accepted"),
+    }
+}
+
+/// Durations past the longest setting (365 days) are refused with a `Configuration` error
+/// that names the option and the bound, on every path that takes one; the bound itself works.
+async fn huge_durations(server: &RedisServer) {
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let too_long = [year + Duration::from_millis(1), Duration::MAX];
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("huge");
+    let token = OwnerToken::random().unwrap();
+    for lease in too_long {
+        // Per acquisition.
+        refused_past_the_bound(locks.lock(&key).lease(lease).try_acquire().await, "lease");
+        refused_past_the_bound(
+            locks
+                .lock(&key)
+                .lease(lease)
+                .timeout(Duration::from_secs(1))
+                .acquire()
+                .await,
+            "lease",
+        );
+        // The provider's default lease.
+        let provider = LockProvider::builder(backend.clone()).lease(lease).build();
+        refused_past_the_bound(provider.try_acquire(&key).await, "lease");
+        // The raw-token API.
+        refused_past_the_bound(backend.try_take(&key, &token, lease).await, "lease");
+        refused_past_the_bound(backend.reset_expiry(&key, &token, lease).await, "lease");
+        // The builders.
+        refused_past_the_bound(
+            RedisBackend::builder(server.client())
+                .lease(lease)
+                .connect()
+                .await,
+            "lease",
+        );
+        refused_past_the_bound(
+            RedisBackend::builder(server.client())
+                .timeout(lease)
+                .connect()
+                .await,
+            "timeout",
+        );
+    }
+    assert!(
+        !exists(server, &backend.storage_key(&key)),
+        "nothing was written"
+    );
+    // A year is allowed, and reaches the server as that many milliseconds.
+    let guard = locks.lock(&key).lease(year).try_acquire().await.unwrap();
+    let ttl = pttl(server, &backend.storage_key(&key));
+    assert!(
+        (year.as_millis() as i64 - 60_000..=year.as_millis() as i64).contains(&ttl),
+        "{ttl}"
+    );
+    guard.release().await.unwrap();
+}
+
 /// A backend on the application's own connection manager and options from code.
 async fn existing_manager(server: &RedisServer) {
     let manager = redis::aio::ConnectionManager::new(server.client())
@@ -1076,6 +1148,12 @@ macro_rules! flavor_tests {
                 late_renewal_replies(&server).await;
             }
 
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn durations_past_the_bound() {
+                let Some(server) = start() else { return };
+                huge_durations(&server).await;
+            }
+
             #[test]
             fn multi_process() {
                 let Some(server) = start() else { return };
@@ -1089,6 +1167,30 @@ flavor_tests!(redis7, Flavor::Redis7);
 flavor_tests!(valkey81, Flavor::Valkey81);
 flavor_tests!(valkey91, Flavor::Valkey91);
 flavor_tests!(redis8, Flavor::Redis8);
+
+/// A `lease` or `timeout` in the URL longer than the longest setting (365 days) is refused
+/// when the URL is parsed, naming the option and the bound; 365 days is accepted.
+#[test]
+fn url_durations_past_the_bound() {
+    for (options, option) in [
+        ("lease=8761h", "lease"),
+        ("lease=5000000000000000000s", "lease"),
+        ("timeout=8761h", "timeout"),
+        ("timeout=5000000000000000000s", "timeout"),
+    ] {
+        let url = format!("redis://127.0.0.1:1/?{options}");
+        let err = RedisBackend::builder_from_url(&url).unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {err}");
+        let text = err.to_string();
+        assert!(
+            text.contains(option) && text.contains("365 days"),
+            "{url}: {text}"
+        );
+    }
+    let builder = RedisBackend::builder_from_url("redis://127.0.0.1:1/?lease=8760h&timeout=8760h")
+        .expect("365 days is the bound, and allowed");
+    drop(builder);
+}
 
 #[tokio::test]
 async fn bad_urls_and_unreachable_servers() {

@@ -52,15 +52,18 @@
 //!
 //! | option | default | meaning |
 //! |---|---|---|
-//! | `lease` | `30s` | lease of each lock (at least 100 ms); renewed every `lease / 3` |
+//! | `lease` | `30s` | lease of each lock (at least 100 ms, at most 365 days); renewed every `lease / 3` |
 //! | `prefix` | `dlock:` | prepended to every lock key |
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
-//! | `timeout` | `5s` | limit for connecting and for each command |
+//! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
 //!
 //! [`RedisBackend::builder`] builds one from a `redis::Client`, and
 //! [`RedisBackend::builder_on_manager`] (or [`RedisBackend::from_manager`]) on a
-//! `ConnectionManager` the application already has.
+//! `ConnectionManager` the application already has. A lease or timeout out of its bounds,
+//! from the URL, a builder, [`ProviderBuilder::lease`](crate::ProviderBuilder::lease) or one
+//! acquisition's [`lease`](crate::LockBuilder::lease), is refused with a
+//! [`LockError::Config`] naming the option and the bound (a URL's when it is parsed).
 //!
 //! A lease shorter than the `timeout` is allowed. The timeout then never makes a lock count
 //! for longer than its lease allows: an acquisition whose answer takes more than 40% of the
@@ -127,6 +130,7 @@ use crate::LockError;
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::key::validate_key;
 use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::time::{MAX_SETTING, check_setting};
 
 use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
@@ -228,7 +232,8 @@ impl RedisBuilder {
         self
     }
 
-    /// The lease of each lock (default 30 s, at least 100 ms). Renewed every third of it.
+    /// The lease of each lock (default 30 s, at least 100 ms, at most 365 days). Renewed every
+    /// third of it. Checked by [`connect`](RedisBuilder::connect).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -247,27 +252,27 @@ impl RedisBuilder {
         self
     }
 
-    /// Limit for connecting and for each command (default 5 s). A lease shorter than it is
-    /// allowed; see the [module docs](self#url) for the effect.
+    /// Limit for connecting and for each command (default 5 s; above zero, at most 365 days).
+    /// Checked by [`connect`](RedisBuilder::connect). A lease shorter than it is allowed; see
+    /// the [module docs](self#url) for the effect.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// Connects (unless built on an existing manager) and makes the backend.
+    /// Connects (unless built on an existing manager) and makes the backend. A lease, timeout
+    /// or prefix out of bounds is a [`LockError::Config`], before anything is sent.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn connect(self) -> Result<RedisBackend, LockError> {
         check_lease(self.lease)?;
+        check_timeout(self.timeout)?;
         if self.prefix.contains(['{', '}']) {
             return Err(LockError::config(
                 "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their Cluster hash tag",
             ));
-        }
-        if self.timeout.is_zero() {
-            return Err(LockError::config("the redis `timeout` must be above zero"));
         }
         let manager = match self.source {
             Source::Manager(manager) => manager,
@@ -365,7 +370,8 @@ impl RedisBackend {
     /// renews it: call [`reset_expiry`](RedisBackend::reset_expiry) to keep it. The lease runs
     /// from when the server ran the command: count on it from before the call, not from the
     /// answer (which may come late; the provider's acquisitions do this for you, see
-    /// [Lost locks](self#lost-locks)).
+    /// [Lost locks](self#lost-locks)). A `lease` shorter than 100 ms or longer than 365 days
+    /// is a [`LockError::Config`].
     ///
     /// # Cancel safety
     ///
@@ -555,13 +561,21 @@ fn fence_key(lock_key: &[u8]) -> Vec<u8> {
     key
 }
 
+/// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`] (365 days, whose
+/// milliseconds `PX` takes easily).
 fn check_lease(lease: Duration) -> Result<(), LockError> {
-    if lease < MIN_LEASE {
-        return Err(LockError::config(format!(
-            "a redis lease must be at least {MIN_LEASE:?}, not {lease:?}"
-        )));
-    }
-    Ok(())
+    check_setting("the redis `lease`", lease, MIN_LEASE, MAX_SETTING).map(drop)
+}
+
+/// A command timeout is above zero and at most [`MAX_SETTING`].
+fn check_timeout(timeout: Duration) -> Result<(), LockError> {
+    check_setting(
+        "the redis `timeout`",
+        timeout,
+        Duration::from_nanos(1),
+        MAX_SETTING,
+    )
+    .map(drop)
 }
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
@@ -619,9 +633,15 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut passed_on = Vec::new();
     for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
         match name.as_str() {
-            "lease" => lease = parse_duration("lease", &value)?,
+            "lease" => {
+                lease = parse_duration("lease", &value)?;
+                check_lease(lease)?;
+            }
             "prefix" => prefix = value,
-            "timeout" => timeout = parse_duration("timeout", &value)?,
+            "timeout" => {
+                timeout = parse_duration("timeout", &value)?;
+                check_timeout(timeout)?;
+            }
             "fencing" => {
                 fencing = match value.as_str() {
                     "true" | "1" | "yes" | "on" => true,
