@@ -908,6 +908,161 @@ async fn late_renewal_replies(server: &RedisServer) {
     theirs.release().await.unwrap();
 }
 
+/// The renewal driver and the connection's task run on the runtime that first used the
+/// backend. When that runtime is dropped, a lock taken from another runtime is told at once
+/// (its renewal stopped), before anyone else can take the key; locks taken afterwards work
+/// from the first try and are renewed.
+fn runtime_dropped(server: &RedisServer) {
+    let lease = Duration::from_secs(1);
+    let url = server.url("lease=1s");
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (first, second) = (runtime(), runtime());
+    // Connected on the first runtime, whose first lock starts the renewal driver there.
+    let locks = first.block_on(async {
+        let locks = LockProvider::connect(&url).await.unwrap();
+        let guard = locks.try_acquire(&unique_key("first")).await.unwrap();
+        guard.release().await.unwrap();
+        locks
+    });
+    let key = unique_key("runtimes");
+    let guard = second.block_on(locks.try_acquire(&key)).unwrap();
+    let lost = guard.lost_token().clone();
+    let lost_at = second.spawn(async move {
+        lost.cancelled().await;
+        Instant::now()
+    });
+    let dropped_at = Instant::now();
+    drop(first);
+    second.block_on(async {
+        let other = eager_provider(&server.url("")).await;
+        let lost_at = tokio::time::timeout(lease * 3, lost_at)
+            .await
+            .expect("the guard is told that its renewal stopped")
+            .unwrap();
+        assert!(
+            lost_at - dropped_at < lease / 3,
+            "told {:?} after the runtime was dropped",
+            lost_at - dropped_at
+        );
+        let theirs = other
+            .acquire(&key, lease * 3)
+            .await
+            .expect("the key frees with its lease");
+        eprintln!(
+            "told {:?} after the runtime was dropped, {:?} before another provider took the key",
+            lost_at - dropped_at,
+            lost_at.elapsed()
+        );
+        assert!(lost_at < Instant::now());
+        assert!(guard.is_lost());
+        // Later acquisitions work, from the first try (the first command since the runtime
+        // went: the connection's task went with it), and are renewed.
+        let again_key = unique_key("after");
+        let again = locks
+            .try_acquire(&again_key)
+            .await
+            .expect("a lock taken after the runtime is gone");
+        let outcome = other.acquire(&again_key, lease * 3).await;
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "{outcome:?}"
+        );
+        assert!(!again.is_lost());
+        again.release().await.unwrap();
+        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        theirs.release().await.unwrap();
+    });
+}
+
+/// The connection's task runs on the runtime that connected. When that runtime is dropped
+/// while the renewal driver runs on another one, the locks held stay held (their renewals go
+/// on, over a new connection), and the first command afterwards, here a new acquisition,
+/// works: the backend reconnects before sending it.
+fn connecting_runtime_dropped(server: &RedisServer) {
+    let lease = Duration::from_secs(1);
+    let url = server.url("lease=1s");
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (connecting, using) = (runtime(), runtime());
+    let locks = connecting.block_on(LockProvider::connect(&url)).unwrap();
+    let key = unique_key("held");
+    let guard = using.block_on(locks.try_acquire(&key)).unwrap();
+    drop(connecting);
+    using.block_on(async {
+        let again = locks
+            .try_acquire(&unique_key("after"))
+            .await
+            .expect("a lock taken after the connecting runtime is gone");
+        let other = eager_provider(&server.url("")).await;
+        let outcome = other.acquire(&key, lease * 3).await;
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "{outcome:?}"
+        );
+        assert!(!guard.is_lost() && !again.is_lost());
+        again.release().await.unwrap();
+        guard.release().await.unwrap();
+    });
+}
+
+/// An acquisition in flight when its runtime is dropped: its command ran on the server, and
+/// nothing is left to give the lock back (the cleanup cannot run on a runtime that is gone).
+/// No panic, and the key frees itself with its lease: it is not stranded.
+fn acquisition_on_dropped_runtime(server: &RedisServer) {
+    let lease = Duration::from_secs(1);
+    let proxy = DelayProxy::start(server.port());
+    let url = proxy.url("lease=1s");
+    let doomed = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let locks = doomed.block_on(async {
+        let locks = LockProvider::connect(&url).await.unwrap();
+        // The acquisition script loaded while answers are prompt.
+        let guard = locks.try_acquire(&unique_key("warm")).await.unwrap();
+        guard.release().await.unwrap();
+        locks
+    });
+    let key = unique_key("doomed");
+    proxy.set_reply_delay(Duration::from_secs(30));
+    let attempt = doomed.spawn({
+        let key = key.clone();
+        async move { locks.try_acquire(&key).await.map(drop) }
+    });
+    let storage = format!("dlock:{{{key}}}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !exists(server, storage.as_bytes()) {
+        assert!(
+            Instant::now() < deadline,
+            "the acquisition reached the server"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let dropped_at = Instant::now();
+    drop(doomed);
+    drop(attempt);
+    let deadline = dropped_at + lease + Duration::from_secs(1);
+    while exists(server, storage.as_bytes()) {
+        assert!(
+            Instant::now() < deadline,
+            "the key of an acquisition abandoned with its runtime outlived its lease"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 /// Fails unless `outcome` is a `Configuration` error naming `what` and the 365-day bound.
 fn refused_past_the_bound<T>(outcome: Result<T, LockError>, what: &str) {
     match outcome {
@@ -1146,6 +1301,24 @@ macro_rules! flavor_tests {
             async fn late_renewals() {
                 let Some(server) = start() else { return };
                 late_renewal_replies(&server).await;
+            }
+
+            #[test]
+            fn dropped_runtime() {
+                let Some(server) = start() else { return };
+                runtime_dropped(&server);
+            }
+
+            #[test]
+            fn dropped_connecting_runtime() {
+                let Some(server) = start() else { return };
+                connecting_runtime_dropped(&server);
+            }
+
+            #[test]
+            fn acquisition_abandoned_with_its_runtime() {
+                let Some(server) = start() else { return };
+                acquisition_on_dropped_runtime(&server);
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

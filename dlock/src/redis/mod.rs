@@ -97,6 +97,21 @@
 //! [`RedisBackend::remaining_lease`] reads the server's remaining time to live; like any such
 //! reading it is an estimate, already older by a round trip when it arrives.
 //!
+//! # Runtimes
+//!
+//! One task per backend renews every lock the backend holds. It runs on the Tokio runtime of
+//! the acquisition that started it, and the connection's own task runs on the runtime that
+//! connected (or, after a reconnection, on the one whose command found the connection
+//! broken). Locks may be taken from any runtime. When the renewal task stops for any reason,
+//! its runtime shutting down included, every lock it renewed is declared lost at once (each
+//! guard's token fires, well before the lease can run out), and the next acquisition starts
+//! a new renewal task on its own runtime. When the runtime that connected, or that ran the
+//! renewal task, shuts down, the next command first checks the connection with a `PING`, so
+//! that a connection whose task is gone is replaced before the command is sent. A connection
+//! that was re-established on yet another runtime, which then shuts down, fails its next
+//! command once with [`LockError::Unavailable`] ("the connection to the server is closed")
+//! and connects again for the one after.
+//!
 //! # Fencing tokens
 //!
 //! With `fencing=true` each acquisition increments the key's counter in the same script that
@@ -113,7 +128,9 @@
 //! An acquisition dropped after its command may have reached the server (a timeout, a
 //! cancellation, a failed connection) deletes the lock again in the background with a
 //! compare-and-delete of its own token, so it does not stay taken until its lease runs out. A
-//! dropped guard releases in the background, and its renewal stops at once.
+//! dropped guard releases in the background, and its renewal stops at once. Both run on the
+//! runtime of the acquisition: when that runtime is itself shutting down, nothing more can run
+//! there, and such a lock frees itself when its lease runs out.
 
 mod commands;
 mod renewals;
@@ -180,6 +197,8 @@ struct Shared {
     fencing: bool,
     timeout: Duration,
     renewals: Arc<Renewals>,
+    /// Ends the task that watches the runtime the connection was made on.
+    _watch: Option<tokio_util::sync::DropGuard>,
 }
 
 impl Drop for Shared {
@@ -296,14 +315,17 @@ impl RedisBuilder {
                 }
             }
         };
+        let conn = Conn::new(manager);
+        let watch = watch_runtime(&conn);
         Ok(RedisBackend {
             shared: Arc::new(Shared {
-                conn: Conn::new(manager),
+                conn,
                 lease: self.lease,
                 prefix: self.prefix.into_bytes(),
                 fencing: self.fencing,
                 timeout: self.timeout,
                 renewals: Arc::default(),
+                _watch: watch,
             }),
         })
     }
@@ -578,6 +600,21 @@ fn check_timeout(timeout: Duration) -> Result<(), LockError> {
     .map(drop)
 }
 
+/// Marks the connection for a check before its next command when the runtime it was made on
+/// shuts down: the connection's task stops with that runtime, and the first command after
+/// that would fail (see [Runtimes](self#runtimes)). The watch ends with the returned guard.
+fn watch_runtime(conn: &Conn) -> Option<tokio_util::sync::DropGuard> {
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    let done = CancellationToken::new();
+    let watching = done.clone();
+    let mark = conn.suspect_on_drop();
+    drop(runtime.spawn(async move {
+        let _mark = mark;
+        watching.cancelled().await;
+    }));
+    Some(done.drop_guard())
+}
+
 /// Maps a driver error to a [`LockError`], saying what was being done.
 fn redis_error(what: &str, err: RedisError) -> LockError {
     match err.kind() {
@@ -611,6 +648,15 @@ fn redis_error(what: &str, err: RedisError) -> LockError {
         ErrorKind::InvalidClientConfig => {
             LockError::config(format!("{what}: the redis client configuration is invalid"))
         }
+        _ if err.is_connection_dropped() => LockError::unavailable(
+            NAME,
+            format!(
+                "{what}: the connection to the server is closed ({err}); the next command \
+                 connects again (a connection also closes when the Tokio runtime that ran it \
+                 shuts down)"
+            ),
+            Some(Box::new(err)),
+        ),
         _ => LockError::unavailable(NAME, format!("{what}: {err}"), Some(Box::new(err))),
     }
 }
