@@ -318,29 +318,45 @@ async fn mixed_leases(server: &RedisServer) {
         .unwrap();
 }
 
-/// A holder process killed with SIGKILL: its key frees itself when the lease runs out (not
-/// before), and the next holder's fencing token is larger.
+/// A holder process killed with SIGKILL: its key frees itself when the lease runs out, and
+/// not before: the holder renewed every third of a lease, so at least two thirds of a lease
+/// remain after the kill. The next holder's fencing token is larger.
 async fn sigkill_holder(server: &RedisServer) {
-    let lease = Duration::from_secs(1);
-    let url = server.url("lease=1s");
+    let lease = Duration::from_secs(2);
+    let url = server.url("lease=2s");
     let key = unique_key("sigkill");
     let holder = support::Holder::start(&url, &key);
     let first = holder.fencing_token.expect("redis issues tokens");
-    let locks = LockProvider::connect(&url).await.unwrap();
+    let locks = eager_provider(&url).await;
     assert!(matches!(
         locks.try_acquire(&key).await,
         Err(LockError::AlreadyHeld { .. })
     ));
+    let killing = Instant::now();
     holder.kill();
+    // Taken once the process is gone, so the lease left is measured from a moment the holder
+    // can no longer have renewed.
     let killed_at = Instant::now();
     let guard = locks
         .acquire(&key, lease * 5)
         .await
         .expect("the lease of a killed holder runs out");
+    let free_after = killed_at.elapsed();
+    // The last renewal was sent at most a third of a lease before the kill; 100 ms cover the
+    // renewal's own round trip and a late wake-up of the holder's renewal driver.
+    let not_before = lease * 2 / 3 - Duration::from_millis(100);
     assert!(
-        killed_at.elapsed() <= lease + Duration::from_secs(1),
+        free_after >= not_before,
+        "the key was free {free_after:?} after the holder died, before the {not_before:?} its lease guarantees"
+    );
+    assert!(
+        killing.elapsed() <= lease + Duration::from_secs(1),
         "{:?}",
-        killed_at.elapsed()
+        killing.elapsed()
+    );
+    eprintln!(
+        "key free {free_after:?} after the holder died (bounds {not_before:?} .. {:?})",
+        lease + Duration::from_secs(1)
     );
     assert!(guard.fencing_token().unwrap() > first);
     guard.release().await.unwrap();
@@ -497,7 +513,20 @@ async fn noperm_without_eval(server: &RedisServer) {
     }
 }
 
-/// 1,000 acquisitions canceled at random points leave no lock behind.
+/// How one acquisition of [`random_cancellations`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    Acquired,
+    /// Held by another task's lock whose release was still under way.
+    Contended,
+    /// Its budget ran out first, and it was dropped.
+    CutShort,
+}
+
+/// 1,000 acquisitions canceled at random points leave no lock behind. One in ten runs to its
+/// end, so the run is known to have taken locks: every acquisition must be acquired,
+/// contended or cut short (no other error), and at least half of those that ran to their end
+/// must have taken their lock.
 async fn random_cancellations(server: &RedisServer) {
     let locks = LockProvider::connect(&server.url("lease=30s"))
         .await
@@ -505,28 +534,47 @@ async fn random_cancellations(server: &RedisServer) {
     let backend = RedisBackend::connect(&server.url("")).await.unwrap();
     let base = unique_key("cancel");
     let mut rng = fastrand_seed();
-    let mut completed = 0;
+    let mut ended = Vec::new();
     for batch in 0..20 {
         let tasks: Vec<_> = (0..50)
             .map(|i| {
                 let locks = locks.clone();
                 let key = format!("{base}:{}", (batch * 50 + i) % 97);
-                let budget = Duration::from_micros(next(&mut rng) % 1500);
+                let budget = if i % 10 == 0 {
+                    Duration::from_secs(30)
+                } else {
+                    Duration::from_micros(next(&mut rng) % 1500)
+                };
                 tokio::spawn(async move {
                     match tokio::time::timeout(budget, locks.try_acquire(&key)).await {
                         Ok(Ok(guard)) => {
                             drop(guard);
-                            1
+                            Ok(Ended::Acquired)
                         }
-                        _ => 0,
+                        Ok(Err(LockError::AlreadyHeld { .. })) => Ok(Ended::Contended),
+                        Ok(Err(err)) => Err(format!("{key}: {err}")),
+                        Err(_) => Ok(Ended::CutShort),
                     }
                 })
             })
             .collect();
         for t in tasks {
-            completed += t.await.unwrap();
+            ended.push(t.await.unwrap());
         }
     }
+    let errors: Vec<_> = ended.iter().filter_map(|e| e.as_ref().err()).collect();
+    assert!(errors.is_empty(), "acquisitions failed: {errors:?}");
+    let count = |what: Ended| ended.iter().filter(|e| **e == Ok(what)).count();
+    let completed = count(Ended::Acquired);
+    eprintln!(
+        "{completed} acquired, {} contended, {} cut short",
+        count(Ended::Contended),
+        count(Ended::CutShort)
+    );
+    assert!(
+        completed >= 50,
+        "only {completed} of 1000 acquisitions took their lock (100 ran to their end)"
+    );
     let pattern = {
         let mut p = backend.storage_key(&base);
         p.pop(); // the closing brace
@@ -1063,6 +1111,45 @@ fn acquisition_on_dropped_runtime(server: &RedisServer) {
     }
 }
 
+/// A release that finds the key taken over (or gone) reports the loss: `Err(Lost)`, the lost
+/// token fires, and the other owner's lock is left as it was.
+async fn release_after_takeover(server: &RedisServer) {
+    let locks = LockProvider::connect(&server.url("lease=30s"))
+        .await
+        .unwrap();
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let key = unique_key("takeover");
+    let theirs = OwnerToken::from_text("someone-else").unwrap();
+    // Taken over: the release is refused, the loss reported.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let mut conn = admin(server).await;
+    let set: Option<String> = redis::cmd("SET")
+        .arg(backend.storage_key(&key))
+        .arg(theirs.as_bytes())
+        .arg("XX")
+        .arg("KEEPTTL")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(set.as_deref(), Some("OK"));
+    let lost = guard.lost_token().clone();
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    assert!(lost.is_cancelled());
+    assert!(backend.verify_still_held(&key, &theirs).await.unwrap());
+    assert_eq!(
+        backend.release(&key, &theirs).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    // Gone: the same.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(backend.storage_key(&key))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+}
+
 /// Fails unless `outcome` is a `Configuration` error naming `what` and the 365-day bound.
 fn refused_past_the_bound<T>(outcome: Result<T, LockError>, what: &str) {
     match outcome {
@@ -1319,6 +1406,12 @@ macro_rules! flavor_tests {
             fn acquisition_abandoned_with_its_runtime() {
                 let Some(server) = start() else { return };
                 acquisition_on_dropped_runtime(&server);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release_finds_takeover() {
+                let Some(server) = start() else { return };
+                release_after_takeover(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
