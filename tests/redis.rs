@@ -13,8 +13,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dlock::backend::LockBackend;
 use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
-use dlock::{LockError, LockGuard, LockProvider};
-use support::redis::{Flavor, RedisServer};
+use dlock::{Backoff, LockError, LockGuard, LockProvider};
+use support::redis::{DelayProxy, Flavor, RedisServer};
 use support::unique_key;
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -327,29 +327,45 @@ async fn mixed_leases(server: &RedisServer) {
         .unwrap();
 }
 
-/// A holder process killed with SIGKILL: its key frees itself when the lease runs out (not
-/// before), and the next holder's fencing token is larger.
+/// A holder process killed with SIGKILL: its key frees itself when the lease runs out, and
+/// not before: the holder renewed every third of a lease, so at least two thirds of a lease
+/// remain after the kill. The next holder's fencing token is larger.
 async fn sigkill_holder(server: &RedisServer) {
-    let lease = Duration::from_secs(1);
-    let url = server.url("lease=1s");
+    let lease = Duration::from_secs(2);
+    let url = server.url("lease=2s");
     let key = unique_key("sigkill");
     let holder = support::Holder::start(&url, &key);
     let first = holder.fencing_token.expect("redis issues tokens");
-    let locks = LockProvider::connect(&url).await.unwrap();
+    let locks = eager_provider(&url).await;
     assert!(matches!(
         locks.try_acquire(&key).await,
         Err(LockError::AlreadyHeld { .. })
     ));
+    let killing = Instant::now();
     holder.kill();
+    // Taken once the process is gone, so the lease left is measured from a moment the holder
+    // can no longer have renewed.
     let killed_at = Instant::now();
     let guard = locks
         .acquire(&key, lease * 5)
         .await
         .expect("the lease of a killed holder runs out");
+    let free_after = killed_at.elapsed();
+    // The last renewal was sent at most a third of a lease before the kill; 100 ms cover the
+    // renewal's own round trip and a late wake-up of the holder's renewal driver.
+    let not_before = lease * 2 / 3 - Duration::from_millis(100);
     assert!(
-        killed_at.elapsed() <= lease + Duration::from_secs(1),
+        free_after >= not_before,
+        "the key was free {free_after:?} after the holder died, before the {not_before:?} its lease guarantees"
+    );
+    assert!(
+        killing.elapsed() <= lease + Duration::from_secs(1),
         "{:?}",
-        killed_at.elapsed()
+        killing.elapsed()
+    );
+    eprintln!(
+        "key free {free_after:?} after the holder died (bounds {not_before:?} .. {:?})",
+        lease + Duration::from_secs(1)
     );
     assert!(guard.fencing_token().unwrap() > first);
     guard.release().await.unwrap();
@@ -506,7 +522,20 @@ async fn noperm_without_eval(server: &RedisServer) {
     }
 }
 
-/// 1,000 acquisitions canceled at random points leave no lock behind.
+/// How one acquisition of [`random_cancellations`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    Acquired,
+    /// Held by another task's lock whose release was still under way.
+    Contended,
+    /// Its budget ran out first, and it was dropped.
+    CutShort,
+}
+
+/// 1,000 acquisitions canceled at random points leave no lock behind. One in ten runs to its
+/// end, so the run is known to have taken locks: every acquisition must be acquired,
+/// contended or cut short (no other error), and at least half of those that ran to their end
+/// must have taken their lock.
 async fn random_cancellations(server: &RedisServer) {
     let locks = LockProvider::connect(&server.url("lease=30s"))
         .await
@@ -514,28 +543,47 @@ async fn random_cancellations(server: &RedisServer) {
     let backend = RedisBackend::connect(&server.url("")).await.unwrap();
     let base = unique_key("cancel");
     let mut rng = fastrand_seed();
-    let mut completed = 0;
+    let mut ended = Vec::new();
     for batch in 0..20 {
         let tasks: Vec<_> = (0..50)
             .map(|i| {
                 let locks = locks.clone();
                 let key = format!("{base}:{}", (batch * 50 + i) % 97);
-                let budget = Duration::from_micros(next(&mut rng) % 1500);
+                let budget = if i % 10 == 0 {
+                    Duration::from_secs(30)
+                } else {
+                    Duration::from_micros(next(&mut rng) % 1500)
+                };
                 tokio::spawn(async move {
                     match tokio::time::timeout(budget, locks.try_acquire(&key)).await {
                         Ok(Ok(guard)) => {
                             drop(guard);
-                            1
+                            Ok(Ended::Acquired)
                         }
-                        _ => 0,
+                        Ok(Err(LockError::AlreadyHeld { .. })) => Ok(Ended::Contended),
+                        Ok(Err(err)) => Err(format!("{key}: {err}")),
+                        Err(_) => Ok(Ended::CutShort),
                     }
                 })
             })
             .collect();
         for t in tasks {
-            completed += t.await.unwrap();
+            ended.push(t.await.unwrap());
         }
     }
+    let errors: Vec<_> = ended.iter().filter_map(|e| e.as_ref().err()).collect();
+    assert!(errors.is_empty(), "acquisitions failed: {errors:?}");
+    let count = |what: Ended| ended.iter().filter(|e| **e == Ok(what)).count();
+    let completed = count(Ended::Acquired);
+    eprintln!(
+        "{completed} acquired, {} contended, {} cut short",
+        count(Ended::Contended),
+        count(Ended::CutShort)
+    );
+    assert!(
+        completed >= 50,
+        "only {completed} of 1000 acquisitions took their lock (100 ran to their end)"
+    );
     let pattern = {
         let mut p = backend.storage_key(&base);
         p.pop(); // the closing brace
@@ -705,6 +753,484 @@ async fn renewal_and_options(server: &RedisServer) {
     g.release().await.unwrap();
 }
 
+/// A provider on `url` that polls every few milliseconds, to take a key the moment it frees.
+async fn eager_provider(url: &str) -> LockProvider {
+    let backend = RedisBackend::connect(url).await.unwrap();
+    let backoff = Backoff::new(Duration::from_millis(2), Duration::from_millis(4), 0.0).unwrap();
+    LockProvider::builder(backend).backoff(backoff).build()
+}
+
+/// Whether the server has the Redis key `storage` right now.
+fn exists(server: &RedisServer, storage: &[u8]) -> bool {
+    server
+        .raw(&["EXISTS", std::str::from_utf8(storage).unwrap()])
+        .is_some_and(|r| r.starts_with(":1"))
+}
+
+/// The server's remaining time to live of `storage`, in ms (negative: none, or no key).
+fn pttl(server: &RedisServer, storage: &[u8]) -> i64 {
+    server
+        .raw(&["PTTL", std::str::from_utf8(storage).unwrap()])
+        .and_then(|r| r.trim().strip_prefix(':')?.parse().ok())
+        .unwrap_or(-2)
+}
+
+/// Waits until the server has renewed `storage` (its time to live went up between two
+/// readings), for at most `limit`.
+async fn renewed(server: &RedisServer, storage: &[u8], limit: Duration) -> bool {
+    let mut last = pttl(server, storage);
+    support::eventually(limit, || {
+        let now = pttl(server, storage);
+        let up = now > last;
+        last = now;
+        up
+    })
+    .await
+}
+
+/// An acquisition whose answer arrives after the lease may have run out is not a lock. With a
+/// 200 ms lease and answers held back 600 ms (well inside the 5 s command timeout, so a lease
+/// shorter than the timeout is allowed, and this is its effect), the server lets another client
+/// take the key before the first client's answer arrives. The late try must hand out no guard,
+/// must not answer `AlreadyHeld` (the key was free), and must leave the other client's lock
+/// alone.
+async fn late_acquisition_reply(server: &RedisServer) {
+    let proxy = DelayProxy::start(server.port());
+    let slow = LockProvider::connect(&proxy.url("lease=200ms"))
+        .await
+        .unwrap();
+    let other = eager_provider(&server.url("")).await;
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let key = unique_key("late");
+    let storage = backend.storage_key(&key);
+    // Scripts loaded and paths found while answers are prompt.
+    slow.try_acquire(&unique_key("warm"))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    proxy.set_reply_delay(Duration::from_millis(600));
+    let sent = Instant::now();
+    let attempt = tokio::spawn({
+        let (slow, key) = (slow.clone(), key.clone());
+        async move {
+            slow.try_acquire(&key)
+                .await
+                .map(|guard| (guard.is_lost(), guard))
+        }
+    });
+    // The slow client's command has run on the server ...
+    assert!(
+        support::eventually(Duration::from_secs(5), || exists(server, &storage)).await,
+        "the slow acquisition reached the server"
+    );
+    // ... and once its lease has run out there, another client takes the key, before the slow
+    // answer arrives.
+    let theirs = other
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("free once the slow client's lease ran out");
+    let theirs_at = sent.elapsed();
+    assert!(
+        theirs_at < Duration::from_millis(550),
+        "premise: the other client got in before the late answer ({theirs_at:?})"
+    );
+    let outcome = attempt.await.unwrap();
+    let answered = sent.elapsed();
+    assert!(answered >= Duration::from_millis(600), "{answered:?}");
+    match outcome {
+        Ok((lost_when_returned, _guard)) => panic!(
+            "a guard was handed out {answered:?} after its command (is_lost() = \
+             {lost_when_returned} when returned) while another client has held the key since \
+             {theirs_at:?}"
+        ),
+        Err(LockError::Lost { reason, .. }) => {
+            assert!(reason.contains("lease"), "{reason}");
+            eprintln!(
+                "late answer after {answered:?} refused; the other client held the key from {theirs_at:?}"
+            );
+        }
+        Err(err) => panic!("a late acquisition answered {err:?}, not Lost"),
+    }
+    // The other client's lock is untouched: still its own, still renewed.
+    proxy.set_reply_delay(Duration::ZERO);
+    assert!(matches!(
+        slow.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(!theirs.is_lost());
+    theirs
+        .release()
+        .await
+        .expect("the other client's lock was left alone");
+}
+
+/// A waiting acquisition whose first answer comes too late retries within its timeout, and the
+/// guard it returns is a lock taken in time: renewed, exclusive, with the fencing token of the
+/// retry (the late attempt used one up).
+async fn late_reply_then_retry(server: &RedisServer) {
+    let proxy = DelayProxy::start(server.port());
+    let backend = RedisBackend::connect(&proxy.url("lease=300ms"))
+        .await
+        .unwrap();
+    let backoff = Backoff::new(Duration::from_millis(5), Duration::from_millis(10), 0.0).unwrap();
+    let slow = LockProvider::builder(backend).backoff(backoff).build();
+    let key = unique_key("late-wait");
+    let before = slow.try_acquire(&key).await.unwrap();
+    let first = before.fencing_token().unwrap();
+    before.release().await.unwrap();
+    proxy.set_reply_delay(Duration::from_millis(600));
+    let started = Instant::now();
+    let waiting = tokio::spawn({
+        let (slow, key) = (slow.clone(), key.clone());
+        async move { slow.acquire(&key, Duration::from_secs(10)).await }
+    });
+    // Once the first answer is held back, later ones come at once.
+    assert!(
+        support::eventually(Duration::from_secs(5), || proxy.held_replies() >= 1).await,
+        "the first answer reached the proxy"
+    );
+    proxy.set_reply_delay(Duration::ZERO);
+    let guard = waiting
+        .await
+        .unwrap()
+        .expect("the wait retries after a late answer");
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(600), "{waited:?}");
+    assert!(
+        guard.fencing_token().unwrap() >= first + 2,
+        "the guard is the late attempt's ({:?} after {first}), not the retry's",
+        guard.fencing_token()
+    );
+    // Held for real: another client cannot take it for three leases.
+    let other = eager_provider(&server.url("")).await;
+    let outcome = other.acquire(&key, Duration::from_millis(900)).await;
+    assert!(
+        matches!(outcome, Err(LockError::Timeout { .. })),
+        "{outcome:?}"
+    );
+    assert!(!guard.is_lost());
+    guard.release().await.unwrap();
+}
+
+/// Renewals whose answers come late keep the lock only as long as the time measured from when
+/// they were sent: with a 1 s lease, answers held back 300 ms still keep it (one renewal is in
+/// flight at a time, so round trips up to 40% of the lease can be kept up); once nothing more
+/// reaches the server, the holder is told before another client can take the key. (A deadline
+/// counted from the answer instead of the send would end 100 ms after the server's expiry.)
+async fn late_renewal_replies(server: &RedisServer) {
+    let proxy = DelayProxy::start(server.port());
+    let holder = LockProvider::connect(&proxy.url("lease=1s")).await.unwrap();
+    let other = eager_provider(&server.url("")).await;
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let key = unique_key("late-renewal");
+    let storage = backend.storage_key(&key);
+    let guard = holder.try_acquire(&key).await.unwrap();
+    let lost = guard.lost_token().clone();
+    let lost_at = tokio::spawn(async move {
+        lost.cancelled().await;
+        Instant::now()
+    });
+    // The first renewal finds its path while answers are prompt.
+    assert!(renewed(server, &storage, Duration::from_secs(3)).await);
+    proxy.set_reply_delay(Duration::from_millis(300));
+    let held = proxy.held_replies();
+    assert!(
+        support::eventually(Duration::from_secs(5), || proxy.late_replies() >= held + 3).await,
+        "three renewals answered late (lost: {})",
+        guard.is_lost()
+    );
+    assert!(!guard.is_lost(), "late but timely renewals keep the lock");
+    // From now on no command reaches the server.
+    proxy.set_request_delay(Duration::from_secs(30));
+    let theirs = other
+        .acquire(&key, Duration::from_secs(5))
+        .await
+        .expect("the key frees with its lease");
+    let theirs_at = Instant::now();
+    let lost_at = tokio::time::timeout(Duration::from_secs(1), lost_at)
+        .await
+        .expect("the holder is told it lost the lock")
+        .unwrap();
+    assert!(
+        lost_at < theirs_at,
+        "the holder was told {:?} after another client took the key",
+        lost_at - theirs_at
+    );
+    eprintln!(
+        "holder told {:?} before another client took the key",
+        theirs_at - lost_at
+    );
+    theirs.release().await.unwrap();
+}
+
+/// The renewal driver and the connection's task run on the runtime that first used the
+/// backend. When that runtime is dropped, a lock taken from another runtime is told at once
+/// (its renewal stopped), before anyone else can take the key; locks taken afterwards work
+/// from the first try and are renewed.
+fn runtime_dropped(server: &RedisServer) {
+    let lease = Duration::from_secs(1);
+    let url = server.url("lease=1s");
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (first, second) = (runtime(), runtime());
+    // Connected on the first runtime, whose first lock starts the renewal driver there.
+    let locks = first.block_on(async {
+        let locks = LockProvider::connect(&url).await.unwrap();
+        let guard = locks.try_acquire(&unique_key("first")).await.unwrap();
+        guard.release().await.unwrap();
+        locks
+    });
+    let key = unique_key("runtimes");
+    let guard = second.block_on(locks.try_acquire(&key)).unwrap();
+    let lost = guard.lost_token().clone();
+    let lost_at = second.spawn(async move {
+        lost.cancelled().await;
+        Instant::now()
+    });
+    let dropped_at = Instant::now();
+    drop(first);
+    second.block_on(async {
+        let other = eager_provider(&server.url("")).await;
+        let lost_at = tokio::time::timeout(lease * 3, lost_at)
+            .await
+            .expect("the guard is told that its renewal stopped")
+            .unwrap();
+        assert!(
+            lost_at - dropped_at < lease / 3,
+            "told {:?} after the runtime was dropped",
+            lost_at - dropped_at
+        );
+        let theirs = other
+            .acquire(&key, lease * 3)
+            .await
+            .expect("the key frees with its lease");
+        eprintln!(
+            "told {:?} after the runtime was dropped, {:?} before another provider took the key",
+            lost_at - dropped_at,
+            lost_at.elapsed()
+        );
+        assert!(lost_at < Instant::now());
+        assert!(guard.is_lost());
+        // Later acquisitions work, from the first try (the first command since the runtime
+        // went: the connection's task went with it), and are renewed.
+        let again_key = unique_key("after");
+        let again = locks
+            .try_acquire(&again_key)
+            .await
+            .expect("a lock taken after the runtime is gone");
+        let outcome = other.acquire(&again_key, lease * 3).await;
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "{outcome:?}"
+        );
+        assert!(!again.is_lost());
+        again.release().await.unwrap();
+        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        theirs.release().await.unwrap();
+    });
+}
+
+/// The connection's task runs on the runtime that connected. When that runtime is dropped
+/// while the renewal driver runs on another one, the locks held stay held (their renewals go
+/// on, over a new connection), and the first command afterwards, here a new acquisition,
+/// works: the backend reconnects before sending it.
+fn connecting_runtime_dropped(server: &RedisServer) {
+    let lease = Duration::from_secs(1);
+    let url = server.url("lease=1s");
+    let runtime = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    let (connecting, using) = (runtime(), runtime());
+    let locks = connecting.block_on(LockProvider::connect(&url)).unwrap();
+    let key = unique_key("held");
+    let guard = using.block_on(locks.try_acquire(&key)).unwrap();
+    drop(connecting);
+    using.block_on(async {
+        let again = locks
+            .try_acquire(&unique_key("after"))
+            .await
+            .expect("a lock taken after the connecting runtime is gone");
+        let other = eager_provider(&server.url("")).await;
+        let outcome = other.acquire(&key, lease * 3).await;
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "{outcome:?}"
+        );
+        assert!(!guard.is_lost() && !again.is_lost());
+        again.release().await.unwrap();
+        guard.release().await.unwrap();
+    });
+}
+
+/// An acquisition in flight when its runtime is dropped: its command ran on the server, and
+/// nothing is left to give the lock back (the cleanup cannot run on a runtime that is gone).
+/// No panic, and the key frees itself with its lease: it is not stranded.
+fn acquisition_on_dropped_runtime(server: &RedisServer) {
+    let lease = Duration::from_secs(1);
+    let proxy = DelayProxy::start(server.port());
+    let url = proxy.url("lease=1s");
+    let doomed = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let locks = doomed.block_on(async {
+        let locks = LockProvider::connect(&url).await.unwrap();
+        // The acquisition script loaded while answers are prompt.
+        let guard = locks.try_acquire(&unique_key("warm")).await.unwrap();
+        guard.release().await.unwrap();
+        locks
+    });
+    let key = unique_key("doomed");
+    proxy.set_reply_delay(Duration::from_secs(30));
+    let attempt = doomed.spawn({
+        let key = key.clone();
+        async move { locks.try_acquire(&key).await.map(drop) }
+    });
+    let storage = format!("dlock:{{{key}}}");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !exists(server, storage.as_bytes()) {
+        assert!(
+            Instant::now() < deadline,
+            "the acquisition reached the server"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let dropped_at = Instant::now();
+    drop(doomed);
+    drop(attempt);
+    let deadline = dropped_at + lease + Duration::from_secs(1);
+    while exists(server, storage.as_bytes()) {
+        assert!(
+            Instant::now() < deadline,
+            "the key of an acquisition abandoned with its runtime outlived its lease"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A release that finds the key taken over (or gone) reports the loss: `Err(Lost)`, the lost
+/// token fires, and the other owner's lock is left as it was.
+async fn release_after_takeover(server: &RedisServer) {
+    let locks = LockProvider::connect(&server.url("lease=30s"))
+        .await
+        .unwrap();
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let key = unique_key("takeover");
+    let theirs = OwnerToken::from_text("someone-else").unwrap();
+    // Taken over: the release is refused, the loss reported.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let mut conn = admin(server).await;
+    let set: Option<String> = redis::cmd("SET")
+        .arg(backend.storage_key(&key))
+        .arg(theirs.as_bytes())
+        .arg("XX")
+        .arg("KEEPTTL")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(set.as_deref(), Some("OK"));
+    let lost = guard.lost_token().clone();
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    assert!(lost.is_cancelled());
+    assert!(backend.verify_still_held(&key, &theirs).await.unwrap());
+    assert_eq!(
+        backend.release(&key, &theirs).await.unwrap(),
+        ReleaseOutcome::Released
+    );
+    // Gone: the same.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(backend.storage_key(&key))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+}
+
+/// Fails unless `outcome` is a `Configuration` error naming `what` and the 365-day bound.
+fn refused_past_the_bound<T>(outcome: Result<T, LockError>, what: &str) {
+    match outcome {
+        Err(err @ LockError::Config { .. }) => {
+            let text = err.to_string();
+            assert!(
+                text.contains(what) && text.contains("365 days"),
+                "{what}: {text}"
+            );
+        }
+        Err(err) => panic!("{what}: {err:?} instead of a Configuration error"),
+        Ok(_) => panic!("{what}: accepted"),
+    }
+}
+
+/// Durations past the longest setting (365 days) are refused with a `Configuration` error
+/// that names the option and the bound, on every path that takes one; the bound itself works.
+async fn huge_durations(server: &RedisServer) {
+    let year = Duration::from_secs(365 * 24 * 3600);
+    let too_long = [year + Duration::from_millis(1), Duration::MAX];
+    let backend = RedisBackend::connect(&server.url("")).await.unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("huge");
+    let token = OwnerToken::random().unwrap();
+    for lease in too_long {
+        // Per acquisition.
+        refused_past_the_bound(locks.lock(&key).lease(lease).try_acquire().await, "lease");
+        refused_past_the_bound(
+            locks
+                .lock(&key)
+                .lease(lease)
+                .timeout(Duration::from_secs(1))
+                .acquire()
+                .await,
+            "lease",
+        );
+        // The provider's default lease.
+        let provider = LockProvider::builder(backend.clone()).lease(lease).build();
+        refused_past_the_bound(provider.try_acquire(&key).await, "lease");
+        // The raw-token API.
+        refused_past_the_bound(backend.try_take(&key, &token, lease).await, "lease");
+        refused_past_the_bound(backend.reset_expiry(&key, &token, lease).await, "lease");
+        // The builders.
+        refused_past_the_bound(
+            RedisBackend::builder(server.client())
+                .lease(lease)
+                .connect()
+                .await,
+            "lease",
+        );
+        refused_past_the_bound(
+            RedisBackend::builder(server.client())
+                .timeout(lease)
+                .connect()
+                .await,
+            "timeout",
+        );
+    }
+    assert!(
+        !exists(server, &backend.storage_key(&key)),
+        "nothing was written"
+    );
+    // A year is allowed, and reaches the server as that many milliseconds.
+    let guard = locks.lock(&key).lease(year).try_acquire().await.unwrap();
+    let ttl = pttl(server, &backend.storage_key(&key));
+    assert!(
+        (year.as_millis() as i64 - 60_000..=year.as_millis() as i64).contains(&ttl),
+        "{ttl}"
+    );
+    guard.release().await.unwrap();
+}
+
 /// A backend on the application's own connection manager and options from code.
 async fn existing_manager(server: &RedisServer) {
     let manager = redis::aio::ConnectionManager::new(server.client())
@@ -846,6 +1372,54 @@ macro_rules! flavor_tests {
                 existing_manager(&server).await;
             }
 
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn late_acquisition() {
+                let Some(server) = start() else { return };
+                late_acquisition_reply(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn late_acquisition_retried() {
+                let Some(server) = start() else { return };
+                late_reply_then_retry(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn late_renewals() {
+                let Some(server) = start() else { return };
+                late_renewal_replies(&server).await;
+            }
+
+            #[test]
+            fn dropped_runtime() {
+                let Some(server) = start() else { return };
+                runtime_dropped(&server);
+            }
+
+            #[test]
+            fn dropped_connecting_runtime() {
+                let Some(server) = start() else { return };
+                connecting_runtime_dropped(&server);
+            }
+
+            #[test]
+            fn acquisition_abandoned_with_its_runtime() {
+                let Some(server) = start() else { return };
+                acquisition_on_dropped_runtime(&server);
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn release_finds_takeover() {
+                let Some(server) = start() else { return };
+                release_after_takeover(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn durations_past_the_bound() {
+                let Some(server) = start() else { return };
+                huge_durations(&server).await;
+            }
+
             #[test]
             fn multi_process() {
                 let Some(server) = start() else { return };
@@ -859,6 +1433,30 @@ flavor_tests!(redis7, Flavor::Redis7);
 flavor_tests!(valkey81, Flavor::Valkey81);
 flavor_tests!(valkey91, Flavor::Valkey91);
 flavor_tests!(redis8, Flavor::Redis8);
+
+/// A `lease` or `timeout` in the URL longer than the longest setting (365 days) is refused
+/// when the URL is parsed, naming the option and the bound; 365 days is accepted.
+#[test]
+fn url_durations_past_the_bound() {
+    for (options, option) in [
+        ("lease=8761h", "lease"),
+        ("lease=5000000000000000000s", "lease"),
+        ("timeout=8761h", "timeout"),
+        ("timeout=5000000000000000000s", "timeout"),
+    ] {
+        let url = format!("redis://127.0.0.1:1/?{options}");
+        let err = RedisBackend::builder_from_url(&url).unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {err}");
+        let text = err.to_string();
+        assert!(
+            text.contains(option) && text.contains("365 days"),
+            "{url}: {text}"
+        );
+    }
+    let builder = RedisBackend::builder_from_url("redis://127.0.0.1:1/?lease=8760h&timeout=8760h")
+        .expect("365 days is the bound, and allowed");
+    drop(builder);
+}
 
 #[tokio::test]
 async fn bad_urls_and_unreachable_servers() {

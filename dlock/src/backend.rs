@@ -100,6 +100,11 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     }
 
     /// One attempt: `Ok(Some(_))` when the lock was taken, `Ok(None)` when it is held elsewhere.
+    ///
+    /// A lease backend whose store granted the lock, but answered so late that too little of
+    /// the lease is left to count on (another client may even hold it already), gives the
+    /// lock back and returns `Err(LockError::Lost { .. })`. The provider reports that from a
+    /// single try and tries again, after a backoff pause, in a polled wait.
     fn try_acquire<'a>(
         &'a self,
         request: LockRequest<'a>,

@@ -48,7 +48,8 @@ pub enum LockError {
 
     /// Ownership of a lock was lost while it was held (its connection died, its lease ran out,
     /// or another owner took it over). Work protected by it may have overlapped with another
-    /// holder's from that moment on.
+    /// holder's from that moment on. Also the answer of a single try on a lease store that
+    /// granted the lock too late to count on its lease (the lock was given back at once).
     #[error("lock `{key}` was lost: {reason}")]
     Lost {
         /// The key of the lost lock.

@@ -129,7 +129,10 @@ impl LockProvider {
     ///
     /// Returns [`LockError::AlreadyHeld`] when it is held elsewhere. When this provider holds
     /// the key itself (another task of the process has it), the answer comes from the
-    /// in-process table with no I/O and no allocation.
+    /// in-process table with no I/O and no allocation. On a lease backend, returns
+    /// [`LockError::Lost`] when the store granted the lock but answered too late to count on
+    /// its lease (the lock has been given back); [`acquire`](LockProvider::acquire) tries
+    /// again instead.
     ///
     /// # Cancel safety
     ///
@@ -408,8 +411,13 @@ async fn poll(
 ) -> Result<Acquired, LockError> {
     let mut attempt = 0u32;
     loop {
-        if let Some(acquired) = backend.try_acquire(request).await? {
-            return Ok(acquired);
+        match backend.try_acquire(request).await {
+            Ok(Some(acquired)) => return Ok(acquired),
+            Ok(None) => {}
+            // Taken, but the store's answer came too late to count on the lease; the backend
+            // gave it back. A wait tries again (see `LockBackend::try_acquire`).
+            Err(LockError::Lost { .. }) => {}
+            Err(err) => return Err(err),
         }
         let mut pause = backoff.delay(attempt);
         attempt = attempt.saturating_add(1);

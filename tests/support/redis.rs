@@ -14,9 +14,11 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{IpAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use super::Placement;
@@ -306,4 +308,157 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("free port")
+}
+
+/// A TCP proxy on loopback in front of a server that holds back what passes through it: each
+/// chunk of requests (client to server) and of replies (server to client) is delivered the set
+/// delay after the proxy read it, in order. The delays can change while it runs, so a test
+/// makes one reply late, or stalls a connection, without touching the server: the server
+/// runs every command when it arrives, and only its answer is late.
+pub struct DelayProxy {
+    port: u16,
+    shared: Arc<ProxyShared>,
+}
+
+struct ProxyShared {
+    /// Delays in microseconds: requests, replies.
+    request_delay: AtomicU64,
+    reply_delay: AtomicU64,
+    /// Replies read while a reply delay was set, and how many of them have been delivered.
+    held_replies: AtomicU64,
+    late_replies: AtomicU64,
+    stop: AtomicBool,
+    /// Every socket of every proxied connection, shut down when the proxy is dropped.
+    sockets: Mutex<Vec<TcpStream>>,
+}
+
+impl DelayProxy {
+    /// A proxy to `127.0.0.1:target_port`, with no delay.
+    pub fn start(target_port: u16) -> DelayProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("proxy listener");
+        let port = listener.local_addr().expect("proxy address").port();
+        let shared = Arc::new(ProxyShared {
+            request_delay: AtomicU64::new(0),
+            reply_delay: AtomicU64::new(0),
+            held_replies: AtomicU64::new(0),
+            late_replies: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            sockets: Mutex::new(Vec::new()),
+        });
+        let accepting = Arc::clone(&shared);
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if accepting.stop.load(Ordering::SeqCst) {
+                    return;
+                }
+                let Ok(client) = client else { continue };
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target_port)) else {
+                    continue;
+                };
+                let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                {
+                    let mut sockets = accepting.sockets.lock().unwrap();
+                    sockets.extend(client.try_clone().ok());
+                    sockets.extend(server.try_clone().ok());
+                }
+                pipe(&accepting, &client, &server, false);
+                pipe(&accepting, &server, &client, true);
+            }
+        });
+        DelayProxy { port, shared }
+    }
+
+    /// Holds back every reply read from now on by `delay`.
+    pub fn set_reply_delay(&self, delay: Duration) {
+        let micros = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.shared.reply_delay.store(micros, Ordering::SeqCst);
+    }
+
+    /// Holds back every request read from now on by `delay`.
+    pub fn set_request_delay(&self, delay: Duration) {
+        let micros = u64::try_from(delay.as_micros()).unwrap_or(u64::MAX);
+        self.shared.request_delay.store(micros, Ordering::SeqCst);
+    }
+
+    /// How many replies have been read while a reply delay was set (held back, delivered or
+    /// not yet).
+    pub fn held_replies(&self) -> u64 {
+        self.shared.held_replies.load(Ordering::SeqCst)
+    }
+
+    /// How many held-back replies have been delivered so far.
+    pub fn late_replies(&self) -> u64 {
+        self.shared.late_replies.load(Ordering::SeqCst)
+    }
+
+    /// The URL of the server behind the proxy, with `options` appended.
+    pub fn url(&self, options: &str) -> String {
+        if options.is_empty() {
+            format!("redis://127.0.0.1:{}/", self.port)
+        } else {
+            format!("redis://127.0.0.1:{}/?{options}", self.port)
+        }
+    }
+}
+
+impl Drop for DelayProxy {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        // Wakes the accepting thread, which then sees `stop`.
+        let _ = TcpStream::connect(("127.0.0.1", self.port));
+        for socket in self.shared.sockets.lock().unwrap().drain(..) {
+            let _ = socket.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Copies `from` to `to` through a queue: a reader stamps each chunk when it arrives, a
+/// writer delivers it once its delay (read when it arrived) has passed.
+fn pipe(shared: &Arc<ProxyShared>, from: &TcpStream, to: &TcpStream, replies: bool) {
+    let (Ok(mut from), Ok(mut to)) = (from.try_clone(), to.try_clone()) else {
+        return;
+    };
+    let (tx, rx) = mpsc::channel::<(Instant, bool, Vec<u8>)>();
+    let reading = Arc::clone(shared);
+    std::thread::spawn(move || {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match from.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => n,
+            };
+            let delay = if replies {
+                &reading.reply_delay
+            } else {
+                &reading.request_delay
+            };
+            let delay = Duration::from_micros(delay.load(Ordering::SeqCst));
+            let held = !delay.is_zero();
+            if held && replies {
+                reading.held_replies.fetch_add(1, Ordering::SeqCst);
+            }
+            if tx
+                .send((Instant::now() + delay, held, buf[..n].to_vec()))
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    let writing = Arc::clone(shared);
+    std::thread::spawn(move || {
+        for (due, held, chunk) in rx {
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
+            }
+            if writing.stop.load(Ordering::SeqCst) || to.write_all(&chunk).is_err() {
+                break;
+            }
+            if held && replies {
+                writing.late_replies.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    });
 }

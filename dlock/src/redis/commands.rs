@@ -1,7 +1,8 @@
 //! The commands behind a lock: native compare-and-set commands where the server has them, Lua
 //! scripts where it does not, and the per-connection memory of which is which.
 
-use std::sync::{Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use redis::aio::ConnectionManager;
@@ -121,6 +122,27 @@ pub(crate) struct Conn {
     manager: ConnectionManager,
     caps: Mutex<Caps>,
     scripts: Scripts,
+    /// Set when a runtime that may have run the connection's task has shut down: the next
+    /// command is preceded by a `PING`, whose failure makes the manager reconnect.
+    suspect: Arc<AtomicBool>,
+}
+
+/// Sets a connection's `suspect` flag when dropped (see [`Conn::suspect_on_drop`]), unless
+/// disarmed.
+pub(crate) struct SuspectOnDrop(Option<Arc<AtomicBool>>);
+
+impl SuspectOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for SuspectOnDrop {
+    fn drop(&mut self) {
+        if let Some(flag) = &self.0 {
+            flag.store(true, Ordering::SeqCst);
+        }
+    }
 }
 
 impl std::fmt::Debug for Conn {
@@ -183,6 +205,30 @@ impl Conn {
                 set_ifeq: Support::Unknown,
             }),
             scripts: Scripts::new(),
+            suspect: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// A value that, once dropped, makes the next command check the connection first. Tasks
+    /// on a runtime that may also run the connection's task hold one: when that runtime shuts
+    /// down, they are dropped with the connection's task.
+    pub(crate) fn suspect_on_drop(&self) -> SuspectOnDrop {
+        SuspectOnDrop(Some(Arc::clone(&self.suspect)))
+    }
+
+    /// After a runtime that may have run the connection's task shut down: a `PING`, whose
+    /// failure (the task is gone, so the command cannot even be queued) makes the manager
+    /// reconnect on the current runtime, so the command that follows gets a live connection.
+    /// Its outcome is otherwise ignored: a live connection answers, and a user without
+    /// permission for `PING` gets an error that changes nothing.
+    async fn repair(&self) {
+        if self.suspect.swap(false, Ordering::SeqCst) {
+            // Suspect again if this is dropped before the check is done.
+            let unfinished = self.suspect_on_drop();
+            let mut manager = self.manager.clone();
+            let outcome = redis::cmd("PING").query_async::<Value>(&mut manager).await;
+            self.forget_on_failure(&outcome);
+            unfinished.disarm();
         }
     }
 
@@ -222,6 +268,7 @@ impl Conn {
     /// connection was known to support: the connection manager replaces the connection after
     /// it, and the next server may be another version.
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        self.repair().await;
         let mut manager = self.manager.clone();
         let outcome = cmd.query_async::<Value>(&mut manager).await;
         self.forget_on_failure(&outcome);
@@ -437,6 +484,7 @@ impl Conn {
     ) -> Result<(Option<Vec<u8>>, i64), RedisError> {
         let mut pipe = redis::pipe();
         pipe.atomic().cmd("GET").arg(key).cmd("PTTL").arg(key);
+        self.repair().await;
         let mut manager = self.manager.clone();
         let outcome = pipe
             .query_async::<(Option<Vec<u8>>, i64)>(&mut manager)

@@ -52,15 +52,24 @@
 //!
 //! | option | default | meaning |
 //! |---|---|---|
-//! | `lease` | `30s` | lease of each lock (at least 100 ms); renewed every `lease / 3` |
+//! | `lease` | `30s` | lease of each lock (at least 100 ms, at most 365 days); renewed every `lease / 3` |
 //! | `prefix` | `dlock:` | prepended to every lock key |
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
-//! | `timeout` | `5s` | limit for connecting and for each command |
+//! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
 //!
 //! [`RedisBackend::builder`] builds one from a `redis::Client`, and
 //! [`RedisBackend::builder_on_manager`] (or [`RedisBackend::from_manager`]) on a
-//! `ConnectionManager` the application already has.
+//! `ConnectionManager` the application already has. A lease or timeout out of its bounds,
+//! from the URL, a builder, [`ProviderBuilder::lease`](crate::ProviderBuilder::lease) or one
+//! acquisition's [`lease`](crate::LockBuilder::lease), is refused with a
+//! [`LockError::Config`] naming the option and the bound (a URL's when it is parsed).
+//!
+//! A lease shorter than the `timeout` is allowed. The timeout then never makes a lock count
+//! for longer than its lease allows: an acquisition whose answer takes more than 40% of the
+//! lease is not handed out, and a renewal not answered within 80% of the lease is a loss (see
+//! [Lost locks](self#lost-locks)), however long the timeout. What the timeout still bounds is
+//! how long a silent server holds up a call.
 //!
 //! # Lost locks
 //!
@@ -70,8 +79,38 @@
 //! of the lease**, and fires when it passes. Since the server starts the lease no earlier than
 //! it received the command, the holder learns of the loss at least a fifth of a lease before
 //! anyone else can take the lock (given clocks that run at the same rate, which the lease
-//! relies on anyway). [`RedisBackend::remaining_lease`] reads the server's remaining time to
-//! live; like any such reading it is an estimate, already older by a round trip when it arrives.
+//! relies on anyway). A renewal answered late extends the deadline only from when it was sent.
+//! A release that finds the lock gone or taken over reports the loss too
+//! ([`LockError::Lost`] from [`release`](crate::LockGuard::release), and the token fires).
+//!
+//! Acquisitions are measured the same way, from before the command is sent. An answer that
+//! comes more than **40% of the lease** after that is not a lock to hand out: the lease may be
+//! nearly over, or over already with the lock in someone else's hands. The acquisition gives
+//! the lock back (a compare-and-delete of its own token, in the background) and returns
+//! [`LockError::Lost`], saying how long the answer took; a waiting
+//! [`acquire`](crate::LockProvider::acquire) tries again within its timeout. The 40% leave at
+//! least as long again before the local deadline, time for the first renewal to make a round
+//! trip as slow; since one renewal of a lock is in flight at a time, a server whose round
+//! trips take longer than that could not keep the lock anyway. Use a lease of more than two
+//! and a half round trips of the slowest answers you expect.
+//!
+//! [`RedisBackend::remaining_lease`] reads the server's remaining time to live; like any such
+//! reading it is an estimate, already older by a round trip when it arrives.
+//!
+//! # Runtimes
+//!
+//! One task per backend renews every lock the backend holds. It runs on the Tokio runtime of
+//! the acquisition that started it, and the connection's own task runs on the runtime that
+//! connected (or, after a reconnection, on the one whose command found the connection
+//! broken). Locks may be taken from any runtime. When the renewal task stops for any reason,
+//! its runtime shutting down included, every lock it renewed is declared lost at once (each
+//! guard's token fires, well before the lease can run out), and the next acquisition starts
+//! a new renewal task on its own runtime. When the runtime that connected, or that ran the
+//! renewal task, shuts down, the next command first checks the connection with a `PING`, so
+//! that a connection whose task is gone is replaced before the command is sent. A connection
+//! that was re-established on yet another runtime, which then shuts down, fails its next
+//! command once with [`LockError::Unavailable`] ("the connection to the server is closed")
+//! and connects again for the one after.
 //!
 //! # Fencing tokens
 //!
@@ -89,7 +128,9 @@
 //! An acquisition dropped after its command may have reached the server (a timeout, a
 //! cancellation, a failed connection) deletes the lock again in the background with a
 //! compare-and-delete of its own token, so it does not stay taken until its lease runs out. A
-//! dropped guard releases in the background, and its renewal stops at once.
+//! dropped guard releases in the background, and its renewal stops at once. Both run on the
+//! runtime of the acquisition: when that runtime is itself shutting down, nothing more can run
+//! there, and such a lock frees itself when its lease runs out.
 
 mod commands;
 mod renewals;
@@ -106,6 +147,7 @@ use crate::LockError;
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::key::validate_key;
 use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::time::{MAX_SETTING, check_setting};
 
 use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
@@ -123,6 +165,15 @@ const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protoco
 /// passed since the last successful renewal was sent.
 fn safe_window(lease: Duration) -> Duration {
     lease.mul_f64(0.8)
+}
+
+/// The longest an acquisition's answer may take, from before the command was sent, for the
+/// lock to be handed out: half the safe window, 40% of the lease. What is left of the window is
+/// at least as long again, time for the first renewal to make a round trip as slow. (One
+/// renewal is in flight at a time, so round trips longer than this could not keep the lock
+/// anyway.)
+fn answer_window(lease: Duration) -> Duration {
+    safe_window(lease) / 2
 }
 
 /// The Redis / Valkey backend. Usually made through
@@ -146,6 +197,8 @@ struct Shared {
     fencing: bool,
     timeout: Duration,
     renewals: Arc<Renewals>,
+    /// Ends the task that watches the runtime the connection was made on.
+    _watch: Option<tokio_util::sync::DropGuard>,
 }
 
 impl Drop for Shared {
@@ -198,7 +251,8 @@ impl RedisBuilder {
         self
     }
 
-    /// The lease of each lock (default 30 s, at least 100 ms). Renewed every third of it.
+    /// The lease of each lock (default 30 s, at least 100 ms, at most 365 days). Renewed every
+    /// third of it. Checked by [`connect`](RedisBuilder::connect).
     pub fn lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
         self
@@ -217,26 +271,27 @@ impl RedisBuilder {
         self
     }
 
-    /// Limit for connecting and for each command (default 5 s).
+    /// Limit for connecting and for each command (default 5 s; above zero, at most 365 days).
+    /// Checked by [`connect`](RedisBuilder::connect). A lease shorter than it is allowed; see
+    /// the [module docs](self#url) for the effect.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
-    /// Connects (unless built on an existing manager) and makes the backend.
+    /// Connects (unless built on an existing manager) and makes the backend. A lease, timeout
+    /// or prefix out of bounds is a [`LockError::Config`], before anything is sent.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn connect(self) -> Result<RedisBackend, LockError> {
         check_lease(self.lease)?;
+        check_timeout(self.timeout)?;
         if self.prefix.contains(['{', '}']) {
             return Err(LockError::config(
                 "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their Cluster hash tag",
             ));
-        }
-        if self.timeout.is_zero() {
-            return Err(LockError::config("the redis `timeout` must be above zero"));
         }
         let manager = match self.source {
             Source::Manager(manager) => manager,
@@ -260,14 +315,17 @@ impl RedisBuilder {
                 }
             }
         };
+        let conn = Conn::new(manager);
+        let watch = watch_runtime(&conn);
         Ok(RedisBackend {
             shared: Arc::new(Shared {
-                conn: Conn::new(manager),
+                conn,
                 lease: self.lease,
                 prefix: self.prefix.into_bytes(),
                 fencing: self.fencing,
                 timeout: self.timeout,
                 renewals: Arc::default(),
+                _watch: watch,
             }),
         })
     }
@@ -331,7 +389,11 @@ impl RedisBackend {
 
     /// Takes the lock `key` under `token` for `lease` if it is free (`SET NX PX`): `Ok(true)`
     /// when taken, `Ok(false)` when the key is held (by any token, this one included). Nothing
-    /// renews it: call [`reset_expiry`](RedisBackend::reset_expiry) to keep it.
+    /// renews it: call [`reset_expiry`](RedisBackend::reset_expiry) to keep it. The lease runs
+    /// from when the server ran the command: count on it from before the call, not from the
+    /// answer (which may come late; the provider's acquisitions do this for you, see
+    /// [Lost locks](self#lost-locks)). A `lease` shorter than 100 ms or longer than 365 days
+    /// is a [`LockError::Config`].
     ///
     /// # Cancel safety
     ///
@@ -521,13 +583,36 @@ fn fence_key(lock_key: &[u8]) -> Vec<u8> {
     key
 }
 
+/// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`] (365 days, whose
+/// milliseconds `PX` takes easily).
 fn check_lease(lease: Duration) -> Result<(), LockError> {
-    if lease < MIN_LEASE {
-        return Err(LockError::config(format!(
-            "a redis lease must be at least {MIN_LEASE:?}, not {lease:?}"
-        )));
-    }
-    Ok(())
+    check_setting("the redis `lease`", lease, MIN_LEASE, MAX_SETTING).map(drop)
+}
+
+/// A command timeout is above zero and at most [`MAX_SETTING`].
+fn check_timeout(timeout: Duration) -> Result<(), LockError> {
+    check_setting(
+        "the redis `timeout`",
+        timeout,
+        Duration::from_nanos(1),
+        MAX_SETTING,
+    )
+    .map(drop)
+}
+
+/// Marks the connection for a check before its next command when the runtime it was made on
+/// shuts down: the connection's task stops with that runtime, and the first command after
+/// that would fail (see [Runtimes](self#runtimes)). The watch ends with the returned guard.
+fn watch_runtime(conn: &Conn) -> Option<tokio_util::sync::DropGuard> {
+    let runtime = tokio::runtime::Handle::try_current().ok()?;
+    let done = CancellationToken::new();
+    let watching = done.clone();
+    let mark = conn.suspect_on_drop();
+    drop(runtime.spawn(async move {
+        let _mark = mark;
+        watching.cancelled().await;
+    }));
+    Some(done.drop_guard())
 }
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
@@ -563,6 +648,15 @@ fn redis_error(what: &str, err: RedisError) -> LockError {
         ErrorKind::InvalidClientConfig => {
             LockError::config(format!("{what}: the redis client configuration is invalid"))
         }
+        _ if err.is_connection_dropped() => LockError::unavailable(
+            NAME,
+            format!(
+                "{what}: the connection to the server is closed ({err}); the next command \
+                 connects again (a connection also closes when the Tokio runtime that ran it \
+                 shuts down)"
+            ),
+            Some(Box::new(err)),
+        ),
         _ => LockError::unavailable(NAME, format!("{what}: {err}"), Some(Box::new(err))),
     }
 }
@@ -585,9 +679,15 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut passed_on = Vec::new();
     for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
         match name.as_str() {
-            "lease" => lease = parse_duration("lease", &value)?,
+            "lease" => {
+                lease = parse_duration("lease", &value)?;
+                check_lease(lease)?;
+            }
             "prefix" => prefix = value,
-            "timeout" => timeout = parse_duration("timeout", &value)?,
+            "timeout" => {
+                timeout = parse_duration("timeout", &value)?;
+                check_timeout(timeout)?;
+            }
             "fencing" => {
                 fencing = match value.as_str() {
                     "true" | "1" | "yes" | "on" => true,
@@ -656,10 +756,32 @@ impl LockBackend for RedisBackend {
                         .acquire(&lock_key, fence.as_deref(), &token, lease),
                 )
                 .await?;
-            cleanup.armed = false;
             let Some(fencing_token) = taken else {
+                cleanup.armed = false;
                 return Ok(None);
             };
+            // The lease began when the server ran the command, at some moment after `sent`:
+            // an answer that comes late leaves too little of it to hold the lock, or none (the
+            // server may have let someone else take it already). Such a lock is given back,
+            // by the still armed cleanup, and reported lost: a wait tries again.
+            let took = sent.elapsed();
+            let window = answer_window(lease);
+            if took > window {
+                tracing::warn!(
+                    took_ms = took.as_millis() as u64,
+                    lease_ms = lease.as_millis() as u64,
+                    "a redis lock was taken, but the answer came too late to count on its lease; giving it back"
+                );
+                return Err(LockError::Lost {
+                    key: Arc::from(request.key),
+                    reason: format!(
+                        "the server's answer took {took:?}, more than {window:?} (40% of the \
+                         {lease:?} lease), so the lease could run out before its first renewal; \
+                         the lock was given back (use a longer lease for a server this slow)"
+                    ),
+                });
+            }
+            cleanup.armed = false;
             let lost = CancellationToken::new();
             let renewal = match Renewals::register(
                 shared,

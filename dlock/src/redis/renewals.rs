@@ -10,13 +10,18 @@
 //! driver's planned wake-up wakes it (the first one, or one with a shorter lease). A task per
 //! lock, as before, cost a spawn and a cross-thread wake on every acquisition and release:
 //! more than the two round trips of an uncontended acquire + release on a local server.
+//!
+//! The driver runs on the runtime of the acquisition that started it, and renews the locks
+//! taken from every runtime. If it stops for any reason (its runtime shut down, a panic), the
+//! [`DriverStop`] its future owns declares every entry lost at once: nothing renews them any
+//! more, and their holders hear it a fifth of a lease or more before anyone else can take the
+//! keys. The next registration starts a new driver on its own runtime.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use super::{OwnerToken, Shared, safe_window};
@@ -29,7 +34,6 @@ pub(super) struct Renewals {
     state: Mutex<State>,
     /// Wakes the driver when its planned wake-up is too late, or the backend is gone.
     wake: Notify,
-    driver: Mutex<Option<JoinHandle<()>>>,
 }
 
 #[derive(Default)]
@@ -38,6 +42,10 @@ struct State {
     next_id: u64,
     /// When the driver will next look, if it sleeps on a timer.
     planned: Option<Instant>,
+    /// The number of the running driver, if one runs; cleared when it stops.
+    driver: Option<u64>,
+    /// The number of the next driver to start.
+    next_driver: u64,
 }
 
 struct Entry {
@@ -69,6 +77,7 @@ impl Renewals {
     }
 
     /// Starts renewing a lock taken with a command sent at `sent`; returns the entry's id.
+    /// Starts a driver on the current runtime if none runs.
     pub(super) fn register(
         shared: &Arc<Shared>,
         key: Arc<[u8]>,
@@ -78,7 +87,6 @@ impl Renewals {
         lost: CancellationToken,
     ) -> Result<u64, LockError> {
         let renewals = &shared.renewals;
-        renewals.ensure_driver(shared)?;
         let entry = Entry {
             key,
             token,
@@ -88,13 +96,44 @@ impl Renewals {
             lost,
             in_flight: false,
         };
-        let mut state = renewals.state();
-        let id = state.next_id;
-        state.next_id += 1;
-        let wake_at = entry.wake_at();
-        state.entries.insert(id, entry);
-        renewals.plan(state, wake_at);
-        Ok(id)
+        // The entry goes in only while a driver runs (under the lock its stop takes too), so
+        // no entry is ever left without a driver that renews it or declares it lost. Two
+        // rounds: a driver spawned on a runtime that is shutting down stops at once.
+        for _ in 0..2 {
+            let mut state = renewals.state();
+            if state.driver.is_some() {
+                let id = state.next_id;
+                state.next_id += 1;
+                let wake_at = entry.wake_at();
+                state.entries.insert(id, entry);
+                renewals.plan(state, wake_at);
+                return Ok(id);
+            }
+            let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+                LockError::config(
+                    "redis locks must be taken inside a Tokio runtime (lease renewal)",
+                )
+            })?;
+            let number = state.next_driver;
+            state.next_driver += 1;
+            state.driver = Some(number);
+            // A new driver must look at every entry now.
+            state.planned = None;
+            drop(state);
+            let stop = DriverStop {
+                renewals: Arc::clone(renewals),
+                number,
+                _suspect: shared.conn.suspect_on_drop(),
+            };
+            // Spawned outside the lock: on a runtime that is shutting down, the future (and
+            // its stop) is dropped at once, inside `spawn`.
+            drop(runtime.spawn(drive(Arc::downgrade(shared), stop)));
+        }
+        Err(LockError::unavailable(
+            super::NAME,
+            "the Tokio runtime is shutting down: the lock's lease could not be renewed",
+            None,
+        ))
     }
 
     /// Stops renewing entry `id` (released, or the guard dropped). No wake-up needed: the
@@ -116,26 +155,44 @@ impl Renewals {
     pub(super) fn shut_down(&self) {
         self.wake.notify_one();
     }
+}
 
-    /// Starts the driver if it is not running (the first lock, or its runtime has gone).
-    fn ensure_driver(&self, shared: &Arc<Shared>) -> Result<(), LockError> {
-        let mut driver = self.driver.lock().unwrap_or_else(PoisonError::into_inner);
-        if driver.as_ref().is_some_and(|task| !task.is_finished()) {
-            return Ok(());
+/// Owned by the driver's future: when the driver stops (its runtime shut down, a panic, or the
+/// backend is gone), every entry is declared lost, for nothing renews it any more, and the
+/// next registration starts a new driver. It also marks the connection suspect: its task may
+/// have run on the same runtime (see [`Conn::suspect_on_drop`](super::commands::Conn::suspect_on_drop)).
+struct DriverStop {
+    renewals: Arc<Renewals>,
+    number: u64,
+    _suspect: super::commands::SuspectOnDrop,
+}
+
+impl Drop for DriverStop {
+    fn drop(&mut self) {
+        let orphans: Vec<Entry> = {
+            let mut state = self.renewals.state();
+            if state.driver != Some(self.number) {
+                return;
+            }
+            state.driver = None;
+            state.planned = None;
+            state.entries.drain().map(|(_, entry)| entry).collect()
+        };
+        if !orphans.is_empty() {
+            tracing::warn!(
+                locks = orphans.len(),
+                "the redis renewal task stopped (its Tokio runtime shut down?): its locks are presumed lost"
+            );
         }
-        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
-            LockError::config("redis locks must be taken inside a Tokio runtime (lease renewal)")
-        })?;
-        // A restarted driver must look at every entry now.
-        self.state().planned = None;
-        *driver = Some(runtime.spawn(drive(Arc::downgrade(shared))));
-        Ok(())
+        for entry in orphans {
+            entry.lost.cancel();
+        }
     }
 }
 
 /// The driver: declares overdue entries lost, spawns due renewals, sleeps until the next
 /// renewal or deadline. It holds the backend only while it works, and ends with it.
-async fn drive(shared: Weak<Shared>) {
+async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
     loop {
         let Some(backend) = shared.upgrade() else {
             return;
@@ -195,6 +252,8 @@ async fn drive(shared: Weak<Shared>) {
 
 /// One renewal of entry `id`; updates the entry with the outcome.
 async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, lease: Duration) {
+    // Taken before the command is sent: the server's new lease starts no earlier, so a late
+    // answer never moves the deadline past what the server granted.
     let attempt = Instant::now();
     let outcome = shared
         .bounded("renewing a lock", shared.conn.extend(&key, &token, lease))
