@@ -561,10 +561,21 @@ pub async fn cancellation_sweep(h: &impl Harness) {
     let keys: Vec<String> = (0..6).map(|i| unique_key(&format!("sweep{i}"))).collect();
     let seed = fastrand::u64(..);
     let mut rng = fastrand::Rng::with_seed(seed);
+    let panics_before = crate::support::foreign_panics().len();
+    // A task may end by the abort the sweep aimed at it; any other way it ends (a panic in
+    // dlock or in the sweep's own asserts) fails the test.
+    let reap = |done: Option<Result<(), tokio::task::JoinError>>| {
+        if let Some(Err(err)) = done {
+            assert!(
+                err.is_cancelled(),
+                "a sweep task failed (seed {seed}): {err}"
+            );
+        }
+    };
     let mut tasks = tokio::task::JoinSet::new();
     for round in 0..SWEEP_ROUNDS {
         while tasks.len() >= 24 {
-            let _ = tasks.join_next().await;
+            reap(tasks.join_next().await);
         }
         let key = keys[round % keys.len()].clone();
         let locks = a.clone();
@@ -606,7 +617,9 @@ pub async fn cancellation_sweep(h: &impl Harness) {
             });
         }
     }
-    while tasks.join_next().await.is_some() {}
+    while let Some(done) = tasks.join_next().await {
+        reap(Some(done));
+    }
     let bound = h.abandon_bound().unwrap_or(Duration::from_secs(30));
     for key in &keys {
         let started = Instant::now();
@@ -621,5 +634,15 @@ pub async fn cancellation_sweep(h: &impl Harness) {
     assert!(
         crate::support::eventually(Duration::from_secs(5), || a.local_key_count() == 0).await,
         "abandoned acquisitions leave the table (seed {seed})"
+    );
+    // Nor did anything panic where no `JoinHandle` of the sweep sees it (a background
+    // release, a connection or renewal task).
+    let panics = &crate::support::foreign_panics()[panics_before..];
+    assert!(
+        panics.is_empty(),
+        "{} panics outside the test code during the sweep (seed {seed}; or in another test of \
+         this binary at the same time), the first:\n{}",
+        panics.len(),
+        panics[..panics.len().min(5)].join("\n")
     );
 }

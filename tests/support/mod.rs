@@ -152,6 +152,44 @@ impl Drop for Holder {
     }
 }
 
+/// Every panic raised so far in this test binary outside the test suite's own files (in dlock,
+/// or in a dependency dlock called), as `file:line: message`. The first call installs a panic
+/// hook that records them before it runs the hook that was there. A panic in a task dlock
+/// spawns (a background release, a connection task) never reaches a test's `JoinHandle`; this
+/// is how a test sees it. Tests run in parallel threads of one binary, so a count taken around
+/// a test also sees panics of the library in other tests of the same binary: each one is a
+/// defect all the same.
+pub fn foreign_panics() -> Vec<String> {
+    use std::sync::{Mutex, OnceLock};
+    static PANICS: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    let panics = PANICS.get_or_init(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let (file, line) = info.location().map_or(("?", 0), |l| (l.file(), l.line()));
+            if !file.starts_with("tests/") {
+                let message = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                if let Some(panics) = PANICS.get() {
+                    panics
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(format!("{file}:{line}: {message}"));
+                }
+            }
+            previous(info);
+        }));
+        Mutex::new(Vec::new())
+    });
+    panics
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
 /// Waits for `condition` to hold, checking every few milliseconds, for at most `limit`.
 pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + limit;
