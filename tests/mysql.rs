@@ -74,6 +74,11 @@ impl conformance::Harness for MyHarness {
         KEEPALIVE + Duration::from_secs(1)
     }
 
+    fn retake_within(&self) -> Duration {
+        // KILL only flags the session; under load the server can take a moment to end it.
+        Duration::from_secs(5)
+    }
+
     fn fencing(&self) -> bool {
         self.fencing
     }

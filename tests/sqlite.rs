@@ -60,6 +60,11 @@ impl conformance::Harness for SqliteHarness {
         LEASE / 3 + Duration::from_secs(1)
     }
 
+    fn retake_within(&self) -> Duration {
+        // The taken-over row keeps its expiry: free once that lease runs out.
+        LEASE + Duration::from_secs(1)
+    }
+
     fn fencing(&self) -> bool {
         true
     }

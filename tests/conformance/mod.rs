@@ -29,6 +29,14 @@ pub trait Harness: Send + Sync + 'static {
     /// Whether acquisitions carry fencing tokens.
     fn fencing(&self) -> bool;
 
+    /// How soon after a lost lock was reported (`break_lock`) another provider must be able to
+    /// take the key: a session store frees a killed session's locks once the server has ended
+    /// it (three seconds); a lease store once the lease of whoever took the key over has run
+    /// out.
+    fn retake_within(&self) -> Duration {
+        Duration::from_secs(3)
+    }
+
     /// How soon after abandoned acquisitions (timeout 5 s, dropped within 2 ms) the key must
     /// be free for another provider: two seconds. `None` for a backend with a known, open bug
     /// here (the case then says it is skipped and why).
@@ -510,12 +518,18 @@ pub async fn lost_detection(h: &impl Harness) {
     );
     assert!(guard.is_lost());
     assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
-    // The provider still works afterwards.
+    // The key is not stranded: another provider takes it within the backend's bound.
     let b = h.provider().await;
-    let next = b.acquire(&key, Duration::from_secs(30)).await;
-    if let Ok(g) = next {
-        g.release().await.expect("release");
-    }
+    let bound = h.retake_within();
+    let started = Instant::now();
+    let next = b.acquire(&key, bound).await.unwrap_or_else(|e| {
+        panic!(
+            "the key is stranded after its loss: not taken again within {bound:?} ({e} after {:?})",
+            started.elapsed()
+        )
+    });
+    next.release().await.expect("release");
+    // The provider that lost it still works afterwards.
     let other = a
         .try_acquire(&unique_key("after-lost"))
         .await
