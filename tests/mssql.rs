@@ -220,7 +220,7 @@ async fn live_transaction_bound_locks() {
 )]
 async fn live_multi_process_exclusion() {
     let url = live_url();
-    support::run_multi_process(&url, &unique_key("mssql-mp"), 3, 10);
+    support::run_multi_process(&url, &unique_key("mssql-mp"), 3, 10, support::Fencing::None);
 }
 
 // ---------------------------------------------------------------------------------------------

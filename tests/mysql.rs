@@ -149,7 +149,13 @@ macro_rules! engine_tests {
             #[test]
             fn multi_process_exclusion() {
                 let Some(server) = server() else { return };
-                support::run_multi_process(&server.url("fencing=true"), &unique_key("mp"), 4, 30);
+                support::run_multi_process(
+                    &server.url("fencing=true"),
+                    &unique_key("mp"),
+                    4,
+                    30,
+                    support::Fencing::Every,
+                );
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

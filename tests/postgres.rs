@@ -201,7 +201,13 @@ async fn provider_recovers_from_a_server_restart() {
 #[test]
 fn multi_process_exclusion() {
     let server = PgServer::shared();
-    support::run_multi_process(&server.url("fencing=true"), &unique_key("mp"), 4, 40);
+    support::run_multi_process(
+        &server.url("fencing=true"),
+        &unique_key("mp"),
+        4,
+        40,
+        support::Fencing::Every,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -854,7 +854,13 @@ macro_rules! flavor_tests {
             #[test]
             fn multi_process() {
                 let Some(server) = start() else { return };
-                support::run_multi_process(&server.url("lease=5s"), "jobs:multi-process", 4, 40);
+                support::run_multi_process(
+                    &server.url("lease=5s"),
+                    "jobs:multi-process",
+                    4,
+                    40,
+                    support::Fencing::Every,
+                );
             }
         }
     };

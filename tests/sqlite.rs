@@ -76,7 +76,7 @@ conformance_suite!(SqliteHarness::new());
 fn multi_process_exclusion() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}/mp.db", dir.path().display());
-    support::run_multi_process(&url, "jobs:multi-process", 4, 60);
+    support::run_multi_process(&url, "jobs:multi-process", 4, 60, support::Fencing::Every);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

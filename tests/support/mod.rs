@@ -38,17 +38,34 @@ pub fn worker_bin() -> &'static str {
     env!("CARGO_BIN_EXE_dlock-worker")
 }
 
+/// Whether the backend under test (as the URL configures it) issues fencing tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fencing {
+    /// It does: every critical section must carry a token, and they must strictly increase.
+    Every,
+    /// It does not: no section may carry one.
+    None,
+}
+
 /// Runs `processes` workers that each take `key` `iterations` times, then checks the log:
-/// no two critical sections overlap, every worker finished, and fencing tokens (where the
-/// backend issues them) strictly increase in the order the sections ran.
-pub fn run_multi_process(url: &str, key: &str, processes: usize, iterations: usize) {
-    run_exclusion(url, key, processes, 1, 1, processes * iterations);
+/// no two critical sections overlap, every worker finished, and fencing tokens (every section
+/// carries one where `fencing` says the backend issues them) strictly increase in the order
+/// the sections ran.
+pub fn run_multi_process(
+    url: &str,
+    key: &str,
+    processes: usize,
+    iterations: usize,
+    fencing: Fencing,
+) {
+    run_exclusion(url, key, processes, 1, 1, processes * iterations, fencing);
 }
 
 /// The exclusion checker (`dlock-worker exclusion`): `processes` worker processes of `tasks`
 /// tasks each take `acquisitions` locks in all on `keys` hot keys under `prefix`; fails the
-/// test on any overlap, non-increasing fencing token or failed worker. Returns the checker's
-/// summary line (`ok sections=... per_second=...`).
+/// test on any overlap, failed worker, non-increasing fencing token, or a section without a
+/// token (with [`Fencing::Every`]) or with one (with [`Fencing::None`]). Returns the checker's
+/// summary line (`ok sections=... fenced=... per_second=...`).
 pub fn run_exclusion(
     url: &str,
     prefix: &str,
@@ -56,13 +73,19 @@ pub fn run_exclusion(
     tasks: usize,
     keys: usize,
     acquisitions: usize,
+    fencing: Fencing,
 ) -> String {
+    let fencing = match fencing {
+        Fencing::Every => "every",
+        Fencing::None => "none",
+    };
     let out = Command::new(worker_bin())
         .args(["exclusion", url, prefix])
         .args(["--processes", &processes.to_string()])
         .args(["--tasks", &tasks.to_string()])
         .args(["--keys", &keys.to_string()])
         .args(["--acquisitions", &acquisitions.to_string()])
+        .args(["--fencing", fencing])
         .stderr(Stdio::piped())
         .output()
         .expect("run the exclusion checker");
