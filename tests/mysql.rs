@@ -44,6 +44,38 @@ async fn kill_holder(server: &DbServer, key: &str) {
     sqlx::query(&kill).execute(&mut conn).await.expect("KILL");
 }
 
+/// A user of its own on `server` (all privileges, no password), so that a test can pick its
+/// sessions out of the process list of a server other tests share; and a URL for it with
+/// `options`.
+async fn own_user(server: &DbServer, name: &str, options: &str) -> (String, String) {
+    let mut conn = admin(server).await;
+    let user = format!("dlock_{name}{}", std::process::id());
+    for statement in [
+        format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1'"),
+        format!("GRANT ALL PRIVILEGES ON *.* TO '{user}'@'127.0.0.1'"),
+    ] {
+        conn.execute(statement.as_str()).await.unwrap();
+    }
+    let sep = if options.is_empty() { "" } else { "?" };
+    let url = format!(
+        "mysql://{user}@127.0.0.1:{}/dlock_test{sep}{options}",
+        server.port()
+    );
+    (user, url)
+}
+
+/// How many sessions of `user` are blocked in `GET_LOCK` on the server right now.
+async fn get_lock_waits(conn: &mut MySqlConnection, user: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+         WHERE STATE = 'User lock' AND USER = ?",
+    )
+    .bind(user)
+    .fetch_one(conn)
+    .await
+    .expect("read the process list")
+}
+
 fn number(err: &sqlx::Error) -> Option<u16> {
     match err {
         sqlx::Error::Database(db) => db
@@ -209,7 +241,12 @@ engine_tests!(oracle_mysql, Flavor::MySql);
 /// 20 trials: the session behind a held lock is killed, and the guard's lost token fires
 /// within keepalive + 1 s, for locks on lock connections and on wait connections alike.
 async fn killed_connections(server: &DbServer) {
-    let url = server.url("keepalive=100ms&connections=2&wait_connections=2");
+    let (user, url) = own_user(
+        server,
+        "kc",
+        "keepalive=100ms&connections=2&wait_connections=2",
+    )
+    .await;
     let a = LockProvider::connect(&url).await.unwrap();
     let b = LockProvider::connect(&url).await.unwrap();
     let limit = Duration::from_millis(100) + Duration::from_secs(1);
@@ -227,28 +264,15 @@ async fn killed_connections(server: &DbServer) {
                 let (a, key) = (a.clone(), key.clone());
                 tokio::spawn(async move { a.acquire(&key, Duration::from_secs(10)).await })
             };
-            // Wait until the waiter is blocked in GET_LOCK on the server, then hand over.
-            let deadline = Instant::now() + Duration::from_secs(5);
-            loop {
-                // MySQL shows the statement with its values, MariaDB with placeholders.
-                let waiting: i64 = sqlx::query_scalar(
-                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
-                     WHERE INFO LIKE 'SELECT GET_LOCK(%' AND INFO NOT LIKE '%, 0)' \
-                     AND (INFO LIKE CONCAT('%', ?, '%') OR INFO LIKE '%(?, ?)')",
-                )
-                .bind(server_lock_name(&key))
-                .fetch_one(&mut conn)
-                .await
-                .unwrap();
-                if waiting >= 1 {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "the waiter never waited on the server"
-                );
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            // Wait until the waiter is blocked in GET_LOCK on the server (this test's own
+            // user: `b` holds and `a` waits, so the one waiting session is `a`'s), then hand
+            // over.
+            support::wait_until(
+                "the waiter waits on the server",
+                Duration::from_secs(5),
+                async || get_lock_waits(&mut conn, &user).await == 1,
+            )
+            .await;
             other.release().await.unwrap();
             let g = waiter.await.unwrap().expect("waiter gets the lock");
             assert_ne!(holder(&mut conn, &key).await, first);
@@ -290,7 +314,16 @@ async fn server_restart(mut server: DbServer) {
         let (locks, k) = (locks.clone(), waited_key.clone());
         tokio::spawn(async move { locks.acquire(&k, Duration::from_secs(10)).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Hand over once the waiter waits on the server (this server is the test's own), so that
+    // the lock is granted to a wait connection.
+    let mut conn = admin(&server).await;
+    support::wait_until(
+        "the waiter waits on the server",
+        Duration::from_secs(5),
+        async || get_lock_waits(&mut conn, "root").await == 1,
+    )
+    .await;
+    drop(conn);
     blocker.release().await.unwrap();
     let waited = waiter.await.unwrap().expect("waiter");
     server.stop();
@@ -421,17 +454,7 @@ async fn name_mapping(server: &DbServer) {
 /// 1,000 locks held at once, with waits in flight, on at most 8 server connections.
 async fn thousand_locks(server: &DbServer) {
     let mut conn = admin(server).await;
-    let user = format!("dlock_k{}", std::process::id());
-    for statement in [
-        format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1'"),
-        format!("GRANT ALL PRIVILEGES ON *.* TO '{user}'@'127.0.0.1'"),
-    ] {
-        conn.execute(statement.as_str()).await.unwrap();
-    }
-    let url = format!(
-        "mysql://{user}@127.0.0.1:{}/dlock_test?keepalive=1s",
-        server.port()
-    );
+    let (user, url) = own_user(server, "k", "keepalive=1s").await;
     let locks = LockProvider::connect(&url).await.unwrap();
     let other = LockProvider::connect(&server.url("")).await.unwrap();
     let prefix = unique_key("thousand");
@@ -458,7 +481,13 @@ async fn thousand_locks(server: &DbServer) {
             tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(20)).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every wait connection (4, the default) waits on the server; the other two waits poll.
+    support::wait_until(
+        "the waits reach the server",
+        Duration::from_secs(10),
+        async || get_lock_waits(&mut conn, &user).await == 4,
+    )
+    .await;
     let count = || async {
         let mut c = admin(server).await;
         sqlx::query_scalar::<_, i64>(

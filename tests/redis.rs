@@ -210,9 +210,11 @@ async fn noscript_recovery(server: &RedisServer) {
 /// Killing the lock's connection: renewal reconnects in time and the lock is kept; the
 /// capabilities are discovered again on the new connection.
 async fn client_kill(server: &RedisServer) {
-    let locks = LockProvider::connect(&server.url("lease=1500ms"))
+    let lease = Duration::from_millis(1500);
+    let backend = RedisBackend::connect(&server.url(&format!("lease={}ms", lease.as_millis())))
         .await
         .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
     let key = unique_key("kill");
     // A release and a renewal first, so the connection has found all its paths.
     locks
@@ -223,9 +225,22 @@ async fn client_kill(server: &RedisServer) {
         .await
         .unwrap();
     let guard = locks.try_acquire(&key).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    let errors = probe_errors(server);
     let mut conn = admin(server).await;
+    // The key's time to live only goes down until a renewal sets it again.
+    let storage_key = backend.storage_key(&key);
+    let mut last_ttl = i64::MAX;
+    support::wait_until("the lock is renewed", lease, async || {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&storage_key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let renewed = ttl > last_ttl;
+        last_ttl = ttl;
+        renewed
+    })
+    .await;
+    let errors = probe_errors(server);
     let killed: i64 = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("TYPE")

@@ -80,6 +80,21 @@ macro_rules! conformance_suite {
     };
 }
 
+/// Waits until `waiter`, an acquisition through `provider` (which holds nothing else), has
+/// started: the key is in the provider's table. The window in which a case then checks that
+/// the waiter is still waiting starts only once it is waiting.
+async fn waiting<T>(provider: &LockProvider, waiter: &tokio::task::JoinHandle<T>) {
+    crate::support::wait_until(
+        "the waiter is acquiring",
+        Duration::from_secs(5),
+        async || {
+            assert!(!waiter.is_finished(), "the waiter got a held lock");
+            provider.local_key_count() == 1
+        },
+    )
+    .await;
+}
+
 fn assert_held<T: std::fmt::Debug>(result: Result<T, LockError>) {
     match result {
         Err(LockError::AlreadyHeld { .. }) => {}
@@ -110,9 +125,10 @@ pub async fn acquire_waits_then_gets(h: &impl Harness) {
         .await
         .expect("free key");
     let waiter = {
-        let key = key.clone();
+        let (b, key) = (b.clone(), key.clone());
         tokio::spawn(async move { b.acquire(&key, Duration::from_secs(30)).await })
     };
+    waiting(&b, &waiter).await;
     // The waiter must still be waiting while the lock is held.
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert!(!waiter.is_finished(), "the waiter got a held lock");
@@ -166,11 +182,12 @@ pub async fn max_timeout_does_not_overflow(h: &impl Harness) {
     let key = unique_key("max");
     let guard = a.acquire(&key, Duration::MAX).await.expect("free key");
     let waiter = {
-        let key = key.clone();
+        let (b, key) = (b.clone(), key.clone());
         tokio::spawn(async move { b.acquire(&key, Duration::MAX).await })
     };
+    waiting(&b, &waiter).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(!waiter.is_finished());
+    assert!(!waiter.is_finished(), "the waiter got a held lock");
     drop(guard);
     let got = waiter.await.expect("join").expect("waiter gets it");
     got.release().await.expect("release");
@@ -187,8 +204,9 @@ pub async fn cancellation_ends_a_wait(h: &impl Harness) {
         let b = b.clone();
         tokio::spawn(async move { b.lock(&key).cancel_on(&token).acquire().await })
     };
+    waiting(&b, &waiter).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    assert!(!waiter.is_finished());
+    assert!(!waiter.is_finished(), "the waiter got a held lock");
     token.cancel();
     match tokio::time::timeout(Duration::from_secs(5), waiter).await {
         Ok(Ok(Err(LockError::Canceled { key: k }))) => assert_eq!(&*k, key),

@@ -213,6 +213,24 @@ pub fn foreign_panics() -> Vec<String> {
         .clone()
 }
 
+/// Polls `condition` (an async closure, so it may ask a server) every few milliseconds until
+/// it holds, and fails the test, naming `what`, if it does not hold within `limit`: for
+/// waiting on something that can be observed (a wait has reached the server, a renewal has
+/// happened) instead of sleeping and hoping it has.
+pub async fn wait_until(what: &str, limit: Duration, mut condition: impl AsyncFnMut() -> bool) {
+    let started = std::time::Instant::now();
+    loop {
+        if condition().await {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits for `condition` to hold, checking every few milliseconds, for at most `limit`.
 pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + limit;
