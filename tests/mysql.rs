@@ -76,6 +76,27 @@ async fn get_lock_waits(conn: &mut MySqlConnection, user: &str) -> i64 {
     .expect("read the process list")
 }
 
+/// Whether session `id` is blocked in `GET_LOCK` on the server right now.
+async fn waits_in_get_lock(conn: &mut MySqlConnection, id: u64) -> bool {
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+         WHERE STATE = 'User lock' AND ID = ?",
+    )
+    .bind(id)
+    .fetch_one(conn)
+    .await
+    .expect("read the process list");
+    waiting == 1
+}
+
+/// The server's id of the session behind `conn`.
+async fn connection_id(conn: &mut MySqlConnection) -> u64 {
+    sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(conn)
+        .await
+        .expect("CONNECTION_ID()")
+}
+
 fn number(err: &sqlx::Error) -> Option<u16> {
     match err {
         sqlx::Error::Database(db) => db
@@ -562,34 +583,135 @@ async fn sub_second(server: &DbServer) {
     got.release().await.unwrap();
 }
 
-/// The servers refuse a GET_LOCK wait that closes a cycle with the error numbers the backend
-/// maps to a clear deadlock error; the refused wait answers at once. (The backend's own waits
-/// hold nothing while they wait, so they cannot close a cycle themselves.)
+/// A lock-order inversion that goes through dlock ends in errors at the acquisition's timeout,
+/// never in a hang, and the locks held meanwhile stay held and exclusive.
+///
+/// dlock's waits run on sessions that hold nothing while they wait, so the server never sees
+/// a cycle through them (nothing for it to refuse): the timeout alone ends the deadlock.
+/// - Two providers each hold one key and wait for the other's: both waits answer `Timeout`,
+///   after the timeout and not much later, and each key is still held by its provider.
+/// - A provider holds X and waits for Y while another program's session holds Y and waits
+///   for X in `GET_LOCK`: the provider's wait answers `Timeout`, the other session keeps
+///   waiting (X is still held), and gets X as soon as the provider lets go.
+/// - Plain sessions that close a cycle themselves are refused by the server with the error
+///   numbers the backend maps to its deadlock error (3058 on MySQL, 1213 on MariaDB), at once.
 async fn deadlock(server: &DbServer) {
-    let mut s1 = admin(server).await;
-    let mut s2 = admin(server).await;
+    const WAIT: Duration = Duration::from_millis(1500);
+    // MySQL waits whole seconds on the server, then tries until the deadline.
+    const LATE: Duration = Duration::from_secs(1);
+    let answered_in_time = |what: &str, outcome: &Result<LockGuard, LockError>, took: Duration| {
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "{what}: expected Timeout, got {outcome:?}"
+        );
+        assert!(
+            took >= WAIT,
+            "{what}: answered after {took:?}, before the timeout"
+        );
+        assert!(
+            took < WAIT + LATE,
+            "{what}: the deadlock held the wait for {took:?} ({WAIT:?} timeout)"
+        );
+    };
     let (x, y) = (unique_key("dl-x"), unique_key("dl-y"));
-    let (nx, ny) = (server_lock_name(&x), server_lock_name(&y));
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+
+    // Two providers, each holding what the other waits for.
+    let held_x = a.try_acquire(&x).await.expect("x is free");
+    let held_y = b.try_acquire(&y).await.expect("y is free");
+    let started = Instant::now();
+    let (a_wants_y, b_wants_x) = tokio::join!(
+        async { (a.acquire(&y, WAIT).await, started.elapsed()) },
+        async { (b.acquire(&x, WAIT).await, started.elapsed()) },
+    );
+    answered_in_time("a waiting for y", &a_wants_y.0, a_wants_y.1);
+    answered_in_time("b waiting for x", &b_wants_x.0, b_wants_x.1);
+    assert!(matches!(
+        b.try_acquire(&x).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(matches!(
+        a.try_acquire(&y).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    held_y.release().await.unwrap();
+
+    // A provider and another program's session.
+    let mut other = admin(server).await;
+    let other_id = connection_id(&mut other).await;
     let take = |name: String, secs: u64| {
         sqlx::query_scalar::<_, Option<i64>>("SELECT GET_LOCK(?, ?)")
             .bind(name)
             .bind(secs)
     };
     assert_eq!(
-        take(nx.clone(), 0).fetch_one(&mut s1).await.unwrap(),
+        take(server_lock_name(&y), 0)
+            .fetch_one(&mut other)
+            .await
+            .unwrap(),
+        Some(1)
+    );
+    let other_wants_x = tokio::spawn({
+        let name = server_lock_name(&x);
+        async move {
+            let got = take(name, 30).fetch_one(&mut other).await;
+            (got.map_err(|e| number(&e)), Instant::now())
+        }
+    });
+    let mut conn = admin(server).await;
+    support::wait_until(
+        "the other session waits for x on the server",
+        Duration::from_secs(5),
+        async || waits_in_get_lock(&mut conn, other_id).await,
+    )
+    .await;
+    let started = Instant::now();
+    let a_wants_y = a.acquire(&y, WAIT).await;
+    answered_in_time(
+        "a waiting for y, held by the other session",
+        &a_wants_y,
+        started.elapsed(),
+    );
+    assert!(
+        waits_in_get_lock(&mut conn, other_id).await && !other_wants_x.is_finished(),
+        "x was given to the other session while a held it"
+    );
+    let released = Instant::now();
+    held_x.release().await.unwrap();
+    let (got, at) = tokio::time::timeout(Duration::from_secs(5), other_wants_x)
+        .await
+        .expect("the other session gets x once a lets go")
+        .unwrap();
+    assert_eq!(got, Ok(Some(1)), "the other session's GET_LOCK of x");
+    assert!(at >= released);
+
+    // Plain sessions closing a cycle: refused by the server, with the numbers the backend maps.
+    let mut s1 = admin(server).await;
+    let mut s2 = admin(server).await;
+    let s1_id = connection_id(&mut s1).await;
+    let (p, q) = (unique_key("dl-p"), unique_key("dl-q"));
+    let (np, nq) = (server_lock_name(&p), server_lock_name(&q));
+    assert_eq!(
+        take(np.clone(), 0).fetch_one(&mut s1).await.unwrap(),
         Some(1)
     );
     assert_eq!(
-        take(ny.clone(), 0).fetch_one(&mut s2).await.unwrap(),
+        take(nq.clone(), 0).fetch_one(&mut s2).await.unwrap(),
         Some(1)
     );
     let first = tokio::spawn(async move {
-        let r = take(ny, 20).fetch_one(&mut s1).await;
+        let r = take(nq, 20).fetch_one(&mut s1).await;
         (r.map_err(|e| number(&e)), s1)
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    support::wait_until(
+        "the first session waits on the server",
+        Duration::from_secs(5),
+        async || waits_in_get_lock(&mut conn, s1_id).await,
+    )
+    .await;
     let started = Instant::now();
-    let second = take(nx, 20).fetch_one(&mut s2).await;
+    let second = take(np, 20).fetch_one(&mut s2).await;
     // Whichever wait the server refused, it refused with a deadlock error number.
     let refused = match second {
         Err(err) => number(&err),
@@ -606,7 +728,6 @@ async fn deadlock(server: &DbServer) {
         started.elapsed() < Duration::from_secs(10),
         "the deadlock hung"
     );
-    // And the provider's acquisitions of these keys are unaffected once the sessions end.
     drop(s2);
 }
 
