@@ -1,6 +1,7 @@
 //! The exclusion checker: N processes × M tasks take a few hot keys again and again on every
 //! backend, each critical section logged with its fencing token; the checker fails on any
-//! overlap or non-increasing token. CI runs 20,000 acquisitions per backend; for a soak run
+//! overlap, non-increasing token, or section without a token (every backend here runs with
+//! fencing on, so a token that went missing cannot make "strictly increasing" hold vacuously). CI runs 20,000 acquisitions per backend; for a soak run
 //! outside CI, `cargo run --features postgres,mysql,redis --bin dlock-worker -- exclusion URL
 //! PREFIX --soak` takes 1,000,000.
 
@@ -8,17 +9,29 @@ mod support;
 
 use std::process::Command;
 
-use support::{run_exclusion, unique_key, worker_bin};
+use support::{Fencing, run_exclusion, unique_key, worker_bin};
 
 /// Acquisitions per backend in one run.
 const ACQUISITIONS: usize = 20_000;
 
-/// 4 processes × 8 tasks on 4 hot keys.
+/// 4 processes × 8 tasks on 4 hot keys, on a backend that issues fencing tokens.
 fn storm(url: &str) {
-    let summary = run_exclusion(url, &unique_key("storm"), 4, 8, 4, ACQUISITIONS);
+    let summary = run_exclusion(
+        url,
+        &unique_key("storm"),
+        4,
+        8,
+        4,
+        ACQUISITIONS,
+        Fencing::Every,
+    );
     assert!(
         summary.starts_with(&format!("ok sections={ACQUISITIONS} ")),
         "{summary}"
+    );
+    assert!(
+        summary.contains(&format!(" fenced={ACQUISITIONS} ")),
+        "every section carries a token: {summary}"
     );
 }
 
@@ -74,13 +87,14 @@ fn valkey9() {
 #[test]
 fn checker_finds_violations() {
     let dir = tempfile::tempdir().unwrap();
-    let verify = |name: &str, log: &str, sections: usize| {
+    let verify_with = |name: &str, log: &str, sections: usize, fencing: &[&str]| {
         let path = dir.path().join(name);
         std::fs::write(&path, log).unwrap();
         let out = Command::new(worker_bin())
             .arg("verify")
             .arg(&path)
             .arg(sections.to_string())
+            .args(fencing)
             .output()
             .unwrap();
         (
@@ -89,10 +103,31 @@ fn checker_finds_violations() {
                 + &String::from_utf8_lossy(&out.stderr),
         )
     };
+    let verify = |name: &str, log: &str, sections: usize| verify_with(name, log, sections, &[]);
     let clean = "enter a 1.0 1\nenter b 2.0 7\nexit a 1.0\nenter a 2.1 2\nexit b 2.0\nexit a 2.1\n";
     let (ok, text) = verify("clean", clean, 3);
     assert!(ok, "{text}");
     assert!(text.contains("ok sections=3 fenced=3"), "{text}");
+    let (ok, text) = verify_with("clean-every", clean, 3, &["--fencing", "every"]);
+    assert!(ok, "{text}");
+    let unfenced = "enter a 1.0 -\nexit a 1.0\nenter a 2.0 -\nexit a 2.0\n";
+    let (ok, text) = verify_with("clean-none", unfenced, 2, &["--fencing", "none"]);
+    assert!(ok, "{text}");
+    assert!(text.contains("ok sections=2 fenced=0"), "{text}");
+    // Tokens that all went missing: fine for a backend without them, a violation for one
+    // that issues them.
+    let (ok, text) = verify_with("all-missing", unfenced, 2, &["--fencing", "every"]);
+    assert!(!ok, "all-missing: the checker passed a log without tokens");
+    assert!(
+        text.contains("line 1: 1.0 entered a without a fencing token"),
+        "{text}"
+    );
+    let (ok, text) = verify_with("unexpected", clean, 3, &["--fencing", "none"]);
+    assert!(
+        !ok,
+        "unexpected: the checker passed tokens from a backend without them"
+    );
+    assert!(text.contains("with fencing token 1"), "{text}");
     for (name, log, sections, expected) in [
         (
             "overlap",
@@ -115,6 +150,13 @@ fn checker_finds_violations() {
             "1 sections in the log, 2 expected",
         ),
         ("garbage", "enter a\n", 0, "malformed"),
+        ("bad token", "enter a 1.0 x1\nexit a 1.0\n", 1, "malformed"),
+        (
+            "some missing",
+            "enter a 1.0 1\nexit a 1.0\nenter a 2.0 -\nexit a 2.0\nenter a 1.0 3\nexit a 1.0\n",
+            3,
+            "2 of 3 sections carried a fencing token",
+        ),
     ] {
         let (ok, text) = verify(name, log, sections);
         assert!(!ok, "{name}: the checker passed a bad log");

@@ -4,7 +4,9 @@
 //! - the conformance suite and the transaction-bound tests run against the server named by
 //!   `DLOCK_MSSQL_URL` (for example `mssql://sa:Secret-123@127.0.0.1:1433/master?trust_server_certificate=true`;
 //!   the user needs `VIEW SERVER STATE` and `ALTER ANY CONNECTION` for the lost-lock case, which
-//!   kills the holding session), and each says it is skipped when the variable is unset;
+//!   kills the holding session); built without the variable, they are compiled as ignored
+//!   and `cargo test` lists them as `ignored, DLOCK_MSSQL_URL is not set ...` (see `build.rs`),
+//!   never as passed;
 //! - the client-side failures below (refused connection, a port that does not speak TDS, a
 //!   broken TLS handshake, a silent server) run everywhere, against real sockets;
 //! - the statements, parameters and return-code mapping are pinned by the unit tests of
@@ -27,14 +29,16 @@ use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 const ENV: &str = "DLOCK_MSSQL_URL";
 const KEEPALIVE: Duration = Duration::from_millis(250);
 
-/// The server under test, or `None` (after saying so) when `DLOCK_MSSQL_URL` is unset.
-fn live_url() -> Option<String> {
+/// The server under test. The live tests are built as ignored unless `DLOCK_MSSQL_URL` was
+/// set at build time (see `build.rs`), so this runs only when the variable was set then, or
+/// when ignored tests are asked for (`--ignored`): then a missing variable fails the test.
+fn live_url() -> String {
     match std::env::var(ENV) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            eprintln!("skipped: {ENV} is not set (no SQL Server can run here)");
-            None
-        }
+        Ok(url) if !url.is_empty() => url,
+        _ => panic!(
+            "{ENV} is not set: the live SQL Server tests need a server (they are ignored when \
+             the tests are built without {ENV})"
+        ),
     }
 }
 
@@ -45,11 +49,11 @@ struct MssqlHarness {
 }
 
 impl MssqlHarness {
-    async fn from_env() -> Option<Self> {
-        live_url().map(|url| MssqlHarness {
-            url,
+    async fn from_env() -> Self {
+        MssqlHarness {
+            url: live_url(),
             application: unique_key("dlock-conformance").replace(':', "-"),
-        })
+        }
     }
 
     fn url(&self) -> String {
@@ -146,12 +150,22 @@ impl conformance::Harness for MssqlHarness {
 mod live {
     use super::*;
 
-    conformance_suite!(optional MssqlHarness::from_env());
+    conformance_suite!(
+        attributes [#[cfg_attr(
+            not(dlock_mssql_live),
+            ignore = "DLOCK_MSSQL_URL is not set: no SQL Server to test against"
+        )]]
+        MssqlHarness::from_env()
+    );
 }
 
 #[tokio::test]
+#[cfg_attr(
+    not(dlock_mssql_live),
+    ignore = "DLOCK_MSSQL_URL is not set: no SQL Server to test against"
+)]
 async fn live_transaction_bound_locks() {
-    let Some(url) = live_url() else { return };
+    let url = live_url();
     let mut a = raw_client(&url).await;
     let mut b = raw_client(&url).await;
     let key = unique_key("mssql-tx");
@@ -210,9 +224,13 @@ async fn live_transaction_bound_locks() {
 }
 
 #[tokio::test]
+#[cfg_attr(
+    not(dlock_mssql_live),
+    ignore = "DLOCK_MSSQL_URL is not set: no SQL Server to test against"
+)]
 async fn live_multi_process_exclusion() {
-    let Some(url) = live_url() else { return };
-    support::run_multi_process(&url, &unique_key("mssql-mp"), 3, 10);
+    let url = live_url();
+    support::run_multi_process(&url, &unique_key("mssql-mp"), 3, 10, support::Fencing::None);
 }
 
 // ---------------------------------------------------------------------------------------------

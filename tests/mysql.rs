@@ -44,6 +44,59 @@ async fn kill_holder(server: &DbServer, key: &str) {
     sqlx::query(&kill).execute(&mut conn).await.expect("KILL");
 }
 
+/// A user of its own on `server` (all privileges, no password), so that a test can pick its
+/// sessions out of the process list of a server other tests share; and a URL for it with
+/// `options`.
+async fn own_user(server: &DbServer, name: &str, options: &str) -> (String, String) {
+    let mut conn = admin(server).await;
+    let user = format!("dlock_{name}{}", std::process::id());
+    for statement in [
+        format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1'"),
+        format!("GRANT ALL PRIVILEGES ON *.* TO '{user}'@'127.0.0.1'"),
+    ] {
+        conn.execute(statement.as_str()).await.unwrap();
+    }
+    let sep = if options.is_empty() { "" } else { "?" };
+    let url = format!(
+        "mysql://{user}@127.0.0.1:{}/dlock_test{sep}{options}",
+        server.port()
+    );
+    (user, url)
+}
+
+/// How many sessions of `user` are blocked in `GET_LOCK` on the server right now.
+async fn get_lock_waits(conn: &mut MySqlConnection, user: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+         WHERE STATE = 'User lock' AND USER = ?",
+    )
+    .bind(user)
+    .fetch_one(conn)
+    .await
+    .expect("read the process list")
+}
+
+/// Whether session `id` is blocked in `GET_LOCK` on the server right now.
+async fn waits_in_get_lock(conn: &mut MySqlConnection, id: u64) -> bool {
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+         WHERE STATE = 'User lock' AND ID = ?",
+    )
+    .bind(id)
+    .fetch_one(conn)
+    .await
+    .expect("read the process list");
+    waiting == 1
+}
+
+/// The server's id of the session behind `conn`.
+async fn connection_id(conn: &mut MySqlConnection) -> u64 {
+    sqlx::query_scalar("SELECT CONNECTION_ID()")
+        .fetch_one(conn)
+        .await
+        .expect("CONNECTION_ID()")
+}
+
 fn number(err: &sqlx::Error) -> Option<u16> {
     match err {
         sqlx::Error::Database(db) => db
@@ -72,6 +125,11 @@ impl conformance::Harness for MyHarness {
 
     fn lost_within(&self) -> Duration {
         KEEPALIVE + Duration::from_secs(1)
+    }
+
+    fn retake_within(&self) -> Duration {
+        // KILL only flags the session; under load the server can take a moment to end it.
+        Duration::from_secs(5)
     }
 
     fn fencing(&self) -> bool {
@@ -144,7 +202,13 @@ macro_rules! engine_tests {
             #[test]
             fn multi_process_exclusion() {
                 let Some(server) = server() else { return };
-                support::run_multi_process(&server.url("fencing=true"), &unique_key("mp"), 4, 30);
+                support::run_multi_process(
+                    &server.url("fencing=true"),
+                    &unique_key("mp"),
+                    4,
+                    30,
+                    support::Fencing::Every,
+                );
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -198,7 +262,12 @@ engine_tests!(oracle_mysql, Flavor::MySql);
 /// 20 trials: the session behind a held lock is killed, and the guard's lost token fires
 /// within keepalive + 1 s, for locks on lock connections and on wait connections alike.
 async fn killed_connections(server: &DbServer) {
-    let url = server.url("keepalive=100ms&connections=2&wait_connections=2");
+    let (user, url) = own_user(
+        server,
+        "kc",
+        "keepalive=100ms&connections=2&wait_connections=2",
+    )
+    .await;
     let a = LockProvider::connect(&url).await.unwrap();
     let b = LockProvider::connect(&url).await.unwrap();
     let limit = Duration::from_millis(100) + Duration::from_secs(1);
@@ -216,28 +285,15 @@ async fn killed_connections(server: &DbServer) {
                 let (a, key) = (a.clone(), key.clone());
                 tokio::spawn(async move { a.acquire(&key, Duration::from_secs(10)).await })
             };
-            // Wait until the waiter is blocked in GET_LOCK on the server, then hand over.
-            let deadline = Instant::now() + Duration::from_secs(5);
-            loop {
-                // MySQL shows the statement with its values, MariaDB with placeholders.
-                let waiting: i64 = sqlx::query_scalar(
-                    "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
-                     WHERE INFO LIKE 'SELECT GET_LOCK(%' AND INFO NOT LIKE '%, 0)' \
-                     AND (INFO LIKE CONCAT('%', ?, '%') OR INFO LIKE '%(?, ?)')",
-                )
-                .bind(server_lock_name(&key))
-                .fetch_one(&mut conn)
-                .await
-                .unwrap();
-                if waiting >= 1 {
-                    break;
-                }
-                assert!(
-                    Instant::now() < deadline,
-                    "the waiter never waited on the server"
-                );
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            // Wait until the waiter is blocked in GET_LOCK on the server (this test's own
+            // user: `b` holds and `a` waits, so the one waiting session is `a`'s), then hand
+            // over.
+            support::wait_until(
+                "the waiter waits on the server",
+                Duration::from_secs(5),
+                async || get_lock_waits(&mut conn, &user).await == 1,
+            )
+            .await;
             other.release().await.unwrap();
             let g = waiter.await.unwrap().expect("waiter gets the lock");
             assert_ne!(holder(&mut conn, &key).await, first);
@@ -279,7 +335,16 @@ async fn server_restart(mut server: DbServer) {
         let (locks, k) = (locks.clone(), waited_key.clone());
         tokio::spawn(async move { locks.acquire(&k, Duration::from_secs(10)).await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Hand over once the waiter waits on the server (this server is the test's own), so that
+    // the lock is granted to a wait connection.
+    let mut conn = admin(&server).await;
+    support::wait_until(
+        "the waiter waits on the server",
+        Duration::from_secs(5),
+        async || get_lock_waits(&mut conn, "root").await == 1,
+    )
+    .await;
+    drop(conn);
     blocker.release().await.unwrap();
     let waited = waiter.await.unwrap().expect("waiter");
     server.stop();
@@ -410,17 +475,7 @@ async fn name_mapping(server: &DbServer) {
 /// 1,000 locks held at once, with waits in flight, on at most 8 server connections.
 async fn thousand_locks(server: &DbServer) {
     let mut conn = admin(server).await;
-    let user = format!("dlock_k{}", std::process::id());
-    for statement in [
-        format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1'"),
-        format!("GRANT ALL PRIVILEGES ON *.* TO '{user}'@'127.0.0.1'"),
-    ] {
-        conn.execute(statement.as_str()).await.unwrap();
-    }
-    let url = format!(
-        "mysql://{user}@127.0.0.1:{}/dlock_test?keepalive=1s",
-        server.port()
-    );
+    let (user, url) = own_user(server, "k", "keepalive=1s").await;
     let locks = LockProvider::connect(&url).await.unwrap();
     let other = LockProvider::connect(&server.url("")).await.unwrap();
     let prefix = unique_key("thousand");
@@ -447,7 +502,13 @@ async fn thousand_locks(server: &DbServer) {
             tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(20)).await })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every wait connection (4, the default) waits on the server; the other two waits poll.
+    support::wait_until(
+        "the waits reach the server",
+        Duration::from_secs(10),
+        async || get_lock_waits(&mut conn, &user).await == 4,
+    )
+    .await;
     let count = || async {
         let mut c = admin(server).await;
         sqlx::query_scalar::<_, i64>(
@@ -522,34 +583,135 @@ async fn sub_second(server: &DbServer) {
     got.release().await.unwrap();
 }
 
-/// The servers refuse a GET_LOCK wait that closes a cycle with the error numbers the backend
-/// maps to a clear deadlock error; the refused wait answers at once. (The backend's own waits
-/// hold nothing while they wait, so they cannot close a cycle themselves.)
+/// A lock-order inversion that goes through dlock ends in errors at the acquisition's timeout,
+/// never in a hang, and the locks held meanwhile stay held and exclusive.
+///
+/// dlock's waits run on sessions that hold nothing while they wait, so the server never sees
+/// a cycle through them (nothing for it to refuse): the timeout alone ends the deadlock.
+/// - Two providers each hold one key and wait for the other's: both waits answer `Timeout`,
+///   after the timeout and not much later, and each key is still held by its provider.
+/// - A provider holds X and waits for Y while another program's session holds Y and waits
+///   for X in `GET_LOCK`: the provider's wait answers `Timeout`, the other session keeps
+///   waiting (X is still held), and gets X as soon as the provider lets go.
+/// - Plain sessions that close a cycle themselves are refused by the server with the error
+///   numbers the backend maps to its deadlock error (3058 on MySQL, 1213 on MariaDB), at once.
 async fn deadlock(server: &DbServer) {
-    let mut s1 = admin(server).await;
-    let mut s2 = admin(server).await;
+    const WAIT: Duration = Duration::from_millis(1500);
+    // MySQL waits whole seconds on the server, then tries until the deadline.
+    const LATE: Duration = Duration::from_secs(1);
+    let answered_in_time = |what: &str, outcome: &Result<LockGuard, LockError>, took: Duration| {
+        assert!(
+            matches!(outcome, Err(LockError::Timeout { .. })),
+            "{what}: expected Timeout, got {outcome:?}"
+        );
+        assert!(
+            took >= WAIT,
+            "{what}: answered after {took:?}, before the timeout"
+        );
+        assert!(
+            took < WAIT + LATE,
+            "{what}: the deadlock held the wait for {took:?} ({WAIT:?} timeout)"
+        );
+    };
     let (x, y) = (unique_key("dl-x"), unique_key("dl-y"));
-    let (nx, ny) = (server_lock_name(&x), server_lock_name(&y));
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+
+    // Two providers, each holding what the other waits for.
+    let held_x = a.try_acquire(&x).await.expect("x is free");
+    let held_y = b.try_acquire(&y).await.expect("y is free");
+    let started = Instant::now();
+    let (a_wants_y, b_wants_x) = tokio::join!(
+        async { (a.acquire(&y, WAIT).await, started.elapsed()) },
+        async { (b.acquire(&x, WAIT).await, started.elapsed()) },
+    );
+    answered_in_time("a waiting for y", &a_wants_y.0, a_wants_y.1);
+    answered_in_time("b waiting for x", &b_wants_x.0, b_wants_x.1);
+    assert!(matches!(
+        b.try_acquire(&x).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(matches!(
+        a.try_acquire(&y).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    held_y.release().await.unwrap();
+
+    // A provider and another program's session.
+    let mut other = admin(server).await;
+    let other_id = connection_id(&mut other).await;
     let take = |name: String, secs: u64| {
         sqlx::query_scalar::<_, Option<i64>>("SELECT GET_LOCK(?, ?)")
             .bind(name)
             .bind(secs)
     };
     assert_eq!(
-        take(nx.clone(), 0).fetch_one(&mut s1).await.unwrap(),
+        take(server_lock_name(&y), 0)
+            .fetch_one(&mut other)
+            .await
+            .unwrap(),
+        Some(1)
+    );
+    let other_wants_x = tokio::spawn({
+        let name = server_lock_name(&x);
+        async move {
+            let got = take(name, 30).fetch_one(&mut other).await;
+            (got.map_err(|e| number(&e)), Instant::now())
+        }
+    });
+    let mut conn = admin(server).await;
+    support::wait_until(
+        "the other session waits for x on the server",
+        Duration::from_secs(5),
+        async || waits_in_get_lock(&mut conn, other_id).await,
+    )
+    .await;
+    let started = Instant::now();
+    let a_wants_y = a.acquire(&y, WAIT).await;
+    answered_in_time(
+        "a waiting for y, held by the other session",
+        &a_wants_y,
+        started.elapsed(),
+    );
+    assert!(
+        waits_in_get_lock(&mut conn, other_id).await && !other_wants_x.is_finished(),
+        "x was given to the other session while a held it"
+    );
+    let released = Instant::now();
+    held_x.release().await.unwrap();
+    let (got, at) = tokio::time::timeout(Duration::from_secs(5), other_wants_x)
+        .await
+        .expect("the other session gets x once a lets go")
+        .unwrap();
+    assert_eq!(got, Ok(Some(1)), "the other session's GET_LOCK of x");
+    assert!(at >= released);
+
+    // Plain sessions closing a cycle: refused by the server, with the numbers the backend maps.
+    let mut s1 = admin(server).await;
+    let mut s2 = admin(server).await;
+    let s1_id = connection_id(&mut s1).await;
+    let (p, q) = (unique_key("dl-p"), unique_key("dl-q"));
+    let (np, nq) = (server_lock_name(&p), server_lock_name(&q));
+    assert_eq!(
+        take(np.clone(), 0).fetch_one(&mut s1).await.unwrap(),
         Some(1)
     );
     assert_eq!(
-        take(ny.clone(), 0).fetch_one(&mut s2).await.unwrap(),
+        take(nq.clone(), 0).fetch_one(&mut s2).await.unwrap(),
         Some(1)
     );
     let first = tokio::spawn(async move {
-        let r = take(ny, 20).fetch_one(&mut s1).await;
+        let r = take(nq, 20).fetch_one(&mut s1).await;
         (r.map_err(|e| number(&e)), s1)
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    support::wait_until(
+        "the first session waits on the server",
+        Duration::from_secs(5),
+        async || waits_in_get_lock(&mut conn, s1_id).await,
+    )
+    .await;
     let started = Instant::now();
-    let second = take(nx, 20).fetch_one(&mut s2).await;
+    let second = take(np, 20).fetch_one(&mut s2).await;
     // Whichever wait the server refused, it refused with a deadlock error number.
     let refused = match second {
         Err(err) => number(&err),
@@ -566,7 +728,6 @@ async fn deadlock(server: &DbServer) {
         started.elapsed() < Duration::from_secs(10),
         "the deadlock hung"
     );
-    // And the provider's acquisitions of these keys are unaffected once the sessions end.
     drop(s2);
 }
 

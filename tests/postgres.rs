@@ -34,6 +34,18 @@ async fn holders(conn: &mut PgConnection, key: &str) -> Vec<i32> {
     .expect("query pg_locks")
 }
 
+/// How many sessions wait on the server for the advisory lock of `key`.
+async fn waiting_for(conn: &mut PgConnection, key: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND objsubid = 1 AND ((classid::bigint << 32) | objid::bigint) = $1",
+    )
+    .bind(lock_id(key))
+    .fetch_one(conn)
+    .await
+    .expect("query pg_locks")
+}
+
 async fn terminate_holder(server: &PgServer, key: &str) {
     let mut conn = admin(server).await;
     let pids = holders(&mut conn, key).await;
@@ -209,7 +221,13 @@ async fn provider_recovers_from_a_server_restart() {
 #[test]
 fn multi_process_exclusion() {
     let server = PgServer::shared();
-    support::run_multi_process(&server.url("fencing=true"), &unique_key("mp"), 4, 40);
+    support::run_multi_process(
+        &server.url("fencing=true"),
+        &unique_key("mp"),
+        4,
+        40,
+        support::Fencing::Every,
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -266,8 +284,23 @@ async fn ten_thousand_locks_on_eight_connections() {
         })
         .collect();
     let mut conn = admin(server).await;
-    // Let the waits reach the server.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Every wait connection (4, the default) waits on the server; the other two waits poll.
+    support::wait_until(
+        "the waits reach the server",
+        Duration::from_secs(10),
+        async || {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+                 WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name = $1",
+            )
+            .bind(&app)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+            waiting == 4
+        },
+    )
+    .await;
     let connections = count_connections(&mut conn, &app).await;
     assert!(
         (1..=8).contains(&connections),
@@ -379,15 +412,23 @@ async fn transaction_locks_end_with_their_transaction() {
     .await
     .expect("the transaction is still usable");
     assert_eq!(setting, ("7s".to_owned(), "100ms".to_owned()));
-    // Granted once the holder lets go, while waiting.
-    let release = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        g.release().await
-    });
-    acquire_in_transaction(&mut tx, &key, Duration::from_secs(10))
-        .await
-        .expect("granted after the release");
-    release.await.unwrap().unwrap();
+    // Granted once the holder lets go, while waiting: released as soon as the transaction's
+    // wait is queued on the server.
+    let mut watcher = admin(server).await;
+    let (granted, released) = tokio::join!(
+        acquire_in_transaction(&mut tx, &key, Duration::from_secs(10)),
+        async {
+            support::wait_until(
+                "the transaction waits on the server",
+                Duration::from_secs(5),
+                async || waiting_for(&mut watcher, &key).await == 1,
+            )
+            .await;
+            g.release().await
+        },
+    );
+    released.unwrap();
+    granted.expect("granted after the release");
     let setting: (String, String) = sqlx::query_as(
         "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')",
     )
@@ -438,6 +479,9 @@ async fn statement_timeout_does_not_cut_waits() {
     let other = LockProvider::connect(&server.url("")).await.unwrap();
     let key = unique_key("stmt-timeout");
     let g = other.try_acquire(&key).await.unwrap();
+    // Held for 600 ms, six times the pool's statement_timeout: the length of the wait is
+    // what is tested.
+    let started = Instant::now();
     let release = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(600)).await;
         g.release().await
@@ -446,6 +490,11 @@ async fn statement_timeout_does_not_cut_waits() {
         .acquire(&key, Duration::from_secs(10))
         .await
         .expect("the wait outlasts the pool's statement_timeout");
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "granted after {:?}, before the holder let go",
+        started.elapsed()
+    );
     release.await.unwrap().unwrap();
     got.release().await.unwrap();
     assert_eq!(

@@ -105,6 +105,11 @@ impl conformance::Harness for RedisHarness {
         LEASE / 3 + Duration::from_secs(1)
     }
 
+    fn retake_within(&self) -> Duration {
+        // The other owner kept the key's time to live: free once that lease runs out.
+        LEASE + Duration::from_secs(1)
+    }
+
     fn fencing(&self) -> bool {
         true
     }
@@ -214,9 +219,11 @@ async fn noscript_recovery(server: &RedisServer) {
 /// Killing the lock's connection: renewal reconnects in time and the lock is kept; the
 /// capabilities are discovered again on the new connection.
 async fn client_kill(server: &RedisServer) {
-    let locks = LockProvider::connect(&server.url("lease=1500ms"))
+    let lease = Duration::from_millis(1500);
+    let backend = RedisBackend::connect(&server.url(&format!("lease={}ms", lease.as_millis())))
         .await
         .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
     let key = unique_key("kill");
     // A release and a renewal first, so the connection has found all its paths.
     locks
@@ -227,9 +234,22 @@ async fn client_kill(server: &RedisServer) {
         .await
         .unwrap();
     let guard = locks.try_acquire(&key).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(700)).await;
-    let errors = probe_errors(server);
     let mut conn = admin(server).await;
+    // The key's time to live only goes down until a renewal sets it again.
+    let storage_key = backend.storage_key(&key);
+    let mut last_ttl = i64::MAX;
+    support::wait_until("the lock is renewed", lease, async || {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&storage_key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let renewed = ttl > last_ttl;
+        last_ttl = ttl;
+        renewed
+    })
+    .await;
+    let errors = probe_errors(server);
     let killed: i64 = redis::cmd("CLIENT")
         .arg("KILL")
         .arg("TYPE")
@@ -1423,7 +1443,13 @@ macro_rules! flavor_tests {
             #[test]
             fn multi_process() {
                 let Some(server) = start() else { return };
-                support::run_multi_process(&server.url("lease=5s"), "jobs:multi-process", 4, 40);
+                support::run_multi_process(
+                    &server.url("lease=5s"),
+                    "jobs:multi-process",
+                    4,
+                    40,
+                    support::Fencing::Every,
+                );
             }
         }
     };

@@ -60,6 +60,11 @@ impl conformance::Harness for SqliteHarness {
         LEASE / 3 + Duration::from_secs(1)
     }
 
+    fn retake_within(&self) -> Duration {
+        // The taken-over row keeps its expiry: free once that lease runs out.
+        LEASE + Duration::from_secs(1)
+    }
+
     fn fencing(&self) -> bool {
         true
     }
@@ -80,7 +85,7 @@ conformance_suite!(SqliteHarness::new());
 fn multi_process_exclusion() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}/mp.db", dir.path().display());
-    support::run_multi_process(&url, "jobs:multi-process", 4, 60);
+    support::run_multi_process(&url, "jobs:multi-process", 4, 60, support::Fencing::Every);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

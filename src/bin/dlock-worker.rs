@@ -1,19 +1,24 @@
 //! Child processes for the multi-process tests, and the exclusion checker.
 //!
 //! `dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] [--keys K]
-//! [--acquisitions A] [--soak]` runs N worker processes of M tasks each that together take A
-//! locks on K hot keys (`PREFIX:0` .. `PREFIX:K-1`; with one key, `PREFIX` itself), then
-//! checks the sections log they wrote. It prints one `ok ...` summary line and exits 0, or
-//! names the first violation and exits 1. `--soak` means 8 processes × 16 tasks × 8 keys and
-//! 1,000,000 acquisitions, for runs outside CI.
+//! [--acquisitions A] [--fencing every|none] [--soak]` runs N worker processes of M tasks each
+//! that together take A locks on K hot keys (`PREFIX:0` .. `PREFIX:K-1`; with one key, `PREFIX`
+//! itself), then checks the sections log they wrote. It prints one `ok ...` summary line and
+//! exits 0, or names the first violation and exits 1. `--soak` means 8 processes × 16 tasks ×
+//! 8 keys and 1,000,000 acquisitions, for runs outside CI.
 //!
 //! `dlock-worker storm URL PREFIX KEYS TASKS ACQUISITIONS LOG` is one such worker process:
 //! each critical section appends `enter KEY HOLDER TOKEN` and then `exit KEY HOLDER` to LOG,
 //! opened in append mode, so every line lands whole and in the order the writes happened.
 //! The checker reads that interleaving: per key, an `enter` while another holder is inside is
-//! an overlap, and fencing tokens (where issued) must strictly increase.
+//! an overlap, and fencing tokens (where issued) must strictly increase. `--fencing every`
+//! says the backend issues tokens: a section without one is a violation (otherwise tokens that
+//! went missing would leave "strictly increasing" true of nothing). `--fencing none` says it
+//! issues none: a section with one is a violation. Without the option, a log must be
+//! consistent: every section fenced, or none.
 //!
-//! `dlock-worker verify LOG SECTIONS` checks a log on its own (the checker's own tests).
+//! `dlock-worker verify LOG SECTIONS [--fencing every|none]` checks a log on its own (the
+//! checker's own tests).
 //!
 //! `dlock-worker hold URL KEY` takes the lock, prints `held TOKEN` on stdout and sleeps until
 //! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
@@ -41,16 +46,17 @@ fn main() -> ExitCode {
             runtime().and_then(|rt| rt.block_on(storm(url, prefix, keys, tasks, acquisitions, log)))
         }
         ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key))),
-        ["verify", log, expected] => expected
+        ["verify", log, expected, rest @ ..] => expected
             .parse()
             .map_err(|e| format!("expected: {e}"))
-            .and_then(|expected| check(Path::new(log), expected))
+            .and_then(|expected| Ok((expected, Fencing::parse_option(rest)?)))
+            .and_then(|(expected, fencing)| check(Path::new(log), expected, fencing))
             .map(|summary| println!("ok sections={} fenced={}", summary.sections, summary.fenced)),
         _ => Err(
             "usage: dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] \
-                  [--keys K] [--acquisitions A] [--soak] \
-                  | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG | verify LOG SECTIONS \
-                  | hold URL KEY"
+                  [--keys K] [--acquisitions A] [--fencing every|none] [--soak] \
+                  | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG \
+                  | verify LOG SECTIONS [--fencing every|none] | hold URL KEY"
                 .to_owned(),
         ),
     };
@@ -71,12 +77,43 @@ fn runtime() -> Result<tokio::runtime::Runtime, String> {
         .map_err(|e| format!("runtime: {e}"))
 }
 
+/// What the checker requires of the sections' fencing tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fencing {
+    /// The backend issues tokens: every section carries one (`--fencing every`).
+    Every,
+    /// The backend issues none: no section carries one (`--fencing none`).
+    None,
+    /// Not said: every section carries one, or none does.
+    Consistent,
+}
+
+impl Fencing {
+    fn parse(value: &str) -> Result<Fencing, String> {
+        match value {
+            "every" => Ok(Fencing::Every),
+            "none" => Ok(Fencing::None),
+            other => Err(format!("--fencing takes `every` or `none`, not `{other}`")),
+        }
+    }
+
+    /// `[]` or `["--fencing", VALUE]`, as `verify` takes it.
+    fn parse_option(rest: &[&str]) -> Result<Fencing, String> {
+        match rest {
+            [] => Ok(Fencing::Consistent),
+            ["--fencing", value] => Fencing::parse(value),
+            other => Err(format!("unexpected arguments {other:?}")),
+        }
+    }
+}
+
 /// The settings of one exclusion run.
 struct Run {
     processes: usize,
     tasks: usize,
     keys: usize,
     acquisitions: usize,
+    fencing: Fencing,
 }
 
 impl Run {
@@ -86,6 +123,7 @@ impl Run {
             tasks: 8,
             keys: 4,
             acquisitions: 20_000,
+            fencing: Fencing::Consistent,
         };
         let mut rest = rest.iter();
         while let Some(flag) = rest.next() {
@@ -95,14 +133,16 @@ impl Run {
                     tasks: 16,
                     keys: 8,
                     acquisitions: 1_000_000,
+                    fencing: run.fencing,
                 };
                 continue;
             }
-            let value = rest
-                .next()
-                .ok_or_else(|| format!("{flag} needs a value"))?
-                .parse::<usize>()
-                .map_err(|e| format!("{flag}: {e}"))?;
+            let value = rest.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            if *flag == "--fencing" {
+                run.fencing = Fencing::parse(value)?;
+                continue;
+            }
+            let value = value.parse::<usize>().map_err(|e| format!("{flag}: {e}"))?;
             if value == 0 {
                 return Err(format!("{flag} must be at least 1"));
             }
@@ -152,7 +192,7 @@ fn exclusion(url: &str, prefix: &str, rest: &[&str]) -> Result<(), String> {
         }
     }
     let elapsed = started.elapsed();
-    let verdict = check(&log, run.acquisitions);
+    let verdict = check(&log, run.acquisitions, run.fencing);
     let _ = std::fs::remove_dir_all(&dir);
     if !failures.is_empty() {
         return Err(format!("workers failed: {}", failures.join("; ")));
@@ -185,9 +225,9 @@ struct KeyState {
     last_token: Option<u64>,
 }
 
-/// Reads a sections log and reports the first overlap, non-increasing fencing token,
-/// unmatched exit or missing section.
-fn check(log: &Path, expected: usize) -> Result<Summary, String> {
+/// Reads a sections log and reports the first overlap, non-increasing, missing or unexpected
+/// fencing token, unmatched exit or missing section.
+fn check(log: &Path, expected: usize, fencing: Fencing) -> Result<Summary, String> {
     let text = std::fs::read_to_string(log).map_err(|e| format!("{}: {e}", log.display()))?;
     let mut keys: HashMap<&str, KeyState> = HashMap::new();
     let mut summary = Summary {
@@ -205,7 +245,29 @@ fn check(log: &Path, expected: usize) -> Result<Summary, String> {
                     ));
                 }
                 state.inside = Some((*holder).to_owned());
-                if let Ok(token) = token.parse::<u64>() {
+                let token = match *token {
+                    "-" => None,
+                    text => Some(
+                        text.parse::<u64>()
+                            .map_err(|_| format!("line {n}: malformed `{line}`"))?,
+                    ),
+                };
+                match (token, fencing) {
+                    (None, Fencing::Every) => {
+                        return Err(format!(
+                            "line {n}: {holder} entered {key} without a fencing token, but the \
+                             backend issues them"
+                        ));
+                    }
+                    (Some(token), Fencing::None) => {
+                        return Err(format!(
+                            "line {n}: {holder} entered {key} with fencing token {token}, but \
+                             the backend issues none"
+                        ));
+                    }
+                    _ => {}
+                }
+                if let Some(token) = token {
                     if let Some(last) = state.last_token.filter(|last| token <= *last) {
                         return Err(format!(
                             "line {n}: fencing token {token} on {key} after {last}"
@@ -236,6 +298,13 @@ fn check(log: &Path, expected: usize) -> Result<Summary, String> {
         return Err(format!(
             "{} sections in the log, {expected} expected",
             summary.sections
+        ));
+    }
+    if summary.fenced != 0 && summary.fenced != summary.sections {
+        return Err(format!(
+            "{} of {} sections carried a fencing token: a backend issues one with every \
+             acquisition or with none",
+            summary.fenced, summary.sections
         ));
     }
     Ok(summary)

@@ -38,17 +38,34 @@ pub fn worker_bin() -> &'static str {
     env!("CARGO_BIN_EXE_dlock-worker")
 }
 
+/// Whether the backend under test (as the URL configures it) issues fencing tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fencing {
+    /// It does: every critical section must carry a token, and they must strictly increase.
+    Every,
+    /// It does not: no section may carry one.
+    None,
+}
+
 /// Runs `processes` workers that each take `key` `iterations` times, then checks the log:
-/// no two critical sections overlap, every worker finished, and fencing tokens (where the
-/// backend issues them) strictly increase in the order the sections ran.
-pub fn run_multi_process(url: &str, key: &str, processes: usize, iterations: usize) {
-    run_exclusion(url, key, processes, 1, 1, processes * iterations);
+/// no two critical sections overlap, every worker finished, and fencing tokens (every section
+/// carries one where `fencing` says the backend issues them) strictly increase in the order
+/// the sections ran.
+pub fn run_multi_process(
+    url: &str,
+    key: &str,
+    processes: usize,
+    iterations: usize,
+    fencing: Fencing,
+) {
+    run_exclusion(url, key, processes, 1, 1, processes * iterations, fencing);
 }
 
 /// The exclusion checker (`dlock-worker exclusion`): `processes` worker processes of `tasks`
 /// tasks each take `acquisitions` locks in all on `keys` hot keys under `prefix`; fails the
-/// test on any overlap, non-increasing fencing token or failed worker. Returns the checker's
-/// summary line (`ok sections=... per_second=...`).
+/// test on any overlap, failed worker, non-increasing fencing token, or a section without a
+/// token (with [`Fencing::Every`]) or with one (with [`Fencing::None`]). Returns the checker's
+/// summary line (`ok sections=... fenced=... per_second=...`).
 pub fn run_exclusion(
     url: &str,
     prefix: &str,
@@ -56,13 +73,19 @@ pub fn run_exclusion(
     tasks: usize,
     keys: usize,
     acquisitions: usize,
+    fencing: Fencing,
 ) -> String {
+    let fencing = match fencing {
+        Fencing::Every => "every",
+        Fencing::None => "none",
+    };
     let out = Command::new(worker_bin())
         .args(["exclusion", url, prefix])
         .args(["--processes", &processes.to_string()])
         .args(["--tasks", &tasks.to_string()])
         .args(["--keys", &keys.to_string()])
         .args(["--acquisitions", &acquisitions.to_string()])
+        .args(["--fencing", fencing])
         .stderr(Stdio::piped())
         .output()
         .expect("run the exclusion checker");
@@ -149,6 +172,62 @@ impl Drop for Holder {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// Every panic raised so far in this test binary outside the test suite's own files (in dlock,
+/// or in a dependency dlock called), as `file:line: message`. The first call installs a panic
+/// hook that records them before it runs the hook that was there. A panic in a task dlock
+/// spawns (a background release, a connection task) never reaches a test's `JoinHandle`; this
+/// is how a test sees it. Tests run in parallel threads of one binary, so a count taken around
+/// a test also sees panics of the library in other tests of the same binary: each one is a
+/// defect all the same.
+pub fn foreign_panics() -> Vec<String> {
+    use std::sync::{Mutex, OnceLock};
+    static PANICS: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    let panics = PANICS.get_or_init(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let (file, line) = info.location().map_or(("?", 0), |l| (l.file(), l.line()));
+            if !file.starts_with("tests/") {
+                let message = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                if let Some(panics) = PANICS.get() {
+                    panics
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(format!("{file}:{line}: {message}"));
+                }
+            }
+            previous(info);
+        }));
+        Mutex::new(Vec::new())
+    });
+    panics
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
+/// Polls `condition` (an async closure, so it may ask a server) every few milliseconds until
+/// it holds, and fails the test, naming `what`, if it does not hold within `limit`: for
+/// waiting on something that can be observed (a wait has reached the server, a renewal has
+/// happened) instead of sleeping and hoping it has.
+pub async fn wait_until(what: &str, limit: Duration, mut condition: impl AsyncFnMut() -> bool) {
+    let started = std::time::Instant::now();
+    loop {
+        if condition().await {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 

@@ -133,7 +133,9 @@ impl DbServer {
         };
         let script = format!(
             "cat >/dev/null; pid=$(cat '{dir}/server.pid' 2>/dev/null); \
-             [ -n \"$pid\" ] && kill -KILL \"$pid\" 2>/dev/null; sleep 0.2; rm -rf '{dir}'",
+             if [ -n \"$pid\" ] && kill -KILL \"$pid\" 2>/dev/null; then i=0; \
+             while [ $i -lt 100 ] && kill -0 \"$pid\" 2>/dev/null; do sleep 0.05; i=$((i+1)); done; \
+             fi; rm -rf '{dir}'",
             dir = dir.display()
         );
         let mut reaper = Command::new("sh")

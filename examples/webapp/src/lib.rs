@@ -297,7 +297,10 @@ async fn reconcile(State(state): State<AppState>) -> Result<Json<Reconciliation>
 struct Health {
     status: &'static str,
     lock_backend: &'static str,
+    /// Debits waiting in the lock layer.
     waiting_debits: usize,
+    /// Keys this instance holds or is acquiring (debits, credits and jobs alike).
+    lock_keys: usize,
 }
 
 async fn health(State(state): State<AppState>, waiting_debits: usize) -> Json<Health> {
@@ -305,6 +308,7 @@ async fn health(State(state): State<AppState>, waiting_debits: usize) -> Json<He
         status: "ok",
         lock_backend: state.locks.backend_name(),
         waiting_debits,
+        lock_keys: state.locks.local_key_count(),
     })
 }
 

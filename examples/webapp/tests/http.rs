@@ -316,7 +316,32 @@ async fn contention_answers_409_problems_on_every_locked_route() {
         let (client, credit) = (client.clone(), credit.clone());
         async move { post_json(&client, &credit, json!({"amount": 1})).await }
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The instance's provider is acquiring the account's key (nothing else there holds or
+    // wants a lock now): the credit waits for it.
+    let health = format!("{}/health", app.base);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let body: Value = client
+            .get(&health)
+            .send()
+            .await
+            .expect("health")
+            .json()
+            .await
+            .expect("json");
+        if body["lock_keys"] == 1 {
+            break;
+        }
+        assert!(
+            !pending_credit.is_finished(),
+            "the credit finished without waiting for the lock"
+        );
+        assert!(
+            Instant::now() < deadline,
+            "the credit never started waiting for the lock: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     assert!(!pending_credit.is_finished(), "credit ran without the lock");
     // Reads are not locked.
     assert_eq!(balance(&client, &app, "acc-2").await, 10);
