@@ -60,11 +60,14 @@
 //! deadline and once at it, so a timeout is neither cut short nor overslept by a second.
 //! Waits without limit ([`Duration::MAX`]) are native waits of an hour each, repeated.
 //!
-//! A wait that would close a cycle of sessions waiting for each other's user locks is refused
-//! by the server (MySQL error 3058, MariaDB error 1213): the acquisition fails at once with a
-//! [`LockError::Backend`] that says so (its [`db_code`](LockError::db_code) is the error
-//! number), never a hang. Such cycles need another client that holds several locks while it
-//! waits; this backend's own waits hold nothing while they wait.
+//! The server refuses a wait that would close a cycle of sessions waiting for each other's
+//! user locks (MySQL error 3058, MariaDB error 1213). This backend's waits never close one:
+//! a wait runs on a session that holds nothing while it waits. When dlock holders and another
+//! client that holds several user locks wait for each other in a lock-order inversion, the
+//! server refuses the other client's wait, and dlock's wait ends with its own timeout
+//! ([`LockError::Timeout`]) while its held locks stay held. (Should a server ever refuse one of
+//! this backend's waits that way, it is answered with a [`LockError::Backend`] whose
+//! [`db_code`](LockError::db_code) is the error number, never a hang.)
 //!
 //! Dropping an acquisition is safe at every point. A try whose answer nobody reads is undone
 //! on its lock connection (`RELEASE_LOCK`). A wait that is abandoned (timeout, cancel token,
