@@ -858,6 +858,8 @@ where
             .await
             .expect("warm-up");
         warm.release().await.expect("release");
+        // A wait too, so that whatever serves waits (wait connections) starts here as well.
+        contended_wait(&h, &provider).await;
         (provider, unique_key("runtime-drop"))
     });
     let second = runtime(2);
@@ -892,6 +894,7 @@ where
             .await
             .expect("the provider works on after its first runtime is gone");
         other.release().await.expect("release");
+        contended_wait(&h, &provider).await;
         let lost = guard.is_lost();
         match guard.release().await {
             Err(LockError::Lost { .. }) if lost => {}
@@ -900,4 +903,31 @@ where
         }
     });
     drop(second);
+}
+
+/// `provider` waits for a key another provider holds until it lets go.
+async fn contended_wait(h: &impl Harness, provider: &LockProvider) {
+    let blocker = h.provider().await;
+    let key = unique_key("contended");
+    let held = blocker.try_acquire(&key).await.expect("free key");
+    let before = provider.local_key_count();
+    let waiter = {
+        let (p, key) = (provider.clone(), key.clone());
+        tokio::spawn(async move { p.acquire(&key, Duration::from_secs(30)).await })
+    };
+    crate::support::wait_until(
+        "the waiter is acquiring",
+        Duration::from_secs(5),
+        async || {
+            assert!(!waiter.is_finished(), "the waiter got a held lock");
+            provider.local_key_count() == before + 1
+        },
+    )
+    .await;
+    held.release().await.expect("release");
+    let got = waiter
+        .await
+        .expect("join")
+        .expect("the waiter gets the key once it is released");
+    got.release().await.expect("release");
 }
