@@ -788,13 +788,28 @@ fn is_connection_error(err: &sqlx::Error) -> bool {
 
 /// Maps a driver error; messages name what was being done, never the URL.
 fn mysql_error(what: &str, err: sqlx::Error) -> LockError {
+    if crate::tls::is_tls_refused_by_server(&err) {
+        return LockError::config(format!(
+            "{what}: TLS: the server does not offer TLS, and the URL's `ssl-mode` requires it; \
+             nothing was sent in clear (give the server `ssl-cert` and `ssl-key`)"
+        ));
+    }
+    if let Some(failure) = crate::tls::describe(&err, "ssl-ca") {
+        return failure.into_error(NAME, what, Box::new(err));
+    }
     let number = error_number(&err);
     match &err {
         sqlx::Error::Database(db) => {
             let message = db.message().to_owned();
             match number {
                 Some(1045 | 1698 | 1251) => LockError::config(format!(
-                    "{what}: the server refused the credentials ({message}); check the user name and password in the URL"
+                    "{what}: the server refused the credentials ({message}); check the user name and password in the URL \
+                     (a server or account that requires TLS refuses clients without it the same way: \
+                     MariaDB's `require_secure_transport`, an account `REQUIRE SSL`; use ssl-mode=VERIFY_IDENTITY)"
+                )),
+                // MySQL's `require_secure_transport`.
+                Some(3159) => LockError::config(format!(
+                    "{what}: the server accepts clients only over TLS ({message}); connect with ssl-mode=VERIFY_IDENTITY and ssl-ca"
                 )),
                 Some(1049) => LockError::config(format!(
                     "{what}: {message}; check the database name in the URL"

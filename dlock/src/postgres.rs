@@ -775,11 +775,24 @@ fn is_connection_error(err: &sqlx::Error) -> bool {
 
 /// Maps a driver error; messages name what was being done, never the URL.
 fn pg_error(what: &str, err: sqlx::Error) -> LockError {
+    if crate::tls::is_tls_refused_by_server(&err) {
+        return LockError::config(format!(
+            "{what}: TLS: the server does not offer TLS, and the URL's `sslmode` requires it; \
+             nothing was sent in clear (turn `ssl` on at the server)"
+        ));
+    }
+    if let Some(failure) = crate::tls::describe(&err, "sslrootcert") {
+        return failure.into_error(NAME, what, Box::new(err));
+    }
     let code = db_code(&err);
     match &err {
         sqlx::Error::Database(db) => {
             let message = db.message().to_owned();
             match code.as_deref() {
+                // pg_hba.conf has no line for this client without TLS.
+                Some("28000") if message.ends_with("no encryption") => LockError::config(format!(
+                    "{what}: the server accepts this client only over TLS ({message}); connect with sslmode=verify-full and sslrootcert"
+                )),
                 Some("28P01" | "28000") => LockError::config(format!(
                     "{what}: the server refused the credentials ({message}); check the user name and password in the URL"
                 )),

@@ -159,7 +159,7 @@ const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 const MIN_LEASE: Duration = Duration::from_millis(100);
 const DEFAULT_PREFIX: &str = "dlock:";
-const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protocol"];
+const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protocol", "ca"];
 
 /// The part of a lease the holder counts on: lost is declared once this much of the lease has
 /// passed since the last successful renewal was sent.
@@ -221,6 +221,8 @@ pub struct RedisBuilder {
     prefix: String,
     fencing: bool,
     timeout: Duration,
+    /// CA certificates (PEM) that replace the system's roots for `rediss://`.
+    ca: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -230,6 +232,7 @@ impl std::fmt::Debug for RedisBuilder {
             .field("prefix", &self.prefix)
             .field("fencing", &self.fencing)
             .field("timeout", &self.timeout)
+            .field("ca", &self.ca.as_ref().map(|_| "(PEM)"))
             .finish_non_exhaustive()
     }
 }
@@ -242,7 +245,20 @@ impl RedisBuilder {
             prefix: DEFAULT_PREFIX.to_owned(),
             fencing: true,
             timeout: DEFAULT_TIMEOUT,
+            ca: None,
         }
+    }
+
+    /// Trusts these CA certificates (PEM, one or more) for `rediss://`, **instead of** the
+    /// system's root certificates: a private CA, as inside many clusters. The server's
+    /// certificate must be signed by one of them and carry the host name (or IP address) the
+    /// URL names. Checked by [`connect`](RedisBuilder::connect): PEM without a certificate, a
+    /// `redis://` (plain) client, or a builder on an existing connection manager (which brings
+    /// its own TLS settings) is a [`LockError::Config`]. The URL's `ca` option reads such a
+    /// file.
+    pub fn ca_certificates(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca = Some(pem.into());
+        self
     }
 
     /// Uses a connection manager the application already has instead of opening one.
@@ -294,9 +310,23 @@ impl RedisBuilder {
             ));
         }
         let manager = match self.source {
+            Source::Manager(_) if self.ca.is_some() => {
+                return Err(LockError::config(
+                    "the redis `ca` applies to connections dlock opens; a ConnectionManager \
+                     brings its own TLS settings (build its client with \
+                     redis::Client::build_with_tls)",
+                ));
+            }
             Source::Manager(manager) => manager,
             Source::Client(client) => {
-                let client = *client;
+                let client = match self.ca {
+                    Some(pem) => with_ca(&client, pem)?,
+                    None => *client,
+                };
+                let tls = matches!(
+                    client.get_connection_info().addr(),
+                    redis::ConnectionAddr::TcpTls { .. }
+                );
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout))
@@ -306,9 +336,17 @@ impl RedisBuilder {
                     Ok(Ok(manager)) => manager,
                     Ok(Err(err)) => return Err(redis_error("connecting", err)),
                     Err(_) => {
+                        // A port that does not speak TLS never answers the client's
+                        // hello: the handshake waits for the timeout.
+                        let hint = if tls {
+                            " (TLS: no TLS handshake completed; is the port a TLS port, \
+                             `tls-port` of the server?)"
+                        } else {
+                            ""
+                        };
                         return Err(LockError::unavailable(
                             NAME,
-                            format!("connecting timed out after {:?}", self.timeout),
+                            format!("connecting timed out after {:?}{hint}", self.timeout),
                             None,
                         ));
                     }
@@ -560,6 +598,41 @@ impl Shared {
     }
 }
 
+/// `client` again, trusting the CA certificates in `pem` instead of the system's roots.
+fn with_ca(client: &redis::Client, pem: Vec<u8>) -> Result<redis::Client, LockError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let certificates = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| LockError::config(format!("the redis `ca` is not valid PEM ({err})")))?;
+    if certificates.is_empty() {
+        return Err(LockError::config(
+            "the redis `ca` holds no certificate (expected PEM: -----BEGIN CERTIFICATE-----)",
+        ));
+    }
+    if !matches!(
+        client.get_connection_info().addr(),
+        redis::ConnectionAddr::TcpTls { .. }
+    ) {
+        return Err(LockError::config(
+            "the redis `ca` needs a TLS connection: use a rediss:// URL",
+        ));
+    }
+    let certificates = redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
+    };
+    redis::Client::build_with_tls(client.get_connection_info().clone(), certificates).map_err(
+        |err| {
+            LockError::config(format!(
+                "the redis `ca` cannot be used ({:?}: {})",
+                err.kind(),
+                err.detail().unwrap_or("")
+            ))
+        },
+    )
+}
+
 /// `{prefix}{key'}`: see [Keys](self#keys).
 fn storage_key(prefix: &[u8], key: &str) -> Vec<u8> {
     let mut out = Vec::with_capacity(prefix.len() + key.len() + 2);
@@ -617,6 +690,9 @@ fn watch_runtime(conn: &Conn) -> Option<tokio_util::sync::DropGuard> {
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
 fn redis_error(what: &str, err: RedisError) -> LockError {
+    if let Some(failure) = crate::tls::describe(&err, "ca") {
+        return failure.into_error(NAME, what, Box::new(err));
+    }
     match err.kind() {
         ErrorKind::Server(ServerErrorKind::NoPerm) => LockError::backend(
             NAME,
@@ -676,6 +752,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut prefix = DEFAULT_PREFIX.to_owned();
     let mut fencing = true;
     let mut timeout = DEFAULT_TIMEOUT;
+    let mut ca = None;
     let mut passed_on = Vec::new();
     for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
         match name.as_str() {
@@ -698,6 +775,19 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
                 }
             }
             "protocol" => passed_on.push((name, value)),
+            "ca" => {
+                if parsed.scheme() != "rediss" {
+                    return Err(LockError::config(
+                        "the redis option `ca` needs a TLS connection: use a rediss:// URL",
+                    ));
+                }
+                ca = Some(std::fs::read(&value).map_err(|err| {
+                    LockError::config(format!(
+                        "the redis option `ca` names a file that cannot be read ({}: {err})",
+                        value
+                    ))
+                })?);
+            }
             _ => return Err(unknown_option(NAME, &name, URL_OPTIONS)),
         }
     }
@@ -716,11 +806,15 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
             err.kind()
         ))
     })?;
-    Ok(RedisBackend::builder(client)
+    let mut builder = RedisBackend::builder(client)
         .lease(lease)
         .prefix(prefix)
         .fencing(fencing)
-        .timeout(timeout))
+        .timeout(timeout);
+    if let Some(pem) = ca {
+        builder = builder.ca_certificates(pem);
+    }
+    Ok(builder)
 }
 
 impl LockBackend for RedisBackend {
