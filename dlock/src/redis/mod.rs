@@ -32,8 +32,9 @@
 //!
 //! Scripts run with `EVALSHA`, and with `EVAL` once after a `NOSCRIPT` answer (a restart, a
 //! `SCRIPT FLUSH`, a failover to a replica that has not seen them). A user without `EVALSHA`/`EVAL`
-//! gets a [`LockError::Backend`] with `db_code` `"NOPERM"` and a message saying what to grant;
-//! on Redis 8.4+ or Valkey 9.0+ with `fencing=false` no script is needed at all.
+//! gets a [`LockError::Backend`] with `db_code` `"NOPERM"` and a message saying what to grant
+//! (see [Permissions](self#permissions)); on Redis 8.4+ or Valkey 9.0+ with `fencing=false` no
+//! script is needed at all.
 //!
 //! # Keys
 //!
@@ -47,8 +48,9 @@
 //!
 //! # URL
 //!
-//! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS, with rustls and the
-//! system's root certificates), with options:
+//! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
+//! the server's certificate always verified: by the system's root certificates, or by the CA of
+//! `ca`), with options:
 //!
 //! | option | default | meaning |
 //! |---|---|---|
@@ -57,6 +59,58 @@
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
 //! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
+//! | `ca` | none | `rediss://` only: a PEM file of the CA certificates to trust **instead of** the system's roots (a private CA); read when the URL is parsed. The builder's [`RedisBuilder::ca_certificates`] takes the PEM itself |
+//!
+//! # TLS
+//!
+//! `rediss://` never falls back to a connection in clear, and the server's certificate must
+//! be signed by a trusted CA and carry the host name or IP address of the URL (rustls checks
+//! no other way; there is no option to skip the check). A refused certificate is a
+//! [`LockError::Config`] that says which check failed: "not signed by a CA this client trusts
+//! (unknown issuer)", "not valid for the host name `h` the URL names (it is for ...)", "has
+//! expired (valid until ...)". A `rediss://` URL aimed at a port without TLS times out while
+//! the handshake waits ([`LockError::Unavailable`] saying so), and a `redis://` client at a TLS
+//! port is cut off by the server. Client certificates (mutual TLS) are not configured by
+//! dlock: build the `redis::Client` with `redis::Client::build_with_tls` and pass it to
+//! [`RedisBackend::builder`].
+//!
+//! # Permissions
+//!
+//! dlock runs only the commands of the path it finds on the server (see [Native commands
+//! first](self#native-commands-first-per-connection)), so an ACL user needs exactly these, on
+//! the keys `~<prefix>{*` (the lock key `<prefix>{<key>}` and its counter
+//! `<prefix>{<key>}:fence`). Scripts run with the caller's permissions, so the commands they
+//! call are listed too. The probes of `DELEX` and `DELIFEQ` are the bare command names, which
+//! the server refuses for their arity before it checks the ACL: they need no permission.
+//!
+//! | server | fencing on (default) | `fencing=false` |
+//! |---|---|---|
+//! | Redis 8.4+ | `+set +evalsha +eval +incr +delex +exists` | `+set +delex +exists` |
+//! | Valkey 9.0+ | `+set +evalsha +eval +incr +delifeq +exists` | `+set +delifeq +exists` |
+//! | Valkey 8.1 | `+set +evalsha +eval +incr +get +del` | `+set +evalsha +eval +get +del` |
+//! | Redis 7 (any server without `SET IFEQ`, `DELEX`, `DELIFEQ`) | `+set +evalsha +eval +incr +get +pexpire +del` | `+set +evalsha +eval +get +pexpire +del` |
+//!
+//! ```text
+//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels -@all +set +evalsha +eval +incr +delex +exists
+//! ```
+//!
+//! End the key pattern with `{*`, not `*`: the pattern `~t:*` of a tenant with the prefix `t:`
+//! would also match the keys of a tenant with the prefix `t:x:`; `~t:{*` does not. (A prefix
+//! with `*`, `?`, `[` or `\` in it needs those escaped with `\` in the pattern.) The raw-token
+//! reads ([`owner_token`](RedisBackend::owner_token),
+//! [`verify_still_held`](RedisBackend::verify_still_held),
+//! [`remaining_lease`](RedisBackend::remaining_lease)) also need `+get +pttl +multi +exec`;
+//! a database other than 0 in the URL needs `+select`. `PING`, which dlock sends to check a
+//! connection after a runtime shut down, may be refused: its answer is not needed.
+//!
+//! A command the user may not run is a [`LockError::Backend`] with `db_code` `"NOPERM"` whose
+//! message names the command (on Redis 7.0, which does not say which command of a script it
+//! refused, the message lists the script's commands), and **nothing else is tried in its
+//! place**: a refused `DELEX` is not followed by the Lua release, for instance. A refused
+//! renewal is retried until the lock's local deadline, then the guard is told the lock is lost
+//! (the log says why). A failed acquisition gives back whatever its script took before the
+//! refusal. `tests/least_privilege.rs` runs the conformance suite as such a user on every
+//! flavour, and takes each command away in turn.
 //!
 //! [`RedisBackend::builder`] builds one from a `redis::Client`, and
 //! [`RedisBackend::builder_on_manager`] (or [`RedisBackend::from_manager`]) on a
@@ -334,7 +388,9 @@ impl RedisBuilder {
                 let connecting = ConnectionManager::new_with_config(client, config);
                 match tokio::time::timeout(self.timeout, connecting).await {
                     Ok(Ok(manager)) => manager,
-                    Ok(Err(err)) => return Err(redis_error("connecting", err)),
+                    Ok(Err(err)) => {
+                        return Err(redis_error("connecting", err, self.prefix.as_bytes()));
+                    }
                     Err(_) => {
                         // A port that does not speak TLS never answers the client's
                         // hello: the handshake waits for the timeout.
@@ -588,7 +644,7 @@ impl Shared {
         operation: impl Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
         match tokio::time::timeout(self.timeout, operation).await {
-            Ok(outcome) => outcome.map_err(|err| redis_error(what, err)),
+            Ok(outcome) => outcome.map_err(|err| redis_error(what, err, &self.prefix)),
             Err(_) => Err(LockError::unavailable(
                 NAME,
                 format!("{what} timed out after {:?}", self.timeout),
@@ -689,22 +745,36 @@ fn watch_runtime(conn: &Conn) -> Option<tokio_util::sync::DropGuard> {
 }
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
-fn redis_error(what: &str, err: RedisError) -> LockError {
+fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
     if let Some(failure) = crate::tls::describe(&err, "ca") {
         return failure.into_error(NAME, what, Box::new(err));
     }
     match err.kind() {
-        ErrorKind::Server(ServerErrorKind::NoPerm) => LockError::backend(
-            NAME,
-            format!(
-                "{what}: the Redis user lacks a permission ({}). Grant what the lock commands need \
-                 (for example `ACL SETUSER <user> +set +get +del +pexpire +exists +evalsha +eval +delex +delifeq ~<prefix>*`); \
-                 with fencing=false on Redis 8.4+ or Valkey 9.0+ no scripts are needed",
-                err.detail().unwrap_or("NOPERM")
-            ),
-            Some("NOPERM".to_owned()),
-            Some(Box::new(err)),
-        ),
+        ErrorKind::Server(ServerErrorKind::NoPerm) => {
+            let detail = err.detail().unwrap_or("NOPERM");
+            let prefix = String::from_utf8_lossy(prefix);
+            let what_is_missing = match commands::refused_command(detail) {
+                Some(command) => format!("may not run `{command}`"),
+                None if detail.contains("key") => format!(
+                    "may not use the keys of the prefix `{prefix}`: its key pattern must be \
+                     `~{prefix}{{*`"
+                ),
+                None if detail.contains("the script runs") => {
+                    "may not run a command of a script".to_owned()
+                }
+                None => "lacks a permission".to_owned(),
+            };
+            LockError::backend(
+                NAME,
+                format!(
+                    "{what}: the Redis user {what_is_missing} (NOPERM: {detail}). Grant the \
+                     commands dlock runs on this server, on the keys `~{prefix}{{*` (see \
+                     Permissions in the dlock::redis docs); no other command is tried instead"
+                ),
+                Some("NOPERM".to_owned()),
+                Some(Box::new(err)),
+            )
+        }
         ErrorKind::Server(_) | ErrorKind::Extension => {
             let code = err.code().map(str::to_owned);
             LockError::backend(
