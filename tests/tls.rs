@@ -313,6 +313,17 @@ mod redis_tls {
             commands + 1,
             "commands ran on the server"
         );
+        // A connection manager brings its own TLS settings: a CA for it is a mistake.
+        let manager = redis::aio::ConnectionManager::new(server.client())
+            .await
+            .expect("a manager");
+        let err = RedisBackend::builder_on_manager(manager)
+            .ca_certificates(std::fs::read(&pki.ca).expect("read the CA"))
+            .connect()
+            .await
+            .expect_err("a CA with an existing manager");
+        assert_eq!(err.code(), CONFIG, "{err}");
+        assert!(err.to_string().contains("ConnectionManager"), "{err}");
 
         server.set_tls(Some(&pki.server(ServerCert::Good)), true);
         server.restart();
