@@ -754,7 +754,7 @@ fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
             let detail = err.detail().unwrap_or("NOPERM");
             let prefix = String::from_utf8_lossy(prefix);
             let what_is_missing = match commands::refused_command(detail) {
-                Some(command) => format!("may not run `{command}`"),
+                Some(command) => format!("may not run `{command}` (grant `+{command}`)"),
                 None if detail.contains("key") => format!(
                     "may not use the keys of the prefix `{prefix}`: its key pattern must be \
                      `~{prefix}{{*`"
