@@ -377,3 +377,41 @@ async fn url_and_ado_errors_are_configuration_errors() {
         .unwrap_err();
     assert_unavailable(&err, "127.0.0.1:1");
 }
+
+/// `TrustServerCertificate=true` with `TrustServerCertificateCA` (no check, and a check against
+/// a CA) is a configuration error, in any spelling and order the driver reads, never a panic
+/// (tiberius panics on the pair).
+#[test]
+fn ado_strings_that_trust_everything_and_a_ca_are_configuration_errors() {
+    let panics_before = support::foreign_panics().len();
+    for ado in [
+        "Server=tcp:127.0.0.1,1;TrustServerCertificate=true;TrustServerCertificateCA=/ca.pem",
+        "Server=tcp:127.0.0.1,1;trustservercertificateca=/ca.pem; TRUSTSERVERCERTIFICATE = yes",
+        "Server=tcp:127.0.0.1,1;TrustServerCertificate='true';TrustServerCertificateCA='/a;b.pem'",
+    ] {
+        match MssqlBackend::builder_from_ado(ado) {
+            Err(err) => {
+                assert_eq!(err.code(), "DistributedLock.Configuration", "{ado}: {err}");
+                assert!(
+                    err.to_string().contains("TrustServerCertificateCA"),
+                    "{err}"
+                );
+            }
+            Ok(_) => panic!("{ado}: accepted"),
+        }
+    }
+    // Either one alone is fine.
+    for ado in [
+        "Server=tcp:127.0.0.1,1;TrustServerCertificate=true",
+        "Server=tcp:127.0.0.1,1;TrustServerCertificateCA=/ca.pem",
+        "Server=tcp:127.0.0.1,1;TrustServerCertificate=false;TrustServerCertificateCA=/ca.pem",
+    ] {
+        drop(MssqlBackend::builder_from_ado(ado).expect(ado));
+    }
+    assert_eq!(
+        support::foreign_panics().len(),
+        panics_before,
+        "{:?}",
+        support::foreign_panics()
+    );
+}

@@ -746,94 +746,417 @@ fn the_scan_catches_formatted_sql_planted_at_each_real_call_site() {
     );
 }
 
-/// An owner token never reaches the logs: everything the library logs at every level while a
-/// Redis lock is taken, lost (another owner overwrites it) and released is captured, and the
-/// token read back from the server appears nowhere in it.
+/// Owner tokens never leave the library: whatever a lock's life lets out (everything logged at
+/// TRACE by any thread, the metrics, every error's text and `Debug`, the `Debug` of providers,
+/// backends and guards, and the layer's problem responses) is searched for the tokens the
+/// store holds, read back from it, in every form they could take (hex either case, `Debug` of
+/// the bytes, escaped bytes, the bytes as text).
+mod secrecy {
+    use std::sync::{Arc, Mutex, OnceLock};
+    use std::time::Duration;
+
+    use dlock::{LockError, LockProvider};
+    use opentelemetry::metrics::MeterProvider as _;
+    use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+
+    /// Everything logged by any test of this binary, at TRACE. Global, so that what renewal
+    /// tasks and blocking threads log is caught as well as the test thread's events.
+    fn logs() -> Arc<Mutex<Vec<u8>>> {
+        #[derive(Clone)]
+        struct Capture(Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Capture {
+            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(buf);
+                Ok(buf.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+        Arc::clone(LOGS.get_or_init(|| {
+            let logs = Arc::new(Mutex::new(Vec::new()));
+            let writer = Capture(Arc::clone(&logs));
+            let subscriber = tracing_subscriber::fmt()
+                .with_max_level(tracing::Level::TRACE)
+                .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
+                .with_ansi(false)
+                .with_writer(move || writer.clone())
+                .finish();
+            tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+            logs
+        }))
+    }
+
+    /// What a test saw leave the library.
+    pub struct Exposure {
+        texts: Vec<String>,
+        meters: SdkMeterProvider,
+        exporter: InMemoryMetricExporter,
+        logs: Arc<Mutex<Vec<u8>>>,
+    }
+
+    impl Exposure {
+        pub fn new() -> Exposure {
+            let exporter = InMemoryMetricExporter::default();
+            let meters = SdkMeterProvider::builder()
+                .with_reader(PeriodicReader::builder(exporter.clone()).build())
+                .build();
+            Exposure {
+                texts: Vec::new(),
+                meters,
+                exporter,
+                logs: logs(),
+            }
+        }
+
+        /// A provider on `backend` that records its metrics here.
+        pub fn provider(&self, backend: impl dlock::backend::LockBackend) -> LockProvider {
+            LockProvider::builder(backend)
+                .meter(self.meters.meter("dlock"))
+                .metric_key_prefix(true)
+                .build()
+        }
+
+        pub fn debug(&mut self, value: &dyn std::fmt::Debug) {
+            self.texts.push(format!("{value:?} {value:#?}"));
+        }
+
+        pub fn text(&mut self, text: String) {
+            self.texts.push(text);
+        }
+
+        /// The error's text, its `Debug`, and its sources'.
+        pub fn error(&mut self, err: &LockError) {
+            self.texts.push(format!("{err} {err:?}"));
+            let mut source = std::error::Error::source(err);
+            while let Some(inner) = source {
+                self.texts.push(format!("{inner} {inner:?}"));
+                source = inner.source();
+            }
+        }
+
+        /// Fails if any of `tokens` shows anywhere; `key` must show in the logs (the capture
+        /// works).
+        pub fn assert_hides(&self, tokens: &[Vec<u8>], key: &str) {
+            self.meters.force_flush().unwrap();
+            let metrics = format!("{:?}", self.exporter.get_finished_metrics().unwrap());
+            assert!(
+                metrics.contains("distributed_lock.acquisitions"),
+                "the metrics were recorded"
+            );
+            let logged = String::from_utf8_lossy(&self.logs.lock().unwrap()).into_owned();
+            assert!(logged.contains(key), "the logs were captured");
+            let everything = [logged, metrics, self.texts.join("\n")];
+            for token in tokens {
+                assert_eq!(token.len(), 16, "a 128-bit token: {token:?}");
+                let lower: String = token.iter().map(|b| format!("{b:02x}")).collect();
+                let mut forms = vec![
+                    lower.clone(),
+                    lower.to_uppercase(),
+                    format!("{token:?}"),
+                    format!("{:?}", token.as_slice()),
+                    token.escape_ascii().to_string(),
+                ];
+                if let Ok(text) = std::str::from_utf8(token) {
+                    forms.push(text.to_owned());
+                }
+                for form in forms {
+                    for (what, text) in ["logs", "metrics", "errors and Debug"]
+                        .iter()
+                        .zip(&everything)
+                    {
+                        assert!(
+                            !text.contains(&form),
+                            "token {lower} shown in the {what} as {form}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A lock's life on `locks`, with `other` (another provider on the same store) contending:
+    /// taken, refused to `other` (held, timed out), released; taken again and taken over behind
+    /// the holder's back (`steal`), noticed, released with `Lost`. Every error and `Debug` is
+    /// noted. Returns the tokens `token` read from the store while each lock was held.
+    pub async fn life_of_a_lock(
+        exposure: &mut Exposure,
+        locks: &LockProvider,
+        other: &LockProvider,
+        key: &str,
+        token: impl AsyncFn(&str) -> Vec<u8>,
+        steal: impl AsyncFn(&str),
+    ) -> Vec<Vec<u8>> {
+        let mut tokens = Vec::new();
+        let guard = locks.acquire(key, Duration::from_secs(5)).await.unwrap();
+        tokens.push(token(key).await);
+        exposure.debug(&guard);
+        exposure.debug(locks);
+        for outcome in [
+            other.try_acquire(key).await,
+            other.acquire(key, Duration::from_millis(100)).await,
+        ] {
+            exposure.error(&outcome.expect_err("the key is held"));
+        }
+        guard.release().await.unwrap();
+
+        let guard = locks.acquire(key, Duration::from_secs(5)).await.unwrap();
+        tokens.push(token(key).await);
+        steal(key).await;
+        tokio::time::timeout(Duration::from_secs(5), guard.lost_token().cancelled())
+            .await
+            .expect("the loss is noticed");
+        exposure.debug(&guard);
+        exposure.error(
+            &guard
+                .release()
+                .await
+                .expect_err("a lost lock reports its loss"),
+        );
+        tokens
+    }
+}
+
+/// SQLite: the owner column of the lock's row.
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_owner_tokens_never_leave_the_library() {
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("locks.db");
+    let open = || async {
+        dlock::sqlite::SqliteBackend::builder(&path)
+            .lease(Duration::from_millis(600))
+            .open()
+            .await
+            .unwrap()
+    };
+    let mut exposure = secrecy::Exposure::new();
+    let backend = open().await;
+    exposure.debug(&backend);
+    let locks = exposure.provider(backend);
+    let other = exposure.provider(open().await);
+    let key = support::unique_key("secret");
+    let row = |key: &str| {
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        (conn, key.as_bytes().to_vec())
+    };
+    let tokens = secrecy::life_of_a_lock(
+        &mut exposure,
+        &locks,
+        &other,
+        &key,
+        async |key| {
+            let (conn, name) = row(key);
+            conn.query_row(
+                "SELECT owner FROM __distributed_locks WHERE name = ?1",
+                [name],
+                |r| r.get::<_, Vec<u8>>(0),
+            )
+            .unwrap()
+        },
+        async |key| {
+            let (conn, name) = row(key);
+            let changed = conn
+                .execute(
+                    "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+                    [name],
+                )
+                .unwrap();
+            assert_eq!(changed, 1);
+        },
+    )
+    .await;
+    exposure.assert_hides(&tokens, &key);
+}
+
+/// Redis: the value under the lock's key; also the raw-token API's errors.
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owner_tokens_are_never_logged() {
-    use std::sync::{Arc, Mutex};
-    use std::time::Duration;
-
-    use dlock::LockProvider;
-    use dlock::redis::RedisBackend;
+    use dlock::redis::{OwnerToken, RedisBackend};
     use support::redis::{Flavor, RedisServer};
-
-    #[derive(Clone, Default)]
-    struct Capture(Arc<Mutex<Vec<u8>>>);
-    impl std::io::Write for Capture {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
 
     let Some(server) = RedisServer::start(Flavor::Redis7) else {
         return;
     };
-    let capture = Capture::default();
-    let writer = capture.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::TRACE)
-        .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let _default = tracing::subscriber::set_default(subscriber);
-
+    let mut exposure = secrecy::Exposure::new();
     let backend = RedisBackend::connect(&server.url("lease=600ms"))
         .await
         .unwrap();
-    let locks = LockProvider::from_backend(backend.clone());
+    exposure.debug(&backend);
+    let locks = exposure.provider(backend.clone());
+    let other = exposure.provider(
+        RedisBackend::connect(&server.url("lease=600ms"))
+            .await
+            .unwrap(),
+    );
     let key = support::unique_key("secret");
-    let storage_key = backend.storage_key(&key);
+    let conn = server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let storage = |key: &str| backend.storage_key(key);
+    let tokens = secrecy::life_of_a_lock(
+        &mut exposure,
+        &locks,
+        &other,
+        &key,
+        async |key| {
+            redis::cmd("GET")
+                .arg(storage(key))
+                .query_async::<Vec<u8>>(&mut conn.clone())
+                .await
+                .unwrap()
+        },
+        async |key| {
+            let () = redis::cmd("SET")
+                .arg(storage(key))
+                .arg("someone-else")
+                .arg("KEEPTTL")
+                .query_async(&mut conn.clone())
+                .await
+                .unwrap();
+        },
+    )
+    .await;
+    // The raw-token API, with a token that is not the holder's: nothing of the holder's shows.
+    let key = support::unique_key("secret");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let held = redis::cmd("GET")
+        .arg(storage(&key))
+        .query_async::<Vec<u8>>(&mut conn.clone())
+        .await
+        .unwrap();
+    let stranger = OwnerToken::random().unwrap();
+    exposure.debug(&backend.release(&key, &stranger).await);
+    exposure.debug(
+        &backend
+            .reset_expiry(&key, &stranger, std::time::Duration::from_secs(1))
+            .await,
+    );
+    exposure.debug(&backend.verify_still_held(&key, &stranger).await);
+    exposure.debug(&guard);
+    guard.release().await.unwrap();
+    let mut all = tokens;
+    all.push(held);
+    exposure.assert_hides(&all, &key);
+}
+
+/// The layer's problem responses (409 while another holds the key, 500 when the handler's lock
+/// is lost) carry no owner token, in body or headers.
+#[cfg(all(feature = "sqlite", feature = "redis"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn problem_responses_never_show_owner_tokens() {
+    use std::time::Duration;
+
+    use axum::Router;
+    use axum::routing::post;
+    use dlock::redis::RedisBackend;
+    use dlock_axum::LockLayer;
+    use support::redis::{Flavor, RedisServer};
+
+    let Some(server) = RedisServer::start(Flavor::Redis7) else {
+        return;
+    };
+    let mut exposure = secrecy::Exposure::new();
+    let backend = RedisBackend::connect(&server.url("lease=600ms"))
+        .await
+        .unwrap();
+    let locks = exposure.provider(backend.clone());
+    let app = Router::new()
+        .route(
+            "/acct/{id}",
+            post(|| async {
+                // Works until the layer drops it (the lock is lost).
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                "done"
+            }),
+        )
+        .route_layer(LockLayer::new(locks.clone(), "acct:{id}").timeout(Duration::ZERO));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    let client = reqwest::Client::new();
     let mut conn = server
         .client()
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let mut tokens = Vec::new();
-    // One lock released normally, one lost to another owner.
-    for lose in [false, true] {
-        let guard = locks.acquire(&key, Duration::from_secs(5)).await.unwrap();
-        let value: Vec<u8> = redis::cmd("GET")
-            .arg(&storage_key)
-            .query_async(&mut conn)
+    let id = support::unique_key("acct").replace(':', "-");
+    let key = format!("acct:{id}");
+    let storage = backend.storage_key(&key);
+    let token = |conn: &mut redis::aio::MultiplexedConnection| {
+        let (storage, mut conn) = (storage.clone(), conn.clone());
+        async move {
+            redis::cmd("GET")
+                .arg(storage)
+                .query_async::<Vec<u8>>(&mut conn)
+                .await
+                .unwrap()
+        }
+    };
+    let answer = |response: reqwest::Response| async move {
+        let status = response.status().as_u16();
+        let headers = format!("{:?}", response.headers());
+        let body = response.text().await.unwrap();
+        (status, format!("{headers}\n{body}"))
+    };
+
+    // 409: another provider holds the key.
+    let holder = exposure.provider(
+        RedisBackend::connect(&server.url("lease=600ms"))
             .await
-            .unwrap();
-        assert!(!value.is_empty(), "the lock's value is on the server");
-        tokens.push(value);
-        if lose {
-            let _: () = redis::cmd("SET")
-                .arg(&storage_key)
-                .arg("someone-else")
-                .arg("KEEPTTL")
-                .query_async(&mut conn)
+            .unwrap(),
+    );
+    let held = holder.try_acquire(&key).await.unwrap();
+    let mut tokens = vec![token(&mut conn).await];
+    let (status, text) = answer(
+        client
+            .post(format!("http://{address}/acct/{id}"))
+            .send()
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(status, 409, "{text}");
+    exposure.text(text);
+    held.release().await.unwrap();
+
+    // 500: the handler's lock is taken over while it runs.
+    let request = tokio::spawn({
+        let (client, url) = (client.clone(), format!("http://{address}/acct/{id}"));
+        async move { client.post(url).send().await.unwrap() }
+    });
+    support::wait_until(
+        "the handler holds the lock",
+        Duration::from_secs(5),
+        async || {
+            redis::cmd("EXISTS")
+                .arg(&storage)
+                .query_async::<i64>(&mut conn.clone())
                 .await
-                .unwrap();
-            tokio::time::timeout(Duration::from_secs(5), guard.lost_token().cancelled())
-                .await
-                .expect("the loss is noticed");
-            assert!(
-                guard.release().await.is_err(),
-                "a lost lock reports its loss"
-            );
-        } else {
-            guard.release().await.unwrap();
-        }
-    }
-    let logged = String::from_utf8_lossy(&capture.0.lock().unwrap()).into_owned();
-    assert!(logged.contains("lost"), "the capture works: {logged}");
-    for token in tokens {
-        let hex: String = token.iter().map(|b| format!("{b:02x}")).collect();
-        assert!(!logged.contains(&hex), "token {hex} logged:\n{logged}");
-        if let Ok(text) = std::str::from_utf8(&token) {
-            assert!(!logged.contains(text), "token {text} logged:\n{logged}");
-        }
-    }
+                .unwrap()
+                == 1
+        },
+    )
+    .await;
+    tokens.push(token(&mut conn).await);
+    let () = redis::cmd("SET")
+        .arg(&storage)
+        .arg("someone-else")
+        .arg("KEEPTTL")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let (status, text) = answer(request.await.unwrap()).await;
+    assert_eq!(status, 500, "{text}");
+    assert!(text.contains("DistributedLock.Lost"), "{text}");
+    exposure.text(text);
+    exposure.assert_hides(&tokens, &key);
 }
 
 /// Every key a Lua script touches comes through `KEYS`, never `ARGV` or a built string, so

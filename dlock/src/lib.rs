@@ -93,6 +93,8 @@ mod options;
 mod provider;
 mod table;
 mod time;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+mod tls;
 
 #[cfg(feature = "mssql")]
 pub mod mssql;

@@ -92,6 +92,39 @@
 //! whose answer carries the new value. Tokens increase strictly for each key across holders,
 //! processes and server restarts. Fencing needs a database in the URL.
 //!
+//! # Permissions
+//!
+//! `GET_LOCK`, `RELEASE_LOCK`, `IS_USED_LOCK` and `CONNECTION_ID()` need no privilege, and
+//! `KILL` of a session of one's own user needs none either (the backend kills only its own
+//! wait connections, never another user's session). Without fencing a user with no privilege
+//! at all (`USAGE`) suffices; leave the database out of the URL then (a database in the URL
+//! needs some privilege on it). With fencing, the user needs the counter table's three
+//! privileges:
+//!
+//! ```sql
+//! CREATE USER 'dlock_app'@'%' IDENTIFIED BY '…' REQUIRE SSL;
+//! -- with fencing=true, once:
+//! CREATE TABLE app.dlock_fencing (name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, token BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB;
+//! GRANT SELECT, INSERT, UPDATE ON app.dlock_fencing TO 'dlock_app'@'%';
+//! ```
+//!
+//! A table the user sees is used as it is: the backend creates it only when it is missing, and
+//! then needs `CREATE` on the database. A user that may neither see nor create it gets a
+//! [`LockError::Config`] with the statements above when the backend opens.
+//! `tests/least_privilege.rs` runs the conformance suite, its `KILL`s of abandoned waits
+//! included, as such users on MariaDB and MySQL 9.
+//!
+//! # TLS
+//!
+//! The driver speaks TLS with rustls and ring. Verify the server: `ssl-mode=VERIFY_IDENTITY`
+//! with `ssl-ca=/path/ca.pem` (trusted besides the system's roots); `VERIFY_CA` skips the host
+//! name, `REQUIRED` and the default `PREFERRED` check nothing. A refused certificate is a
+//! [`LockError::Config`] saying which check failed (unknown issuer, a host name the certificate
+//! does not carry, expired). With `VERIFY_IDENTITY` (or `REQUIRED`, `VERIFY_CA`) a server
+//! without TLS is refused, never used in clear. A server with `require_secure_transport=ON`
+//! refuses a client without TLS: MySQL says so; MariaDB answers "access denied", and the
+//! error's message mentions that cause. Client certificates: `ssl-cert` and `ssl-key`.
+//!
 //! # URL
 //!
 //! `mysql://user:password@host:3306/database` or `mariadb://…` (the same backend). Options:
@@ -185,6 +218,15 @@ const FENCE_SQL: &str = "INSERT INTO dlock_fencing (name, token) VALUES (?, LAST
 const FENCING_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS dlock_fencing (\
     name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
     token BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB";
+/// Whether the fencing table is in the URL's database and visible to this user (it is when the
+/// user holds any privilege on it). Asked before [`FENCING_TABLE_SQL`], which needs `CREATE`
+/// even when the table exists: a user with just the table's grants could not open the backend.
+const FENCING_TABLE_CHECK_SQL: &str = "SELECT COUNT(*) FROM information_schema.TABLES \
+    WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'dlock_fencing'";
+/// What an administrator runs for a user that may not create the fencing table.
+const FENCING_GRANTS: &str = "CREATE TABLE <database>.dlock_fencing (name VARCHAR(64) CHARACTER SET ascii \
+    COLLATE ascii_bin NOT NULL PRIMARY KEY, token BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB; \
+    GRANT SELECT, INSERT, UPDATE ON <database>.dlock_fencing TO <user>";
 /// Ends a session (and with it its wait and its locks). MySQL takes no parameter in `KILL`
 /// ("dynamic parameters can only be used in DML statements"), so this is the one statement
 /// built by formatting: its only input is a `u64` connection id the server itself reported,
@@ -733,12 +775,27 @@ fn connect_timed_out(timeout: Duration) -> LockError {
     )
 }
 
+/// Makes sure the fencing table is there: a table this user sees needs only its own
+/// privileges (never `CREATE`); a missing one is created.
 async fn create_fencing_table(conn: &mut MySqlConnection) -> Result<(), LockError> {
+    let seen: i64 = sqlx::query_scalar(FENCING_TABLE_CHECK_SQL)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| mysql_error("looking for the fencing table dlock_fencing", e))?;
+    if seen > 0 {
+        return Ok(());
+    }
     match sqlx::query(FENCING_TABLE_SQL).execute(&mut *conn).await {
         Ok(_) => Ok(()),
         Err(e) if error_number(&e) == Some(1046) => Err(LockError::config(
             "fencing=true needs a database for its counter table dlock_fencing: name one in the URL, like mysql://user@host:3306/app",
         )),
+        // CREATE command denied (the table may be there, out of sight of a user with no
+        // privilege on it).
+        Err(e) if error_number(&e) == Some(1142) => Err(LockError::config(format!(
+            "fencing=true needs the table dlock_fencing, which this user does not see and may \
+             not create; an administrator creates it and grants it: {FENCING_GRANTS}"
+        ))),
         Err(e) => Err(mysql_error("creating the fencing table dlock_fencing", e)),
     }
 }
@@ -788,13 +845,28 @@ fn is_connection_error(err: &sqlx::Error) -> bool {
 
 /// Maps a driver error; messages name what was being done, never the URL.
 fn mysql_error(what: &str, err: sqlx::Error) -> LockError {
+    if crate::tls::is_tls_refused_by_server(&err) {
+        return LockError::config(format!(
+            "{what}: TLS: the server does not offer TLS, and the URL's `ssl-mode` requires it; \
+             nothing was sent in clear (give the server `ssl-cert` and `ssl-key`)"
+        ));
+    }
+    if let Some(failure) = crate::tls::describe(&err, "ssl-ca") {
+        return failure.into_error(NAME, what, Box::new(err));
+    }
     let number = error_number(&err);
     match &err {
         sqlx::Error::Database(db) => {
             let message = db.message().to_owned();
             match number {
                 Some(1045 | 1698 | 1251) => LockError::config(format!(
-                    "{what}: the server refused the credentials ({message}); check the user name and password in the URL"
+                    "{what}: the server refused the credentials ({message}); check the user name and password in the URL \
+                     (a server or account that requires TLS refuses clients without it the same way: \
+                     MariaDB's `require_secure_transport`, an account `REQUIRE SSL`; use ssl-mode=VERIFY_IDENTITY)"
+                )),
+                // MySQL's `require_secure_transport`.
+                Some(3159) => LockError::config(format!(
+                    "{what}: the server accepts clients only over TLS ({message}); connect with ssl-mode=VERIFY_IDENTITY and ssl-ca"
                 )),
                 Some(1049) => LockError::config(format!(
                     "{what}: {message}; check the database name in the URL"

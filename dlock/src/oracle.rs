@@ -91,7 +91,13 @@
 //! # URL
 //!
 //! `oracle://user:password@host:port/service_name` (port 1521 by default; user and password
-//! percent-decoded), connected as the Easy Connect string `//host:port/service_name`. Options:
+//! percent-decoded), connected as the Easy Connect string `//host:port/service_name` over TCP.
+//! For TLS (TCPS) with a wallet, use [`OracleBackend::builder`] with an Easy Connect Plus string
+//! (Oracle Client 19c and later) such as
+//! `tcps://db.internal:2484/app?wallet_location=/etc/oracle/wallet&ssl_server_dn_match=on`, or
+//! a `tnsnames.ora` alias whose `sqlnet.ora` names the wallet. The account needs
+//! `CREATE SESSION` and `EXECUTE` on `SYS.DBMS_LOCK`, nothing else. (From Oracle's
+//! documentation; not verified here, see the README.) Options:
 //!
 //! | option | default | meaning |
 //! |---|---|---|

@@ -90,6 +90,39 @@
 //! costs one round trip either way. Tokens increase strictly for each key across holders,
 //! processes and server restarts (the row is an ordinary committed row).
 //!
+//! # Permissions
+//!
+//! Advisory locks need no privilege beyond `CONNECT` on the database (the functions
+//! `pg_advisory_lock` and friends, `pg_locks`, `pg_settings`, `pg_stat_activity` and
+//! `pg_cancel_backend` of the role's own sessions are open to every role by default). With
+//! fencing, the role needs the fencing table's three privileges, and `USAGE` on its schema:
+//!
+//! ```sql
+//! CREATE ROLE dlock_app LOGIN PASSWORD '…';
+//! GRANT CONNECT ON DATABASE app TO dlock_app;
+//! -- with fencing=true, run in the database `app` once:
+//! CREATE TABLE dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL);
+//! GRANT USAGE ON SCHEMA public TO dlock_app;
+//! GRANT SELECT, INSERT, UPDATE ON dlock_fencing TO dlock_app;
+//! ```
+//!
+//! A table the role sees is used as it is: the backend creates it only when it is missing, and
+//! then needs `CREATE` on the schema. A role that may neither see nor create it gets a
+//! [`LockError::Config`] with the statements above when the backend opens.
+//! `tests/least_privilege.rs` runs the conformance suite as a role with `CONNECT` only and as
+//! one with the fencing grants, in a database whose `PUBLIC` may do nothing.
+//!
+//! # TLS
+//!
+//! The driver speaks TLS with rustls and ring. Verify the server: `sslmode=verify-full` with
+//! `sslrootcert=/path/ca.pem` (the CA that signed the server's certificate, trusted besides
+//! the system's roots); `verify-ca` skips the host name, and `require` or the default `prefer`
+//! check nothing. A refused certificate is a [`LockError::Config`] saying which check failed
+//! (unknown issuer, a host name the certificate does not carry, expired). With `verify-full`
+//! (or `require`, `verify-ca`) a server without TLS is refused, never used in clear; a server
+//! that accepts this client only over TLS (`hostssl` in `pg_hba.conf`) refuses one without it,
+//! and the error says so. Client certificates: `sslcert` and `sslkey`.
+//!
 //! # URL
 //!
 //! `postgres://user:password@host:port/database` (or `postgresql://`). The options below are
@@ -199,6 +232,18 @@ const HELD_SQL: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = '
 
 const FENCING_TABLE_SQL: &str =
     "CREATE TABLE IF NOT EXISTS dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL)";
+
+/// Whether this role sees the fencing table (on its search path), and may `SELECT`, `INSERT`
+/// and `UPDATE` it. Asked before [`FENCING_TABLE_SQL`], which needs `CREATE` on the schema even
+/// when the table exists: a role with just the table's grants could not open the backend.
+const FENCING_TABLE_CHECK_SQL: &str = "SELECT to_regclass('dlock_fencing') IS NOT NULL, \
+    COALESCE(has_table_privilege(to_regclass('dlock_fencing'), 'SELECT') \
+    AND has_table_privilege(to_regclass('dlock_fencing'), 'INSERT') \
+    AND has_table_privilege(to_regclass('dlock_fencing'), 'UPDATE'), false)";
+
+/// What an administrator runs for a role that may not create the fencing table.
+const FENCING_GRANTS: &str = "CREATE TABLE dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL); \
+    GRANT USAGE ON SCHEMA <schema> TO <role>; GRANT SELECT, INSERT, UPDATE ON dlock_fencing TO <role>";
 
 /// `$1` pid, `$2` backend start time (text) of a wait connection: cancels its statement.
 const CANCEL_SQL: &str = "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
@@ -742,11 +787,40 @@ async fn open_connection(
     }
 }
 
+/// Makes sure the fencing table is there and usable: a table this role sees needs only its
+/// three privileges (never `CREATE` on the schema); a missing one is created.
 async fn create_fencing_table(conn: &mut PgConnection) -> Result<(), LockError> {
+    let (exists, usable): (bool, bool) = sqlx::query_as(FENCING_TABLE_CHECK_SQL)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| pg_error("looking for the fencing table dlock_fencing", e))?;
+    if exists {
+        return if usable {
+            Ok(())
+        } else {
+            Err(LockError::config(format!(
+                "fencing=true: this role lacks a privilege the table dlock_fencing needs \
+                 (all three of select, insert and update); an administrator grants them: \
+                 {FENCING_GRANTS}"
+            )))
+        };
+    }
     match sqlx::query(FENCING_TABLE_SQL).execute(&mut *conn).await {
         Ok(_) => Ok(()),
         // Another process created it at the same moment.
         Err(e) if matches!(db_code(&e).as_deref(), Some("23505" | "42P07")) => Ok(()),
+        // No `CREATE` on the schema (nor `USAGE`, if the table is there but out of sight), or
+        // no schema on the search path this role may use at all.
+        Err(e) if matches!(db_code(&e).as_deref(), Some("42501" | "3F000")) => {
+            Err(LockError::config(format!(
+                "fencing=true needs the table dlock_fencing, which this role does not see and \
+             may not create ({}); an administrator creates it and grants it: {FENCING_GRANTS}",
+                match &e {
+                    sqlx::Error::Database(db) => db.message().to_owned(),
+                    other => other.to_string(),
+                }
+            )))
+        }
         Err(e) => Err(pg_error("creating the fencing table dlock_fencing", e)),
     }
 }
@@ -775,11 +849,24 @@ fn is_connection_error(err: &sqlx::Error) -> bool {
 
 /// Maps a driver error; messages name what was being done, never the URL.
 fn pg_error(what: &str, err: sqlx::Error) -> LockError {
+    if crate::tls::is_tls_refused_by_server(&err) {
+        return LockError::config(format!(
+            "{what}: TLS: the server does not offer TLS, and the URL's `sslmode` requires it; \
+             nothing was sent in clear (turn `ssl` on at the server)"
+        ));
+    }
+    if let Some(failure) = crate::tls::describe(&err, "sslrootcert") {
+        return failure.into_error(NAME, what, Box::new(err));
+    }
     let code = db_code(&err);
     match &err {
         sqlx::Error::Database(db) => {
             let message = db.message().to_owned();
             match code.as_deref() {
+                // pg_hba.conf has no line for this client without TLS.
+                Some("28000") if message.ends_with("no encryption") => LockError::config(format!(
+                    "{what}: the server accepts this client only over TLS ({message}); connect with sslmode=verify-full and sslrootcert"
+                )),
                 Some("28P01" | "28000") => LockError::config(format!(
                     "{what}: the server refused the credentials ({message}); check the user name and password in the URL"
                 )),

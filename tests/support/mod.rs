@@ -6,6 +6,8 @@
 mod placement;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+pub mod tls;
 
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 pub use placement::Placement;

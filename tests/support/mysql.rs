@@ -9,6 +9,11 @@
 //! and, for the shared servers held in statics, by a reaper process when the test binary exits.
 //!
 //! Without the binaries the tests say they are skipped; with `CI` set they fail instead.
+//!
+//! [`DbServer::set_tls`] chooses the server's TLS from the next start on: its own default
+//! (MariaDB 10.11 has none; MySQL 9 makes a self-signed certificate at `--initialize`), none at
+//! all, or a given certificate (`--ssl-cert`, `--ssl-key`, `--ssl-ca`), optionally with
+//! `--require-secure-transport=ON`, which refuses every client that does not use TLS.
 
 use std::net::{IpAddr, TcpListener};
 use std::path::PathBuf;
@@ -17,6 +22,18 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use super::Placement;
+use super::placement::ServerTls;
+
+/// A server's TLS.
+#[derive(Debug, Clone)]
+pub enum Tls {
+    /// What the server does without options.
+    Default,
+    /// No TLS at all (`--tls-version=` on MySQL; MariaDB's default).
+    Off,
+    /// This certificate (copies in the server's dir); `only` refuses clients without TLS.
+    On { files: ServerTls, only: bool },
+}
 
 /// Which server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -103,6 +120,7 @@ pub struct DbServer {
     port: u16,
     child: Option<Child>,
     placement: Placement,
+    tls: Tls,
     _reaper: ChildStdin,
 }
 
@@ -192,10 +210,23 @@ impl DbServer {
             port: free_port(),
             child: None,
             placement,
+            tls: Tls::Default,
             _reaper: reaper_stdin,
         };
         server.resume();
         Some(server)
+    }
+
+    /// The TLS of the next [`resume`](DbServer::resume) (see [`Tls`]); certificate files are
+    /// copied into the server's dir, where the server (in its chroot, for MySQL) reads them.
+    pub fn set_tls(&mut self, tls: Tls) {
+        self.tls = match tls {
+            Tls::On { files, only } => Tls::On {
+                files: files.copy_into(&self.dir),
+                only,
+            },
+            other => other,
+        };
     }
 
     /// The one server of `flavor` shared by the tests of this binary.
@@ -272,6 +303,29 @@ impl DbServer {
             "--max-connections=500".to_owned(),
             format!("--init-file={}", self.server_dir.join("init.sql").display()),
         ];
+        // The certificate files as the server sees them (inside the chroot for MySQL).
+        let seen = |path: &std::path::Path| {
+            self.server_dir
+                .join(path.file_name().expect("a file name"))
+                .display()
+                .to_string()
+        };
+        let tls: Vec<String> = match &self.tls {
+            Tls::Default => Vec::new(),
+            Tls::Off => match self.flavor {
+                Flavor::MySql => vec!["--tls-version=".to_owned()],
+                Flavor::MariaDb => Vec::new(),
+            },
+            Tls::On { files, only } => vec![
+                format!("--ssl-cert={}", seen(&files.cert)),
+                format!("--ssl-key={}", seen(&files.key)),
+                format!("--ssl-ca={}", seen(&files.ca)),
+                format!(
+                    "--require-secure-transport={}",
+                    if *only { "ON" } else { "OFF" }
+                ),
+            ],
+        };
         // Run at every start: the test database and root from loopback (and the placement's
         // clients) by address.
         let mut init = "CREATE DATABASE IF NOT EXISTS dlock_test;\n".to_owned();
@@ -288,13 +342,16 @@ impl DbServer {
                 let mut cmd = self
                     .placement
                     .command(find_on_path("mariadbd").expect("mariadbd"));
-                cmd.args(&common);
+                cmd.args(&common).args(&tls);
                 cmd.arg("--innodb-log-file-size=8M");
                 cmd
             }
             Flavor::MySql => {
                 let mut cmd = self.placement.command("chroot");
-                cmd.arg(chroot_dir()).arg("/usr/sbin/mysqld").args(&common);
+                cmd.arg(chroot_dir())
+                    .arg("/usr/sbin/mysqld")
+                    .args(&common)
+                    .args(&tls);
                 cmd.args([
                     "--mysqlx=OFF",
                     "--performance-schema=OFF",

@@ -1,9 +1,10 @@
-//! Where a throwaway server of `tests/support` runs. Its own file, so that the benches, which
-//! include single server modules by path, can include it beside them.
+//! Where a throwaway server of `tests/support` runs, and the certificate files it presents when
+//! it speaks TLS. Its own file, so that the benches, which include single server modules by
+//! path, can include it beside them.
 
 use std::ffi::OsStr;
 use std::net::IpAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
@@ -88,5 +89,36 @@ impl Placement {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+/// A server's certificate and key files, and the CA that signed the certificate (for servers
+/// that want one configured).
+#[derive(Debug, Clone)]
+pub struct ServerTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+impl ServerTls {
+    /// Copies the three files into `dir` (as `server.pem`, `server.key`, `ca.pem`), where a
+    /// server process can read them, and returns the copies. The key is made readable by its
+    /// owner only (PostgreSQL refuses a key others can read).
+    pub fn copy_into(&self, dir: &Path) -> ServerTls {
+        use std::os::unix::fs::PermissionsExt;
+        let copy = |from: &Path, name: &str| {
+            let to = dir.join(name);
+            std::fs::copy(from, &to).expect("copy a certificate file");
+            to
+        };
+        let copied = ServerTls {
+            cert: copy(&self.cert, "server.pem"),
+            key: copy(&self.key, "server.key"),
+            ca: copy(&self.ca, "ca.pem"),
+        };
+        std::fs::set_permissions(&copied.key, std::fs::Permissions::from_mode(0o600))
+            .expect("chmod the key");
+        copied
     }
 }

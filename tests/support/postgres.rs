@@ -5,6 +5,10 @@
 //! Each server trusts every local user except `locker`, who must give a password (for the
 //! wrong-password test). A server is stopped when its [`PgServer`] is dropped; the shared
 //! server of a test binary is stopped by a small reaper process when the test binary exits.
+//!
+//! With [`PgServer::set_tls`] (or [`PgServer::start_tls`]) the server runs with `ssl=on` and a
+//! given certificate, and optionally accepts TCP clients over TLS only (`hostssl` lines alone in
+//! `pg_hba.conf`, so a client without TLS is refused with "no encryption").
 
 use std::io::Write;
 use std::net::{IpAddr, TcpListener};
@@ -14,6 +18,7 @@ use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 use super::Placement;
+use super::placement::ServerTls;
 
 /// A running (or stopped) throwaway server.
 pub struct PgServer {
@@ -22,6 +27,9 @@ pub struct PgServer {
     child: Option<Child>,
     bin: PathBuf,
     placement: Placement,
+    /// The certificate files (copies in the server's dir) when TLS is on, and whether TCP
+    /// clients must use it; read by the next [`resume`](PgServer::resume).
+    tls: Option<(ServerTls, bool)>,
     // Ends the server when this process exits, even if `Drop` never runs (statics).
     _reaper: ChildStdin,
 }
@@ -111,15 +119,6 @@ impl PgServer {
             "initdb failed: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        let mut hba = "local all all trust\n\
-             host all locker 127.0.0.1/32 scram-sha-256\n\
-             host all all 127.0.0.1/32 trust\n"
-            .to_owned();
-        for client in &placement.clients {
-            let bits = if client.is_ipv4() { 32 } else { 128 };
-            hba.push_str(&format!("host all all {client}/{bits} trust\n"));
-        }
-        std::fs::write(data.join("pg_hba.conf"), hba).expect("write pg_hba.conf");
         let listen: Vec<String> = placement.listen().iter().map(IpAddr::to_string).collect();
         let mut conf = std::fs::OpenOptions::new()
             .append(true)
@@ -161,10 +160,56 @@ impl PgServer {
             child: None,
             bin,
             placement,
+            tls: None,
             _reaper: reaper_stdin,
         };
         server.resume();
         server
+    }
+
+    /// [`start`](PgServer::start) with TLS on (`ssl=on`) and `tls`'s certificate; with
+    /// `tls_only`, TCP clients without TLS are refused.
+    pub fn start_tls(tls: &ServerTls, tls_only: bool) -> PgServer {
+        let mut server = PgServer::start();
+        server.stop();
+        server.set_tls(Some(tls), tls_only);
+        server.resume();
+        server
+    }
+
+    /// The TLS settings of the next [`resume`](PgServer::resume): `None` turns TLS off (`ssl`
+    /// stays at its default, off). The files are copied into the server's dir, owned by the
+    /// server's user. With `tls_only`, `pg_hba.conf` has `hostssl` lines only for TCP clients.
+    pub fn set_tls(&mut self, tls: Option<&ServerTls>, tls_only: bool) {
+        self.tls = tls.map(|tls| {
+            let copied = tls.copy_into(&self.dir);
+            if Placement::running_as_root() {
+                let status = Command::new("chown")
+                    .arg("postgres:postgres")
+                    .args([&copied.cert, &copied.key, &copied.ca])
+                    .status()
+                    .expect("chown");
+                assert!(status.success(), "chown of the certificate files failed");
+            }
+            (copied, tls_only)
+        });
+    }
+
+    /// Writes `pg_hba.conf` for the next start: trust for local and loopback clients (and the
+    /// placement's), a password for `locker`, `hostssl` instead of `host` when TLS is required.
+    fn write_hba(&self) {
+        let tls_only = self.tls.as_ref().is_some_and(|(_, only)| *only);
+        let host = if tls_only { "hostssl" } else { "host" };
+        let mut hba = format!(
+            "local all all trust\n\
+             {host} all locker 127.0.0.1/32 scram-sha-256\n\
+             {host} all all 127.0.0.1/32 trust\n"
+        );
+        for client in &self.placement.clients {
+            let bits = if client.is_ipv4() { 32 } else { 128 };
+            hba.push_str(&format!("{host} all all {client}/{bits} trust\n"));
+        }
+        std::fs::write(self.data().join("pg_hba.conf"), hba).expect("write pg_hba.conf");
     }
 
     /// The one server shared by the tests of this binary.
@@ -205,18 +250,26 @@ impl PgServer {
     /// Starts the server again after [`stop`](PgServer::stop), on the same port.
     pub fn resume(&mut self) {
         assert!(self.child.is_none(), "the server is running");
+        self.write_hba();
         let log = std::fs::File::create(self.dir.join("server.log")).expect("log file");
         let _ = Command::new("chown")
             .args(["postgres:postgres"])
             .arg(self.dir.join("server.log"))
             .status();
-        let child = as_postgres(&self.placement, &self.bin.join("postgres"))
-            .arg("-D")
+        let mut cmd = as_postgres(&self.placement, &self.bin.join("postgres"));
+        cmd.arg("-D")
             .arg(self.data())
             .arg("-p")
             .arg(self.port.to_string())
             .arg("-k")
-            .arg(&self.dir)
+            .arg(&self.dir);
+        if let Some((tls, _)) = &self.tls {
+            cmd.args(["-c", "ssl=on", "-c"])
+                .arg(format!("ssl_cert_file={}", tls.cert.display()))
+                .arg("-c")
+                .arg(format!("ssl_key_file={}", tls.key.display()));
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)

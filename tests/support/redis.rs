@@ -11,6 +11,11 @@
 //! `DLOCK_REDIS7_SERVER`, `DLOCK_VALKEY81_SERVER`, `DLOCK_VALKEY91_SERVER` and
 //! `DLOCK_REDIS8_SERVER` name other binaries. Without a binary a test prints that it is
 //! skipped, unless `CI` is set: then it fails.
+//!
+//! [`RedisServer::start_tls`] adds a TLS port (`--tls-port`, with a given certificate; clients
+//! are not asked for certificates), beside the plain port the tests' own commands use, or
+//! instead of it (`--port 0`: a TLS-only server, ready once its log says so). Redis 7 and
+//! Redis 8 here are built with TLS; the Valkey builds from PyPI are not.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -22,6 +27,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
 use super::Placement;
+use super::placement::ServerTls;
 
 /// A server flavour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,6 +112,8 @@ pub struct RedisServer {
     port: u16,
     child: Option<Child>,
     placement: Placement,
+    /// The TLS port and certificate (files in `dir`), and whether the plain port is closed.
+    tls: Option<(u16, ServerTls, bool)>,
 }
 
 impl RedisServer {
@@ -139,6 +147,7 @@ impl RedisServer {
                 port: free_port(),
                 child: None,
                 placement: placement.clone(),
+                tls: None,
             };
             if server.spawn() {
                 let info = server.info("server");
@@ -155,11 +164,72 @@ impl RedisServer {
         panic!("could not start {}", binary.display());
     }
 
+    /// [`start`](RedisServer::start) with a TLS port presenting `tls`'s certificate. With
+    /// `tls_only` the plain port is closed (`--port 0`): [`raw`](RedisServer::raw),
+    /// [`info`](RedisServer::info) and [`url`](RedisServer::url) do not work then, and the
+    /// server's version is not checked.
+    pub fn start_tls(flavor: Flavor, tls: &ServerTls, tls_only: bool) -> Option<RedisServer> {
+        let mut server = RedisServer::start(flavor)?;
+        server.set_tls(Some(tls), tls_only);
+        server.restart();
+        Some(server)
+    }
+
+    /// The TLS of the next [`restart`](RedisServer::restart) (`None`: plain port only).
+    pub fn set_tls(&mut self, tls: Option<&ServerTls>, tls_only: bool) {
+        self.tls = tls.map(|tls| {
+            let port = self
+                .tls
+                .as_ref()
+                .map_or_else(free_port, |(port, _, _)| *port);
+            (port, tls.copy_into(self.dir.path()), tls_only)
+        });
+    }
+
+    /// The TLS port.
+    pub fn tls_port(&self) -> u16 {
+        self.tls.as_ref().expect("a TLS server").0
+    }
+
+    /// A `rediss://` URL of the TLS port by `host`, with `options` appended.
+    pub fn tls_url_by(&self, host: &str, options: &str) -> String {
+        let port = self.tls_port();
+        if options.is_empty() {
+            format!("rediss://{host}:{port}/")
+        } else {
+            format!("rediss://{host}:{port}/?{options}")
+        }
+    }
+
+    /// A `rediss://` URL of the TLS port at 127.0.0.1 (the name on the test certificates).
+    pub fn tls_url(&self, options: &str) -> String {
+        self.tls_url_by("127.0.0.1", options)
+    }
+
     /// Spawns the process and waits until it answers PING; false when it did not come up.
     fn spawn(&mut self) -> bool {
         let mut cmd = self.placement.command(&self.binary);
-        cmd.args(["--port", &self.port.to_string(), "--bind"])
+        let tls_only = matches!(self.tls, Some((_, _, true)));
+        let port = if tls_only { 0 } else { self.port };
+        cmd.args(["--port", &port.to_string(), "--bind"])
             .args(self.placement.listen().iter().map(IpAddr::to_string));
+        if let Some((tls_port, files, _)) = &self.tls {
+            cmd.args([
+                "--tls-port",
+                &tls_port.to_string(),
+                "--tls-auth-clients",
+                "no",
+            ])
+            .arg("--tls-cert-file")
+            .arg(&files.cert)
+            .arg("--tls-key-file")
+            .arg(&files.key)
+            .arg("--tls-ca-cert-file")
+            .arg(&files.ca);
+        }
+        let log = self.dir.path().join("server.log");
+        let _ = std::fs::remove_file(&log);
+        cmd.arg("--logfile").arg(&log);
         if !self.placement.clients.is_empty() {
             // Without a password, protected mode refuses every client but loopback.
             cmd.args(["--protected-mode", "no"]);
@@ -180,7 +250,13 @@ impl RedisServer {
                 self.child = None;
                 return false;
             }
-            if self.raw(&["PING"]).is_some_and(|r| r.starts_with("+PONG")) {
+            let ready = if tls_only {
+                std::fs::read_to_string(&log)
+                    .is_ok_and(|text| text.contains("Ready to accept connections"))
+            } else {
+                self.raw(&["PING"]).is_some_and(|r| r.starts_with("+PONG"))
+            };
+            if ready {
                 return true;
             }
             std::thread::sleep(Duration::from_millis(10));

@@ -92,7 +92,18 @@
 //!
 //! An ADO.NET connection string works too, through [`MssqlBackend::builder_from_ado`]:
 //! `Server=tcp:db.internal,1433;Database=app;User Id=app;Password=secret;TrustServerCertificate=true`.
-//! TLS is done by rustls (no OpenSSL).
+//! TLS is done by rustls (no OpenSSL). The server's certificate is verified against the
+//! system's roots unless `trust_server_certificate=true`; for a private CA, put
+//! `TrustServerCertificateCA=/path/ca.pem` in an ADO.NET string, or call
+//! `tiberius::Config::trust_cert_ca` and use [`MssqlBackend::builder`] (the driver then trusts
+//! that CA besides the system's roots). Both `TrustServerCertificate=true` and
+//! `TrustServerCertificateCA` in one string is a [`LockError::Config`].
+//!
+//! # Permissions
+//!
+//! `sp_getapplock` and `sp_releaseapplock` need membership in the database's `public` role,
+//! which every database user has: `CREATE USER dlock_app FOR LOGIN dlock_app` in the URL's
+//! database is all. (From the SQL Server documentation; not verified here, see the README.)
 //!
 //! # Transaction-bound locks
 //!
@@ -116,6 +127,63 @@ use crate::options::{query_pairs, unknown_option};
 use conn::MssqlConnector;
 pub use statements::resource_name;
 use statements::{Grant, NAME, Owner, getapplock_call, getapplock_result, lock_timeout_ms};
+/// The `key=value` pairs of an ADO.NET connection string, keys trimmed and in lower case,
+/// values unquoted (`'...'` or `"..."`, a doubled quote standing for one; `;` inside quotes
+/// belongs to the value).
+fn ado_pairs(text: &str) -> Vec<(String, String)> {
+    let mut pairs = Vec::new();
+    let mut chars = text.chars().peekable();
+    loop {
+        let key: String = chars.by_ref().take_while(|c| *c != '=').collect();
+        if key.trim().is_empty() && chars.peek().is_none() {
+            return pairs;
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut value = String::new();
+        match chars.peek().copied() {
+            Some(quote @ ('\'' | '"')) => {
+                chars.next();
+                while let Some(c) = chars.next() {
+                    if c == quote {
+                        if chars.next_if_eq(&quote).is_some() {
+                            value.push(quote);
+                        } else {
+                            break;
+                        }
+                    } else {
+                        value.push(c);
+                    }
+                }
+                // Up to the separator.
+                for c in chars.by_ref() {
+                    if c == ';' {
+                        break;
+                    }
+                }
+            }
+            _ => {
+                for c in chars.by_ref() {
+                    if c == ';' {
+                        break;
+                    }
+                    value.push(c);
+                }
+            }
+        }
+        // A part without `=` (a stray `;`) has eaten its way to the end; keep what was found.
+        let key = key.trim().to_ascii_lowercase();
+        if !key.is_empty() {
+            pairs.push((
+                key.rsplit(';').next().unwrap_or_default().trim().to_owned(),
+                value,
+            ));
+        }
+        if chars.peek().is_none() {
+            return pairs;
+        }
+    }
+}
+
 /// The `tiberius` driver this module is built against, for [`MssqlBackend::builder`]'s
 /// `Config` and the transaction-bound functions' `Client`.
 pub use tiberius;
@@ -243,8 +311,33 @@ impl MssqlBackend {
 
     /// A builder from an ADO.NET connection string such as
     /// `Server=tcp:db,1433;Database=app;User Id=app;Password=secret;TrustServerCertificate=true`.
+    ///
+    /// `TrustServerCertificate=true` and `TrustServerCertificateCA=<path>` exclude each other
+    /// (the driver would panic on both): together they are a [`LockError::Config`].
     pub fn builder_from_ado(connection_string: &str) -> Result<MssqlBuilder, LockError> {
-        let config = Config::from_ado_string(connection_string).map_err(|_| {
+        let both_trusts = || {
+            LockError::config(
+                "the ADO.NET connection string sets both TrustServerCertificate=true (no check) \
+                 and TrustServerCertificateCA (check against that CA); keep the one you mean",
+            )
+        };
+        let keys = ado_pairs(connection_string);
+        let trusts_all = keys.iter().any(|(key, value)| {
+            key == "trustservercertificate"
+                && matches!(value.trim().to_ascii_lowercase().as_str(), "true" | "yes")
+        });
+        if trusts_all
+            && keys
+                .iter()
+                .any(|(key, _)| key == "trustservercertificateca")
+        {
+            return Err(both_trusts());
+        }
+        // The driver panics on the pair; should its reading of the string find one where the
+        // check above did not (quoting), the panic is kept from the caller.
+        let parsed = std::panic::catch_unwind(|| Config::from_ado_string(connection_string))
+            .map_err(|_| both_trusts())?;
+        let config = parsed.map_err(|_| {
             // The driver's message may quote parts of the string: say what to check instead.
             LockError::config(
                 "the ADO.NET connection string could not be parsed; check its Server \

@@ -39,18 +39,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0";
 
-/// A Lua script and its SHA-1, for `EVALSHA`.
+/// A Lua script, its SHA-1 (for `EVALSHA`), and the commands it runs (which a user needs
+/// permission for, besides `EVALSHA` and `EVAL`).
 #[derive(Debug)]
 pub(crate) struct Script {
     code: &'static str,
     sha: String,
+    commands: &'static [&'static str],
 }
 
 impl Script {
-    pub(crate) fn new(code: &'static str) -> Script {
+    pub(crate) fn new(code: &'static str, commands: &'static [&'static str]) -> Script {
         Script {
             code,
             sha: redis::Script::new(code).get_hash().to_owned(),
+            commands,
         }
     }
 }
@@ -66,9 +69,9 @@ pub(crate) struct Scripts {
 impl Scripts {
     pub(crate) fn new() -> Scripts {
         Scripts {
-            acquire_fenced: Script::new(ACQUIRE_FENCED_LUA),
-            release: Script::new(RELEASE_LUA),
-            extend: Script::new(EXTEND_LUA),
+            acquire_fenced: Script::new(ACQUIRE_FENCED_LUA, &["set", "incr"]),
+            release: Script::new(RELEASE_LUA, &["get", "del"]),
+            extend: Script::new(EXTEND_LUA, &["get", "pexpire"]),
         }
     }
 }
@@ -184,6 +187,43 @@ pub(crate) fn is_syntax_error(err: &RedisError) -> bool {
         })
 }
 
+/// A command of a script refused by the user's ACL. The server answers `ERR`, not `NOPERM`:
+/// "ACL failure in script: User u has no permissions to run the 'incr' command" (Redis 7.2+,
+/// Valkey), "The user executing the script can't run this command or subcommand" (Redis 7.0,
+/// which does not say which), or "... can't access at least one of the keys ...".
+fn is_script_acl_failure(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && err.detail().is_some_and(|d| {
+            d.contains("ACL failure in script") || d.contains("The user executing the script can't")
+        })
+}
+
+/// A script's ACL failure as the `NOPERM` it is, naming the script's commands when the server
+/// did not name the refused one.
+fn script_noperm(script: &Script, err: &RedisError) -> RedisError {
+    let detail = err.detail().unwrap_or_default();
+    let named = refused_command(detail).is_some();
+    let listed = script
+        .commands
+        .iter()
+        .map(|c| format!("`{c}`"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let detail = if named {
+        format!("{detail} (in a script, which runs {listed})")
+    } else {
+        format!("{detail} (the server does not say which; the script runs {listed})")
+    };
+    RedisError::from((ErrorKind::Server(ServerErrorKind::NoPerm), "NOPERM", detail))
+}
+
+/// The command a `NOPERM` answer names ("... to run the 'incr' command"), if it names one.
+pub(crate) fn refused_command(detail: &str) -> Option<&str> {
+    let (_, rest) = detail.split_once("to run the '")?;
+    let (command, rest) = rest.split_once('\'')?;
+    rest.starts_with(" command").then_some(command)
+}
+
 /// Whether the failure is an answer of the server (as opposed to an I/O failure, a timeout, a
 /// dropped connection, after which the connection may be a new one).
 fn is_server_answer(err: &RedisError) -> bool {
@@ -285,12 +325,16 @@ impl Conn {
     ) -> Result<Value, RedisError> {
         let mut evalsha = redis::cmd("EVALSHA");
         evalsha.arg(&script.sha).arg(keys.len()).arg(keys).arg(args);
-        match self.query(&evalsha).await {
+        let outcome = match self.query(&evalsha).await {
             Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let mut eval = redis::cmd("EVAL");
                 eval.arg(script.code).arg(keys.len()).arg(keys).arg(args);
                 self.query(&eval).await
             }
+            other => other,
+        };
+        match outcome {
+            Err(err) if is_script_acl_failure(&err) => Err(script_noperm(script, &err)),
             other => other,
         }
     }
@@ -488,9 +532,26 @@ impl Conn {
         let mut manager = self.manager.clone();
         let outcome = pipe
             .query_async::<(Option<Vec<u8>>, i64)>(&mut manager)
-            .await;
+            .await
+            .map_err(first_queued_error);
         self.forget_on_failure(&outcome);
         outcome
+    }
+}
+
+/// The error of the first command a transaction refused to queue (a `NOPERM`, say) in place of
+/// the `EXECABORT` that hides it.
+fn first_queued_error(err: RedisError) -> RedisError {
+    if err.kind() != ErrorKind::Server(ServerErrorKind::ExecAbort) {
+        return err;
+    }
+    let first = err
+        .clone()
+        .into_server_errors()
+        .and_then(|errors| errors.first().map(|(_, first)| first.clone()));
+    match first {
+        Some(first) => RedisError::from(first),
+        None => err,
     }
 }
 
@@ -508,7 +569,7 @@ mod tests {
 
     #[test]
     fn script_hashes_are_sha1_of_the_code() {
-        let s = Script::new(RELEASE_LUA);
+        let s = Script::new(RELEASE_LUA, &["get", "del"]);
         assert_eq!(s.sha.len(), 40);
         assert_eq!(s.sha, redis::Script::new(RELEASE_LUA).get_hash());
     }
@@ -523,5 +584,26 @@ mod tests {
         ));
         assert!(!is_server_answer(&io));
         assert!(!is_unknown_command(&io) && !is_syntax_error(&io));
+    }
+
+    #[test]
+    fn refused_commands() {
+        assert_eq!(
+            refused_command("User u has no permissions to run the 'delex' command"),
+            Some("delex")
+        );
+        assert_eq!(
+            refused_command("this user has no permissions to run the 'config|get' command"),
+            Some("config|get")
+        );
+        assert_eq!(refused_command("No permissions to access a key"), None);
+        let script = Script::new(RELEASE_LUA, &["get", "del"]);
+        let old = redis::make_extension_error(
+            "ERR".into(),
+            Some("The user executing the script can't run this command or subcommand".into()),
+        );
+        let err = script_noperm(&script, &old);
+        assert_eq!(err.code(), Some("NOPERM"));
+        assert!(err.detail().unwrap().contains("`get`, `del`"), "{err}");
     }
 }

@@ -32,8 +32,9 @@
 //!
 //! Scripts run with `EVALSHA`, and with `EVAL` once after a `NOSCRIPT` answer (a restart, a
 //! `SCRIPT FLUSH`, a failover to a replica that has not seen them). A user without `EVALSHA`/`EVAL`
-//! gets a [`LockError::Backend`] with `db_code` `"NOPERM"` and a message saying what to grant;
-//! on Redis 8.4+ or Valkey 9.0+ with `fencing=false` no script is needed at all.
+//! gets a [`LockError::Backend`] with `db_code` `"NOPERM"` and a message saying what to grant
+//! (see [Permissions](self#permissions)); on Redis 8.4+ or Valkey 9.0+ with `fencing=false` no
+//! script is needed at all.
 //!
 //! # Keys
 //!
@@ -47,8 +48,9 @@
 //!
 //! # URL
 //!
-//! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS, with rustls and the
-//! system's root certificates), with options:
+//! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
+//! the server's certificate always verified: by the system's root certificates, or by the CA of
+//! `ca`), with options:
 //!
 //! | option | default | meaning |
 //! |---|---|---|
@@ -57,6 +59,58 @@
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
 //! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
+//! | `ca` | none | `rediss://` only: a PEM file of the CA certificates to trust **instead of** the system's roots (a private CA); read when the URL is parsed. The builder's [`RedisBuilder::ca_certificates`] takes the PEM itself |
+//!
+//! # TLS
+//!
+//! `rediss://` never falls back to a connection in clear, and the server's certificate must
+//! be signed by a trusted CA and carry the host name or IP address of the URL (rustls checks
+//! no other way; there is no option to skip the check). A refused certificate is a
+//! [`LockError::Config`] that says which check failed: "not signed by a CA this client trusts
+//! (unknown issuer)", "not valid for the host name `h` the URL names (it is for ...)", "has
+//! expired (valid until ...)". A `rediss://` URL aimed at a port without TLS times out while
+//! the handshake waits ([`LockError::Unavailable`] saying so), and a `redis://` client at a TLS
+//! port is cut off by the server. Client certificates (mutual TLS) are not configured by
+//! dlock: build the `redis::Client` with `redis::Client::build_with_tls` and pass it to
+//! [`RedisBackend::builder`].
+//!
+//! # Permissions
+//!
+//! dlock runs only the commands of the path it finds on the server (see [Native commands
+//! first](self#native-commands-first-per-connection)), so an ACL user needs exactly these, on
+//! the keys `~<prefix>{*` (the lock key `<prefix>{<key>}` and its counter
+//! `<prefix>{<key>}:fence`). Scripts run with the caller's permissions, so the commands they
+//! call are listed too. The probes of `DELEX` and `DELIFEQ` are the bare command names, which
+//! the server refuses for their arity before it checks the ACL: they need no permission.
+//!
+//! | server | fencing on (default) | `fencing=false` |
+//! |---|---|---|
+//! | Redis 8.4+ | `+set +evalsha +eval +incr +delex +exists` | `+set +delex +exists` |
+//! | Valkey 9.0+ | `+set +evalsha +eval +incr +delifeq +exists` | `+set +delifeq +exists` |
+//! | Valkey 8.1 | `+set +evalsha +eval +incr +get +del` | `+set +evalsha +eval +get +del` |
+//! | Redis 7 (any server without `SET IFEQ`, `DELEX`, `DELIFEQ`) | `+set +evalsha +eval +incr +get +pexpire +del` | `+set +evalsha +eval +get +pexpire +del` |
+//!
+//! ```text
+//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels -@all +set +evalsha +eval +incr +delex +exists
+//! ```
+//!
+//! End the key pattern with `{*`, not `*`: the pattern `~t:*` of a tenant with the prefix `t:`
+//! would also match the keys of a tenant with the prefix `t:x:`; `~t:{*` does not. (A prefix
+//! with `*`, `?`, `[` or `\` in it needs those escaped with `\` in the pattern.) The raw-token
+//! reads ([`owner_token`](RedisBackend::owner_token),
+//! [`verify_still_held`](RedisBackend::verify_still_held),
+//! [`remaining_lease`](RedisBackend::remaining_lease)) also need `+get +pttl +multi +exec`;
+//! a database other than 0 in the URL needs `+select`. `PING`, which dlock sends to check a
+//! connection after a runtime shut down, may be refused: its answer is not needed.
+//!
+//! A command the user may not run is a [`LockError::Backend`] with `db_code` `"NOPERM"` whose
+//! message names the command (on Redis 7.0, which does not say which command of a script it
+//! refused, the message lists the script's commands), and **nothing else is tried in its
+//! place**: a refused `DELEX` is not followed by the Lua release, for instance. A refused
+//! renewal is retried until the lock's local deadline, then the guard is told the lock is lost
+//! (the log says why). A failed acquisition gives back whatever its script took before the
+//! refusal. `tests/least_privilege.rs` runs the conformance suite as such a user on every
+//! flavour, and takes each command away in turn.
 //!
 //! [`RedisBackend::builder`] builds one from a `redis::Client`, and
 //! [`RedisBackend::builder_on_manager`] (or [`RedisBackend::from_manager`]) on a
@@ -159,7 +213,7 @@ const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 const MIN_LEASE: Duration = Duration::from_millis(100);
 const DEFAULT_PREFIX: &str = "dlock:";
-const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protocol"];
+const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protocol", "ca"];
 
 /// The part of a lease the holder counts on: lost is declared once this much of the lease has
 /// passed since the last successful renewal was sent.
@@ -221,6 +275,8 @@ pub struct RedisBuilder {
     prefix: String,
     fencing: bool,
     timeout: Duration,
+    /// CA certificates (PEM) that replace the system's roots for `rediss://`.
+    ca: Option<Vec<u8>>,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -230,6 +286,7 @@ impl std::fmt::Debug for RedisBuilder {
             .field("prefix", &self.prefix)
             .field("fencing", &self.fencing)
             .field("timeout", &self.timeout)
+            .field("ca", &self.ca.as_ref().map(|_| "(PEM)"))
             .finish_non_exhaustive()
     }
 }
@@ -242,7 +299,20 @@ impl RedisBuilder {
             prefix: DEFAULT_PREFIX.to_owned(),
             fencing: true,
             timeout: DEFAULT_TIMEOUT,
+            ca: None,
         }
+    }
+
+    /// Trusts these CA certificates (PEM, one or more) for `rediss://`, **instead of** the
+    /// system's root certificates: a private CA, as inside many clusters. The server's
+    /// certificate must be signed by one of them and carry the host name (or IP address) the
+    /// URL names. Checked by [`connect`](RedisBuilder::connect): PEM without a certificate, a
+    /// `redis://` (plain) client, or a builder on an existing connection manager (which brings
+    /// its own TLS settings) is a [`LockError::Config`]. The URL's `ca` option reads such a
+    /// file.
+    pub fn ca_certificates(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca = Some(pem.into());
+        self
     }
 
     /// Uses a connection manager the application already has instead of opening one.
@@ -294,9 +364,23 @@ impl RedisBuilder {
             ));
         }
         let manager = match self.source {
+            Source::Manager(_) if self.ca.is_some() => {
+                return Err(LockError::config(
+                    "the redis `ca` applies to connections dlock opens; a ConnectionManager \
+                     brings its own TLS settings (build its client with \
+                     redis::Client::build_with_tls)",
+                ));
+            }
             Source::Manager(manager) => manager,
             Source::Client(client) => {
-                let client = *client;
+                let client = match self.ca {
+                    Some(pem) => with_ca(&client, pem)?,
+                    None => *client,
+                };
+                let tls = matches!(
+                    client.get_connection_info().addr(),
+                    redis::ConnectionAddr::TcpTls { .. }
+                );
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout))
@@ -304,11 +388,21 @@ impl RedisBuilder {
                 let connecting = ConnectionManager::new_with_config(client, config);
                 match tokio::time::timeout(self.timeout, connecting).await {
                     Ok(Ok(manager)) => manager,
-                    Ok(Err(err)) => return Err(redis_error("connecting", err)),
+                    Ok(Err(err)) => {
+                        return Err(redis_error("connecting", err, self.prefix.as_bytes()));
+                    }
                     Err(_) => {
+                        // A port that does not speak TLS never answers the client's
+                        // hello: the handshake waits for the timeout.
+                        let hint = if tls {
+                            " (TLS: no TLS handshake completed; is the port a TLS port, \
+                             `tls-port` of the server?)"
+                        } else {
+                            ""
+                        };
                         return Err(LockError::unavailable(
                             NAME,
-                            format!("connecting timed out after {:?}", self.timeout),
+                            format!("connecting timed out after {:?}{hint}", self.timeout),
                             None,
                         ));
                     }
@@ -550,7 +644,7 @@ impl Shared {
         operation: impl Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
         match tokio::time::timeout(self.timeout, operation).await {
-            Ok(outcome) => outcome.map_err(|err| redis_error(what, err)),
+            Ok(outcome) => outcome.map_err(|err| redis_error(what, err, &self.prefix)),
             Err(_) => Err(LockError::unavailable(
                 NAME,
                 format!("{what} timed out after {:?}", self.timeout),
@@ -558,6 +652,41 @@ impl Shared {
             )),
         }
     }
+}
+
+/// `client` again, trusting the CA certificates in `pem` instead of the system's roots.
+fn with_ca(client: &redis::Client, pem: Vec<u8>) -> Result<redis::Client, LockError> {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    let certificates = CertificateDer::pem_slice_iter(&pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|err| LockError::config(format!("the redis `ca` is not valid PEM ({err})")))?;
+    if certificates.is_empty() {
+        return Err(LockError::config(
+            "the redis `ca` holds no certificate (expected PEM: -----BEGIN CERTIFICATE-----)",
+        ));
+    }
+    if !matches!(
+        client.get_connection_info().addr(),
+        redis::ConnectionAddr::TcpTls { .. }
+    ) {
+        return Err(LockError::config(
+            "the redis `ca` needs a TLS connection: use a rediss:// URL",
+        ));
+    }
+    let certificates = redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
+    };
+    redis::Client::build_with_tls(client.get_connection_info().clone(), certificates).map_err(
+        |err| {
+            LockError::config(format!(
+                "the redis `ca` cannot be used ({:?}: {})",
+                err.kind(),
+                err.detail().unwrap_or("")
+            ))
+        },
+    )
 }
 
 /// `{prefix}{key'}`: see [Keys](self#keys).
@@ -616,19 +745,36 @@ fn watch_runtime(conn: &Conn) -> Option<tokio_util::sync::DropGuard> {
 }
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
-fn redis_error(what: &str, err: RedisError) -> LockError {
+fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
+    if let Some(failure) = crate::tls::describe(&err, "ca") {
+        return failure.into_error(NAME, what, Box::new(err));
+    }
     match err.kind() {
-        ErrorKind::Server(ServerErrorKind::NoPerm) => LockError::backend(
-            NAME,
-            format!(
-                "{what}: the Redis user lacks a permission ({}). Grant what the lock commands need \
-                 (for example `ACL SETUSER <user> +set +get +del +pexpire +exists +evalsha +eval +delex +delifeq ~<prefix>*`); \
-                 with fencing=false on Redis 8.4+ or Valkey 9.0+ no scripts are needed",
-                err.detail().unwrap_or("NOPERM")
-            ),
-            Some("NOPERM".to_owned()),
-            Some(Box::new(err)),
-        ),
+        ErrorKind::Server(ServerErrorKind::NoPerm) => {
+            let detail = err.detail().unwrap_or("NOPERM");
+            let prefix = String::from_utf8_lossy(prefix);
+            let what_is_missing = match commands::refused_command(detail) {
+                Some(command) => format!("may not run `{command}` (grant `+{command}`)"),
+                None if detail.contains("key") => format!(
+                    "may not use the keys of the prefix `{prefix}`: its key pattern must be \
+                     `~{prefix}{{*`"
+                ),
+                None if detail.contains("the script runs") => {
+                    "may not run a command of a script".to_owned()
+                }
+                None => "lacks a permission".to_owned(),
+            };
+            LockError::backend(
+                NAME,
+                format!(
+                    "{what}: the Redis user {what_is_missing} (NOPERM: {detail}). Grant the \
+                     commands dlock runs on this server, on the keys `~{prefix}{{*` (see \
+                     Permissions in the dlock::redis docs); no other command is tried instead"
+                ),
+                Some("NOPERM".to_owned()),
+                Some(Box::new(err)),
+            )
+        }
         ErrorKind::Server(_) | ErrorKind::Extension => {
             let code = err.code().map(str::to_owned);
             LockError::backend(
@@ -676,6 +822,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut prefix = DEFAULT_PREFIX.to_owned();
     let mut fencing = true;
     let mut timeout = DEFAULT_TIMEOUT;
+    let mut ca = None;
     let mut passed_on = Vec::new();
     for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
         match name.as_str() {
@@ -698,6 +845,19 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
                 }
             }
             "protocol" => passed_on.push((name, value)),
+            "ca" => {
+                if parsed.scheme() != "rediss" {
+                    return Err(LockError::config(
+                        "the redis option `ca` needs a TLS connection: use a rediss:// URL",
+                    ));
+                }
+                ca = Some(std::fs::read(&value).map_err(|err| {
+                    LockError::config(format!(
+                        "the redis option `ca` names a file that cannot be read ({}: {err})",
+                        value
+                    ))
+                })?);
+            }
             _ => return Err(unknown_option(NAME, &name, URL_OPTIONS)),
         }
     }
@@ -716,11 +876,15 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
             err.kind()
         ))
     })?;
-    Ok(RedisBackend::builder(client)
+    let mut builder = RedisBackend::builder(client)
         .lease(lease)
         .prefix(prefix)
         .fencing(fencing)
-        .timeout(timeout))
+        .timeout(timeout);
+    if let Some(pem) = ca {
+        builder = builder.ca_certificates(pem);
+    }
+    Ok(builder)
 }
 
 impl LockBackend for RedisBackend {
