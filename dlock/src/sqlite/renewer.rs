@@ -133,9 +133,15 @@ impl Renewer {
             return Ok(());
         }
         let state = Arc::clone(&self.state);
+        let (ready, started) = std::sync::mpsc::sync_channel(1);
         let thread = std::thread::Builder::new()
             .name("dlock-sqlite-renewal".to_owned())
-            .spawn(move || run(&state))
+            .spawn(move || {
+                // The thread is set up (the runtime's own allocations are done): the caller
+                // goes on, with nothing of the start left running beside it.
+                let _ = ready.send(());
+                run(&state);
+            })
             .map_err(|err| {
                 LockError::backend(
                     NAME,
@@ -144,6 +150,9 @@ impl Renewer {
                     Some(Box::new(err)),
                 )
             })?;
+        // Never blocks long: the thread's first step is to answer (the registry is not
+        // needed for that).
+        let _ = started.recv();
         registry.running = true;
         // The thread replaced (if any) has ended.
         *self.thread.lock().unwrap_or_else(PoisonError::into_inner) = Some(thread);
