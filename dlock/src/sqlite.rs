@@ -73,16 +73,16 @@
 //! # The write-ahead log
 //!
 //! The file is opened in WAL mode with `synchronous=NORMAL`, and created with 1 KiB pages
-//! (every commit appends whole pages to the log; lock rows are short). Every 1,000 commits a
-//! backend runs a passive checkpoint right after its commit, as SQLite's automatic checkpoint
-//! would; with no other writer at that moment, the log starts over at the next commit. Under
-//! sustained load from several processes passive checkpoints never catch up and the log would
-//! grow without end (it did, by gigabytes), so when the log is past 4,096 pages the backend
-//! follows with a `RESTART` checkpoint on the blocking pool: it holds other writers back while
-//! it writes the little the passive one left (two short `fsync`s; it waits at most 20 ms for
-//! readers) and lets the log start over. `journal_size_limit` trims the file to 16 MiB when
-//! it does. A transaction kept open on the file (a long transaction-bound lock, an
-//! application's long read) holds checkpoints back, and the log grows while it lasts.
+//! (every commit appends whole pages to the log; lock rows are short). Under sustained load
+//! from several processes SQLite's own (passive) checkpoints never catch up with the writers,
+//! and the log grew without end (by gigabytes). So every 1,000 commits a backend checkpoints
+//! on the blocking pool (no task of the application waits for its `fsync`s): passively first,
+//! without holding anyone back, and when that could not catch up and the log is past 4,096
+//! pages, with `RESTART`, which holds other writers back while it writes the little that is
+//! left (two short `fsync`s; it waits at most 20 ms for readers) and lets the log start over.
+//! `journal_size_limit` trims the file to 16 MiB when it does. A transaction kept open on the
+//! file (a long transaction-bound lock, an application's long read) holds checkpoints back,
+//! and the log grows while it lasts.
 //!
 //! # Limits
 //!
@@ -245,11 +245,11 @@ const CHECKPOINT_PASSIVE_SQL: &str = "PRAGMA wal_checkpoint(PASSIVE)";
 /// meanwhile.
 const CHECKPOINT_RESTART_SQL: &str = "PRAGMA wal_checkpoint(RESTART)";
 
-/// Commits of a backend between two passive checkpoints (about as many pages of log: SQLite's
-/// own default is 1,000 pages).
+/// Commits of a backend between two checkpoints (about as many pages of log: SQLite's own
+/// default is 1,000 pages).
 const CHECKPOINT_EVERY: u64 = 1000;
-/// The length of the write-ahead log, in pages, past which a backend whose passive checkpoint
-/// could not catch up makes the log start over.
+/// The length of the write-ahead log, in pages, past which a checkpoint that could not catch
+/// up passively makes the log start over.
 const RESTART_FRAMES: i64 = 4096;
 /// How long a checkpoint waits for readers (holding writers back meanwhile).
 const CHECKPOINT_BUSY_TIMEOUT: Duration = Duration::from_millis(20);
@@ -290,9 +290,9 @@ struct Shared {
     /// a busy database is retried with async pauses, so no worker thread is ever parked). Has
     /// the `-fencing` file attached.
     inline: Mutex<Connection>,
-    /// Runs `RESTART` checkpoints, on the blocking pool.
+    /// Runs checkpoints, on the blocking pool.
     checkpointer: Arc<Mutex<Connection>>,
-    /// Set while a `RESTART` checkpoint is under way.
+    /// Set while a checkpoint is under way.
     checkpointing: Arc<AtomicBool>,
     lease: Duration,
     busy_timeout: Duration,
@@ -657,7 +657,9 @@ impl HeldLock for SqliteHeld {
     /// lease had run out unrenewed), fires the lost token and answers [`LockError::Lost`].
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         Box::pin(async move {
-            self.shared.renewer.unregister(self.id);
+            // Renewed until the row is free: a release that waits for the file must not let
+            // the lease run out meanwhile.
+            self.shared.renewer.releasing(self.id);
             let outcome = self
                 .shared
                 .with_busy_retry("releasing a lock", RELEASE_PAUSES, |conn| {
@@ -665,6 +667,7 @@ impl HeldLock for SqliteHeld {
                         .execute(params![self.key.as_bytes(), &self.owner[..]])
                 })
                 .await;
+            self.shared.renewer.unregister(self.id);
             match outcome {
                 Ok(1) => {
                     self.shared.count_commit();
@@ -982,29 +985,15 @@ impl Shared {
         }
     }
 
-    /// Counts a commit of the inline connection. Every [`CHECKPOINT_EVERY`] commits, runs a
-    /// passive checkpoint right here, as SQLite's own automatic checkpoint would (it writes
-    /// the log into the database without holding anyone back; with no other writer at the
-    /// moment, the log starts over at the next commit). When other writers kept it from
-    /// catching up and the log is past [`RESTART_FRAMES`], a `RESTART` checkpoint follows on
-    /// the blocking pool: it holds writers back while it writes the little that is left, and
-    /// the log starts over.
+    /// Counts a commit of the inline connection. Every [`CHECKPOINT_EVERY`] commits, starts a
+    /// checkpoint on the blocking pool (so that no task of the application waits for its
+    /// `fsync`s): a passive one, which writes the log into the database without holding
+    /// anyone back; and when other writers kept it from catching up and the log is past
+    /// [`RESTART_FRAMES`], a `RESTART` one, which holds writers back while it writes the
+    /// little that is left, and lets the log start over.
     fn count_commit(&self) {
         let commits = self.commits.fetch_add(1, Ordering::Relaxed) + 1;
         if commits % CHECKPOINT_EVERY != 0 {
-            return;
-        }
-        let passive = self.inline().query_row(CHECKPOINT_PASSIVE_SQL, [], |row| {
-            Ok((row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
-        });
-        let (log, done) = match passive {
-            Ok(frames) => frames,
-            Err(err) => {
-                tracing::debug!(backend = NAME, error = %err, "checkpoint of the write-ahead log failed");
-                return;
-            }
-        };
-        if log <= RESTART_FRAMES || done >= log {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -1019,8 +1008,18 @@ impl Shared {
         drop(runtime.spawn_blocking(move || {
             let _running = running;
             let conn = checkpointer.lock().unwrap_or_else(PoisonError::into_inner);
+            let passive = conn.query_row(CHECKPOINT_PASSIVE_SQL, [], |row| {
+                Ok((row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
+            });
+            let restart = match passive {
+                Ok((log, done)) => log > RESTART_FRAMES && done < log,
+                Err(err) => {
+                    tracing::debug!(backend = NAME, error = %err, "checkpoint of the write-ahead log failed");
+                    false
+                }
+            };
             // Best effort: a checkpoint that finds readers in the way is tried again later.
-            if let Err(err) = conn.query_row(CHECKPOINT_RESTART_SQL, [], |_| Ok(())) {
+            if restart && let Err(err) = conn.query_row(CHECKPOINT_RESTART_SQL, [], |_| Ok(())) {
                 tracing::debug!(backend = NAME, error = %err, "checkpoint of the write-ahead log failed");
             }
         }));

@@ -48,6 +48,9 @@ pub(super) struct Renewal {
     lost: DropGuard,
     next_due: Instant,
     deadline: Instant,
+    /// Being released: still renewed, but a renewal that finds the row free or taken leaves
+    /// the verdict to the release.
+    releasing: bool,
 }
 
 impl Renewal {
@@ -66,6 +69,7 @@ impl Renewal {
             lost: lost.drop_guard(),
             next_due: later(written, lease / 3),
             deadline: later(written, safe_window(lease)),
+            releasing: false,
         }
     }
 }
@@ -176,6 +180,15 @@ impl Renewer {
             self.state.wake.notify_one();
         }
         Ok(id)
+    }
+
+    /// Marks lock `id` as being released: it is renewed until [`Renewer::unregister`], but a
+    /// renewal that finds its row free or taken does not fire its lost token (the release
+    /// tells which it was).
+    pub(super) fn releasing(&self, id: u64) {
+        if let Some(renewal) = self.state.registry().renewals.get_mut(&id) {
+            renewal.releasing = true;
+        }
     }
 
     /// Stops renewing lock `id` without firing its lost token (a release, or a handle dropped
@@ -332,7 +345,8 @@ fn renew(state: &State, due: &[Due]) {
                             renewal.next_due = later(started, renewal.lease / 3);
                             renewal.deadline = later(started, safe_window(renewal.lease));
                         }
-                    } else if registry.renewals.remove(id).is_some() {
+                    } else if registry.renewals.get(id).is_some_and(|r| !r.releasing) {
+                        registry.renewals.remove(id);
                         tracing::warn!(
                             backend = NAME,
                             "lease renewal found the lock taken over or removed; the lock is lost"
@@ -436,6 +450,69 @@ mod tests {
         assert!(tokens.iter().all(|t| !t.is_cancelled()));
         drop(renewer);
         assert!(tokens.iter().all(CancellationToken::is_cancelled));
+    }
+
+    /// When the thread has ended (here: stopped by hand, as a panic would end it), the locks
+    /// it renewed are told, and the next lock registered starts a new thread that renews it.
+    #[test]
+    fn a_new_thread_renews_after_the_old_one_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let clock = LeaseClock::get().unwrap();
+        let before = CancellationToken::new();
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"before"[..]),
+                [1; 16],
+                Duration::from_secs(30),
+                before.clone(),
+                Instant::now(),
+            ))
+            .unwrap();
+        // End the thread without dropping the renewer.
+        renewer.state.registry().stop = true;
+        renewer.state.wake.notify_one();
+        let thread = renewer.thread.lock().unwrap().take().unwrap();
+        thread.join().unwrap();
+        assert!(
+            before.is_cancelled(),
+            "the end of the thread fired the token"
+        );
+        renewer.state.registry().stop = false;
+
+        // A held row, and its lock registered: a new thread renews it.
+        let conn = Connection::open(dir.path().join("r.db")).unwrap();
+        let lease_end = |conn: &Connection| -> i64 {
+            conn.query_row(
+                "SELECT lease_end FROM __distributed_locks WHERE name = X'6166746572'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        conn.execute(
+            "INSERT INTO __distributed_locks (name, owner, lease_end, fencing, boot) \
+             VALUES (X'6166746572', ?1, ?2, 1, ?3)",
+            params![&[2u8; 16][..], clock.now_ms() + 300, clock.boot()],
+        )
+        .unwrap();
+        let first = lease_end(&conn);
+        let after = CancellationToken::new();
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"after"[..]),
+                [2; 16],
+                Duration::from_millis(300),
+                after.clone(),
+                Instant::now(),
+            ))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while lease_end(&conn) <= first {
+            assert!(Instant::now() < deadline, "no renewal after the restart");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!after.is_cancelled());
     }
 
     /// A release (unregister) does not fire the token; a deadline that passes does.
