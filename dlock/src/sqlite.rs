@@ -76,13 +76,16 @@
 //! (every commit appends whole pages to the log; lock rows are short). Under sustained load
 //! from several processes SQLite's own (passive) checkpoints never catch up with the writers,
 //! and the log grew without end (by gigabytes). So every 1,000 commits a backend checkpoints
-//! on the blocking pool (no task of the application waits for its `fsync`s): passively first,
-//! without holding anyone back, and when that could not catch up and the log is past 4,096
-//! pages, with `RESTART`, which holds other writers back while it writes the little that is
-//! left (two short `fsync`s; it waits at most 20 ms for readers) and lets the log start over.
-//! `journal_size_limit` trims the file to 16 MiB when it does. A transaction kept open on the
-//! file (a long transaction-bound lock, an application's long read) holds checkpoints back,
-//! and the log grows while it lasts.
+//! on the blocking pool, so that no thread of the application waits for its `fsync`s; the
+//! backend's own writes wait for it (asynchronously), as they would for SQLite's automatic
+//! checkpoint, so that with no other writer it catches up and the log starts over. While the
+//! `-wal` file is under 8 MiB the checkpoint is passive: it holds no other process back. Past
+//! that (other processes kept passive ones from catching up), it is a `RESTART`: it holds
+//! every writer back while it writes out the rest of the log and lets the log start over; it
+//! tries every 0.2 ms, up to 250 times, to get the write lock and then to find no reader in
+//! the way. `journal_size_limit` trims the file to 8 MiB when the log starts over. A
+//! transaction kept open on the file (a long transaction-bound lock, an application's long
+//! read) holds checkpoints back, and the log grows while it lasts.
 //!
 //! # Limits
 //!
@@ -245,14 +248,27 @@ const CHECKPOINT_PASSIVE_SQL: &str = "PRAGMA wal_checkpoint(PASSIVE)";
 /// meanwhile.
 const CHECKPOINT_RESTART_SQL: &str = "PRAGMA wal_checkpoint(RESTART)";
 
-/// Commits of a backend between two checkpoints (about as many pages of log: SQLite's own
-/// default is 1,000 pages).
+/// Commits of a backend between two checkpoints (about as many pages of log).
 const CHECKPOINT_EVERY: u64 = 1000;
-/// The length of the write-ahead log, in pages, past which a checkpoint that could not catch
-/// up passively makes the log start over.
-const RESTART_FRAMES: i64 = 4096;
-/// How long a checkpoint waits for readers (holding writers back meanwhile).
-const CHECKPOINT_BUSY_TIMEOUT: Duration = Duration::from_millis(20);
+/// The size of the `-wal` file past which a checkpoint makes the log start over (`RESTART`)
+/// instead of writing it out passively, and the size the file is trimmed to when the log
+/// starts over (`journal_size_limit`).
+const WAL_LIMIT_BYTES: u64 = 8 << 20;
+/// How many times, [`CHECKPOINT_RETRY`] apart, a `RESTART` checkpoint tries again to get the
+/// file's write lock, and then to find no reader in the way (holding the write lock). SQLite's
+/// own busy handler sleeps whole milliseconds: other writers win the lock meanwhile, and
+/// writers wait longer than the readers need.
+const CHECKPOINT_TRIES: i32 = 250;
+const CHECKPOINT_RETRY: Duration = Duration::from_micros(200);
+
+/// The busy handler of the checkpoint connection: see [`CHECKPOINT_TRIES`].
+fn checkpoint_busy(tries: i32) -> bool {
+    if tries >= CHECKPOINT_TRIES {
+        return false;
+    }
+    std::thread::sleep(CHECKPOINT_RETRY);
+    true
+}
 
 /// The suffix of the file that records the tokens of transaction-bound locks.
 const FENCING_SUFFIX: &str = "-fencing";
@@ -294,6 +310,12 @@ struct Shared {
     checkpointer: Arc<Mutex<Connection>>,
     /// Set while a checkpoint is under way.
     checkpointing: Arc<AtomicBool>,
+    /// Writes of the inline connection pass it shared; a checkpoint takes it whole, so that
+    /// this backend's writes wait (asynchronously) while it runs and, with no other writer
+    /// of the file, it catches up and the log starts over, as with SQLite's own checkpoints.
+    gate: Arc<tokio::sync::RwLock<()>>,
+    /// The `-wal` file, whose size decides the kind of checkpoint.
+    wal: PathBuf,
     lease: Duration,
     busy_timeout: Duration,
     clock: &'static LeaseClock,
@@ -463,8 +485,10 @@ impl SqliteBuilder {
             .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
         let checkpointer = open_connection(&self.path, self.busy_timeout, clock)?;
         checkpointer
-            .busy_timeout(CHECKPOINT_BUSY_TIMEOUT)
+            .busy_handler(Some(checkpoint_busy))
             .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
+        let mut wal = db_file.clone().into_os_string();
+        wal.push("-wal");
         let fencing = Fencing {
             path: fencing_path(&db_file),
             attached: AtomicBool::new(false),
@@ -478,6 +502,8 @@ impl SqliteBuilder {
                 inline: Mutex::new(inline),
                 checkpointer: Arc::new(Mutex::new(checkpointer)),
                 checkpointing: Arc::new(AtomicBool::new(false)),
+                gate: Arc::new(tokio::sync::RwLock::new(())),
+                wal: PathBuf::from(wal),
                 lease: self.lease,
                 busy_timeout: self.busy_timeout,
                 clock,
@@ -788,6 +814,7 @@ impl Shared {
         let waiting_since = Instant::now();
         let (mut pause, longest) = ACQUIRE_PAUSES;
         loop {
+            let pass = self.gate.read().await;
             let attempt = {
                 let conn = self.inline();
                 // Taken before the clock is read: the holder's own deadlines start no later
@@ -836,6 +863,7 @@ impl Shared {
                     }
                 }
             };
+            drop(pass);
             match attempt {
                 Some(Take::Held) => {
                     self.note_held(name);
@@ -891,7 +919,7 @@ impl Shared {
         }
     }
 
-    /// Runs one short statement on the inline connection. When another connection holds the
+    /// Runs one short write on the inline connection. When another connection holds the
     /// file's write lock, pauses asynchronously (`pauses`: first and longest pause) and tries
     /// again, up to the busy timeout.
     async fn with_busy_retry<T>(
@@ -903,7 +931,9 @@ impl Shared {
         let started = Instant::now();
         let (mut pause, longest) = pauses;
         loop {
+            let pass = self.gate.read().await;
             let outcome = op(&self.inline());
+            drop(pass);
             match outcome {
                 Ok(value) => return Ok(value),
                 Err(err) if is_busy(&err) => {
@@ -986,11 +1016,13 @@ impl Shared {
     }
 
     /// Counts a commit of the inline connection. Every [`CHECKPOINT_EVERY`] commits, starts a
-    /// checkpoint on the blocking pool (so that no task of the application waits for its
-    /// `fsync`s): a passive one, which writes the log into the database without holding
-    /// anyone back; and when other writers kept it from catching up and the log is past
-    /// [`RESTART_FRAMES`], a `RESTART` one, which holds writers back while it writes the
-    /// little that is left, and lets the log start over.
+    /// checkpoint on the blocking pool, so that no thread of the application waits for its
+    /// `fsync`s; this backend's writes wait for it asynchronously (see `gate`). A passive
+    /// one: it writes the log into the database without holding other processes back, and
+    /// with no other writer the log starts over at the next commit. When the `-wal` file has
+    /// grown past [`WAL_LIMIT_BYTES`] (other processes kept passive ones from catching up), a
+    /// `RESTART` one: it holds every writer back while it writes the rest of the log, and
+    /// lets the log start over.
     fn count_commit(&self) {
         let commits = self.commits.fetch_add(1, Ordering::Relaxed) + 1;
         if commits % CHECKPOINT_EVERY != 0 {
@@ -1005,21 +1037,23 @@ impl Shared {
         // Cleared when the work is done or dropped unrun.
         let running = Checkpointing(Arc::clone(&self.checkpointing));
         let checkpointer = Arc::clone(&self.checkpointer);
+        let gate = Arc::clone(&self.gate);
+        let wal = self.wal.clone();
         drop(runtime.spawn_blocking(move || {
             let _running = running;
+            // Waits for the statements under way (one at most), then holds the next ones.
+            let _writes_wait = gate.blocking_write();
             let conn = checkpointer.lock().unwrap_or_else(PoisonError::into_inner);
-            let passive = conn.query_row(CHECKPOINT_PASSIVE_SQL, [], |row| {
-                Ok((row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
-            });
-            let restart = match passive {
-                Ok((log, done)) => log > RESTART_FRAMES && done < log,
-                Err(err) => {
-                    tracing::debug!(backend = NAME, error = %err, "checkpoint of the write-ahead log failed");
-                    false
-                }
+            // Past the limit, passive checkpoints did not catch up with the other writers of
+            // the file (the file only grows when the log does not fit in it).
+            let size = std::fs::metadata(&wal).map_or(0, |m| m.len());
+            let done = if size > WAL_LIMIT_BYTES {
+                conn.query_row(CHECKPOINT_RESTART_SQL, [], |_| Ok(()))
+            } else {
+                conn.query_row(CHECKPOINT_PASSIVE_SQL, [], |_| Ok(()))
             };
-            // Best effort: a checkpoint that finds readers in the way is tried again later.
-            if restart && let Err(err) = conn.query_row(CHECKPOINT_RESTART_SQL, [], |_| Ok(())) {
+            // Best effort: a checkpoint that finds others in the way is tried again later.
+            if let Err(err) = done {
                 tracing::debug!(backend = NAME, error = %err, "checkpoint of the write-ahead log failed");
             }
         }));
@@ -1272,7 +1306,7 @@ fn open_file(path: &Path, busy_timeout: Duration) -> Result<Connection, LockErro
         .map_err(|e| sqlite_error(path, "configuring the lock file", e))?;
     conn.pragma_update(None, "wal_autocheckpoint", 0)
         .map_err(|e| sqlite_error(path, "configuring the lock file", e))?;
-    conn.query_row("PRAGMA journal_size_limit = 16777216", [], |_| Ok(()))
+    conn.query_row("PRAGMA journal_size_limit = 8388608", [], |_| Ok(()))
         .map_err(|e| sqlite_error(path, "configuring the lock file", e))?;
     Ok(conn)
 }
