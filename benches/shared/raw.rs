@@ -67,8 +67,11 @@ pub async fn redis(conn: &mut redis::aio::ConnectionManager, script: &redis::Scr
     assert_eq!(deleted, 1);
 }
 
-/// SQLite: dlock's own acquire and release statements through rusqlite, on one connection
-/// with dlock's settings (WAL, `synchronous = NORMAL`, a busy timeout).
+/// SQLite: a hand-written lease lock, as a rusqlite user would write one (and as dlock's own
+/// statements were before it answered held keys with a read and kept the tokens of
+/// transaction-bound locks in a file of their own): one upsert that takes a free or expired
+/// row and returns its fencing counter, one update that frees it; on one connection with
+/// dlock's settings (WAL, `synchronous = NORMAL`, a busy timeout), in a table of its own.
 #[cfg(feature = "sqlite")]
 pub struct Sqlite {
     conn: rusqlite::Connection,
@@ -76,16 +79,38 @@ pub struct Sqlite {
 }
 
 #[cfg(feature = "sqlite")]
+const RAW_SQLITE_SCHEMA: &str = "CREATE TABLE IF NOT EXISTS raw_locks (name BLOB NOT NULL PRIMARY KEY, \
+    owner BLOB, lease_end INTEGER NOT NULL DEFAULT 0, fencing INTEGER NOT NULL DEFAULT 0) WITHOUT ROWID";
+
+#[cfg(feature = "sqlite")]
+const RAW_SQLITE_ACQUIRE: &str = "INSERT INTO raw_locks (name, owner, lease_end, fencing) \
+    VALUES (?1, ?2, ?3, 1) \
+    ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, lease_end = excluded.lease_end, \
+    fencing = raw_locks.fencing + 1 \
+    WHERE raw_locks.owner IS NULL OR raw_locks.lease_end <= ?4 \
+    RETURNING fencing";
+
+#[cfg(feature = "sqlite")]
+const RAW_SQLITE_RELEASE: &str =
+    "UPDATE raw_locks SET owner = NULL, lease_end = 0 WHERE name = ?1 AND owner = ?2";
+
+#[cfg(feature = "sqlite")]
 impl Sqlite {
-    /// Opens `path` (a database dlock created, so that its table exists).
+    /// Opens `path` and creates the baseline's table. Give it a file of its own: each
+    /// connection then checkpoints only its own log (SQLite's automatic checkpoints, inside
+    /// the commits that cross 1,000 pages, as a hand-written lock gets by default).
     pub fn open(path: &std::path::Path) -> Sqlite {
         let conn = rusqlite::Connection::open(path).expect("open");
+        // dlock's page size for the files it creates (no effect on an existing file).
+        conn.execute_batch("PRAGMA page_size = 1024")
+            .expect("page size");
         conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
             .expect("wal");
         conn.pragma_update(None, "synchronous", "NORMAL")
             .expect("synchronous");
         conn.busy_timeout(std::time::Duration::from_secs(5))
             .expect("busy timeout");
+        conn.execute_batch(RAW_SQLITE_SCHEMA).expect("table");
         Sqlite { conn, n: 0 }
     }
 
@@ -100,14 +125,14 @@ impl Sqlite {
             .as_millis() as i64;
         let token: Option<i64> = self
             .conn
-            .prepare_cached(dlock::sqlite::ACQUIRE_SQL)
+            .prepare_cached(RAW_SQLITE_ACQUIRE)
             .expect("prepare")
             .query_row(params![key, &owner[..], now + 30_000, now], |r| r.get(0))
             .optional()
             .expect("acquire");
         assert!(token.is_some(), "the row was not free");
         self.conn
-            .prepare_cached(dlock::sqlite::RELEASE_SQL)
+            .prepare_cached(RAW_SQLITE_RELEASE)
             .expect("prepare")
             .execute(params![key, &owner[..]])
             .expect("release");

@@ -76,8 +76,9 @@ impl Acquired {
 /// held forever: the provider always calls `release`, but a backend should still stop any
 /// renewal it runs for the lock when the handle is dropped.
 pub trait HeldLock: Send + Sync + Debug + 'static {
-    /// Gives the lock back. Releasing a lock that is already gone (lease expired, connection
-    /// closed) is not an error: the provider reports the loss itself.
+    /// Gives the lock back. A backend that finds the lock already gone (lease expired and taken
+    /// over, connection closed) cancels the lock's lost token and may answer
+    /// [`LockError::Lost`]; either way the provider reports the release as `Lost`.
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>>;
 }
 

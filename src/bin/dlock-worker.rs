@@ -23,6 +23,13 @@
 //! `dlock-worker hold URL KEY` takes the lock, prints `held TOKEN` on stdout and sleeps until
 //! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
 //! clock when it fired).
+//!
+//! `dlock-worker take URL KEY TIMEOUT_MS` waits up to the timeout for the lock, then prints
+//! `held TOKEN` (and releases it) or `timeout`, and exits 0; any other outcome exits 1.
+//!
+//! `dlock-worker tx-hold FILE KEY` (SQLite) opens the database file, begins a transaction,
+//! takes `KEY` with a transaction-bound lock, prints `held TOKEN` and sleeps until it is
+//! killed, with the transaction still open.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -46,6 +53,12 @@ fn main() -> ExitCode {
             runtime().and_then(|rt| rt.block_on(storm(url, prefix, keys, tasks, acquisitions, log)))
         }
         ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key))),
+        ["take", url, key, timeout_ms] => timeout_ms
+            .parse()
+            .map_err(|e| format!("timeout: {e}"))
+            .and_then(|ms| runtime().and_then(|rt| rt.block_on(take(url, key, ms)))),
+        #[cfg(feature = "sqlite")]
+        ["tx-hold", file, key] => tx_hold(file, key),
         ["verify", log, expected, rest @ ..] => expected
             .parse()
             .map_err(|e| format!("expected: {e}"))
@@ -56,7 +69,8 @@ fn main() -> ExitCode {
             "usage: dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] \
                   [--keys K] [--acquisitions A] [--fencing every|none] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG \
-                  | verify LOG SECTIONS [--fencing every|none] | hold URL KEY"
+                  | verify LOG SECTIONS [--fencing every|none] | hold URL KEY \
+                  | take URL KEY TIMEOUT_MS | tx-hold FILE KEY"
                 .to_owned(),
         ),
     };
@@ -415,4 +429,40 @@ async fn hold(url: &str, key: &str) -> Result<(), String> {
     std::future::pending::<()>().await;
     drop(guard);
     Ok(())
+}
+
+async fn take(url: &str, key: &str, timeout_ms: u64) -> Result<(), String> {
+    let locks = dlock::LockProvider::connect(url)
+        .await
+        .map_err(|e| e.to_string())?;
+    match locks.acquire(key, Duration::from_millis(timeout_ms)).await {
+        Ok(guard) => {
+            println!(
+                "held {}",
+                guard
+                    .fencing_token()
+                    .map_or_else(|| "-".to_owned(), |t| t.to_string())
+            );
+            guard.release().await.map_err(|e| e.to_string())
+        }
+        Err(dlock::LockError::Timeout { .. }) => {
+            println!("timeout");
+            Ok(())
+        }
+        Err(err) => Err(err.to_string()),
+    }
+}
+
+#[cfg(feature = "sqlite")]
+fn tx_hold(file: &str, key: &str) -> Result<(), String> {
+    let mut conn = rusqlite::Connection::open(file).map_err(|e| e.to_string())?;
+    let tx = conn
+        .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
+        .map_err(|e| e.to_string())?;
+    let lock = dlock::sqlite::try_acquire_in_transaction(&tx, key).map_err(|e| e.to_string())?;
+    println!("held {}", lock.fencing_token());
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
 }

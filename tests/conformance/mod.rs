@@ -104,10 +104,9 @@ macro_rules! conformance_suite {
             exclusion_under_contention, lost_detection, acquisition_dropped_midway,
             cancellation_sweep, shared_backend_excludes, shared_backend_contention
         );
-        // Cases that make and drop Tokio runtimes of their own: wired in once SQLite's renewal
-        // passes background_runtime_dropped too.
-        // $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
-        //     background_runtime_dropped);
+        // Cases that make and drop Tokio runtimes of their own.
+        $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
+            background_runtime_dropped);
     };
     (attributes [$(#[$attr:meta])*] $make:expr) => {
         $crate::conformance_suite!(@all required [$(#[$attr])*] $make);

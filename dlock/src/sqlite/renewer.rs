@@ -1,0 +1,553 @@
+//! Lease renewal of SQLite locks, on a thread of the backend's own.
+//!
+//! Renewal is blocking work (rusqlite) that must go on for as long as any lock of the backend
+//! is held, whichever Tokio runtime the lock was taken on and whether or not that runtime
+//! still exists. So it runs on one OS thread per backend, started by the first acquisition and
+//! ending when the backend is dropped; no user runtime owns it.
+//!
+//! Each held lock has an entry with a renewal time (every third of its lease) and a deadline
+//! (four fifths of its lease after the last renewal began, see [`safe_window`]). An entry
+//! holds its lock's lost token through a [`DropGuard`]: removing it in any way other than
+//! [`Renewer::unregister`] (a renewal that found the row taken, a deadline that passed, the
+//! thread ending for any reason, even a panic) fires the token.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, TransactionBehavior, params};
+use tokio_util::sync::{CancellationToken, DropGuard};
+
+use super::clock::LeaseClock;
+use super::{NAME, RENEW_SQL, is_busy, millis, sqlite_error};
+use crate::LockError;
+use crate::time::later;
+
+/// How long the thread keeps looking in by itself, every [`IDLE_TICK`], after the last lock
+/// was released; acquisitions in that time need not wake it. After that it sleeps until woken.
+const IDLE_LINGER: Duration = Duration::from_secs(2);
+const IDLE_TICK: Duration = Duration::from_millis(20);
+
+/// Pauses between tries while another connection has the file's write lock: short, so that
+/// renewals are not starved by a stream of other writers.
+const BUSY_PAUSE_FIRST: Duration = Duration::from_micros(50);
+const BUSY_PAUSE_MAX: Duration = Duration::from_micros(500);
+
+/// The part of a lease during which the holder can trust it: renewals that have not succeeded
+/// by then make the lock count as lost, before another process could take it over.
+pub(super) fn safe_window(lease: Duration) -> Duration {
+    lease - lease / 5
+}
+
+/// One held lock, as the renewer sees it.
+pub(super) struct Renewal {
+    pub(super) name: Arc<[u8]>,
+    pub(super) owner: [u8; 16],
+    pub(super) lease: Duration,
+    /// Fires the lock's lost token when dropped; disarmed by a normal release.
+    lost: DropGuard,
+    next_due: Instant,
+    deadline: Instant,
+    /// Being released: still renewed, but a renewal that finds the row free or taken leaves
+    /// the verdict to the release.
+    releasing: bool,
+}
+
+impl Renewal {
+    /// A lock whose lease was written at `written` (taken before the lease clock was read).
+    pub(super) fn new(
+        name: Arc<[u8]>,
+        owner: [u8; 16],
+        lease: Duration,
+        lost: CancellationToken,
+        written: Instant,
+    ) -> Renewal {
+        Renewal {
+            name,
+            owner,
+            lease,
+            lost: lost.drop_guard(),
+            next_due: later(written, lease / 3),
+            deadline: later(written, safe_window(lease)),
+            releasing: false,
+        }
+    }
+}
+
+/// The renewals of one backend and the thread that runs them.
+pub(super) struct Renewer {
+    state: Arc<State>,
+    /// The thread last started; joined when the backend is dropped, so that the file is
+    /// closed when the last handle on the backend is gone.
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+struct State {
+    registry: Mutex<Registry>,
+    wake: Condvar,
+    /// The connection renewals write on; only the renewal thread uses it.
+    connection: Mutex<Connection>,
+    clock: &'static LeaseClock,
+    path: std::path::PathBuf,
+}
+
+#[derive(Default)]
+struct Registry {
+    renewals: HashMap<u64, Renewal>,
+    next_id: u64,
+    /// Whether a renewal thread is running (cleared by the thread as it ends).
+    running: bool,
+    /// Set when the backend is dropped: the thread ends.
+    stop: bool,
+    /// Set when something changed that the thread should look at.
+    woken: bool,
+    /// When the thread will next look at the registry by itself (`None`: only when woken).
+    /// A new lock due after that needs no wake-up.
+    planned: Option<Instant>,
+    /// When the registry last held a lock.
+    last_held: Option<Instant>,
+}
+
+impl Renewer {
+    pub(super) fn new(
+        connection: Connection,
+        clock: &'static LeaseClock,
+        path: std::path::PathBuf,
+    ) -> Renewer {
+        Renewer {
+            state: Arc::new(State {
+                registry: Mutex::new(Registry::default()),
+                wake: Condvar::new(),
+                connection: Mutex::new(connection),
+                clock,
+                path,
+            }),
+            thread: Mutex::new(None),
+        }
+    }
+
+    /// Starts the renewal thread if none is running.
+    pub(super) fn ensure_running(&self) -> Result<(), LockError> {
+        let mut registry = self.state.registry();
+        self.start_locked(&mut registry)
+    }
+
+    fn start_locked(&self, registry: &mut Registry) -> Result<(), LockError> {
+        if registry.running {
+            return Ok(());
+        }
+        let state = Arc::clone(&self.state);
+        let (ready, started) = std::sync::mpsc::sync_channel(1);
+        let thread = std::thread::Builder::new()
+            .name("dlock-sqlite-renewal".to_owned())
+            .spawn(move || {
+                // The thread is set up (the runtime's own allocations are done): the caller
+                // goes on, with nothing of the start left running beside it.
+                let _ = ready.send(());
+                run(&state);
+            })
+            .map_err(|err| {
+                LockError::backend(
+                    NAME,
+                    format!("starting the lease renewal thread failed: {err}"),
+                    None,
+                    Some(Box::new(err)),
+                )
+            })?;
+        // Never blocks long: the thread's first step is to answer (the registry is not
+        // needed for that).
+        let _ = started.recv();
+        registry.running = true;
+        // The thread replaced (if any) has ended.
+        *self.thread.lock().unwrap_or_else(PoisonError::into_inner) = Some(thread);
+        Ok(())
+    }
+
+    /// Adds a held lock; its renewals start at once. Errors only when no renewal thread runs
+    /// and none can be started: then the caller must give the lock back.
+    pub(super) fn register(&self, renewal: Renewal) -> Result<u64, LockError> {
+        let mut registry = self.state.registry();
+        self.start_locked(&mut registry)?;
+        registry.next_id += 1;
+        let id = registry.next_id;
+        let looks_in_time = registry
+            .planned
+            .is_some_and(|planned| planned <= renewal.next_due.min(renewal.deadline));
+        registry.renewals.insert(id, renewal);
+        if !looks_in_time {
+            registry.woken = true;
+            drop(registry);
+            self.state.wake.notify_one();
+        }
+        Ok(id)
+    }
+
+    /// Marks lock `id` as being released: it is renewed until [`Renewer::unregister`], but a
+    /// renewal that finds its row free or taken does not fire its lost token (the release
+    /// tells which it was).
+    pub(super) fn releasing(&self, id: u64) {
+        if let Some(renewal) = self.state.registry().renewals.get_mut(&id) {
+            renewal.releasing = true;
+        }
+    }
+
+    /// Stops renewing lock `id` without firing its lost token (a release, or a handle dropped
+    /// whose lease will end by itself).
+    pub(super) fn unregister(&self, id: u64) {
+        let removed = self.state.registry().renewals.remove(&id);
+        if let Some(renewal) = removed {
+            renewal.lost.disarm();
+        }
+    }
+
+    /// How many locks are being renewed.
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.state.registry().renewals.len()
+    }
+}
+
+impl Drop for Renewer {
+    fn drop(&mut self) {
+        self.state.registry().stop = true;
+        self.state.wake.notify_one();
+        // The thread never holds the backend, so this never runs on it; it ends within one
+        // statement (it never waits inside SQLite).
+        let thread = self
+            .thread
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(thread) = thread
+            && thread.thread().id() != std::thread::current().id()
+        {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl State {
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Registry {
+    /// Drops (so fires the lost token of) every lock whose renewals kept failing until its
+    /// lease may have run out.
+    fn expire_overdue(&mut self, now: Instant) {
+        self.renewals.retain(|_, renewal| {
+            let keep = now < renewal.deadline;
+            if !keep {
+                tracing::warn!(
+                    backend = NAME,
+                    "lease renewals kept failing until the lease may have run out; the lock is presumed lost"
+                );
+            }
+            keep
+        });
+    }
+}
+
+/// Whatever ends the thread (the backend dropped, a panic), every lock it was renewing is
+/// told it is lost, and the next acquisition starts a new thread.
+struct Exit<'a>(&'a State);
+
+impl Drop for Exit<'_> {
+    fn drop(&mut self) {
+        let mut registry = self.0.registry();
+        registry.running = false;
+        if !registry.renewals.is_empty() {
+            tracing::warn!(
+                backend = NAME,
+                locks = registry.renewals.len(),
+                "the lease renewal thread ended; every lock it renewed is presumed lost"
+            );
+        }
+        registry.renewals.clear();
+    }
+}
+
+/// A renewal to run: lock id, name, owner, lease.
+type Due = (u64, Arc<[u8]>, [u8; 16], Duration);
+
+fn run(state: &State) {
+    let _exit = Exit(state);
+    let mut registry = state.registry();
+    loop {
+        if registry.stop {
+            return;
+        }
+        let now = Instant::now();
+        // Awake: whatever is registered now is seen before the thread sleeps again.
+        registry.planned = Some(now);
+        registry.expire_overdue(now);
+        if !registry.renewals.is_empty() {
+            registry.last_held = Some(now);
+        }
+        let due: Vec<Due> = registry
+            .renewals
+            .iter()
+            .filter(|(_, r)| r.next_due <= now)
+            .map(|(id, r)| (*id, Arc::clone(&r.name), r.owner, r.lease))
+            .collect();
+        if !due.is_empty() {
+            drop(registry);
+            renew(state, &due);
+            registry = state.registry();
+            continue;
+        }
+        let lingering = registry
+            .last_held
+            .is_some_and(|at| now.saturating_duration_since(at) < IDLE_LINGER);
+        let wake_at = registry
+            .renewals
+            .values()
+            .map(|r| r.next_due.min(r.deadline))
+            .min()
+            .or_else(|| lingering.then(|| later(now, IDLE_TICK)));
+        registry.planned = wake_at;
+        registry.woken = false;
+        registry = match wake_at {
+            Some(at) => {
+                state
+                    .wake
+                    .wait_timeout_while(registry, at.saturating_duration_since(now), |r| {
+                        !r.woken && !r.stop
+                    })
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0
+            }
+            None => state
+                .wake
+                .wait_while(registry, |r| !r.woken && !r.stop)
+                .unwrap_or_else(PoisonError::into_inner),
+        };
+    }
+}
+
+/// Renews `due` in one transaction, trying again while other connections write the file,
+/// and watching every lock's deadline meanwhile.
+fn renew(state: &State, due: &[Due]) {
+    let mut connection = state
+        .connection
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let mut pause = BUSY_PAUSE_FIRST;
+    loop {
+        let started = Instant::now();
+        match renew_once(&mut connection, state.clock, due) {
+            Ok(still_held) => {
+                let mut registry = state.registry();
+                for ((id, ..), held) in due.iter().zip(still_held) {
+                    if held {
+                        if let Some(renewal) = registry.renewals.get_mut(id) {
+                            renewal.next_due = later(started, renewal.lease / 3);
+                            renewal.deadline = later(started, safe_window(renewal.lease));
+                        }
+                    } else if registry.renewals.get(id).is_some_and(|r| !r.releasing) {
+                        registry.renewals.remove(id);
+                        tracing::warn!(
+                            backend = NAME,
+                            "lease renewal found the lock taken over or removed; the lock is lost"
+                        );
+                    }
+                }
+                return;
+            }
+            Err(err) if is_busy(&err) => {
+                let mut registry = state.registry();
+                registry.expire_overdue(Instant::now());
+                let waiting = due
+                    .iter()
+                    .any(|(id, ..)| registry.renewals.contains_key(id));
+                if registry.stop || !waiting {
+                    return;
+                }
+                drop(registry);
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(BUSY_PAUSE_MAX);
+            }
+            Err(err) => {
+                let err = sqlite_error(&state.path, "renewing a lease", err);
+                tracing::warn!(backend = NAME, error = %err, "lease renewal failed; retrying");
+                let mut registry = state.registry();
+                for (id, ..) in due {
+                    if let Some(renewal) = registry.renewals.get_mut(id) {
+                        renewal.next_due = later(started, renewal.lease / 10);
+                    }
+                }
+                return;
+            }
+        }
+    }
+}
+
+fn renew_once(
+    connection: &mut Connection,
+    clock: &LeaseClock,
+    due: &[Due],
+) -> rusqlite::Result<Vec<bool>> {
+    let tx = connection.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let now = clock.now_ms();
+    let mut still_held = Vec::with_capacity(due.len());
+    {
+        let mut statement = tx.prepare_cached(RENEW_SQL)?;
+        for (_, name, owner, lease) in due {
+            let changed = statement.execute(params![
+                &name[..],
+                &owner[..],
+                now.saturating_add(millis(*lease))
+            ])?;
+            still_held.push(changed == 1);
+        }
+    }
+    tx.commit()?;
+    Ok(still_held)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn renewer(dir: &tempfile::TempDir) -> Renewer {
+        let clock = LeaseClock::get().unwrap();
+        let path = dir.path().join("r.db");
+        let connection = super::super::open_connection(&path, Duration::ZERO, clock).unwrap();
+        Renewer::new(connection, clock, path)
+    }
+
+    fn wait_for(token: &CancellationToken, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        while !token.is_cancelled() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        true
+    }
+
+    /// The thread ending (here: its backend dropped while locks are registered) fires the
+    /// lost token of every lock it renewed.
+    #[test]
+    fn the_end_of_the_thread_fires_every_lost_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let tokens: Vec<CancellationToken> = (0..3).map(|_| CancellationToken::new()).collect();
+        for (i, token) in tokens.iter().enumerate() {
+            renewer
+                .register(Renewal::new(
+                    Arc::from(format!("k{i}").as_bytes()),
+                    [i as u8; 16],
+                    Duration::from_secs(30),
+                    token.clone(),
+                    Instant::now(),
+                ))
+                .unwrap();
+        }
+        assert_eq!(renewer.len(), 3);
+        assert!(tokens.iter().all(|t| !t.is_cancelled()));
+        drop(renewer);
+        assert!(tokens.iter().all(CancellationToken::is_cancelled));
+    }
+
+    /// When the thread has ended (here: stopped by hand, as a panic would end it), the locks
+    /// it renewed are told, and the next lock registered starts a new thread that renews it.
+    #[test]
+    fn a_new_thread_renews_after_the_old_one_ended() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let clock = LeaseClock::get().unwrap();
+        let before = CancellationToken::new();
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"before"[..]),
+                [1; 16],
+                Duration::from_secs(30),
+                before.clone(),
+                Instant::now(),
+            ))
+            .unwrap();
+        // End the thread without dropping the renewer.
+        renewer.state.registry().stop = true;
+        renewer.state.wake.notify_one();
+        let thread = renewer.thread.lock().unwrap().take().unwrap();
+        thread.join().unwrap();
+        assert!(
+            before.is_cancelled(),
+            "the end of the thread fired the token"
+        );
+        renewer.state.registry().stop = false;
+
+        // A held row, and its lock registered: a new thread renews it.
+        let conn = Connection::open(dir.path().join("r.db")).unwrap();
+        let lease_end = |conn: &Connection| -> i64 {
+            conn.query_row(
+                "SELECT lease_end FROM __distributed_locks WHERE name = X'6166746572'",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap()
+        };
+        conn.execute(
+            "INSERT INTO __distributed_locks (name, owner, lease_end, fencing, boot) \
+             VALUES (X'6166746572', ?1, ?2, 1, ?3)",
+            params![&[2u8; 16][..], clock.now_ms() + 300, clock.boot()],
+        )
+        .unwrap();
+        let first = lease_end(&conn);
+        let after = CancellationToken::new();
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"after"[..]),
+                [2; 16],
+                Duration::from_millis(300),
+                after.clone(),
+                Instant::now(),
+            ))
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while lease_end(&conn) <= first {
+            assert!(Instant::now() < deadline, "no renewal after the restart");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!after.is_cancelled());
+    }
+
+    /// A release (unregister) does not fire the token; a deadline that passes does.
+    #[test]
+    fn unregister_is_quiet_and_deadlines_fire() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let released = CancellationToken::new();
+        let id = renewer
+            .register(Renewal::new(
+                Arc::from(&b"released"[..]),
+                [1; 16],
+                Duration::from_secs(30),
+                released.clone(),
+                Instant::now(),
+            ))
+            .unwrap();
+        renewer.unregister(id);
+        // Written long ago: its deadline has passed, and the row does not exist either.
+        let overdue = CancellationToken::new();
+        let long_ago = Instant::now()
+            .checked_sub(Duration::from_secs(10))
+            .unwrap_or_else(Instant::now);
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"overdue"[..]),
+                [2; 16],
+                Duration::from_secs(1),
+                overdue.clone(),
+                long_ago,
+            ))
+            .unwrap();
+        assert!(wait_for(&overdue, Duration::from_secs(5)));
+        assert_eq!(renewer.len(), 0);
+        drop(renewer);
+        assert!(!released.is_cancelled(), "a release is not a loss");
+    }
+}
