@@ -156,3 +156,56 @@ async fn hold_is_recorded_on_drop_and_loss_counted_once() {
     );
     assert_eq!(recorder.points("distributed_lock.lost"), vec![(jobs, 1)]);
 }
+
+/// A loss that only the release finds (the row was taken over between two renewals) is counted
+/// too: the hold is recorded once the release has run, not before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loss_found_by_the_release_is_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let recorder = Recorder::new();
+    // A long lease: no renewal runs during the test, so only the release can find the loss.
+    let backend = dlock::sqlite::SqliteBackend::builder(dir.path().join("m.db"))
+        .lease(Duration::from_secs(60))
+        .open()
+        .await
+        .unwrap();
+    let locks = LockProvider::builder(backend)
+        .meter(recorder.provider.meter("dlock"))
+        .build();
+    let key = unique_key("m");
+    for dropped in [false, true] {
+        let guard = locks.try_acquire(&key).await.unwrap();
+        let conn = rusqlite::Connection::open(dir.path().join("m.db")).unwrap();
+        let taken = conn
+            .execute(
+                "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+                [key.as_bytes()],
+            )
+            .unwrap();
+        assert_eq!(taken, 1);
+        assert!(!guard.is_lost(), "no renewal has looked yet");
+        if dropped {
+            let lost = guard.lost_token().clone();
+            drop(guard);
+            tokio::time::timeout(Duration::from_secs(3), lost.cancelled())
+                .await
+                .expect("the background release finds the loss");
+        } else {
+            assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        }
+        conn.execute(
+            "UPDATE __distributed_locks SET owner = NULL WHERE name = ?1",
+            [key.as_bytes()],
+        )
+        .unwrap();
+    }
+    let sqlite = vec![("lock_type".to_owned(), "sqlite".to_owned())];
+    assert!(
+        support::eventually(Duration::from_secs(3), || recorder
+            .points("distributed_lock.lost")
+            == vec![(sqlite.clone(), 2)])
+        .await,
+        "lost: {:?}",
+        recorder.points("distributed_lock.lost")
+    );
+}

@@ -116,11 +116,11 @@ impl LockGuard {
         let Some(Held { handle, slot }) = self.state.take() else {
             return Ok(());
         };
-        self.record_end();
         let span = tracing::debug_span!("dlock.release", key = &*self.key, backend = self.backend);
         let mut releasing = Releasing {
             future: Some(handle.release()),
             slot: Some(slot),
+            end: Some(self.hold_end()),
             runtime: self.runtime.clone(),
         };
         let outcome = std::future::poll_fn(|cx| match releasing.future.as_mut() {
@@ -146,24 +146,36 @@ impl LockGuard {
 struct Releasing {
     future: Option<BoxFuture<'static, Result<(), LockError>>>,
     slot: Option<Slot>,
+    end: Option<HoldEnd>,
     runtime: tokio::runtime::Handle,
 }
 
 impl Drop for Releasing {
     fn drop(&mut self) {
-        let slot = self.slot.take();
+        let (slot, end) = (self.slot.take(), self.end.take());
         if let Some(future) = self.future.take() {
             drop(self.runtime.spawn(async move {
                 let _ = future.await;
                 drop(slot);
+                drop(end);
             }));
         }
     }
 }
 
-impl LockGuard {
-    /// Records the hold's duration and, if it ended lost, the loss (once: the state is gone).
-    fn record_end(&self) {
+/// The end of a hold, recorded when this is dropped: after the release has run, so that a
+/// loss the release itself finds (a row or key taken over) is counted too. Dropped unrun with
+/// a background release whose runtime is gone, it records then.
+struct HoldEnd {
+    metrics: Arc<Metrics>,
+    key: Arc<str>,
+    backend: &'static str,
+    held: std::time::Duration,
+    lost: CancellationToken,
+}
+
+impl Drop for HoldEnd {
+    fn drop(&mut self) {
         let lost = self.lost.is_cancelled();
         if lost {
             tracing::warn!(
@@ -173,14 +185,28 @@ impl LockGuard {
             );
         }
         self.metrics
-            .released(self.backend, &self.key, self.acquired_at.elapsed(), lost);
+            .released(self.backend, &self.key, self.held, lost);
+    }
+}
+
+impl LockGuard {
+    /// The hold ends now (its duration is measured here); it is recorded once the release is
+    /// done (once: the guard's state is gone).
+    fn hold_end(&self) -> HoldEnd {
+        HoldEnd {
+            metrics: Arc::clone(&self.metrics),
+            key: Arc::clone(&self.key),
+            backend: self.backend,
+            held: self.acquired_at.elapsed(),
+            lost: self.lost.clone(),
+        }
     }
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if let Some(Held { handle, slot }) = self.state.take() {
-            self.record_end();
+            let end = self.hold_end();
             let key = Arc::clone(&self.key);
             let backend = self.backend;
             let task = async move {
@@ -188,6 +214,7 @@ impl Drop for LockGuard {
                     tracing::warn!(%key, backend, error = %err, "background release of a dropped lock guard failed");
                 }
                 drop(slot);
+                drop(end);
             };
             // If the runtime is gone, the task is dropped unrun: the backend's handle stops its
             // renewal and the lock goes with its lease or its connection.
