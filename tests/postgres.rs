@@ -664,6 +664,55 @@ async fn abandoned_waits_leave_the_server_clean() {
     b.try_acquire(&key).await.unwrap().release().await.unwrap();
 }
 
+/// A wait cancelled at the moment its key is released may be granted on the server just before
+/// the cancel lands; its session then holds the lock until the server sees the connection go.
+/// The same backend must not answer `AlreadyHeld` for that moment: its next acquisition of the
+/// key waits until the abandoned session neither waits nor holds. 100 races of cancel against
+/// release; each time the provider that waited takes the key at once afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_cancelled_as_its_key_is_released_never_leaves_it_held() {
+    let server = PgServer::shared();
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+    let mut conn = admin(server).await;
+    let mut granted_then_cancelled = 0;
+    for round in 0..100 {
+        let key = unique_key("cancel-race");
+        let held = a.try_acquire(&key).await.unwrap();
+        let cancel = dlock::CancellationToken::new();
+        let waiter = {
+            let (b, key, cancel) = (b.clone(), key.clone(), cancel.clone());
+            tokio::spawn(async move { b.lock(&key).cancel_on(&cancel).acquire().await })
+        };
+        support::wait_until(
+            "the wait is queued on the server",
+            Duration::from_secs(5),
+            async || waiting_for(&mut conn, &key).await == 1,
+        )
+        .await;
+        // Release and cancel at once, in either order.
+        if round % 2 == 0 {
+            let (released, ()) = tokio::join!(held.release(), async { cancel.cancel() });
+            released.unwrap();
+        } else {
+            let ((), released) = tokio::join!(async { cancel.cancel() }, held.release());
+            released.unwrap();
+        }
+        match waiter.await.unwrap() {
+            Ok(guard) => guard.release().await.unwrap(),
+            Err(LockError::Canceled { .. }) => granted_then_cancelled += 1,
+            Err(other) => panic!("round {round}: {other}"),
+        }
+        match b.try_acquire(&key).await {
+            Ok(guard) => guard.release().await.unwrap(),
+            Err(err) => {
+                panic!("round {round}: the key still looked held after the cancelled wait: {err}")
+            }
+        }
+    }
+    eprintln!("{granted_then_cancelled} of 100 waits ended cancelled");
+}
+
 /// The fenced statements (`pg_try_advisory_lock` + `INSERT ... RETURNING token` in one
 /// statement) read their row with `fetch_one`. This pins what that relies on: an error raised
 /// when the implicit transaction commits, after the row was sent, still reaches the caller (a

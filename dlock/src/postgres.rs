@@ -64,7 +64,9 @@
 //! token, dropped future) is cancelled on the server (`pg_cancel_backend`, aimed by process id
 //! and session start time) and its connection is closed, which ends the lock if the server
 //! granted it in the meantime; the connection is not reused, so a late cancel can never hit a
-//! later statement.
+//! later statement. Until `pg_locks` shows that session neither waiting for nor holding an
+//! advisory lock (at most 5 s), later acquisitions of the key through the same backend wait
+//! for it, so a cancelled wait never makes the key look held for a moment after it ended.
 //!
 //! # Lost locks
 //!
@@ -166,7 +168,9 @@ use sqlx::{Connection, Row};
 
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::lanes::{Connector, Failure, Grant, LaneOptions, Lanes, Session, lane_backend};
+use crate::lanes::{
+    Connector, Failure, Grant, LaneOptions, Lanes, SETTLE_LIMIT, Session, lane_backend,
+};
 use crate::options::{query_pairs, unknown_option};
 use crate::{LockError, lock_id};
 
@@ -248,6 +252,12 @@ const FENCING_GRANTS: &str = "CREATE TABLE dlock_fencing (id bigint PRIMARY KEY,
 /// `$1` pid, `$2` backend start time (text) of a wait connection: cancels its statement.
 const CANCEL_SQL: &str = "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
     WHERE pid = $1 AND backend_start::text = $2";
+
+/// `$1` pid, `$2` backend start time (text) of a wait connection: whether that session (if it
+/// still exists) neither waits for nor holds any advisory lock.
+const SETTLED_SQL: &str = "SELECT NOT EXISTS (SELECT 1 FROM pg_locks l \
+    JOIN pg_stat_activity a ON a.pid = l.pid \
+    WHERE l.pid = $1 AND a.backend_start::text = $2 AND l.locktype = 'advisory')";
 
 /// Process id and start time of this session, which identify it for [`CANCEL_SQL`]. Also
 /// has the server look for a vanished client once a second while a statement runs
@@ -518,6 +528,34 @@ impl PgSession {
     }
 }
 
+impl PgSession {
+    /// Cancels another session's abandoned wait, then watches the server until that session
+    /// neither waits for nor holds an advisory lock. The cancel only asks, and a wait granted
+    /// just before it holds its lock until the server sees the dropped connection; the
+    /// acquisition's claim is kept until then, so a later acquisition of the key through the
+    /// same backend never finds it held by a session that is going away.
+    async fn cancel_and_settle(&mut self, cancel: &PgCancel) -> Result<(), sqlx::Error> {
+        sqlx::query(CANCEL_SQL)
+            .bind(cancel.pid)
+            .bind(&cancel.started)
+            .execute(&mut self.conn)
+            .await?;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let settled: bool = sqlx::query_scalar(SETTLED_SQL)
+                .bind(cancel.pid)
+                .bind(&cancel.started)
+                .fetch_one(&mut self.conn)
+                .await?;
+            if settled {
+                return Ok(());
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+}
+
 impl Session for PgSession {
     type Resource = i64;
     type Interrupt = PgCancel;
@@ -584,21 +622,21 @@ impl Session for PgSession {
 
     fn run_interrupt(&mut self, cancel: PgCancel) -> BoxFuture<'_, Result<(), Failure>> {
         Box::pin(async move {
-            match sqlx::query(CANCEL_SQL)
-                .bind(cancel.pid)
-                .bind(cancel.started)
-                .execute(&mut self.conn)
-                .await
-            {
-                Ok(_) => Ok(()),
-                Err(err) if !is_connection_error(&err) => Err(Failure::statement(pg_error(
-                    "cancelling an abandoned wait",
-                    err,
-                ))),
-                Err(err) => Err(Failure::connection(pg_error(
-                    "cancelling an abandoned wait",
-                    err,
-                ))),
+            let what = "cancelling an abandoned wait";
+            let settled = tokio::time::timeout(SETTLE_LIMIT, self.cancel_and_settle(&cancel));
+            match settled.await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(err)) if !is_connection_error(&err) => {
+                    Err(Failure::statement(pg_error(what, err)))
+                }
+                Ok(Err(err)) => Err(Failure::connection(pg_error(what, err))),
+                Err(_) => {
+                    tracing::warn!(
+                        backend = NAME,
+                        "an abandoned wait's session still waits for or holds its lock after {SETTLE_LIMIT:?}"
+                    );
+                    Ok(())
+                }
             }
         })
     }
