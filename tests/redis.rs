@@ -992,13 +992,7 @@ async fn late_renewal_replies(server: &RedisServer) {
 fn runtime_dropped(server: &RedisServer) {
     let lease = Duration::from_secs(1);
     let url = server.url("lease=1s");
-    let runtime = || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap()
-    };
+    let runtime = || support::runtime(1);
     let (first, second) = (runtime(), runtime());
     // Connected on the first runtime, whose first lock starts the renewal driver there.
     let locks = first.block_on(async {
@@ -1064,13 +1058,7 @@ fn runtime_dropped(server: &RedisServer) {
 fn connecting_runtime_dropped(server: &RedisServer) {
     let lease = Duration::from_secs(1);
     let url = server.url("lease=1s");
-    let runtime = || {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap()
-    };
+    let runtime = || support::runtime(1);
     let (connecting, using) = (runtime(), runtime());
     let locks = connecting.block_on(LockProvider::connect(&url)).unwrap();
     let key = unique_key("held");
@@ -1100,11 +1088,7 @@ fn acquisition_on_dropped_runtime(server: &RedisServer) {
     let lease = Duration::from_secs(1);
     let proxy = DelayProxy::start(server.port());
     let url = proxy.url("lease=1s");
-    let doomed = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let doomed = support::runtime(1);
     let locks = doomed.block_on(async {
         let locks = LockProvider::connect(&url).await.unwrap();
         // The acquisition script loaded while answers are prompt.

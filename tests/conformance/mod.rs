@@ -838,13 +838,7 @@ where
     Fut: Future<Output = Option<H>>,
     H: Harness,
 {
-    let runtime = |workers| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(workers)
-            .enable_all()
-            .build()
-            .expect("runtime")
-    };
+    let runtime = crate::support::runtime;
     let main = runtime(1);
     let Some(h) = main.block_on(make()) else {
         return;

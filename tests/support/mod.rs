@@ -233,6 +233,16 @@ pub async fn wait_until(what: &str, limit: Duration, mut condition: impl AsyncFn
     }
 }
 
+/// A multi-thread Tokio runtime of `workers` threads, for tests that make and drop runtimes of
+/// their own.
+pub fn runtime(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("a Tokio runtime")
+}
+
 /// Waits for `condition` to hold, checking every few milliseconds, for at most `limit`.
 pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
     let deadline = tokio::time::Instant::now() + limit;
