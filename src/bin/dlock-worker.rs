@@ -18,6 +18,9 @@
 //! `dlock-worker hold URL KEY` takes the lock, prints `held TOKEN` on stdout and sleeps until
 //! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
 //! clock when it fired).
+//!
+//! `dlock-worker schedule --url URL ...` is one worker process of the schedule test
+//! (`tests/schedule.rs`), driven over stdin and stdout; see the `schedule` module.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -25,6 +28,9 @@ use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+#[path = "dlock-worker/schedule.rs"]
+mod schedule;
 
 /// How long one acquisition may wait before the worker gives up (and fails the run).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -41,6 +47,7 @@ fn main() -> ExitCode {
             runtime().and_then(|rt| rt.block_on(storm(url, prefix, keys, tasks, acquisitions, log)))
         }
         ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key))),
+        ["schedule", rest @ ..] => schedule::run(rest),
         ["verify", log, expected] => expected
             .parse()
             .map_err(|e| format!("expected: {e}"))
@@ -50,7 +57,8 @@ fn main() -> ExitCode {
             "usage: dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] \
                   [--keys K] [--acquisitions A] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG | verify LOG SECTIONS \
-                  | hold URL KEY"
+                  | hold URL KEY | schedule --url URL [--runtimes N] \
+                  [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
         ),
     };
