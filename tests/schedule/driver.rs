@@ -43,6 +43,14 @@ pub fn libfaketime() -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.is_file())
 }
 
+/// Removes the shared memory libfaketime made for the (ended) process `pid`: it is left behind
+/// when the process is killed (and, with this version, often when it exits), and a later
+/// process with the same pid would fail on it (`shm_open failed: File exists`).
+fn forget_faketime(pid: u32) {
+    let _ = std::fs::remove_file(format!("/dev/shm/faketime_shm_{pid}"));
+    let _ = std::fs::remove_file(format!("/dev/shm/sem.faketime_sem_{pid}"));
+}
+
 /// The store of one backend, and the faults it can suffer.
 pub enum Store {
     Sqlite {
@@ -706,10 +714,7 @@ impl Run<'_> {
         }
         let pid = self.procs[slot].pid;
         if self.procs[slot].faked {
-            // libfaketime leaves its shared memory behind when its process is killed, and a
-            // later process with the same pid would fail on it.
-            let _ = std::fs::remove_file(format!("/dev/shm/faketime_shm_{pid}"));
-            let _ = std::fs::remove_file(format!("/dev/shm/sem.faketime_sem_{pid}"));
+            forget_faketime(pid);
         }
         self.history.killed(slot, generation, t0, t1);
         self.history.note(
@@ -850,18 +855,13 @@ impl Run<'_> {
                     Ok(None) if now() > deadline => {
                         let _ = p.child.kill();
                         let _ = p.child.wait();
-                        if p.faked {
-                            let _ =
-                                std::fs::remove_file(format!("/dev/shm/faketime_shm_{}", p.pid));
-                            let _ = std::fs::remove_file(format!(
-                                "/dev/shm/sem.faketime_sem_{}",
-                                p.pid
-                            ));
-                        }
                         break;
                     }
                     Ok(None) => std::thread::sleep(Duration::from_millis(5)),
                 }
+            }
+            if p.faked {
+                forget_faketime(p.pid);
             }
         }
         if let Some(thread) = self.server.take() {
