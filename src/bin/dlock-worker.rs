@@ -30,6 +30,9 @@
 //! `dlock-worker tx-hold FILE KEY` (SQLite) opens the database file, begins a transaction,
 //! takes `KEY` with a transaction-bound lock, prints `held TOKEN` and sleeps until it is
 //! killed, with the transaction still open.
+//!
+//! `dlock-worker schedule --url URL ...` is one worker process of the schedule test
+//! (`tests/schedule.rs`), driven over stdin and stdout; see the `schedule` module.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -37,6 +40,9 @@ use std::path::Path;
 use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+#[path = "dlock-worker/schedule.rs"]
+mod schedule;
 
 /// How long one acquisition may wait before the worker gives up (and fails the run).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -59,6 +65,7 @@ fn main() -> ExitCode {
             .and_then(|ms| runtime().and_then(|rt| rt.block_on(take(url, key, ms)))),
         #[cfg(feature = "sqlite")]
         ["tx-hold", file, key] => tx_hold(file, key),
+        ["schedule", rest @ ..] => schedule::run(rest),
         ["verify", log, expected, rest @ ..] => expected
             .parse()
             .map_err(|e| format!("expected: {e}"))
@@ -70,7 +77,8 @@ fn main() -> ExitCode {
                   [--keys K] [--acquisitions A] [--fencing every|none] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY \
-                  | take URL KEY TIMEOUT_MS | tx-hold FILE KEY"
+                  | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
+                  | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
         ),
     };
