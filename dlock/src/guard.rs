@@ -244,6 +244,13 @@ mod tests {
     use crate::testing::{MemoryBackend, Recorder};
     use crate::{LockError, LockProvider};
 
+    /// Waits for a notification, failing (not hanging) when it never comes.
+    async fn within(notified: impl std::future::Future<Output = ()>) {
+        tokio::time::timeout(Duration::from_secs(10), notified)
+            .await
+            .expect("the release never ran");
+    }
+
     fn provider(backend: &MemoryBackend, recorder: &Recorder) -> LockProvider {
         LockProvider::builder(backend.clone())
             .meter(recorder.meter())
@@ -349,7 +356,7 @@ mod tests {
             tokio::spawn(async move { locks.acquire("a", Duration::from_secs(30)).await })
         };
         gate.notify_one();
-        notified.await;
+        within(notified).await;
         let next = waiter.await.unwrap().unwrap();
         assert_eq!(next.fencing_token(), Some(2));
         assert_eq!(backend.store().releases, 1);
@@ -368,7 +375,7 @@ mod tests {
         let released = backend.released.clone();
         let notified = released.notified();
         drop(guard);
-        notified.await;
+        within(notified).await;
         // The slot goes, and the hold is recorded, right after the release in the same task.
         while locks.local_key_count() != 0 {
             tokio::task::yield_now().await;
@@ -392,7 +399,7 @@ mod tests {
         let released = backend.released.clone();
         let notified = released.notified();
         gate.notify_one();
-        notified.await;
+        within(notified).await;
         while locks.local_key_count() != 0 {
             tokio::task::yield_now().await;
         }

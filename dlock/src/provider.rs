@@ -1107,6 +1107,20 @@ mod tests {
             not_built("rediss://h", "redis").await;
         }
         let _ = not_built;
+        // Built backends get the URL: nothing listens on port 1, so they cannot connect.
+        for url in ["postgres://u@127.0.0.1:1/db", "redis://127.0.0.1:1"] {
+            let scheme = url.split_once(':').unwrap().0;
+            if cfg!(feature = "postgres") && scheme == "postgres"
+                || cfg!(feature = "redis") && scheme == "redis"
+            {
+                let err = tokio::time::timeout(Duration::from_secs(20), LockProvider::connect(url))
+                    .await
+                    .expect("a refused connection is answered")
+                    .unwrap_err();
+                assert!(!err.to_string().contains("scheme"), "{url}: {err}");
+                assert!(!err.to_string().contains("cargo feature"), "{url}: {err}");
+            }
+        }
         #[cfg(feature = "sqlite")]
         {
             let dir = tempfile::tempdir().unwrap();
