@@ -881,6 +881,14 @@ mod tests {
 
         // Waiting behind a local holder.
         let held = locks.try_acquire("a").await.unwrap();
+        // A cancelled acquisition is Canceled, even where it would have met contention.
+        let err = locks
+            .lock("a")
+            .cancel_on(&token)
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Canceled { .. }), "{err:?}");
         let token = CancellationToken::new();
         let canceler = {
             let token = token.clone();
@@ -1044,6 +1052,11 @@ mod tests {
         let locks = provider(&backend);
         let err = futures_executor(locks.try_acquire("a")).unwrap_err();
         assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+        // Cancellation is checked first.
+        let token = CancellationToken::new();
+        token.cancel();
+        let err = futures_executor(locks.lock("a").cancel_on(&token).try_acquire()).unwrap_err();
+        assert!(matches!(err, LockError::Canceled { .. }), "{err:?}");
         assert_eq!(locks.local_key_count(), 0);
     }
 
