@@ -1844,4 +1844,43 @@ mod tests {
         assert!(!shared.checkpointing.load(Ordering::Acquire));
         assert!(checkpoint_busy(0) && !checkpoint_busy(CHECKPOINT_TRIES));
     }
+
+    /// A backend that looked for the `-fencing` file before it existed looks again once that
+    /// look is too old, and raises its token above a rolled-back transaction lock's.
+    #[test]
+    fn a_session_lock_takes_a_token_above_a_rolled_back_transaction_lock() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let backend = rt.block_on(open(&dir, Duration::from_secs(30)));
+        // A look that finds no file.
+        let first = rt.block_on(take(&backend, "j")).unwrap();
+        rt.block_on(first.handle.release()).unwrap();
+        assert!(!backend.shared.fencing.attached());
+        let mut conn = Connection::open(dir.path().join("l.db")).unwrap();
+        let tx = conn.transaction().unwrap();
+        assert_eq!(
+            try_acquire_in_transaction(&tx, "k")
+                .unwrap()
+                .fencing_token(),
+            1
+        );
+        tx.commit().unwrap();
+        let tx = conn.transaction().unwrap();
+        assert_eq!(
+            try_acquire_in_transaction(&tx, "k")
+                .unwrap()
+                .fencing_token(),
+            2
+        );
+        tx.rollback().unwrap();
+        // The row says 1; the record says 2 was handed out.
+        assert_eq!(row(&dir, "k"), Some((false, 1)));
+        let taken = rt.block_on(take(&backend, "k")).unwrap();
+        assert_eq!(taken.fencing_token, Some(3));
+        assert!(backend.shared.fencing.attached());
+        rt.block_on(taken.handle.release()).unwrap();
+    }
 }
