@@ -137,8 +137,10 @@ pub(crate) struct Conn {
     /// Set when a runtime that may have run the connection's task has shut down: the next
     /// command first replaces the manager (or checks it, see [`Conn::repair`]).
     suspect: Arc<AtomicBool>,
-    /// Ends the task that watches the runtime the current manager was made on.
-    watch: Mutex<Option<tokio_util::sync::DropGuard>>,
+    /// End the tasks that watch the runtimes the current manager may run on: the one it was
+    /// made on, and those of commands that found the connection broken (the manager's
+    /// reconnection may run there). At most [`MAX_WATCHES`], the newest.
+    watches: Mutex<Vec<tokio_util::sync::DropGuard>>,
 }
 
 /// Sets a connection's `suspect` flag when dropped (see [`Conn::suspect_on_drop`]), unless
@@ -241,6 +243,9 @@ fn is_server_answer(err: &RedisError) -> bool {
     matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
 }
 
+/// The most runtimes watched for one connection (see [`Conn::watch_runtime`]).
+const MAX_WATCHES: usize = 8;
+
 /// The detail of the error that stands for a panic inside the driver.
 const DRIVER_PANIC: &str = "the redis driver failed inside (a reconnection begun on a Tokio \
                             runtime that has since shut down); the connection is made again \
@@ -290,14 +295,16 @@ impl Conn {
             }),
             scripts: Scripts::new(),
             suspect: Arc::new(AtomicBool::new(false)),
-            watch: Mutex::new(None),
+            watches: Mutex::new(Vec::new()),
         }
     }
 
-    /// Marks the connection suspect when the current runtime (the one the manager was made
-    /// on, whose tasks run its connection) shuts down, so that the next command replaces or
-    /// checks it first (see [Runtimes](super#runtimes)). Replaces the previous watch.
-    pub(crate) fn watch_runtime(&self) {
+    /// Marks the connection suspect when the current runtime shuts down (the one the manager
+    /// was made on, whose tasks run its connection, or one whose command found the connection
+    /// broken, where the reconnection may run), so that the next command replaces or checks
+    /// the manager first (see [Runtimes](super#runtimes)). `fresh`: the manager is new, and
+    /// the earlier watches are ended.
+    pub(crate) fn watch_runtime(&self, fresh: bool) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -308,7 +315,14 @@ impl Conn {
             let _mark = mark;
             watching.cancelled().await;
         }));
-        *self.watch.lock().unwrap_or_else(PoisonError::into_inner) = Some(done.drop_guard());
+        let mut watches = self.watches.lock().unwrap_or_else(PoisonError::into_inner);
+        if fresh {
+            watches.clear();
+        }
+        if watches.len() >= MAX_WATCHES {
+            watches.remove(0);
+        }
+        watches.push(done.drop_guard());
     }
 
     /// A value that, once dropped, makes the next command check the connection first. Tasks
@@ -359,7 +373,7 @@ impl Conn {
             Ok(manager) => {
                 *self.manager.lock().unwrap_or_else(PoisonError::into_inner) = manager;
                 self.forget();
-                self.watch_runtime();
+                self.watch_runtime(true);
                 true
             }
             Err(err) => {
@@ -386,6 +400,8 @@ impl Conn {
         if let Err(err) = outcome {
             if !is_server_answer(err) {
                 self.forget();
+                // The manager reconnects, maybe on this runtime.
+                self.watch_runtime(false);
             }
         }
     }

@@ -159,13 +159,13 @@
 //! broken). Locks may be taken from any runtime. When the renewal task stops for any reason,
 //! its runtime shutting down included, every lock it renewed is declared lost at once (each
 //! guard's token fires, well before the lease can run out), and the next acquisition starts
-//! a new renewal task on its own runtime. When the runtime that connected, or that ran the
-//! renewal task, shuts down, the next command first makes a new connection manager, which
-//! connects on the runtime of that command: the old one may hold a connection whose task is
-//! gone, or a reconnection whose timers belonged to the runtime that shut down. A failure
-//! inside the driver that still gets through (a reconnection begun on yet another runtime,
-//! which then shut down) fails that one command with [`LockError::Unavailable`], and the
-//! manager is made again for the next. A `ConnectionManager` the application passed in
+//! a new renewal task on its own runtime. When the runtime that connected, that ran the
+//! renewal task, or whose command found the connection broken (the reconnection may run
+//! there) shuts down, the next command first makes a new connection manager, which connects
+//! on the runtime of that command: the old one may hold a connection whose task is gone, or a
+//! reconnection whose timers belonged to the runtime that shut down. A failure inside the
+//! driver that still gets through (past the eight runtimes watched per connection) fails that
+//! one command with [`LockError::Unavailable`], and the manager is made again for the next. A `ConnectionManager` the application passed in
 //! ([`RedisBackend::builder_on_manager`]) cannot be made again: it is checked with a `PING`
 //! instead, and a driver failure inside it is reported on every command it breaks; keep the
 //! runtime it was made on alive, or build the backend from a client.
@@ -412,7 +412,7 @@ impl RedisBuilder {
             }
         };
         let conn = Conn::new(manager, rebuild);
-        conn.watch_runtime();
+        conn.watch_runtime(true);
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 conn,
