@@ -1058,8 +1058,11 @@ fn runtime_dropped(server: &RedisServer) {
 /// inside the driver) nor fail for good: the provider takes locks again.
 fn reconnection_runtime_dropped(server: &mut RedisServer) {
     let url = server.url("lease=1s&timeout=1s");
+    // Connected on a runtime that stays: its watch is still running when the connection is
+    // made again, and must end quietly then.
+    let home = support::runtime(1);
     let (first, second) = (support::runtime(1), support::runtime(1));
-    let locks = first.block_on(async { LockProvider::connect(&url).await.unwrap() });
+    let locks = home.block_on(async { LockProvider::connect(&url).await.unwrap() });
     server.stop();
     first.block_on(async {
         let outcome = locks.try_acquire(&unique_key("down")).await;
@@ -1084,6 +1087,20 @@ fn reconnection_runtime_dropped(server: &mut RedisServer) {
             // One failed command is documented (the broken connection's own); more are not.
             assert!(failures.len() <= 1, "{failures:?}");
         }
+        // The connection made again is kept: commands do not each make a new one.
+        let connections = || -> u64 {
+            server.info("stats")["total_connections_received"]
+                .parse()
+                .unwrap()
+        };
+        let before = connections();
+        for _ in 0..20 {
+            let guard = locks.try_acquire(&key).await.unwrap();
+            guard.release().await.unwrap();
+        }
+        // Each reading of the count is itself a connection.
+        let made = connections() - before - 1;
+        assert_eq!(made, 0, "{made} new connections for 20 locks");
     });
 }
 

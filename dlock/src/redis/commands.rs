@@ -137,6 +137,10 @@ pub(crate) struct Conn {
     /// Set when a runtime that may have run the connection's task has shut down: the next
     /// command first replaces the manager (or checks it, see [`Conn::repair`]).
     suspect: Arc<AtomicBool>,
+    /// Set by a failure that is not an answer of the server, cleared by the next answer:
+    /// while set, the manager may be reconnecting, and each command watches its runtime
+    /// (see [`Conn::watch_runtime`]) before it polls the reconnection.
+    reconnecting: AtomicBool,
     /// End the tasks that watch the runtimes the current manager may run on: the one it was
     /// made on, and those of commands that found the connection broken (the manager's
     /// reconnection may run there). At most [`MAX_WATCHES`], the newest.
@@ -295,6 +299,7 @@ impl Conn {
             }),
             scripts: Scripts::new(),
             suspect: Arc::new(AtomicBool::new(false)),
+            reconnecting: AtomicBool::new(false),
             watches: Mutex::new(Vec::new()),
         }
     }
@@ -312,8 +317,9 @@ impl Conn {
         let watching = done.clone();
         let mark = self.suspect_on_drop();
         drop(runtime.spawn(async move {
-            let _mark = mark;
             watching.cancelled().await;
+            // Ended on purpose (a newer manager, or the backend is gone), not by a shutdown.
+            mark.disarm();
         }));
         let mut watches = self.watches.lock().unwrap_or_else(PoisonError::into_inner);
         if fresh {
@@ -397,12 +403,22 @@ impl Conn {
     }
 
     fn forget_on_failure<T>(&self, outcome: &Result<T, RedisError>) {
-        if let Err(err) = outcome {
-            if !is_server_answer(err) {
+        match outcome {
+            Err(err) if !is_server_answer(err) => {
                 self.forget();
                 // The manager reconnects, maybe on this runtime.
+                self.reconnecting.store(true, Ordering::SeqCst);
                 self.watch_runtime(false);
             }
+            _ => self.reconnecting.store(false, Ordering::SeqCst),
+        }
+    }
+
+    /// Before a command: while the manager may be reconnecting, this runtime may poll the
+    /// reconnection first (and start its timers), so it is watched.
+    fn watch_if_reconnecting(&self) {
+        if self.reconnecting.load(Ordering::SeqCst) {
+            self.watch_runtime(false);
         }
     }
 
@@ -426,6 +442,7 @@ impl Conn {
     /// command connects again.
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         self.repair().await;
+        self.watch_if_reconnecting();
         let mut manager = self.manager();
         let outcome = unwind_to_error(cmd.query_async::<Value>(&mut manager)).await;
         self.after_driver_panic(&outcome);
@@ -658,6 +675,7 @@ impl Conn {
         let mut pipe = redis::pipe();
         pipe.atomic().cmd("GET").arg(key).cmd("PTTL").arg(key);
         self.repair().await;
+        self.watch_if_reconnecting();
         let mut manager = self.manager();
         let outcome = unwind_to_error(pipe.query_async::<(Option<Vec<u8>>, i64)>(&mut manager))
             .await
