@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use dlock::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
+use dlock::backend::{Acquired, BoxFuture, LeaseDeadline, LockBackend, LockRequest};
 use dlock::sqlite::SqliteBackend;
 use dlock::{Backoff, LockError, LockProvider};
 use support::unique_key;
@@ -168,4 +168,66 @@ async fn provider_shutdown_token_cancels_waits() {
     // Held locks are not touched by the shutdown token.
     assert!(!guard.is_lost());
     guard.release().await.unwrap();
+}
+
+/// Passes acquisitions through to SQLite, but gives each guard a lease deadline `after` from
+/// the acquisition that nothing moves on: a holder whose renewals have stopped being confirmed,
+/// as after a pause of the whole process, before the renewal thread has run again.
+#[derive(Debug)]
+struct Unrenewed {
+    inner: SqliteBackend,
+    after: Duration,
+}
+
+impl LockBackend for Unrenewed {
+    fn name(&self) -> &'static str {
+        "unrenewed"
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            let at = std::time::Instant::now() + self.after;
+            Ok(self
+                .inner
+                .try_acquire(request)
+                .await?
+                .map(|acquired| acquired.with_lease_deadline(LeaseDeadline::new(at))))
+        })
+    }
+}
+
+/// A holder whose lease deadline has passed with no renewal confirmed finds the lock lost at
+/// once, from `is_lost()` and its lost token, and its release reports the loss, though the
+/// backend's own renewal never said so.
+#[tokio::test]
+async fn a_lease_past_its_deadline_is_lost_before_the_renewal_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let inner = SqliteBackend::open(dir.path().join("deadline.db"))
+        .await
+        .unwrap();
+    let provider = LockProvider::from_backend(Unrenewed {
+        inner,
+        after: Duration::from_millis(200),
+    });
+    let guard = provider.try_acquire(&unique_key("deadline")).await.unwrap();
+    assert!(!guard.is_lost(), "the deadline is ahead");
+    assert!(!guard.lost_token().is_cancelled());
+    let token = guard.lost_token().clone();
+    support::wait_until("the deadline passes", Duration::from_secs(5), async || {
+        guard.is_lost()
+    })
+    .await;
+    assert!(token.is_cancelled(), "is_lost() fires the lost token");
+    let released = guard.release().await;
+    assert!(
+        matches!(released, Err(LockError::Lost { .. })),
+        "{released:?}"
+    );
+
+    // Released before its deadline, a lock is not lost.
+    let guard = provider.try_acquire(&unique_key("deadline")).await.unwrap();
+    guard.release().await.expect("released in time");
 }

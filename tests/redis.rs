@@ -1051,6 +1051,59 @@ fn runtime_dropped(server: &RedisServer) {
     });
 }
 
+/// The server goes away, and a command on the first runtime finds the connection broken: the
+/// connection manager starts reconnecting there, pausing between tries on that runtime's
+/// timers. That runtime is dropped mid-reconnection, and the server comes back. Commands from
+/// another runtime must neither panic (polling a reconnection whose timers are gone did,
+/// inside the driver) nor fail for good: the provider takes locks again.
+fn reconnection_runtime_dropped(server: &mut RedisServer) {
+    let url = server.url("lease=1s&timeout=1s");
+    // Connected on a runtime that stays: its watch is still running when the connection is
+    // made again, and must end quietly then.
+    let home = support::runtime(1);
+    let (first, second) = (support::runtime(1), support::runtime(1));
+    let locks = home.block_on(async { LockProvider::connect(&url).await.unwrap() });
+    server.stop();
+    first.block_on(async {
+        let outcome = locks.try_acquire(&unique_key("down")).await;
+        assert!(
+            matches!(outcome, Err(LockError::Unavailable { .. })),
+            "{outcome:?}"
+        );
+    });
+    drop(first);
+    server.restart();
+    second.block_on(async {
+        let key = unique_key("back");
+        let mut failures = Vec::new();
+        loop {
+            match locks.try_acquire(&key).await {
+                Ok(guard) => {
+                    guard.release().await.unwrap();
+                    break;
+                }
+                Err(err) => failures.push(err.to_string()),
+            }
+            // One failed command is documented (the broken connection's own); more are not.
+            assert!(failures.len() <= 1, "{failures:?}");
+        }
+        // The connection made again is kept: commands do not each make a new one.
+        let connections = || -> u64 {
+            server.info("stats")["total_connections_received"]
+                .parse()
+                .unwrap()
+        };
+        let before = connections();
+        for _ in 0..20 {
+            let guard = locks.try_acquire(&key).await.unwrap();
+            guard.release().await.unwrap();
+        }
+        // Each reading of the count is itself a connection.
+        let made = connections() - before - 1;
+        assert_eq!(made, 0, "{made} new connections for 20 locks");
+    });
+}
+
 /// The connection's task runs on the runtime that connected. When that runtime is dropped
 /// while the renewal driver runs on another one, the locks held stay held (their renewals go
 /// on, over a new connection), and the first command afterwards, here a new acquisition,
@@ -1398,6 +1451,12 @@ macro_rules! flavor_tests {
             fn dropped_runtime() {
                 let Some(server) = start() else { return };
                 runtime_dropped(&server);
+            }
+
+            #[test]
+            fn dropped_reconnection_runtime() {
+                let Some(mut server) = start() else { return };
+                reconnection_runtime_dropped(&mut server);
             }
 
             #[test]

@@ -9,7 +9,9 @@
 use std::fmt::Debug;
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
@@ -53,6 +55,12 @@ pub struct Acquired {
     pub lost: CancellationToken,
     /// Gives the lock back.
     pub handle: Box<dyn HeldLock>,
+    /// For a leased lock: the local deadline past which, without a confirmed renewal, the
+    /// lock is presumed lost. The guard checks it in [`is_lost`](crate::LockGuard::is_lost)
+    /// and [`release`](crate::LockGuard::release), so a holder that was paused past it (a
+    /// stopped process, a suspended VM, a long pause of its thread) hears of the loss at once,
+    /// before the backend's renewal task has run again. `None` for session locks.
+    pub lease_deadline: Option<LeaseDeadline>,
 }
 
 impl Acquired {
@@ -66,7 +74,76 @@ impl Acquired {
             fencing_token,
             lost,
             handle,
+            lease_deadline: None,
         }
+    }
+
+    /// The same lock, presumed lost once `deadline` passes without a renewal moving it on
+    /// (see [`lease_deadline`](Acquired::lease_deadline)).
+    pub fn with_lease_deadline(mut self, deadline: LeaseDeadline) -> Self {
+        self.lease_deadline = Some(deadline);
+        self
+    }
+}
+
+/// The local deadline of a leased lock, shared between the backend that renews the lock and
+/// the guard that holds it: the instant until which the holder may count on the lease (the
+/// last confirmed renewal, measured from before it was sent, plus the part of the lease the
+/// backend trusts). Renewals move it on with [`set`](LeaseDeadline::set).
+///
+/// Measured on the monotonic clock of this process ([`Instant`]), which keeps running while the
+/// process is stopped, so a deadline passes during a pause as the server's lease does.
+#[derive(Clone)]
+pub struct LeaseDeadline(Arc<DeadlineCell>);
+
+struct DeadlineCell {
+    origin: Instant,
+    /// Nanoseconds from `origin` (saturating, about 584 years).
+    after: AtomicU64,
+}
+
+impl LeaseDeadline {
+    /// A deadline at `at` (one already passed counts as passed).
+    pub fn new(at: Instant) -> Self {
+        let origin = Instant::now();
+        let deadline = LeaseDeadline(Arc::new(DeadlineCell {
+            origin,
+            after: AtomicU64::new(0),
+        }));
+        deadline.set(at);
+        deadline
+    }
+
+    /// Moves the deadline to `at` (a renewal confirmed), earlier or later.
+    pub fn set(&self, at: Instant) {
+        let after = at.saturating_duration_since(self.0.origin).as_nanos();
+        self.0
+            .after
+            .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    /// The deadline.
+    pub fn at(&self) -> Instant {
+        crate::time::later(
+            self.0.origin,
+            Duration::from_nanos(self.0.after.load(Ordering::Acquire)),
+        )
+    }
+
+    /// Whether the deadline has passed.
+    pub fn has_passed(&self) -> bool {
+        Instant::now() >= self.at()
+    }
+}
+
+impl Debug for LeaseDeadline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseDeadline")
+            .field(
+                "remaining",
+                &self.at().saturating_duration_since(Instant::now()),
+            )
+            .finish()
     }
 }
 

@@ -9,7 +9,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::LockError;
-use crate::backend::{BoxFuture, HeldLock};
+use crate::backend::{BoxFuture, HeldLock, LeaseDeadline};
 use crate::metrics::Metrics;
 use crate::table::Slot;
 
@@ -30,6 +30,8 @@ pub struct LockGuard {
     key: Arc<str>,
     fencing_token: Option<u64>,
     lost: CancellationToken,
+    /// For a leased lock, the local deadline past which it is presumed lost.
+    lease_deadline: Option<LeaseDeadline>,
     backend: &'static str,
     acquired_at: Instant,
     runtime: tokio::runtime::Handle,
@@ -54,6 +56,7 @@ impl LockGuard {
             key: Arc::clone(slot.key()),
             fencing_token: acquired.fencing_token,
             lost: acquired.lost,
+            lease_deadline: acquired.lease_deadline,
             backend,
             acquired_at: Instant::now(),
             runtime,
@@ -88,8 +91,30 @@ impl LockGuard {
     }
 
     /// Whether the lock is known to be lost.
+    ///
+    /// For a leased lock (SQLite, Redis) this also compares the clock with the lease: a
+    /// holder that was paused past the point where its lease could no longer be counted on
+    /// (a stopped process, a suspended VM, a long pause of its thread) finds the lock lost
+    /// here at once, even before the renewal task has run again, and the
+    /// [`lost_token`](LockGuard::lost_token) fires with it.
     pub fn is_lost(&self) -> bool {
-        self.lost.is_cancelled()
+        if self.lost.is_cancelled() {
+            return true;
+        }
+        if self
+            .lease_deadline
+            .as_ref()
+            .is_some_and(LeaseDeadline::has_passed)
+        {
+            tracing::warn!(
+                key = &*self.key,
+                backend = self.backend,
+                "the lock's lease ran out with no renewal confirmed (was the process paused?); it is presumed lost"
+            );
+            self.lost.cancel();
+            return true;
+        }
+        false
     }
 
     /// The name of the backend that holds the lock.
@@ -106,13 +131,17 @@ impl LockGuard {
     ///
     /// Returns [`LockError::Lost`] when the lock was lost while it was held (so the work done
     /// under it may have overlapped with another holder's); the loss is then reported here
-    /// once, not also as the failure of the release on a dead connection.
+    /// once, not also as the failure of the release on a dead connection. A leased lock whose
+    /// lease could no longer be counted on when the release began (see
+    /// [`is_lost`](LockGuard::is_lost)) counts as lost, whatever the store then answers.
     ///
     /// # Cancel safety
     ///
     /// Dropping the returned future before it completes still releases the lock, in the
     /// background, as dropping the guard does.
     pub async fn release(mut self) -> Result<(), LockError> {
+        // Before the release: its own round trip must not count against the lease.
+        let _ = self.is_lost();
         let Some(Held { handle, slot }) = self.state.take() else {
             return Ok(());
         };
@@ -229,7 +258,14 @@ impl fmt::Debug for LockGuard {
             .field("key", &self.key)
             .field("backend", &self.backend)
             .field("fencing_token", &self.fencing_token)
-            .field("lost", &self.lost.is_cancelled())
+            .field(
+                "lost",
+                &(self.lost.is_cancelled()
+                    || self
+                        .lease_deadline
+                        .as_ref()
+                        .is_some_and(LeaseDeadline::has_passed)),
+            )
             .field("released", &self.state.is_none())
             .finish()
     }

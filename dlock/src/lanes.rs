@@ -514,6 +514,7 @@ impl<C: Connector> Lanes<C> {
             pool: Arc::clone(&self.waits),
             interrupter: self.lane()?,
             lost: lost.clone(),
+            tie: Mutex::new(None),
             _permit: permit,
         };
         tokio::spawn(task.run(reply));
@@ -1150,23 +1151,66 @@ impl<C: Connector> HeldLock for LaneHeld<C> {
 struct WaitPool<S> {
     /// One permit per wait session in use (waiting, or holding what its wait got).
     permits: Arc<Semaphore>,
-    /// Wait sessions that hold nothing, ready for the next wait.
-    idle: Mutex<Vec<S>>,
+    /// Wait sessions that hold nothing, ready for the next wait, with the runtime each was
+    /// opened on.
+    idle: Mutex<Vec<(S, RuntimeTie)>>,
 }
 
 impl<S> WaitPool<S> {
-    fn take(&self) -> Option<S> {
-        self.idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop()
+    /// An idle session whose runtime still runs; those whose runtime is gone are dropped.
+    fn take(&self) -> Option<(S, RuntimeTie)> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some((session, tie)) = idle.pop() {
+            if tie.alive() {
+                return Some((session, tie));
+            }
+        }
+        None
     }
 
-    fn put(&self, session: S) {
+    fn put(&self, session: S, tie: RuntimeTie) {
         self.idle
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(session);
+            .push((session, tie));
+    }
+}
+
+/// Whether the Tokio runtime a session was opened on still runs. The session's socket is
+/// driven by that runtime: once it has shut down, the socket's next wait for readiness fails
+/// ("A Tokio 1.x context was found, but it is being shutdown"), although a ping may still
+/// pass on readiness seen before, so an idle session is not reused after that. A task on the
+/// runtime holds the tie's other end: it is dropped, and the tie cut, when the runtime shuts
+/// down, and it ends when the tie is dropped.
+struct RuntimeTie {
+    runtime_gone: CancellationToken,
+    _dropped: tokio_util::sync::DropGuard,
+}
+
+impl RuntimeTie {
+    /// A tie to the current runtime (cut at once outside one).
+    fn current() -> RuntimeTie {
+        let runtime_gone = CancellationToken::new();
+        let dropped = CancellationToken::new();
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                let cut = runtime_gone.clone().drop_guard();
+                let ended = dropped.clone();
+                drop(runtime.spawn(async move {
+                    let _cut = cut;
+                    ended.cancelled().await;
+                }));
+            }
+            Err(_) => runtime_gone.cancel(),
+        }
+        RuntimeTie {
+            runtime_gone,
+            _dropped: dropped.drop_guard(),
+        }
+    }
+
+    fn alive(&self) -> bool {
+        !self.runtime_gone.is_cancelled()
     }
 }
 
@@ -1186,6 +1230,8 @@ struct WaitTask<C: Connector> {
     /// The lane that runs this wait's interrupt request if it is abandoned.
     interrupter: mpsc::UnboundedSender<LaneCommand<C>>,
     lost: CancellationToken,
+    /// The runtime the task's session was opened on (set when the task has its session).
+    tie: Mutex<Option<RuntimeTie>>,
     // Held until the session is back in the pool (or dropped).
     _permit: tokio::sync::OwnedSemaphorePermit,
 }
@@ -1199,16 +1245,17 @@ enum Step {
 
 impl<C: Connector> WaitTask<C> {
     async fn run(self, mut reply: WaitReply) {
-        let mut session = match self.reuse().await {
-            Some(session) => session,
+        let (mut session, tie) = match self.reuse().await {
+            Some(reused) => reused,
             None => match self.connector.open().await {
-                Ok(session) => session,
+                Ok(session) => (session, RuntimeTie::current()),
                 Err(err) => {
                     let _ = reply.send(Err(err));
                     return;
                 }
             },
         };
+        *self.tie.lock().unwrap_or_else(PoisonError::into_inner) = Some(tie);
         let resolution = self.connector.wait_resolution();
         let mut pause = TAIL_PAUSE;
         let grant = loop {
@@ -1224,7 +1271,7 @@ impl<C: Connector> WaitTask<C> {
                     () = tokio::time::sleep(pause.min(left)) => {}
                     () = reply.closed() => {
                         // Nothing is in flight or held on the session: keep it.
-                        self.pool.put(session);
+                        self.put(session);
                         return;
                     }
                 }
@@ -1245,7 +1292,7 @@ impl<C: Connector> WaitTask<C> {
                 Step::Granted(grant) => break grant,
                 Step::NotGranted if last => {
                     let _ = reply.send(Ok(None));
-                    self.pool.put(session);
+                    self.put(session);
                     return;
                 }
                 Step::NotGranted => continue,
@@ -1295,14 +1342,26 @@ impl<C: Connector> WaitTask<C> {
         }
     }
 
-    /// An idle wait session that still answers, if there is one.
-    async fn reuse(&self) -> Option<C::Session> {
-        while let Some(mut session) = self.pool.take() {
+    /// An idle wait session that still answers, if there is one, with its runtime tie.
+    async fn reuse(&self) -> Option<(C::Session, RuntimeTie)> {
+        while let Some((mut session, tie)) = self.pool.take() {
             if let Ok(Ok(())) = tokio::time::timeout(C::PING_TIMEOUT, session.ping()).await {
-                return Some(session);
+                return Some((session, tie));
             }
         }
         None
+    }
+
+    /// Returns the session (which holds nothing) to the pool.
+    fn put(&self, session: C::Session) {
+        let tie = self
+            .tie
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(tie) = tie {
+            self.pool.put(session, tie);
+        }
     }
 
     /// Gives the lock back and returns the session to the pool; drops the session (which
@@ -1311,7 +1370,7 @@ impl<C: Connector> WaitTask<C> {
         if let Ok(Ok(())) =
             tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&self.resource)).await
         {
-            self.pool.put(session);
+            self.put(session);
         }
     }
 
@@ -1636,6 +1695,36 @@ mod tests {
         assert_eq!(server.locks.lock().unwrap().len(), 1);
         second.handle.release().await.unwrap();
         assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
+    }
+
+    /// An idle wait session opened on a runtime that has since shut down is dropped, not
+    /// reused: its socket fails its next wait for readiness, though a ping may pass.
+    #[test]
+    fn an_idle_session_of_a_runtime_that_is_gone_is_not_reused() {
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+        };
+        let pool: WaitPool<&str> = WaitPool {
+            permits: Arc::new(Semaphore::new(2)),
+            idle: Mutex::new(Vec::new()),
+        };
+        let (first, second) = (runtime(), runtime());
+        pool.put("second", second.block_on(async { RuntimeTie::current() }));
+        pool.put("first", first.block_on(async { RuntimeTie::current() }));
+        drop(first);
+        let (session, tie) = pool.take().expect("the live runtime's session");
+        assert_eq!(session, "second");
+        assert!(tie.alive());
+        assert!(
+            pool.take().is_none(),
+            "the dropped runtime's session is not reused"
+        );
+        assert!(
+            !RuntimeTie::current().alive(),
+            "outside a runtime there is nothing to tie to"
+        );
     }
 
     /// The lane task that keeps a lock dies with the runtime it ran on: the lock's lost token

@@ -633,13 +633,9 @@ impl LockBackend for SqliteBackend {
             };
             let name: Arc<[u8]> = Arc::from(name);
             let lost = CancellationToken::new();
-            let registered = self.shared.renewer.register(Renewal::new(
-                Arc::clone(&name),
-                owner,
-                lease,
-                lost.clone(),
-                started,
-            ));
+            let renewal = Renewal::new(Arc::clone(&name), owner, lease, lost.clone(), started);
+            let deadline = renewal.deadline();
+            let registered = self.shared.renewer.register(renewal);
             let id = match registered {
                 Ok(id) => id,
                 Err(err) => {
@@ -647,17 +643,20 @@ impl LockBackend for SqliteBackend {
                     return Err(err);
                 }
             };
-            Ok(Some(Acquired::new(
-                Some(token),
-                lost.clone(),
-                Box::new(SqliteHeld {
-                    shared: Arc::clone(&self.shared),
-                    id,
-                    key: Arc::from(request.key),
-                    owner,
-                    lost,
-                }),
-            )))
+            Ok(Some(
+                Acquired::new(
+                    Some(token),
+                    lost.clone(),
+                    Box::new(SqliteHeld {
+                        shared: Arc::clone(&self.shared),
+                        id,
+                        key: Arc::from(request.key),
+                        owner,
+                        lost,
+                    }),
+                )
+                .with_lease_deadline(deadline),
+            ))
         })
     }
 }

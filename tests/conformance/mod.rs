@@ -904,19 +904,18 @@ async fn contended_wait(h: &impl Harness, provider: &LockProvider) {
     let key = unique_key("contended");
     let held = blocker.try_acquire(&key).await.expect("free key");
     let before = provider.local_key_count();
-    let waiter = {
+    let mut waiter = {
         let (p, key) = (provider.clone(), key.clone());
         tokio::spawn(async move { p.acquire(&key, Duration::from_secs(30)).await })
     };
-    crate::support::wait_until(
-        "the waiter is acquiring",
-        Duration::from_secs(5),
-        async || {
-            assert!(!waiter.is_finished(), "the waiter got a held lock");
-            provider.local_key_count() == before + 1
-        },
-    )
-    .await;
+    tokio::select! {
+        outcome = &mut waiter => panic!("the waiter finished while the key was held: {outcome:?}"),
+        () = crate::support::wait_until(
+            "the waiter is acquiring",
+            Duration::from_secs(5),
+            async || provider.local_key_count() == before + 1,
+        ) => {}
+    }
     held.release().await.expect("release");
     let got = waiter
         .await

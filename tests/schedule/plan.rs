@@ -104,77 +104,7 @@ pub struct KnownHole {
 }
 
 /// The known holes. Empty it, entry by entry, as the fixes land.
-pub const KNOWN_HOLES: &[KnownHole] = &[
-    KnownHole {
-        class: "1",
-        backend: Backend::Postgres,
-        feature: Feature::SharedBackend,
-        what: "two providers on clones of one backend with connections=1 both get a key",
-        seeds: &[
-            (913370644497632714, "open"),
-            (3081077553194496291, "open"),
-            (12623048518213246445, "open"),
-        ],
-    },
-    KnownHole {
-        class: "4",
-        backend: Backend::Postgres,
-        feature: Feature::RuntimeDrop,
-        what: "the runtime that built the provider is dropped: its connections close, guards taken \
-               from another runtime are never told, and the provider answers Unavailable from then on",
-        seeds: &[
-            (17524748903548872501, "open"),
-            (12371914002339241925, "open"),
-        ],
-    },
-    KnownHole {
-        class: "4",
-        backend: Backend::Redis,
-        feature: Feature::RuntimeDrop,
-        what: "the runtime that built the provider is dropped: acquisitions from another runtime \
-               hang past their timeout, and guards held there are not told",
-        seeds: &[
-            (7777642588763264933, "open"),
-            (5364500602297891651, "open"),
-            (17446195914774857989, "open"),
-        ],
-    },
-    KnownHole {
-        class: "5",
-        backend: Backend::Sqlite,
-        feature: Feature::TxLock,
-        what: "a rolled-back transaction lock hands its fencing token out again",
-        seeds: &[(9728236894200316246, "open"), (3081077553194496291, "open")],
-    },
-    KnownHole {
-        class: "6",
-        backend: Backend::Sqlite,
-        feature: Feature::ClockStep,
-        what: "leases compare wall clocks: a step lets another process in while the holder lives \
-               (whose release then returns Ok), or strands a dead holder's key",
-        seeds: &[
-            (6133904735796266428, "open"),
-            (8729296181685965429, "open"),
-            (16250420240042156432, "open"),
-        ],
-    },
-    KnownHole {
-        class: "new",
-        backend: Backend::Sqlite,
-        feature: Feature::Freeze,
-        what: "a holder paused past its lease (SIGSTOP, a VM or GC pause) finds is_lost() false \
-               when it runs again, while another process holds the key",
-        seeds: &[(8371778522757288642, "open")],
-    },
-    KnownHole {
-        class: "new",
-        backend: Backend::Redis,
-        feature: Feature::Freeze,
-        what: "a holder paused past its lease (SIGSTOP, a VM or GC pause) finds is_lost() false \
-               when it runs again, while another process holds the key",
-        seeds: &[(7998238262150391094, "Freeze")],
-    },
-];
+pub const KNOWN_HOLES: &[KnownHole] = &[];
 
 /// The features left out of schedules on `backend`: those of its known holes, except the
 /// `opened` ones.

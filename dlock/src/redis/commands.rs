@@ -5,7 +5,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::task::Poll;
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 use super::token::OwnerToken;
@@ -122,12 +126,25 @@ pub enum ReleaseOutcome {
 
 /// The connection and the memory of what it supports.
 pub(crate) struct Conn {
-    manager: ConnectionManager,
+    /// The connection manager in use; replaced (when it can be, see `rebuild`) after a
+    /// runtime it may have run on shut down.
+    manager: Mutex<ConnectionManager>,
+    /// How to make a new manager, when the backend made its own (not for a manager the
+    /// application passed in).
+    rebuild: Option<(redis::Client, ConnectionManagerConfig)>,
     caps: Mutex<Caps>,
     scripts: Scripts,
     /// Set when a runtime that may have run the connection's task has shut down: the next
-    /// command is preceded by a `PING`, whose failure makes the manager reconnect.
+    /// command first replaces the manager (or checks it, see [`Conn::repair`]).
     suspect: Arc<AtomicBool>,
+    /// Set by a failure that is not an answer of the server, cleared by the next answer:
+    /// while set, the manager may be reconnecting, and each command watches its runtime
+    /// (see [`Conn::watch_runtime`]) before it polls the reconnection.
+    reconnecting: AtomicBool,
+    /// End the tasks that watch the runtimes the current manager may run on: the one it was
+    /// made on, and those of commands that found the connection broken (the manager's
+    /// reconnection may run there). At most [`MAX_WATCHES`], the newest.
+    watches: Mutex<Vec<tokio_util::sync::DropGuard>>,
 }
 
 /// Sets a connection's `suspect` flag when dropped (see [`Conn::suspect_on_drop`]), unless
@@ -230,14 +247,50 @@ fn is_server_answer(err: &RedisError) -> bool {
     matches!(err.kind(), ErrorKind::Server(_) | ErrorKind::Extension)
 }
 
+/// The most runtimes watched for one connection (see [`Conn::watch_runtime`]).
+const MAX_WATCHES: usize = 8;
+
+/// The detail of the error that stands for a panic inside the driver.
+const DRIVER_PANIC: &str = "the redis driver failed inside (a reconnection begun on a Tokio \
+                            runtime that has since shut down); the connection is made again \
+                            for the next command";
+
+/// Runs a driver future, answering a panic inside it as an I/O failure (see [`Conn::query`]).
+async fn unwind_to_error<T>(
+    future: impl Future<Output = Result<T, RedisError>>,
+) -> Result<T, RedisError> {
+    let mut future = std::pin::pin!(future);
+    std::future::poll_fn(|cx| {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(poll) => poll,
+            Err(_) => Poll::Ready(Err(RedisError::from((
+                ErrorKind::Io,
+                "driver failed",
+                DRIVER_PANIC.to_owned(),
+            )))),
+        }
+    })
+    .await
+}
+
+fn is_driver_panic(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Io && err.detail() == Some(DRIVER_PANIC)
+}
+
 fn millis(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 impl Conn {
-    pub(crate) fn new(manager: ConnectionManager) -> Conn {
+    /// A connection on `manager`; with `rebuild`, the client and configuration it was made
+    /// from, to replace it when needed.
+    pub(crate) fn new(
+        manager: ConnectionManager,
+        rebuild: Option<(redis::Client, ConnectionManagerConfig)>,
+    ) -> Conn {
         Conn {
-            manager,
+            manager: Mutex::new(manager),
+            rebuild,
             caps: Mutex::new(Caps {
                 generation: 0,
                 delex: Support::Unknown,
@@ -246,7 +299,36 @@ impl Conn {
             }),
             scripts: Scripts::new(),
             suspect: Arc::new(AtomicBool::new(false)),
+            reconnecting: AtomicBool::new(false),
+            watches: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Marks the connection suspect when the current runtime shuts down (the one the manager
+    /// was made on, whose tasks run its connection, or one whose command found the connection
+    /// broken, where the reconnection may run), so that the next command replaces or checks
+    /// the manager first (see [Runtimes](super#runtimes)). `fresh`: the manager is new, and
+    /// the earlier watches are ended.
+    pub(crate) fn watch_runtime(&self, fresh: bool) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let done = tokio_util::sync::CancellationToken::new();
+        let watching = done.clone();
+        let mark = self.suspect_on_drop();
+        drop(runtime.spawn(async move {
+            watching.cancelled().await;
+            // Ended on purpose (a newer manager, or the backend is gone), not by a shutdown.
+            mark.disarm();
+        }));
+        let mut watches = self.watches.lock().unwrap_or_else(PoisonError::into_inner);
+        if fresh {
+            watches.clear();
+        }
+        if watches.len() >= MAX_WATCHES {
+            watches.remove(0);
+        }
+        watches.push(done.drop_guard());
     }
 
     /// A value that, once dropped, makes the next command check the connection first. Tasks
@@ -256,19 +338,54 @@ impl Conn {
         SuspectOnDrop(Some(Arc::clone(&self.suspect)))
     }
 
-    /// After a runtime that may have run the connection's task shut down: a `PING`, whose
-    /// failure (the task is gone, so the command cannot even be queued) makes the manager
-    /// reconnect on the current runtime, so the command that follows gets a live connection.
-    /// Its outcome is otherwise ignored: a live connection answers, and a user without
-    /// permission for `PING` gets an error that changes nothing.
+    /// The manager to send the next command on.
+    fn manager(&self) -> ConnectionManager {
+        self.manager
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// After a runtime that may have run the connection's task (or a reconnection of the
+    /// manager) shut down. A manager the backend made is replaced by a new one, which
+    /// connects on the current runtime when the next command needs it: the old one may be
+    /// left with a connection whose task is gone, or a reconnection whose timers belonged to
+    /// the runtime that is gone (polling it again would panic inside the driver). A manager
+    /// the application passed in is checked with a `PING` instead, whose failure makes it
+    /// reconnect; its outcome is otherwise ignored (a user without permission for `PING`
+    /// gets an error that changes nothing).
     async fn repair(&self) {
         if self.suspect.swap(false, Ordering::SeqCst) {
+            if self.replace() {
+                return;
+            }
             // Suspect again if this is dropped before the check is done.
             let unfinished = self.suspect_on_drop();
-            let mut manager = self.manager.clone();
-            let outcome = redis::cmd("PING").query_async::<Value>(&mut manager).await;
+            let mut manager = self.manager();
+            let outcome =
+                unwind_to_error(redis::cmd("PING").query_async::<Value>(&mut manager)).await;
             self.forget_on_failure(&outcome);
             unfinished.disarm();
+        }
+    }
+
+    /// Replaces the manager with a new one that connects on the current runtime when first
+    /// used; `false` when the backend cannot make one (the application passed its manager).
+    fn replace(&self) -> bool {
+        let Some((client, config)) = &self.rebuild else {
+            return false;
+        };
+        match ConnectionManager::new_lazy_with_config(client.clone(), config.clone()) {
+            Ok(manager) => {
+                *self.manager.lock().unwrap_or_else(PoisonError::into_inner) = manager;
+                self.forget();
+                self.watch_runtime(true);
+                true
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "could not make a new redis connection manager");
+                false
+            }
         }
     }
 
@@ -286,10 +403,22 @@ impl Conn {
     }
 
     fn forget_on_failure<T>(&self, outcome: &Result<T, RedisError>) {
-        if let Err(err) = outcome {
-            if !is_server_answer(err) {
+        match outcome {
+            Err(err) if !is_server_answer(err) => {
                 self.forget();
+                // The manager reconnects, maybe on this runtime.
+                self.reconnecting.store(true, Ordering::SeqCst);
+                self.watch_runtime(false);
             }
+            _ => self.reconnecting.store(false, Ordering::SeqCst),
+        }
+    }
+
+    /// Before a command: while the manager may be reconnecting, this runtime may poll the
+    /// reconnection first (and start its timers), so it is watched.
+    fn watch_if_reconnecting(&self) {
+        if self.reconnecting.load(Ordering::SeqCst) {
+            self.watch_runtime(false);
         }
     }
 
@@ -307,12 +436,29 @@ impl Conn {
     /// Sends one command. A failure that is not the server's answer forgets what the
     /// connection was known to support: the connection manager replaces the connection after
     /// it, and the next server may be another version.
+    ///
+    /// A panic inside the driver (its reconnection polled after the runtime it began on shut
+    /// down) is caught and answered as an I/O failure; the manager is replaced, so the next
+    /// command connects again.
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         self.repair().await;
-        let mut manager = self.manager.clone();
-        let outcome = cmd.query_async::<Value>(&mut manager).await;
+        self.watch_if_reconnecting();
+        let mut manager = self.manager();
+        let outcome = unwind_to_error(cmd.query_async::<Value>(&mut manager)).await;
+        self.after_driver_panic(&outcome);
         self.forget_on_failure(&outcome);
         outcome
+    }
+
+    /// Replaces the manager after a panic inside it (it is poisoned for good).
+    fn after_driver_panic<T>(&self, outcome: &Result<T, RedisError>) {
+        if outcome.as_ref().is_err_and(is_driver_panic) && !self.replace() {
+            tracing::warn!(
+                "the redis connection manager passed in failed inside (a Tokio runtime it \
+                 reconnected on shut down); build the backend from a client to let it make \
+                 a new one"
+            );
+        }
     }
 
     /// Runs a script with `EVALSHA`, and with `EVAL` when the server answers `NOSCRIPT` (after
@@ -529,11 +675,12 @@ impl Conn {
         let mut pipe = redis::pipe();
         pipe.atomic().cmd("GET").arg(key).cmd("PTTL").arg(key);
         self.repair().await;
-        let mut manager = self.manager.clone();
-        let outcome = pipe
-            .query_async::<(Option<Vec<u8>>, i64)>(&mut manager)
+        self.watch_if_reconnecting();
+        let mut manager = self.manager();
+        let outcome = unwind_to_error(pipe.query_async::<(Option<Vec<u8>>, i64)>(&mut manager))
             .await
             .map_err(first_queued_error);
+        self.after_driver_panic(&outcome);
         self.forget_on_failure(&outcome);
         outcome
     }

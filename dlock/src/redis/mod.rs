@@ -159,12 +159,16 @@
 //! broken). Locks may be taken from any runtime. When the renewal task stops for any reason,
 //! its runtime shutting down included, every lock it renewed is declared lost at once (each
 //! guard's token fires, well before the lease can run out), and the next acquisition starts
-//! a new renewal task on its own runtime. When the runtime that connected, or that ran the
-//! renewal task, shuts down, the next command first checks the connection with a `PING`, so
-//! that a connection whose task is gone is replaced before the command is sent. A connection
-//! that was re-established on yet another runtime, which then shuts down, fails its next
-//! command once with [`LockError::Unavailable`] ("the connection to the server is closed")
-//! and connects again for the one after.
+//! a new renewal task on its own runtime. When the runtime that connected, that ran the
+//! renewal task, or whose command found the connection broken (the reconnection may run
+//! there) shuts down, the next command first makes a new connection manager, which connects
+//! on the runtime of that command: the old one may hold a connection whose task is gone, or a
+//! reconnection whose timers belonged to the runtime that shut down. A failure inside the
+//! driver that still gets through (past the eight runtimes watched per connection) fails that
+//! one command with [`LockError::Unavailable`], and the manager is made again for the next. A `ConnectionManager` the application passed in
+//! ([`RedisBackend::builder_on_manager`]) cannot be made again: it is checked with a `PING`
+//! instead, and a driver failure inside it is reported on every command it breaks; keep the
+//! runtime it was made on alive, or build the backend from a client.
 //!
 //! # Fencing tokens
 //!
@@ -251,8 +255,6 @@ struct Shared {
     fencing: bool,
     timeout: Duration,
     renewals: Arc<Renewals>,
-    /// Ends the task that watches the runtime the connection was made on.
-    _watch: Option<tokio_util::sync::DropGuard>,
 }
 
 impl Drop for Shared {
@@ -363,7 +365,7 @@ impl RedisBuilder {
                 "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their Cluster hash tag",
             ));
         }
-        let manager = match self.source {
+        let (manager, rebuild) = match self.source {
             Source::Manager(_) if self.ca.is_some() => {
                 return Err(LockError::config(
                     "the redis `ca` applies to connections dlock opens; a ConnectionManager \
@@ -371,7 +373,7 @@ impl RedisBuilder {
                      redis::Client::build_with_tls)",
                 ));
             }
-            Source::Manager(manager) => manager,
+            Source::Manager(manager) => (manager, None),
             Source::Client(client) => {
                 let client = match self.ca {
                     Some(pem) => with_ca(&client, pem)?,
@@ -385,9 +387,9 @@ impl RedisBuilder {
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout))
                     .set_number_of_retries(2);
-                let connecting = ConnectionManager::new_with_config(client, config);
+                let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
                 match tokio::time::timeout(self.timeout, connecting).await {
-                    Ok(Ok(manager)) => manager,
+                    Ok(Ok(manager)) => (manager, Some((client, config))),
                     Ok(Err(err)) => {
                         return Err(redis_error("connecting", err, self.prefix.as_bytes()));
                     }
@@ -409,8 +411,8 @@ impl RedisBuilder {
                 }
             }
         };
-        let conn = Conn::new(manager);
-        let watch = watch_runtime(&conn);
+        let conn = Conn::new(manager, rebuild);
+        conn.watch_runtime(true);
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 conn,
@@ -419,7 +421,6 @@ impl RedisBuilder {
                 fencing: self.fencing,
                 timeout: self.timeout,
                 renewals: Arc::default(),
-                _watch: watch,
             }),
         })
     }
@@ -729,21 +730,6 @@ fn check_timeout(timeout: Duration) -> Result<(), LockError> {
     .map(drop)
 }
 
-/// Marks the connection for a check before its next command when the runtime it was made on
-/// shuts down: the connection's task stops with that runtime, and the first command after
-/// that would fail (see [Runtimes](self#runtimes)). The watch ends with the returned guard.
-fn watch_runtime(conn: &Conn) -> Option<tokio_util::sync::DropGuard> {
-    let runtime = tokio::runtime::Handle::try_current().ok()?;
-    let done = CancellationToken::new();
-    let watching = done.clone();
-    let mark = conn.suspect_on_drop();
-    drop(runtime.spawn(async move {
-        let _mark = mark;
-        watching.cancelled().await;
-    }));
-    Some(done.drop_guard())
-}
-
 /// Maps a driver error to a [`LockError`], saying what was being done.
 fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
     if let Some(failure) = crate::tls::describe(&err, "ca") {
@@ -947,7 +933,7 @@ impl LockBackend for RedisBackend {
             }
             cleanup.armed = false;
             let lost = CancellationToken::new();
-            let renewal = match Renewals::register(
+            let (renewal, deadline) = match Renewals::register(
                 shared,
                 Arc::clone(&lock_key),
                 token.clone(),
@@ -955,7 +941,7 @@ impl LockBackend for RedisBackend {
                 sent,
                 lost.clone(),
             ) {
-                Ok(id) => id,
+                Ok(registered) => registered,
                 Err(err) => {
                     // Without renewal the lock could not be kept: give it back.
                     let _ = shared
@@ -964,17 +950,20 @@ impl LockBackend for RedisBackend {
                     return Err(err);
                 }
             };
-            Ok(Some(Acquired::new(
-                fencing_token,
-                lost.clone(),
-                Box::new(RedisHeld {
-                    shared: Arc::clone(shared),
-                    key: lock_key,
-                    token,
-                    lost,
-                    renewal,
-                }),
-            )))
+            Ok(Some(
+                Acquired::new(
+                    fencing_token,
+                    lost.clone(),
+                    Box::new(RedisHeld {
+                        shared: Arc::clone(shared),
+                        key: lock_key,
+                        token,
+                        lost,
+                        renewal,
+                    }),
+                )
+                .with_lease_deadline(deadline),
+            ))
         })
     }
 }

@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{OwnerToken, Shared, safe_window};
 use crate::LockError;
+use crate::backend::LeaseDeadline;
 use crate::time::later;
 
 /// The renewal entries of one backend.
@@ -54,8 +55,10 @@ struct Entry {
     lease: Duration,
     /// When the next renewal is due.
     next: Instant,
-    /// The local deadline: lost if no renewal has succeeded by then.
-    deadline: Instant,
+    /// The local deadline: lost if no renewal has succeeded by then. Shared with the guard,
+    /// which checks it itself (a holder paused past it hears of the loss before the driver
+    /// runs again).
+    deadline: LeaseDeadline,
     lost: CancellationToken,
     /// A renewal of this entry is running.
     in_flight: bool,
@@ -64,9 +67,9 @@ struct Entry {
 impl Entry {
     fn wake_at(&self) -> Instant {
         if self.in_flight {
-            self.deadline
+            self.deadline.at()
         } else {
-            self.next.min(self.deadline)
+            self.next.min(self.deadline.at())
         }
     }
 }
@@ -76,8 +79,9 @@ impl Renewals {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts renewing a lock taken with a command sent at `sent`; returns the entry's id.
-    /// Starts a driver on the current runtime if none runs.
+    /// Starts renewing a lock taken with a command sent at `sent`; returns the entry's id and
+    /// the lock's local deadline (for the guard). Starts a driver on the current runtime if
+    /// none runs.
     pub(super) fn register(
         shared: &Arc<Shared>,
         key: Arc<[u8]>,
@@ -85,14 +89,15 @@ impl Renewals {
         lease: Duration,
         sent: Instant,
         lost: CancellationToken,
-    ) -> Result<u64, LockError> {
+    ) -> Result<(u64, LeaseDeadline), LockError> {
         let renewals = &shared.renewals;
+        let deadline = LeaseDeadline::new(later(sent, safe_window(lease)));
         let entry = Entry {
             key,
             token,
             lease,
             next: later(sent, lease / 3),
-            deadline: later(sent, safe_window(lease)),
+            deadline: deadline.clone(),
             lost,
             in_flight: false,
         };
@@ -107,7 +112,7 @@ impl Renewals {
                 let wake_at = entry.wake_at();
                 state.entries.insert(id, entry);
                 renewals.plan(state, wake_at);
-                return Ok(id);
+                return Ok((id, deadline));
             }
             let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
                 LockError::config(
@@ -204,7 +209,7 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
             let overdue: Vec<u64> = state
                 .entries
                 .iter()
-                .filter(|(_, e)| e.deadline <= now)
+                .filter(|(_, e)| e.deadline.at() <= now)
                 .map(|(id, _)| *id)
                 .collect();
             for id in overdue {
@@ -267,7 +272,7 @@ async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, 
     entry.in_flight = false;
     match outcome {
         Ok((true, _)) => {
-            entry.deadline = later(attempt, safe_window(lease));
+            entry.deadline.set(later(attempt, safe_window(lease)));
             entry.next = later(attempt, lease / 3);
         }
         Ok((false, _)) => {

@@ -21,6 +21,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::clock::LeaseClock;
 use super::{NAME, RENEW_SQL, is_busy, millis, sqlite_error};
 use crate::LockError;
+use crate::backend::LeaseDeadline;
 use crate::time::later;
 
 /// How long the thread keeps looking in by itself, every [`IDLE_TICK`], after the last lock
@@ -47,7 +48,9 @@ pub(super) struct Renewal {
     /// Fires the lock's lost token when dropped; disarmed by a normal release.
     lost: DropGuard,
     next_due: Instant,
-    deadline: Instant,
+    /// Lost if no renewal has succeeded by then; shared with the guard (see
+    /// [`Renewal::deadline`]).
+    deadline: LeaseDeadline,
     /// Being released: still renewed, but a renewal that finds the row free or taken leaves
     /// the verdict to the release.
     releasing: bool,
@@ -68,9 +71,15 @@ impl Renewal {
             lease,
             lost: lost.drop_guard(),
             next_due: later(written, lease / 3),
-            deadline: later(written, safe_window(lease)),
+            deadline: LeaseDeadline::new(later(written, safe_window(lease))),
             releasing: false,
         }
+    }
+
+    /// The lock's local deadline, moved on by each renewal: the guard checks it itself, so a
+    /// holder paused past it hears of the loss before the renewal thread runs again.
+    pub(super) fn deadline(&self) -> LeaseDeadline {
+        self.deadline.clone()
     }
 }
 
@@ -172,7 +181,7 @@ impl Renewer {
         let id = registry.next_id;
         let looks_in_time = registry
             .planned
-            .is_some_and(|planned| planned <= renewal.next_due.min(renewal.deadline));
+            .is_some_and(|planned| planned <= renewal.next_due.min(renewal.deadline.at()));
         registry.renewals.insert(id, renewal);
         if !looks_in_time {
             registry.woken = true;
@@ -237,7 +246,7 @@ impl Registry {
     /// lease may have run out.
     fn expire_overdue(&mut self, now: Instant) {
         self.renewals.retain(|_, renewal| {
-            let keep = now < renewal.deadline;
+            let keep = now < renewal.deadline.at();
             if !keep {
                 tracing::warn!(
                     backend = NAME,
@@ -303,7 +312,7 @@ fn run(state: &State) {
         let wake_at = registry
             .renewals
             .values()
-            .map(|r| r.next_due.min(r.deadline))
+            .map(|r| r.next_due.min(r.deadline.at()))
             .min()
             .or_else(|| lingering.then(|| later(now, IDLE_TICK)));
         registry.planned = wake_at;
@@ -343,7 +352,9 @@ fn renew(state: &State, due: &[Due]) {
                     if held {
                         if let Some(renewal) = registry.renewals.get_mut(id) {
                             renewal.next_due = later(started, renewal.lease / 3);
-                            renewal.deadline = later(started, safe_window(renewal.lease));
+                            renewal
+                                .deadline
+                                .set(later(started, safe_window(renewal.lease)));
                         }
                     } else if registry.renewals.get(id).is_some_and(|r| !r.releasing) {
                         registry.renewals.remove(id);
