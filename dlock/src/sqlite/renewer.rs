@@ -578,7 +578,7 @@ mod tests {
             written,
         );
         assert_eq!(renewal.next_due, written + Duration::from_secs(1));
-        assert_eq!(renewal.deadline, written + Duration::from_millis(2400));
+        assert_eq!(renewal.deadline.at(), written + Duration::from_millis(2400));
         assert!(!renewal.releasing);
         renewal.lost.disarm();
     }
