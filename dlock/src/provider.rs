@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backend::{Acquired, LockBackend, LockRequest};
+use crate::backoff::Pauses;
 use crate::key::validate_key;
 use crate::metrics::Metrics;
 use crate::table::{LocalTable, Slot};
@@ -409,7 +410,7 @@ async fn poll(
     timeout: Duration,
     backoff: &Backoff,
 ) -> Result<Acquired, LockError> {
-    let mut attempt = 0u32;
+    let mut pauses = Pauses::new(*backoff, deadline);
     loop {
         match backend.try_acquire(request).await {
             Ok(Some(acquired)) => return Ok(acquired),
@@ -419,18 +420,12 @@ async fn poll(
             Err(LockError::Lost { .. }) => {}
             Err(err) => return Err(err),
         }
-        let mut pause = backoff.delay(attempt);
-        attempt = attempt.saturating_add(1);
-        if let Some(deadline) = deadline {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(LockError::Timeout {
-                    key: Arc::clone(slot.key()),
-                    timeout,
-                });
-            }
-            pause = pause.min(deadline - now);
-        }
+        let Some(pause) = pauses.next_pause() else {
+            return Err(LockError::Timeout {
+                key: Arc::clone(slot.key()),
+                timeout,
+            });
+        };
         tokio::time::sleep(pause).await;
     }
 }

@@ -138,6 +138,7 @@ use tokio_util::sync::CancellationToken;
 use self::clock::LeaseClock;
 use self::renewer::{Renewal, Renewer};
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::backoff::Pauses;
 use crate::key::validate_key;
 use crate::options::{parse_duration, query_pairs, unknown_option};
 use crate::time::{MAX_SETTING, check_setting};
@@ -1117,24 +1118,17 @@ pub fn acquire_in_transaction(
         return try_acquire_in_transaction(transaction, key);
     }
     let deadline = crate::time::deadline(Instant::now(), timeout);
-    let backoff = Backoff::default();
-    let mut attempt = 0;
+    let mut pauses = Pauses::new(Backoff::default(), deadline);
     loop {
         if let Some(lock) = transaction_attempt(transaction, key)? {
             return Ok(lock);
         }
-        let mut pause = backoff.delay(attempt);
-        attempt += 1;
-        if let Some(deadline) = deadline {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(LockError::Timeout {
-                    key: Arc::from(key),
-                    timeout,
-                });
-            }
-            pause = pause.min(deadline - now);
-        }
+        let Some(pause) = pauses.next_pause() else {
+            return Err(LockError::Timeout {
+                key: Arc::from(key),
+                timeout,
+            });
+        };
         std::thread::sleep(pause);
     }
 }
