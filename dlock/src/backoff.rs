@@ -167,6 +167,34 @@ mod tests {
         assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), f64::NAN).is_err());
     }
 
+    #[test]
+    fn settings_read_back() {
+        let b = Backoff::new(Duration::from_millis(3), Duration::from_millis(40), 0.3).unwrap();
+        assert_eq!(b.initial(), Duration::from_millis(3));
+        assert_eq!(b.max(), Duration::from_millis(40));
+        assert_eq!(b.jitter(), 0.3);
+        let d = Backoff::default();
+        assert_eq!(
+            (d.initial(), d.max(), d.jitter()),
+            (Duration::from_millis(10), Duration::from_millis(500), 0.25)
+        );
+        // The bounds of the ranges are accepted.
+        let edges = Backoff::new(Duration::from_nanos(1), Duration::from_nanos(1), 1.0).unwrap();
+        assert_eq!(edges.max(), Duration::from_nanos(1));
+        assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), 0.0).is_ok());
+        assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), -0.01).is_err());
+        assert!(Backoff::new(Duration::from_secs(1), Duration::MAX, 0.1).is_err());
+    }
+
+    #[test]
+    fn full_jitter_spans_zero_to_double() {
+        let b = Backoff::new(Duration::from_millis(100), Duration::from_millis(100), 1.0).unwrap();
+        let delays: Vec<_> = (0..2000).map(|_| b.delay(0)).collect();
+        assert!(delays.iter().all(|d| *d <= Duration::from_millis(200)));
+        assert!(delays.iter().any(|d| *d < Duration::from_millis(20)));
+        assert!(delays.iter().any(|d| *d > Duration::from_millis(180)));
+    }
+
     /// Pauses follow the backoff, never run past the deadline, and end once it has passed.
     #[test]
     fn pauses_stop_at_the_deadline() {

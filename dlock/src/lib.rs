@@ -92,6 +92,8 @@ pub mod mysql;
 mod options;
 mod provider;
 mod table;
+#[cfg(test)]
+mod testing;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod tls;

@@ -561,4 +561,129 @@ mod tests {
         drop(renewer);
         assert!(!released.is_cancelled(), "a release is not a loss");
     }
+
+    #[test]
+    fn renewals_are_due_every_third_and_trusted_for_four_fifths_of_the_lease() {
+        assert_eq!(safe_window(Duration::from_secs(10)), Duration::from_secs(8));
+        assert_eq!(
+            safe_window(Duration::from_millis(100)),
+            Duration::from_millis(80)
+        );
+        let written = Instant::now();
+        let renewal = Renewal::new(
+            Arc::from(&b"k"[..]),
+            [1; 16],
+            Duration::from_secs(3),
+            CancellationToken::new(),
+            written,
+        );
+        assert_eq!(renewal.next_due, written + Duration::from_secs(1));
+        assert_eq!(renewal.deadline.at(), written + Duration::from_millis(2400));
+        assert!(!renewal.releasing);
+        renewal.lost.disarm();
+    }
+
+    fn insert_row(conn: &Connection, name: &[u8], owner: [u8; 16]) {
+        let clock = LeaseClock::get().unwrap();
+        conn.execute(
+            "INSERT INTO __distributed_locks (name, owner, lease_end, fencing, boot) \
+             VALUES (?1, ?2, ?3, 1, ?4)",
+            params![name, &owner[..], clock.now_ms() + 30_000, clock.boot()],
+        )
+        .unwrap();
+    }
+
+    fn lease_end(conn: &Connection, name: &[u8]) -> i64 {
+        conn.query_row(
+            "SELECT lease_end FROM __distributed_locks WHERE name = ?1",
+            [name],
+            |r| r.get(0),
+        )
+        .unwrap()
+    }
+
+    /// A renewal that finds the row held by another owner fires the lost token, unless the
+    /// lock is being released (the release tells then).
+    #[test]
+    fn a_renewal_that_finds_the_row_taken_fires_the_token_unless_releasing() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let conn = Connection::open(dir.path().join("r.db")).unwrap();
+        insert_row(&conn, b"taken", [7; 16]);
+        insert_row(&conn, b"releasing", [7; 16]);
+        insert_row(&conn, b"mine", [3; 16]);
+        let lease = Duration::from_secs(30);
+        // Due now (written a third of the lease ago), trusted for a while yet.
+        let written = Instant::now() - Duration::from_secs(11);
+        let register = |name: &[u8], owner: [u8; 16], written: Instant| {
+            let token = CancellationToken::new();
+            let id = renewer
+                .register(Renewal::new(
+                    Arc::from(name),
+                    owner,
+                    lease,
+                    token.clone(),
+                    written,
+                ))
+                .unwrap();
+            (id, token)
+        };
+        let (_, taken) = register(b"taken", [1; 16], written);
+        assert!(wait_for(&taken, Duration::from_secs(5)));
+
+        // Not due yet: marked as releasing first, then made due with a lock of its own.
+        let (releasing_id, releasing) = register(b"releasing", [1; 16], Instant::now());
+        renewer.releasing(releasing_id);
+        let first = lease_end(&conn, b"mine");
+        std::thread::sleep(Duration::from_millis(5));
+        {
+            let mut registry = renewer.state.registry();
+            registry.renewals.get_mut(&releasing_id).unwrap().next_due = written;
+            registry.woken = true;
+        }
+        let (mine_id, mine) = register(b"mine", [3; 16], written);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while lease_end(&conn, b"mine") <= first {
+            assert!(Instant::now() < deadline, "no renewal");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(!releasing.is_cancelled());
+        assert!(!mine.is_cancelled());
+        assert_eq!(renewer.len(), 2);
+        // The renewed lock is due again a third of the lease after the renewal began.
+        let next = renewer.state.registry().renewals[&mine_id].next_due;
+        assert!(next > Instant::now() + Duration::from_secs(9), "{next:?}");
+        renewer.unregister(releasing_id);
+        renewer.unregister(mine_id);
+        assert_eq!(renewer.len(), 0);
+    }
+
+    /// While another connection keeps the file's write lock, renewals keep trying until the
+    /// lock's deadline, and then it is lost.
+    #[test]
+    fn renewals_kept_from_the_file_past_the_deadline_lose_the_lock() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let mut conn = Connection::open(dir.path().join("r.db")).unwrap();
+        insert_row(&conn, b"k", [1; 16]);
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let lost = CancellationToken::new();
+        // Due at once, trusted for 300 ms more.
+        let written = Instant::now() - Duration::from_millis(500);
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"k"[..]),
+                [1; 16],
+                Duration::from_secs(1),
+                lost.clone(),
+                written,
+            ))
+            .unwrap();
+        assert!(wait_for(&lost, Duration::from_secs(5)));
+        assert!(written.elapsed() >= Duration::from_millis(800));
+        assert_eq!(renewer.len(), 0);
+        drop(tx);
+    }
 }
