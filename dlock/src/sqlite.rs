@@ -1381,9 +1381,12 @@ fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> 
 }
 
 fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
+    // The scheme is case-insensitive, as in every URL (`LockProvider::connect` picks the
+    // backend that way too).
     let rest = url
-        .strip_prefix("sqlite:")
-        .or_else(|| url.strip_prefix("SQLITE:"))
+        .split_at_checked("sqlite:".len())
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("sqlite:"))
+        .map(|(_, rest)| rest)
         .ok_or_else(|| LockError::config("a SQLite lock store URL starts with `sqlite://`"))?;
     let rest = rest.strip_prefix("//").unwrap_or(rest);
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -1486,8 +1489,17 @@ mod tests {
                 .lease,
             Duration::from_secs(5)
         );
+        // The scheme in any case, as `LockProvider::connect` accepts it.
+        for scheme in ["SQLite", "SQLITE", "sQlItE"] {
+            assert_eq!(
+                parse_url(&format!("{scheme}://locks.db")).unwrap().path,
+                PathBuf::from("locks.db")
+            );
+        }
         for bad in [
             "sqlite://",
+            "sqlit://a.db",
+            "é://a.db",
             "sqlite::memory:",
             "sqlite://a.db?lease=1ms",
             "sqlite://a.db?lease=forever",
