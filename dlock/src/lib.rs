@@ -86,6 +86,7 @@ pub mod key_template;
     feature = "mysql"
 ))]
 mod lanes;
+mod lease;
 pub mod metrics;
 #[cfg(feature = "mysql")]
 pub mod mysql;
