@@ -79,7 +79,8 @@ impl Term {
         self.deadline.at() <= now
     }
 
-    /// A renewal has started.
+    /// A renewal has started (Redis; SQLite renews every due lock at once, on its thread).
+    #[cfg(feature = "redis")]
     pub(crate) fn start(&mut self) {
         self.in_flight = true;
     }
@@ -107,7 +108,7 @@ impl Term {
     }
 
     /// Makes the next renewal due at `at` (tests).
-    #[cfg(test)]
+    #[cfg(all(test, feature = "sqlite"))]
     pub(crate) fn set_next(&mut self, at: Instant) {
         self.next = at;
     }
@@ -197,6 +198,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg(feature = "redis")]
     fn a_term_moves_with_its_renewals() {
         let sent = Instant::now();
         let mut term = Term::new(3000 * MS, sent);
