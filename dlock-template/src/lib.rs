@@ -266,8 +266,11 @@ impl Placeholder {
 ///
 /// Positions are byte offsets into the template text. The [`Display`] form is a sentence
 /// that says what to write instead; it does not repeat the position.
+///
+/// Exhaustive on purpose: the crates that map these errors to their own (the library's
+/// `TemplateError`, the attribute's compile errors) must handle a new kind of mistake, so a
+/// new variant is a breaking change of this crate.
 #[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
 pub enum ParseError {
     /// The `{` or `<` at `position` has no matching `}` or `>`.
     Unclosed {
@@ -419,11 +422,11 @@ impl Template {
                     }
                     let between = match segments.as_slice() {
                         [.., Segment::Placeholder(previous)] => Some((previous, "")),
-                        [.., Segment::Placeholder(previous), Segment::Literal(between)]
-                            if !between.contains(is_separator) =>
-                        {
-                            Some((previous, between.as_str()))
-                        }
+                        [
+                            ..,
+                            Segment::Placeholder(previous),
+                            Segment::Literal(between),
+                        ] if !between.contains(is_separator) => Some((previous, between.as_str())),
                         _ => None,
                     };
                     if let Some((previous, between)) = between {

@@ -48,7 +48,10 @@ fn doubled_delimiters_are_literal() {
         ["lit a:", "var x", "lit {:", "var y"]
     );
     assert_eq!(render("{{{id}}}<<<id>>>", &[("id", "7")]), "{7}<7>");
-    assert_eq!(render("transfer:{a}->>{b}", &[("a", "1"), ("b", "2")]), "transfer:1->2");
+    assert_eq!(
+        render("transfer:{a}->>{b}", &[("a", "1"), ("b", "2")]),
+        "transfer:1->2"
+    );
 }
 
 #[test]
@@ -97,7 +100,15 @@ fn identifiers_are_unicode_as_in_rust() {
 fn raw_identifiers_follow_rust() {
     assert_eq!(parse("{r#type}").unwrap(), ["var type"]);
     assert_eq!(parse("{r#fn.r#match}").unwrap(), ["var fn.match"]);
-    for bad in ["{r#}", "{r#_}", "{r#self}", "{r#Self}", "{r#super}", "{r#crate}", "{r#1}"] {
+    for bad in [
+        "{r#}",
+        "{r#_}",
+        "{r#self}",
+        "{r#Self}",
+        "{r#super}",
+        "{r#crate}",
+        "{r#1}",
+    ] {
         assert!(
             matches!(Template::parse(bad), Err(ParseError::BadName { .. })),
             "{bad}"
@@ -206,7 +217,10 @@ fn malformed_templates() {
     );
     for bad in ["{b.}", "{.b}", "{a..b}", "{a.b.}", "{a<b}", "{a{b}"] {
         let err = Template::parse(bad).unwrap_err();
-        assert!(matches!(err, ParseError::BadName { position: 0, .. }), "{bad}: {err:?}");
+        assert!(
+            matches!(err, ParseError::BadName { position: 0, .. }),
+            "{bad}: {err:?}"
+        );
     }
 }
 
@@ -369,7 +383,10 @@ fn random_templates_parse_consistently() {
             Ok(template) => template,
             Err(err) => {
                 assert!(text.is_char_boundary(err.position()), "{text:?}: {err:?}");
-                assert!(matches!(text[err.position()..].chars().next(), Some('{' | '}' | '<' | '>')));
+                assert!(matches!(
+                    text[err.position()..].chars().next(),
+                    Some('{' | '}' | '<' | '>')
+                ));
                 refused += 1;
                 continue;
             }
@@ -385,7 +402,10 @@ fn random_templates_parse_consistently() {
             match segment {
                 Segment::Literal(text) => assert!(!text.is_empty()),
                 Segment::Placeholder(p) => {
-                    assert_eq!(&text[p.position()..p.position() + p.written().len()], p.written());
+                    assert_eq!(
+                        &text[p.position()..p.position() + p.written().len()],
+                        p.written()
+                    );
                     assert!(!previous_was_placeholder, "{text:?}");
                 }
             }
@@ -393,14 +413,23 @@ fn random_templates_parse_consistently() {
         }
         let placeholders: Vec<_> = template.segments().iter().collect();
         for (i, segment) in placeholders.iter().enumerate() {
-            if let (Segment::Literal(between), Some(Segment::Placeholder(_)), Some(Segment::Placeholder(_))) =
-                (segment, i.checked_sub(1).map(|j| placeholders[j]), placeholders.get(i + 1))
-            {
+            if let (
+                Segment::Literal(between),
+                Some(Segment::Placeholder(_)),
+                Some(Segment::Placeholder(_)),
+            ) = (
+                segment,
+                i.checked_sub(1).map(|j| placeholders[j]),
+                placeholders.get(i + 1),
+            ) {
                 assert!(between.contains(is_separator), "{text:?}");
             }
         }
     }
-    assert!(parsed > 2_000 && refused > 2_000, "{parsed} parsed, {refused} refused");
+    assert!(
+        parsed > 2_000 && refused > 2_000,
+        "{parsed} parsed, {refused} refused"
+    );
 }
 
 /// Injectivity: for templates that parse, every assignment of values to their names makes
@@ -429,7 +458,9 @@ fn distinct_values_give_distinct_keys_in_random_templates() {
                 let digit = combination / TRICKY.len().pow(u32::try_from(place).ok()?);
                 Some(TRICKY[digit % TRICKY.len()])
             };
-            let key = template.render(|p| value(p.name())).expect("every name has a value");
+            let key = template
+                .render(|p| value(p.name()))
+                .expect("every name has a value");
             if let Some(earlier) = seen.insert(key.clone(), combination) {
                 panic!("{text:?}: assignments {earlier} and {combination} both make {key:?}");
             }
@@ -449,15 +480,19 @@ fn keys_are_equal_exactly_when_values_are() {
         let Ok(template) = Template::parse(&text) else {
             continue;
         };
-        let first: HashMap<&str, String> =
-            ["a", "b", "c", "a.0"].into_iter().map(|n| (n, value(&mut rng))).collect();
+        let first: HashMap<&str, String> = ["a", "b", "c", "a.0"]
+            .into_iter()
+            .map(|n| (n, value(&mut rng)))
+            .collect();
         let mut second = first.clone();
         if rng.below(2) == 0 {
             let name = rng.pick(&["a", "b", "c", "a.0"]);
             second.insert(name, value(&mut rng));
         }
         let key = |values: &HashMap<&str, String>| {
-            template.render(|p| values.get(p.name())).expect("a value for every name")
+            template
+                .render(|p| values.get(p.name()))
+                .expect("a value for every name")
         };
         let used = |values: &HashMap<&str, String>| {
             template
@@ -465,6 +500,10 @@ fn keys_are_equal_exactly_when_values_are() {
                 .map(|p| values[p.name()].clone())
                 .collect::<Vec<_>>()
         };
-        assert_eq!(key(&first) == key(&second), used(&first) == used(&second), "{text:?}");
+        assert_eq!(
+            key(&first) == key(&second),
+            used(&first) == used(&second),
+            "{text:?}"
+        );
     }
 }
