@@ -359,4 +359,32 @@ mod tests {
         let err = KeyTemplate::parse("k:{a-b}").unwrap_err().to_string();
         assert!(err.contains("at byte 2 has the name `a-b`"), "{err}");
     }
+
+    #[test]
+    fn errors_say_where_and_what() {
+        let shown = |e: TemplateError| e.to_string();
+        assert_eq!(
+            shown(TemplateError::Unclosed { position: 3 }),
+            "the placeholder opened at byte 3 is not closed (write `{{` or `<<` for a literal `{` or `<`)"
+        );
+        assert_eq!(
+            shown(TemplateError::Unopened { position: 4 }),
+            "the `}` or `>` at byte 4 closes nothing (write `}}` or `>>` for a literal `}` or `>`)"
+        );
+        assert!(
+            shown(TemplateError::BadName {
+                position: 5,
+                name: "a\nb".into()
+            })
+            .starts_with("the placeholder at byte 5 has the name `a\\nb`;")
+        );
+        assert!(
+            shown(TemplateError::NoSeparator { position: 6 })
+                .starts_with("the placeholder at byte 6 needs a `:`")
+        );
+        assert_eq!(
+            shown(TemplateError::Missing { name: "id".into() }),
+            "no value for the placeholder `id`"
+        );
+    }
 }

@@ -86,12 +86,15 @@ pub mod key_template;
     feature = "mysql"
 ))]
 mod lanes;
+mod lease;
 pub mod metrics;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 mod options;
 mod provider;
 mod table;
+#[cfg(test)]
+mod testing;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod tls;
