@@ -79,18 +79,18 @@ mod error;
 mod guard;
 mod key;
 pub mod key_template;
+pub mod metrics;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+mod options;
+mod provider;
 #[cfg(any(
     feature = "mssql",
     feature = "oracle",
     feature = "postgres",
     feature = "mysql"
 ))]
-mod lanes;
-pub mod metrics;
-#[cfg(feature = "mysql")]
-pub mod mysql;
-mod options;
-mod provider;
+mod session;
 mod table;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]

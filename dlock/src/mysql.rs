@@ -173,10 +173,10 @@ use sqlx::{Connection, Row};
 use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::lanes::{
+use crate::options::{query_pairs, unknown_option};
+use crate::session::{
     Connector, Failure, Grant, LaneOptions, Lanes, SETTLE_LIMIT, Session, lane_backend,
 };
-use crate::options::{query_pairs, unknown_option};
 
 const NAME: &str = "mysql";
 
@@ -345,7 +345,7 @@ impl std::fmt::Debug for MySqlBuilder {
 }
 
 impl MySqlBuilder {
-    crate::lanes::lane_builder_options!();
+    crate::session::lane_builder_options!();
 
     /// Opens the first lock connection (so a wrong address or password is reported here) and
     /// starts the backend; the other connections open when they are first needed. Creates the
@@ -428,7 +428,7 @@ impl MySqlBackend {
         parse_url(url)?.open().await
     }
 
-    crate::lanes::lane_backend_options!();
+    crate::session::lane_backend_options!();
 
     /// The server's version string, as `VERSION()` answered when the backend opened.
     pub fn server_version(&self) -> &str {

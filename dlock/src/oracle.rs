@@ -118,11 +118,11 @@ use std::time::{Duration, Instant};
 
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::lanes::{
+use crate::options::{query_pairs, unknown_option};
+use crate::session::{
     Connector, Failure, Grant as LaneGrant, LaneSettings, Lanes, Session, check_connect_timeout,
     lane_backend,
 };
-use crate::options::{query_pairs, unknown_option};
 
 /// The `oracle` driver this module is built against, for the transaction-bound functions'
 /// `Connection`.

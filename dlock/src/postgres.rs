@@ -168,10 +168,10 @@ use sqlx::{Connection, Row};
 
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::lanes::{
+use crate::options::{query_pairs, unknown_option};
+use crate::session::{
     Connector, Failure, Grant, LaneOptions, Lanes, SETTLE_LIMIT, Session, lane_backend,
 };
-use crate::options::{query_pairs, unknown_option};
 use crate::{LockError, lock_id};
 
 const NAME: &str = "postgres";
@@ -299,7 +299,7 @@ impl std::fmt::Debug for PostgresBuilder {
 }
 
 impl PostgresBuilder {
-    crate::lanes::lane_builder_options!();
+    crate::session::lane_builder_options!();
 
     /// Opens the first lock connection (so a wrong address or password is reported here) and
     /// starts the backend; the other connections open when they are first needed. Creates the
@@ -380,7 +380,7 @@ impl PostgresBackend {
         parse_url(url)?.open().await
     }
 
-    crate::lanes::lane_backend_options!();
+    crate::session::lane_backend_options!();
 }
 
 impl std::fmt::Debug for PostgresBackend {

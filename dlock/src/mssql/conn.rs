@@ -17,7 +17,7 @@ use super::statements::{
 };
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::lanes::{Connector, Failure, Grant, Session};
+use crate::session::{Connector, Failure, Grant, Session};
 
 /// A connection opened by the backend.
 pub(crate) type MssqlClient = Client<Compat<TcpStream>>;

@@ -122,8 +122,8 @@ use futures_util::io::{AsyncRead, AsyncWrite};
 use tiberius::{AuthMethod, Config, EncryptionLevel};
 
 use crate::LockError;
-use crate::lanes::{LaneSettings, Lanes, check_connect_timeout, lane_backend};
 use crate::options::{query_pairs, unknown_option};
+use crate::session::{LaneSettings, Lanes, check_connect_timeout, lane_backend};
 use conn::MssqlConnector;
 pub use statements::resource_name;
 use statements::{Grant, NAME, Owner, getapplock_call, getapplock_result, lock_timeout_ms};
