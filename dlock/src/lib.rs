@@ -90,7 +90,9 @@ mod provider;
     feature = "postgres",
     feature = "mysql"
 ))]
-mod session;
+pub mod session;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sqlx_engine;
 mod table;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]

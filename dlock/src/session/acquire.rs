@@ -30,17 +30,8 @@ pub(crate) struct Lanes<C: Connector> {
 }
 
 impl<C: Connector> Lanes<C> {
-    /// Opens the first lane's session (so a wrong address or password is reported at once)
-    /// and starts the lane tasks. Must run inside a Tokio runtime.
-    #[cfg_attr(not(any(feature = "mssql", feature = "oracle")), allow(dead_code))]
-    pub(crate) async fn open(connector: C, settings: LaneSettings) -> Result<Self, LockError> {
-        settings.check()?;
-        Self::check_runtime()?;
-        let first = connector.open().await?;
-        Self::start(connector, settings, first)
-    }
-
-    fn check_runtime() -> Result<(), LockError> {
+    /// Answers a configuration error outside a Tokio runtime.
+    pub(super) fn check_runtime() -> Result<(), LockError> {
         if tokio::runtime::Handle::try_current().is_err() {
             return Err(LockError::config(format!(
                 "the {} backend must be opened inside a Tokio runtime",
@@ -52,7 +43,7 @@ impl<C: Connector> Lanes<C> {
 
     /// Starts the lane tasks with `first` as the first lane's session (the other lanes open
     /// theirs when first needed). Must run inside a Tokio runtime.
-    pub(crate) fn start(
+    pub(super) fn start(
         connector: C,
         settings: LaneSettings,
         first: C::Session,
@@ -83,14 +74,8 @@ impl<C: Connector> Lanes<C> {
         })
     }
 
-    /// The settings this instance runs with.
-    pub(crate) fn settings(&self) -> LaneSettings {
-        self.settings
-    }
-
     /// The backend's connector.
-    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-    pub(crate) fn connector(&self) -> &C {
+    pub(super) fn connector(&self) -> &C {
         &self.connector
     }
 

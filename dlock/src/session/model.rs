@@ -15,12 +15,13 @@ use crate::backend::BoxFuture;
 /// take a lock it holds again (counted, as PostgreSQL, MySQL and SQL Server count it), and
 /// a session's locks end when the session does. It stands in for SQL Server and Oracle,
 /// which cannot run here, to pin what the lane machinery must do for every engine.
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub(super) struct Server {
     pub(super) locks: Mutex<HashMap<u64, (u64, u32)>>,
     next_session: AtomicU64,
 }
 
+#[derive(Debug)]
 pub(super) struct Model(Arc<Server>);
 
 pub(super) struct ModelSession {
@@ -133,10 +134,7 @@ pub(super) async fn model_lanes(
     connections: usize,
     wait_connections: usize,
 ) -> Lanes<Model> {
-    Lanes::open(
-        Model(Arc::clone(server)),
-        settings(connections, wait_connections),
-    )
-    .await
-    .expect("lanes")
+    let model = Model(Arc::clone(server));
+    let first = model.open().await.expect("a session");
+    Lanes::start(model, settings(connections, wait_connections), first).expect("lanes")
 }

@@ -4,13 +4,14 @@ use std::fmt::Debug;
 use std::hash::Hash;
 use std::time::Duration;
 
+use super::options::SessionOptions;
 use crate::LockError;
 use crate::backend::BoxFuture;
 
 /// A failed statement: the error, and whether the session is still usable afterwards (a
 /// server-side error such as a permission problem leaves it usable; an I/O error does not).
 #[derive(Debug)]
-pub(crate) struct Failure {
+pub struct Failure {
     pub(crate) error: LockError,
     pub(crate) connection_ok: bool,
 }
@@ -35,7 +36,7 @@ impl Failure {
 
 /// A granted lock statement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Grant {
+pub struct Grant {
     /// The fencing token issued in the same round trip, for backends that issue them.
     pub(crate) token: Option<u64>,
 }
@@ -45,8 +46,9 @@ impl Grant {
     pub(crate) const PLAIN: Grant = Grant { token: None };
 }
 
-/// Opens sessions and names resources for one backend.
-pub(crate) trait Connector: Send + Sync + 'static {
+/// Opens sessions and names resources for one backend. Its `Debug` output shows where it
+/// connects (never a password).
+pub trait Connector: Debug + Send + Sync + 'static {
     /// What the server locks for a key (a resource name, an integer id).
     type Resource: Clone + Send + Sync + Debug + Eq + Hash + 'static;
     /// One server connection.
@@ -75,7 +77,7 @@ pub(crate) trait Connector: Send + Sync + 'static {
 }
 
 /// One server connection whose session owns the locks it takes.
-pub(crate) trait Session: Send + 'static {
+pub trait Session: Send + 'static {
     /// What the server locks.
     type Resource;
     /// A request that stops another session's statement from this one (see
@@ -114,3 +116,57 @@ pub(crate) trait Session: Send + 'static {
 }
 
 pub(super) type InterruptOf<C> = <<C as Connector>::Session as Session>::Interrupt;
+
+/// An engine of the session engine (PostgreSQL, MySQL, SQL Server, Oracle): the type parameter
+/// of [`SessionBackend`](super::SessionBackend) and [`SessionBuilder`](super::SessionBuilder).
+/// Sealed: the engines are the ones this crate has.
+pub trait Engine: Driver {}
+
+impl<T: Driver> Engine for T {}
+
+/// An engine that issues fencing tokens (PostgreSQL, MySQL): its builder has
+/// [`fencing`](super::SessionBuilder::fencing), and its URL the `fencing` option.
+pub trait Fencing: Engine {}
+
+/// What an engine gives the session engine, beside its [`Connector`] and [`Session`]: where it
+/// connects, how its URL reads, and how it opens its first session. Not nameable outside the
+/// crate, which seals [`Engine`].
+pub trait Driver: Sized + Send + Sync + 'static {
+    /// The backend's type name in `Debug` output (`"PostgresBackend"`).
+    const BACKEND: &'static str;
+    /// The builder's type name in `Debug` output (`"PostgresBuilder"`).
+    const BUILDER: &'static str;
+    /// Whether the engine issues fencing tokens, and so takes the `fencing` option.
+    const FENCING: bool;
+
+    /// Where and as whom the engine connects (the driver's connect options).
+    type Target: Clone + Send + Sync + 'static;
+    /// Opens the backend's sessions.
+    type Connector: Connector;
+
+    /// Reads a URL of the engine's scheme into a target and options, which are not checked yet.
+    fn parse_url(url: &str) -> Result<(Self::Target, SessionOptions), LockError>;
+
+    /// Opens the first session (so a wrong address or password is reported at once), with
+    /// whatever the engine sets up on it (the fencing table), and the connector for the rest.
+    fn open(target: Self::Target, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>>;
+
+    /// Adds where `target` points to a `Debug` output; never a password.
+    fn fmt_target(target: &Self::Target, f: &mut std::fmt::DebugStruct<'_, '_>);
+}
+
+/// An engine's connector and first session, or why they could not be had.
+pub(crate) type Opened<E> = Result<
+    (
+        <E as Driver>::Connector,
+        <<E as Driver>::Connector as Connector>::Session,
+    ),
+    LockError,
+>;
+
+/// Opens the first session of `connector`: [`Driver::open`] for an engine that sets nothing up.
+#[cfg(any(feature = "mssql", feature = "oracle"))]
+pub(crate) async fn open_first<C: Connector>(connector: C) -> Result<(C, C::Session), LockError> {
+    let first = connector.open().await?;
+    Ok((connector, first))
+}
