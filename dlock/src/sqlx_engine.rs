@@ -8,7 +8,8 @@ use std::time::Duration;
 use sqlx::error::DatabaseError;
 
 use crate::LockError;
-use crate::session::Failure;
+use crate::options::{query_pairs, unknown_option};
+use crate::session::{Failure, SessionOptions};
 
 /// How an engine's server errors read, for [`driver_error`].
 pub(crate) trait SqlxErrors {
@@ -118,6 +119,33 @@ pub(crate) async fn connect_within<E: SqlxErrors, T>(
             None,
         )),
     }
+}
+
+/// Reads the query of a sqlx engine's URL: the session options, and the driver's own options
+/// (`is_driver`), which go to the driver as they are; any other option is refused, so a typo
+/// does not pass unnoticed.
+pub(crate) fn split_query<E: SqlxErrors>(
+    query: &str,
+    driver_options: &[&str],
+    is_driver: impl Fn(&str) -> bool,
+) -> Result<(SessionOptions, Vec<(String, String)>), LockError> {
+    let mut session = SessionOptions::default();
+    let mut passthrough = Vec::new();
+    for (name, value) in query_pairs(query) {
+        if session.parse(true, &name, &value)? {
+            continue;
+        }
+        if !is_driver(&name) {
+            let valid: Vec<&str> = SessionOptions::names(true)
+                .iter()
+                .chain(driver_options)
+                .copied()
+                .collect();
+            return Err(unknown_option(E::NAME, &name, &valid));
+        }
+        passthrough.push((name, value));
+    }
+    Ok((session, passthrough))
 }
 
 /// Appends the driver's own URL options to `base`, for the driver to read.

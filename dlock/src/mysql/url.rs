@@ -5,9 +5,10 @@ use std::str::FromStr;
 use sqlx::mysql::MySqlConnectOptions;
 
 use crate::LockError;
-use crate::options::{query_pairs, unknown_option};
 use crate::session::SessionOptions;
-use crate::sqlx_engine::driver_url;
+use crate::sqlx_engine::{driver_url, split_query};
+
+use super::MySql;
 
 /// Options of the driver that pass through the URL unchanged.
 const DRIVER_OPTIONS: &[&str] = &[
@@ -27,6 +28,7 @@ const DRIVER_OPTIONS: &[&str] = &[
     "statement-cache-capacity",
 ];
 
+/// Reads a `mysql://` or `mariadb://` URL; its options are checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(MySqlConnectOptions, SessionOptions), LockError> {
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
     let Some((scheme, rest)) = base.split_once("://") else {
@@ -39,24 +41,8 @@ pub(super) fn parse_url(url: &str) -> Result<(MySqlConnectOptions, SessionOption
             "the MySQL backend takes mysql:// or mariadb:// URLs",
         ));
     }
-    let mut passthrough = Vec::new();
-    let mut session = SessionOptions::default();
-    for (name, value) in query_pairs(query) {
-        if session.parse(true, &name, &value)? {
-            continue;
-        }
-        match name.as_str() {
-            other if DRIVER_OPTIONS.contains(&other) => passthrough.push((name, value)),
-            other => {
-                let valid: Vec<&str> = SessionOptions::names(true)
-                    .iter()
-                    .chain(DRIVER_OPTIONS)
-                    .copied()
-                    .collect();
-                return Err(unknown_option("mysql", other, &valid));
-            }
-        }
-    }
+    let (session, passthrough) =
+        split_query::<MySql>(query, DRIVER_OPTIONS, |name| DRIVER_OPTIONS.contains(&name))?;
     // The driver reads `mysql://`; `mariadb://` is the same protocol.
     let driver_url = driver_url(format!("mysql://{rest}"), &passthrough);
     let options = MySqlConnectOptions::from_str(&driver_url).map_err(|e| {

@@ -5,11 +5,10 @@ use std::str::FromStr;
 use sqlx::postgres::PgConnectOptions;
 
 use crate::LockError;
-use crate::options::{query_pairs, unknown_option};
 use crate::session::SessionOptions;
-use crate::sqlx_engine::driver_url;
+use crate::sqlx_engine::{driver_url, split_query};
 
-use super::statements::NAME;
+use super::Postgres;
 
 /// Query options the driver reads (it would ignore any other silently, so a typo would go
 /// unnoticed: they are refused instead).
@@ -34,32 +33,15 @@ const DRIVER_OPTIONS: &[&str] = &[
     "options",
 ];
 
+/// Reads a `postgres://` URL; its options are checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(PgConnectOptions, SessionOptions), LockError> {
     let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let mut passthrough = Vec::new();
-    let mut session = SessionOptions::default();
-    let mut named = false;
-    for (name, value) in query_pairs(query) {
-        if session.parse(true, &name, &value)? {
-            continue;
-        }
-        match name.as_str() {
-            other if DRIVER_OPTIONS.contains(&other) || other.starts_with("options[") => {
-                if other == "application_name" {
-                    named = true;
-                }
-                passthrough.push((name, value));
-            }
-            other => {
-                let valid: Vec<&str> = SessionOptions::names(true)
-                    .iter()
-                    .chain(DRIVER_OPTIONS)
-                    .copied()
-                    .collect();
-                return Err(unknown_option(NAME, other, &valid));
-            }
-        }
-    }
+    let (session, passthrough) = split_query::<Postgres>(query, DRIVER_OPTIONS, |name| {
+        DRIVER_OPTIONS.contains(&name) || name.starts_with("options[")
+    })?;
+    let named = passthrough
+        .iter()
+        .any(|(name, _)| name == "application_name");
     let mut options = PgConnectOptions::from_str(&driver_url(base.to_owned(), &passthrough)).map_err(|e| {
         // The driver's message is about the URL's shape; it does not repeat the URL.
         LockError::config(format!(
