@@ -533,4 +533,32 @@ mod tests {
         assert_eq!(t.to_string(), "a:{x}:<y>:{x}");
         assert_eq!(t.as_str(), "a:{x}:<y>:{x}");
     }
+
+    #[test]
+    fn errors_say_where_and_what() {
+        let shown = |e: TemplateError| e.to_string();
+        assert_eq!(
+            shown(TemplateError::Unclosed { position: 3 }),
+            "the placeholder opened at byte 3 is not closed (write `{{` or `<<` for a literal `{` or `<`)"
+        );
+        assert_eq!(
+            shown(TemplateError::Unopened { position: 4 }),
+            "the `}` or `>` at byte 4 closes nothing (write `}}` or `>>` for a literal `}` or `>`)"
+        );
+        assert!(
+            shown(TemplateError::BadName {
+                position: 5,
+                name: "a\nb".into()
+            })
+            .starts_with("the placeholder at byte 5 has the name `a\\nb`;")
+        );
+        assert!(
+            shown(TemplateError::NoSeparator { position: 6 })
+                .starts_with("the placeholder at byte 6 needs a `:`")
+        );
+        assert_eq!(
+            shown(TemplateError::Missing { name: "id".into() }),
+            "no value for the placeholder `id`"
+        );
+    }
 }

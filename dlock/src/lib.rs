@@ -79,6 +79,7 @@ mod error;
 mod guard;
 mod key;
 pub mod key_template;
+mod lease;
 pub mod metrics;
 #[cfg(feature = "mysql")]
 pub mod mysql;
@@ -94,6 +95,8 @@ pub mod session;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sqlx_engine;
 mod table;
+#[cfg(test)]
+mod testing;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod tls;
