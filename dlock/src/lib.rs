@@ -79,19 +79,21 @@ mod error;
 mod guard;
 mod key;
 pub mod key_template;
-#[cfg(any(
-    feature = "mssql",
-    feature = "oracle",
-    feature = "postgres",
-    feature = "mysql"
-))]
-mod lanes;
 mod lease;
 pub mod metrics;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 mod options;
 mod provider;
+#[cfg(any(
+    feature = "mssql",
+    feature = "oracle",
+    feature = "postgres",
+    feature = "mysql"
+))]
+pub mod session;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sqlx_engine;
 mod table;
 #[cfg(test)]
 mod testing;
