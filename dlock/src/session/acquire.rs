@@ -316,6 +316,40 @@ mod tests {
         assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
     }
 
+    /// Once the release of a lock granted through a wait has returned, the next try of the
+    /// same backend gets the resource: the wait's claim ended before the release was
+    /// acknowledged (it used to end a moment after, and the try answered "held").
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_try_right_after_a_waited_lock_is_released_gets_it() {
+        let server = Arc::new(Server::default());
+        let lanes = Arc::new(model_lanes(&server, 1, 1).await);
+        for round in 0..200 {
+            let blocker = ModelSession {
+                server: Arc::clone(&server),
+                id: u64::MAX,
+            };
+            assert!(blocker.take(lanes.connector().resource("k")));
+            let waiting = tokio::spawn({
+                let lanes = Arc::clone(&lanes);
+                async move { lanes.acquire_wait("k", Duration::from_secs(10)).await }
+            });
+            while !lanes.claims.is_claimed(&lanes.connector().resource("k")) {
+                tokio::task::yield_now().await;
+            }
+            drop(blocker);
+            let held = waiting
+                .await
+                .unwrap()
+                .unwrap()
+                .expect("granted to the wait");
+            held.handle.release().await.unwrap();
+            let again = lanes.try_acquire("k").await.unwrap();
+            let again =
+                again.unwrap_or_else(|| panic!("round {round}: still claimed after the release"));
+            again.handle.release().await.unwrap();
+        }
+    }
+
     /// The lane task that keeps a lock dies with the runtime it ran on: the lock's lost token
     /// fires, and the backend keeps working from another runtime.
     #[test]
