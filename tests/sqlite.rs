@@ -325,7 +325,7 @@ fn transaction_locks_end_with_their_transaction() {
     for finish in ["commit", "rollback"] {
         let tx = conn.transaction().unwrap();
         let lock = try_acquire_in_transaction(&tx, &key).unwrap();
-        assert!(lock.fencing_token() > 0);
+        assert!(lock.fencing_token().expect("sqlite issues tokens") > 0);
         // While the transaction is open, a session lock on the key cannot be had.
         assert!(matches!(
             rt.block_on(locks.try_acquire(&key)),
@@ -563,7 +563,8 @@ fn tokens_of_rolled_back_transaction_locks_are_never_issued_again() {
         issued.push(
             try_acquire_in_transaction(&tx, &key)
                 .unwrap()
-                .fencing_token(),
+                .fencing_token()
+                .expect("sqlite issues tokens"),
         );
         tx.rollback().unwrap();
         if round == 1 {
@@ -578,7 +579,8 @@ fn tokens_of_rolled_back_transaction_locks_are_never_issued_again() {
     issued.push(
         try_acquire_in_transaction(&tx, &key)
             .unwrap()
-            .fencing_token(),
+            .fencing_token()
+            .expect("sqlite issues tokens"),
     );
     tx.commit().unwrap();
     let g = rt.block_on(locks.try_acquire(&key)).unwrap();

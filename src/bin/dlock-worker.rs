@@ -468,7 +468,11 @@ fn tx_hold(file: &str, key: &str) -> Result<(), String> {
         .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
         .map_err(|e| e.to_string())?;
     let lock = dlock::sqlite::try_acquire_in_transaction(&tx, key).map_err(|e| e.to_string())?;
-    println!("held {}", lock.fencing_token());
+    // SQLite issues a token for every transaction lock.
+    let token = lock
+        .fencing_token()
+        .ok_or("a SQLite transaction lock without a token")?;
+    println!("held {token}");
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     loop {
         std::thread::sleep(Duration::from_secs(3600));

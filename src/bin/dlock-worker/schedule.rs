@@ -554,6 +554,7 @@ fn transaction(ctx: &Ctx, op: u64, path: &str, key: &str, commit: bool, hold: Du
     ctx.out.emit(&format!(
         "acq {op} ok {t_start} {t} {t} {}",
         lock.fencing_token()
+            .map_or("-".to_owned(), |t| t.to_string())
     ));
     std::thread::sleep(hold);
     let t0 = now();
