@@ -1,17 +1,18 @@
 //! Filling in `instance` for lock problems that handlers return.
 
-use axum::body::Body;
 use axum::extract::Request;
 use axum::middleware::Next;
-use axum::response::Response;
-use http::header;
+use axum::response::{IntoResponse, Response};
+use http::{Uri, header};
+use problem_details::ProblemDetails;
 
-/// Marks a problem response whose `instance` was not known when it was made.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct InstanceMissing;
+use crate::rejection::ProblemCode;
 
-/// The largest problem body [`problem_instance`] rewrites (they are a few hundred bytes).
-const MAX_PROBLEM_BODY: usize = 16 * 1024;
+/// Marks a problem response whose `instance` was not known when it was made, and keeps the
+/// problem, so that [`problem_instance`] can answer it again with its `instance` set (rather
+/// than parse the JSON it was just written as).
+#[derive(Debug, Clone)]
+pub(crate) struct InstanceMissing(pub(crate) Box<ProblemDetails<ProblemCode>>);
 
 /// Middleware that sets `instance` (the request path, without its query) on lock problems
 /// returned by handlers.
@@ -36,28 +37,25 @@ const MAX_PROBLEM_BODY: usize = 16 * 1024;
 /// Dropping the future drops the inner service's future, as any middleware does.
 pub async fn problem_instance(request: Request, next: Next) -> Response {
     let path = request.uri().path().to_owned();
-    let response = next.run(request).await;
-    if response.extensions().get::<InstanceMissing>().is_none() {
+    let mut response = next.run(request).await;
+    let Some(InstanceMissing(problem)) = response.extensions_mut().remove::<InstanceMissing>()
+    else {
         return response;
-    }
-    let (mut parts, body) = response.into_parts();
-    parts.extensions.remove::<InstanceMissing>();
-    // The body is the problem JSON the rejection just wrote, in memory.
-    let Ok(bytes) = axum::body::to_bytes(body, MAX_PROBLEM_BODY).await else {
-        return Response::from_parts(parts, Body::empty());
     };
-    let filled = match serde_json::from_slice::<serde_json::Value>(&bytes) {
-        Ok(serde_json::Value::Object(mut problem)) => {
-            problem.insert("instance".to_owned(), serde_json::Value::String(path));
-            serde_json::to_vec(&problem).ok()
-        }
-        _ => None,
+    // A path is a valid URI reference; if it were not, the problem stays without `instance`.
+    let Ok(instance) = Uri::try_from(path) else {
+        return response;
     };
-    match filled {
-        Some(body) => {
-            parts.headers.remove(header::CONTENT_LENGTH);
-            Response::from_parts(parts, Body::from(body))
+    let (parts, _) = response.into_parts();
+    let mut filled = problem.with_instance(instance).into_response();
+    // The rejection's own headers (`Retry-After`, say) and extensions stay; the body's length
+    // and type are the new body's.
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_LENGTH && name != header::CONTENT_TYPE {
+            filled.headers_mut().insert(name.clone(), value.clone());
         }
-        None => Response::from_parts(parts, Body::from(bytes)),
     }
+    *filled.status_mut() = parts.status;
+    filled.extensions_mut().extend(parts.extensions);
+    filled
 }

@@ -284,13 +284,14 @@ impl IntoResponse for LockRejection {
     fn into_response(self) -> Response {
         self.log();
         let retry_after = self.retry_after_header();
-        let missing = self.instance.is_none();
-        let mut response = self.to_problem().into_response();
-        if missing {
+        let problem = self.to_problem();
+        let missing = self.instance.is_none().then(|| problem.clone());
+        let mut response = problem.into_response();
+        if let Some(problem) = missing {
             // For the problem_instance middleware, if the application uses it.
             response
                 .extensions_mut()
-                .insert(crate::instance::InstanceMissing);
+                .insert(crate::instance::InstanceMissing(Box::new(problem)));
         }
         if let Some(value) = retry_after {
             response.headers_mut().insert(header::RETRY_AFTER, value);

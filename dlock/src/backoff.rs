@@ -97,6 +97,42 @@ impl Backoff {
     }
 }
 
+/// The pauses of one bounded poll: the backoff's delays, each cut to what is left before the
+/// deadline (`None`: no deadline). Every loop that polls until a deadline (the provider's wait
+/// on a backend without native waits, the session engines' waits when every wait connection
+/// is busy, SQLite's transaction-bound waits) takes its pauses from here, so the last try
+/// happens at the deadline and a timeout is answered after at least the timeout.
+#[derive(Debug)]
+pub(crate) struct Pauses {
+    backoff: Backoff,
+    attempt: u32,
+    deadline: Option<std::time::Instant>,
+}
+
+impl Pauses {
+    pub(crate) fn new(backoff: Backoff, deadline: Option<std::time::Instant>) -> Pauses {
+        Pauses {
+            backoff,
+            attempt: 0,
+            deadline,
+        }
+    }
+
+    /// The pause before the next try, or `None` when the deadline has passed (the try just
+    /// made was the last).
+    pub(crate) fn next_pause(&mut self) -> Option<Duration> {
+        let pause = self.backoff.delay(self.attempt);
+        self.attempt = self.attempt.saturating_add(1);
+        match self.deadline {
+            None => Some(pause),
+            Some(deadline) => {
+                let left = deadline.checked_duration_since(std::time::Instant::now())?;
+                (!left.is_zero()).then(|| pause.min(left))
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,5 +165,55 @@ mod tests {
         assert!(Backoff::new(Duration::from_secs(2), Duration::from_secs(1), 0.1).is_err());
         assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), 1.5).is_err());
         assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), f64::NAN).is_err());
+    }
+
+    #[test]
+    fn settings_read_back() {
+        let b = Backoff::new(Duration::from_millis(3), Duration::from_millis(40), 0.3).unwrap();
+        assert_eq!(b.initial(), Duration::from_millis(3));
+        assert_eq!(b.max(), Duration::from_millis(40));
+        assert_eq!(b.jitter(), 0.3);
+        let d = Backoff::default();
+        assert_eq!(
+            (d.initial(), d.max(), d.jitter()),
+            (Duration::from_millis(10), Duration::from_millis(500), 0.25)
+        );
+        // The bounds of the ranges are accepted.
+        let edges = Backoff::new(Duration::from_nanos(1), Duration::from_nanos(1), 1.0).unwrap();
+        assert_eq!(edges.max(), Duration::from_nanos(1));
+        assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), 0.0).is_ok());
+        assert!(Backoff::new(Duration::from_secs(1), Duration::from_secs(1), -0.01).is_err());
+        assert!(Backoff::new(Duration::from_secs(1), Duration::MAX, 0.1).is_err());
+    }
+
+    #[test]
+    fn full_jitter_spans_zero_to_double() {
+        let b = Backoff::new(Duration::from_millis(100), Duration::from_millis(100), 1.0).unwrap();
+        let delays: Vec<_> = (0..2000).map(|_| b.delay(0)).collect();
+        assert!(delays.iter().all(|d| *d <= Duration::from_millis(200)));
+        assert!(delays.iter().any(|d| *d < Duration::from_millis(20)));
+        assert!(delays.iter().any(|d| *d > Duration::from_millis(180)));
+    }
+
+    /// Pauses follow the backoff, never run past the deadline, and end once it has passed.
+    #[test]
+    fn pauses_stop_at_the_deadline() {
+        let ms = Duration::from_millis;
+        let backoff = Backoff::new(ms(10), ms(40), 0.0).unwrap();
+        let mut unbounded = Pauses::new(backoff, None);
+        let seen: Vec<_> = (0..4).map(|_| unbounded.next_pause()).collect();
+        assert_eq!(seen, [10, 20, 40, 40].map(|n| Some(ms(n))));
+        let far = std::time::Instant::now() + Duration::from_secs(60);
+        let mut bounded = Pauses::new(backoff, Some(far));
+        assert_eq!(bounded.next_pause(), Some(ms(10)));
+        assert_eq!(bounded.next_pause(), Some(ms(20)));
+        let near = std::time::Instant::now() + ms(15);
+        let mut cut = Pauses::new(Backoff::new(ms(30), ms(40), 0.0).unwrap(), Some(near));
+        let pause = cut.next_pause().expect("time is left");
+        assert!(pause <= ms(15), "cut to the deadline: {pause:?}");
+        std::thread::sleep(ms(20));
+        assert_eq!(cut.next_pause(), None, "the deadline has passed");
+        let now = std::time::Instant::now();
+        assert_eq!(Pauses::new(backoff, Some(now)).next_pause(), None);
     }
 }

@@ -299,4 +299,87 @@ mod tests {
             assert_eq!(err.status(), status);
         }
     }
+
+    #[test]
+    fn the_other_codes_and_statuses() {
+        let cases = [
+            (LockError::config("x"), "DistributedLock.Configuration", 500),
+            (
+                LockError::unsupported("memory", "transactions", "no"),
+                "DistributedLock.Unsupported",
+                501,
+            ),
+            (
+                LockError::backend("memory", "failed", Some("40001".into()), None),
+                "DistributedLock.BackendError",
+                500,
+            ),
+        ];
+        for (err, code, status) in cases {
+            assert_eq!(err.code(), code);
+            assert_eq!(err.status(), status);
+        }
+    }
+
+    #[test]
+    fn classes_keys_and_database_codes() {
+        let k: Arc<str> = "k".into();
+        let held = LockError::AlreadyHeld { key: k.clone() };
+        let timeout = LockError::Timeout {
+            key: k.clone(),
+            timeout: Duration::from_secs(1),
+        };
+        let lost = LockError::Lost {
+            key: k.clone(),
+            reason: "gone".into(),
+        };
+        let canceled = LockError::Canceled { key: k.clone() };
+        let invalid = LockError::InvalidKey { reason: "x".into() };
+        let unavailable = LockError::unavailable("memory", "down", None);
+        let backend = LockError::backend("memory", "failed", Some("40001".into()), None);
+        let config = LockError::config("bad");
+
+        let contention: Vec<bool> = [&held, &timeout, &lost, &canceled, &unavailable, &config]
+            .iter()
+            .map(|e| e.is_contention())
+            .collect();
+        assert_eq!(contention, [true, true, false, false, false, false]);
+        let retryable: Vec<bool> = [
+            &held,
+            &timeout,
+            &lost,
+            &canceled,
+            &invalid,
+            &unavailable,
+            &backend,
+            &config,
+        ]
+        .iter()
+        .map(|e| e.is_retryable())
+        .collect();
+        assert_eq!(
+            retryable,
+            [true, true, false, true, false, true, false, false]
+        );
+        for e in [&held, &timeout, &lost, &canceled] {
+            assert_eq!(e.key(), Some("k"), "{e:?}");
+        }
+        assert_eq!(invalid.key(), None);
+        assert_eq!(backend.db_code(), Some("40001"));
+        assert_eq!(unavailable.db_code(), None);
+        assert_eq!(
+            LockError::backend("memory", "failed", None, None).db_code(),
+            None
+        );
+        assert_eq!(config.to_string(), "configuration error: bad");
+        assert_eq!(
+            unavailable.to_string(),
+            "memory lock store is unavailable: down"
+        );
+        assert_eq!(backend.to_string(), "memory lock store failed: failed");
+        assert_eq!(
+            LockError::unsupported("memory", "transactions", "no").to_string(),
+            "memory does not support transactions: no"
+        );
+    }
 }

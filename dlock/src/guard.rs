@@ -270,3 +270,176 @@ impl fmt::Debug for LockGuard {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::sync::Notify;
+
+    use crate::testing::{MemoryBackend, Recorder};
+    use crate::{LockError, LockProvider};
+
+    /// Waits for a notification, failing (not hanging) when it never comes.
+    async fn within(notified: impl std::future::Future<Output = ()>) {
+        tokio::time::timeout(Duration::from_secs(10), notified)
+            .await
+            .expect("the release never ran");
+    }
+
+    fn provider(backend: &MemoryBackend, recorder: &Recorder) -> LockProvider {
+        LockProvider::builder(backend.clone())
+            .meter(recorder.meter())
+            .build()
+    }
+
+    /// (lock_type, count) of the hold-duration points and the lost counter.
+    fn holds_and_losses(recorder: &Recorder) -> (u64, u64) {
+        let sum = |name| {
+            recorder
+                .points(name)
+                .iter()
+                .inspect(|(attrs, _)| {
+                    assert_eq!(attrs, &[("lock_type".to_owned(), "memory".to_owned())]);
+                })
+                .map(|(_, n)| n)
+                .sum()
+        };
+        (
+            sum("distributed_lock.hold_duration"),
+            sum("distributed_lock.lost"),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_guard_tells_what_it_holds_and_releases_it() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let before = std::time::Instant::now();
+        let guard = locks.try_acquire("a").await.unwrap();
+        assert!(guard.acquired_at() >= before && guard.acquired_at() <= std::time::Instant::now());
+        assert_eq!(guard.key(), "a");
+        assert_eq!(guard.backend(), "memory");
+        assert_eq!(guard.fencing_token(), Some(1));
+        assert!(!guard.is_lost());
+        assert!(!guard.lost_token().is_cancelled());
+        let shown = format!("{guard:?}");
+        assert!(
+            shown.contains("\"a\"") && shown.contains("released: false"),
+            "{shown}"
+        );
+        guard.release().await.unwrap();
+        assert!(!backend.is_held("a"));
+        assert_eq!(backend.store().releases, 1);
+        assert_eq!(locks.local_key_count(), 0);
+        assert_eq!(holds_and_losses(&recorder), (1, 0));
+    }
+
+    #[tokio::test]
+    async fn a_lost_guard_reports_the_loss_on_release() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let guard = locks.try_acquire("a").await.unwrap();
+        guard.lost_token().cancel();
+        assert!(guard.is_lost());
+        let err = guard.release().await.unwrap_err();
+        assert!(
+            matches!(&err, LockError::Lost { key, .. } if &**key == "a"),
+            "{err:?}"
+        );
+        // The release still ran: the key is free in the store and locally.
+        assert!(!backend.is_held("a"));
+        assert_eq!(locks.local_key_count(), 0);
+        assert_eq!(holds_and_losses(&recorder), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn a_failed_release_is_answered() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let guard = locks.try_acquire("a").await.unwrap();
+        backend.store().fail_release = true;
+        let err = guard.release().await.unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        assert_eq!(locks.local_key_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_guard_releases_in_the_background_before_freeing_its_slot() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let gate = std::sync::Arc::new(Notify::new());
+        backend.store().release_gate = Some(gate.clone());
+        let guard = locks.try_acquire("a").await.unwrap();
+        let released = backend.released.clone();
+        let notified = released.notified();
+        drop(guard);
+        // The release waits at the gate: the key stays taken, locally too, so no local waiter
+        // can go to the store before it has the lock back.
+        tokio::task::yield_now().await;
+        assert!(backend.is_held("a"));
+        assert_eq!(locks.local_key_count(), 1);
+        assert!(matches!(
+            locks.try_acquire("a").await,
+            Err(LockError::AlreadyHeld { .. })
+        ));
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(30)).await })
+        };
+        gate.notify_one();
+        within(notified).await;
+        let next = waiter.await.unwrap().unwrap();
+        assert_eq!(next.fencing_token(), Some(2));
+        assert_eq!(backend.store().releases, 1);
+        assert_eq!(holds_and_losses(&recorder), (1, 0));
+        backend.store().release_gate = None;
+        drop(next);
+    }
+
+    #[tokio::test]
+    async fn a_dropped_lost_guard_counts_the_loss() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let guard = locks.try_acquire("a").await.unwrap();
+        guard.lost_token().cancel();
+        let released = backend.released.clone();
+        let notified = released.notified();
+        drop(guard);
+        within(notified).await;
+        // The slot goes, and the hold is recorded, right after the release in the same task.
+        while locks.local_key_count() != 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(holds_and_losses(&recorder), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn a_dropped_release_goes_on_in_the_background() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let gate = std::sync::Arc::new(Notify::new());
+        backend.store().release_gate = Some(gate.clone());
+        let guard = locks.try_acquire("a").await.unwrap();
+        // Give up on the release while it waits at the gate.
+        let gave_up = tokio::time::timeout(Duration::from_millis(10), guard.release()).await;
+        assert!(gave_up.is_err());
+        assert!(backend.is_held("a"));
+        assert_eq!(locks.local_key_count(), 1);
+        let released = backend.released.clone();
+        let notified = released.notified();
+        gate.notify_one();
+        within(notified).await;
+        while locks.local_key_count() != 0 {
+            tokio::task::yield_now().await;
+        }
+        assert!(!backend.is_held("a"));
+        assert_eq!(holds_and_losses(&recorder), (1, 0));
+    }
+}

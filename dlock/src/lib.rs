@@ -79,19 +79,24 @@ mod error;
 mod guard;
 mod key;
 pub mod key_template;
+mod lease;
+pub mod metrics;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+mod options;
+mod provider;
 #[cfg(any(
     feature = "mssql",
     feature = "oracle",
     feature = "postgres",
     feature = "mysql"
 ))]
-mod lanes;
-pub mod metrics;
-#[cfg(feature = "mysql")]
-pub mod mysql;
-mod options;
-mod provider;
+pub mod session;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sqlx_engine;
 mod table;
+#[cfg(test)]
+mod testing;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod tls;

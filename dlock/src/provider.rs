@@ -10,6 +10,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backend::{Acquired, LockBackend, LockRequest};
+use crate::backoff::Pauses;
 use crate::key::validate_key;
 use crate::metrics::Metrics;
 use crate::table::{LocalTable, Slot};
@@ -409,7 +410,7 @@ async fn poll(
     timeout: Duration,
     backoff: &Backoff,
 ) -> Result<Acquired, LockError> {
-    let mut attempt = 0u32;
+    let mut pauses = Pauses::new(*backoff, deadline);
     loop {
         match backend.try_acquire(request).await {
             Ok(Some(acquired)) => return Ok(acquired),
@@ -419,18 +420,12 @@ async fn poll(
             Err(LockError::Lost { .. }) => {}
             Err(err) => return Err(err),
         }
-        let mut pause = backoff.delay(attempt);
-        attempt = attempt.saturating_add(1);
-        if let Some(deadline) = deadline {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(LockError::Timeout {
-                    key: Arc::clone(slot.key()),
-                    timeout,
-                });
-            }
-            pause = pause.min(deadline - now);
-        }
+        let Some(pause) = pauses.next_pause() else {
+            return Err(LockError::Timeout {
+                key: Arc::clone(slot.key()),
+                timeout,
+            });
+        };
         tokio::time::sleep(pause).await;
     }
 }
@@ -661,4 +656,511 @@ pub trait LockedCommand {
     fn lock_key(&self) -> String;
     /// How long to wait for the lock (`Duration::ZERO`: one try).
     fn lock_timeout(&self) -> Duration;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{Answer, MemoryBackend, Recorder};
+
+    fn quick() -> Backoff {
+        Backoff::new(Duration::from_millis(1), Duration::from_millis(2), 0.0).unwrap()
+    }
+
+    fn provider(backend: &MemoryBackend) -> LockProvider {
+        LockProvider::builder(backend.clone())
+            .backoff(quick())
+            .build()
+    }
+
+    #[tokio::test]
+    async fn a_try_takes_a_free_key_and_answers_local_contention_without_the_store() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        assert_eq!(locks.backend_name(), "memory");
+        let guard = locks.try_acquire("a").await.unwrap();
+        assert_eq!(guard.key(), "a");
+        assert_eq!(guard.fencing_token(), Some(1));
+        assert_eq!(locks.local_key_count(), 1);
+        let err = locks.try_acquire("a").await.unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { ref key } if &**key == "a"));
+        assert_eq!(backend.store().tries, 1, "local contention asked the store");
+        guard.release().await.unwrap();
+        assert_eq!(locks.local_key_count(), 0);
+        assert!(!backend.is_held("a"));
+    }
+
+    #[tokio::test]
+    async fn a_try_on_a_key_held_elsewhere_is_one_question() {
+        let backend = MemoryBackend::default();
+        backend.hold_elsewhere("a");
+        let locks = provider(&backend);
+        let err = locks.try_acquire("a").await.unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { ref key } if &**key == "a"));
+        assert_eq!(backend.store().tries, 1);
+        assert_eq!(locks.local_key_count(), 0);
+        // A zero timeout is one try as well, even on a backend that waits natively.
+        let native = MemoryBackend {
+            native_wait: true,
+            ..MemoryBackend::default()
+        };
+        native.hold_elsewhere("a");
+        let locks = provider(&native);
+        let err = locks.acquire("a", Duration::ZERO).await.unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { .. }));
+        assert_eq!(native.store().tries, 1);
+        assert!(native.store().waits.is_empty());
+    }
+
+    #[tokio::test]
+    async fn an_invalid_key_never_reaches_the_store() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        let err = locks.try_acquire("").await.unwrap_err();
+        assert!(matches!(err, LockError::InvalidKey { .. }));
+        assert_eq!(backend.store().tries, 0);
+    }
+
+    #[tokio::test]
+    async fn a_polled_wait_times_out_after_the_timeout_and_tries_at_the_deadline() {
+        let backend = MemoryBackend::default();
+        backend.hold_elsewhere("a");
+        // Pauses far longer than the timeout: the wait tries once at the start and once at
+        // the deadline, not a pause later.
+        let slow = Backoff::new(Duration::from_secs(3600), Duration::from_secs(3600), 0.0).unwrap();
+        let locks = LockProvider::builder(backend.clone()).backoff(slow).build();
+        let timeout = Duration::from_millis(60);
+        let started = Instant::now();
+        let err = locks.acquire("a", timeout).await.unwrap_err();
+        let waited = started.elapsed();
+        assert!(
+            matches!(err, LockError::Timeout { ref key, timeout: t } if &**key == "a" && t == timeout),
+            "{err:?}"
+        );
+        assert!(waited >= timeout, "answered after {waited:?}");
+        assert!(
+            waited < Duration::from_secs(10),
+            "answered after {waited:?}"
+        );
+        assert_eq!(backend.store().tries, 2);
+    }
+
+    #[tokio::test]
+    async fn a_polled_wait_takes_the_key_once_it_is_free() {
+        let backend = MemoryBackend::default();
+        backend.hold_elsewhere("a");
+        let locks = provider(&backend);
+        let freer = {
+            let backend = backend.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                backend.free("a");
+            })
+        };
+        let guard = locks.acquire("a", Duration::from_secs(30)).await.unwrap();
+        freer.await.unwrap();
+        assert!(backend.store().tries > 1);
+        assert_eq!(guard.fencing_token(), Some(1));
+        // An unlimited wait polls as well.
+        backend.hold_elsewhere("b");
+        let waiting = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("b", Duration::MAX).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        backend.free("b");
+        let b = waiting.await.unwrap().unwrap();
+        assert_eq!(b.key(), "b");
+    }
+
+    #[tokio::test]
+    async fn a_late_grant_is_tried_again_in_a_wait_and_reported_by_a_try() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        backend.store().answers.push_back(Answer::Late);
+        let err = locks.try_acquire("a").await.unwrap_err();
+        assert!(matches!(err, LockError::Lost { .. }), "{err:?}");
+        assert_eq!(locks.local_key_count(), 0);
+
+        backend.store().answers.extend([Answer::Late, Answer::Late]);
+        let guard = locks.acquire("a", Duration::from_secs(30)).await.unwrap();
+        assert_eq!(backend.store().tries, 4);
+        drop(guard);
+    }
+
+    #[tokio::test]
+    async fn a_failure_ends_a_polled_wait_at_once() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        backend.store().answers.push_back(Answer::Fail);
+        let err = locks
+            .acquire("a", Duration::from_secs(30))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        assert_eq!(backend.store().tries, 1);
+        assert_eq!(locks.local_key_count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_native_wait_gets_what_is_left_of_the_timeout() {
+        let backend = MemoryBackend {
+            native_wait: true,
+            ..MemoryBackend::default()
+        };
+        let locks = provider(&backend);
+        let timeout = Duration::from_secs(30);
+        let guard = locks.acquire("a", timeout).await.unwrap();
+        let waits = backend.store().waits.clone();
+        assert_eq!(waits.len(), 1);
+        assert!(
+            waits[0] <= timeout && waits[0] > Duration::from_secs(20),
+            "{waits:?}"
+        );
+        assert_eq!(backend.store().tries, 0);
+        drop(guard);
+
+        let unlimited = locks.acquire("b", Duration::MAX).await.unwrap();
+        assert_eq!(backend.store().waits[1], Duration::MAX);
+        drop(unlimited);
+
+        backend.hold_elsewhere("c");
+        let err = locks.acquire("c", timeout).await.unwrap_err();
+        assert!(
+            matches!(err, LockError::Timeout { ref key, timeout: t } if &**key == "c" && t == timeout),
+            "{err:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn local_waiters_queue_behind_the_holder_and_time_out() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        let held = locks.try_acquire("a").await.unwrap();
+
+        let timeout = Duration::from_millis(40);
+        let started = Instant::now();
+        let err = locks.acquire("a", timeout).await.unwrap_err();
+        assert!(matches!(err, LockError::Timeout { ref key, .. } if &**key == "a"));
+        assert!(started.elapsed() >= timeout);
+        assert_eq!(backend.store().tries, 1, "a local wait asked the store");
+
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(30)).await })
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished());
+        held.release().await.unwrap();
+        let next = waiter.await.unwrap().unwrap();
+        assert_eq!(next.fencing_token(), Some(2));
+    }
+
+    #[tokio::test]
+    async fn cancellation_ends_every_kind_of_wait() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+
+        // Already cancelled: no question to the store.
+        let token = CancellationToken::new();
+        token.cancel();
+        let err = locks
+            .lock("a")
+            .cancel_on(&token)
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Canceled { ref key } if &**key == "a"));
+        assert_eq!(backend.store().tries, 0);
+
+        // Waiting behind a local holder.
+        let held = locks.try_acquire("a").await.unwrap();
+        // A cancelled acquisition is Canceled, even where it would have met contention.
+        let err = locks
+            .lock("a")
+            .cancel_on(&token)
+            .try_acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Canceled { .. }), "{err:?}");
+        let token = CancellationToken::new();
+        let canceler = {
+            let token = token.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                token.cancel();
+            })
+        };
+        let err = locks
+            .lock("a")
+            .cancel_on(&token)
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Canceled { ref key } if &**key == "a"));
+        canceler.await.unwrap();
+        drop(held);
+
+        // Polling a key held elsewhere, through the provider's shutdown token while the
+        // acquisition has a token of its own.
+        backend.hold_elsewhere("b");
+        let shutdown = CancellationToken::new();
+        let stopping = locks.with_shutdown(&shutdown);
+        let own = CancellationToken::new();
+        let canceler = {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                shutdown.cancel();
+            })
+        };
+        let err = stopping
+            .lock("b")
+            .cancel_on(&own)
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Canceled { ref key } if &**key == "b"));
+        canceler.await.unwrap();
+        assert!(!own.is_cancelled());
+        assert_eq!(stopping.local_key_count(), 0);
+        // The original provider is not shut down, and shares its table with the other.
+        backend.free("b");
+        let b = locks.try_acquire("b").await.unwrap();
+        assert!(matches!(
+            stopping.try_acquire("c").await,
+            Err(LockError::Canceled { .. })
+        ));
+        assert_eq!(stopping.local_key_count(), 1);
+        drop(b);
+
+        // A builder's shutdown token.
+        let shutdown = CancellationToken::new();
+        shutdown.cancel();
+        let stopped = LockProvider::builder(backend.clone())
+            .cancel_on(&shutdown)
+            .build();
+        assert!(matches!(
+            stopped.try_acquire("d").await,
+            Err(LockError::Canceled { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn leases_and_backoffs_come_from_the_acquisition_then_the_provider() {
+        let backend = MemoryBackend::default();
+        let slow = Backoff::new(Duration::from_secs(3600), Duration::from_secs(3600), 0.0).unwrap();
+        let locks = LockProvider::builder(backend.clone())
+            .lease(Duration::from_secs(7))
+            .backoff(slow)
+            .build();
+        drop(locks.try_acquire("a").await.unwrap());
+        drop(
+            locks
+                .lock("b")
+                .lease(Duration::from_secs(3))
+                .try_acquire()
+                .await
+                .unwrap(),
+        );
+        let plain = provider(&backend);
+        drop(plain.try_acquire("c").await.unwrap());
+        assert_eq!(
+            backend.store().leases,
+            [
+                Some(Duration::from_secs(7)),
+                Some(Duration::from_secs(3)),
+                None
+            ]
+        );
+
+        // The acquisition's backoff polls often; the provider's would try twice only.
+        backend.hold_elsewhere("d");
+        let err = locks
+            .lock("d")
+            .backoff(quick())
+            .timeout(Duration::from_millis(60))
+            .acquire()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Timeout { .. }));
+        assert!(backend.store().tries > 5, "{}", backend.store().tries);
+    }
+
+    #[tokio::test]
+    async fn with_lock_runs_under_the_lock_and_reports_a_loss() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        let out = locks
+            .with_lock("a", Duration::from_secs(1), |_lost| {
+                let backend = backend.clone();
+                async move { backend.is_held("a") }
+            })
+            .await
+            .unwrap();
+        assert!(out);
+        assert!(!backend.is_held("a"));
+        let err = locks
+            .with_lock(
+                "a",
+                Duration::from_secs(1),
+                |lost| async move { lost.cancel() },
+            )
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Lost { .. }), "{err:?}");
+        backend.hold_elsewhere("b");
+        let err = locks
+            .with_lock("b", Duration::ZERO, |_| async {})
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { .. }));
+    }
+
+    struct Command(u32);
+
+    impl LockedCommand for Command {
+        fn lock_key(&self) -> String {
+            format!("cmd:{}", self.0)
+        }
+        fn lock_timeout(&self) -> Duration {
+            Duration::ZERO
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_names_its_key_and_timeout() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        let guard = locks.acquire_for(&Command(7)).await.unwrap();
+        assert_eq!(guard.key(), "cmd:7");
+        // A zero timeout: one try, contention at once.
+        backend.hold_elsewhere("cmd:8");
+        let err = locks.acquire_for(&Command(8)).await.unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { .. }));
+    }
+
+    #[test]
+    fn acquisitions_need_a_tokio_runtime() {
+        let backend = MemoryBackend::default();
+        let locks = provider(&backend);
+        let err = futures_executor(locks.try_acquire("a")).unwrap_err();
+        assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+        // Cancellation is checked first.
+        let token = CancellationToken::new();
+        token.cancel();
+        let err = futures_executor(locks.lock("a").cancel_on(&token).try_acquire()).unwrap_err();
+        assert!(matches!(err, LockError::Canceled { .. }), "{err:?}");
+        assert_eq!(locks.local_key_count(), 0);
+    }
+
+    /// Polls a future to completion outside any Tokio runtime.
+    fn futures_executor<F: Future>(future: F) -> F::Output {
+        use std::task::{Context, Poll, Wake, Waker};
+        struct Noop;
+        impl Wake for Noop {
+            fn wake(self: Arc<Self>) {}
+        }
+        let waker = Waker::from(Arc::new(Noop));
+        let mut cx = Context::from_waker(&waker);
+        let mut future = std::pin::pin!(future);
+        loop {
+            if let Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+                return out;
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn urls_pick_their_backend_or_name_what_is_wrong() {
+        let no_scheme = LockProvider::connect("locks.db").await.unwrap_err();
+        assert!(
+            matches!(&no_scheme, LockError::Config { message } if message.contains("no scheme")),
+            "{no_scheme:?}"
+        );
+        let unknown = LockProvider::connect("ftp://host/x").await.unwrap_err();
+        assert!(
+            matches!(&unknown, LockError::Config { message } if message.contains("`ftp`")),
+            "{unknown:?}"
+        );
+        let not_built = |url: &'static str, feature: &'static str| async move {
+            let err = LockProvider::connect(url).await.unwrap_err();
+            assert!(
+                matches!(&err, LockError::Config { message }
+                    if message.contains(&format!("enable the `{feature}` cargo feature"))),
+                "{url}: {err:?}"
+            );
+        };
+        #[cfg(not(feature = "mssql"))]
+        {
+            not_built("mssql://h/db", "mssql").await;
+            not_built("SQLSERVER://h/db", "mssql").await;
+        }
+        #[cfg(not(feature = "oracle"))]
+        not_built("oracle://h/db", "oracle").await;
+        #[cfg(not(feature = "mysql"))]
+        {
+            not_built("mysql://h/db", "mysql").await;
+            not_built("mariadb://h/db", "mysql").await;
+        }
+        #[cfg(not(feature = "postgres"))]
+        {
+            not_built("postgres://h/db", "postgres").await;
+            not_built("postgresql://h/db", "postgres").await;
+        }
+        #[cfg(not(feature = "redis"))]
+        {
+            not_built("redis://h", "redis").await;
+            not_built("rediss://h", "redis").await;
+        }
+        let _ = not_built;
+        // Built backends get the URL: nothing listens on port 1, so they cannot connect.
+        for url in ["postgres://u@127.0.0.1:1/db", "redis://127.0.0.1:1"] {
+            let scheme = url.split_once(':').unwrap().0;
+            if cfg!(feature = "postgres") && scheme == "postgres"
+                || cfg!(feature = "redis") && scheme == "redis"
+            {
+                let err = tokio::time::timeout(Duration::from_secs(20), LockProvider::connect(url))
+                    .await
+                    .expect("a refused connection is answered")
+                    .unwrap_err();
+                assert!(!err.to_string().contains("scheme"), "{url}: {err}");
+                assert!(!err.to_string().contains("cargo feature"), "{url}: {err}");
+            }
+        }
+        #[cfg(feature = "sqlite")]
+        {
+            let dir = tempfile::tempdir().unwrap();
+            let url = format!("sqlite://{}/locks.db", dir.path().display());
+            let locks = LockProvider::connect(&url).await.unwrap();
+            assert_eq!(locks.backend_name(), "sqlite");
+        }
+    }
+
+    #[tokio::test]
+    async fn acquisitions_are_counted_by_outcome() {
+        let recorder = Recorder::new();
+        let backend = MemoryBackend::default();
+        let locks = LockProvider::builder(backend.clone())
+            .meter(recorder.meter())
+            .metric_key_prefix(true)
+            .build();
+        let guard = locks.try_acquire("jobs:a").await.unwrap();
+        let _ = locks.try_acquire("jobs:a").await.unwrap_err();
+        guard.release().await.unwrap();
+        let points = recorder.points("distributed_lock.acquisitions");
+        let statuses: Vec<_> = points
+            .iter()
+            .map(|(attrs, n)| {
+                assert!(attrs.contains(&("key_prefix".to_owned(), "jobs".to_owned())));
+                let status = attrs.iter().find(|(k, _)| k == "status").unwrap();
+                (status.1.clone(), *n)
+            })
+            .collect();
+        assert_eq!(
+            statuses,
+            [("acquired".to_owned(), 1), ("already_held".to_owned(), 1)]
+        );
+    }
 }

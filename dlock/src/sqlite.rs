@@ -138,6 +138,7 @@ use tokio_util::sync::CancellationToken;
 use self::clock::LeaseClock;
 use self::renewer::{Renewal, Renewer};
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::backoff::Pauses;
 use crate::key::validate_key;
 use crate::options::{parse_duration, query_pairs, unknown_option};
 use crate::time::{MAX_SETTING, check_setting};
@@ -1117,24 +1118,17 @@ pub fn acquire_in_transaction(
         return try_acquire_in_transaction(transaction, key);
     }
     let deadline = crate::time::deadline(Instant::now(), timeout);
-    let backoff = Backoff::default();
-    let mut attempt = 0;
+    let mut pauses = Pauses::new(Backoff::default(), deadline);
     loop {
         if let Some(lock) = transaction_attempt(transaction, key)? {
             return Ok(lock);
         }
-        let mut pause = backoff.delay(attempt);
-        attempt += 1;
-        if let Some(deadline) = deadline {
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(LockError::Timeout {
-                    key: Arc::from(key),
-                    timeout,
-                });
-            }
-            pause = pause.min(deadline - now);
-        }
+        let Some(pause) = pauses.next_pause() else {
+            return Err(LockError::Timeout {
+                key: Arc::from(key),
+                timeout,
+            });
+        };
         std::thread::sleep(pause);
     }
 }
@@ -1387,9 +1381,12 @@ fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> 
 }
 
 fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
+    // The scheme is case-insensitive, as in every URL (`LockProvider::connect` picks the
+    // backend that way too).
     let rest = url
-        .strip_prefix("sqlite:")
-        .or_else(|| url.strip_prefix("SQLITE:"))
+        .split_at_checked("sqlite:".len())
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("sqlite:"))
+        .map(|(_, rest)| rest)
         .ok_or_else(|| LockError::config("a SQLite lock store URL starts with `sqlite://`"))?;
     let rest = rest.strip_prefix("//").unwrap_or(rest);
     let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -1492,8 +1489,17 @@ mod tests {
                 .lease,
             Duration::from_secs(5)
         );
+        // The scheme in any case, as `LockProvider::connect` accepts it.
+        for scheme in ["SQLite", "SQLITE", "sQlItE"] {
+            assert_eq!(
+                parse_url(&format!("{scheme}://locks.db")).unwrap().path,
+                PathBuf::from("locks.db")
+            );
+        }
         for bad in [
             "sqlite://",
+            "sqlit://a.db",
+            "é://a.db",
             "sqlite::memory:",
             "sqlite://a.db?lease=1ms",
             "sqlite://a.db?lease=forever",
@@ -1520,5 +1526,366 @@ mod tests {
         let b = backend.shared.new_owner().unwrap();
         assert_ne!(a, b);
         assert_ne!(a[..8], b[..8], "no shared prefix: every bit is random");
+    }
+
+    async fn open(dir: &tempfile::TempDir, lease: Duration) -> SqliteBackend {
+        SqliteBackend::builder(dir.path().join("l.db"))
+            .lease(lease)
+            .busy_timeout(Duration::from_millis(200))
+            .open()
+            .await
+            .unwrap()
+    }
+
+    async fn take(backend: &SqliteBackend, key: &str) -> Option<Acquired> {
+        backend.try_acquire(LockRequest::new(key)).await.unwrap()
+    }
+
+    /// The row of `key` as another connection sees it: (owner is set, fencing).
+    fn row(dir: &tempfile::TempDir, key: &str) -> Option<(bool, i64)> {
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        conn.query_row(
+            "SELECT owner IS NOT NULL, fencing FROM __distributed_locks WHERE name = ?1",
+            [key.as_bytes()],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .ok()
+    }
+
+    #[tokio::test]
+    async fn two_backends_on_one_file_exclude_each_other_and_tokens_increase() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = open(&dir, Duration::from_secs(30)).await;
+        let b = open(&dir, Duration::from_secs(30)).await;
+        assert_eq!(a.name(), "sqlite");
+        assert_eq!(a.path(), dir.path().join("l.db"));
+        assert_eq!(a.lease(), Duration::from_secs(30));
+        let first = take(&a, "k").await.unwrap();
+        assert_eq!(first.fencing_token, Some(1));
+        assert_eq!(row(&dir, "k"), Some((true, 1)));
+        assert!(take(&b, "k").await.is_none());
+        // Found held: the next poll reads first, and finds it held still.
+        assert!(b.shared.seen_held(b"k"));
+        assert!(take(&b, "k").await.is_none());
+        assert!(!first.lost.is_cancelled());
+        first.handle.release().await.unwrap();
+        assert_eq!(row(&dir, "k"), Some((false, 1)));
+        // The read says held no more; the write takes it.
+        let second = take(&b, "k").await.unwrap();
+        assert_eq!(second.fencing_token, Some(2));
+        assert!(!b.shared.seen_held(b"k"));
+        // Other keys are independent.
+        let other = take(&a, "other").await.unwrap();
+        assert_eq!(other.fencing_token, Some(1));
+        second.handle.release().await.unwrap();
+        other.handle.release().await.unwrap();
+        // Three acquisitions and three releases were commits.
+        assert_eq!(
+            a.shared.commits.load(Ordering::Relaxed) + b.shared.commits.load(Ordering::Relaxed),
+            6
+        );
+    }
+
+    #[tokio::test]
+    async fn a_release_after_a_takeover_is_a_loss() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = open(&dir, Duration::from_secs(30)).await;
+        let held = take(&a, "k").await.unwrap();
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        conn.execute(
+            "UPDATE __distributed_locks SET owner = zeroblob(16) WHERE name = ?1",
+            [b"k".as_slice()],
+        )
+        .unwrap();
+        let lost = held.lost.clone();
+        let err = held.handle.release().await.unwrap_err();
+        assert!(
+            matches!(&err, LockError::Lost { key, .. } if &**key == "k"),
+            "{err:?}"
+        );
+        assert!(lost.is_cancelled());
+        // The other owner's row is left alone.
+        assert_eq!(row(&dir, "k"), Some((true, 1)));
+    }
+
+    #[tokio::test]
+    async fn an_unrenewed_lease_runs_out_and_another_backend_takes_the_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = open(&dir, Duration::from_secs(30)).await;
+        let b = open(&dir, Duration::from_secs(30)).await;
+        let lease = Duration::from_millis(150);
+        let held = a
+            .try_acquire(LockRequest::new("k").with_lease(Some(lease)))
+            .await
+            .unwrap()
+            .unwrap();
+        // Dropping the handle stops its renewal; the lease ends the lock.
+        drop(held.handle);
+        let started = Instant::now();
+        let taken = loop {
+            if let Some(taken) = take(&b, "k").await {
+                break taken;
+            }
+            assert!(started.elapsed() < Duration::from_secs(10), "never expired");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        assert_eq!(taken.fencing_token, Some(2));
+        // A lease below the minimum is refused before anything is written.
+        let err = b
+            .try_acquire(LockRequest::new("j").with_lease(Some(Duration::from_millis(99))))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+        assert_eq!(row(&dir, "j"), None);
+    }
+
+    #[tokio::test]
+    async fn a_renewed_lease_outlives_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = open(&dir, Duration::from_millis(150)).await;
+        let b = open(&dir, Duration::from_millis(150)).await;
+        let held = take(&a, "k").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(450)).await;
+        assert!(take(&b, "k").await.is_none());
+        assert!(!held.lost.is_cancelled());
+        held.handle.release().await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_busy_file_is_contention_for_an_acquisition_and_unavailable_for_a_release() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = open(&dir, Duration::from_secs(30)).await;
+        let held = take(&a, "k").await.unwrap();
+        let mut conn = Connection::open(dir.path().join("l.db")).unwrap();
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let started = Instant::now();
+        assert!(take(&a, "free").await.is_none());
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let err = held.handle.release().await.unwrap_err();
+        assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+        drop(tx);
+        assert_eq!(row(&dir, "free"), None);
+    }
+
+    #[test]
+    fn held_keys_are_remembered_for_a_while_and_in_bounded_number() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let backend = rt.block_on(open(&dir, Duration::from_secs(30)));
+        let shared = &backend.shared;
+        assert!(!shared.seen_held(b"a"));
+        shared.note_held(b"a");
+        assert!(shared.seen_held(b"a"));
+        assert!(!shared.seen_held(b"b"));
+        shared.forget_held(b"a");
+        assert!(!shared.seen_held(b"a"));
+        // An old memory counts for nothing.
+        shared
+            .held_recently()
+            .insert(Box::from(&b"old"[..]), Instant::now() - HELD_MEMORY);
+        assert!(!shared.seen_held(b"old"));
+        shared.note_held(b"old");
+        assert!(shared.seen_held(b"old"));
+        // Full: stale entries go first, then everything.
+        shared.held_recently().clear();
+        for i in 0..HELD_MEMORY_KEYS - 1 {
+            shared.note_held(format!("k{i}").as_bytes());
+        }
+        shared
+            .held_recently()
+            .insert(Box::from(&b"stale"[..]), Instant::now() - HELD_MEMORY);
+        assert_eq!(shared.held_recently().len(), HELD_MEMORY_KEYS);
+        shared.note_held(b"k0");
+        assert_eq!(shared.held_recently().len(), HELD_MEMORY_KEYS);
+        shared.note_held(b"new");
+        assert_eq!(shared.held_recently().len(), HELD_MEMORY_KEYS);
+        assert!(!shared.held_recently().contains_key(&b"stale"[..]));
+        shared.note_held(b"newer");
+        assert_eq!(shared.held_recently().len(), 1);
+        assert!(shared.seen_held(b"newer"));
+    }
+
+    #[test]
+    fn owner_tokens_are_handed_out_once_across_fetches() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let backend = rt.block_on(open(&dir, Duration::from_secs(30)));
+        let owners: std::collections::HashSet<[u8; 16]> = (0..3 * OWNERS_PER_FETCH)
+            .map(|_| backend.shared.new_owner().unwrap())
+            .collect();
+        assert_eq!(owners.len(), 3 * OWNERS_PER_FETCH);
+        assert!(!owners.contains(&[0u8; 16]));
+    }
+
+    #[test]
+    fn transaction_locks_take_tokens_that_a_rollback_does_not_give_back() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let backend = rt.block_on(open(&dir, Duration::from_secs(30)));
+        let mut conn = Connection::open(&path).unwrap();
+        let tx = conn.transaction().unwrap();
+        let first = try_acquire_in_transaction(&tx, "k").unwrap();
+        assert_eq!(first.fencing_token(), 1);
+        tx.rollback().unwrap();
+        let tx = conn.transaction().unwrap();
+        let second = acquire_in_transaction(&tx, "k", Duration::from_secs(1)).unwrap();
+        assert_eq!(second.fencing_token(), 2);
+        tx.commit().unwrap();
+        // A session acquisition issues tokens above the record.
+        let taken = rt.block_on(take(&backend, "k")).unwrap();
+        assert_eq!(taken.fencing_token, Some(3));
+        let tx = conn.transaction().unwrap();
+        let err = try_acquire_in_transaction(&tx, "k").unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { .. }), "{err:?}");
+        let started = Instant::now();
+        let err = acquire_in_transaction(&tx, "k", Duration::from_millis(60)).unwrap_err();
+        assert!(matches!(err, LockError::Timeout { .. }), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(60));
+        let err = acquire_in_transaction(&tx, "k", Duration::ZERO).unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { .. }), "{err:?}");
+        assert!(matches!(
+            try_acquire_in_transaction(&tx, ""),
+            Err(LockError::InvalidKey { .. })
+        ));
+        drop(tx);
+        rt.block_on(taken.handle.release()).unwrap();
+        // A backend opened after the record exists raises its tokens above it at once.
+        let late = rt.block_on(open(&dir, Duration::from_secs(30)));
+        assert!(late.shared.fencing.attached());
+        let next = rt.block_on(take(&late, "k")).unwrap();
+        assert_eq!(next.fencing_token, Some(4));
+        drop(next);
+        let mut memory = Connection::open_in_memory().unwrap();
+        let tx = memory.transaction().unwrap();
+        assert!(matches!(
+            try_acquire_in_transaction(&tx, "k"),
+            Err(LockError::Config { .. })
+        ));
+    }
+
+    #[tokio::test]
+    async fn settings_out_of_bounds_are_refused_at_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let low = SqliteBackend::builder(&path)
+            .lease(Duration::from_millis(99))
+            .open()
+            .await
+            .unwrap_err();
+        assert!(low.to_string().contains("at least 100ms"), "{low}");
+        let high = SqliteBackend::builder(&path)
+            .busy_timeout(MAX_SETTING + Duration::from_secs(1))
+            .open()
+            .await
+            .unwrap_err();
+        assert!(high.to_string().contains("busy_timeout"), "{high}");
+        let ok = SqliteBackend::builder(&path)
+            .lease(MIN_LEASE)
+            .open()
+            .await
+            .unwrap();
+        assert_eq!(ok.lease(), MIN_LEASE);
+        let defaults = SqliteBackend::open(&path).await.unwrap();
+        assert_eq!(defaults.lease(), DEFAULT_LEASE);
+        assert_eq!(defaults.shared.busy_timeout, DEFAULT_BUSY_TIMEOUT);
+        let url = format!("SQLITE://{}?busy_timeout=250ms", path.display());
+        let from_url = SqliteBackend::connect(&url).await.unwrap();
+        assert_eq!(from_url.shared.busy_timeout, Duration::from_millis(250));
+        let not_a_db = dir.path().join("text");
+        std::fs::write(&not_a_db, vec![b'x'; 4096]).unwrap();
+        let err = SqliteBackend::open(&not_a_db).await.unwrap_err();
+        assert!(
+            err.to_string().contains("is not a SQLite database"),
+            "{err}"
+        );
+        let err = SqliteBackend::open(dir.path()).await.unwrap_err();
+        assert!(matches!(err, LockError::Config { .. }), "{err}");
+    }
+
+    #[test]
+    fn checkpoints_run_every_thousand_commits() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let backend = rt.block_on(open(&dir, Duration::from_secs(30)));
+        let shared = &backend.shared;
+        rt.block_on(async {
+            for _ in 0..CHECKPOINT_EVERY - 1 {
+                shared.count_commit();
+            }
+            assert!(!shared.checkpointing.load(Ordering::Acquire));
+            // A write under way holds the checkpoint back (it waits for the gate).
+            let writing = shared.gate.read().await;
+            shared.count_commit();
+            assert!(shared.checkpointing.load(Ordering::Acquire));
+            drop(writing);
+            // The flag is cleared once the checkpoint is done.
+            let started = Instant::now();
+            while shared.checkpointing.load(Ordering::Acquire) {
+                assert!(started.elapsed() < Duration::from_secs(10));
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        });
+        // Outside a runtime, nothing is started.
+        for _ in 0..CHECKPOINT_EVERY {
+            shared.count_commit();
+        }
+        assert!(!shared.checkpointing.load(Ordering::Acquire));
+        assert!(checkpoint_busy(0) && !checkpoint_busy(CHECKPOINT_TRIES));
+    }
+
+    /// A backend that looked for the `-fencing` file before it existed looks again once that
+    /// look is too old, and raises its token above a rolled-back transaction lock's.
+    #[test]
+    fn a_session_lock_takes_a_token_above_a_rolled_back_transaction_lock() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let backend = rt.block_on(open(&dir, Duration::from_secs(30)));
+        // A look that finds no file.
+        let first = rt.block_on(take(&backend, "j")).unwrap();
+        rt.block_on(first.handle.release()).unwrap();
+        assert!(!backend.shared.fencing.attached());
+        let mut conn = Connection::open(dir.path().join("l.db")).unwrap();
+        let tx = conn.transaction().unwrap();
+        assert_eq!(
+            try_acquire_in_transaction(&tx, "k")
+                .unwrap()
+                .fencing_token(),
+            1
+        );
+        tx.commit().unwrap();
+        let tx = conn.transaction().unwrap();
+        assert_eq!(
+            try_acquire_in_transaction(&tx, "k")
+                .unwrap()
+                .fencing_token(),
+            2
+        );
+        tx.rollback().unwrap();
+        // The row says 1; the record says 2 was handed out.
+        assert_eq!(row(&dir, "k"), Some((false, 1)));
+        let taken = rt.block_on(take(&backend, "k")).unwrap();
+        assert_eq!(taken.fencing_token, Some(3));
+        assert!(backend.shared.fencing.attached());
+        rt.block_on(taken.handle.release()).unwrap();
     }
 }

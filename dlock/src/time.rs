@@ -156,4 +156,32 @@ mod tests {
         // The bounds themselves are accepted.
         assert!(check_setting("x", MAX_SETTING, Duration::ZERO, MAX_SETTING).is_ok());
     }
+
+    #[test]
+    fn long_durations_are_shown_in_days() {
+        assert_eq!(shown_duration(Duration::from_secs(86_400 * 3)), "3 days");
+        assert_eq!(
+            shown_duration(Duration::from_secs(86_400 * 3 + 1)),
+            "more than 3 days"
+        );
+        assert_eq!(shown_duration(Duration::new(86_400, 1)), "more than 1 days");
+        assert_eq!(shown_duration(Duration::from_secs(86_400)), "1 days");
+        assert_eq!(shown_duration(Duration::from_secs(86_399)), "86399s");
+        // A value just over the bound is refused, the bound itself is not.
+        let over = MAX_SETTING + Duration::from_nanos(1);
+        assert!(check_setting("x", over, Duration::ZERO, MAX_SETTING).is_err());
+        let min = Duration::from_millis(100);
+        assert!(check_setting("x", min, min, MAX_SETTING).is_ok());
+        let under = check_setting("x", min - Duration::from_nanos(1), min, MAX_SETTING);
+        assert!(under.is_err());
+        // Saturation: an instant that cannot be 30 years later stays where it is.
+        let now = Instant::now();
+        let far = later(now, Duration::MAX);
+        assert_eq!(far - now, Duration::from_secs(946_080_000), "30 years");
+        let tokio_now = tokio::time::Instant::now();
+        assert_eq!(
+            later_tokio(tokio_now, Duration::from_millis(5)),
+            tokio_now + Duration::from_millis(5)
+        );
+    }
 }

@@ -753,4 +753,134 @@ mod tests {
         assert_eq!(err.code(), Some("NOPERM"));
         assert!(err.detail().unwrap().contains("`get`, `del`"), "{err}");
     }
+
+    fn answer(kind: ServerErrorKind, code: &'static str, detail: &str) -> RedisError {
+        RedisError::from((ErrorKind::Server(kind), code, detail.to_owned()))
+    }
+
+    fn err(detail: &str) -> RedisError {
+        answer(ServerErrorKind::ResponseError, "ERR", detail)
+    }
+
+    #[test]
+    fn server_answers_are_told_apart() {
+        let unknown = err("unknown command 'DELEX', with args beginning with: ");
+        assert!(is_unknown_command(&unknown));
+        assert!(is_unknown_command(&err("  Unknown Command 'X'")));
+        assert!(!is_unknown_command(&err("syntax error")));
+        assert!(!is_arity_error(&unknown) && !is_syntax_error(&unknown));
+
+        let arity = err("wrong number of arguments for 'delex' command");
+        assert!(is_arity_error(&arity));
+        assert!(is_arity_error(&err("ERR Wrong Number Of Arguments")));
+        assert!(!is_unknown_command(&arity) && !is_syntax_error(&arity));
+
+        let syntax = err("syntax error");
+        assert!(is_syntax_error(&syntax));
+        assert!(is_syntax_error(&err(" Syntax error, try again")));
+        assert!(!is_arity_error(&syntax));
+
+        // The same words from something other than a plain error answer count for nothing.
+        let noperm = answer(
+            ServerErrorKind::NoPerm,
+            "NOPERM",
+            "unknown command wrong number of arguments syntax error",
+        );
+        assert!(!is_unknown_command(&noperm));
+        assert!(!is_arity_error(&noperm));
+        assert!(!is_syntax_error(&noperm));
+        assert!(!is_script_acl_failure(&answer(
+            ServerErrorKind::NoPerm,
+            "NOPERM",
+            "ACL failure in script",
+        )));
+        let io = RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "reset",
+        ));
+        assert!(!is_arity_error(&io) && !is_script_acl_failure(&io));
+
+        assert!(is_server_answer(&syntax));
+        assert!(is_server_answer(&noperm));
+        assert!(is_server_answer(&redis::make_extension_error(
+            "WEIRD".into(),
+            None
+        )));
+    }
+
+    #[test]
+    fn script_acl_failures_become_noperm_naming_the_commands() {
+        let script = Script::new(ACQUIRE_FENCED_LUA, &["set", "incr"]);
+        let named = err(
+            "ACL failure in script: User u has no permissions to run the 'incr' command script: abc",
+        );
+        assert!(is_script_acl_failure(&named));
+        let noperm = script_noperm(&script, &named);
+        assert_eq!(noperm.kind(), ErrorKind::Server(ServerErrorKind::NoPerm));
+        let detail = noperm.detail().unwrap();
+        assert!(
+            detail.contains("(in a script, which runs `set`, `incr`)"),
+            "{detail}"
+        );
+        let unnamed = err("The user executing the script can't run this command or subcommand");
+        assert!(is_script_acl_failure(&unnamed));
+        let detail = script_noperm(&script, &unnamed)
+            .detail()
+            .unwrap()
+            .to_owned();
+        assert!(
+            detail.contains("(the server does not say which; the script runs `set`, `incr`)"),
+            "{detail}"
+        );
+        assert!(!is_script_acl_failure(&err("unknown command")));
+        assert_eq!(refused_command("to run the 'x' commander"), Some("x"));
+        assert_eq!(refused_command("to run the 'x' verb"), None);
+        assert_eq!(refused_command("to run the 'x"), None);
+    }
+
+    #[test]
+    fn leases_are_whole_milliseconds_of_at_least_one() {
+        assert_eq!(millis(Duration::from_micros(10)), 1);
+        assert_eq!(millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(millis(Duration::MAX), u64::MAX);
+    }
+
+    #[test]
+    fn a_refused_transaction_reports_its_first_refusal() {
+        let plain = err("syntax error");
+        assert_eq!(first_queued_error(plain).detail(), Some("syntax error"));
+        let unexpected = unexpected("the release script", &Value::Okay);
+        assert_eq!(unexpected.kind(), ErrorKind::UnexpectedReturnType);
+        assert!(
+            unexpected
+                .detail()
+                .unwrap()
+                .starts_with("the release script answered"),
+            "{unexpected}"
+        );
+    }
+
+    #[test]
+    fn scripts_name_what_they_run() {
+        let scripts = Scripts::new();
+        assert_eq!(scripts.acquire_fenced.code, ACQUIRE_FENCED_LUA);
+        assert_eq!(scripts.acquire_fenced.commands, ["set", "incr"]);
+        assert_eq!(scripts.release.code, RELEASE_LUA);
+        assert_eq!(scripts.release.commands, ["get", "del"]);
+        assert_eq!(scripts.extend.code, EXTEND_LUA);
+        assert_eq!(scripts.extend.commands, ["get", "pexpire"]);
+        assert_eq!(
+            scripts.extend.sha,
+            redis::Script::new(EXTEND_LUA).get_hash()
+        );
+    }
+
+    #[test]
+    fn a_suspect_flag_is_set_when_dropped_unless_disarmed() {
+        let flag = Arc::new(AtomicBool::new(false));
+        SuspectOnDrop(Some(Arc::clone(&flag))).disarm();
+        assert!(!flag.load(Ordering::SeqCst));
+        drop(SuspectOnDrop(Some(Arc::clone(&flag))));
+        assert!(flag.load(Ordering::SeqCst));
+    }
 }

@@ -204,6 +204,7 @@ use tokio_util::sync::CancellationToken;
 use crate::LockError;
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::key::validate_key;
+use crate::lease::safe_window;
 use crate::options::{parse_duration, query_pairs, unknown_option};
 use crate::time::{MAX_SETTING, check_setting};
 
@@ -218,12 +219,6 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 const MIN_LEASE: Duration = Duration::from_millis(100);
 const DEFAULT_PREFIX: &str = "dlock:";
 const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protocol", "ca"];
-
-/// The part of a lease the holder counts on: lost is declared once this much of the lease has
-/// passed since the last successful renewal was sent.
-fn safe_window(lease: Duration) -> Duration {
-    lease.mul_f64(0.8)
-}
 
 /// The longest an acquisition's answer may take, from before the command was sent, for the
 /// lock to be handed out: half the safe window, 40% of the lease. What is left of the window is

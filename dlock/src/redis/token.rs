@@ -145,4 +145,46 @@ mod tests {
         assert!(OwnerToken::from_text("").is_err());
         assert_eq!(OwnerToken::random().unwrap().as_bytes().len(), 16);
     }
+
+    #[test]
+    fn every_byte_goes_through_hex_and_back() {
+        let all: Vec<u8> = (0..=255).collect();
+        let token = OwnerToken::from_bytes(all.clone()).unwrap();
+        assert_eq!(token.as_bytes(), &all[..]);
+        assert_eq!(token.as_ref(), &all[..]);
+        let hex = token.to_string();
+        assert_eq!(hex.len(), 512);
+        assert!(
+            hex.starts_with("000102030405060708090a0b0c0d0e0f10"),
+            "{hex}"
+        );
+        assert!(hex.ends_with("f9fafbfcfdfeff"), "{hex}");
+        assert_eq!(OwnerToken::from_hex(&hex).unwrap(), token);
+        assert_eq!(OwnerToken::from_hex(&hex.to_uppercase()).unwrap(), token);
+        assert_eq!(
+            OwnerToken::from_hex("09aF").unwrap().as_bytes(),
+            &[0x09, 0xaf]
+        );
+        assert_eq!(format!("{token:?}"), format!("OwnerToken({hex})"));
+    }
+
+    #[test]
+    fn bad_hex_is_refused_with_its_reason() {
+        let odd = OwnerToken::from_hex("abc").unwrap_err().to_string();
+        assert!(odd.contains("even number of digits"), "{odd}");
+        for bad in ["g0", "0G", "/0", ":0", "@0", "`0", "0 "] {
+            let err = OwnerToken::from_hex(bad).unwrap_err().to_string();
+            assert!(err.contains("only contain the digits"), "{bad}: {err}");
+        }
+        let empty = OwnerToken::from_hex("").unwrap_err().to_string();
+        assert!(empty.contains("must not be empty"), "{empty}");
+    }
+
+    #[test]
+    fn random_tokens_differ() {
+        let a = OwnerToken::random().unwrap();
+        let b = OwnerToken::random().unwrap();
+        assert_ne!(a, b);
+        assert_ne!(a.as_bytes(), [0u8; 16]);
+    }
 }

@@ -179,4 +179,22 @@ mod tests {
             "{clock_ms} vs {instant_ms}"
         );
     }
+
+    #[cfg(any(target_os = "linux", target_os = "android"))]
+    #[test]
+    fn the_clock_is_the_kernels_monotonic_clock_of_this_boot() {
+        let clock = LeaseClock::get().unwrap();
+        let text = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap();
+        assert_eq!(clock.boot(), &parse_boot_id(&text).unwrap()[..]);
+        let offset = std::fs::read_to_string("/proc/self/timens_offsets")
+            .map_or(0, |text| monotonic_offset_ms(&text));
+        let read = || {
+            let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+            now.tv_sec * 1000 + now.tv_nsec / 1_000_000 - offset
+        };
+        let before = read();
+        let ms = clock.now_ms();
+        let after = read();
+        assert!(before <= ms && ms <= after, "{before} <= {ms} <= {after}");
+    }
 }

@@ -1,0 +1,86 @@
+//! The `postgres://` URL.
+
+use std::str::FromStr;
+
+use sqlx::postgres::PgConnectOptions;
+
+use crate::LockError;
+use crate::session::SessionOptions;
+use crate::sqlx_engine::{driver_url, split_query};
+
+use super::Postgres;
+
+/// Query options the driver reads (it would ignore any other silently, so a typo would go
+/// unnoticed: they are refused instead).
+const DRIVER_OPTIONS: &[&str] = &[
+    "sslmode",
+    "ssl-mode",
+    "sslrootcert",
+    "ssl-root-cert",
+    "ssl-ca",
+    "sslcert",
+    "ssl-cert",
+    "sslkey",
+    "ssl-key",
+    "statement-cache-capacity",
+    "host",
+    "hostaddr",
+    "port",
+    "dbname",
+    "user",
+    "password",
+    "application_name",
+    "options",
+];
+
+/// Reads a `postgres://` URL; its options are checked by the caller.
+pub(super) fn parse_url(url: &str) -> Result<(PgConnectOptions, SessionOptions), LockError> {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let (session, passthrough) = split_query::<Postgres>(query, DRIVER_OPTIONS, |name| {
+        DRIVER_OPTIONS.contains(&name) || name.starts_with("options[")
+    })?;
+    let named = passthrough
+        .iter()
+        .any(|(name, _)| name == "application_name");
+    let mut options = PgConnectOptions::from_str(&driver_url(base.to_owned(), &passthrough)).map_err(|e| {
+        // The driver's message is about the URL's shape; it does not repeat the URL.
+        LockError::config(format!(
+            "the postgres:// URL is not valid ({e}); write it like postgres://user:password@host:5432/database (options: {})",
+            SessionOptions::names(true).join(", ")
+        ))
+    })?;
+    if !named {
+        options = options.application_name("dlock");
+    }
+    Ok((options, session))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::super::PostgresBackend;
+
+    #[test]
+    fn urls() {
+        let b = PostgresBackend::builder_from_url("postgres://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&sslmode=disable").unwrap();
+        assert!(b.options.fencing);
+        assert_eq!(b.options.keepalive, Duration::from_millis(250));
+        assert_eq!((b.options.connections, b.options.wait_connections), (2, 0));
+        assert_eq!(b.target.get_port(), 5);
+        assert_eq!(b.target.get_application_name(), Some("dlock"));
+        assert!(!format!("{b:?}").contains("secret"));
+        for bad in [
+            "postgres://h/db?fencing=maybe",
+            "postgres://h/db?keepalive=soon",
+            "postgres://h/db?connections=0",
+            "postgres://h/db?connections=100",
+            "postgres://h/db?keepalive=1ms",
+            "postgres://h/db?fencng=true",
+            "postgres://h:notaport/db",
+        ] {
+            let err = PostgresBackend::builder_from_url(bad).unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! A lock store in memory, for the unit tests of the provider and the guard: it records what
+//! the provider asked of it, and can be told to answer a try with contention, a late grant
+//! (`Lost`) or a failure, or to fail a release.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::MeterProvider as _;
+use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+
+use crate::LockError;
+use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+
+/// A forced answer to the next `try_acquire`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Answer {
+    /// Granted too late: `Err(Lost)`.
+    Late,
+    /// The store fails: `Err(Backend)`.
+    Fail,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Store {
+    /// Held keys and the fencing token each was granted with.
+    pub(crate) held: HashMap<String, u64>,
+    pub(crate) next_token: u64,
+    pub(crate) tries: usize,
+    /// The timeouts passed to `acquire_wait`.
+    pub(crate) waits: Vec<Duration>,
+    /// The lease of every request.
+    pub(crate) leases: Vec<Option<Duration>>,
+    pub(crate) releases: usize,
+    pub(crate) answers: VecDeque<Answer>,
+    /// When set, a release fails (and still frees the key).
+    pub(crate) fail_release: bool,
+    /// When set, a release waits for this to be notified before it frees the key.
+    pub(crate) release_gate: Option<Arc<Notify>>,
+}
+
+/// The backend: clones share one store.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct MemoryBackend {
+    pub(crate) store: Arc<Mutex<Store>>,
+    pub(crate) native_wait: bool,
+    /// Notified on every release.
+    pub(crate) released: Arc<Notify>,
+}
+
+impl MemoryBackend {
+    pub(crate) fn store(&self) -> std::sync::MutexGuard<'_, Store> {
+        self.store.lock().unwrap()
+    }
+
+    /// Marks `key` held by someone else.
+    pub(crate) fn hold_elsewhere(&self, key: &str) {
+        self.store().held.insert(key.to_owned(), 0);
+    }
+
+    pub(crate) fn free(&self, key: &str) {
+        self.store().held.remove(key);
+    }
+
+    pub(crate) fn is_held(&self, key: &str) -> bool {
+        self.store().held.contains_key(key)
+    }
+
+    fn grant(&self, request: LockRequest<'_>) -> Result<Option<Acquired>, LockError> {
+        let mut store = self.store();
+        store.leases.push(request.lease);
+        if store.held.contains_key(request.key) {
+            return Ok(None);
+        }
+        store.next_token += 1;
+        let token = store.next_token;
+        store.held.insert(request.key.to_owned(), token);
+        let lost = CancellationToken::new();
+        Ok(Some(Acquired::new(
+            Some(token),
+            lost,
+            Box::new(MemoryLock {
+                backend: self.clone(),
+                key: request.key.to_owned(),
+            }),
+        )))
+    }
+}
+
+impl LockBackend for MemoryBackend {
+    fn name(&self) -> &'static str {
+        "memory"
+    }
+
+    fn supports_native_wait(&self) -> bool {
+        self.native_wait
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            let answer = {
+                let mut store = self.store();
+                store.tries += 1;
+                store.answers.pop_front()
+            };
+            match answer {
+                Some(Answer::Late) => Err(LockError::Lost {
+                    key: Arc::from(request.key),
+                    reason: "granted too late".to_owned(),
+                }),
+                Some(Answer::Fail) => Err(LockError::backend("memory", "failed", None, None)),
+                None => self.grant(request),
+            }
+        })
+    }
+
+    fn acquire_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            self.store().waits.push(timeout);
+            self.grant(request)
+        })
+    }
+}
+
+#[derive(Debug)]
+struct MemoryLock {
+    backend: MemoryBackend,
+    key: String,
+}
+
+impl HeldLock for MemoryLock {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move {
+            let gate = self.backend.store().release_gate.clone();
+            if let Some(gate) = gate {
+                gate.notified().await;
+            }
+            let fail = {
+                let mut store = self.backend.store();
+                store.releases += 1;
+                store.held.remove(&self.key);
+                store.fail_release
+            };
+            self.backend.released.notify_waiters();
+            if fail {
+                Err(LockError::backend("memory", "release failed", None, None))
+            } else {
+                Ok(())
+            }
+        })
+    }
+}
+
+/// An in-memory metrics exporter and the meter provider that feeds it.
+#[derive(Debug)]
+pub(crate) struct Recorder {
+    pub(crate) provider: SdkMeterProvider,
+    exporter: InMemoryMetricExporter,
+}
+
+impl Recorder {
+    pub(crate) fn new() -> Self {
+        let exporter = InMemoryMetricExporter::default();
+        let provider = SdkMeterProvider::builder()
+            .with_reader(PeriodicReader::builder(exporter.clone()).build())
+            .build();
+        Recorder { provider, exporter }
+    }
+
+    pub(crate) fn meter(&self) -> opentelemetry::metrics::Meter {
+        self.provider.meter("dlock")
+    }
+
+    /// (sorted attributes, value) of every point of `name`: sums for counters, counts for
+    /// histograms.
+    pub(crate) fn points(&self, name: &str) -> Vec<(Vec<(String, String)>, u64)> {
+        self.provider.force_flush().unwrap();
+        let exported = self.exporter.get_finished_metrics().unwrap();
+        let mut points = Vec::new();
+        let Some(last) = exported.last() else {
+            return points;
+        };
+        for scope in last.scope_metrics() {
+            for metric in scope.metrics().filter(|m| m.name() == name) {
+                match metric.data() {
+                    AggregatedMetrics::U64(MetricData::Sum(sum)) => {
+                        for p in sum.data_points() {
+                            points.push((attrs(p.attributes()), p.value()));
+                        }
+                    }
+                    AggregatedMetrics::F64(MetricData::Histogram(h)) => {
+                        for p in h.data_points() {
+                            points.push((attrs(p.attributes()), p.count()));
+                        }
+                    }
+                    other => panic!("unexpected data for {name}: {other:?}"),
+                }
+            }
+        }
+        points.sort();
+        points
+    }
+}
+
+fn attrs<'a>(kvs: impl Iterator<Item = &'a KeyValue>) -> Vec<(String, String)> {
+    let mut v: Vec<_> = kvs
+        .map(|kv| (kv.key.to_string(), kv.value.to_string()))
+        .collect();
+    v.sort();
+    v
+}
