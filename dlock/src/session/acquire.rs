@@ -14,6 +14,7 @@ use super::options::LaneSettings;
 use super::traits::Connector;
 use super::wait::{WaitHeld, WaitPool, WaitTask};
 use crate::backend::Acquired;
+use crate::backoff::Pauses;
 use crate::{Backoff, LockError};
 
 /// The shared machinery of one backend instance.
@@ -149,8 +150,7 @@ impl<C: Connector> Lanes<C> {
         resource: C::Resource,
         deadline: Option<Instant>,
     ) -> Result<Option<Acquired>, LockError> {
-        let backoff = Backoff::default();
-        let mut attempt = 0u32;
+        let mut pauses = Pauses::new(Backoff::default(), deadline);
         loop {
             // Another acquisition of this backend holding the resource is waited for here,
             // without asking the server.
@@ -164,15 +164,9 @@ impl<C: Connector> Lanes<C> {
             if let Some(acquired) = self.try_claimed(resource.clone(), claim).await? {
                 return Ok(Some(acquired));
             }
-            let mut pause = backoff.delay(attempt);
-            attempt = attempt.saturating_add(1);
-            if let Some(deadline) = deadline {
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(None);
-                }
-                pause = pause.min(deadline - now);
-            }
+            let Some(pause) = pauses.next_pause() else {
+                return Ok(None);
+            };
             tokio::time::sleep(pause).await;
         }
     }
@@ -314,6 +308,40 @@ mod tests {
         assert_eq!(server.locks.lock().unwrap().len(), 1);
         second.handle.release().await.unwrap();
         assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
+    }
+
+    /// Once the release of a lock granted through a wait has returned, the next try of the
+    /// same backend gets the resource: the wait's claim ended before the release was
+    /// acknowledged (it used to end a moment after, and the try answered "held").
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_try_right_after_a_waited_lock_is_released_gets_it() {
+        let server = Arc::new(Server::default());
+        let lanes = Arc::new(model_lanes(&server, 1, 1).await);
+        for round in 0..200 {
+            let blocker = ModelSession {
+                server: Arc::clone(&server),
+                id: u64::MAX,
+            };
+            assert!(blocker.take(lanes.connector().resource("k")));
+            let waiting = tokio::spawn({
+                let lanes = Arc::clone(&lanes);
+                async move { lanes.acquire_wait("k", Duration::from_secs(10)).await }
+            });
+            while !lanes.claims.is_claimed(&lanes.connector().resource("k")) {
+                tokio::task::yield_now().await;
+            }
+            drop(blocker);
+            let held = waiting
+                .await
+                .unwrap()
+                .unwrap()
+                .expect("granted to the wait");
+            held.handle.release().await.unwrap();
+            let again = lanes.try_acquire("k").await.unwrap();
+            let again =
+                again.unwrap_or_else(|| panic!("round {round}: still claimed after the release"));
+            again.handle.release().await.unwrap();
+        }
     }
 
     /// The lane task that keeps a lock dies with the runtime it ran on: the lock's lost token

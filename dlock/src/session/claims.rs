@@ -108,6 +108,12 @@ impl<R: Clone + Eq + Hash> Claims<R> {
         }
     }
 
+    /// Whether `resource` is claimed (tests).
+    #[cfg(test)]
+    pub(super) fn is_claimed(&self, resource: &R) -> bool {
+        self.map().contains_key(resource)
+    }
+
     /// Marks claim `id` of `resource` as being cleaned up (if it is still that claim): tries
     /// wait for it instead of answering that the resource is held.
     pub(super) fn settle(&self, resource: &R, id: u64) {

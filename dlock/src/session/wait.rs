@@ -246,7 +246,7 @@ impl<C: Connector> WaitTask<C> {
     }
 
     async fn hold(
-        &self,
+        self,
         mut session: C::Session,
         mut release: oneshot::Receiver<oneshot::Sender<()>>,
     ) {
@@ -266,6 +266,10 @@ impl<C: Connector> WaitTask<C> {
                 asked = &mut release => {
                     lost.disarm();
                     self.give_back(session).await;
+                    // The backend's claim ends before the release is acknowledged: an
+                    // acquisition that follows the release must not find the key still
+                    // claimed and answer that it is held.
+                    drop(self.claim);
                     if let Ok(done) = asked {
                         let _ = done.send(());
                     }
