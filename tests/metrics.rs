@@ -1,16 +1,14 @@
 //! Metrics: exact counts and attributes for each outcome, recorded into an in-memory exporter.
 #![cfg(feature = "sqlite")]
 
-mod support;
-
 use std::time::Duration;
 
 use dlock::{CancellationToken, LockError, LockProvider};
+use dlock_testkit::unique_key;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
-use support::unique_key;
 
 struct Recorder {
     provider: SdkMeterProvider,
@@ -201,7 +199,7 @@ async fn a_loss_found_by_the_release_is_counted() {
     }
     let sqlite = vec![("lock_type".to_owned(), "sqlite".to_owned())];
     assert!(
-        support::eventually(Duration::from_secs(3), || recorder
+        dlock_testkit::eventually(Duration::from_secs(3), || recorder
             .points("distributed_lock.lost")
             == vec![(sqlite.clone(), 2)])
         .await,

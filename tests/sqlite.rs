@@ -1,7 +1,6 @@
 //! The SQLite backend: the conformance suite, plus what only a lock file can do wrong.
 #![cfg(feature = "sqlite")]
 
-mod conformance;
 mod support;
 
 use std::path::PathBuf;
@@ -9,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use dlock::sqlite::{SqliteBackend, acquire_in_transaction, try_acquire_in_transaction};
 use dlock::{LockError, LockGuard, LockProvider};
-use support::{Holder, unique_key};
+use dlock_testkit::unique_key;
+use support::Holder;
 
 const LEASE: Duration = Duration::from_millis(900);
 
@@ -37,7 +37,7 @@ impl SqliteHarness {
     }
 }
 
-impl conformance::Harness for SqliteHarness {
+impl dlock_testkit::Harness for SqliteHarness {
     async fn provider(&self) -> LockProvider {
         LockProvider::connect(&self.url())
             .await
@@ -79,7 +79,7 @@ impl conformance::Harness for SqliteHarness {
     }
 }
 
-conformance_suite!(SqliteHarness::new());
+dlock_testkit::conformance_suite!(SqliteHarness::new());
 
 #[test]
 fn multi_process_exclusion() {

@@ -1,4 +1,4 @@
-//! `dlock-worker schedule`: one worker process of the schedule test (`tests/schedule.rs`).
+//! `dlock-worker schedule`: one worker process of the schedule test (`tests/schedule/`).
 //!
 //! ```text
 //! dlock-worker schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]

@@ -32,7 +32,7 @@
 //! killed, with the transaction still open.
 //!
 //! `dlock-worker schedule --url URL ...` is one worker process of the schedule test
-//! (`tests/schedule.rs`), driven over stdin and stdout; see the `schedule` module.
+//! (`tests/schedule/`), driven over stdin and stdout; see the `schedule` module.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -41,7 +41,6 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-#[path = "dlock-worker/schedule.rs"]
 mod schedule;
 
 /// How long one acquisition may wait before the worker gives up (and fails the run).
