@@ -128,6 +128,7 @@ mod renewer;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -140,7 +141,9 @@ use self::renewer::{Renewal, Renewer};
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
-use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::options::{
+    ConfigKey, UrlForm, find_in, names_of, parse_duration, parse_key, read_query,
+};
 use crate::time::{MAX_SETTING, check_setting};
 use crate::{Backoff, LockError};
 
@@ -1380,20 +1383,59 @@ fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> 
     Ok(())
 }
 
+const FORM: UrlForm = UrlForm {
+    backend: "SQLite",
+    schemes: &["sqlite"],
+    example: "sqlite://locks.db (relative) or sqlite:///var/lib/app/locks.db (absolute)",
+};
+
+/// The SQLite URL options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SqliteOption {
+    Lease,
+    BusyTimeout,
+}
+
+impl SqliteOption {
+    const ALL: &[SqliteOption] = &[SqliteOption::Lease, SqliteOption::BusyTimeout];
+}
+
+impl AsRef<str> for SqliteOption {
+    fn as_ref(&self) -> &str {
+        match self {
+            SqliteOption::Lease => "lease",
+            SqliteOption::BusyTimeout => "busy_timeout",
+        }
+    }
+}
+
+impl ConfigKey for SqliteOption {
+    const BACKEND: &'static str = NAME;
+
+    fn find(name: &str) -> Option<Self> {
+        find_in(Self::ALL, name)
+    }
+
+    fn names() -> Vec<&'static str> {
+        names_of(Self::ALL)
+    }
+}
+
+impl FromStr for SqliteOption {
+    type Err = LockError;
+
+    fn from_str(name: &str) -> Result<Self, LockError> {
+        parse_key(name)
+    }
+}
+
 fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
     // The scheme is case-insensitive, as in every URL (`LockProvider::connect` picks the
     // backend that way too).
-    let rest = url
-        .split_at_checked("sqlite:".len())
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("sqlite:"))
-        .map(|(_, rest)| rest)
-        .ok_or_else(|| LockError::config("a SQLite lock store URL starts with `sqlite://`"))?;
-    let rest = rest.strip_prefix("//").unwrap_or(rest);
-    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let split = FORM.split(url)?;
+    let path = split.rest.strip_prefix("//").unwrap_or(split.rest);
     if path.is_empty() {
-        return Err(LockError::config(
-            "the sqlite:// URL names no file; write `sqlite://locks.db` (relative) or `sqlite:///var/lib/app/locks.db` (absolute)",
-        ));
+        return Err(FORM.error("names no file"));
     }
     if path == ":memory:" || path.contains("mode=memory") {
         return Err(LockError::config(
@@ -1401,15 +1443,14 @@ fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
         ));
     }
     let mut builder = SqliteBackend::builder(path);
-    for (name, value) in query_pairs(query) {
-        match name.as_str() {
-            "lease" => builder = builder.lease(parse_duration("lease", &value)?),
-            "busy_timeout" => {
-                builder = builder.busy_timeout(parse_duration("busy_timeout", &value)?)
-            }
-            other => return Err(unknown_option("sqlite", other, &["lease", "busy_timeout"])),
+    read_query(split.query, |key: SqliteOption, value| {
+        let value = parse_duration(key.as_ref(), &value)?;
+        match key {
+            SqliteOption::Lease => builder.lease = value,
+            SqliteOption::BusyTimeout => builder.busy_timeout = value,
         }
-    }
+        Ok(())
+    })?;
     builder.check()?;
     Ok(builder)
 }
@@ -1475,6 +1516,7 @@ mod tests {
 
     #[test]
     fn url_forms() {
+        crate::options::assert_keys::<SqliteOption, _>(parse_url("sqlite://a.db?bogus=1"));
         assert_eq!(
             parse_url("sqlite://locks.db").unwrap().path,
             PathBuf::from("locks.db")
