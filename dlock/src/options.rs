@@ -22,7 +22,7 @@
         feature = "oracle",
         feature = "redis"
     )),
-    allow(dead_code)
+    allow(dead_code, unused_imports, unused_macros)
 )]
 
 use std::fmt::Display;
@@ -181,16 +181,70 @@ pub(crate) fn unknown_key<K: ConfigKey>(name: &str) -> LockError {
     ))
 }
 
-/// The key in `keys` named `name`: [`ConfigKey::find`] for a key type that lists its keys.
-pub(crate) fn find_in<K: Copy + AsRef<str>>(keys: &[K], name: &str) -> Option<K> {
-    keys.iter().copied().find(|key| key.as_ref() == name)
-}
+/// Declares an enum of URL option keys, each with its name: `ALL` (every key, in the order
+/// written), `name()` and `as_ref()`. With `for FORM` (a [`UrlForm`]), the enum is that
+/// backend's [`ConfigKey`], with `FromStr`.
+macro_rules! url_keys {
+    ($(#[$meta:meta])* $vis:vis enum $key:ident { $($variant:ident = $name:literal),+ $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        $vis enum $key {
+            $($variant),+
+        }
 
-#[cfg(any(feature = "sqlite", feature = "redis", feature = "mssql"))]
-/// The names of `keys`: [`ConfigKey::names`] for a key type that lists its keys.
-pub(crate) fn names_of<K: AsRef<str>>(keys: &'static [K]) -> Vec<&'static str> {
-    keys.iter().map(AsRef::as_ref).collect()
+        impl $key {
+            /// Every key, in the order the docs list them.
+            const ALL: &'static [$key] = &[$($key::$variant),+];
+
+            /// The key's URL name.
+            fn name(self) -> &'static str {
+                match self {
+                    $($key::$variant => $name),+
+                }
+            }
+
+            /// The key named `name`.
+            fn find(name: &str) -> Option<$key> {
+                Self::ALL.iter().copied().find(|key| key.name() == name)
+            }
+
+            /// The names of every key.
+            fn names() -> impl Iterator<Item = &'static str> {
+                Self::ALL.iter().map(|key| key.name())
+            }
+        }
+
+        impl AsRef<str> for $key {
+            fn as_ref(&self) -> &str {
+                self.name()
+            }
+        }
+    };
+    ($(#[$meta:meta])* $vis:vis enum $key:ident for $form:ident { $($body:tt)* }) => {
+        url_keys!($(#[$meta])* $vis enum $key { $($body)* });
+
+        impl $crate::options::ConfigKey for $key {
+            const BACKEND: &'static str = $form.backend;
+
+            fn find(name: &str) -> Option<Self> {
+                $key::find(name)
+            }
+
+            fn names() -> Vec<&'static str> {
+                $key::names().collect()
+            }
+        }
+
+        impl std::str::FromStr for $key {
+            type Err = $crate::LockError;
+
+            fn from_str(name: &str) -> Result<Self, $crate::LockError> {
+                $crate::options::parse_key(name)
+            }
+        }
+    };
 }
+pub(crate) use url_keys;
 
 /// Reads the options of a URL's `query`: each name becomes a `K` (an unknown one ends the
 /// reading with its error), and `apply` reads the value.
@@ -223,15 +277,6 @@ pub(crate) struct UrlForm {
     pub(crate) schemes: &'static [&'static str],
     /// A URL of its kind, for messages (`mssql://user:password@host:1433/database`).
     pub(crate) example: &'static str,
-}
-
-#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-/// A URL split by [`UrlForm::split`].
-pub(crate) struct SplitUrl<'a> {
-    /// What follows `scheme:` up to the query.
-    pub(crate) rest: &'a str,
-    /// The query, without `?` (empty when there is none).
-    pub(crate) query: &'a str,
 }
 
 #[cfg(any(feature = "mssql", feature = "oracle"))]
@@ -267,14 +312,14 @@ impl UrlForm {
     }
 
     #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
-    /// Splits `url` at its scheme (one of the form's, in any case) and its query.
-    pub(crate) fn split<'a>(&self, url: &'a str) -> Result<SplitUrl<'a>, LockError> {
+    /// Splits `url` after its scheme (one of the form's, in any case) and at its query: what
+    /// follows `scheme:` up to the query, and the query without `?` (empty when there is none).
+    pub(crate) fn split<'a>(&self, url: &'a str) -> Result<(&'a str, &'a str), LockError> {
         let (scheme, rest) = url.split_once(':').ok_or_else(|| self.wrong_scheme())?;
         if !self.schemes.contains(&scheme.to_ascii_lowercase().as_str()) {
             return Err(self.wrong_scheme());
         }
-        let (rest, query) = rest.split_once('?').unwrap_or((rest, ""));
-        Ok(SplitUrl { rest, query })
+        Ok(rest.split_once('?').unwrap_or((rest, "")))
     }
 
     #[cfg(any(feature = "mssql", feature = "oracle", feature = "redis"))]
@@ -290,42 +335,36 @@ impl UrlForm {
     }
 
     #[cfg(any(feature = "mssql", feature = "oracle"))]
-    /// Percent-decodes the part `what` of the URL.
-    pub(crate) fn decode(&self, text: &str, what: &str) -> Result<String, LockError> {
-        percent_decode(text).ok_or_else(|| {
-            LockError::config(format!(
-                "the {what} in the {} URL is not valid percent-encoded UTF-8",
-                self.backend
-            ))
-        })
-    }
-
-    #[cfg(any(feature = "mssql", feature = "oracle"))]
     /// Takes apart a URL like `scheme://user:password@host:port/name`: a host is required, and
     /// the path is at most one name (`name` says what it names, for messages).
     pub(crate) fn server(&self, url: &str, name: &str) -> Result<ServerUrl, LockError> {
         let parsed = self.parse(url)?;
+        let decode = |text: &str, what: &str| {
+            percent_decode(text).ok_or_else(|| {
+                self.error(format_args!(
+                    "has a {what} that is not percent-encoded UTF-8"
+                ))
+            })
+        };
         let host = match parsed.host_str() {
             Some(host) if !host.is_empty() => host.to_owned(),
             _ => return Err(self.error("has no host")),
         };
-        let path = self.decode(parsed.path().trim_start_matches('/'), name)?;
+        let path = decode(parsed.path().trim_start_matches('/'), name)?;
         if path.contains('/') {
             return Err(self.error(format_args!("has a path that is more than the {name}")));
         }
         Ok(ServerUrl {
             host,
             port: parsed.port(),
-            user: self.decode(parsed.username(), "user name")?,
-            password: self.decode(parsed.password().unwrap_or(""), "password")?,
+            user: decode(parsed.username(), "user name")?,
+            password: decode(parsed.password().unwrap_or(""), "password")?,
             name: path,
             query: parsed.query().unwrap_or("").to_owned(),
         })
     }
 }
 
-/// Checks a backend's keys: each of `K`'s names reads back as the key of that name, and
-/// `refusal` (the backend's answer to a URL with an unknown option `bogus`) lists them all.
 #[cfg(test)]
 pub(crate) fn assert_keys<K: ConfigKey, T>(refusal: Result<T, LockError>) {
     let names = K::names();
@@ -459,8 +498,7 @@ mod tests {
     #[cfg(all(feature = "mssql", feature = "sqlite"))]
     #[test]
     fn url_skeleton() {
-        let split = FORM.split("TEST://a/b?x=1").unwrap();
-        assert_eq!((split.rest, split.query), ("//a/b", "x=1"));
+        assert_eq!(FORM.split("TEST://a/b?x=1").unwrap(), ("//a/b", "x=1"));
         assert!(FORM.split("nope://a").is_err());
         assert!(FORM.split("no scheme").is_err());
         let server = FORM

@@ -128,7 +128,6 @@ mod renewer;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -141,9 +140,7 @@ use self::renewer::{Renewal, Renewer};
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
-use crate::options::{
-    ConfigKey, UrlForm, find_in, names_of, parse_duration, parse_key, read_query,
-};
+use crate::options::{UrlForm, parse_duration, read_query, url_keys};
 use crate::time::{MAX_SETTING, check_setting};
 use crate::{Backoff, LockError};
 
@@ -1389,51 +1386,19 @@ const FORM: UrlForm = UrlForm {
     example: "sqlite://locks.db (relative) or sqlite:///var/lib/app/locks.db (absolute)",
 };
 
-/// The SQLite URL options.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SqliteOption {
-    Lease,
-    BusyTimeout,
-}
-
-impl SqliteOption {
-    const ALL: &[SqliteOption] = &[SqliteOption::Lease, SqliteOption::BusyTimeout];
-}
-
-impl AsRef<str> for SqliteOption {
-    fn as_ref(&self) -> &str {
-        match self {
-            SqliteOption::Lease => "lease",
-            SqliteOption::BusyTimeout => "busy_timeout",
-        }
-    }
-}
-
-impl ConfigKey for SqliteOption {
-    const BACKEND: &'static str = NAME;
-
-    fn find(name: &str) -> Option<Self> {
-        find_in(Self::ALL, name)
-    }
-
-    fn names() -> Vec<&'static str> {
-        names_of(Self::ALL)
-    }
-}
-
-impl FromStr for SqliteOption {
-    type Err = LockError;
-
-    fn from_str(name: &str) -> Result<Self, LockError> {
-        parse_key(name)
+url_keys! {
+    /// The SQLite URL options.
+    enum SqliteOption for FORM {
+        Lease = "lease",
+        BusyTimeout = "busy_timeout",
     }
 }
 
 fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
     // The scheme is case-insensitive, as in every URL (`LockProvider::connect` picks the
     // backend that way too).
-    let split = FORM.split(url)?;
-    let path = split.rest.strip_prefix("//").unwrap_or(split.rest);
+    let (rest, query) = FORM.split(url)?;
+    let path = rest.strip_prefix("//").unwrap_or(rest);
     if path.is_empty() {
         return Err(FORM.error("names no file"));
     }
@@ -1443,7 +1408,7 @@ fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
         ));
     }
     let mut builder = SqliteBackend::builder(path);
-    read_query(split.query, |key: SqliteOption, value| {
+    read_query(query, |key: SqliteOption, value| {
         let value = parse_duration(key.as_ref(), &value)?;
         match key {
             SqliteOption::Lease => builder.lease = value,

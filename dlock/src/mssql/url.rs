@@ -3,7 +3,7 @@
 use tiberius::{AuthMethod, Config, EncryptionLevel};
 
 use crate::LockError;
-use crate::options::{UrlForm, bad_value, find_in, names_of, parse_bool};
+use crate::options::{UrlForm, bad_value, parse_bool, url_keys};
 use crate::session::{OwnKey, SessionOptions, read_engine_query};
 
 const DEFAULT_PORT: u16 = 1433;
@@ -14,29 +14,12 @@ const FORM: UrlForm = UrlForm {
     example: "mssql://user:password@host:1433/database",
 };
 
-/// SQL Server's own URL options, beside the session options.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum MssqlOption {
-    Encrypt,
-    TrustServerCertificate,
-    ApplicationName,
-}
-
-impl MssqlOption {
-    const ALL: &[MssqlOption] = &[
-        MssqlOption::Encrypt,
-        MssqlOption::TrustServerCertificate,
-        MssqlOption::ApplicationName,
-    ];
-}
-
-impl AsRef<str> for MssqlOption {
-    fn as_ref(&self) -> &str {
-        match self {
-            MssqlOption::Encrypt => "encrypt",
-            MssqlOption::TrustServerCertificate => "trust_server_certificate",
-            MssqlOption::ApplicationName => "application_name",
-        }
+url_keys! {
+    /// SQL Server's own URL options, beside the session options.
+    pub(super) enum MssqlOption {
+        Encrypt = "encrypt",
+        TrustServerCertificate = "trust_server_certificate",
+        ApplicationName = "application_name",
     }
 }
 
@@ -45,11 +28,11 @@ impl OwnKey for MssqlOption {
     const FENCING: bool = false;
 
     fn find(name: &str) -> Option<Self> {
-        find_in(Self::ALL, name)
+        MssqlOption::find(name)
     }
 
     fn names() -> Vec<&'static str> {
-        names_of(Self::ALL)
+        MssqlOption::names().collect()
     }
 }
 

@@ -38,18 +38,18 @@ impl SqlxUrl for MySql {
 /// Reads a `mysql://` or `mariadb://` URL; its options are checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(MySqlConnectOptions, SessionOptions), LockError> {
     let form = MySql::FORM;
-    let split = form.split(url)?;
-    let Some(rest) = split.rest.strip_prefix("//") else {
+    let (rest, query) = form.split(url)?;
+    let Some(rest) = rest.strip_prefix("//") else {
         return Err(form.error("has no `//` after its scheme"));
     };
-    let (session, passthrough) = split_query::<MySql>(split.query)?;
+    let (session, passthrough) = split_query::<MySql>(query)?;
     // The driver reads `mysql://`; `mariadb://` is the same protocol.
     let driver_url = driver_url(format!("mysql://{rest}"), &passthrough);
     let options = MySqlConnectOptions::from_str(&driver_url).map_err(|e| {
         form.error(format!(
             "is not valid ({}) (options: {})",
             describe_url_error(&e),
-            SessionKey::names(true).collect::<Vec<_>>().join(", ")
+            SessionKey::names_of(true).collect::<Vec<_>>().join(", ")
         ))
     })?;
     Ok((options, session))

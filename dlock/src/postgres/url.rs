@@ -46,18 +46,18 @@ impl SqlxUrl for Postgres {
 /// Reads a `postgres://` URL; its options are checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(PgConnectOptions, SessionOptions), LockError> {
     let form = Postgres::FORM;
-    let split = form.split(url)?;
-    let (session, passthrough) = split_query::<Postgres>(split.query)?;
+    let (rest, query) = form.split(url)?;
+    let (session, passthrough) = split_query::<Postgres>(query)?;
     let named = passthrough
         .iter()
         .any(|(name, _)| name == "application_name");
     // `postgresql://` is the same as `postgres://` to the driver.
-    let base = format!("postgres:{}", split.rest);
+    let base = format!("postgres:{}", rest);
     let mut options = PgConnectOptions::from_str(&driver_url(base, &passthrough)).map_err(|e| {
         // The driver's message is about the URL's shape; it does not repeat the URL.
         form.error(format!(
             "is not valid ({e}) (options: {})",
-            SessionKey::names(true).collect::<Vec<_>>().join(", ")
+            SessionKey::names_of(true).collect::<Vec<_>>().join(", ")
         ))
     })?;
     if !named {

@@ -194,7 +194,6 @@ mod commands;
 mod renewals;
 mod token;
 
-use std::str::FromStr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -206,9 +205,7 @@ use crate::LockError;
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::key::validate_key;
 use crate::lease::safe_window;
-use crate::options::{
-    ConfigKey, UrlForm, find_in, names_of, parse_bool, parse_duration, parse_key, read_query,
-};
+use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
 use crate::time::{MAX_SETTING, check_setting};
 
 use commands::Conn;
@@ -795,58 +792,15 @@ const FORM: UrlForm = UrlForm {
     example: "redis://user:password@host:6379/0?lease=30s",
 };
 
-/// The redis URL options.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RedisOption {
-    Lease,
-    Prefix,
-    Fencing,
-    Timeout,
-    Protocol,
-    Ca,
-}
-
-impl RedisOption {
-    const ALL: &[RedisOption] = &[
-        RedisOption::Lease,
-        RedisOption::Prefix,
-        RedisOption::Fencing,
-        RedisOption::Timeout,
-        RedisOption::Protocol,
-        RedisOption::Ca,
-    ];
-}
-
-impl AsRef<str> for RedisOption {
-    fn as_ref(&self) -> &str {
-        match self {
-            RedisOption::Lease => "lease",
-            RedisOption::Prefix => "prefix",
-            RedisOption::Fencing => "fencing",
-            RedisOption::Timeout => "timeout",
-            RedisOption::Protocol => "protocol",
-            RedisOption::Ca => "ca",
-        }
-    }
-}
-
-impl ConfigKey for RedisOption {
-    const BACKEND: &'static str = NAME;
-
-    fn find(name: &str) -> Option<Self> {
-        find_in(Self::ALL, name)
-    }
-
-    fn names() -> Vec<&'static str> {
-        names_of(Self::ALL)
-    }
-}
-
-impl FromStr for RedisOption {
-    type Err = LockError;
-
-    fn from_str(name: &str) -> Result<Self, LockError> {
-        parse_key(name)
+url_keys! {
+    /// The redis URL options.
+    enum RedisOption for FORM {
+        Lease = "lease",
+        Prefix = "prefix",
+        Fencing = "fencing",
+        Timeout = "timeout",
+        Protocol = "protocol",
+        Ca = "ca",
     }
 }
 

@@ -1,13 +1,13 @@
 //! The options every session engine takes, from its URL or its builder: their defaults, their
 //! URL names, how they are read and how they are checked, written once for all engines.
 
+use std::str::FromStr;
 use std::time::Duration;
 
 use crate::LockError;
-use std::str::FromStr;
-
 use crate::options::{
-    ConfigKey, check_count, find_in, parse_bool, parse_count, parse_duration, parse_key, read_query,
+    ConfigKey, check_count, parse_bool, parse_count, parse_duration, parse_key, read_query,
+    url_keys,
 };
 use crate::time::{MAX_SETTING, check_setting};
 
@@ -98,52 +98,27 @@ impl SessionOptions {
     }
 }
 
-/// A URL option that every session engine reads (`fencing` only where the engine issues
-/// fencing tokens).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum SessionKey {
-    Fencing,
-    Keepalive,
-    Connections,
-    WaitConnections,
-    ConnectTimeout,
+url_keys! {
+    /// A URL option that every session engine reads (`fencing` only where the engine issues
+    /// fencing tokens).
+    pub(crate) enum SessionKey {
+        Fencing = "fencing",
+        Keepalive = "keepalive",
+        Connections = "connections",
+        WaitConnections = "wait_connections",
+        ConnectTimeout = "connect_timeout",
+    }
 }
 
 impl SessionKey {
-    /// Every key, `fencing` first.
-    const ALL: &[SessionKey] = &[
-        SessionKey::Fencing,
-        SessionKey::Keepalive,
-        SessionKey::Connections,
-        SessionKey::WaitConnections,
-        SessionKey::ConnectTimeout,
-    ];
-
-    /// The keys of an engine that does (`fencing`) or does not issue fencing tokens.
-    pub(crate) fn of(fencing: bool) -> &'static [SessionKey] {
-        if fencing { Self::ALL } else { &Self::ALL[1..] }
+    /// The key `name` of an engine that does (`fencing`) or does not issue fencing tokens.
+    fn find_of(name: &str, fencing: bool) -> Option<SessionKey> {
+        Self::find(name).filter(|key| fencing || *key != SessionKey::Fencing)
     }
 
-    /// The names of [`SessionKey::of`]`(fencing)`.
-    pub(crate) fn names(fencing: bool) -> impl Iterator<Item = &'static str> {
-        Self::of(fencing).iter().map(|key| key.name())
-    }
-
-    /// The key's URL name.
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            SessionKey::Fencing => "fencing",
-            SessionKey::Keepalive => "keepalive",
-            SessionKey::Connections => "connections",
-            SessionKey::WaitConnections => "wait_connections",
-            SessionKey::ConnectTimeout => "connect_timeout",
-        }
-    }
-}
-
-impl AsRef<str> for SessionKey {
-    fn as_ref(&self) -> &str {
-        self.name()
+    /// The names of the keys of such an engine.
+    pub(crate) fn names_of(fencing: bool) -> impl Iterator<Item = &'static str> {
+        Self::names().filter(move |name| fencing || *name != SessionKey::Fencing.name())
     }
 }
 
@@ -173,13 +148,13 @@ impl<K: OwnKey> ConfigKey for EngineKey<K> {
     const BACKEND: &'static str = K::BACKEND;
 
     fn find(name: &str) -> Option<Self> {
-        find_in(SessionKey::of(K::FENCING), name)
+        SessionKey::find_of(name, K::FENCING)
             .map(EngineKey::Session)
             .or_else(|| K::find(name).map(EngineKey::Own))
     }
 
     fn names() -> Vec<&'static str> {
-        SessionKey::names(K::FENCING).chain(K::names()).collect()
+        SessionKey::names_of(K::FENCING).chain(K::names()).collect()
     }
 }
 
