@@ -1069,20 +1069,7 @@ impl Drop for Checkpointing {
     }
 }
 
-/// A lock held for the rest of a SQLite transaction; see the [module docs](self).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransactionLock {
-    fencing_token: u64,
-}
-
-impl TransactionLock {
-    /// The fencing token of this acquisition: above every token issued before for the key
-    /// (session and transaction locks share the counter), and never issued again, even when
-    /// the transaction rolls back.
-    pub fn fencing_token(&self) -> u64 {
-        self.fencing_token
-    }
-}
+pub use crate::TransactionLock;
 
 /// Locks `key` until `transaction` commits or rolls back; one try.
 ///
@@ -1093,6 +1080,15 @@ impl TransactionLock {
 /// [`LockError::Config`] when the database is not a file (in memory or temporary). Blocking
 /// (it is `rusqlite`): call it where blocking is allowed.
 pub fn try_acquire_in_transaction(
+    transaction: &Transaction<'_>,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, Duration::ZERO, || {
+        try_in_transaction(transaction, key)
+    })
+}
+
+fn try_in_transaction(
     transaction: &Transaction<'_>,
     key: &str,
 ) -> Result<TransactionLock, LockError> {
@@ -1113,9 +1109,19 @@ pub fn acquire_in_transaction(
     key: &str,
     timeout: Duration,
 ) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, timeout, || {
+        wait_in_transaction(transaction, key, timeout)
+    })
+}
+
+fn wait_in_transaction(
+    transaction: &Transaction<'_>,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
     validate_key(key)?;
     if timeout.is_zero() {
-        return try_acquire_in_transaction(transaction, key);
+        return try_in_transaction(transaction, key);
     }
     let deadline = crate::time::deadline(Instant::now(), timeout);
     let mut pauses = Pauses::new(Backoff::default(), deadline);
@@ -1190,7 +1196,7 @@ fn transaction_attempt(
             None,
         )
     })?;
-    Ok(Some(TransactionLock { fencing_token }))
+    Ok(Some(TransactionLock::new(NAME, key, Some(fencing_token))))
 }
 
 /// The connection to the `-fencing` file of `db_file`, created (with the file) the first time
@@ -1746,11 +1752,11 @@ mod tests {
         let mut conn = Connection::open(&path).unwrap();
         let tx = conn.transaction().unwrap();
         let first = try_acquire_in_transaction(&tx, "k").unwrap();
-        assert_eq!(first.fencing_token(), 1);
+        assert_eq!(first.fencing_token(), Some(1));
         tx.rollback().unwrap();
         let tx = conn.transaction().unwrap();
         let second = acquire_in_transaction(&tx, "k", Duration::from_secs(1)).unwrap();
-        assert_eq!(second.fencing_token(), 2);
+        assert_eq!(second.fencing_token(), Some(2));
         tx.commit().unwrap();
         // A session acquisition issues tokens above the record.
         let taken = rt.block_on(take(&backend, "k")).unwrap();
@@ -1877,7 +1883,7 @@ mod tests {
             try_acquire_in_transaction(&tx, "k")
                 .unwrap()
                 .fencing_token(),
-            1
+            Some(1)
         );
         tx.commit().unwrap();
         let tx = conn.transaction().unwrap();
@@ -1885,7 +1891,7 @@ mod tests {
             try_acquire_in_transaction(&tx, "k")
                 .unwrap()
                 .fencing_token(),
-            2
+            Some(2)
         );
         tx.rollback().unwrap();
         // The row says 1; the record says 2 was handed out.
