@@ -140,7 +140,7 @@ use self::renewer::{Renewal, Renewer};
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
-use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::options::{UrlForm, parse_duration, read_query, url_keys};
 use crate::time::{MAX_SETTING, check_setting};
 use crate::{Backoff, LockError};
 
@@ -1386,20 +1386,27 @@ fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> 
     Ok(())
 }
 
+const FORM: UrlForm = UrlForm {
+    backend: "SQLite",
+    schemes: &["sqlite"],
+    example: "sqlite://locks.db (relative) or sqlite:///var/lib/app/locks.db (absolute)",
+};
+
+url_keys! {
+    /// The SQLite URL options.
+    enum SqliteOption for FORM {
+        Lease = "lease",
+        BusyTimeout = "busy_timeout",
+    }
+}
+
 fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
     // The scheme is case-insensitive, as in every URL (`LockProvider::connect` picks the
     // backend that way too).
-    let rest = url
-        .split_at_checked("sqlite:".len())
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("sqlite:"))
-        .map(|(_, rest)| rest)
-        .ok_or_else(|| LockError::config("a SQLite lock store URL starts with `sqlite://`"))?;
-    let rest = rest.strip_prefix("//").unwrap_or(rest);
-    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let (rest, query) = FORM.split(url)?;
+    let path = rest.strip_prefix("//").unwrap_or(rest);
     if path.is_empty() {
-        return Err(LockError::config(
-            "the sqlite:// URL names no file; write `sqlite://locks.db` (relative) or `sqlite:///var/lib/app/locks.db` (absolute)",
-        ));
+        return Err(FORM.error("names no file"));
     }
     if path == ":memory:" || path.contains("mode=memory") {
         return Err(LockError::config(
@@ -1407,15 +1414,14 @@ fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
         ));
     }
     let mut builder = SqliteBackend::builder(path);
-    for (name, value) in query_pairs(query) {
-        match name.as_str() {
-            "lease" => builder = builder.lease(parse_duration("lease", &value)?),
-            "busy_timeout" => {
-                builder = builder.busy_timeout(parse_duration("busy_timeout", &value)?)
-            }
-            other => return Err(unknown_option("sqlite", other, &["lease", "busy_timeout"])),
+    read_query(query, |key: SqliteOption, value| {
+        let value = parse_duration(key.as_ref(), &value)?;
+        match key {
+            SqliteOption::Lease => builder.lease = value,
+            SqliteOption::BusyTimeout => builder.busy_timeout = value,
         }
-    }
+        Ok(())
+    })?;
     builder.check()?;
     Ok(builder)
 }
@@ -1481,6 +1487,7 @@ mod tests {
 
     #[test]
     fn url_forms() {
+        crate::options::assert_keys::<SqliteOption, _>(parse_url("sqlite://a.db?bogus=1"));
         assert_eq!(
             parse_url("sqlite://locks.db").unwrap().path,
             PathBuf::from("locks.db")
