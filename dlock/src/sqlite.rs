@@ -2086,4 +2086,31 @@ mod tests {
         assert!(matches!(err, LockError::Config { .. }), "{err:?}");
         assert!(started.elapsed() < Duration::from_secs(30));
     }
+
+    /// A file another connection keeps locked (exclusive locking mode) cannot be opened: the
+    /// open gives up once the busy timeout has passed instead of waiting for the file.
+    #[tokio::test]
+    async fn opening_a_file_locked_for_good_gives_up_after_the_busy_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let conn = Connection::open(&path).unwrap();
+        conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
+            .unwrap();
+        conn.execute_batch(
+            "PRAGMA locking_mode = EXCLUSIVE; BEGIN IMMEDIATE; CREATE TABLE other (x); COMMIT;",
+        )
+        .unwrap();
+        let started = Instant::now();
+        let err = SqliteBackend::builder(&path)
+            .busy_timeout(Duration::from_millis(200))
+            .open()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        assert_eq!(err.db_code(), Some("SQLITE_5"), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        drop(conn);
+        // Once the file is let go, it opens.
+        SqliteBackend::open(&path).await.unwrap();
+    }
 }
