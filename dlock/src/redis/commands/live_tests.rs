@@ -507,6 +507,24 @@ async fn what_was_learnt_is_forgotten_after_a_broken_connection_only() {
     assert_eq!(support(conn.caps()).0, Support::No);
     assert!(!conn.reconnecting.load(Ordering::SeqCst));
     assert_eq!(conn.watches.lock().unwrap().len(), watched + 2);
+
+    // A probe that fails without an answer is a failure, not an answer about the command.
+    let fresh = server.conn("").await;
+    let _: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("normal")
+        .arg("SKIPME")
+        .arg("yes")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let err = fresh.release(b"k", &a).await.unwrap_err();
+    assert!(!is_server_answer(&err), "{err}");
+    assert_eq!(
+        support(fresh.caps()),
+        (Support::Unknown, Support::Unknown, Support::Unknown)
+    );
 }
 
 #[tokio::test]
@@ -650,9 +668,11 @@ fn a_shut_down_runtime_makes_the_next_command_connect_anew() {
         let pong = conn.query(&redis::cmd("PING")).await.unwrap();
         assert_eq!(pong, Value::SimpleString("PONG".into()));
         assert!(!conn.suspect.load(Ordering::SeqCst));
-        // A new manager: what the old one's connection supported is forgotten.
+        // A new manager: what the old one's connection supported is forgotten, and only the
+        // runtime it was made on is watched.
         assert_eq!(conn.caps().generation, 1);
         assert_eq!(conn.caps().delex, Support::Unknown);
+        assert_eq!(conn.watches.lock().unwrap().len(), 1);
     });
 }
 
