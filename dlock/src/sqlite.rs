@@ -1897,7 +1897,10 @@ mod tests {
         assert!(err.to_string().contains("is full"), "{err}");
         let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_IOERR));
         assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
-        assert!(err.to_string().contains("I/O error on `/srv/l.db`"), "{err}");
+        assert!(
+            err.to_string().contains("I/O error on `/srv/l.db`"),
+            "{err}"
+        );
         let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_CONSTRAINT));
         assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
         assert_eq!(err.db_code(), Some("SQLITE_19"));
@@ -1984,12 +1987,13 @@ mod tests {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("l.db");
-        let backend = rt.block_on(
-            SqliteBackend::builder(&path)
-                .busy_timeout(Duration::from_secs(20))
-                .open(),
-        )
-        .unwrap();
+        let backend = rt
+            .block_on(
+                SqliteBackend::builder(&path)
+                    .busy_timeout(Duration::from_secs(20))
+                    .open(),
+            )
+            .unwrap();
         let held = rt.block_on(take(&backend, "k")).unwrap();
         let mut conn = Connection::open(&path).unwrap();
         conn.execute_batch(

@@ -263,7 +263,10 @@ async fn fenced_acquisitions_bump_the_counter_only_when_they_take_the_lock() {
             .unwrap(),
         None
     );
-    assert_eq!(get(&mut admin, b"k:fence").await.as_deref(), Some(&b"1"[..]));
+    assert_eq!(
+        get(&mut admin, b"k:fence").await.as_deref(),
+        Some(&b"1"[..])
+    );
     assert_eq!(
         conn.release(b"k", &a).await.unwrap().0,
         ReleaseOutcome::Released
@@ -288,7 +291,10 @@ async fn fenced_acquisitions_bump_the_counter_only_when_they_take_the_lock() {
         .await
         .unwrap_err();
     assert_ne!(err.code(), Some("NOPERM"), "{err}");
-    assert_eq!(err.kind(), ErrorKind::Server(ServerErrorKind::ResponseError));
+    assert_eq!(
+        err.kind(),
+        ErrorKind::Server(ServerErrorKind::ResponseError)
+    );
 }
 
 /// Takes `k` for `a` and makes `b` the owner of `other`, through `admin`.
@@ -418,7 +424,10 @@ async fn valkey91_releases_with_delifeq_and_extends_with_set_ifeq() {
     conn.release(b"k", &a).await.unwrap();
     conn.release(b"k", &a).await.unwrap();
     conn.extend(b"k", &a, LEASE).await.unwrap();
-    assert_eq!(support(conn.caps()), (Support::No, Support::Yes, Support::Yes));
+    assert_eq!(
+        support(conn.caps()),
+        (Support::No, Support::Yes, Support::Yes)
+    );
 }
 
 #[tokio::test]
@@ -467,13 +476,19 @@ async fn what_was_learnt_is_forgotten_after_a_broken_connection_only() {
     let a = token("a");
     conn.release(b"k", &a).await.unwrap();
     conn.extend(b"k", &a, LEASE).await.unwrap();
-    assert_eq!(support(conn.caps()), (Support::No, Support::No, Support::No));
+    assert_eq!(
+        support(conn.caps()),
+        (Support::No, Support::No, Support::No)
+    );
     assert_eq!(conn.caps().generation, 0);
 
     // A refusal by the server changes nothing.
     let err = conn.query(&redis::cmd("NOSUCHCOMMAND")).await.unwrap_err();
     assert!(is_unknown_command(&err), "{err}");
-    assert_eq!(support(conn.caps()), (Support::No, Support::No, Support::No));
+    assert_eq!(
+        support(conn.caps()),
+        (Support::No, Support::No, Support::No)
+    );
     assert!(!conn.reconnecting.load(Ordering::SeqCst));
 
     // Cut the connection under test (not the admin's own).
@@ -572,7 +587,9 @@ async fn refusals_of_the_acl_are_noperm_and_nothing_else_is_tried() {
     let a = token("a");
 
     // EVALSHA refused: not retried with EVAL, which the user may run.
-    let user = server.user("no_evalsha", "+set +eval +incr +get +del").await;
+    let user = server
+        .user("no_evalsha", "+set +eval +incr +get +del")
+        .await;
     let conn = server.conn(&user).await;
     let err = conn
         .acquire(b"k", Some(b"k:fence"), &a, LEASE)
@@ -590,7 +607,11 @@ async fn refusals_of_the_acl_are_noperm_and_nothing_else_is_tried() {
         .acquire(b"j", Some(b"j:fence"), &a, LEASE)
         .await
         .unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::Server(ServerErrorKind::NoPerm), "{err}");
+    assert_eq!(
+        err.kind(),
+        ErrorKind::Server(ServerErrorKind::NoPerm),
+        "{err}"
+    );
     assert!(err.detail().unwrap().contains("`set`, `incr`"), "{err}");
 
     // `SET` refused to an extension: no fallback to the script, which could extend.
@@ -622,7 +643,10 @@ async fn a_refused_native_delete_is_not_replaced(flavor: Flavor, refused: &str) 
     };
     let mut admin = server.admin().await;
     let user = server
-        .user("refused", &format!("+set +evalsha +eval +get +del +exists -{refused}"))
+        .user(
+            "refused",
+            &format!("+set +evalsha +eval +get +del +exists -{refused}"),
+        )
         .await;
     let conn = server.conn(&user).await;
     set_up_owners(&mut admin).await;
@@ -696,7 +720,9 @@ async fn a_panic_inside_the_driver_is_an_io_failure_that_replaces_the_manager() 
         DRIVER_PANIC.to_owned(),
     ))));
     assert_eq!(
-        unwind_to_error(async { Ok::<_, RedisError>(7) }).await.unwrap(),
+        unwind_to_error(async { Ok::<_, RedisError>(7) })
+            .await
+            .unwrap(),
         7
     );
 
