@@ -210,7 +210,10 @@ fn token(text: &str) -> OwnerToken {
 
 const LEASE: Duration = Duration::from_secs(30);
 
-fn support(caps: Caps) -> (Support, Support, Support) {
+/// What is known of `DELEX`, `DELIFEQ` and `SET IFEQ`.
+type Known = (Support, Support, Support);
+
+fn support(caps: Caps) -> Known {
     (caps.delex, caps.delifeq, caps.set_ifeq)
 }
 
@@ -435,35 +438,35 @@ async fn a_native_command_the_server_no_longer_knows_falls_back_to_the_script() 
     let Some(server) = Server::start(Flavor::Redis7) else {
         return;
     };
-    let mut admin = server.admin().await;
-    let a = token("a");
     // As if the server behind the connection changed after the probe answered: the stale
     // knowledge is dropped, and the commands not yet tried again are probed.
-    let cases: [(fn(&mut Caps), (Support, Support, Support)); 2] = [
-        (
-            |c| c.delex = Support::Yes,
-            (Support::Unknown, Support::No, Support::Unknown),
-        ),
-        (
-            |c| {
-                c.delex = Support::No;
-                c.delifeq = Support::Yes;
-            },
-            (Support::Unknown, Support::Unknown, Support::Unknown),
-        ),
-    ];
-    for (stale, after) in cases {
-        let conn = server.conn("").await;
-        conn.learn(0, stale);
-        set_up_owners(&mut admin).await;
-        assert_eq!(
-            conn.release(b"k", &a).await.unwrap(),
-            (ReleaseOutcome::Released, CommandPath::Lua)
-        );
-        assert_eq!(get(&mut admin, b"k").await, None);
-        assert_eq!(support(conn.caps()), after);
-        assert_eq!(conn.caps().generation, 1);
-    }
+    assert_eq!(
+        falls_back(&server, |c| c.delex = Support::Yes).await,
+        (Support::Unknown, Support::No, Support::Unknown)
+    );
+    assert_eq!(
+        falls_back(&server, |c| {
+            c.delex = Support::No;
+            c.delifeq = Support::Yes;
+        })
+        .await,
+        (Support::Unknown, Support::Unknown, Support::Unknown)
+    );
+}
+
+/// Releases a lock through a connection that believes `stale`, and says what it knows after.
+async fn falls_back(server: &Server, stale: impl FnOnce(&mut Caps)) -> Known {
+    let mut admin = server.admin().await;
+    let conn = server.conn("").await;
+    conn.learn(0, stale);
+    set_up_owners(&mut admin).await;
+    assert_eq!(
+        conn.release(b"k", &token("a")).await.unwrap(),
+        (ReleaseOutcome::Released, CommandPath::Lua)
+    );
+    assert_eq!(get(&mut admin, b"k").await, None);
+    assert_eq!(conn.caps().generation, 1);
+    support(conn.caps())
 }
 
 #[tokio::test]
