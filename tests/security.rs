@@ -1,8 +1,6 @@
 //! Security checks on the library itself: SQL is never built from formatted text, owner tokens
 //! are never logged.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 
 /// Every `.rs` file of the library.
@@ -938,7 +936,7 @@ async fn sqlite_owner_tokens_never_leave_the_library() {
     exposure.debug(&backend);
     let locks = exposure.provider(backend);
     let other = exposure.provider(open().await);
-    let key = support::unique_key("secret");
+    let key = dlock_testkit::unique_key("secret");
     let row = |key: &str| {
         let conn = rusqlite::Connection::open(&path).unwrap();
         (conn, key.as_bytes().to_vec())
@@ -977,7 +975,7 @@ async fn sqlite_owner_tokens_never_leave_the_library() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn owner_tokens_are_never_logged() {
     use dlock::redis::{OwnerToken, RedisBackend};
-    use support::redis::{Flavor, RedisServer};
+    use dlock_testkit::redis::{Flavor, RedisServer};
 
     let Some(server) = RedisServer::start(Flavor::Redis7) else {
         return;
@@ -993,7 +991,7 @@ async fn owner_tokens_are_never_logged() {
             .await
             .unwrap(),
     );
-    let key = support::unique_key("secret");
+    let key = dlock_testkit::unique_key("secret");
     let conn = server
         .client()
         .get_multiplexed_async_connection()
@@ -1024,7 +1022,7 @@ async fn owner_tokens_are_never_logged() {
     )
     .await;
     // The raw-token API, with a token that is not the holder's: nothing of the holder's shows.
-    let key = support::unique_key("secret");
+    let key = dlock_testkit::unique_key("secret");
     let guard = locks.try_acquire(&key).await.unwrap();
     let held = redis::cmd("GET")
         .arg(storage(&key))
@@ -1057,7 +1055,7 @@ async fn problem_responses_never_show_owner_tokens() {
     use axum::routing::post;
     use dlock::redis::RedisBackend;
     use dlock_axum::LockLayer;
-    use support::redis::{Flavor, RedisServer};
+    use dlock_testkit::redis::{Flavor, RedisServer};
 
     let Some(server) = RedisServer::start(Flavor::Redis7) else {
         return;
@@ -1086,7 +1084,7 @@ async fn problem_responses_never_show_owner_tokens() {
         .get_multiplexed_async_connection()
         .await
         .unwrap();
-    let id = support::unique_key("acct").replace(':', "-");
+    let id = dlock_testkit::unique_key("acct").replace(':', "-");
     let key = format!("acct:{id}");
     let storage = backend.storage_key(&key);
     let token = |conn: &mut redis::aio::MultiplexedConnection| {
@@ -1131,7 +1129,7 @@ async fn problem_responses_never_show_owner_tokens() {
         let (client, url) = (client.clone(), format!("http://{address}/acct/{id}"));
         async move { client.post(url).send().await.unwrap() }
     });
-    support::wait_until(
+    dlock_testkit::wait_until(
         "the handler holds the lock",
         Duration::from_secs(5),
         async || {

@@ -149,191 +149,57 @@ impl Timeout {
     }
 }
 
-/// A parsed key template: literal text and placeholders, in order.
+/// The key template, parsed by the grammar the library's runtime templates share.
 pub(crate) struct Template {
+    /// The literal, whose span every template error points at.
     pub(crate) lit: LitStr,
-    pub(crate) parts: Vec<Part>,
-}
-
-pub(crate) enum Part {
-    /// Text copied into the key as it is (escapes already resolved).
-    Literal(String),
-    Placeholder(Placeholder),
-}
-
-/// `{root.member.member}` or `<root.member>`.
-pub(crate) struct Placeholder {
-    /// As written, for error messages.
-    pub(crate) written: String,
-    /// The parameter or field it starts from, without `r#`.
-    pub(crate) root: String,
-    /// Field names or tuple indices reached into from the root.
-    pub(crate) members: Vec<String>,
-}
-
-/// Characters whose presence in the text between two placeholders makes keys injective: values
-/// never contain them unencoded.
-fn is_separator(c: char) -> bool {
-    matches!(c, ':' | '{' | '}' | '<' | '>') || c.is_control()
+    pub(crate) parsed: dlock_template::Template,
 }
 
 impl Template {
     fn parse(lit: &LitStr) -> syn::Result<Self> {
         let text = lit.value();
-        let err = |message: String| syn::Error::new(lit.span(), message);
         if text.is_empty() {
-            return Err(err(
-                "the key template is empty; a lock key needs text, such as \"account:{account_id}\""
-                    .to_owned(),
+            return Err(syn::Error::new(
+                lit.span(),
+                "the key template is empty; a lock key needs text, such as \"account:{account_id}\"",
             ));
         }
-        let mut parts = Vec::new();
-        let mut literal = String::new();
-        let mut chars = text.char_indices().peekable();
-        while let Some((at, c)) = chars.next() {
-            match c {
-                '{' | '<' | '}' | '>' if chars.peek().is_some_and(|&(_, next)| next == c) => {
-                    chars.next();
-                    literal.push(c);
-                }
-                '{' | '<' => {
-                    let close = if c == '{' { '}' } else { '>' };
-                    let rest = &text[at + 1..];
-                    let Some(len) = rest.find(close) else {
-                        return Err(err(format!(
-                            "unclosed `{c}` in the key template: close the placeholder with \
-                             `{close}`, or write `{c}{c}` for a literal `{c}`"
-                        )));
-                    };
-                    let written = format!("{c}{}{close}", &rest[..len]);
-                    let placeholder = Placeholder::parse(&rest[..len], written).map_err(err)?;
-                    for _ in 0..rest[..len].chars().count() + 1 {
-                        chars.next();
-                    }
-                    if !literal.is_empty() {
-                        parts.push(Part::Literal(std::mem::take(&mut literal)));
-                    }
-                    if let Some(Part::Placeholder(previous)) = parts.last() {
-                        return Err(err(format!(
-                            "placeholders `{}` and `{}` need a `:` between them: without one, \
-                             distinct values could give the same key (\"ab\" + \"c\" and \"a\" + \"bc\")",
-                            previous.written, placeholder.written
-                        )));
-                    }
-                    if let (Some(Part::Literal(between)), Some(Part::Placeholder(previous))) =
-                        (parts.last(), parts.len().checked_sub(2).map(|i| &parts[i]))
-                    {
-                        if !between.chars().any(is_separator) {
-                            return Err(err(format!(
-                                "placeholders `{}` and `{}` need a `:` between them: with only \
-                                 `{between}`, distinct values could give the same key",
-                                previous.written, placeholder.written
-                            )));
-                        }
-                    }
-                    parts.push(Part::Placeholder(placeholder));
-                }
-                '}' | '>' => {
-                    return Err(err(format!(
-                        "unmatched `{c}` in the key template; write `{c}{c}` for a literal `{c}`"
-                    )));
-                }
-                _ => literal.push(c),
-            }
-        }
-        if !literal.is_empty() {
-            parts.push(Part::Literal(literal));
-        }
+        let parsed = dlock_template::Template::parse(&text)
+            .map_err(|err| syn::Error::new(lit.span(), err))?;
         Ok(Template {
             lit: lit.clone(),
-            parts,
+            parsed,
         })
     }
-
-    /// The length of the literal text, to size the key's buffer.
-    pub(crate) fn literal_len(&self) -> usize {
-        self.parts
-            .iter()
-            .map(|part| match part {
-                Part::Literal(text) => text.len(),
-                Part::Placeholder(_) => 8,
-            })
-            .sum()
-    }
-}
-
-impl Placeholder {
-    fn parse(inner: &str, written: String) -> Result<Self, String> {
-        let inner = inner.trim();
-        if inner.is_empty() {
-            return Err(format!(
-                "empty placeholder `{written}`: name a parameter or field, such as \
-                 `{{account_id}}`; double the braces for literal text (`{{{{}}}}`)"
-            ));
-        }
-        let mut segments = inner.split('.').map(str::trim);
-        let root = segments.next().unwrap_or_default();
-        let members: Vec<String> = segments.map(str::to_owned).collect();
-        let valid = |s: &str, index_ok: bool| {
-            is_identifier(s) || (index_ok && !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-        };
-        if !valid(root, true) || !members.iter().all(|m| valid(m, true)) {
-            return Err(format!(
-                "invalid placeholder `{written}`: a placeholder names a parameter or field, \
-                 optionally followed by `.field`s, such as `{{account_id}}` or `{{cmd.account_id}}`"
-            ));
-        }
-        Ok(Placeholder {
-            root: root.strip_prefix("r#").unwrap_or(root).to_owned(),
-            members,
-            written,
-        })
-    }
-}
-
-fn is_identifier(s: &str) -> bool {
-    let s = s.strip_prefix("r#").unwrap_or(s);
-    let mut chars = s.chars();
-    chars
-        .next()
-        .is_some_and(|first| first == '_' || first.is_alphabetic())
-        && chars.all(|c| c == '_' || c.is_alphanumeric())
-        && s != "_"
 }
 
 #[cfg(test)]
 mod tests {
+    use dlock_template::Segment;
+
     use super::*;
 
     fn parse(template: &str) -> Result<Vec<String>, String> {
         let lit = LitStr::new(template, Span::call_site());
         Template::parse(&lit)
             .map(|t| {
-                t.parts
+                t.parsed
+                    .segments()
                     .iter()
-                    .map(|part| match part {
-                        Part::Literal(text) => format!("lit {text}"),
-                        Part::Placeholder(p) => {
-                            let mut path = vec![p.root.clone()];
-                            path.extend(p.members.iter().cloned());
-                            format!("var {}", path.join("."))
-                        }
+                    .map(|segment| match segment {
+                        Segment::Literal(text) => format!("lit {text}"),
+                        Segment::Placeholder(p) => format!("var {}", p.name()),
                     })
                     .collect()
             })
             .map_err(|err| err.to_string())
     }
 
+    // The grammar's own cases are tested in `dlock_template`; these hold the messages the
+    // attribute reports.
     #[test]
-    fn both_spellings_are_one_placeholder() {
-        let expected = ["lit account:", "var account_id"];
-        assert_eq!(parse("account:{account_id}").unwrap(), expected);
-        assert_eq!(parse("account:<account_id>").unwrap(), expected);
-        assert_eq!(parse("account:< account_id >").unwrap(), expected);
-    }
-
-    #[test]
-    fn paths_indices_and_raw_identifiers() {
+    fn templates_and_their_errors() {
         assert_eq!(
             parse("t:{cmd.owner.0}:<self.name>:{r#type}").unwrap(),
             [
@@ -345,29 +211,6 @@ mod tests {
                 "var type"
             ]
         );
-    }
-
-    #[test]
-    fn doubled_delimiters_are_literal() {
-        assert_eq!(parse("{{a}}<<b>>:{x}").unwrap(), ["lit {a}<b>:", "var x"]);
-        assert_eq!(
-            parse("a:{x}{{:{y}").unwrap(),
-            ["lit a:", "var x", "lit {:", "var y"]
-        );
-    }
-
-    #[test]
-    fn placeholders_need_a_separator() {
-        assert!(parse("{a}{b}").unwrap_err().contains("need a `:`"));
-        assert!(parse("{a}-{b}").unwrap_err().contains("with only `-`"));
-        assert!(parse("{a}/x/{b}").is_err());
-        for ok in ["{a}:{b}", "{a}<<{b}", "{a}}}{b}", "{a}\n{b}", "{a}-:-{b}"] {
-            assert!(parse(ok).is_ok(), "{ok}");
-        }
-    }
-
-    #[test]
-    fn malformed_templates() {
         let cases = [
             ("", "the key template is empty"),
             ("a:{b", "unclosed `{`"),
@@ -380,6 +223,8 @@ mod tests {
             ("a:{b.}", "invalid placeholder"),
             ("a:{1x}", "invalid placeholder"),
             ("a:{_}", "invalid placeholder"),
+            ("{a}{b}", "need a `:`"),
+            ("{a}-{b}", "with only `-`"),
         ];
         for (template, message) in cases {
             let err = parse(template).unwrap_err();

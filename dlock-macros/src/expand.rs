@@ -5,7 +5,9 @@ use quote::{ToTokens, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{Fields, FnArg, Ident, Index, Item, ItemFn, ItemStruct, Member, Pat, ReturnType, Type};
 
-use crate::attr::{Args, Part, Placeholder, Template, Timeout};
+use dlock_template::{Placeholder, Segment};
+
+use crate::attr::{Args, Template, Timeout};
 
 /// Entry point: the expansion, or the original item plus `compile_error!`s.
 pub(crate) fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -83,33 +85,16 @@ fn key_expr(
     errors: &mut Errors,
 ) -> TokenStream {
     let span = template.lit.span();
-    let capacity = template.literal_len();
+    let capacity = template.parsed.capacity_hint();
     // Invisible to the placeholders' expressions, which may name anything.
     let builder = Ident::new("__dlock_key_builder", Span::mixed_site().located_at(span));
     let mut steps = Vec::new();
-    for part in &template.parts {
-        match part {
-            Part::Literal(text) => steps.push(quote_spanned!(span=> #builder.literal(#text);)),
-            Part::Placeholder(placeholder) => match resolve(placeholder, bindings, span) {
-                Some(value) => steps.push(quote_spanned!(span=> #builder.value(&#value);)),
-                None => {
-                    let names = bindings
-                        .iter()
-                        .map(|b| format!("`{}`", b.name))
-                        .collect::<Vec<_>>();
-                    let known = if names.is_empty() {
-                        format!("there are no {what}s")
-                    } else {
-                        format!("the {what}s are {}", names.join(", "))
-                    };
-                    errors.push(syn::Error::new(
-                        span,
-                        format!(
-                            "unknown placeholder `{}`: no {what} is named `{}`; {known}",
-                            placeholder.written, placeholder.root
-                        ),
-                    ));
-                }
+    for segment in template.parsed.segments() {
+        match segment {
+            Segment::Literal(text) => steps.push(quote_spanned!(span=> #builder.literal(#text);)),
+            Segment::Placeholder(placeholder) => match resolve(placeholder, bindings, what, span) {
+                Ok(value) => steps.push(quote_spanned!(span=> #builder.value(&#value);)),
+                Err(message) => errors.push(syn::Error::new(span, message)),
             },
         }
     }
@@ -122,26 +107,55 @@ fn key_expr(
     }
 }
 
-fn resolve(placeholder: &Placeholder, bindings: &[Binding], span: Span) -> Option<TokenStream> {
-    let binding = bindings.iter().find(|b| b.name == placeholder.root)?;
-    let root = &binding.tokens;
-    let members = placeholder.members.iter().map(|m| member(m, span));
-    Some(quote_spanned!(span=> (#root #(.#members)*)))
+/// The expression a placeholder names, or why it names none.
+fn resolve(
+    placeholder: &Placeholder,
+    bindings: &[Binding],
+    what: &str,
+    span: Span,
+) -> Result<TokenStream, String> {
+    let root = placeholder.root();
+    let Some(binding) = bindings.iter().find(|b| b.name == root) else {
+        let names = bindings
+            .iter()
+            .map(|b| format!("`{}`", b.name))
+            .collect::<Vec<_>>();
+        let known = if names.is_empty() {
+            format!("there are no {what}s")
+        } else {
+            format!("the {what}s are {}", names.join(", "))
+        };
+        return Err(format!(
+            "unknown placeholder `{}`: no {what} is named `{root}`; {known}",
+            placeholder.written()
+        ));
+    };
+    let tokens = &binding.tokens;
+    let members = placeholder
+        .members()
+        .map(|name| {
+            member(name, span).ok_or_else(|| {
+                format!(
+                    "invalid placeholder `{}`: `{name}` is not a Rust field name",
+                    placeholder.written()
+                )
+            })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(quote_spanned!(span=> (#tokens #(.#members)*)))
 }
 
-fn member(name: &str, span: Span) -> Member {
+/// A field name (a keyword as a raw identifier) or tuple index, or `None` if `name` is
+/// neither: the grammar's letters and digits only approximate Rust's.
+fn member(name: &str, span: Span) -> Option<Member> {
     if let Ok(index) = name.parse::<u32>() {
-        return Member::Unnamed(Index { index, span });
+        return Some(Member::Unnamed(Index { index, span }));
     }
-    let name = name.strip_prefix("r#").unwrap_or(name);
-    match syn::parse_str::<Ident>(name) {
-        Ok(mut ident) => {
-            ident.set_span(span);
-            Member::Named(ident)
-        }
-        // A keyword used as a field name: only reachable as a raw identifier.
-        Err(_) => Member::Named(Ident::new_raw(name, span)),
-    }
+    let mut ident = syn::parse_str::<Ident>(name)
+        .or_else(|_| syn::parse_str::<Ident>(&format!("r#{name}")))
+        .ok()?;
+    ident.set_span(span);
+    Some(Member::Named(ident))
 }
 
 fn expand_struct(args: Args, command: ItemStruct) -> syn::Result<TokenStream> {

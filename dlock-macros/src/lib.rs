@@ -162,7 +162,10 @@ mod expand;
 ///
 /// - `{name}` and `<name>` are the same placeholder: the value of the parameter or field
 ///   `name`. `{a.b}` reaches into it (`{cmd.account_id}`, `{self.name}`, `{0}` on tuple
-///   structs). `{{` `}}` `<<` `>>` are literal `{` `}` `<` `>`.
+///   structs, `{cmd.r#type}` for a field named with a keyword). `{{` `}}` `<<` `>>` are
+///   literal `{` `}` `<` `>`. The grammar is the one `dlock::key_template::KeyTemplate`
+///   parses at run time (both use the `dlock-template` crate), so a template means the same
+///   in the attribute and in the axum layer.
 /// - Values are formatted with `Display`, and `:` `%` `{` `}` `<` `>` and control characters in
 ///   them are percent-encoded (`%3A`, uppercase hex of the UTF-8 bytes), as
 ///   `dlock::key_template::encode_component` does. So distinct values never give the same key:

@@ -9,13 +9,12 @@
 use std::fmt::Debug;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
+pub use crate::lease::LeaseDeadline;
 
 /// A boxed, `Send` future, as the backend trait returns them (the trait must stay object safe).
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -83,67 +82,6 @@ impl Acquired {
     pub fn with_lease_deadline(mut self, deadline: LeaseDeadline) -> Self {
         self.lease_deadline = Some(deadline);
         self
-    }
-}
-
-/// The local deadline of a leased lock, shared between the backend that renews the lock and
-/// the guard that holds it: the instant until which the holder may count on the lease (the
-/// last confirmed renewal, measured from before it was sent, plus the part of the lease the
-/// backend trusts). Renewals move it on with [`set`](LeaseDeadline::set).
-///
-/// Measured on the monotonic clock of this process ([`Instant`]), which keeps running while the
-/// process is stopped, so a deadline passes during a pause as the server's lease does.
-#[derive(Clone)]
-pub struct LeaseDeadline(Arc<DeadlineCell>);
-
-struct DeadlineCell {
-    origin: Instant,
-    /// Nanoseconds from `origin` (saturating, about 584 years).
-    after: AtomicU64,
-}
-
-impl LeaseDeadline {
-    /// A deadline at `at` (one already passed counts as passed).
-    pub fn new(at: Instant) -> Self {
-        let origin = Instant::now();
-        let deadline = LeaseDeadline(Arc::new(DeadlineCell {
-            origin,
-            after: AtomicU64::new(0),
-        }));
-        deadline.set(at);
-        deadline
-    }
-
-    /// Moves the deadline to `at` (a renewal confirmed), earlier or later.
-    pub fn set(&self, at: Instant) {
-        let after = at.saturating_duration_since(self.0.origin).as_nanos();
-        self.0
-            .after
-            .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Release);
-    }
-
-    /// The deadline.
-    pub fn at(&self) -> Instant {
-        crate::time::later(
-            self.0.origin,
-            Duration::from_nanos(self.0.after.load(Ordering::Acquire)),
-        )
-    }
-
-    /// Whether the deadline has passed.
-    pub fn has_passed(&self) -> bool {
-        Instant::now() >= self.at()
-    }
-}
-
-impl Debug for LeaseDeadline {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LeaseDeadline")
-            .field(
-                "remaining",
-                &self.at().saturating_duration_since(Instant::now()),
-            )
-            .finish()
     }
 }
 

@@ -17,11 +17,17 @@
 //! | `{{` `}}` `<<` `>>` | a literal `{` `}` `<` `>` |
 //! | anything else | itself |
 //!
-//! A name is one or more ASCII letters, digits, `_` or `.` (`{cmd.account_id}` lets the macro
-//! reach into a parameter); spaces around it are ignored. A lone `}` or `>`, an unclosed
-//! placeholder or an empty name is an error, so a typo never silently becomes part of every
-//! key. Two placeholders must have a `:` (or `{` `}` `<` `>`) between them: `"{a}-{b}"` is an
-//! error, because `("x-y", "z")` and `("x", "y-z")` would render to the same key.
+//! A name is a Rust identifier (Unicode letters included; `r#type` is the name `type`) or a
+//! tuple index, optionally followed by `.` and more of them (`{cmd.account_id}` lets the
+//! macro reach into a parameter); spaces around it and around each `.` are ignored. A lone
+//! `}` or `>`, an unclosed placeholder or an empty or malformed name is an error, so a typo
+//! never silently becomes part of every key. Two placeholders must have a `:` (or `{` `}` `<`
+//! `>`, or a control character) between them: `"{a}-{b}"` is an error, because
+//! `("x-y", "z")` and `("x", "y-z")` would render to the same key.
+//!
+//! The grammar and the encoding live in the `dlock_template` crate, which the attribute
+//! macro parses with too: its documentation gives the full rules and why they make keys
+//! injective.
 //!
 //! # Why values are encoded
 //!
@@ -41,125 +47,10 @@
 //! assert_eq!(key, "account:42%3A7");
 //! ```
 
-use std::borrow::Cow;
-use std::fmt::{self, Display, Write as _};
+use std::fmt;
 
-/// Percent-encodes the characters of a template value that could make two distinct values
-/// render to the same key: `:` `%` `{` `}` `<` `>` and control characters (`char::is_control`:
-/// U+0000–U+001F, U+007F–U+009F), each as `%XX` (uppercase hex) of its UTF-8 bytes.
-///
-/// Everything else, including non-ASCII letters, is kept as is. Returns the value borrowed
-/// when nothing needs encoding, so the common case does not allocate.
-///
-/// ```
-/// use dlock::key_template::encode_component;
-///
-/// assert_eq!(encode_component("42"), "42");
-/// assert_eq!(encode_component("a:b%c"), "a%3Ab%25c");
-/// assert_eq!(encode_component("{x}<y>"), "%7Bx%7D%3Cy%3E");
-/// assert_eq!(encode_component("line\nbreak\u{85}"), "line%0Abreak%C2%85");
-/// assert_eq!(encode_component("ключ/ü"), "ключ/ü");
-/// ```
-pub fn encode_component(value: &str) -> Cow<'_, str> {
-    if !value.contains(needs_encoding) {
-        return Cow::Borrowed(value);
-    }
-    let mut out = String::with_capacity(value.len() + 8);
-    push_encoded(&mut out, value);
-    Cow::Owned(out)
-}
-
-/// Characters whose presence between two placeholders keeps keys injective: values never
-/// contain them unencoded.
-fn is_separator(c: char) -> bool {
-    matches!(c, ':' | '{' | '}' | '<' | '>') || c.is_control()
-}
-
-/// Whether a character of a value is percent-encoded in a lock key.
-fn needs_encoding(c: char) -> bool {
-    matches!(c, ':' | '%' | '{' | '}' | '<' | '>') || c.is_control()
-}
-
-/// Appends `value` to `out`, encoded as [`encode_component`] describes.
-fn push_encoded(out: &mut String, value: &str) {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut rest = value;
-    while let Some(at) = rest.find(needs_encoding) {
-        out.push_str(&rest[..at]);
-        let Some(c) = rest[at..].chars().next() else {
-            break;
-        };
-        let mut utf8 = [0u8; 4];
-        for byte in c.encode_utf8(&mut utf8).bytes() {
-            out.push('%');
-            out.push(char::from(HEX[usize::from(byte >> 4)]));
-            out.push(char::from(HEX[usize::from(byte & 0x0F)]));
-        }
-        rest = &rest[at + c.len_utf8()..];
-    }
-    out.push_str(rest);
-}
-
-/// Streams a value's [`Display`] output into a key, encoded, without an intermediate string.
-struct Encoder<'a>(&'a mut String);
-
-impl fmt::Write for Encoder<'_> {
-    fn write_str(&mut self, s: &str) -> fmt::Result {
-        push_encoded(self.0, s);
-        Ok(())
-    }
-}
-
-/// Builds a lock key from literal text and encoded values, the way
-/// `#[distributed_lock("...")]` does.
-///
-/// [`literal`](KeyBuilder::literal) appends text as it is; [`value`](KeyBuilder::value)
-/// appends a value's [`Display`] output encoded by [`encode_component`].
-///
-/// ```
-/// use dlock::key_template::KeyBuilder;
-///
-/// let mut key = KeyBuilder::new();
-/// key.literal("transfer:").value(&"1:2").literal(":").value(&3);
-/// assert_eq!(key.finish(), "transfer:1%3A2:3");
-/// ```
-#[derive(Debug, Default, Clone)]
-pub struct KeyBuilder {
-    key: String,
-}
-
-impl KeyBuilder {
-    /// An empty key.
-    pub fn new() -> Self {
-        KeyBuilder::default()
-    }
-
-    /// An empty key with room for `capacity` bytes.
-    pub fn with_capacity(capacity: usize) -> Self {
-        KeyBuilder {
-            key: String::with_capacity(capacity),
-        }
-    }
-
-    /// Appends `text` as it is.
-    pub fn literal(&mut self, text: &str) -> &mut Self {
-        self.key.push_str(text);
-        self
-    }
-
-    /// Appends `value`'s [`Display`] output, percent-encoded (see [`encode_component`]).
-    pub fn value(&mut self, value: &(impl Display + ?Sized)) -> &mut Self {
-        // Writing to a `String` cannot fail; a `Display` impl that reports an error anyway
-        // keeps what it wrote before the error.
-        let _ = write!(Encoder(&mut self.key), "{value}");
-        self
-    }
-
-    /// The key.
-    pub fn finish(self) -> String {
-        self.key
-    }
-}
+pub use dlock_template::{KeyBuilder, encode_component};
+use dlock_template::{ParseError, Template};
 
 /// A parsed lock key template such as `"account:{account_id}"`.
 ///
@@ -167,13 +58,7 @@ impl KeyBuilder {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyTemplate {
     source: String,
-    segments: Vec<Segment>,
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-enum Segment {
-    Literal(String),
-    Placeholder(String),
+    template: Template,
 }
 
 /// What is wrong with a key template, or why it could not be rendered.
@@ -190,8 +75,8 @@ pub enum TemplateError {
         /// Byte offset of the character.
         position: usize,
     },
-    /// The placeholder at byte `position` has an empty name or characters other than ASCII
-    /// letters, digits, `_` and `.`.
+    /// The placeholder at byte `position` has an empty name, or one that is not a Rust
+    /// identifier or tuple index optionally followed by `.` and more of them.
     BadName {
         /// Byte offset of the opening character.
         position: usize,
@@ -227,8 +112,8 @@ impl fmt::Display for TemplateError {
             ),
             TemplateError::BadName { position, name } => write!(
                 f,
-                "the placeholder at byte {position} has the name `{}`; a name is one or more \
-                 ASCII letters, digits, `_` or `.`",
+                "the placeholder at byte {position} has the name `{}`; a name is an \
+                 identifier or tuple index, optionally followed by `.field`s",
                 name.escape_debug()
             ),
             TemplateError::NoSeparator { position } => write!(
@@ -244,6 +129,21 @@ impl fmt::Display for TemplateError {
 }
 
 impl std::error::Error for TemplateError {}
+
+impl From<ParseError> for TemplateError {
+    fn from(err: ParseError) -> Self {
+        match err {
+            ParseError::Unclosed { position, .. } => TemplateError::Unclosed { position },
+            ParseError::Unopened { position, .. } => TemplateError::Unopened { position },
+            ParseError::EmptyName { position, .. } => TemplateError::BadName {
+                position,
+                name: String::new(),
+            },
+            ParseError::BadName { position, name, .. } => TemplateError::BadName { position, name },
+            ParseError::NoSeparator { position, .. } => TemplateError::NoSeparator { position },
+        }
+    }
+}
 
 impl From<TemplateError> for crate::LockError {
     fn from(err: TemplateError) -> Self {
@@ -265,59 +165,9 @@ impl KeyTemplate {
     /// );
     /// ```
     pub fn parse(template: &str) -> Result<KeyTemplate, TemplateError> {
-        let mut segments = Vec::new();
-        let mut literal = String::new();
-        let mut chars = template.char_indices().peekable();
-        while let Some((position, c)) = chars.next() {
-            match c {
-                '{' | '<' | '}' | '>' if chars.peek().map(|&(_, next)| next) == Some(c) => {
-                    chars.next();
-                    literal.push(c);
-                }
-                '{' | '<' => {
-                    let close = if c == '{' { '}' } else { '>' };
-                    let start = position + 1;
-                    let Some(len) = template[start..].find(close) else {
-                        return Err(TemplateError::Unclosed { position });
-                    };
-                    let name = template[start..start + len].trim();
-                    if name.is_empty()
-                        || !name
-                            .chars()
-                            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
-                    {
-                        return Err(TemplateError::BadName {
-                            position,
-                            name: name.to_owned(),
-                        });
-                    }
-                    // Skip the name and the closing character.
-                    while chars.next_if(|&(i, _)| i <= start + len).is_some() {}
-                    if !literal.is_empty() {
-                        segments.push(Segment::Literal(std::mem::take(&mut literal)));
-                    }
-                    let separated = match segments.as_slice() {
-                        [.., Segment::Placeholder(_)] => false,
-                        [.., Segment::Placeholder(_), Segment::Literal(between)] => {
-                            between.chars().any(is_separator)
-                        }
-                        _ => true,
-                    };
-                    if !separated {
-                        return Err(TemplateError::NoSeparator { position });
-                    }
-                    segments.push(Segment::Placeholder(name.to_owned()));
-                }
-                '}' | '>' => return Err(TemplateError::Unopened { position }),
-                _ => literal.push(c),
-            }
-        }
-        if !literal.is_empty() {
-            segments.push(Segment::Literal(literal));
-        }
         Ok(KeyTemplate {
             source: template.to_owned(),
-            segments,
+            template: Template::parse(template)?,
         })
     }
 
@@ -328,10 +178,9 @@ impl KeyTemplate {
 
     /// The placeholder names, in order of appearance (repeated names appear repeatedly).
     pub fn placeholders(&self) -> impl Iterator<Item = &str> + '_ {
-        self.segments.iter().filter_map(|segment| match segment {
-            Segment::Placeholder(name) => Some(name.as_str()),
-            Segment::Literal(_) => None,
-        })
+        self.template
+            .placeholders()
+            .map(|placeholder| placeholder.name())
     }
 
     /// Renders the key: each placeholder becomes `value(name)`, passed through
@@ -354,19 +203,11 @@ impl KeyTemplate {
         F: FnMut(&str) -> Option<V>,
         V: AsRef<str>,
     {
-        let mut key = String::with_capacity(self.source.len() + 16);
-        for segment in &self.segments {
-            match segment {
-                Segment::Literal(text) => key.push_str(text),
-                Segment::Placeholder(name) => {
-                    let Some(v) = value(name) else {
-                        return Err(TemplateError::Missing { name: name.clone() });
-                    };
-                    key.push_str(&encode_component(v.as_ref()));
-                }
-            }
-        }
-        Ok(key)
+        self.template
+            .render(|placeholder| value(placeholder.name()))
+            .map_err(|missing| TemplateError::Missing {
+                name: missing.name().to_owned(),
+            })
     }
 }
 
@@ -386,30 +227,9 @@ impl std::str::FromStr for KeyTemplate {
 
 #[cfg(test)]
 mod tests {
+    // The grammar's and the encoding's own tests are in `dlock_template`; these hold the
+    // library's wrapper: its errors, positions and names.
     use super::*;
-
-    #[test]
-    fn encodes_structure_and_control_characters() {
-        assert_eq!(
-            encode_component("a:b%c{d}<e>\n\u{7f}\u{85}é鍵 /"),
-            "a%3Ab%25c%7Bd%7D%3Ce%3E%0A%7F%C2%85é鍵 /"
-        );
-        assert_eq!(encode_component(""), "");
-        let mut negative = KeyBuilder::new();
-        negative.value(&-7i64);
-        assert_eq!(negative.finish(), "-7");
-        assert_eq!(encode_component("%3A"), "%253A");
-    }
-
-    #[test]
-    fn builder_keeps_literals_and_encodes_values() {
-        let mut a = KeyBuilder::with_capacity(16);
-        a.literal("t:").value("1:2").literal(":").value("3");
-        let mut b = KeyBuilder::new();
-        b.literal("t:").value("1").literal(":").value("2:3");
-        assert_eq!(a.clone().finish(), "t:1%3A2:3");
-        assert_ne!(a.finish(), b.finish());
-    }
 
     fn render(template: &str, pairs: &[(&str, &str)]) -> Result<String, TemplateError> {
         KeyTemplate::parse(template)?.render(|name| {
@@ -418,23 +238,6 @@ mod tests {
                 .find(|(n, _)| *n == name)
                 .map(|(_, value)| *value)
         })
-    }
-
-    #[test]
-    fn encoding_keeps_plain_values_borrowed() {
-        assert!(matches!(encode_component("plain-42_ü"), Cow::Borrowed(_)));
-        assert!(matches!(encode_component(""), Cow::Borrowed(_)));
-        assert!(matches!(encode_component("a:b"), Cow::Owned(_)));
-    }
-
-    #[test]
-    fn encoding_covers_separators_and_controls() {
-        assert_eq!(encode_component(":%{}<>"), "%3A%25%7B%7D%3C%3E");
-        assert_eq!(encode_component("\0\t\r\n\u{7f}"), "%00%09%0D%0A%7F");
-        assert_eq!(encode_component("\u{9f}"), "%C2%9F");
-        assert_eq!(encode_component("ok/ok?x=1&y"), "ok/ok?x=1&y");
-        // An already encoded value is encoded again, so it stays distinct from its decoding.
-        assert_eq!(encode_component("%3A"), "%253A");
     }
 
     #[test]
@@ -532,6 +335,29 @@ mod tests {
         assert_eq!(t.placeholders().collect::<Vec<_>>(), ["x", "y", "x"]);
         assert_eq!(t.to_string(), "a:{x}:<y>:{x}");
         assert_eq!(t.as_str(), "a:{x}:<y>:{x}");
+    }
+
+    #[test]
+    fn names_follow_the_shared_grammar() {
+        // The names the attribute takes: Unicode and raw identifiers, spaces around `.`.
+        let t = KeyTemplate::parse("k:{ключ}:{r#type}:{ cmd . id }").unwrap();
+        assert_eq!(
+            t.placeholders().collect::<Vec<_>>(),
+            ["ключ", "type", "cmd.id"]
+        );
+        assert_eq!(render("k:{r#type}", &[("type", "a:b")]).unwrap(), "k:a%3Ab");
+        // Not identifiers or tuple indices.
+        for (template, name) in [("k:{1x}", "1x"), ("k:{a..b}", "a..b"), ("k:{_}", "_")] {
+            assert_eq!(
+                KeyTemplate::parse(template),
+                Err(TemplateError::BadName {
+                    position: 2,
+                    name: name.into()
+                }),
+            );
+        }
+        let err = KeyTemplate::parse("k:{a-b}").unwrap_err().to_string();
+        assert!(err.contains("at byte 2 has the name `a-b`"), "{err}");
     }
 
     #[test]

@@ -79,24 +79,28 @@ mod error;
 mod guard;
 mod key;
 pub mod key_template;
+mod lease;
+pub mod metrics;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+mod options;
+mod provider;
 #[cfg(any(
     feature = "mssql",
     feature = "oracle",
     feature = "postgres",
     feature = "mysql"
 ))]
-mod lanes;
-pub mod metrics;
-#[cfg(feature = "mysql")]
-pub mod mysql;
-mod options;
-mod provider;
+pub mod session;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod sqlx_engine;
 mod table;
 #[cfg(test)]
 mod testing;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod tls;
+mod transaction;
 
 #[cfg(feature = "mssql")]
 pub mod mssql;
@@ -120,6 +124,7 @@ pub use key::lock_id;
 pub use options::parse_duration;
 pub use provider::{LockBuilder, LockProvider, LockedCommand, ProviderBuilder, SUPPORTED_SCHEMES};
 pub use tokio_util::sync::CancellationToken;
+pub use transaction::TransactionLock;
 
 #[cfg(feature = "macros")]
 pub use dlock_macros::distributed_lock;

@@ -140,7 +140,7 @@ use self::renewer::{Renewal, Renewer};
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
-use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::options::{UrlForm, parse_duration, read_query, url_keys};
 use crate::time::{MAX_SETTING, check_setting};
 use crate::{Backoff, LockError};
 
@@ -1069,20 +1069,7 @@ impl Drop for Checkpointing {
     }
 }
 
-/// A lock held for the rest of a SQLite transaction; see the [module docs](self).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransactionLock {
-    fencing_token: u64,
-}
-
-impl TransactionLock {
-    /// The fencing token of this acquisition: above every token issued before for the key
-    /// (session and transaction locks share the counter), and never issued again, even when
-    /// the transaction rolls back.
-    pub fn fencing_token(&self) -> u64 {
-        self.fencing_token
-    }
-}
+pub use crate::TransactionLock;
 
 /// Locks `key` until `transaction` commits or rolls back; one try.
 ///
@@ -1093,6 +1080,15 @@ impl TransactionLock {
 /// [`LockError::Config`] when the database is not a file (in memory or temporary). Blocking
 /// (it is `rusqlite`): call it where blocking is allowed.
 pub fn try_acquire_in_transaction(
+    transaction: &Transaction<'_>,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, Duration::ZERO, || {
+        try_in_transaction(transaction, key)
+    })
+}
+
+fn try_in_transaction(
     transaction: &Transaction<'_>,
     key: &str,
 ) -> Result<TransactionLock, LockError> {
@@ -1113,9 +1109,19 @@ pub fn acquire_in_transaction(
     key: &str,
     timeout: Duration,
 ) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, timeout, || {
+        wait_in_transaction(transaction, key, timeout)
+    })
+}
+
+fn wait_in_transaction(
+    transaction: &Transaction<'_>,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
     validate_key(key)?;
     if timeout.is_zero() {
-        return try_acquire_in_transaction(transaction, key);
+        return try_in_transaction(transaction, key);
     }
     let deadline = crate::time::deadline(Instant::now(), timeout);
     let mut pauses = Pauses::new(Backoff::default(), deadline);
@@ -1190,7 +1196,7 @@ fn transaction_attempt(
             None,
         )
     })?;
-    Ok(Some(TransactionLock { fencing_token }))
+    Ok(Some(TransactionLock::new(NAME, key, Some(fencing_token))))
 }
 
 /// The connection to the `-fencing` file of `db_file`, created (with the file) the first time
@@ -1380,17 +1386,27 @@ fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> 
     Ok(())
 }
 
+const FORM: UrlForm = UrlForm {
+    backend: "SQLite",
+    schemes: &["sqlite"],
+    example: "sqlite://locks.db (relative) or sqlite:///var/lib/app/locks.db (absolute)",
+};
+
+url_keys! {
+    /// The SQLite URL options.
+    enum SqliteOption for FORM {
+        Lease = "lease",
+        BusyTimeout = "busy_timeout",
+    }
+}
+
 fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
-    let rest = url
-        .strip_prefix("sqlite:")
-        .or_else(|| url.strip_prefix("SQLITE:"))
-        .ok_or_else(|| LockError::config("a SQLite lock store URL starts with `sqlite://`"))?;
-    let rest = rest.strip_prefix("//").unwrap_or(rest);
-    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    // The scheme is case-insensitive, as in every URL (`LockProvider::connect` picks the
+    // backend that way too).
+    let (rest, query) = FORM.split(url)?;
+    let path = rest.strip_prefix("//").unwrap_or(rest);
     if path.is_empty() {
-        return Err(LockError::config(
-            "the sqlite:// URL names no file; write `sqlite://locks.db` (relative) or `sqlite:///var/lib/app/locks.db` (absolute)",
-        ));
+        return Err(FORM.error("names no file"));
     }
     if path == ":memory:" || path.contains("mode=memory") {
         return Err(LockError::config(
@@ -1398,15 +1414,14 @@ fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
         ));
     }
     let mut builder = SqliteBackend::builder(path);
-    for (name, value) in query_pairs(query) {
-        match name.as_str() {
-            "lease" => builder = builder.lease(parse_duration("lease", &value)?),
-            "busy_timeout" => {
-                builder = builder.busy_timeout(parse_duration("busy_timeout", &value)?)
-            }
-            other => return Err(unknown_option("sqlite", other, &["lease", "busy_timeout"])),
+    read_query(query, |key: SqliteOption, value| {
+        let value = parse_duration(key.as_ref(), &value)?;
+        match key {
+            SqliteOption::Lease => builder.lease = value,
+            SqliteOption::BusyTimeout => builder.busy_timeout = value,
         }
-    }
+        Ok(())
+    })?;
     builder.check()?;
     Ok(builder)
 }
@@ -1472,6 +1487,7 @@ mod tests {
 
     #[test]
     fn url_forms() {
+        crate::options::assert_keys::<SqliteOption, _>(parse_url("sqlite://a.db?bogus=1"));
         assert_eq!(
             parse_url("sqlite://locks.db").unwrap().path,
             PathBuf::from("locks.db")
@@ -1486,8 +1502,17 @@ mod tests {
                 .lease,
             Duration::from_secs(5)
         );
+        // The scheme in any case, as `LockProvider::connect` accepts it.
+        for scheme in ["SQLite", "SQLITE", "sQlItE"] {
+            assert_eq!(
+                parse_url(&format!("{scheme}://locks.db")).unwrap().path,
+                PathBuf::from("locks.db")
+            );
+        }
         for bad in [
             "sqlite://",
+            "sqlit://a.db",
+            "é://a.db",
             "sqlite::memory:",
             "sqlite://a.db?lease=1ms",
             "sqlite://a.db?lease=forever",
@@ -1727,11 +1752,11 @@ mod tests {
         let mut conn = Connection::open(&path).unwrap();
         let tx = conn.transaction().unwrap();
         let first = try_acquire_in_transaction(&tx, "k").unwrap();
-        assert_eq!(first.fencing_token(), 1);
+        assert_eq!(first.fencing_token(), Some(1));
         tx.rollback().unwrap();
         let tx = conn.transaction().unwrap();
         let second = acquire_in_transaction(&tx, "k", Duration::from_secs(1)).unwrap();
-        assert_eq!(second.fencing_token(), 2);
+        assert_eq!(second.fencing_token(), Some(2));
         tx.commit().unwrap();
         // A session acquisition issues tokens above the record.
         let taken = rt.block_on(take(&backend, "k")).unwrap();
@@ -1858,7 +1883,7 @@ mod tests {
             try_acquire_in_transaction(&tx, "k")
                 .unwrap()
                 .fencing_token(),
-            1
+            Some(1)
         );
         tx.commit().unwrap();
         let tx = conn.transaction().unwrap();
@@ -1866,7 +1891,7 @@ mod tests {
             try_acquire_in_transaction(&tx, "k")
                 .unwrap()
                 .fencing_token(),
-            2
+            Some(2)
         );
         tx.rollback().unwrap();
         // The row says 1; the record says 2 was handed out.

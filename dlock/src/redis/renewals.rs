@@ -1,9 +1,10 @@
 //! Lease renewal for every lock a backend holds, driven by one task per backend.
 //!
-//! A lock is renewed every third of its lease. If no renewal has succeeded by 80% of the lease
-//! after the last one was sent (the local deadline), the lock is presumed lost: the server may
-//! let someone else take it at the full lease, and the holder must know first. A renewal that
-//! finds the key gone or owned by another token means the lock is lost at once.
+//! Each lock follows the lease schedule of [`crate::lease`]: renewed every third of its lease,
+//! presumed lost if no renewal has succeeded by four fifths of the lease after the last one was
+//! sent (the local deadline; the server may let someone else take it at the full lease, and
+//! the holder must know first). A renewal that finds the key gone or owned by another token
+//! means the lock is lost at once. One renewal of a lock is in flight at a time.
 //!
 //! One driver task sleeps until the earliest renewal or deadline of all entries and spawns the
 //! renewals that are due. Registering a lock is a map insert; only a lock due earlier than the
@@ -24,9 +25,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
-use super::{OwnerToken, Shared, safe_window};
+use super::{OwnerToken, Shared};
 use crate::LockError;
-use crate::backend::LeaseDeadline;
+use crate::lease::{LeaseDeadline, Term, renew_every};
 use crate::time::later;
 
 /// The renewal entries of one backend.
@@ -52,26 +53,11 @@ struct State {
 struct Entry {
     key: Arc<[u8]>,
     token: OwnerToken,
-    lease: Duration,
-    /// When the next renewal is due.
-    next: Instant,
-    /// The local deadline: lost if no renewal has succeeded by then. Shared with the guard,
-    /// which checks it itself (a holder paused past it hears of the loss before the driver
-    /// runs again).
-    deadline: LeaseDeadline,
+    /// Its place in the lease schedule. The local deadline (lost if no renewal has succeeded
+    /// by then) is shared with the guard, which checks it itself: a holder paused past it
+    /// hears of the loss before the driver runs again.
+    term: Term,
     lost: CancellationToken,
-    /// A renewal of this entry is running.
-    in_flight: bool,
-}
-
-impl Entry {
-    fn wake_at(&self) -> Instant {
-        if self.in_flight {
-            self.deadline.at()
-        } else {
-            self.next.min(self.deadline.at())
-        }
-    }
 }
 
 impl Renewals {
@@ -91,15 +77,13 @@ impl Renewals {
         lost: CancellationToken,
     ) -> Result<(u64, LeaseDeadline), LockError> {
         let renewals = &shared.renewals;
-        let deadline = LeaseDeadline::new(later(sent, safe_window(lease)));
+        let term = Term::new(lease, sent);
+        let deadline = term.deadline();
         let entry = Entry {
             key,
             token,
-            lease,
-            next: later(sent, lease / 3),
-            deadline: deadline.clone(),
+            term,
             lost,
-            in_flight: false,
         };
         // The entry goes in only while a driver runs (under the lock its stop takes too), so
         // no entry is ever left without a driver that renews it or declares it lost. Two
@@ -109,7 +93,7 @@ impl Renewals {
             if state.driver.is_some() {
                 let id = state.next_id;
                 state.next_id += 1;
-                let wake_at = entry.wake_at();
+                let wake_at = entry.term.wake_at();
                 state.entries.insert(id, entry);
                 renewals.plan(state, wake_at);
                 return Ok((id, deadline));
@@ -209,7 +193,7 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
             let overdue: Vec<u64> = state
                 .entries
                 .iter()
-                .filter(|(_, e)| e.deadline.at() <= now)
+                .filter(|(_, e)| e.term.is_overdue(now))
                 .map(|(id, _)| *id)
                 .collect();
             for id in overdue {
@@ -221,13 +205,13 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
                 }
             }
             for (id, entry) in &mut state.entries {
-                if !entry.in_flight && entry.next <= now {
-                    entry.in_flight = true;
+                if entry.term.is_due(now) {
+                    entry.term.start();
                     due.push((
                         *id,
                         Arc::clone(&entry.key),
                         entry.token.clone(),
-                        entry.lease,
+                        entry.term.lease(),
                     ));
                 }
             }
@@ -237,9 +221,9 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
             let planned = state
                 .entries
                 .values()
-                .map(Entry::wake_at)
+                .map(|entry| entry.term.wake_at())
                 .min()
-                .unwrap_or_else(|| later(now, backend.lease / 3));
+                .unwrap_or_else(|| later(now, renew_every(backend.lease)));
             state.planned = Some(planned);
             planned
         };
@@ -269,12 +253,8 @@ async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, 
     let Some(entry) = state.entries.get_mut(&id) else {
         return;
     };
-    entry.in_flight = false;
     match outcome {
-        Ok((true, _)) => {
-            entry.deadline.set(later(attempt, safe_window(lease)));
-            entry.next = later(attempt, lease / 3);
-        }
+        Ok((true, _)) => entry.term.renewed(attempt),
         Ok((false, _)) => {
             if let Some(entry) = state.entries.remove(&id) {
                 tracing::warn!(
@@ -286,9 +266,9 @@ async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, 
         }
         Err(err) => {
             tracing::warn!(error = %err, "renewing a redis lock failed; retrying until its lease may have run out");
-            entry.next = later(Instant::now(), (lease / 20).max(Duration::from_millis(10)));
+            entry.term.failed(Instant::now());
         }
     }
-    let wake_at = entry.wake_at();
+    let wake_at = entry.term.wake_at();
     renewals.plan(state, wake_at);
 }

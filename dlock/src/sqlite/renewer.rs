@@ -5,8 +5,9 @@
 //! still exists. So it runs on one OS thread per backend, started by the first acquisition and
 //! ending when the backend is dropped; no user runtime owns it.
 //!
-//! Each held lock has an entry with a renewal time (every third of its lease) and a deadline
-//! (four fifths of its lease after the last renewal began, see [`safe_window`]). An entry
+//! Each held lock has an entry with its place in the lease schedule (see [`crate::lease`]:
+//! renewed every third of its lease, trusted for four fifths of it after the last renewal
+//! began; all due locks are renewed in one transaction). An entry
 //! holds its lock's lost token through a [`DropGuard`]: removing it in any way other than
 //! [`Renewer::unregister`] (a renewal that found the row taken, a deadline that passed, the
 //! thread ending for any reason, even a panic) fires the token.
@@ -21,7 +22,7 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 use super::clock::LeaseClock;
 use super::{NAME, RENEW_SQL, is_busy, millis, sqlite_error};
 use crate::LockError;
-use crate::backend::LeaseDeadline;
+use crate::lease::{LeaseDeadline, Term};
 use crate::time::later;
 
 /// How long the thread keeps looking in by itself, every [`IDLE_TICK`], after the last lock
@@ -34,23 +35,15 @@ const IDLE_TICK: Duration = Duration::from_millis(20);
 const BUSY_PAUSE_FIRST: Duration = Duration::from_micros(50);
 const BUSY_PAUSE_MAX: Duration = Duration::from_micros(500);
 
-/// The part of a lease during which the holder can trust it: renewals that have not succeeded
-/// by then make the lock count as lost, before another process could take it over.
-pub(super) fn safe_window(lease: Duration) -> Duration {
-    lease - lease / 5
-}
-
 /// One held lock, as the renewer sees it.
 pub(super) struct Renewal {
     pub(super) name: Arc<[u8]>,
     pub(super) owner: [u8; 16],
-    pub(super) lease: Duration,
     /// Fires the lock's lost token when dropped; disarmed by a normal release.
     lost: DropGuard,
-    next_due: Instant,
-    /// Lost if no renewal has succeeded by then; shared with the guard (see
+    /// Its place in the lease schedule; the deadline is shared with the guard (see
     /// [`Renewal::deadline`]).
-    deadline: LeaseDeadline,
+    term: Term,
     /// Being released: still renewed, but a renewal that finds the row free or taken leaves
     /// the verdict to the release.
     releasing: bool,
@@ -68,10 +61,8 @@ impl Renewal {
         Renewal {
             name,
             owner,
-            lease,
             lost: lost.drop_guard(),
-            next_due: later(written, lease / 3),
-            deadline: LeaseDeadline::new(later(written, safe_window(lease))),
+            term: Term::new(lease, written),
             releasing: false,
         }
     }
@@ -79,7 +70,7 @@ impl Renewal {
     /// The lock's local deadline, moved on by each renewal: the guard checks it itself, so a
     /// holder paused past it hears of the loss before the renewal thread runs again.
     pub(super) fn deadline(&self) -> LeaseDeadline {
-        self.deadline.clone()
+        self.term.deadline()
     }
 }
 
@@ -181,7 +172,7 @@ impl Renewer {
         let id = registry.next_id;
         let looks_in_time = registry
             .planned
-            .is_some_and(|planned| planned <= renewal.next_due.min(renewal.deadline.at()));
+            .is_some_and(|planned| planned <= renewal.term.wake_at());
         registry.renewals.insert(id, renewal);
         if !looks_in_time {
             registry.woken = true;
@@ -246,7 +237,7 @@ impl Registry {
     /// lease may have run out.
     fn expire_overdue(&mut self, now: Instant) {
         self.renewals.retain(|_, renewal| {
-            let keep = now < renewal.deadline.at();
+            let keep = !renewal.term.is_overdue(now);
             if !keep {
                 tracing::warn!(
                     backend = NAME,
@@ -297,8 +288,8 @@ fn run(state: &State) {
         let due: Vec<Due> = registry
             .renewals
             .iter()
-            .filter(|(_, r)| r.next_due <= now)
-            .map(|(id, r)| (*id, Arc::clone(&r.name), r.owner, r.lease))
+            .filter(|(_, r)| r.term.is_due(now))
+            .map(|(id, r)| (*id, Arc::clone(&r.name), r.owner, r.term.lease()))
             .collect();
         if !due.is_empty() {
             drop(registry);
@@ -312,7 +303,7 @@ fn run(state: &State) {
         let wake_at = registry
             .renewals
             .values()
-            .map(|r| r.next_due.min(r.deadline.at()))
+            .map(|r| r.term.wake_at())
             .min()
             .or_else(|| lingering.then(|| later(now, IDLE_TICK)));
         registry.planned = wake_at;
@@ -351,10 +342,7 @@ fn renew(state: &State, due: &[Due]) {
                 for ((id, ..), held) in due.iter().zip(still_held) {
                     if held {
                         if let Some(renewal) = registry.renewals.get_mut(id) {
-                            renewal.next_due = later(started, renewal.lease / 3);
-                            renewal
-                                .deadline
-                                .set(later(started, safe_window(renewal.lease)));
+                            renewal.term.renewed(started);
                         }
                     } else if registry.renewals.get(id).is_some_and(|r| !r.releasing) {
                         registry.renewals.remove(id);
@@ -385,7 +373,7 @@ fn renew(state: &State, due: &[Due]) {
                 let mut registry = state.registry();
                 for (id, ..) in due {
                     if let Some(renewal) = registry.renewals.get_mut(id) {
-                        renewal.next_due = later(started, renewal.lease / 10);
+                        renewal.term.failed(started);
                     }
                 }
                 return;
@@ -564,11 +552,6 @@ mod tests {
 
     #[test]
     fn renewals_are_due_every_third_and_trusted_for_four_fifths_of_the_lease() {
-        assert_eq!(safe_window(Duration::from_secs(10)), Duration::from_secs(8));
-        assert_eq!(
-            safe_window(Duration::from_millis(100)),
-            Duration::from_millis(80)
-        );
         let written = Instant::now();
         let renewal = Renewal::new(
             Arc::from(&b"k"[..]),
@@ -577,8 +560,11 @@ mod tests {
             CancellationToken::new(),
             written,
         );
-        assert_eq!(renewal.next_due, written + Duration::from_secs(1));
-        assert_eq!(renewal.deadline.at(), written + Duration::from_millis(2400));
+        assert_eq!(renewal.term.next(), written + Duration::from_secs(1));
+        assert_eq!(
+            renewal.deadline().at(),
+            written + Duration::from_millis(2400)
+        );
         assert!(!renewal.releasing);
         renewal.lost.disarm();
     }
@@ -638,7 +624,12 @@ mod tests {
         std::thread::sleep(Duration::from_millis(5));
         {
             let mut registry = renewer.state.registry();
-            registry.renewals.get_mut(&releasing_id).unwrap().next_due = written;
+            registry
+                .renewals
+                .get_mut(&releasing_id)
+                .unwrap()
+                .term
+                .set_next(written);
             registry.woken = true;
         }
         let (mine_id, mine) = register(b"mine", [3; 16], written);
@@ -651,7 +642,7 @@ mod tests {
         assert!(!mine.is_cancelled());
         assert_eq!(renewer.len(), 2);
         // The renewed lock is due again a third of the lease after the renewal began.
-        let next = renewer.state.registry().renewals[&mine_id].next_due;
+        let next = renewer.state.registry().renewals[&mine_id].term.next();
         assert!(next > Instant::now() + Duration::from_secs(9), "{next:?}");
         renewer.unregister(releasing_id);
         renewer.unregister(mine_id);

@@ -45,6 +45,17 @@ async fn hygiene(
     Ok(__dlock_key + __dlock_key_builder + __dlock_guard)
 }
 
+// Keywords as fields (raw identifiers), non-ASCII names, spaces around `.`.
+struct Keywords {
+    r#type: &'static str,
+    r#match: u8,
+}
+
+#[distributed_lock("kw:{ cmd . r#type }:{cmd.match}:{ключ}")]
+async fn keywords(locks: &dlock::LockProvider, cmd: Keywords, ключ: u8) -> AppResult<()> {
+    Ok(())
+}
+
 #[distributed_lock("jobs:{0}:{1.name}", timeout = 3)]
 struct Tuple(u64, Named);
 
@@ -61,7 +72,7 @@ struct Generic<T: std::fmt::Display> {
 struct Unit;
 
 fn main() {
-    let _ = (owned, full_path, raw_ident, arc_provider, expression, hygiene);
+    let _ = (owned, full_path, raw_ident, arc_provider, expression, hygiene, keywords);
     let tuple = Tuple(7, Named { name: "a:b".to_owned() });
     assert_eq!(tuple.lock_key(), "jobs:7:a%3Ab");
     assert_eq!(tuple.lock_timeout(), Duration::from_secs(3));

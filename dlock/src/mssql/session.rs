@@ -1,5 +1,6 @@
-//! The I/O of the SQL Server backend: opening `tiberius` connections over Tokio TCP, running
-//! the calls of [`statements`](super::statements), and mapping driver errors.
+//! What the session engine runs on a SQL Server connection: opening `tiberius` connections
+//! over Tokio TCP, running the calls of [`statements`](super::statements), and mapping driver
+//! errors.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -17,7 +18,7 @@ use super::statements::{
 };
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::lanes::{Connector, Failure, Grant, Session};
+use crate::session::{Connector, Failure, Grant, Session};
 
 /// A connection opened by the backend.
 pub(crate) type MssqlClient = Client<Compat<TcpStream>>;
@@ -170,15 +171,24 @@ fn server_failure(what: &str, code: u32, class: u8, message: &str) -> Failure {
 
 /// The resource of one key: the key (for error messages) and its application-lock name.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub(crate) struct Resource {
-    pub(crate) key: Arc<str>,
-    pub(crate) name: Arc<str>,
+pub struct Resource {
+    key: Arc<str>,
+    name: Arc<str>,
 }
 
 /// Opens backend connections.
-pub(crate) struct MssqlConnector {
-    pub(crate) config: Config,
-    pub(crate) connect_timeout: Duration,
+pub struct MssqlConnector {
+    pub(super) config: Config,
+    pub(super) connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for MssqlConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The config carries the password: show only where it points.
+        f.debug_struct("MssqlConnector")
+            .field("addr", &self.config.get_addr())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Connector for MssqlConnector {
@@ -208,7 +218,8 @@ impl Connector for MssqlConnector {
 }
 
 /// One backend connection: its session owns the application locks it takes.
-pub(crate) struct MssqlSession {
+#[derive(Debug)]
+pub struct MssqlSession {
     client: MssqlClient,
 }
 

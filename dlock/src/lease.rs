@@ -1,0 +1,253 @@
+//! The lease engine: the one schedule by which the lease backends (SQLite, Redis) keep their
+//! locks, and the local deadline a holder counts on.
+//!
+//! A lock taken with a command sent (or a lease clock read) at `t` is renewed every third of
+//! its lease ([`renew_every`]). Each confirmed renewal, measured from before it was sent, moves
+//! the lock's local deadline to four fifths of the lease later ([`safe_window`]); if no renewal
+//! has been confirmed by then, the lock is presumed lost, a fifth of the lease or more before the
+//! store could let anyone else take it. A renewal that fails without an answer is tried again
+//! after a twentieth of the lease ([`retry_after`]); one that finds the lock gone or taken means
+//! the lock is lost at once. How the renewals are sent is the backend's: SQLite renews every due
+//! lock in one transaction on a thread, Redis sends one command per lock from a task.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::time::later;
+
+/// How often a lock is renewed: every third of its lease.
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+pub(crate) fn renew_every(lease: Duration) -> Duration {
+    lease / 3
+}
+
+/// The part of a lease the holder counts on, from the moment the last confirmed renewal (or the
+/// acquisition) was sent: four fifths.
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+pub(crate) fn safe_window(lease: Duration) -> Duration {
+    lease - lease / 5
+}
+
+/// The pause before a renewal that failed without an answer is tried again: a twentieth of the
+/// lease, at least 10 ms.
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+pub(crate) fn retry_after(lease: Duration) -> Duration {
+    (lease / 20).max(Duration::from_millis(10))
+}
+
+/// One held lock's place in the schedule: when its next renewal is due, its local deadline,
+/// and whether a renewal is in flight.
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[derive(Debug)]
+pub(crate) struct Term {
+    lease: Duration,
+    next: Instant,
+    deadline: LeaseDeadline,
+    in_flight: bool,
+}
+
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+impl Term {
+    /// The term of a lock taken for `lease` with a command sent at `sent`.
+    pub(crate) fn new(lease: Duration, sent: Instant) -> Term {
+        Term {
+            lease,
+            next: later(sent, renew_every(lease)),
+            deadline: LeaseDeadline::new(later(sent, safe_window(lease))),
+            in_flight: false,
+        }
+    }
+
+    /// The lease renewals ask for.
+    pub(crate) fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The local deadline, shared with the guard.
+    pub(crate) fn deadline(&self) -> LeaseDeadline {
+        self.deadline.clone()
+    }
+
+    /// Whether a renewal should start at `now`.
+    pub(crate) fn is_due(&self, now: Instant) -> bool {
+        !self.in_flight && self.next <= now
+    }
+
+    /// Whether the local deadline has passed at `now`: the lock is presumed lost.
+    pub(crate) fn is_overdue(&self, now: Instant) -> bool {
+        self.deadline.at() <= now
+    }
+
+    /// A renewal has started (Redis; SQLite renews every due lock at once, on its thread).
+    #[cfg(feature = "redis")]
+    pub(crate) fn start(&mut self) {
+        self.in_flight = true;
+    }
+
+    /// The renewal sent at `sent` was confirmed.
+    pub(crate) fn renewed(&mut self, sent: Instant) {
+        self.in_flight = false;
+        self.deadline.set(later(sent, safe_window(self.lease)));
+        self.next = later(sent, renew_every(self.lease));
+    }
+
+    /// The renewal failed without an answer at `now`: tried again soon, up to the deadline.
+    pub(crate) fn failed(&mut self, now: Instant) {
+        self.in_flight = false;
+        self.next = later(now, retry_after(self.lease));
+    }
+
+    /// When the driver must look at this lock next: its next renewal, or its deadline.
+    pub(crate) fn wake_at(&self) -> Instant {
+        if self.in_flight {
+            self.deadline.at()
+        } else {
+            self.next.min(self.deadline.at())
+        }
+    }
+
+    /// Makes the next renewal due at `at` (tests).
+    #[cfg(all(test, feature = "sqlite"))]
+    pub(crate) fn set_next(&mut self, at: Instant) {
+        self.next = at;
+    }
+
+    /// When the next renewal is due (tests).
+    #[cfg(test)]
+    pub(crate) fn next(&self) -> Instant {
+        self.next
+    }
+}
+
+/// The local deadline of a leased lock, shared between the backend that renews the lock and
+/// the guard that holds it: the instant until which the holder may count on the lease (the
+/// last confirmed renewal, measured from before it was sent, plus the part of the lease the
+/// backend trusts). Renewals move it on with [`set`](LeaseDeadline::set).
+///
+/// Measured on the monotonic clock of this process ([`Instant`]), which keeps running while the
+/// process is stopped, so a deadline passes during a pause as the store's lease does.
+#[derive(Clone)]
+pub struct LeaseDeadline(Arc<DeadlineCell>);
+
+struct DeadlineCell {
+    origin: Instant,
+    /// Nanoseconds from `origin` (saturating, about 584 years).
+    after: AtomicU64,
+}
+
+impl LeaseDeadline {
+    /// A deadline at `at` (one already passed counts as passed).
+    pub fn new(at: Instant) -> Self {
+        let origin = Instant::now();
+        let deadline = LeaseDeadline(Arc::new(DeadlineCell {
+            origin,
+            after: AtomicU64::new(0),
+        }));
+        deadline.set(at);
+        deadline
+    }
+
+    /// Moves the deadline to `at` (a renewal confirmed), earlier or later.
+    pub fn set(&self, at: Instant) {
+        let after = at.saturating_duration_since(self.0.origin).as_nanos();
+        self.0
+            .after
+            .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Release);
+    }
+
+    /// The deadline.
+    pub fn at(&self) -> Instant {
+        later(
+            self.0.origin,
+            Duration::from_nanos(self.0.after.load(Ordering::Acquire)),
+        )
+    }
+
+    /// Whether the deadline has passed.
+    pub fn has_passed(&self) -> bool {
+        Instant::now() >= self.at()
+    }
+}
+
+impl std::fmt::Debug for LeaseDeadline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseDeadline")
+            .field(
+                "remaining",
+                &self.at().saturating_duration_since(Instant::now()),
+            )
+            .finish()
+    }
+}
+
+#[cfg(all(test, any(feature = "sqlite", feature = "redis")))]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn the_schedule() {
+        let lease = 3000 * MS;
+        assert_eq!(renew_every(lease), 1000 * MS);
+        assert_eq!(safe_window(lease), 2400 * MS);
+        assert_eq!(retry_after(lease), 150 * MS);
+        assert_eq!(retry_after(100 * MS), 10 * MS, "at least 10 ms");
+        assert_eq!(safe_window(100 * MS), 80 * MS);
+    }
+
+    #[test]
+    #[cfg(feature = "redis")]
+    fn a_term_moves_with_its_renewals() {
+        let sent = Instant::now();
+        let mut term = Term::new(3000 * MS, sent);
+        assert_eq!(term.lease(), 3000 * MS);
+        assert_eq!(term.next(), sent + 1000 * MS);
+        assert_eq!(term.deadline().at(), sent + 2400 * MS);
+        assert_eq!(term.wake_at(), sent + 1000 * MS);
+        assert!(!term.is_due(sent + 999 * MS));
+        assert!(term.is_due(sent + 1000 * MS));
+        assert!(!term.is_overdue(sent + 2399 * MS));
+        assert!(term.is_overdue(sent + 2400 * MS));
+        term.start();
+        assert!(
+            !term.is_due(sent + 2000 * MS),
+            "one renewal in flight at a time"
+        );
+        assert_eq!(
+            term.wake_at(),
+            sent + 2400 * MS,
+            "in flight: only the deadline"
+        );
+        let renewal = sent + 1000 * MS;
+        term.renewed(renewal);
+        assert_eq!(term.deadline().at(), renewal + 2400 * MS);
+        assert_eq!(term.next(), renewal + 1000 * MS);
+        term.start();
+        let failed = renewal + 1100 * MS;
+        term.failed(failed);
+        assert_eq!(term.next(), failed + 150 * MS);
+        assert!(term.is_due(failed + 150 * MS));
+        assert_eq!(
+            term.deadline().at(),
+            renewal + 2400 * MS,
+            "a failure moves nothing"
+        );
+    }
+
+    #[test]
+    fn deadlines_are_shared_and_saturate() {
+        let now = Instant::now();
+        let deadline = LeaseDeadline::new(now + 10 * MS);
+        let held = deadline.clone();
+        assert!(!held.has_passed());
+        deadline.set(now);
+        assert!(held.has_passed(), "a clone sees the move");
+        let past = now.checked_sub(Duration::from_secs(1)).unwrap_or(now);
+        assert!(LeaseDeadline::new(past).has_passed());
+        let far = LeaseDeadline::new(later(now, Duration::MAX));
+        assert!(!far.has_passed());
+        assert!(format!("{far:?}").contains("remaining"));
+    }
+}

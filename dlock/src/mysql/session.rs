@@ -1,0 +1,403 @@
+//! What the session engine runs on a MySQL or MariaDB connection.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::error::DatabaseError;
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlDatabaseError};
+use sqlx::{Connection, Row};
+
+use super::MySql;
+use super::statements::*;
+use crate::LockError;
+use crate::backend::BoxFuture;
+use crate::session::{Connector, Failure, Grant, SETTLE_LIMIT, Session};
+use crate::sqlx_engine::{SqlxErrors, connect_within, driver_error, failure};
+
+/// What the first connection learned about the server.
+#[derive(Debug, Clone)]
+pub(super) struct ServerInfo {
+    pub(super) version: String,
+    pub(super) mariadb: bool,
+}
+
+impl ServerInfo {
+    pub(super) fn new(version: String) -> Self {
+        let mariadb = version.to_ascii_lowercase().contains("mariadb");
+        ServerInfo { version, mariadb }
+    }
+
+    /// Whether `GET_LOCK` honours fractional seconds. MariaDB does; MySQL rounds to whole
+    /// seconds, so the backend waits whole seconds there and tries out the rest.
+    fn fractional_waits(&self) -> bool {
+        self.mariadb
+    }
+
+    fn session_sql(&self) -> &'static str {
+        if self.mariadb {
+            MARIADB_SESSION_SQL
+        } else {
+            MYSQL_SESSION_SQL
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sessions: what the shared connection machinery runs on a MySQL connection.
+
+/// Opens lock and wait connections.
+pub struct MySqlConnector {
+    pub(super) options: MySqlConnectOptions,
+    pub(super) server: ServerInfo,
+    pub(super) fencing: bool,
+    pub(super) connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for MySqlConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The connect options carry the password: show only where they point.
+        f.debug_struct("MySqlConnector")
+            .field("host", &self.options.get_host())
+            .field("port", &self.options.get_port())
+            .field("server", &self.server.version)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MySqlConnector {
+    pub(super) fn session(&self, conn: MySqlConnection, id: u64) -> MySqlSession {
+        MySqlSession {
+            conn,
+            id,
+            fencing: self.fencing,
+            fractional: self.server.fractional_waits(),
+        }
+    }
+}
+
+impl Connector for MySqlConnector {
+    /// The server lock name.
+    type Resource = Arc<str>;
+    type Session = MySqlSession;
+
+    const NAME: &'static str = NAME;
+    /// Waits without limit are native waits of an hour each, repeated.
+    const MAX_WAIT: Duration = Duration::from_secs(3600);
+    const PING_TIMEOUT: Duration = Duration::from_secs(1);
+    /// MariaDB takes fractional seconds in `GET_LOCK`; MySQL counts whole seconds.
+    fn wait_resolution(&self) -> Duration {
+        if self.server.fractional_waits() {
+            Duration::from_micros(1)
+        } else {
+            Duration::from_secs(1)
+        }
+    }
+
+    fn resource(&self, key: &str) -> Arc<str> {
+        Arc::from(server_lock_name(key))
+    }
+
+    fn open(&self) -> BoxFuture<'_, Result<MySqlSession, LockError>> {
+        Box::pin(async move {
+            let (conn, id) =
+                open_connection(&self.options, &self.server, self.connect_timeout).await?;
+            Ok(self.session(conn, id))
+        })
+    }
+}
+
+/// One connection, with the id that `KILL` aims at.
+#[derive(Debug)]
+pub struct MySqlSession {
+    conn: MySqlConnection,
+    id: u64,
+    fencing: bool,
+    fractional: bool,
+}
+
+/// `KILL` of an abandoned wait's connection; the killing lane then waits until that session
+/// no longer holds `name`.
+#[derive(Debug)]
+pub struct MySqlKill {
+    id: u64,
+    name: Arc<str>,
+}
+
+impl MySqlSession {
+    /// `GET_LOCK`: 1 when taken, 0 when held elsewhere, NULL on a server-side error.
+    async fn get_lock(&mut self, name: &str, wait: Duration) -> Result<Option<i64>, sqlx::Error> {
+        if wait.is_zero() {
+            sqlx::query_scalar(TRY_SQL)
+                .bind(name)
+                .fetch_one(&mut self.conn)
+                .await
+        } else {
+            let query = sqlx::query_scalar(WAIT_SQL).bind(name);
+            let query = if self.fractional {
+                query.bind(wait.as_secs_f64())
+            } else {
+                query.bind(wait.as_secs())
+            };
+            query.fetch_one(&mut self.conn).await
+        }
+    }
+
+    /// Issues the fencing token of a lock just taken; gives the lock back if that fails.
+    async fn fence_or_release(&mut self, name: &str) -> Result<u64, Failure> {
+        match fence(&mut self.conn, name).await {
+            Ok(token) => Ok(token),
+            Err(err) => {
+                let error = failure::<MySql>("issuing a fencing token", err);
+                // Do not keep a lock whose token could not be issued.
+                match sqlx::query(RELEASE_SQL)
+                    .bind(name)
+                    .execute(&mut self.conn)
+                    .await
+                {
+                    Ok(_) => Err(error),
+                    Err(_) => Err(Failure::connection(error.error)),
+                }
+            }
+        }
+    }
+
+    /// Ends session `id` (an abandoned wait) and waits until it no longer holds `name`.
+    async fn kill(&mut self, id: u64, name: &str) -> Result<(), sqlx::Error> {
+        let kill = kill_sql(id);
+        match sqlx::query(&kill).execute(&mut self.conn).await {
+            Ok(_) => {}
+            // Unknown thread id: the session is gone already.
+            Err(err) if error_number(&err) == Some(1094) => return Ok(()),
+            Err(err) => return Err(err),
+        }
+        // KILL only flags the session: it frees its locks a moment later.
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let holder: Option<u64> = sqlx::query_scalar(HOLDER_SQL)
+                .bind(name)
+                .fetch_one(&mut self.conn)
+                .await?;
+            if holder != Some(id) {
+                return Ok(());
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Session for MySqlSession {
+    type Resource = Arc<str>;
+    type Interrupt = MySqlKill;
+
+    fn lock<'a>(
+        &'a mut self,
+        name: &'a Arc<str>,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
+        Box::pin(async move {
+            let what = if wait.is_zero() {
+                "taking a lock"
+            } else {
+                "waiting for a lock"
+            };
+            match self.get_lock(name, wait).await {
+                Ok(Some(1)) if self.fencing => Ok(Some(Grant {
+                    token: Some(self.fence_or_release(name).await?),
+                })),
+                Ok(Some(1)) => Ok(Some(Grant::PLAIN)),
+                Ok(Some(_)) => Ok(None),
+                Ok(None) => Err(Failure::statement(LockError::backend(
+                    NAME,
+                    "GET_LOCK answered NULL (an error on the server, such as the session being killed)",
+                    None,
+                    None,
+                ))),
+                Err(err) if is_deadlock(&err) => Err(Failure::statement(deadlock_error(name, err))),
+                Err(err) => Err(failure::<MySql>(what, err)),
+            }
+        })
+    }
+
+    fn unlock<'a>(&'a mut self, name: &'a Arc<str>) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            sqlx::query(RELEASE_SQL)
+                .bind(&**name)
+                .execute(&mut self.conn)
+                .await
+                .map(drop)
+                .map_err(|err| failure::<MySql>("releasing a lock", err))
+        })
+    }
+
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            self.conn.ping().await.map_err(|err| {
+                Failure::connection(driver_error::<MySql>("checking a connection", err))
+            })
+        })
+    }
+
+    fn interrupt(&self, name: &Arc<str>) -> Option<MySqlKill> {
+        Some(MySqlKill {
+            id: self.id,
+            name: Arc::clone(name),
+        })
+    }
+
+    fn run_interrupt(&mut self, kill: MySqlKill) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            match tokio::time::timeout(SETTLE_LIMIT, self.kill(kill.id, &kill.name)).await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(err)) => Err(failure::<MySql>("ending an abandoned wait", err)),
+                Err(_) => {
+                    tracing::warn!(
+                        backend = NAME,
+                        "an abandoned wait's session still holds its lock after {SETTLE_LIMIT:?}"
+                    );
+                    Ok(())
+                }
+            }
+        })
+    }
+}
+
+/// Increments the fencing counter of `name`; the new value.
+async fn fence(conn: &mut MySqlConnection, name: &str) -> Result<u64, sqlx::Error> {
+    let done = sqlx::query(FENCE_SQL)
+        .bind(name)
+        .execute(&mut *conn)
+        .await?;
+    Ok(done.last_insert_id())
+}
+
+/// Opens the first connection and learns what server it is.
+pub(super) async fn open_first(
+    options: &MySqlConnectOptions,
+    timeout: Duration,
+) -> Result<(MySqlConnection, u64, ServerInfo), LockError> {
+    let connect = async {
+        let mut conn = MySqlConnection::connect_with(options).await?;
+        let row = sqlx::query(IDENTITY_SQL).fetch_one(&mut conn).await?;
+        let id: u64 = row.try_get(0)?;
+        let version: String = row.try_get(1)?;
+        let server = ServerInfo::new(version);
+        sqlx::query(server.session_sql()).execute(&mut conn).await?;
+        Ok::<_, sqlx::Error>((conn, id, server))
+    };
+    connect_within::<MySql, _>(timeout, connect).await
+}
+
+async fn open_connection(
+    options: &MySqlConnectOptions,
+    server: &ServerInfo,
+    timeout: Duration,
+) -> Result<(MySqlConnection, u64), LockError> {
+    let connect = async {
+        let mut conn = MySqlConnection::connect_with(options).await?;
+        let id: u64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS UNSIGNED)")
+            .fetch_one(&mut conn)
+            .await?;
+        sqlx::query(server.session_sql()).execute(&mut conn).await?;
+        Ok::<_, sqlx::Error>((conn, id))
+    };
+    connect_within::<MySql, _>(timeout, connect).await
+}
+
+/// Makes sure the fencing table is there: a table this user sees needs only its own
+/// privileges (never `CREATE`); a missing one is created.
+pub(super) async fn create_fencing_table(conn: &mut MySqlConnection) -> Result<(), LockError> {
+    let seen: i64 = sqlx::query_scalar(FENCING_TABLE_CHECK_SQL)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| driver_error::<MySql>("looking for the fencing table dlock_fencing", e))?;
+    if seen > 0 {
+        return Ok(());
+    }
+    match sqlx::query(FENCING_TABLE_SQL).execute(&mut *conn).await {
+        Ok(_) => Ok(()),
+        Err(e) if error_number(&e) == Some(1046) => Err(LockError::config(
+            "fencing=true needs a database for its counter table dlock_fencing: name one in the URL, like mysql://user@host:3306/app",
+        )),
+        // CREATE command denied (the table may be there, out of sight of a user with no
+        // privilege on it).
+        Err(e) if error_number(&e) == Some(1142) => Err(LockError::config(format!(
+            "fencing=true needs the table dlock_fencing, which this user does not see and may \
+             not create; an administrator creates it and grants it: {FENCING_GRANTS}"
+        ))),
+        Err(e) => Err(driver_error::<MySql>(
+            "creating the fencing table dlock_fencing",
+            e,
+        )),
+    }
+}
+
+/// The server's error number, for errors the server answered.
+fn error_number(err: &sqlx::Error) -> Option<u16> {
+    match err {
+        sqlx::Error::Database(db) => number(db.as_ref()),
+        _ => None,
+    }
+}
+
+fn is_deadlock(err: &sqlx::Error) -> bool {
+    matches!(
+        error_number(err),
+        Some(ER_USER_LOCK_DEADLOCK | ER_LOCK_DEADLOCK)
+    )
+}
+
+fn deadlock_error(name: &str, err: sqlx::Error) -> LockError {
+    let number = error_number(&err);
+    LockError::backend(
+        NAME,
+        format!(
+            "waiting for user lock `{name}` would deadlock: the session holding it is itself waiting for a lock that another waiter holds; the server refused the wait. Take locks in one fixed order, or use try_acquire"
+        ),
+        number.map(|n| n.to_string()),
+        Some(Box::new(err)),
+    )
+}
+
+/// Server errors after which the connection cannot be trusted: shutdown, killed session,
+/// disconnected for inactivity, too many connections.
+const CONNECTION_ERRORS: &[u16] = &[1040, 1053, 1152, 1159, 1161, 1927, 3169, 4031];
+
+impl SqlxErrors for MySql {
+    const NAME: &'static str = NAME;
+    const TLS_MODE_OPTION: &'static str = "ssl-mode";
+    const TLS_CA_OPTION: &'static str = "ssl-ca";
+    const SERVER_TLS_HINT: &'static str = "give the server `ssl-cert` and `ssl-key`";
+
+    fn code(db: &dyn DatabaseError) -> Option<String> {
+        number(db).map(|n| n.to_string())
+    }
+
+    fn ends_connection(db: &dyn DatabaseError) -> bool {
+        number(db).is_some_and(|n| CONNECTION_ERRORS.contains(&n))
+    }
+
+    fn config_error(what: &str, db: &dyn DatabaseError) -> Option<LockError> {
+        let message = db.message();
+        let text = match number(db)? {
+            1045 | 1698 | 1251 => format!(
+                "{what}: the server refused the credentials ({message}); check the user name and password in the URL \
+                 (a server or account that requires TLS refuses clients without it the same way: \
+                 MariaDB's `require_secure_transport`, an account `REQUIRE SSL`; use ssl-mode=VERIFY_IDENTITY)"
+            ),
+            // MySQL's `require_secure_transport`.
+            3159 => format!(
+                "{what}: the server accepts clients only over TLS ({message}); connect with ssl-mode=VERIFY_IDENTITY and ssl-ca"
+            ),
+            1049 => format!("{what}: {message}; check the database name in the URL"),
+            _ => return None,
+        };
+        Some(LockError::config(text))
+    }
+}
+
+/// The server's error number.
+fn number(db: &dyn DatabaseError) -> Option<u16> {
+    db.try_downcast_ref::<MySqlDatabaseError>()
+        .map(MySqlDatabaseError::number)
+}

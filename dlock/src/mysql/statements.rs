@@ -1,0 +1,181 @@
+//! The MySQL backend's statements, as constants, and the server lock names keys map to.
+
+use sha2::{Digest, Sha256};
+
+/// The backend's name.
+pub(super) const NAME: &str = "mysql";
+
+/// Most readable characters kept in front of the hash of a hashed lock name.
+pub(super) const READABLE_PREFIX: usize = 31;
+/// The longest lock name the server accepts.
+pub(super) const MAX_NAME: usize = 64;
+
+/// `?` name. 1 when taken, 0 when held elsewhere.
+pub(super) const TRY_SQL: &str = "SELECT GET_LOCK(?, 0)";
+/// `?` name, `?` seconds (whole or fractional).
+pub(super) const WAIT_SQL: &str = "SELECT GET_LOCK(?, ?)";
+/// `?` name. 1 when released, 0 when another session holds it, NULL when nobody does.
+pub(super) const RELEASE_SQL: &str = "SELECT RELEASE_LOCK(?)";
+/// `?` name. The connection id of the session holding the lock, or NULL.
+pub(super) const HOLDER_SQL: &str = "SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)";
+/// `?` name. Increments the fencing counter of a lock this session holds; the statement's
+/// last insert id is the new token.
+pub(super) const FENCE_SQL: &str = "INSERT INTO dlock_fencing (name, token) VALUES (?, LAST_INSERT_ID(1)) \
+    ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)";
+pub(super) const FENCING_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS dlock_fencing (\
+    name VARCHAR(64) CHARACTER SET ascii COLLATE ascii_bin NOT NULL PRIMARY KEY, \
+    token BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB";
+/// Whether the fencing table is in the URL's database and visible to this user (it is when the
+/// user holds any privilege on it). Asked before [`FENCING_TABLE_SQL`], which needs `CREATE`
+/// even when the table exists: a user with just the table's grants could not open the backend.
+pub(super) const FENCING_TABLE_CHECK_SQL: &str = "SELECT COUNT(*) FROM information_schema.TABLES \
+    WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = 'dlock_fencing'";
+/// What an administrator runs for a user that may not create the fencing table.
+pub(super) const FENCING_GRANTS: &str = "CREATE TABLE <database>.dlock_fencing (name VARCHAR(64) CHARACTER SET ascii \
+    COLLATE ascii_bin NOT NULL PRIMARY KEY, token BIGINT UNSIGNED NOT NULL) ENGINE=InnoDB; \
+    GRANT SELECT, INSERT, UPDATE ON <database>.dlock_fencing TO <user>";
+/// Ends a session (and with it its wait and its locks). MySQL takes no parameter in `KILL`
+/// ("dynamic parameters can only be used in DML statements"), so this is the one statement
+/// built by formatting: its only input is a `u64` connection id the server itself reported,
+/// never text from a caller.
+pub(super) fn kill_sql(id: u64) -> String {
+    format!("KILL CONNECTION {id}")
+}
+pub(super) const IDENTITY_SQL: &str = "SELECT CAST(CONNECTION_ID() AS UNSIGNED), VERSION()";
+pub(super) const MYSQL_SESSION_SQL: &str =
+    "SET SESSION wait_timeout = 31536000, max_execution_time = 0";
+pub(super) const MARIADB_SESSION_SQL: &str =
+    "SET SESSION wait_timeout = 31536000, max_statement_time = 0";
+
+/// MySQL's error for a `GET_LOCK` wait that would deadlock.
+pub(super) const ER_USER_LOCK_DEADLOCK: u16 = 3058;
+/// MariaDB's (and InnoDB's) deadlock error.
+pub(super) const ER_LOCK_DEADLOCK: u16 = 1213;
+
+/// The server's user lock name for `key`; see the [module docs](crate::mysql#lock-names) for the rule.
+///
+/// ```
+/// use dlock::mysql::server_lock_name;
+/// assert_eq!(server_lock_name("jobs:billing"), "jobs:billing");
+/// assert_eq!(
+///     server_lock_name("Jobs"),
+///     "jobs#2f17a0f8d518e491c5a0c490b2c19918"
+/// );
+/// assert!(server_lock_name(&"x".repeat(1000)).len() <= 64);
+/// ```
+pub fn server_lock_name(key: &str) -> String {
+    let verbatim = (1..=MAX_NAME).contains(&key.len()) && key.bytes().all(is_name_byte);
+    if verbatim {
+        return key.to_owned();
+    }
+    let digest = Sha256::digest(key.as_bytes());
+    let mut name = String::with_capacity(MAX_NAME);
+    for c in key.chars() {
+        if name.len() == READABLE_PREFIX {
+            break;
+        }
+        let c = c.to_ascii_lowercase();
+        if c.is_ascii() && is_name_byte(c as u8) {
+            name.push(c);
+        }
+    }
+    name.push('#');
+    for byte in &digest[..16] {
+        name.push(hex_digit(byte >> 4));
+        name.push(hex_digit(byte & 0x0f));
+    }
+    name
+}
+
+fn is_name_byte(b: u8) -> bool {
+    matches!(b, b'a'..=b'z' | b'0'..=b'9' | b'_' | b'-' | b'.' | b':' | b'/' | b'@')
+}
+
+fn hex_digit(nibble: u8) -> char {
+    char::from(b"0123456789abcdef"[usize::from(nibble & 0x0f)])
+}
+
+#[cfg(test)]
+mod tests {
+    use sha2::{Digest, Sha256};
+
+    use super::*;
+
+    #[test]
+    fn names_kept_verbatim() {
+        for key in ["jobs", "jobs:billing", "a/b@c.d-e_f", &"x".repeat(64)] {
+            assert_eq!(server_lock_name(key), key);
+        }
+    }
+
+    #[test]
+    fn names_hashed() {
+        // Pinned: changing these changes which server locks deployed clients take.
+        assert_eq!(
+            server_lock_name("Jobs"),
+            "jobs#2f17a0f8d518e491c5a0c490b2c19918"
+        );
+        let long = "x".repeat(65);
+        let name = server_lock_name(&long);
+        assert_eq!(name.len(), 31 + 1 + 32);
+        assert!(name.starts_with(&"x".repeat(31)));
+        assert_eq!(
+            server_lock_name("ключ"),
+            format!("#{}", &hex(&Sha256::digest("ключ".as_bytes()))[..32])
+        );
+        assert_eq!(
+            server_lock_name("a b"),
+            format!("ab#{}", &hex(&Sha256::digest(b"a b"))[..32])
+        );
+        for key in ["", " ", "\0", "JOBS", "jobs ", "a#b", &"é".repeat(200)] {
+            let name = server_lock_name(key);
+            assert!(name.len() <= MAX_NAME, "{key:?}");
+            assert!(name.is_ascii());
+            assert_eq!(name, name.to_ascii_lowercase());
+            assert_eq!(name.matches('#').count(), 1, "{key:?} -> {name}");
+        }
+    }
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn distinct_keys_get_distinct_names() {
+        let mut keys: Vec<String> = vec![
+            "Jobs".into(),
+            "jobs".into(),
+            "JOBS".into(),
+            "jObs".into(),
+            "a\0b".into(),
+            "a\0c".into(),
+            "x".into(),
+            "x\0".into(),
+            "k ".into(),
+            "k".into(),
+            "é".into(),
+            "e\u{301}".into(),
+            "E".into(),
+            "e".into(),
+        ];
+        let long = "p".repeat(10_000);
+        for i in 0..200 {
+            keys.push(format!("{long}{i}"));
+            keys.push(format!("{}{i}", "q".repeat(60)));
+            keys.push(format!("Key{i}"));
+            keys.push(format!("key{i}"));
+        }
+        // Keys that look like hashed names stay themselves (no `#` in a verbatim name).
+        let hashed = server_lock_name("Jobs");
+        keys.push(hashed.clone());
+        let mut seen = std::collections::HashMap::new();
+        for key in &keys {
+            // The server may fold case: compare lowered names.
+            let name = server_lock_name(key).to_ascii_lowercase();
+            if let Some(other) = seen.insert(name.clone(), key.clone()) {
+                assert_eq!(&other, key, "{other:?} and {key:?} share {name}");
+            }
+        }
+        assert_ne!(server_lock_name(&hashed), hashed);
+    }
+}

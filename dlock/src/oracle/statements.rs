@@ -1,0 +1,256 @@
+//! The Oracle backend's statements, as plain data: PL/SQL blocks, their parameters, and what
+//! their return codes mean.
+
+use std::time::Duration;
+
+use crate::LockError;
+
+/// The backend's name.
+pub(super) const NAME: &str = "oracle";
+
+/// `DBMS_LOCK.MAXWAIT`: a `timeout` of this many seconds waits without limit.
+pub(super) const MAXWAIT_SECS: i64 = 32767;
+
+/// The highest id of the range `DBMS_LOCK` leaves to applications.
+pub(super) const MAX_USER_ID: i64 = 1_073_741_823;
+
+/// `DBMS_LOCK.REQUEST` in exclusive mode, held by the session.
+pub(super) const REQUEST_SESSION_SQL: &str = "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, \
+lockmode => DBMS_LOCK.X_MODE, timeout => :3, release_on_commit => FALSE); END;";
+
+/// `DBMS_LOCK.REQUEST` in exclusive mode, released at commit or rollback.
+pub(super) const REQUEST_TRANSACTION_SQL: &str = "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, \
+lockmode => DBMS_LOCK.X_MODE, timeout => :3, release_on_commit => TRUE); END;";
+
+/// `DBMS_LOCK.RELEASE`.
+pub(super) const RELEASE_SQL: &str = "BEGIN :1 := DBMS_LOCK.RELEASE(id => :2); END;";
+
+/// The liveness check (Oracle needs a `FROM`).
+pub(super) const KEEPALIVE_SQL: &str = "SELECT 1 FROM DUAL";
+
+/// The longest wait one statement is given: one second short of `MAXWAIT`, which waits
+/// without limit.
+pub(super) const MAX_WAIT: Duration = Duration::from_secs(MAXWAIT_SECS as u64 - 1);
+
+/// The `DBMS_LOCK` user-lock id of `key`: the low 30 bits of [`lock_id`](crate::lock_id),
+/// in `0..=1073741823`. See the [module docs](crate::oracle) for why, and for the collision odds.
+///
+/// ```
+/// assert_eq!(dlock::oracle::dbms_lock_id("account:42"), 7645020056959376184_i64 as i32 & 0x3FFF_FFFF);
+/// assert!((0..=1_073_741_823).contains(&dlock::oracle::dbms_lock_id("anything")));
+/// ```
+pub fn dbms_lock_id(key: &str) -> i32 {
+    let id = crate::lock_id(key) & MAX_USER_ID;
+    i32::try_from(id).unwrap_or(0)
+}
+
+/// A bound parameter, with the Oracle type it is bound as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Param {
+    /// An OUT bind for the function's result, `NUMBER(10)`.
+    OutNumber,
+    /// An IN bind, `NUMBER` from a Rust `i64`.
+    Number(i64),
+}
+
+/// One PL/SQL block and its parameters (`:1`, `:2`, ... in order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Call {
+    pub(super) sql: &'static str,
+    pub(super) params: Vec<Param>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Scope {
+    Session,
+    Transaction,
+}
+
+/// The `timeout` argument, in whole seconds (rounded up), for a wait of `wait`;
+/// `Duration::MAX` and anything from `MAXWAIT` seconds up is `MAXWAIT` (no limit).
+pub(super) fn timeout_secs(wait: Duration) -> i64 {
+    let secs = wait
+        .as_secs()
+        .saturating_add(u64::from(wait.subsec_nanos() > 0));
+    i64::try_from(secs)
+        .unwrap_or(MAXWAIT_SECS)
+        .min(MAXWAIT_SECS)
+}
+
+pub(super) fn request_call(id: i32, scope: Scope, timeout_secs: i64) -> Call {
+    Call {
+        sql: match scope {
+            Scope::Session => REQUEST_SESSION_SQL,
+            Scope::Transaction => REQUEST_TRANSACTION_SQL,
+        },
+        params: vec![
+            Param::OutNumber,
+            Param::Number(i64::from(id)),
+            Param::Number(timeout_secs),
+        ],
+    }
+}
+
+pub(super) fn release_call(id: i32) -> Call {
+    Call {
+        sql: RELEASE_SQL,
+        params: vec![Param::OutNumber, Param::Number(i64::from(id))],
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Grant {
+    /// 0.
+    Granted,
+    /// 1 (timeout) or 4 (this session already owns the id, for a key that shares it).
+    NotGranted,
+}
+
+pub(super) fn dbms_error(function: &str, code: i64, meaning: &str) -> LockError {
+    LockError::backend(
+        NAME,
+        format!("DBMS_LOCK.{function} returned {code}: {meaning}"),
+        Some(format!("DBMS_LOCK {code}")),
+        None,
+    )
+}
+
+pub(super) fn request_result(code: Option<i64>) -> Result<Grant, LockError> {
+    match code {
+        Some(0) => Ok(Grant::Granted),
+        Some(1 | 4) => Ok(Grant::NotGranted),
+        Some(2) => Err(dbms_error(
+            "REQUEST",
+            2,
+            "deadlock; the request was chosen to break it, retry the acquisition",
+        )),
+        Some(3) => Err(dbms_error("REQUEST", 3, "parameter error")),
+        Some(5) => Err(dbms_error("REQUEST", 5, "illegal lock handle")),
+        Some(other) => Err(dbms_error("REQUEST", other, "an unexpected return code")),
+        None => Err(LockError::backend(
+            NAME,
+            "DBMS_LOCK.REQUEST returned no result",
+            None,
+            None,
+        )),
+    }
+}
+
+pub(super) fn release_result(code: Option<i64>) -> Result<(), LockError> {
+    match code {
+        // 4: not owned any more; nothing to give back.
+        Some(0 | 4) => Ok(()),
+        Some(3) => Err(dbms_error("RELEASE", 3, "parameter error")),
+        Some(5) => Err(dbms_error("RELEASE", 5, "illegal lock handle")),
+        Some(other) => Err(dbms_error("RELEASE", other, "an unexpected return code")),
+        None => Err(LockError::backend(
+            NAME,
+            "DBMS_LOCK.RELEASE returned no result",
+            None,
+            None,
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::session::OracleConnector;
+    use super::*;
+    use crate::session::Connector;
+
+    #[test]
+    fn request_statements_and_parameters() {
+        let call = request_call(123, Scope::Session, 0);
+        assert_eq!(
+            call.sql,
+            "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, lockmode => DBMS_LOCK.X_MODE, \
+             timeout => :3, release_on_commit => FALSE); END;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::OutNumber, Param::Number(123), Param::Number(0)]
+        );
+        let call = request_call(7, Scope::Transaction, 5);
+        assert_eq!(
+            call.sql,
+            "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, lockmode => DBMS_LOCK.X_MODE, \
+             timeout => :3, release_on_commit => TRUE); END;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::OutNumber, Param::Number(7), Param::Number(5)]
+        );
+    }
+
+    #[test]
+    fn release_and_keepalive_statements() {
+        let call = release_call(42);
+        assert_eq!(call.sql, "BEGIN :1 := DBMS_LOCK.RELEASE(id => :2); END;");
+        assert_eq!(call.params, vec![Param::OutNumber, Param::Number(42)]);
+        assert_eq!(KEEPALIVE_SQL, "SELECT 1 FROM DUAL");
+    }
+
+    #[test]
+    fn timeouts_in_seconds() {
+        assert_eq!(timeout_secs(Duration::ZERO), 0);
+        assert_eq!(timeout_secs(Duration::from_millis(1)), 1);
+        assert_eq!(timeout_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(timeout_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(timeout_secs(Duration::from_secs(32766)), 32766);
+        assert_eq!(timeout_secs(Duration::from_secs(40000)), MAXWAIT_SECS);
+        assert_eq!(timeout_secs(Duration::MAX), MAXWAIT_SECS);
+        assert_eq!(
+            timeout_secs(<OracleConnector as Connector>::MAX_WAIT),
+            MAXWAIT_SECS - 1
+        );
+    }
+
+    #[test]
+    fn ids_are_pinned_and_in_the_user_range() {
+        // Low 30 bits of lock_id, whose own vectors are pinned in the key module.
+        assert_eq!(
+            i64::from(dbms_lock_id("account:42")),
+            7645020056959376184_i64 & 0x3FFF_FFFF
+        );
+        assert_eq!(
+            i64::from(dbms_lock_id("jobs:recurring-monthly-billing")),
+            -4568809572337086091_i64 & 0x3FFF_FFFF
+        );
+        for key in ["a", "A", "\0", "ключ", &"x".repeat(5000)] {
+            assert!((0..=1_073_741_823).contains(&dbms_lock_id(key)), "{key:?}");
+        }
+        assert_ne!(dbms_lock_id("a"), dbms_lock_id("A"));
+    }
+
+    #[test]
+    fn every_request_code() {
+        assert_eq!(request_result(Some(0)).unwrap(), Grant::Granted);
+        assert_eq!(request_result(Some(1)).unwrap(), Grant::NotGranted);
+        assert_eq!(request_result(Some(4)).unwrap(), Grant::NotGranted);
+        for (code, words) in [
+            (2, "deadlock"),
+            (3, "parameter error"),
+            (5, "illegal lock handle"),
+            (9, "unexpected"),
+        ] {
+            let err = request_result(Some(code)).unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.BackendError");
+            assert_eq!(err.db_code(), Some(format!("DBMS_LOCK {code}").as_str()));
+            let text = err.to_string();
+            assert!(text.contains(&format!("returned {code}")), "{text}");
+            assert!(text.contains(words), "{text}");
+        }
+        assert!(request_result(None).is_err());
+    }
+
+    #[test]
+    fn every_release_code() {
+        assert!(release_result(Some(0)).is_ok());
+        assert!(release_result(Some(4)).is_ok());
+        for code in [3, 5, 8] {
+            let err = release_result(Some(code)).unwrap_err();
+            assert_eq!(err.db_code(), Some(format!("DBMS_LOCK {code}").as_str()));
+        }
+        assert!(release_result(None).is_err());
+    }
+}

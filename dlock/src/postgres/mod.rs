@@ -1,0 +1,401 @@
+//! PostgreSQL: session advisory locks on a few multiplexed connections, native waits, and
+//! transaction-bound locks.
+//!
+//! A key is locked as the advisory lock [`lock_id(key)`](crate::lock_id) (a `bigint`, the
+//! single-key form of `pg_advisory_lock`), so every client that derives ids the same way, in
+//! any language, locks the same thing. Two distinct keys share an id with probability 2^-64 per
+//! pair; they would then exclude each other (never the reverse: one key always maps to one id).
+//!
+//! # Connections
+//!
+//! The backend opens its own connections (from the URL, or with the connect options of a
+//! [`PgPool`] the application already has, so it never takes connections out of that pool):
+//!
+//! | connections | how many | what they do |
+//! |---|---|---|
+//! | lock connections | `connections` (default 4) | hold the session locks taken without waiting: `pg_try_advisory_lock`, and every `acquire` of a free key |
+//! | wait connections | at most `wait_connections` (default 4) | run the server's blocking wait, `pg_advisory_lock` under `lock_timeout`; a wait that is granted keeps its lock on that connection until release |
+//!
+//! So one provider never has more than `connections + wait_connections` (8 by default) server
+//! connections, however many locks it holds: ten thousand held locks share the four lock
+//! connections. A lock connection runs one short statement at a time for all the locks pinned
+//! to it, and never waits on the server, so a wait never delays the locks that share a
+//! connection. When every wait connection is busy (waiting, or holding the lock its wait got),
+//! further waits poll `pg_try_advisory_lock` on the lock connections with backoff and jitter
+//! until one is free again. `wait_connections=0` makes every wait poll.
+//!
+//! Every acquisition claims its lock id in the backend before it asks the server, and keeps the
+//! claim while it holds the lock; the claims are shared by every provider made from clones of
+//! the backend. So the re-entrancy of session advisory locks (a session may take its own lock
+//! again) can never let two tasks or two providers of one process in at once, even with one
+//! lock connection.
+//!
+//! Lock and wait connections run with `statement_timeout`, `idle_session_timeout` and
+//! `idle_in_transaction_session_timeout` turned off for their session (a pool's or role's
+//! `statement_timeout` would otherwise cut waits short, and an idle timeout would drop held
+//! locks); waits are bounded by `lock_timeout` instead.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//!
+//! # async fn demo() -> Result<(), dlock::LockError> {
+//! let locks = dlock::LockProvider::connect(
+//!     "postgres://app:secret@db.internal:5432/app?fencing=true&keepalive=2s",
+//! )
+//! .await?;
+//! let guard = locks.acquire("invoices:42", Duration::from_secs(10)).await?;
+//! let token = guard.fencing_token(); // Some(n) with fencing=true
+//! # let _ = token;
+//! guard.release().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Waits and cancellation
+//!
+//! `acquire` first tries on a lock connection; only a key that is held elsewhere starts a
+//! server-side wait, on a wait connection, with `lock_timeout` set to what is left of the
+//! timeout. PostgreSQL queues the waiters of a key and grants the lock to one of them as soon
+//! as it is free: no polling, no thundering herd. If the wait's `lock_timeout` fires at the
+//! moment the lock is granted (SQLSTATE 55P03 with the lock in fact held), the backend looks
+//! in `pg_locks` before it answers [`LockError::Timeout`], and keeps the lock if it has it.
+//!
+//! Dropping an acquisition is safe at every point. A try whose answer nobody reads is undone
+//! on its lock connection (`pg_advisory_unlock`). A wait that is abandoned (timeout, cancel
+//! token, dropped future) is cancelled on the server (`pg_cancel_backend`, aimed by process id
+//! and session start time) and its connection is closed, which ends the lock if the server
+//! granted it in the meantime; the connection is not reused, so a late cancel can never hit a
+//! later statement. Until `pg_locks` shows that session neither waiting for nor holding an
+//! advisory lock (at most 5 s), later acquisitions of the key through the same backend wait
+//! for it, so a cancelled wait never makes the key look held for a moment after it ended.
+//!
+//! # Lost locks
+//!
+//! Every connection that holds locks is checked every `keepalive` (default 5 s) with a ping
+//! that must answer within one second. When a connection dies (server restart,
+//! `pg_terminate_backend`, a cut network), the [`lost_token`](crate::LockGuard::lost_token)
+//! of every guard on it is cancelled within `keepalive` + 1 s, the connection is dropped
+//! (the server frees a session's locks when it ends), and later acquisitions open fresh
+//! connections. Releasing a lost lock is not an error of its own: [`LockGuard::release`]
+//! reports the loss once, as [`LockError::Lost`].
+//!
+//! A lock connection checks itself between statements; if the network is cut while one of its
+//! short statements (a try, an unlock) is in flight, that statement is given up after 10 s,
+//! and the connection's locks are reported lost then.
+//!
+//! [`LockGuard::release`]: crate::LockGuard::release
+//!
+//! # Fencing tokens
+//!
+//! Opt-in (`fencing=true`, or [`PostgresBuilder::fencing`]): the backend keeps one counter row
+//! per lock id in the table `dlock_fencing (id bigint primary key, token bigint)` (created if
+//! missing) and increments it in the same statement that takes the lock, so an acquisition
+//! costs one round trip either way. Tokens increase strictly for each key across holders,
+//! processes and server restarts (the row is an ordinary committed row).
+//!
+//! # Permissions
+//!
+//! Advisory locks need no privilege beyond `CONNECT` on the database (the functions
+//! `pg_advisory_lock` and friends, `pg_locks`, `pg_settings`, `pg_stat_activity` and
+//! `pg_cancel_backend` of the role's own sessions are open to every role by default). With
+//! fencing, the role needs the fencing table's three privileges, and `USAGE` on its schema:
+//!
+//! ```sql
+//! CREATE ROLE dlock_app LOGIN PASSWORD '…';
+//! GRANT CONNECT ON DATABASE app TO dlock_app;
+//! -- with fencing=true, run in the database `app` once:
+//! CREATE TABLE dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL);
+//! GRANT USAGE ON SCHEMA public TO dlock_app;
+//! GRANT SELECT, INSERT, UPDATE ON dlock_fencing TO dlock_app;
+//! ```
+//!
+//! A table the role sees is used as it is: the backend creates it only when it is missing, and
+//! then needs `CREATE` on the schema. A role that may neither see nor create it gets a
+//! [`LockError::Config`] with the statements above when the backend opens.
+//! `tests/least_privilege.rs` runs the conformance suite as a role with `CONNECT` only and as
+//! one with the fencing grants, in a database whose `PUBLIC` may do nothing.
+//!
+//! # TLS
+//!
+//! The driver speaks TLS with rustls and ring. Verify the server: `sslmode=verify-full` with
+//! `sslrootcert=/path/ca.pem` (the CA that signed the server's certificate, trusted besides
+//! the system's roots); `verify-ca` skips the host name, and `require` or the default `prefer`
+//! check nothing. A refused certificate is a [`LockError::Config`] saying which check failed
+//! (unknown issuer, a host name the certificate does not carry, expired). With `verify-full`
+//! (or `require`, `verify-ca`) a server without TLS is refused, never used in clear; a server
+//! that accepts this client only over TLS (`hostssl` in `pg_hba.conf`) refuses one without it,
+//! and the error says so. Client certificates: `sslcert` and `sslkey`.
+//!
+//! # URL
+//!
+//! `postgres://user:password@host:port/database` (or `postgresql://`). The options below are
+//! read by the backend; the driver's own options (`sslmode`, `sslrootcert`, `sslcert`,
+//! `sslkey`, `application_name`, `options`, `statement-cache-capacity`, `host`, `port`,
+//! `dbname`, `user`, `password`) go to it as usual, and any other option is refused (so a typo
+//! does not pass unnoticed). Connections are named `application_name=dlock` unless the URL
+//! names them.
+//!
+//! | option | default | meaning |
+//! |---|---|---|
+//! | `fencing` | `false` | issue fencing tokens (see above) |
+//! | `keepalive` | `5s` | liveness check cadence of connections that hold locks |
+//! | `connections` | `4` | lock connections (1 to 64) |
+//! | `wait_connections` | `4` | connections for native waits (0 to 64) |
+//! | `connect_timeout` | `10s` | how long opening a connection may take |
+//!
+//! # Transaction-bound locks and PgBouncer
+//!
+//! [`try_acquire_in_transaction`] and [`acquire_in_transaction`] take `pg_try_advisory_xact_lock`
+//! / `pg_advisory_xact_lock` inside the caller's open transaction (`&mut *tx` of a
+//! `sqlx::Transaction`); the lock ends with the transaction's commit or rollback and uses no
+//! connection of its own. Rules behind PgBouncer:
+//!
+//! - **session pooling**: everything works.
+//! - **transaction pooling**: only the transaction-bound functions work (a session lock would
+//!   stay with a server connection that PgBouncer hands to other clients). Point the
+//!   [`LockProvider`](crate::LockProvider) at the server directly or at a session-mode pool.
+//! - **statement pooling**: nothing works (no transactions); use a direct connection.
+//!
+//! The waiting form sets `lock_timeout` only for its own statement, inside a savepoint, and
+//! restores the transaction's setting afterwards, so a timed-out wait leaves the transaction
+//! usable (it answers [`LockError::Timeout`] and the caller may carry on or roll back).
+
+mod session;
+mod statements;
+mod url;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+
+use crate::backend::BoxFuture;
+use crate::key::validate_key;
+use crate::session::{Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions};
+use crate::sqlx_engine::{db_code, driver_error};
+use crate::{LockError, lock_id};
+use session::{PgConnector, create_fencing_table, is_wait_ended};
+use statements::*;
+
+/// The PostgreSQL engine: the type parameter of [`PostgresBackend`] and [`PostgresBuilder`].
+#[derive(Debug, Clone, Copy)]
+pub enum Postgres {}
+
+/// The PostgreSQL backend. Made by [`LockProvider::connect`](crate::LockProvider::connect)
+/// with a `postgres://` URL, by [`PostgresBackend::new`] from an existing pool, or by
+/// [`PostgresBackend::builder`]. See the [module docs](self) for how it uses connections.
+pub type PostgresBackend = SessionBackend<Postgres>;
+
+/// Builds a [`PostgresBackend`] with options.
+pub type PostgresBuilder = SessionBuilder<Postgres>;
+
+impl Fencing for Postgres {}
+
+impl Driver for Postgres {
+    const BACKEND: &'static str = "PostgresBackend";
+    const BUILDER: &'static str = "PostgresBuilder";
+    const FENCING: bool = true;
+
+    type Target = PgConnectOptions;
+    type Connector = PgConnector;
+
+    fn parse_url(url: &str) -> Result<(PgConnectOptions, SessionOptions), LockError> {
+        url::parse_url(url)
+    }
+
+    fn open(
+        options: PgConnectOptions,
+        session: &SessionOptions,
+    ) -> BoxFuture<'static, Opened<Self>> {
+        let connector = PgConnector {
+            options,
+            fencing: session.fencing,
+            connect_timeout: session.connect_timeout,
+        };
+        Box::pin(async move {
+            let mut first = connector.open_session().await?;
+            if connector.fencing {
+                create_fencing_table(&mut first.conn).await?;
+            }
+            Ok((connector, first))
+        })
+    }
+
+    fn fmt_target(options: &PgConnectOptions, f: &mut std::fmt::DebugStruct<'_, '_>) {
+        // The connect options carry the password: show only where they point.
+        f.field("host", &options.get_host())
+            .field("port", &options.get_port());
+    }
+}
+
+impl SessionBackend<Postgres> {
+    /// A builder that connects with `options`.
+    pub fn builder(options: PgConnectOptions) -> PostgresBuilder {
+        SessionBuilder::new(options)
+    }
+
+    /// A builder that connects like `pool` does (same server, user, password, TLS and
+    /// options). The backend opens its own connections and never takes any from the pool.
+    pub fn builder_from_pool(pool: &PgPool) -> PostgresBuilder {
+        PostgresBackend::builder((*pool.connect_options()).clone())
+    }
+
+    /// A backend with the default settings that connects like `pool` does.
+    ///
+    /// ```no_run
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), dlock::LockError> {
+    /// let backend = dlock::postgres::PostgresBackend::new(pool.clone()).await?;
+    /// let locks = dlock::LockProvider::from_backend(backend);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`PostgresBuilder::open`].
+    pub async fn new(pool: PgPool) -> Result<PostgresBackend, LockError> {
+        PostgresBackend::builder_from_pool(&pool).open().await
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Transaction-bound locks.
+
+pub use crate::TransactionLock;
+
+/// Locks `key` until the transaction open on `conn` commits or rolls back; one try
+/// (`pg_try_advisory_xact_lock`). Contention is [`LockError::AlreadyHeld`].
+///
+/// `conn` must be inside a transaction (pass `&mut *tx` for a `sqlx::Transaction`): outside
+/// one, the lock would end with this very statement. Works behind PgBouncer in transaction
+/// mode. Locks are re-entrant within one transaction, as PostgreSQL's are.
+///
+/// # Cancel safety
+///
+/// If the future is dropped before it completes, the lock may or may not have been taken;
+/// either way it ends with the transaction, so roll the transaction back.
+pub async fn try_acquire_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe(NAME, key, Duration::ZERO, try_in_transaction(conn, key)).await
+}
+
+async fn try_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
+    validate_key(key)?;
+    let id = lock_id(key);
+    let got: bool = sqlx::query_scalar(TRY_XACT_SQL)
+        .bind(id)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| driver_error::<Postgres>("taking a transaction lock", e))?;
+    if got {
+        Ok(TransactionLock::new(NAME, key, None))
+    } else {
+        Err(LockError::AlreadyHeld {
+            key: Arc::from(key),
+        })
+    }
+}
+
+/// Locks `key` until the transaction open on `conn` commits or rolls back, waiting on the
+/// server up to `timeout` (`pg_advisory_xact_lock` under a `lock_timeout` set for this
+/// statement only). Errors with [`LockError::Timeout`] when it runs out; the transaction stays
+/// usable (the wait runs in a savepoint). `Duration::ZERO` is one try.
+///
+/// `conn` must be inside a transaction (`&mut *tx`); outside one this answers
+/// [`LockError::Config`]. Works behind PgBouncer in transaction mode.
+///
+/// # Cancel safety
+///
+/// If the future is dropped before it completes, the connection may be left inside the
+/// savepoint with the wait's `lock_timeout`: roll the transaction back (which also ends the
+/// lock, if it was granted).
+pub async fn acquire_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe(NAME, key, timeout, wait_in_transaction(conn, key, timeout)).await
+}
+
+async fn wait_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
+    validate_key(key)?;
+    if timeout.is_zero() {
+        return try_in_transaction(conn, key).await;
+    }
+    let id = lock_id(key);
+    let err = |e| driver_error::<Postgres>("taking a transaction lock", e);
+    let previous: (String, String) = sqlx::query_as(TIMEOUTS_SQL)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(err)?;
+    match sqlx::query(SAVEPOINT_SQL).execute(&mut *conn).await {
+        Ok(_) => {}
+        Err(e) if db_code::<Postgres>(&e).as_deref() == Some("25P01") => {
+            return Err(LockError::config(
+                "acquire_in_transaction needs an open transaction: pass `&mut *tx` of a transaction begun with `begin()`",
+            ));
+        }
+        Err(e) => return Err(err(e)),
+    }
+    let waited = async {
+        sqlx::query(SET_WAIT_TIMEOUTS_SQL)
+            .bind(lock_timeout_setting(timeout))
+            .execute(&mut *conn)
+            .await?;
+        sqlx::query(WAIT_XACT_SQL)
+            .bind(id)
+            .execute(&mut *conn)
+            .await
+    }
+    .await;
+    match waited {
+        Ok(_) => {
+            sqlx::query(RESTORE_TIMEOUTS_SQL)
+                .bind(&previous.0)
+                .bind(&previous.1)
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            sqlx::query(RELEASE_SAVEPOINT_SQL)
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            Ok(TransactionLock::new(NAME, key, None))
+        }
+        Err(e) => {
+            // Undo the savepoint (and with it the wait's lock_timeout).
+            sqlx::query(ROLLBACK_SAVEPOINT_SQL)
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            sqlx::query(RELEASE_SAVEPOINT_SQL)
+                .execute(&mut *conn)
+                .await
+                .map_err(err)?;
+            if !is_wait_ended(&e) {
+                return Err(err(e));
+            }
+            // The lock may have been granted just as the timeout fired: look before answering.
+            let held: bool = sqlx::query_scalar(HELD_SQL)
+                .bind(id)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(err)?;
+            if held {
+                Ok(TransactionLock::new(NAME, key, None))
+            } else {
+                Err(LockError::Timeout {
+                    key: Arc::from(key),
+                    timeout,
+                })
+            }
+        }
+    }
+}

@@ -1,0 +1,367 @@
+//! What the session engine runs on a PostgreSQL connection.
+
+use std::time::Duration;
+
+use sqlx::error::DatabaseError;
+use sqlx::postgres::{PgConnectOptions, PgConnection};
+use sqlx::{Connection, Row};
+
+use super::Postgres;
+use super::statements::*;
+use crate::backend::BoxFuture;
+use crate::session::{Connector, Failure, Grant, SETTLE_LIMIT, Session};
+use crate::sqlx_engine::{
+    SqlxErrors, connect_within, db_code, driver_error, failure, is_connection_error,
+};
+use crate::{LockError, lock_id};
+
+// ---------------------------------------------------------------------------------------------
+// Sessions: what the shared connection machinery runs on a PostgreSQL connection.
+
+/// Opens lock and wait connections.
+pub struct PgConnector {
+    pub(super) options: PgConnectOptions,
+    pub(super) fencing: bool,
+    pub(super) connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for PgConnector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The connect options carry the password: show only where they point.
+        f.debug_struct("PgConnector")
+            .field("host", &self.options.get_host())
+            .field("port", &self.options.get_port())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgConnector {
+    pub(super) async fn open_session(&self) -> Result<PgSession, LockError> {
+        let mut conn = open_connection(&self.options, self.connect_timeout).await?;
+        let (pid, started, _): (i32, String, i64) = sqlx::query_as(IDENTITY_SQL)
+            .fetch_one(&mut conn)
+            .await
+            .map_err(|e| driver_error::<Postgres>("opening a connection", e))?;
+        Ok(PgSession {
+            conn,
+            fencing: self.fencing,
+            identity: PgCancel { pid, started },
+        })
+    }
+}
+
+impl Connector for PgConnector {
+    /// The advisory lock id.
+    type Resource = i64;
+    type Session = PgSession;
+
+    const NAME: &'static str = NAME;
+    /// The longest `lock_timeout` the server takes.
+    const MAX_WAIT: Duration = Duration::from_millis(i32::MAX as u64);
+    const PING_TIMEOUT: Duration = Duration::from_secs(1);
+    const WAIT_GRACE: Duration = Duration::from_secs(1);
+
+    fn wait_resolution(&self) -> Duration {
+        Duration::from_millis(1)
+    }
+
+    fn resource(&self, key: &str) -> i64 {
+        lock_id(key)
+    }
+
+    fn open(&self) -> BoxFuture<'_, Result<PgSession, LockError>> {
+        Box::pin(self.open_session())
+    }
+}
+
+/// One connection, with the identity that [`CANCEL_SQL`] aims at.
+#[derive(Debug)]
+pub struct PgSession {
+    pub(super) conn: PgConnection,
+    fencing: bool,
+    identity: PgCancel,
+}
+
+/// `pg_cancel_backend` for an abandoned wait on another connection, identified by its process
+/// id and start time (so a reused process id is never hit).
+#[derive(Debug)]
+pub struct PgCancel {
+    pid: i32,
+    started: String,
+}
+
+impl PgSession {
+    /// One try; the fencing token is issued in the same statement.
+    async fn try_lock(&mut self, id: i64) -> Result<Option<Grant>, sqlx::Error> {
+        if self.fencing {
+            let row = sqlx::query(TRY_FENCED_SQL)
+                .bind(id)
+                .fetch_one(&mut self.conn)
+                .await?;
+            let got: bool = row.try_get(0)?;
+            let token: Option<i64> = row.try_get(1)?;
+            Ok(got.then(|| Grant {
+                token: token.and_then(|t| u64::try_from(t).ok()),
+            }))
+        } else {
+            let got: bool = sqlx::query_scalar(TRY_SQL)
+                .bind(id)
+                .fetch_one(&mut self.conn)
+                .await?;
+            Ok(got.then_some(Grant::PLAIN))
+        }
+    }
+
+    /// A native wait under `lock_timeout`. If the timeout (or a cancel) fires at the moment
+    /// the lock is granted, `pg_locks` decides.
+    async fn wait_lock(&mut self, id: i64, wait: Duration) -> Result<Option<Grant>, sqlx::Error> {
+        sqlx::query(SET_LOCK_TIMEOUT_SQL)
+            .bind(lock_timeout_setting(wait))
+            .execute(&mut self.conn)
+            .await?;
+        let waited = if self.fencing {
+            sqlx::query_scalar::<_, i64>(WAIT_FENCED_SQL)
+                .bind(id)
+                .fetch_one(&mut self.conn)
+                .await
+                .map(|token| u64::try_from(token).ok())
+        } else {
+            sqlx::query(WAIT_SQL)
+                .bind(id)
+                .execute(&mut self.conn)
+                .await
+                .map(|_| None)
+        };
+        match waited {
+            Ok(token) => Ok(Some(Grant { token })),
+            Err(err) if is_wait_ended(&err) => {
+                let held: bool = sqlx::query_scalar(HELD_SQL)
+                    .bind(id)
+                    .fetch_one(&mut self.conn)
+                    .await?;
+                if !held {
+                    return Ok(None);
+                }
+                let token = if self.fencing {
+                    let token: i64 = sqlx::query_scalar(FENCE_SQL)
+                        .bind(id)
+                        .fetch_one(&mut self.conn)
+                        .await?;
+                    u64::try_from(token).ok()
+                } else {
+                    None
+                };
+                Ok(Some(Grant { token }))
+            }
+            Err(err) => Err(err),
+        }
+    }
+}
+
+impl PgSession {
+    /// Cancels another session's abandoned wait, then watches the server until that session
+    /// neither waits for nor holds an advisory lock. The cancel only asks, and a wait granted
+    /// just before it holds its lock until the server sees the dropped connection; the
+    /// acquisition's claim is kept until then, so a later acquisition of the key through the
+    /// same backend never finds it held by a session that is going away.
+    async fn cancel_and_settle(&mut self, cancel: &PgCancel) -> Result<(), sqlx::Error> {
+        sqlx::query(CANCEL_SQL)
+            .bind(cancel.pid)
+            .bind(&cancel.started)
+            .execute(&mut self.conn)
+            .await?;
+        let mut pause = Duration::from_millis(1);
+        loop {
+            let settled: bool = sqlx::query_scalar(SETTLED_SQL)
+                .bind(cancel.pid)
+                .bind(&cancel.started)
+                .fetch_one(&mut self.conn)
+                .await?;
+            if settled {
+                return Ok(());
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Session for PgSession {
+    type Resource = i64;
+    type Interrupt = PgCancel;
+
+    fn lock<'a>(
+        &'a mut self,
+        id: &'a i64,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
+        Box::pin(async move {
+            let (what, outcome) = if wait.is_zero() {
+                ("taking a lock", self.try_lock(*id).await)
+            } else {
+                ("waiting for a lock", self.wait_lock(*id, wait).await)
+            };
+            match outcome {
+                Ok(grant) => Ok(grant),
+                Err(err) if !is_connection_error::<Postgres>(&err) => {
+                    // The statement failed (say, the fencing table is missing) after the lock
+                    // may have been taken: give it back. The unlock cannot end another
+                    // acquisition's hold on this session: the backend's claims admit one
+                    // acquisition per lock id at a time, however many providers share it.
+                    let error = driver_error::<Postgres>(what, err);
+                    match sqlx::query(UNLOCK_SQL)
+                        .bind(*id)
+                        .execute(&mut self.conn)
+                        .await
+                    {
+                        Ok(_) => Err(Failure::statement(error)),
+                        Err(_) => Err(Failure::connection(error)),
+                    }
+                }
+                Err(err) => Err(Failure::connection(driver_error::<Postgres>(what, err))),
+            }
+        })
+    }
+
+    fn unlock<'a>(&'a mut self, id: &'a i64) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            sqlx::query_scalar::<_, bool>(UNLOCK_SQL)
+                .bind(*id)
+                .fetch_one(&mut self.conn)
+                .await
+                .map(drop)
+                .map_err(|err| {
+                    Failure::connection(driver_error::<Postgres>("releasing a lock", err))
+                })
+        })
+    }
+
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            self.conn.ping().await.map_err(|err| {
+                Failure::connection(driver_error::<Postgres>("checking a connection", err))
+            })
+        })
+    }
+
+    fn interrupt(&self, _id: &i64) -> Option<PgCancel> {
+        Some(PgCancel {
+            pid: self.identity.pid,
+            started: self.identity.started.clone(),
+        })
+    }
+
+    fn run_interrupt(&mut self, cancel: PgCancel) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async move {
+            let what = "cancelling an abandoned wait";
+            let settled = tokio::time::timeout(SETTLE_LIMIT, self.cancel_and_settle(&cancel));
+            match settled.await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(err)) => Err(failure::<Postgres>(what, err)),
+                Err(_) => {
+                    tracing::warn!(
+                        backend = NAME,
+                        "an abandoned wait's session still waits for or holds its lock after {SETTLE_LIMIT:?}"
+                    );
+                    Ok(())
+                }
+            }
+        })
+    }
+}
+
+/// Opens a connection and sets its session up, within `timeout`.
+async fn open_connection(
+    options: &PgConnectOptions,
+    timeout: Duration,
+) -> Result<PgConnection, LockError> {
+    let connect = async {
+        let mut conn = PgConnection::connect_with(options).await?;
+        sqlx::query(SESSION_SQL).execute(&mut conn).await?;
+        Ok::<_, sqlx::Error>(conn)
+    };
+    connect_within::<Postgres, _>(timeout, connect).await
+}
+
+/// Makes sure the fencing table is there and usable: a table this role sees needs only its
+/// three privileges (never `CREATE` on the schema); a missing one is created.
+pub(super) async fn create_fencing_table(conn: &mut PgConnection) -> Result<(), LockError> {
+    let (exists, usable): (bool, bool) = sqlx::query_as(FENCING_TABLE_CHECK_SQL)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| driver_error::<Postgres>("looking for the fencing table dlock_fencing", e))?;
+    if exists {
+        return if usable {
+            Ok(())
+        } else {
+            Err(LockError::config(format!(
+                "fencing=true: this role lacks a privilege the table dlock_fencing needs \
+                 (all three of select, insert and update); an administrator grants them: \
+                 {FENCING_GRANTS}"
+            )))
+        };
+    }
+    match sqlx::query(FENCING_TABLE_SQL).execute(&mut *conn).await {
+        Ok(_) => Ok(()),
+        // Another process created it at the same moment.
+        Err(e) if matches!(db_code::<Postgres>(&e).as_deref(), Some("23505" | "42P07")) => Ok(()),
+        // No `CREATE` on the schema (nor `USAGE`, if the table is there but out of sight), or
+        // no schema on the search path this role may use at all.
+        Err(e) if matches!(db_code::<Postgres>(&e).as_deref(), Some("42501" | "3F000")) => {
+            Err(LockError::config(format!(
+                "fencing=true needs the table dlock_fencing, which this role does not see and \
+             may not create ({}); an administrator creates it and grants it: {FENCING_GRANTS}",
+                match &e {
+                    sqlx::Error::Database(db) => db.message().to_owned(),
+                    other => other.to_string(),
+                }
+            )))
+        }
+        Err(e) => Err(driver_error::<Postgres>(
+            "creating the fencing table dlock_fencing",
+            e,
+        )),
+    }
+}
+
+/// Whether a wait ended without error of its own: `lock_timeout` (55P03) or a cancel (57014).
+pub(super) fn is_wait_ended(err: &sqlx::Error) -> bool {
+    matches!(db_code::<Postgres>(err).as_deref(), Some("55P03" | "57014"))
+}
+
+/// Whether a SQLSTATE means the connection can no longer be trusted: connection exceptions
+/// (08), operator intervention such as a terminated backend (57P), too many connections.
+fn ends_connection(code: &str) -> bool {
+    code.starts_with("08") || code.starts_with("57P") || code == "53300"
+}
+
+impl SqlxErrors for Postgres {
+    const NAME: &'static str = NAME;
+    const TLS_MODE_OPTION: &'static str = "sslmode";
+    const TLS_CA_OPTION: &'static str = "sslrootcert";
+    const SERVER_TLS_HINT: &'static str = "turn `ssl` on at the server";
+
+    fn code(db: &dyn DatabaseError) -> Option<String> {
+        db.code().map(|c| c.into_owned())
+    }
+
+    fn ends_connection(db: &dyn DatabaseError) -> bool {
+        db.code().is_some_and(|code| ends_connection(&code))
+    }
+
+    fn config_error(what: &str, db: &dyn DatabaseError) -> Option<LockError> {
+        let message = db.message();
+        let text = match db.code()?.as_ref() {
+            // pg_hba.conf has no line for this client without TLS.
+            "28000" if message.ends_with("no encryption") => format!(
+                "{what}: the server accepts this client only over TLS ({message}); connect with sslmode=verify-full and sslrootcert"
+            ),
+            "28P01" | "28000" => format!(
+                "{what}: the server refused the credentials ({message}); check the user name and password in the URL"
+            ),
+            "3D000" => format!("{what}: {message}; check the database name in the URL"),
+            _ => return None,
+        };
+        Some(LockError::config(text))
+    }
+}

@@ -1,0 +1,125 @@
+//! The PostgreSQL backend's statements, as constants, and the values they are bound with.
+
+use std::time::Duration;
+
+/// The backend's name.
+pub(super) const NAME: &str = "postgres";
+
+/// Session settings of lock and wait connections: no server-side timeouts that could cut a
+/// wait short or drop an idle session that holds locks. Settings the server does not know
+/// (older versions) are skipped.
+pub(super) const SESSION_SQL: &str = "SELECT count(set_config(name, '0', false)) FROM pg_settings \
+    WHERE name IN ('statement_timeout', 'idle_session_timeout', 'idle_in_transaction_session_timeout')";
+
+/// `$1` lock id. Returns whether the lock was taken.
+pub(super) const TRY_SQL: &str = "SELECT pg_try_advisory_lock($1)";
+
+/// `$1` lock id. Takes the lock and, only if it was taken, increments its fencing counter in
+/// the same statement.
+pub(super) const TRY_FENCED_SQL: &str = "WITH l AS (SELECT pg_try_advisory_lock($1) AS got), \
+    f AS (INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM l WHERE l.got \
+          ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token) \
+    SELECT l.got, (SELECT token FROM f) FROM l";
+
+/// `$1` lock id. Waits (under the session's `lock_timeout`).
+pub(super) const WAIT_SQL: &str = "SELECT pg_advisory_lock($1)";
+
+/// `$1` lock id. Waits, then increments the fencing counter in the same statement.
+pub(super) const WAIT_FENCED_SQL: &str = "WITH l AS (SELECT pg_advisory_lock($1)) \
+    INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM l \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token";
+
+/// `$1` lock id. Increments the fencing counter of a lock this session already holds.
+pub(super) const FENCE_SQL: &str = "INSERT INTO dlock_fencing (id, token) VALUES ($1, 1) \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token";
+
+pub(super) const UNLOCK_SQL: &str = "SELECT pg_advisory_unlock($1)";
+
+/// `$1` lock id. Whether this session holds the lock (session or transaction level).
+pub(super) const HELD_SQL: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
+    AND pid = pg_backend_pid() AND granted AND objsubid = 1 \
+    AND ((classid::bigint << 32) | objid::bigint) = $1)";
+
+pub(super) const FENCING_TABLE_SQL: &str =
+    "CREATE TABLE IF NOT EXISTS dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL)";
+
+/// Whether this role sees the fencing table (on its search path), and may `SELECT`, `INSERT`
+/// and `UPDATE` it. Asked before [`FENCING_TABLE_SQL`], which needs `CREATE` on the schema even
+/// when the table exists: a role with just the table's grants could not open the backend.
+pub(super) const FENCING_TABLE_CHECK_SQL: &str = "SELECT to_regclass('dlock_fencing') IS NOT NULL, \
+    COALESCE(has_table_privilege(to_regclass('dlock_fencing'), 'SELECT') \
+    AND has_table_privilege(to_regclass('dlock_fencing'), 'INSERT') \
+    AND has_table_privilege(to_regclass('dlock_fencing'), 'UPDATE'), false)";
+
+/// What an administrator runs for a role that may not create the fencing table.
+pub(super) const FENCING_GRANTS: &str = "CREATE TABLE dlock_fencing (id bigint PRIMARY KEY, token bigint NOT NULL); \
+    GRANT USAGE ON SCHEMA <schema> TO <role>; GRANT SELECT, INSERT, UPDATE ON dlock_fencing TO <role>";
+
+/// `$1` pid, `$2` backend start time (text) of a wait connection: cancels its statement.
+pub(super) const CANCEL_SQL: &str = "SELECT pg_cancel_backend(pid) FROM pg_stat_activity \
+    WHERE pid = $1 AND backend_start::text = $2";
+
+/// `$1` pid, `$2` backend start time (text) of a wait connection: whether that session (if it
+/// still exists) neither waits for nor holds any advisory lock.
+pub(super) const SETTLED_SQL: &str = "SELECT NOT EXISTS (SELECT 1 FROM pg_locks l \
+    JOIN pg_stat_activity a ON a.pid = l.pid \
+    WHERE l.pid = $1 AND a.backend_start::text = $2 AND l.locktype = 'advisory')";
+
+/// Process id and start time of this session, which identify it for [`CANCEL_SQL`]. Also
+/// has the server look for a vanished client once a second while a statement runs
+/// (`client_connection_check_interval`, PostgreSQL 14 and later; skipped where unknown), so a
+/// wait whose cancel arrived before the wait began still ends soon after its connection is
+/// dropped, instead of at its `lock_timeout`.
+pub(super) const IDENTITY_SQL: &str = "SELECT pid, backend_start::text, \
+    (SELECT count(set_config(name, '1000', false)) FROM pg_settings \
+     WHERE name = 'client_connection_check_interval') \
+    FROM pg_stat_activity WHERE pid = pg_backend_pid()";
+
+pub(super) const SET_LOCK_TIMEOUT_SQL: &str = "SELECT set_config('lock_timeout', $1, false)";
+
+/// `$1` lock id. One try for a transaction-bound lock.
+pub(super) const TRY_XACT_SQL: &str = "SELECT pg_try_advisory_xact_lock($1)";
+
+/// `$1` lock id. A wait for a transaction-bound lock (under `lock_timeout`).
+pub(super) const WAIT_XACT_SQL: &str = "SELECT pg_advisory_xact_lock($1)";
+
+/// The transaction's `lock_timeout` and `statement_timeout`, restored after a wait.
+pub(super) const TIMEOUTS_SQL: &str =
+    "SELECT current_setting('lock_timeout'), current_setting('statement_timeout')";
+
+/// `$1` lock timeout: the wait's timeouts, for the rest of the savepoint; the caller's
+/// `statement_timeout` must not cut the wait short (`lock_timeout` bounds it).
+pub(super) const SET_WAIT_TIMEOUTS_SQL: &str =
+    "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', '0', true)";
+
+/// `$1` lock timeout, `$2` statement timeout: the transaction's own, restored.
+pub(super) const RESTORE_TIMEOUTS_SQL: &str =
+    "SELECT set_config('lock_timeout', $1, true), set_config('statement_timeout', $2, true)";
+
+pub(super) const SAVEPOINT_SQL: &str = "SAVEPOINT dlock_wait";
+pub(super) const RELEASE_SAVEPOINT_SQL: &str = "RELEASE SAVEPOINT dlock_wait";
+pub(super) const ROLLBACK_SAVEPOINT_SQL: &str = "ROLLBACK TO SAVEPOINT dlock_wait";
+
+/// `lock_timeout` for a wait of `timeout`: whole milliseconds, rounded up; `0` (no limit) for
+/// waits too long for the setting.
+pub(super) fn lock_timeout_setting(timeout: Duration) -> String {
+    let ms = timeout.as_nanos().div_ceil(1_000_000).max(1);
+    if ms > i32::MAX as u128 {
+        "0".to_owned()
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_timeouts() {
+        assert_eq!(lock_timeout_setting(Duration::from_millis(400)), "400ms");
+        assert_eq!(lock_timeout_setting(Duration::from_micros(1)), "1ms");
+        assert_eq!(lock_timeout_setting(Duration::from_micros(1500)), "2ms");
+        assert_eq!(lock_timeout_setting(Duration::MAX), "0");
+    }
+}

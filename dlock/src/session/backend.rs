@@ -1,0 +1,201 @@
+//! The one backend type and the one builder type of every session engine.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::acquire::Lanes;
+use super::options::SessionOptions;
+use super::traits::{Engine, Fencing};
+use crate::LockError;
+use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
+
+/// A backend of a session engine: session locks on a few multiplexed connections, native waits
+/// on a bounded set of connections, liveness checks (see the [module docs](super)).
+///
+/// Made by [`LockProvider::connect`](crate::LockProvider::connect) with the engine's URL, by
+/// [`SessionBackend::connect`], or by a [`SessionBuilder`]. Each engine names it:
+/// [`PostgresBackend`](crate::postgres::PostgresBackend),
+/// [`MySqlBackend`](crate::mysql::MySqlBackend), [`MssqlBackend`](crate::mssql::MssqlBackend),
+/// [`OracleBackend`](crate::oracle::OracleBackend), with the engine's own constructors. Cheap to
+/// clone: clones share the connections, and the claims that keep two acquisitions of one key
+/// apart.
+pub struct SessionBackend<E: Engine> {
+    lanes: Arc<Lanes<E::Connector>>,
+    options: SessionOptions,
+}
+
+/// Builds a [`SessionBackend`] with options. Each engine names it
+/// ([`PostgresBuilder`](crate::postgres::PostgresBuilder) and so on) and makes it (`builder`,
+/// `builder_from_url`).
+#[must_use]
+pub struct SessionBuilder<E: Engine> {
+    pub(crate) target: E::Target,
+    pub(crate) options: SessionOptions,
+}
+
+impl<E: Engine> SessionBuilder<E> {
+    /// A builder for `target` with the default options.
+    pub(crate) fn new(target: E::Target) -> Self {
+        SessionBuilder {
+            target,
+            options: SessionOptions::default(),
+        }
+    }
+
+    /// How often connections that hold locks are checked (default 5 s, at least 10 ms).
+    pub fn keepalive(mut self, keepalive: Duration) -> Self {
+        self.options.keepalive = keepalive;
+        self
+    }
+
+    /// How long opening a connection may take (default 10 s).
+    pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
+        self.options.connect_timeout = connect_timeout;
+        self
+    }
+
+    /// The number of lock connections, which hold the locks taken without waiting (default 4,
+    /// 1 to 64).
+    pub fn connections(mut self, connections: usize) -> Self {
+        self.options.connections = connections;
+        self
+    }
+
+    /// The most connections used for native waits at once (default 4, 0 to 64; 0 makes waits
+    /// poll instead).
+    pub fn wait_connections(mut self, wait_connections: usize) -> Self {
+        self.options.wait_connections = wait_connections;
+        self
+    }
+
+    /// Opens the first lock connection (so a wrong address or password, or a missing client
+    /// library, is reported here), sets up what the engine needs on it (the fencing table when
+    /// fencing is on), and starts the backend; the other connections open when they are first
+    /// needed. Must run inside a Tokio runtime.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future closes the connection it was opening.
+    pub async fn open(self) -> Result<SessionBackend<E>, LockError> {
+        self.options.check()?;
+        Lanes::<E::Connector>::check_runtime()?;
+        let (connector, first) = E::open(self.target, &self.options).await?;
+        Ok(SessionBackend {
+            lanes: Arc::new(Lanes::start(connector, self.options.settings(), first)?),
+            options: self.options,
+        })
+    }
+
+    /// Reads a URL of the engine's scheme, and checks its options.
+    pub(crate) fn from_url(url: &str) -> Result<Self, LockError> {
+        let (target, options) = E::parse_url(url)?;
+        options.check()?;
+        Ok(SessionBuilder { target, options })
+    }
+}
+
+impl<E: Fencing> SessionBuilder<E> {
+    /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
+    pub fn fencing(mut self, fencing: bool) -> Self {
+        self.options.fencing = fencing;
+        self
+    }
+}
+
+impl<E: Engine> Clone for SessionBuilder<E> {
+    fn clone(&self) -> Self {
+        SessionBuilder {
+            target: self.target.clone(),
+            options: self.options,
+        }
+    }
+}
+
+impl<E: Engine> fmt::Debug for SessionBuilder<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut out = f.debug_struct(E::BUILDER);
+        E::fmt_target(&self.target, &mut out);
+        out.field("options", &self.options).finish()
+    }
+}
+
+impl<E: Engine> SessionBackend<E> {
+    /// Parses a URL of the engine's scheme, with the options of the engine's module docs, into
+    /// a builder, without connecting.
+    pub fn builder_from_url(url: &str) -> Result<SessionBuilder<E>, LockError> {
+        SessionBuilder::from_url(url)
+    }
+
+    /// Connects with a URL of the engine's scheme.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`SessionBuilder::open`].
+    pub async fn connect(url: &str) -> Result<SessionBackend<E>, LockError> {
+        SessionBuilder::<E>::from_url(url)?.open().await
+    }
+
+    /// The liveness check cadence.
+    pub fn keepalive(&self) -> Duration {
+        self.options.keepalive
+    }
+
+    /// The open backend's connector.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn connector(&self) -> &E::Connector {
+        self.lanes.connector()
+    }
+}
+
+impl<E: Fencing> SessionBackend<E> {
+    /// Whether this backend issues fencing tokens.
+    pub fn fencing(&self) -> bool {
+        self.options.fencing
+    }
+}
+
+impl<E: Engine> Clone for SessionBackend<E> {
+    fn clone(&self) -> Self {
+        SessionBackend {
+            lanes: Arc::clone(&self.lanes),
+            options: self.options,
+        }
+    }
+}
+
+impl<E: Engine> fmt::Debug for SessionBackend<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut out = f.debug_struct(E::BACKEND);
+        out.field("connector", self.lanes.connector());
+        if E::FENCING {
+            out.field("fencing", &self.options.fencing);
+        }
+        out.field("lanes", &self.lanes).finish()
+    }
+}
+
+impl<E: Engine> LockBackend for SessionBackend<E> {
+    fn name(&self) -> &'static str {
+        <E::Connector as super::Connector>::NAME
+    }
+
+    fn supports_native_wait(&self) -> bool {
+        true
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(self.lanes.try_acquire(request.key))
+    }
+
+    fn acquire_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(self.lanes.acquire_wait(request.key, timeout))
+    }
+}

@@ -1,0 +1,320 @@
+//! Lanes: the multiplexed lock connections, each one session in one task.
+
+use std::collections::HashMap;
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use super::acquire::lane_gone;
+use super::claims::Claim;
+use super::traits::{Connector, Grant, InterruptOf, Session};
+use crate::LockError;
+use crate::backend::{BoxFuture, HeldLock};
+
+/// The most a lock, unlock or interrupt statement on a lane may take before its connection
+/// is presumed dead (pings have [`Connector::PING_TIMEOUT`]).
+pub(super) const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+// Lanes.
+
+pub(super) enum LaneCommand<C: Connector> {
+    /// One try; on success the lock is pinned to this lane under `handle`.
+    Try {
+        resource: C::Resource,
+        claim: Claim<C::Resource>,
+        handle: u64,
+        lost: CancellationToken,
+        reply: oneshot::Sender<Result<Option<Grant>, LockError>>,
+    },
+    /// Gives back the lock `handle` (if this lane still holds it), then acknowledges.
+    Unlock {
+        handle: u64,
+        done: oneshot::Sender<()>,
+    },
+    /// Runs an abandoned wait's interrupt request, then acknowledges.
+    Interrupt {
+        request: InterruptOf<C>,
+        done: oneshot::Sender<()>,
+    },
+}
+
+/// A lock a lane holds.
+pub(super) struct LaneLock<C: Connector> {
+    resource: C::Resource,
+    lost: CancellationToken,
+    /// Dropped after the lock is given back (or its session is gone).
+    _claim: Claim<C::Resource>,
+}
+
+pub(super) struct Lane<C: Connector> {
+    connector: Arc<C>,
+    keepalive: Duration,
+    session: Option<C::Session>,
+    held: HashMap<u64, LaneLock<C>>,
+}
+
+impl<C: Connector> Lane<C> {
+    /// Starts a lane task on the current runtime (with `session`, or opening one when first
+    /// needed) and returns its command channel.
+    pub(super) fn spawn(
+        connector: &Arc<C>,
+        keepalive: Duration,
+        session: Option<C::Session>,
+    ) -> mpsc::UnboundedSender<LaneCommand<C>> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let lane = Lane {
+            connector: Arc::clone(connector),
+            keepalive,
+            session,
+            held: HashMap::new(),
+        };
+        tokio::spawn(lane.run(rx));
+        tx
+    }
+
+    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand<C>>) {
+        let mut ticker = tokio::time::interval_at(
+            crate::time::later_tokio(tokio::time::Instant::now(), self.keepalive),
+            self.keepalive,
+        );
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                command = commands.recv() => match command {
+                    Some(command) => self.handle(command).await,
+                    // The backend and every lock of this lane are gone.
+                    None => break,
+                },
+                _ = ticker.tick(), if self.session.is_some() => self.check().await,
+            }
+        }
+    }
+
+    async fn handle(&mut self, command: LaneCommand<C>) {
+        match command {
+            LaneCommand::Try {
+                resource,
+                claim,
+                handle,
+                lost,
+                reply,
+            } => {
+                if reply.is_closed() {
+                    return;
+                }
+                match self.try_lock(&resource).await {
+                    Ok(Some(grant)) => {
+                        self.held.insert(
+                            handle,
+                            LaneLock {
+                                resource,
+                                lost,
+                                _claim: claim,
+                            },
+                        );
+                        if reply.send(Ok(Some(grant))).is_err() {
+                            // Abandoned while the server granted it: give it back.
+                            self.unlock(handle).await;
+                        }
+                    }
+                    other => {
+                        // Free the claim before answering, so a retry can claim it again.
+                        drop(claim);
+                        let _ = reply.send(other);
+                    }
+                }
+            }
+            LaneCommand::Unlock { handle, done } => {
+                self.unlock(handle).await;
+                let _ = done.send(());
+            }
+            LaneCommand::Interrupt { request, done } => {
+                self.interrupt(request).await;
+                let _ = done.send(());
+            }
+        }
+    }
+
+    /// The lane's session, opening a fresh one if there is none.
+    async fn session(&mut self) -> Result<&mut C::Session, LockError> {
+        if self.session.is_none() {
+            self.session = Some(self.connector.open().await?);
+        }
+        self.session.as_mut().ok_or_else(lane_gone::<C>)
+    }
+
+    /// One try. An idle session found dead (nothing held on it) is replaced once.
+    async fn try_lock(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
+        let reused = self.session.is_some();
+        match self.try_once(resource).await {
+            Err(_) if reused && self.session.is_none() && self.held.is_empty() => {
+                self.try_once(resource).await
+            }
+            other => other,
+        }
+    }
+
+    async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
+        let session = self.session().await?;
+        let outcome =
+            tokio::time::timeout(STATEMENT_TIMEOUT, session.lock(resource, Duration::ZERO)).await;
+        match outcome {
+            Ok(Ok(granted)) => Ok(granted),
+            Ok(Err(failure)) => {
+                if !failure.connection_ok {
+                    self.die("the lock connection failed");
+                }
+                Err(failure.error)
+            }
+            Err(_) => {
+                self.die("the lock connection stopped answering");
+                Err(LockError::unavailable(
+                    C::NAME,
+                    format!(
+                        "the server did not answer a lock statement within {STATEMENT_TIMEOUT:?}"
+                    ),
+                    None,
+                ))
+            }
+        }
+    }
+
+    async fn unlock(&mut self, handle: u64) {
+        // A lock that is not in `held` went with a dead session: nothing to give back.
+        let Some(lock) = self.held.remove(&handle) else {
+            return;
+        };
+        let Some(session) = self.session.as_mut() else {
+            return;
+        };
+        match tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&lock.resource)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(failure)) if failure.connection_ok => {
+                tracing::warn!(backend = C::NAME, error = %failure.error, "releasing a lock failed; closing its connection");
+                self.die("releasing a lock failed");
+            }
+            // The session's state is unknown: dropping it is the one sure way to free the
+            // lock on the server, and it takes this lane's other locks with it.
+            _ => self.die("releasing a lock failed"),
+        }
+    }
+
+    /// Runs an abandoned wait's interrupt request from this lane's session.
+    async fn interrupt(&mut self, request: InterruptOf<C>) {
+        let Ok(session) = self.session().await else {
+            return;
+        };
+        match tokio::time::timeout(STATEMENT_TIMEOUT, session.run_interrupt(request)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(failure)) if failure.connection_ok => {
+                tracing::warn!(backend = C::NAME, error = %failure.error, "stopping an abandoned wait failed");
+            }
+            _ => self.die("the lock connection failed"),
+        }
+    }
+
+    async fn check(&mut self) {
+        let Some(session) = self.session.as_mut() else {
+            return;
+        };
+        match tokio::time::timeout(C::PING_TIMEOUT, session.ping()).await {
+            Ok(Ok(())) => {}
+            _ => self.die("the lock connection failed its liveness check"),
+        }
+    }
+
+    /// Drops the session and reports every lock it held as lost.
+    fn die(&mut self, why: &str) {
+        if !self.held.is_empty() {
+            tracing::warn!(
+                backend = C::NAME,
+                locks = self.held.len(),
+                "{why}; its locks are lost"
+            );
+        }
+        for (_, lock) in self.held.drain() {
+            lock.lost.cancel();
+        }
+        self.session = None;
+    }
+}
+
+impl<C: Connector> Drop for Lane<C> {
+    /// The lane's task has stopped: normally only once the backend and every lock of the lane
+    /// are gone, but also when the runtime it ran on is dropped with locks still held. Its
+    /// session (and with it every lock it held) ends here, so their holders must hear it.
+    fn drop(&mut self) {
+        if !self.held.is_empty() {
+            self.die("the lock connection's task stopped (was its Tokio runtime dropped?)");
+        }
+    }
+}
+
+/// A lock pinned to a lane (or a try in flight that may become one). Dropped without
+/// [`HeldLock::release`], it queues an unlock for its handle without waiting for it; the lane
+/// runs commands in order, so that unlock comes after the try it answers.
+pub(super) struct LaneHeld<C: Connector> {
+    lane: mpsc::UnboundedSender<LaneCommand<C>>,
+    handle: u64,
+    armed: bool,
+}
+
+impl<C: Connector> LaneHeld<C> {
+    pub(super) fn new(lane: mpsc::UnboundedSender<LaneCommand<C>>, handle: u64) -> Self {
+        LaneHeld {
+            lane,
+            handle,
+            armed: true,
+        }
+    }
+
+    /// For a try that was not granted: nothing to give back.
+    pub(super) fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl<C: Connector> Drop for LaneHeld<C> {
+    fn drop(&mut self) {
+        if self.armed {
+            let (done, _) = oneshot::channel();
+            let _ = self.lane.send(LaneCommand::Unlock {
+                handle: self.handle,
+                done,
+            });
+        }
+    }
+}
+
+impl<C: Connector> Debug for LaneHeld<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LaneHeld")
+            .field("backend", &C::NAME)
+            .field("handle", &self.handle)
+            .finish()
+    }
+}
+
+impl<C: Connector> HeldLock for LaneHeld<C> {
+    fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        self.armed = false;
+        Box::pin(async move {
+            let (done, acknowledged) = oneshot::channel();
+            if self
+                .lane
+                .send(LaneCommand::Unlock {
+                    handle: self.handle,
+                    done,
+                })
+                .is_ok()
+            {
+                // The lane task ends only with its session, which frees the lock anyway.
+                let _ = acknowledged.await;
+            }
+            Ok(())
+        })
+    }
+}

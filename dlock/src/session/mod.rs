@@ -1,0 +1,89 @@
+//! The session engine: what the session-lock backends (PostgreSQL, MySQL, SQL Server,
+//! Oracle) share: a few multiplexed lock connections ("lanes"), a bounded set of connections for
+//! native waits, and liveness checks that cancel the lost token of every lock on a connection
+//! that dies.
+//!
+//! Every engine is one [`SessionBackend`], configured by one [`SessionBuilder`]: the options
+//! (`keepalive`, `connections`, `wait_connections`, `connect_timeout`, and `fencing` where
+//! the engine issues tokens) have one set of defaults, setters, URL names and checks. An engine
+//! plugs in with a connector (opens sessions, maps keys to resources), a session (one server
+//! connection: lock, unlock, ping, interrupt) and a driver (its connect target, its URL, its
+//! first session). Nothing here knows SQL.
+//!
+//! | file | what it holds |
+//! |---|---|
+//! | `backend.rs` | [`SessionBackend`], [`SessionBuilder`] |
+//! | `traits.rs` | what an engine implements; [`Engine`] |
+//! | `options.rs` | the options, their defaults, URL names and checks |
+//! | `acquire.rs` | how an acquisition runs: a try on a lane, then a wait or polling |
+//! | `claims.rs` | the in-process claim every acquisition takes first |
+//! | `lane.rs` | the lanes: lock connections, each one task |
+//! | `wait.rs` | native waits on their own sessions, and the idle wait sessions |
+//!
+//! - **Lanes** (`connections` of them) each own one session in one task. They run the tries
+//!   (a lock statement with a zero wait) and keep the locks so taken; statements run one at a
+//!   time per lane, never wait on the server, and are bounded by a statement timeout (10 s).
+//! - **Waits** run on their own sessions (at most `wait_connections` at once), because a
+//!   server-side wait blocks its connection. A granted wait keeps its lock on that session
+//!   until release; the session then goes back to an idle list for the next wait. When every
+//!   wait session is busy, waits poll the lanes with backoff instead.
+//! - A wait that is abandoned (timeout, cancel, dropped future) interrupts the server's
+//!   statement (in the driver, or by a request that a lane runs from
+//!   its own session) and always drops its session, which ends whatever the session may have
+//!   been granted; an interrupted session is never reused.
+//! - Sessions holding locks are pinged every `keepalive`; a failed ping, a failed statement
+//!   or a statement that outlives its bound drops the session and cancels the lost token of
+//!   every lock it held (the server frees a session's locks when the session ends).
+//! - A grant may carry a fencing token issued in the same round trip.
+//! - Every acquisition claims its resource in process first, so no two
+//!   acquisitions of one backend ever ask the server for the same resource at once, however
+//!   many providers share the backend. Servers let a session take a lock it holds again
+//!   (PostgreSQL, MySQL and SQL Server count re-entries, Oracle answers "already own"), and
+//!   every lane is one session that many acquisitions share: without the claim, two providers
+//!   built on clones of one backend would both be granted a key on a shared lane. A waiting
+//!   acquisition whose resource another acquisition of the backend holds waits for that claim
+//!   to end (no server round trips), then for the server.
+//! - Every task that keeps locks alive (a lane, a wait task) cancels the lost token of each
+//!   lock it keeps when it stops for any reason, its runtime being dropped included: its
+//!   session, and with it the locks, end with it. A lane found stopped is started again on the
+//!   runtime of the acquisition that finds it, so a backend keeps working when the runtime
+//!   that opened it is gone.
+
+mod acquire;
+mod backend;
+mod claims;
+mod lane;
+mod options;
+mod traits;
+mod wait;
+
+#[cfg(test)]
+mod model;
+
+pub use backend::{SessionBackend, SessionBuilder};
+pub use traits::{Engine, Fencing};
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use claims::SETTLE_LIMIT;
+#[cfg(test)]
+pub(crate) use options::EngineKey;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use options::SessionKey;
+pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
+#[cfg(any(feature = "mssql", feature = "oracle"))]
+pub(crate) use traits::open_first;
+pub(crate) use traits::{Connector, Driver, Failure, Grant, Opened, Session};
+
+/// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a
+/// zero timeout), [`LockError::Timeout`] for a wait.
+#[cfg(any(feature = "mssql", feature = "oracle"))]
+pub(crate) fn contention(key: &str, timeout: std::time::Duration) -> crate::LockError {
+    if timeout.is_zero() {
+        crate::LockError::AlreadyHeld { key: key.into() }
+    } else {
+        crate::LockError::Timeout {
+            key: key.into(),
+            timeout,
+        }
+    }
+}

@@ -1,0 +1,140 @@
+//! An in-memory model server for the session engine's unit tests.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::acquire::Lanes;
+use super::options::LaneSettings;
+use super::traits::{Connector, Failure, Grant, Session};
+use crate::LockError;
+use crate::backend::BoxFuture;
+
+/// An in-memory lock server with the semantics the session engines share: a session may
+/// take a lock it holds again (counted, as PostgreSQL, MySQL and SQL Server count it), and
+/// a session's locks end when the session does. It stands in for SQL Server and Oracle,
+/// which cannot run here, to pin what the lane machinery must do for every engine.
+#[derive(Debug, Default)]
+pub(super) struct Server {
+    pub(super) locks: Mutex<HashMap<u64, (u64, u32)>>,
+    next_session: AtomicU64,
+}
+
+#[derive(Debug)]
+pub(super) struct Model(Arc<Server>);
+
+pub(super) struct ModelSession {
+    pub(super) server: Arc<Server>,
+    pub(super) id: u64,
+}
+
+impl Connector for Model {
+    type Resource = u64;
+    type Session = ModelSession;
+    const NAME: &'static str = "model";
+    const MAX_WAIT: Duration = Duration::from_secs(1);
+
+    fn wait_resolution(&self) -> Duration {
+        Duration::from_millis(1)
+    }
+
+    fn resource(&self, key: &str) -> u64 {
+        crate::lock_id(key) as u64
+    }
+
+    fn open(&self) -> BoxFuture<'_, Result<ModelSession, LockError>> {
+        let server = Arc::clone(&self.0);
+        Box::pin(async move {
+            let id = server.next_session.fetch_add(1, Ordering::Relaxed);
+            Ok(ModelSession { server, id })
+        })
+    }
+}
+
+impl ModelSession {
+    pub(super) fn take(&self, resource: u64) -> bool {
+        let mut locks = self.server.locks.lock().unwrap();
+        match locks.get_mut(&resource) {
+            None => {
+                locks.insert(resource, (self.id, 1));
+                true
+            }
+            Some((owner, count)) if *owner == self.id => {
+                *count += 1;
+                true
+            }
+            Some(_) => false,
+        }
+    }
+}
+
+impl Session for ModelSession {
+    type Resource = u64;
+    type Interrupt = std::convert::Infallible;
+
+    fn lock<'a>(
+        &'a mut self,
+        resource: &'a u64,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
+        Box::pin(async move {
+            let deadline = Instant::now() + wait;
+            loop {
+                if self.take(*resource) {
+                    return Ok(Some(Grant::PLAIN));
+                }
+                if Instant::now() >= deadline {
+                    return Ok(None);
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+    }
+
+    fn unlock<'a>(&'a mut self, resource: &'a u64) -> BoxFuture<'a, Result<(), Failure>> {
+        let mut locks = self.server.locks.lock().unwrap();
+        if let Some((owner, count)) = locks.get_mut(resource) {
+            if *owner == self.id {
+                *count -= 1;
+                if *count == 0 {
+                    locks.remove(resource);
+                }
+            }
+        }
+        Box::pin(async { Ok(()) })
+    }
+
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+impl Drop for ModelSession {
+    fn drop(&mut self) {
+        let id = self.id;
+        self.server
+            .locks
+            .lock()
+            .unwrap()
+            .retain(|_, (owner, _)| *owner != id);
+    }
+}
+
+pub(super) fn settings(connections: usize, wait_connections: usize) -> LaneSettings {
+    LaneSettings {
+        connections,
+        wait_connections,
+        keepalive: Duration::from_secs(5),
+    }
+}
+
+pub(super) async fn model_lanes(
+    server: &Arc<Server>,
+    connections: usize,
+    wait_connections: usize,
+) -> Lanes<Model> {
+    let model = Model(Arc::clone(server));
+    let first = model.open().await.expect("a session");
+    Lanes::start(model, settings(connections, wait_connections), first).expect("lanes")
+}

@@ -1,0 +1,172 @@
+//! What an engine implements to plug into the session engine.
+
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::time::Duration;
+
+use super::options::SessionOptions;
+use crate::LockError;
+use crate::backend::BoxFuture;
+
+/// A failed statement: the error, and whether the session is still usable afterwards (a
+/// server-side error such as a permission problem leaves it usable; an I/O error does not).
+#[derive(Debug)]
+pub struct Failure {
+    pub(crate) error: LockError,
+    pub(crate) connection_ok: bool,
+}
+
+impl Failure {
+    /// A failure after which the session can still be used.
+    pub(crate) fn statement(error: LockError) -> Self {
+        Failure {
+            error,
+            connection_ok: true,
+        }
+    }
+
+    /// A failure that leaves the session unusable.
+    pub(crate) fn connection(error: LockError) -> Self {
+        Failure {
+            error,
+            connection_ok: false,
+        }
+    }
+}
+
+/// A granted lock statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Grant {
+    /// The fencing token issued in the same round trip, for backends that issue them.
+    pub(crate) token: Option<u64>,
+}
+
+impl Grant {
+    /// A grant without a fencing token.
+    pub(crate) const PLAIN: Grant = Grant { token: None };
+}
+
+/// Opens sessions and names resources for one backend. Its `Debug` output shows where it
+/// connects (never a password).
+pub trait Connector: Debug + Send + Sync + 'static {
+    /// What the server locks for a key (a resource name, an integer id).
+    type Resource: Clone + Send + Sync + Debug + Eq + Hash + 'static;
+    /// One server connection.
+    type Session: Session<Resource = Self::Resource>;
+
+    /// The backend's name, as in `LockBackend::name`.
+    const NAME: &'static str;
+    /// The longest wait one lock statement is given; longer waits are split into several
+    /// statements of at most this length.
+    const MAX_WAIT: Duration;
+    /// The most a liveness check may take.
+    const PING_TIMEOUT: Duration = Duration::from_secs(2);
+    /// How long past the caller's timeout a wait may take to answer before it is given up.
+    const WAIT_GRACE: Duration = Duration::from_secs(2);
+    /// The granularity of the server's wait timeout (1 ms for SQL Server and PostgreSQL, 1 s
+    /// for Oracle and MySQL, 1 µs for MariaDB). A wait asks the server for whole units only;
+    /// what is left below one unit is tried out here with short pauses, with one last try at
+    /// the deadline, so timeouts are kept exactly.
+    fn wait_resolution(&self) -> Duration;
+
+    /// The resource that `key` locks.
+    fn resource(&self, key: &str) -> Self::Resource;
+
+    /// Opens a session (bounded by the backend's connect timeout).
+    fn open(&self) -> BoxFuture<'_, Result<Self::Session, LockError>>;
+}
+
+/// One server connection whose session owns the locks it takes.
+pub trait Session: Send + 'static {
+    /// What the server locks.
+    type Resource;
+    /// A request that stops another session's statement from this one (see
+    /// [`Session::interrupt`]); `Infallible` for drivers that stop statements themselves.
+    type Interrupt: Send + 'static;
+
+    /// Asks for `resource`, waiting up to `wait` on the server (`Duration::ZERO` is one try):
+    /// `Ok(Some(grant))` when granted, `Ok(None)` when it stayed held elsewhere. A statement
+    /// that fails after the lock may have been taken gives it back before it answers.
+    fn lock<'a>(
+        &'a mut self,
+        resource: &'a Self::Resource,
+        wait: Duration,
+    ) -> BoxFuture<'a, Result<Option<Grant>, Failure>>;
+
+    /// Gives `resource` back. A resource the session no longer holds is not an error.
+    fn unlock<'a>(&'a mut self, resource: &'a Self::Resource)
+    -> BoxFuture<'a, Result<(), Failure>>;
+
+    /// A liveness check.
+    fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>>;
+
+    /// Asks the server to stop this session's wait for `resource`, which nobody waits for any
+    /// more: best effort in the driver, and/or a request for a lane to run from its own
+    /// session ([`Session::run_interrupt`]; the wait keeps its claim until the lane has run
+    /// it). The session is dropped right after this call and never reused, so a late
+    /// interrupt cannot hit a later statement.
+    fn interrupt(&self, _resource: &Self::Resource) -> Option<Self::Interrupt> {
+        None
+    }
+
+    /// Runs another session's interrupt request from this session.
+    fn run_interrupt(&mut self, _request: Self::Interrupt) -> BoxFuture<'_, Result<(), Failure>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+pub(super) type InterruptOf<C> = <<C as Connector>::Session as Session>::Interrupt;
+
+/// An engine of the session engine (PostgreSQL, MySQL, SQL Server, Oracle): the type parameter
+/// of [`SessionBackend`](super::SessionBackend) and [`SessionBuilder`](super::SessionBuilder).
+/// Sealed: the engines are the ones this crate has.
+pub trait Engine: Driver {}
+
+impl<T: Driver> Engine for T {}
+
+/// An engine that issues fencing tokens (PostgreSQL, MySQL): its builder has
+/// [`fencing`](super::SessionBuilder::fencing), and its URL the `fencing` option.
+pub trait Fencing: Engine {}
+
+/// What an engine gives the session engine, beside its [`Connector`] and [`Session`]: where it
+/// connects, how its URL reads, and how it opens its first session. Not nameable outside the
+/// crate, which seals [`Engine`].
+pub trait Driver: Sized + Send + Sync + 'static {
+    /// The backend's type name in `Debug` output (`"PostgresBackend"`).
+    const BACKEND: &'static str;
+    /// The builder's type name in `Debug` output (`"PostgresBuilder"`).
+    const BUILDER: &'static str;
+    /// Whether the engine issues fencing tokens, and so takes the `fencing` option.
+    const FENCING: bool;
+
+    /// Where and as whom the engine connects (the driver's connect options).
+    type Target: Clone + Send + Sync + 'static;
+    /// Opens the backend's sessions.
+    type Connector: Connector;
+
+    /// Reads a URL of the engine's scheme into a target and options, which are not checked yet.
+    fn parse_url(url: &str) -> Result<(Self::Target, SessionOptions), LockError>;
+
+    /// Opens the first session (so a wrong address or password is reported at once), with
+    /// whatever the engine sets up on it (the fencing table), and the connector for the rest.
+    fn open(target: Self::Target, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>>;
+
+    /// Adds where `target` points to a `Debug` output; never a password.
+    fn fmt_target(target: &Self::Target, f: &mut std::fmt::DebugStruct<'_, '_>);
+}
+
+/// An engine's connector and first session, or why they could not be had.
+pub(crate) type Opened<E> = Result<
+    (
+        <E as Driver>::Connector,
+        <<E as Driver>::Connector as Connector>::Session,
+    ),
+    LockError,
+>;
+
+/// Opens the first session of `connector`: [`Driver::open`] for an engine that sets nothing up.
+#[cfg(any(feature = "mssql", feature = "oracle"))]
+pub(crate) async fn open_first<C: Connector>(connector: C) -> Result<(C, C::Session), LockError> {
+    let first = connector.open().await?;
+    Ok((connector, first))
+}
