@@ -1,35 +1,6 @@
 //! Locks bound to the caller's transaction: one shape for every engine that has them.
 
 use std::sync::Arc;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlite",
-    feature = "mssql",
-    feature = "oracle"
-))]
-use std::sync::OnceLock;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlite",
-    feature = "mssql",
-    feature = "oracle"
-))]
-use std::time::{Duration, Instant};
-
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlite",
-    feature = "mssql",
-    feature = "oracle"
-))]
-use crate::LockError;
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlite",
-    feature = "mssql",
-    feature = "oracle"
-))]
-use crate::metrics::Metrics;
 
 /// A lock held until the caller's transaction commits or rolls back.
 ///
@@ -93,85 +64,88 @@ impl TransactionLock {
     }
 }
 
-/// The instruments transaction-bound acquisitions record into, from the global meter
-/// provider at the first such acquisition.
+/// The span and the metrics of transaction-bound acquisitions.
 #[cfg(any(
     feature = "postgres",
     feature = "sqlite",
     feature = "mssql",
     feature = "oracle"
 ))]
-fn metrics() -> &'static Metrics {
-    static METRICS: OnceLock<Metrics> = OnceLock::new();
-    METRICS.get_or_init(|| Metrics::new(&opentelemetry::global::meter("dlock"), false))
-}
+mod observing {
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
 
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlite",
-    feature = "mssql",
-    feature = "oracle"
-))]
-fn span(backend: &'static str, key: &str, timeout: Duration) -> tracing::Span {
-    tracing::debug_span!(
-        "dlock.acquire",
-        key,
-        backend,
-        timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
-        transaction = true,
-        outcome = tracing::field::Empty,
-    )
-}
+    use super::TransactionLock;
+    use crate::LockError;
+    use crate::metrics::Metrics;
 
-#[cfg(any(
-    feature = "postgres",
-    feature = "sqlite",
-    feature = "mssql",
-    feature = "oracle"
-))]
-fn record<T>(
-    span: &tracing::Span,
-    backend: &'static str,
-    key: &str,
-    outcome: &Result<T, LockError>,
-    waited: Duration,
-) {
-    metrics().acquisition(backend, key, outcome, waited);
-    if !span.is_disabled() {
-        let status = match outcome {
-            Ok(_) => "acquired",
-            Err(err) => err.code(),
-        };
-        span.record("outcome", status);
+    /// The instruments transaction-bound acquisitions record into, from the global meter
+    /// provider at the first such acquisition.
+    fn metrics() -> &'static Metrics {
+        static METRICS: OnceLock<Metrics> = OnceLock::new();
+        METRICS.get_or_init(|| Metrics::new(&opentelemetry::global::meter("dlock"), false))
+    }
+
+    fn span(backend: &'static str, key: &str, timeout: Duration) -> tracing::Span {
+        tracing::debug_span!(
+            "dlock.acquire",
+            key,
+            backend,
+            timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            transaction = true,
+            outcome = tracing::field::Empty,
+        )
+    }
+
+    fn record<T>(
+        span: &tracing::Span,
+        backend: &'static str,
+        key: &str,
+        outcome: &Result<T, LockError>,
+        waited: Duration,
+    ) {
+        metrics().acquisition(backend, key, outcome, waited);
+        if !span.is_disabled() {
+            let status = match outcome {
+                Ok(_) => "acquired",
+                Err(err) => err.code(),
+            };
+            span.record("outcome", status);
+        }
+    }
+
+    /// Runs an engine's transaction-bound acquisition in its span, and records it.
+    #[cfg(any(feature = "postgres", feature = "mssql"))]
+    pub(crate) async fn observe(
+        backend: &'static str,
+        key: &str,
+        timeout: Duration,
+        acquisition: impl std::future::Future<Output = Result<TransactionLock, LockError>>,
+    ) -> Result<TransactionLock, LockError> {
+        let span = span(backend, key, timeout);
+        let started = Instant::now();
+        let outcome = tracing::Instrument::instrument(acquisition, span.clone()).await;
+        record(&span, backend, key, &outcome, started.elapsed());
+        outcome
+    }
+
+    /// [`observe`] for the engines whose drivers block (SQLite, Oracle).
+    #[cfg(any(feature = "sqlite", feature = "oracle"))]
+    pub(crate) fn observe_blocking(
+        backend: &'static str,
+        key: &str,
+        timeout: Duration,
+        acquisition: impl FnOnce() -> Result<TransactionLock, LockError>,
+    ) -> Result<TransactionLock, LockError> {
+        let span = span(backend, key, timeout);
+        let started = Instant::now();
+        let outcome = span.in_scope(acquisition);
+        record(&span, backend, key, &outcome, started.elapsed());
+        outcome
     }
 }
 
-/// Runs an engine's transaction-bound acquisition in its span, and records it.
 #[cfg(any(feature = "postgres", feature = "mssql"))]
-pub(crate) async fn observe(
-    backend: &'static str,
-    key: &str,
-    timeout: Duration,
-    acquisition: impl std::future::Future<Output = Result<TransactionLock, LockError>>,
-) -> Result<TransactionLock, LockError> {
-    let span = span(backend, key, timeout);
-    let started = Instant::now();
-    let outcome = tracing::Instrument::instrument(acquisition, span.clone()).await;
-    record(&span, backend, key, &outcome, started.elapsed());
-    outcome
-}
-
-/// [`observe`] for the engines whose drivers block (SQLite, Oracle).
+pub(crate) use observing::observe;
 #[cfg(any(feature = "sqlite", feature = "oracle"))]
-pub(crate) fn observe_blocking(
-    backend: &'static str,
-    key: &str,
-    timeout: Duration,
-    acquisition: impl FnOnce() -> Result<TransactionLock, LockError>,
-) -> Result<TransactionLock, LockError> {
-    let span = span(backend, key, timeout);
-    let started = Instant::now();
-    let outcome = span.in_scope(acquisition);
-    record(&span, backend, key, &outcome, started.elapsed());
-    outcome
-}
+pub(crate) use observing::observe_blocking;
