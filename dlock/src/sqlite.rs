@@ -1901,4 +1901,245 @@ mod tests {
         assert!(backend.shared.fencing.attached());
         rt.block_on(taken.handle.release()).unwrap();
     }
+
+    fn failure(code: std::os::raw::c_int) -> rusqlite::Error {
+        rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None)
+    }
+
+    /// Failures are told apart by what the caller can do about them: fix the file (`Config`),
+    /// try again later (`Unavailable`), or read the database's code (`Backend`).
+    #[test]
+    fn errors_say_what_the_caller_can_do() {
+        use rusqlite::ffi;
+        let path = Path::new("/srv/l.db");
+        for code in [ffi::SQLITE_READONLY, ffi::SQLITE_PERM] {
+            let err = sqlite_error(path, "releasing a lock", failure(code));
+            assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+            assert!(err.to_string().contains("cannot be written"), "{err}");
+        }
+        let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_FULL));
+        assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+        assert!(err.to_string().contains("is full"), "{err}");
+        let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_IOERR));
+        assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+        assert!(
+            err.to_string().contains("I/O error on `/srv/l.db`"),
+            "{err}"
+        );
+        let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_CONSTRAINT));
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        assert_eq!(err.db_code(), Some("SQLITE_19"));
+
+        assert!(is_busy(&failure(ffi::SQLITE_BUSY)));
+        assert!(is_busy(&failure(ffi::SQLITE_LOCKED)));
+        assert!(!is_busy(&failure(ffi::SQLITE_CONSTRAINT)));
+        assert!(!is_busy(&rusqlite::Error::QueryReturnedNoRows));
+    }
+
+    /// A lock file of the earlier version (wall-clock `expires_at`, no boot column) is
+    /// converted when opened: held locks keep what was left of their lease, free ones stay
+    /// free, and counters go on from where they were.
+    #[tokio::test]
+    async fn a_lock_file_of_the_earlier_version_is_converted() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE __distributed_locks (name BLOB NOT NULL PRIMARY KEY, owner BLOB, \
+             expires_at INTEGER NOT NULL DEFAULT 0, fencing INTEGER NOT NULL DEFAULT 0) \
+             WITHOUT ROWID",
+        )
+        .unwrap();
+        let wall_now = millis(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap(),
+        );
+        conn.execute(
+            "INSERT INTO __distributed_locks VALUES (?1, zeroblob(16), ?2, 7), (?3, NULL, 0, 3)",
+            params![&b"held"[..], wall_now + 60_000, &b"free"[..]],
+        )
+        .unwrap();
+        drop(conn);
+
+        let backend = open(&dir, Duration::from_secs(30)).await;
+        assert!(take(&backend, "held").await.is_none());
+        let free = take(&backend, "free").await.unwrap();
+        assert_eq!(free.fencing_token, Some(4));
+        free.handle.release().await.unwrap();
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        let legacy: i64 = conn.query_row(LEGACY_SQL, [], |r| r.get(0)).unwrap();
+        assert_eq!(legacy, 0);
+        // What was left of the held lease is kept (not the whole remaining clock).
+        let lease_end: i64 = conn
+            .query_row(
+                "SELECT lease_end FROM __distributed_locks WHERE name = ?1",
+                [&b"held"[..]],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let left = lease_end - LeaseClock::get().unwrap().now_ms();
+        assert!((50_000..=60_000).contains(&left), "{left}");
+    }
+
+    /// A counter that cannot be a fencing token is an error, and the row just taken is given
+    /// back instead of staying locked for its lease.
+    #[tokio::test]
+    async fn a_counter_that_is_not_a_positive_integer_gives_the_row_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = open(&dir, Duration::from_secs(30)).await;
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        conn.execute(
+            "INSERT INTO __distributed_locks (name, owner, lease_end, fencing) \
+             VALUES (?1, NULL, 0, -10)",
+            [&b"k"[..]],
+        )
+        .unwrap();
+        let err = backend
+            .try_acquire(LockRequest::new("k"))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("not a positive integer"), "{err}");
+        assert_eq!(row(&dir, "k"), Some((false, -9)));
+    }
+
+    /// Statements the file refuses (here by a trigger, as a constraint would) are failures,
+    /// not contention: they are neither retried for the busy timeout nor answered as "held".
+    #[test]
+    fn refused_statements_are_errors_not_contention() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let backend = rt
+            .block_on(
+                SqliteBackend::builder(&path)
+                    .busy_timeout(Duration::from_secs(20))
+                    .open(),
+            )
+            .unwrap();
+        let held = rt.block_on(take(&backend, "k")).unwrap();
+        let mut conn = Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TRIGGER no_insert BEFORE INSERT ON __distributed_locks \
+             BEGIN SELECT RAISE(ABORT, 'refused'); END; \
+             CREATE TRIGGER no_release BEFORE UPDATE ON __distributed_locks \
+             WHEN new.owner IS NULL BEGIN SELECT RAISE(ABORT, 'refused'); END;",
+        )
+        .unwrap();
+        let started = Instant::now();
+        let err = rt
+            .block_on(backend.try_acquire(LockRequest::new("new")))
+            .unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        let err = rt.block_on(held.handle.release()).unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        let tx = conn.transaction().unwrap();
+        let err = try_acquire_in_transaction(&tx, "t").unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        drop(tx);
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    /// A release that finds the file busy waits for it, within the busy timeout.
+    #[tokio::test]
+    async fn a_release_waits_for_a_busy_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let backend = SqliteBackend::builder(&path)
+            .busy_timeout(Duration::from_secs(20))
+            .open()
+            .await
+            .unwrap();
+        let held = take(&backend, "k").await.unwrap();
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let (free, unlock) = std::sync::mpsc::channel::<()>();
+        let writer = std::thread::spawn(move || {
+            let mut conn = Connection::open(&path).unwrap();
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .unwrap();
+            locked.send(()).unwrap();
+            // Held until the release has found the file busy at least once.
+            unlock.recv().unwrap();
+            drop(tx);
+        });
+        is_locked.recv().unwrap();
+        let release = tokio::spawn(held.handle.release());
+        // The release is retrying (it cannot get through while the write lock is held).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!release.is_finished());
+        free.send(()).unwrap();
+        release.await.unwrap().unwrap();
+        writer.join().unwrap();
+        assert_eq!(row(&dir, "k"), Some((false, 1)));
+    }
+
+    /// A transaction lock on a file another connection is writing is held, as far as one try
+    /// can tell.
+    #[test]
+    fn a_transaction_lock_on_a_busy_file_is_already_held() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        drop(rt.block_on(open(&dir, Duration::from_secs(30))));
+        let mut writer = Connection::open(&path).unwrap();
+        let writing = writer
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let mut conn = Connection::open(&path).unwrap();
+        conn.busy_timeout(Duration::from_millis(20)).unwrap();
+        let tx = conn.transaction().unwrap();
+        let err = try_acquire_in_transaction(&tx, "k").unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { .. }), "{err:?}");
+        drop(tx);
+        drop(writing);
+    }
+
+    /// Failures other than a busy file are not retried while the file is opened.
+    #[tokio::test]
+    async fn a_file_that_is_not_a_database_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("text");
+        std::fs::write(&path, vec![b'x'; 4096]).unwrap();
+        let started = Instant::now();
+        let err = SqliteBackend::builder(&path)
+            .busy_timeout(Duration::from_secs(60))
+            .open()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+    }
+
+    /// A file another connection keeps locked (exclusive locking mode) cannot be opened: the
+    /// open gives up once the busy timeout has passed instead of waiting for the file.
+    #[tokio::test]
+    async fn opening_a_file_locked_for_good_gives_up_after_the_busy_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let conn = Connection::open(&path).unwrap();
+        conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
+            .unwrap();
+        conn.execute_batch(
+            "PRAGMA locking_mode = EXCLUSIVE; BEGIN IMMEDIATE; CREATE TABLE other (x); COMMIT;",
+        )
+        .unwrap();
+        let started = Instant::now();
+        let err = SqliteBackend::builder(&path)
+            .busy_timeout(Duration::from_millis(200))
+            .open()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        assert_eq!(err.db_code(), Some("SQLITE_5"), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        drop(conn);
+        // Once the file is let go, it opens.
+        SqliteBackend::open(&path).await.unwrap();
+    }
 }
