@@ -10,20 +10,8 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use dlock::LockProvider;
 use dlock::mysql::server_lock_name;
 
-// The server module names `super::Placement`.
-#[allow(dead_code, unreachable_pub)]
-#[path = "../tests/support/placement.rs"]
-mod placement;
-use placement::Placement;
-
-#[allow(dead_code, unreachable_pub)]
-#[path = "../tests/support/mysql.rs"]
-mod myserver;
-
-use myserver::{DbServer, Flavor};
-
-#[path = "shared/raw.rs"]
-mod raw;
+use dlock_suite::raw;
+use dlock_testkit::mysql::{DbServer, Flavor};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

@@ -7,18 +7,8 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, criterion_group, criterion_main};
 use dlock::{LockProvider, lock_id};
 
-// The server module names `super::Placement`.
-#[allow(dead_code, unreachable_pub)]
-#[path = "../tests/support/placement.rs"]
-mod placement;
-use placement::Placement;
-
-#[allow(dead_code, unreachable_pub)]
-#[path = "../tests/support/postgres.rs"]
-mod pgserver;
-
-#[path = "shared/raw.rs"]
-mod raw;
+use dlock_suite::raw;
+use dlock_testkit::postgres as pgserver;
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

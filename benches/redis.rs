@@ -7,28 +7,16 @@
 //!   in-process table and the renewal task), and `.../dlock_fenced` with fencing tokens;
 //! - `release/valkey91/{native,lua}`: `SET NX PX` followed by `DELIFEQ` or by the Lua delete.
 //!
-//! Servers whose binary is missing are left out (see tests/support/redis.rs).
-
-// The server module names `super::Placement`.
-#[allow(dead_code, unreachable_pub)]
-#[path = "../tests/support/placement.rs"]
-mod placement;
-use placement::Placement;
-
-#[path = "../tests/support/redis.rs"]
-#[allow(dead_code, unreachable_pub)]
-mod redis_support;
+//! Servers whose binary is missing are left out (see `dlock_testkit::redis`).
 
 use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use dlock::LockProvider;
+use dlock_suite::raw;
+use dlock_suite::raw::REDIS_RELEASE_LUA as RELEASE_LUA;
+use dlock_testkit::redis::{Flavor, RedisServer};
 use redis::aio::ConnectionManager;
-use redis_support::{Flavor, RedisServer};
-
-#[path = "shared/raw.rs"]
-mod raw;
-use raw::REDIS_RELEASE_LUA as RELEASE_LUA;
 
 fn bench(c: &mut Criterion) {
     let rt = tokio::runtime::Runtime::new().expect("runtime");

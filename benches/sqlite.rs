@@ -8,8 +8,7 @@ use std::time::Duration;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 
-#[path = "shared/raw.rs"]
-mod raw;
+use dlock_suite::raw;
 
 fn acquire_release(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();

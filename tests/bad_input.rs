@@ -3,8 +3,6 @@
 //! no panic, no hang, no password in a message. (Awkward keys are a conformance case that every
 //! backend runs; bad keys over HTTP are in dlock-axum's tests.)
 
-mod support;
-
 use std::time::{Duration, Instant};
 
 use dlock::mssql::MssqlBackend;

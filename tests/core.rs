@@ -2,8 +2,6 @@
 //! backend only when it must. A counting wrapper around the SQLite backend watches every call.
 #![cfg(feature = "sqlite")]
 
-mod support;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -12,7 +10,7 @@ use std::time::Duration;
 use dlock::backend::{Acquired, BoxFuture, LeaseDeadline, LockBackend, LockRequest};
 use dlock::sqlite::SqliteBackend;
 use dlock::{Backoff, LockError, LockProvider};
-use support::unique_key;
+use dlock_testkit::unique_key;
 
 #[derive(Debug, Default)]
 struct Calls {
@@ -125,7 +123,7 @@ async fn one_local_waiter_talks_to_the_store_per_key() {
         })
         .collect();
     // Let the waiters poll for a while against the remote holder.
-    support::eventually(Duration::from_secs(5), || {
+    dlock_testkit::eventually(Duration::from_secs(5), || {
         calls.total.load(Ordering::SeqCst) >= 10
     })
     .await;
@@ -216,7 +214,7 @@ async fn a_lease_past_its_deadline_is_lost_before_the_renewal_says_so() {
     assert!(!guard.is_lost(), "the deadline is ahead");
     assert!(!guard.lost_token().is_cancelled());
     let token = guard.lost_token().clone();
-    support::wait_until("the deadline passes", Duration::from_secs(5), async || {
+    dlock_testkit::wait_until("the deadline passes", Duration::from_secs(5), async || {
         guard.is_lost()
     })
     .await;

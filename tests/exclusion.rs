@@ -9,7 +9,8 @@ mod support;
 
 use std::process::Command;
 
-use support::{Fencing, run_exclusion, unique_key, worker_bin};
+use dlock_testkit::unique_key;
+use support::{Fencing, run_exclusion, worker_bin};
 
 /// Acquisitions per backend in one run.
 const ACQUISITIONS: usize = 20_000;
@@ -44,22 +45,23 @@ fn sqlite() {
 #[cfg(feature = "postgres")]
 #[test]
 fn postgres() {
-    let server = support::postgres::PgServer::start();
+    let server = dlock_testkit::postgres::PgServer::start();
     storm(&server.url("fencing=true"));
 }
 
 #[cfg(feature = "mysql")]
 #[test]
 fn mariadb() {
-    let server =
-        support::mysql::DbServer::start(support::mysql::Flavor::MariaDb).expect("MariaDB server");
+    let server = dlock_testkit::mysql::DbServer::start(dlock_testkit::mysql::Flavor::MariaDb)
+        .expect("MariaDB server");
     storm(&server.url("fencing=true"));
 }
 
 #[cfg(feature = "mysql")]
 #[test]
 fn mysql() {
-    let Some(server) = support::mysql::DbServer::start(support::mysql::Flavor::MySql) else {
+    let Some(server) = dlock_testkit::mysql::DbServer::start(dlock_testkit::mysql::Flavor::MySql)
+    else {
         return;
     };
     storm(&server.url("fencing=true"));
@@ -68,7 +70,9 @@ fn mysql() {
 #[cfg(feature = "redis")]
 #[test]
 fn redis7() {
-    let Some(server) = support::redis::RedisServer::start(support::redis::Flavor::Redis7) else {
+    let Some(server) =
+        dlock_testkit::redis::RedisServer::start(dlock_testkit::redis::Flavor::Redis7)
+    else {
         return;
     };
     storm(&server.url(""));
@@ -77,7 +81,9 @@ fn redis7() {
 #[cfg(feature = "redis")]
 #[test]
 fn valkey9() {
-    let Some(server) = support::redis::RedisServer::start(support::redis::Flavor::Valkey91) else {
+    let Some(server) =
+        dlock_testkit::redis::RedisServer::start(dlock_testkit::redis::Flavor::Valkey91)
+    else {
         return;
     };
     storm(&server.url(""));

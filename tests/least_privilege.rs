@@ -6,13 +6,10 @@
 //! are the README's, word for word (`readme_gives_the_tested_grants`).
 #![cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 
-mod conformance;
-mod support;
-
 use std::time::Duration;
 
 use dlock::{LockError, LockGuard, LockProvider};
-use support::tls::{Pki, ServerCert};
+use dlock_testkit::tls::{Pki, ServerCert};
 
 const KEEPALIVE: Duration = Duration::from_millis(200);
 
@@ -40,8 +37,8 @@ fn readme() -> String {
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;
+    use dlock_testkit::postgres::PgServer;
     use sqlx::{Connection, PgConnection};
-    use support::postgres::PgServer;
 
     /// Run by an administrator once, as the README says: a database whose `PUBLIC` may do
     /// nothing, and two roles (after `CREATE DATABASE locks`, the application's database).
@@ -195,7 +192,7 @@ mod postgres {
         }
     }
 
-    impl conformance::Harness for Harness {
+    impl dlock_testkit::Harness for Harness {
         async fn provider(&self) -> LockProvider {
             LockProvider::connect(&self.url("")).await.expect("connect")
         }
@@ -249,7 +246,7 @@ mod postgres {
             }
         }
 
-        crate::conformance_suite!(harness());
+        dlock_testkit::conformance_suite!(harness());
     }
 
     /// `CONNECT`, `USAGE` on the schema, `SELECT, INSERT, UPDATE` on the fencing table.
@@ -264,7 +261,7 @@ mod postgres {
             }
         }
 
-        crate::conformance_suite!(harness());
+        dlock_testkit::conformance_suite!(harness());
     }
 }
 
@@ -272,9 +269,9 @@ mod postgres {
 mod mysql {
     use super::*;
     use dlock::mysql::server_lock_name;
+    use dlock_testkit::mysql::{DbServer, Flavor, Tls};
     use sqlx::mysql::MySqlConnection;
     use sqlx::{Connection, Executor};
-    use support::mysql::{DbServer, Flavor, Tls};
 
     /// Run by an administrator once, as the README says (`dlock_test` is the application's
     /// database here).
@@ -446,7 +443,7 @@ mod mysql {
         }
     }
 
-    impl conformance::Harness for Harness {
+    impl dlock_testkit::Harness for Harness {
         async fn provider(&self) -> LockProvider {
             LockProvider::connect(&self.url("")).await.expect("connect")
         }
@@ -504,7 +501,7 @@ mod mysql {
                         })
                     }
 
-                    crate::conformance_suite!(optional harness());
+                    dlock_testkit::conformance_suite!(optional harness());
                 }
 
                 /// `SELECT, INSERT, UPDATE` on the fencing table.
@@ -519,7 +516,7 @@ mod mysql {
                         })
                     }
 
-                    crate::conformance_suite!(optional harness());
+                    dlock_testkit::conformance_suite!(optional harness());
                 }
             }
         };
@@ -533,9 +530,9 @@ mod mysql {
 mod redis_acl {
     use super::*;
     use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
+    use dlock_testkit::redis::{Flavor, RedisServer};
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
-    use support::redis::{Flavor, RedisServer};
 
     const LEASE: Duration = Duration::from_secs(1);
 
@@ -662,7 +659,7 @@ mod redis_acl {
         }
     }
 
-    impl conformance::Harness for Harness {
+    impl dlock_testkit::Harness for Harness {
         async fn provider(&self) -> LockProvider {
             LockProvider::connect(&self.url).await.expect("connect")
         }
@@ -828,7 +825,7 @@ mod redis_acl {
                 .await
                 .expect("connecting needs no command");
             let raw = RedisBackend::connect(&url).await.expect("connect");
-            let key = support::unique_key("np");
+            let key = dlock_testkit::unique_key("np");
             let storage = raw.storage_key(&key);
             let pttl = |conn: &mut redis::aio::MultiplexedConnection| {
                 let storage = storage.clone();
@@ -855,9 +852,11 @@ mod redis_acl {
                             "{flavor:?} without {missing}: {ran:?} ran"
                         );
                         // Nothing stays taken: the acquisition gave back what it wrote.
-                        support::wait_until("no lock left", Duration::from_secs(3), async || {
-                            pttl(&mut conn).await == -2
-                        })
+                        dlock_testkit::wait_until(
+                            "no lock left",
+                            Duration::from_secs(3),
+                            async || pttl(&mut conn).await == -2,
+                        )
                         .await;
                         break 'steps (
                             Step::Acquire,
@@ -868,12 +867,16 @@ mod redis_acl {
                 };
                 // A renewal: the lease's time to live goes back up, or the guard is told.
                 let mut lowest = i64::MAX;
-                support::wait_until("a renewal or a loss", Duration::from_secs(3), async || {
-                    let left = pttl(&mut conn).await;
-                    let renewed = left > lowest.saturating_add(50);
-                    lowest = lowest.min(left);
-                    guard.is_lost() || renewed
-                })
+                dlock_testkit::wait_until(
+                    "a renewal or a loss",
+                    Duration::from_secs(3),
+                    async || {
+                        let left = pttl(&mut conn).await;
+                        let renewed = left > lowest.saturating_add(50);
+                        lowest = lowest.min(left);
+                        guard.is_lost() || renewed
+                    },
+                )
                 .await;
                 if guard.is_lost() {
                     // Only this case's renewals fail for want of this command.
@@ -983,7 +986,7 @@ mod redis_acl {
             .await
             .unwrap();
         let a_locks = LockProvider::from_backend(a.clone());
-        let key = support::unique_key("tenant");
+        let key = dlock_testkit::unique_key("tenant");
         let guard = a_locks.try_acquire(&key).await.expect("tenant a locks");
         let token = a
             .owner_token(&key)
@@ -1114,7 +1117,7 @@ mod redis_acl {
                 /// Exactly the README's commands for this flavour, on keys `app:{*`.
                 mod conformance_as_acl_user {
                     use super::*;
-                    crate::conformance_suite!(optional async { Harness::start($flavor) });
+                    dlock_testkit::conformance_suite!(optional async { Harness::start($flavor) });
                 }
 
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1165,10 +1168,10 @@ fn readme_gives_the_tested_grants() {
     }
     #[cfg(feature = "redis")]
     for flavor in [
-        support::redis::Flavor::Redis7,
-        support::redis::Flavor::Valkey81,
-        support::redis::Flavor::Valkey91,
-        support::redis::Flavor::Redis8,
+        dlock_testkit::redis::Flavor::Redis7,
+        dlock_testkit::redis::Flavor::Valkey81,
+        dlock_testkit::redis::Flavor::Valkey91,
+        dlock_testkit::redis::Flavor::Redis8,
     ] {
         for fencing in [true, false] {
             let words = redis_acl::grant_words(flavor, fencing);

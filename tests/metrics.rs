@@ -1,16 +1,14 @@
 //! Metrics: exact counts and attributes for each outcome, recorded into an in-memory exporter.
 #![cfg(feature = "sqlite")]
 
-mod support;
-
 use std::time::Duration;
 
 use dlock::{CancellationToken, LockError, LockProvider};
+use dlock_testkit::unique_key;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::MeterProvider as _;
 use opentelemetry_sdk::metrics::data::{AggregatedMetrics, MetricData};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
-use support::unique_key;
 
 struct Recorder {
     provider: SdkMeterProvider,
@@ -201,11 +199,63 @@ async fn a_loss_found_by_the_release_is_counted() {
     }
     let sqlite = vec![("lock_type".to_owned(), "sqlite".to_owned())];
     assert!(
-        support::eventually(Duration::from_secs(3), || recorder
+        dlock_testkit::eventually(Duration::from_secs(3), || recorder
             .points("distributed_lock.lost")
             == vec![(sqlite.clone(), 2)])
         .await,
         "lost: {:?}",
         recorder.points("distributed_lock.lost")
+    );
+}
+
+/// Transaction-bound acquisitions are counted like a provider's, in the global meter
+/// provider's instruments (no provider is involved). The only test of this binary that takes
+/// transaction-bound locks, so the global provider set here is the one they record into.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transaction_bound_acquisitions_are_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tx.db");
+    // A session lock that a transaction lock meets, taken by a provider made before the
+    // global meter provider is set (so its own acquisition is not counted there).
+    let locks = LockProvider::connect(&format!("sqlite://{}", file.display()))
+        .await
+        .unwrap();
+    let (free, held) = (unique_key("tx"), unique_key("tx"));
+    let session = locks.try_acquire(&held).await.unwrap();
+    let recorder = Recorder::new();
+    opentelemetry::global::set_meter_provider(recorder.provider.clone());
+    tokio::task::spawn_blocking(move || {
+        let mut conn = rusqlite::Connection::open(&file).unwrap();
+        let tx = conn.transaction().unwrap();
+        let lock = dlock::sqlite::try_acquire_in_transaction(&tx, &free).unwrap(); // acquired
+        assert_eq!(lock.key(), free);
+        assert_eq!(lock.backend(), "sqlite");
+        let refused = dlock::sqlite::try_acquire_in_transaction(&tx, &held); // already_held
+        assert!(
+            matches!(refused, Err(LockError::AlreadyHeld { .. })),
+            "{refused:?}"
+        );
+        let waited = dlock::sqlite::acquire_in_transaction(&tx, &held, Duration::from_millis(30)); // timeout
+        assert!(
+            matches!(waited, Err(LockError::Timeout { .. })),
+            "{waited:?}"
+        );
+        let _ = dlock::sqlite::try_acquire_in_transaction(&tx, ""); // invalid key: not counted
+        tx.commit().unwrap();
+    })
+    .await
+    .unwrap();
+    session.release().await.unwrap();
+    assert_eq!(
+        recorder.points("distributed_lock.acquisitions"),
+        vec![
+            (status("acquired"), 1),
+            (status("already_held"), 1),
+            (status("timeout"), 1),
+        ]
+    );
+    assert_eq!(
+        recorder.points("distributed_lock.wait_duration"),
+        recorder.points("distributed_lock.acquisitions")
     );
 }

@@ -13,7 +13,6 @@
 //!   `dlock::mssql`.
 #![cfg(feature = "mssql")]
 
-mod conformance;
 mod support;
 
 use std::time::Duration;
@@ -21,7 +20,7 @@ use std::time::Duration;
 use dlock::mssql::tiberius::{Client, Config};
 use dlock::mssql::{MssqlBackend, acquire_in_transaction, try_acquire_in_transaction};
 use dlock::{LockError, LockGuard, LockProvider};
-use support::unique_key;
+use dlock_testkit::unique_key;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
@@ -82,7 +81,7 @@ async fn raw_client(url: &str) -> Client<Compat<TcpStream>> {
         .expect("log in")
 }
 
-impl conformance::Harness for MssqlHarness {
+impl dlock_testkit::Harness for MssqlHarness {
     async fn provider(&self) -> LockProvider {
         LockProvider::connect(&self.url())
             .await
@@ -150,7 +149,7 @@ impl conformance::Harness for MssqlHarness {
 mod live {
     use super::*;
 
-    conformance_suite!(
+    dlock_testkit::conformance_suite!(
         attributes [#[cfg_attr(
             not(dlock_mssql_live),
             ignore = "DLOCK_MSSQL_URL is not set: no SQL Server to test against"
@@ -383,7 +382,7 @@ async fn url_and_ado_errors_are_configuration_errors() {
 /// (tiberius panics on the pair).
 #[test]
 fn ado_strings_that_trust_everything_and_a_ca_are_configuration_errors() {
-    let panics_before = support::foreign_panics().len();
+    let panics_before = dlock_testkit::foreign_panics().len();
     for ado in [
         "Server=tcp:127.0.0.1,1;TrustServerCertificate=true;TrustServerCertificateCA=/ca.pem",
         "Server=tcp:127.0.0.1,1;trustservercertificateca=/ca.pem; TRUSTSERVERCERTIFICATE = yes",
@@ -409,9 +408,9 @@ fn ado_strings_that_trust_everything_and_a_ca_are_configuration_errors() {
         drop(MssqlBackend::builder_from_ado(ado).expect(ado));
     }
     assert_eq!(
-        support::foreign_panics().len(),
+        dlock_testkit::foreign_panics().len(),
         panics_before,
         "{:?}",
-        support::foreign_panics()
+        dlock_testkit::foreign_panics()
     );
 }

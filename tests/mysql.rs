@@ -4,7 +4,6 @@
 //! waits, deadlock errors and bad inputs.
 #![cfg(feature = "mysql")]
 
-mod conformance;
 mod support;
 
 use std::time::{Duration, Instant};
@@ -13,10 +12,11 @@ use dlock::mysql::{
     MySqlBackend, acquire_in_transaction, server_lock_name, try_acquire_in_transaction,
 };
 use dlock::{LockError, LockGuard, LockProvider};
+use dlock_testkit::mysql::{DbServer, Flavor};
+use dlock_testkit::unique_key;
 use sqlx::mysql::{MySqlConnection, MySqlDatabaseError};
 use sqlx::{Connection, Executor};
-use support::mysql::{DbServer, Flavor};
-use support::{Holder, unique_key};
+use support::Holder;
 
 const KEEPALIVE: Duration = Duration::from_millis(200);
 
@@ -115,7 +115,7 @@ struct MyHarness {
     fencing: bool,
 }
 
-impl conformance::Harness for MyHarness {
+impl dlock_testkit::Harness for MyHarness {
     async fn provider(&self) -> LockProvider {
         LockProvider::connect(&self.server.url(self.options))
             .await
@@ -171,7 +171,7 @@ macro_rules! engine_tests {
                     })
                 }
 
-                conformance_suite!(optional harness());
+                dlock_testkit::conformance_suite!(optional harness());
             }
 
             mod plain {
@@ -185,7 +185,7 @@ macro_rules! engine_tests {
                     })
                 }
 
-                conformance_suite!(optional harness());
+                dlock_testkit::conformance_suite!(optional harness());
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -291,7 +291,7 @@ async fn killed_connections(server: &DbServer) {
             // Wait until the waiter is blocked in GET_LOCK on the server (this test's own
             // user: `b` holds and `a` waits, so the one waiting session is `a`'s), then hand
             // over.
-            support::wait_until(
+            dlock_testkit::wait_until(
                 "the waiter waits on the server",
                 Duration::from_secs(5),
                 async || get_lock_waits(&mut conn, &user).await == 1,
@@ -341,7 +341,7 @@ async fn server_restart(mut server: DbServer) {
     // Hand over once the waiter waits on the server (this server is the test's own), so that
     // the lock is granted to a wait connection.
     let mut conn = admin(&server).await;
-    support::wait_until(
+    dlock_testkit::wait_until(
         "the waiter waits on the server",
         Duration::from_secs(5),
         async || get_lock_waits(&mut conn, "root").await == 1,
@@ -506,7 +506,7 @@ async fn thousand_locks(server: &DbServer) {
         })
         .collect();
     // Every wait connection (4, the default) waits on the server; the other two waits poll.
-    support::wait_until(
+    dlock_testkit::wait_until(
         "the waits reach the server",
         Duration::from_secs(10),
         async || get_lock_waits(&mut conn, &user).await == 4,
@@ -663,7 +663,7 @@ async fn deadlock(server: &DbServer) {
         }
     });
     let mut conn = admin(server).await;
-    support::wait_until(
+    dlock_testkit::wait_until(
         "the other session waits for x on the server",
         Duration::from_secs(5),
         async || waits_in_get_lock(&mut conn, other_id).await,
@@ -707,7 +707,7 @@ async fn deadlock(server: &DbServer) {
         let r = take(nq, 20).fetch_one(&mut s1).await;
         (r.map_err(|e| number(&e)), s1)
     });
-    support::wait_until(
+    dlock_testkit::wait_until(
         "the first session waits on the server",
         Duration::from_secs(5),
         async || waits_in_get_lock(&mut conn, s1_id).await,

@@ -1,6 +1,6 @@
 //! Network partitions, per backend (PostgreSQL, MariaDB, MySQL 9, Redis 7, Redis 8, Valkey
 //! 9.1). A throwaway server runs in its own network namespace
-//! (`tests/support/netns.rs`) with two links to the test: the holder's link is cut with
+//! (`dlock_testkit::netns`) with two links to the test: the holder's link is cut with
 //! nftables drop rules (silent: no RST, no FIN, like a real partition) while a second provider
 //! reaches the server over the other link. Each test checks:
 //!
@@ -20,19 +20,15 @@
 //! and under `CI` they fail.
 #![cfg(all(feature = "postgres", feature = "mysql", feature = "redis"))]
 
-#[path = "support/netns.rs"]
-mod netns;
-mod support;
-
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use dlock::{LockError, LockProvider};
-use netns::Netns;
-use support::mysql::{DbServer, Flavor as DbFlavor};
-use support::postgres::PgServer;
-use support::redis::{Flavor as RedisFlavor, RedisServer};
-use support::unique_key;
+use dlock_testkit::mysql::{DbServer, Flavor as DbFlavor};
+use dlock_testkit::netns::Netns;
+use dlock_testkit::postgres::PgServer;
+use dlock_testkit::redis::{Flavor as RedisFlavor, RedisServer};
+use dlock_testkit::unique_key;
 
 /// The session backends' liveness check cadence in these tests.
 const KEEPALIVE: Duration = Duration::from_millis(500);

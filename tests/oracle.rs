@@ -14,7 +14,6 @@
 //!   `dlock::oracle`.
 #![cfg(feature = "oracle")]
 
-mod conformance;
 mod support;
 
 use std::time::Duration;
@@ -22,7 +21,7 @@ use std::time::Duration;
 use dlock::oracle::driver::Connection;
 use dlock::oracle::{OracleBackend, acquire_in_transaction, try_acquire_in_transaction};
 use dlock::{LockError, LockGuard, LockProvider};
-use support::unique_key;
+use dlock_testkit::unique_key;
 
 const ENV: &str = "DLOCK_ORACLE_URL";
 const KEEPALIVE: Duration = Duration::from_millis(250);
@@ -69,7 +68,7 @@ impl OracleHarness {
     }
 }
 
-impl conformance::Harness for OracleHarness {
+impl dlock_testkit::Harness for OracleHarness {
     async fn provider(&self) -> LockProvider {
         LockProvider::connect(&self.url())
             .await
@@ -128,7 +127,7 @@ impl conformance::Harness for OracleHarness {
 mod live {
     use super::*;
 
-    conformance_suite!(
+    dlock_testkit::conformance_suite!(
         attributes [#[cfg_attr(
             not(dlock_oracle_live),
             ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"

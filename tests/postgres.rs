@@ -3,16 +3,16 @@
 //! connections, transaction-bound locks and bad inputs.
 #![cfg(feature = "postgres")]
 
-mod conformance;
 mod support;
 
 use std::time::{Duration, Instant};
 
 use dlock::postgres::{PostgresBackend, acquire_in_transaction, try_acquire_in_transaction};
 use dlock::{LockError, LockGuard, LockProvider, lock_id};
+use dlock_testkit::postgres::PgServer;
+use dlock_testkit::unique_key;
 use sqlx::{Connection, PgConnection};
-use support::postgres::PgServer;
-use support::{Holder, unique_key};
+use support::Holder;
 
 const KEEPALIVE: Duration = Duration::from_millis(200);
 
@@ -64,7 +64,7 @@ struct PgHarness {
     fencing: bool,
 }
 
-impl conformance::Harness for PgHarness {
+impl dlock_testkit::Harness for PgHarness {
     async fn provider(&self) -> LockProvider {
         LockProvider::connect(&self.server.url(self.options))
             .await
@@ -103,7 +103,7 @@ mod fenced {
         }
     }
 
-    conformance_suite!(harness());
+    dlock_testkit::conformance_suite!(harness());
 }
 
 mod plain {
@@ -117,7 +117,7 @@ mod plain {
         }
     }
 
-    conformance_suite!(harness());
+    dlock_testkit::conformance_suite!(harness());
 }
 
 /// 50 trials: the session behind a held lock is terminated, and the guard's lost token fires
@@ -285,7 +285,7 @@ async fn ten_thousand_locks_on_eight_connections() {
         .collect();
     let mut conn = admin(server).await;
     // Every wait connection (4, the default) waits on the server; the other two waits poll.
-    support::wait_until(
+    dlock_testkit::wait_until(
         "the waits reach the server",
         Duration::from_secs(10),
         async || {
@@ -418,7 +418,7 @@ async fn transaction_locks_end_with_their_transaction() {
     let (granted, released) = tokio::join!(
         acquire_in_transaction(&mut tx, &key, Duration::from_secs(10)),
         async {
-            support::wait_until(
+            dlock_testkit::wait_until(
                 "the transaction waits on the server",
                 Duration::from_secs(5),
                 async || waiting_for(&mut watcher, &key).await == 1,
@@ -684,7 +684,7 @@ async fn a_wait_cancelled_as_its_key_is_released_never_leaves_it_held() {
             let (b, key, cancel) = (b.clone(), key.clone(), cancel.clone());
             tokio::spawn(async move { b.lock(&key).cancel_on(&cancel).acquire().await })
         };
-        support::wait_until(
+        dlock_testkit::wait_until(
             "the wait is queued on the server",
             Duration::from_secs(5),
             async || waiting_for(&mut conn, &key).await == 1,

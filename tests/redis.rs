@@ -4,7 +4,6 @@
 //! commands the server actually ran (from `INFO commandstats`, read by the tests only).
 #![cfg(feature = "redis")]
 
-mod conformance;
 mod support;
 
 use std::io::{BufRead, BufReader};
@@ -14,8 +13,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use dlock::backend::LockBackend;
 use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
 use dlock::{Backoff, LockError, LockGuard, LockProvider};
-use support::redis::{DelayProxy, Flavor, RedisServer};
-use support::unique_key;
+use dlock_testkit::redis::{DelayProxy, Flavor, RedisServer};
+use dlock_testkit::unique_key;
 
 const LEASE: Duration = Duration::from_secs(1);
 
@@ -76,7 +75,7 @@ impl RedisHarness {
     }
 }
 
-impl conformance::Harness for RedisHarness {
+impl dlock_testkit::Harness for RedisHarness {
     async fn provider(&self) -> LockProvider {
         LockProvider::connect(&self.url()).await.expect("connect")
     }
@@ -238,7 +237,7 @@ async fn client_kill(server: &RedisServer) {
     // The key's time to live only goes down until a renewal sets it again.
     let storage_key = backend.storage_key(&key);
     let mut last_ttl = i64::MAX;
-    support::wait_until("the lock is renewed", lease, async || {
+    dlock_testkit::wait_until("the lock is renewed", lease, async || {
         let ttl: i64 = redis::cmd("PTTL")
             .arg(&storage_key)
             .query_async(&mut conn)
@@ -629,7 +628,9 @@ async fn random_cancellations(server: &RedisServer) {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert!(support::eventually(Duration::from_secs(5), || locks.local_key_count() == 0).await);
+    assert!(
+        dlock_testkit::eventually(Duration::from_secs(5), || locks.local_key_count() == 0).await
+    );
 }
 
 /// The raw-token API: outcomes, and renewal that never recreates or touches another owner.
@@ -708,7 +709,7 @@ async fn raw_token_api(server: &RedisServer) {
             .unwrap()
     );
     assert!(
-        support::eventually(Duration::from_secs(3), || server
+        dlock_testkit::eventually(Duration::from_secs(3), || server
             .raw(&["EXISTS", std::str::from_utf8(&storage).unwrap()])
             .is_some_and(|r| r.starts_with(":0")))
         .await
@@ -799,7 +800,7 @@ fn pttl(server: &RedisServer, storage: &[u8]) -> i64 {
 /// readings), for at most `limit`.
 async fn renewed(server: &RedisServer, storage: &[u8], limit: Duration) -> bool {
     let mut last = pttl(server, storage);
-    support::eventually(limit, || {
+    dlock_testkit::eventually(limit, || {
         let now = pttl(server, storage);
         let up = now > last;
         last = now;
@@ -842,7 +843,7 @@ async fn late_acquisition_reply(server: &RedisServer) {
     });
     // The slow client's command has run on the server ...
     assert!(
-        support::eventually(Duration::from_secs(5), || exists(server, &storage)).await,
+        dlock_testkit::eventually(Duration::from_secs(5), || exists(server, &storage)).await,
         "the slow acquisition reached the server"
     );
     // ... and once its lease has run out there, another client takes the key, before the slow
@@ -908,7 +909,7 @@ async fn late_reply_then_retry(server: &RedisServer) {
     });
     // Once the first answer is held back, later ones come at once.
     assert!(
-        support::eventually(Duration::from_secs(5), || proxy.held_replies() >= 1).await,
+        dlock_testkit::eventually(Duration::from_secs(5), || proxy.held_replies() >= 1).await,
         "the first answer reached the proxy"
     );
     proxy.set_reply_delay(Duration::ZERO);
@@ -957,7 +958,8 @@ async fn late_renewal_replies(server: &RedisServer) {
     proxy.set_reply_delay(Duration::from_millis(300));
     let held = proxy.held_replies();
     assert!(
-        support::eventually(Duration::from_secs(5), || proxy.late_replies() >= held + 3).await,
+        dlock_testkit::eventually(Duration::from_secs(5), || proxy.late_replies() >= held + 3)
+            .await,
         "three renewals answered late (lost: {})",
         guard.is_lost()
     );
@@ -992,7 +994,7 @@ async fn late_renewal_replies(server: &RedisServer) {
 fn runtime_dropped(server: &RedisServer) {
     let lease = Duration::from_secs(1);
     let url = server.url("lease=1s");
-    let runtime = || support::runtime(1);
+    let runtime = || dlock_testkit::runtime(1);
     let (first, second) = (runtime(), runtime());
     // Connected on the first runtime, whose first lock starts the renewal driver there.
     let locks = first.block_on(async {
@@ -1060,8 +1062,8 @@ fn reconnection_runtime_dropped(server: &mut RedisServer) {
     let url = server.url("lease=1s&timeout=1s");
     // Connected on a runtime that stays: its watch is still running when the connection is
     // made again, and must end quietly then.
-    let home = support::runtime(1);
-    let (first, second) = (support::runtime(1), support::runtime(1));
+    let home = dlock_testkit::runtime(1);
+    let (first, second) = (dlock_testkit::runtime(1), dlock_testkit::runtime(1));
     let locks = home.block_on(async { LockProvider::connect(&url).await.unwrap() });
     server.stop();
     first.block_on(async {
@@ -1111,7 +1113,7 @@ fn reconnection_runtime_dropped(server: &mut RedisServer) {
 fn connecting_runtime_dropped(server: &RedisServer) {
     let lease = Duration::from_secs(1);
     let url = server.url("lease=1s");
-    let runtime = || support::runtime(1);
+    let runtime = || dlock_testkit::runtime(1);
     let (connecting, using) = (runtime(), runtime());
     let locks = connecting.block_on(LockProvider::connect(&url)).unwrap();
     let key = unique_key("held");
@@ -1141,7 +1143,7 @@ fn acquisition_on_dropped_runtime(server: &RedisServer) {
     let lease = Duration::from_secs(1);
     let proxy = DelayProxy::start(server.port());
     let url = proxy.url("lease=1s");
-    let doomed = support::runtime(1);
+    let doomed = dlock_testkit::runtime(1);
     let locks = doomed.block_on(async {
         let locks = LockProvider::connect(&url).await.unwrap();
         // The acquisition script loaded while answers are prompt.
@@ -1349,7 +1351,7 @@ macro_rules! flavor_tests {
                 RedisServer::start($flavor)
             }
 
-            crate::conformance_suite!(optional async { RedisHarness::start($flavor) });
+            dlock_testkit::conformance_suite!(optional async { RedisHarness::start($flavor) });
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn paths() {

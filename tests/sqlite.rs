@@ -1,7 +1,6 @@
 //! The SQLite backend: the conformance suite, plus what only a lock file can do wrong.
 #![cfg(feature = "sqlite")]
 
-mod conformance;
 mod support;
 
 use std::path::PathBuf;
@@ -9,7 +8,8 @@ use std::time::{Duration, Instant};
 
 use dlock::sqlite::{SqliteBackend, acquire_in_transaction, try_acquire_in_transaction};
 use dlock::{LockError, LockGuard, LockProvider};
-use support::{Holder, unique_key};
+use dlock_testkit::unique_key;
+use support::Holder;
 
 const LEASE: Duration = Duration::from_millis(900);
 
@@ -37,7 +37,7 @@ impl SqliteHarness {
     }
 }
 
-impl conformance::Harness for SqliteHarness {
+impl dlock_testkit::Harness for SqliteHarness {
     async fn provider(&self) -> LockProvider {
         LockProvider::connect(&self.url())
             .await
@@ -79,7 +79,7 @@ impl conformance::Harness for SqliteHarness {
     }
 }
 
-conformance_suite!(SqliteHarness::new());
+dlock_testkit::conformance_suite!(SqliteHarness::new());
 
 #[test]
 fn multi_process_exclusion() {
@@ -325,7 +325,7 @@ fn transaction_locks_end_with_their_transaction() {
     for finish in ["commit", "rollback"] {
         let tx = conn.transaction().unwrap();
         let lock = try_acquire_in_transaction(&tx, &key).unwrap();
-        assert!(lock.fencing_token() > 0);
+        assert!(lock.fencing_token().expect("sqlite issues tokens") > 0);
         // While the transaction is open, a session lock on the key cannot be had.
         assert!(matches!(
             rt.block_on(locks.try_acquire(&key)),
@@ -563,7 +563,8 @@ fn tokens_of_rolled_back_transaction_locks_are_never_issued_again() {
         issued.push(
             try_acquire_in_transaction(&tx, &key)
                 .unwrap()
-                .fencing_token(),
+                .fencing_token()
+                .expect("sqlite issues tokens"),
         );
         tx.rollback().unwrap();
         if round == 1 {
@@ -578,7 +579,8 @@ fn tokens_of_rolled_back_transaction_locks_are_never_issued_again() {
     issued.push(
         try_acquire_in_transaction(&tx, &key)
             .unwrap()
-            .fencing_token(),
+            .fencing_token()
+            .expect("sqlite issues tokens"),
     );
     tx.commit().unwrap();
     let g = rt.block_on(locks.try_acquire(&key)).unwrap();

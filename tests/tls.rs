@@ -1,5 +1,5 @@
 //! TLS with verification on, against throwaway servers that present certificates of a
-//! throwaway CA (`support::tls`): PostgreSQL (`ssl=on`), MariaDB and MySQL 9 (`ssl-cert` /
+//! throwaway CA (`dlock_testkit::tls`): PostgreSQL (`ssl=on`), MariaDB and MySQL 9 (`ssl-cert` /
 //! `ssl-key`) and Redis 7 and 8 (`tls-port`; the Valkey builds here have no TLS).
 //!
 //! Per engine, one server goes through these states, restarted in place between them:
@@ -18,16 +18,14 @@
 //! check failed.
 #![cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 
-mod support;
-
 use std::time::Duration;
 
 use dlock::{LockError, LockProvider};
-use support::tls::{Pki, ServerCert};
+use dlock_testkit::tls::{Pki, ServerCert};
 
 /// Takes and releases a lock through `locks`, and checks that a second provider sees it held.
 async fn lock_cycle(locks: &LockProvider, other: &LockProvider) {
-    let key = support::unique_key("tls");
+    let key = dlock_testkit::unique_key("tls");
     let guard = locks
         .acquire(&key, Duration::from_secs(5))
         .await
@@ -76,8 +74,8 @@ const UNAVAILABLE: &str = "DistributedLock.Unavailable";
 #[cfg(feature = "postgres")]
 mod postgres {
     use super::*;
+    use dlock_testkit::postgres::PgServer;
     use sqlx::{Connection, PgConnection};
-    use support::postgres::PgServer;
 
     fn url(server: &PgServer, host: &str, options: &str) -> String {
         format!(
@@ -177,7 +175,7 @@ mod postgres {
 #[cfg(feature = "mysql")]
 mod mysql {
     use super::*;
-    use support::mysql::{DbServer, Flavor, Tls};
+    use dlock_testkit::mysql::{DbServer, Flavor, Tls};
 
     fn url(server: &DbServer, host: &str, options: &str) -> String {
         format!(
@@ -287,7 +285,7 @@ mod mysql {
 mod redis_tls {
     use super::*;
     use dlock::redis::RedisBackend;
-    use support::redis::{Flavor, RedisServer};
+    use dlock_testkit::redis::{Flavor, RedisServer};
 
     async fn verified_tls_and_every_refusal(flavor: Flavor) {
         let pki = Pki::shared();

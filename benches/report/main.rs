@@ -22,27 +22,6 @@ use std::time::{Duration, Instant};
 
 use dlock::LockProvider;
 
-// The server modules name `super::Placement`.
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../tests/support/placement.rs"]
-mod placement;
-use placement::Placement;
-
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../tests/support/postgres.rs"]
-mod pgserver;
-
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../tests/support/mysql.rs"]
-mod myserver;
-
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../tests/support/redis.rs"]
-mod redis_support;
-
-#[path = "../shared/raw.rs"]
-mod raw;
-
 mod axum_layer;
 mod measure;
 mod output;

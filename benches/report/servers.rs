@@ -10,12 +10,12 @@ use tokio::runtime::Runtime;
 
 use crate::measure::{Batch, Contender, interleave, median, quantile};
 
-use crate::myserver::{DbServer, Flavor as MyFlavor};
 use crate::output::{Report, Row, Target, time};
 use crate::peers::Peers;
-use crate::pgserver::PgServer;
-use crate::raw;
-use crate::redis_support::{Flavor as RedisFlavor, RedisServer};
+use dlock_suite::raw;
+use dlock_testkit::mysql::{DbServer, Flavor as MyFlavor};
+use dlock_testkit::postgres::PgServer;
+use dlock_testkit::redis::{Flavor as RedisFlavor, RedisServer};
 
 const S1: &str = "1. Uncontended acquire + release against the raw driver";
 const S2: &str = "2. Handover, 16 waiters on one key across 4 providers";

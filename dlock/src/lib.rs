@@ -100,6 +100,7 @@ mod testing;
 mod time;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 mod tls;
+mod transaction;
 
 #[cfg(feature = "mssql")]
 pub mod mssql;
@@ -123,6 +124,7 @@ pub use key::lock_id;
 pub use options::parse_duration;
 pub use provider::{LockBuilder, LockProvider, LockedCommand, ProviderBuilder, SUPPORTED_SCHEMES};
 pub use tokio_util::sync::CancellationToken;
+pub use transaction::TransactionLock;
 
 #[cfg(feature = "macros")]
 pub use dlock_macros::distributed_lock;

@@ -77,7 +77,11 @@ impl LockProvider {
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
     ///
-    /// Each backend documents its own query options (for example `?lease=30s`).
+    /// Each backend documents its own query options (for example `?lease=30s`). Their values
+    /// are read the same way everywhere: durations as [`parse_duration`](crate::parse_duration)
+    /// reads them (`30s`, `500ms`, `1h 30m`, `1.5s`, a bare number of seconds); booleans as
+    /// `true`, `false`, `1`, `0`, `yes`, `no`, `on` or `off`, in any case; counts as whole
+    /// numbers. An option the backend does not know is an error that lists the ones it does.
     ///
     /// Errors with [`LockError::Config`] for an unknown scheme, a malformed URL, or a backend
     /// this build was compiled without; with [`LockError::Unavailable`] when the store cannot

@@ -140,7 +140,7 @@ use self::renewer::{Renewal, Renewer};
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
-use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::options::{UrlForm, parse_duration, read_query, url_keys};
 use crate::time::{MAX_SETTING, check_setting};
 use crate::{Backoff, LockError};
 
@@ -1069,20 +1069,7 @@ impl Drop for Checkpointing {
     }
 }
 
-/// A lock held for the rest of a SQLite transaction; see the [module docs](self).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TransactionLock {
-    fencing_token: u64,
-}
-
-impl TransactionLock {
-    /// The fencing token of this acquisition: above every token issued before for the key
-    /// (session and transaction locks share the counter), and never issued again, even when
-    /// the transaction rolls back.
-    pub fn fencing_token(&self) -> u64 {
-        self.fencing_token
-    }
-}
+pub use crate::TransactionLock;
 
 /// Locks `key` until `transaction` commits or rolls back; one try.
 ///
@@ -1093,6 +1080,15 @@ impl TransactionLock {
 /// [`LockError::Config`] when the database is not a file (in memory or temporary). Blocking
 /// (it is `rusqlite`): call it where blocking is allowed.
 pub fn try_acquire_in_transaction(
+    transaction: &Transaction<'_>,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, Duration::ZERO, || {
+        try_in_transaction(transaction, key)
+    })
+}
+
+fn try_in_transaction(
     transaction: &Transaction<'_>,
     key: &str,
 ) -> Result<TransactionLock, LockError> {
@@ -1113,9 +1109,19 @@ pub fn acquire_in_transaction(
     key: &str,
     timeout: Duration,
 ) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, timeout, || {
+        wait_in_transaction(transaction, key, timeout)
+    })
+}
+
+fn wait_in_transaction(
+    transaction: &Transaction<'_>,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
     validate_key(key)?;
     if timeout.is_zero() {
-        return try_acquire_in_transaction(transaction, key);
+        return try_in_transaction(transaction, key);
     }
     let deadline = crate::time::deadline(Instant::now(), timeout);
     let mut pauses = Pauses::new(Backoff::default(), deadline);
@@ -1190,7 +1196,7 @@ fn transaction_attempt(
             None,
         )
     })?;
-    Ok(Some(TransactionLock { fencing_token }))
+    Ok(Some(TransactionLock::new(NAME, key, Some(fencing_token))))
 }
 
 /// The connection to the `-fencing` file of `db_file`, created (with the file) the first time
@@ -1380,20 +1386,27 @@ fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> 
     Ok(())
 }
 
+const FORM: UrlForm = UrlForm {
+    backend: "SQLite",
+    schemes: &["sqlite"],
+    example: "sqlite://locks.db (relative) or sqlite:///var/lib/app/locks.db (absolute)",
+};
+
+url_keys! {
+    /// The SQLite URL options.
+    enum SqliteOption for FORM {
+        Lease = "lease",
+        BusyTimeout = "busy_timeout",
+    }
+}
+
 fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
     // The scheme is case-insensitive, as in every URL (`LockProvider::connect` picks the
     // backend that way too).
-    let rest = url
-        .split_at_checked("sqlite:".len())
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("sqlite:"))
-        .map(|(_, rest)| rest)
-        .ok_or_else(|| LockError::config("a SQLite lock store URL starts with `sqlite://`"))?;
-    let rest = rest.strip_prefix("//").unwrap_or(rest);
-    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let (rest, query) = FORM.split(url)?;
+    let path = rest.strip_prefix("//").unwrap_or(rest);
     if path.is_empty() {
-        return Err(LockError::config(
-            "the sqlite:// URL names no file; write `sqlite://locks.db` (relative) or `sqlite:///var/lib/app/locks.db` (absolute)",
-        ));
+        return Err(FORM.error("names no file"));
     }
     if path == ":memory:" || path.contains("mode=memory") {
         return Err(LockError::config(
@@ -1401,15 +1414,14 @@ fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
         ));
     }
     let mut builder = SqliteBackend::builder(path);
-    for (name, value) in query_pairs(query) {
-        match name.as_str() {
-            "lease" => builder = builder.lease(parse_duration("lease", &value)?),
-            "busy_timeout" => {
-                builder = builder.busy_timeout(parse_duration("busy_timeout", &value)?)
-            }
-            other => return Err(unknown_option("sqlite", other, &["lease", "busy_timeout"])),
+    read_query(query, |key: SqliteOption, value| {
+        let value = parse_duration(key.as_ref(), &value)?;
+        match key {
+            SqliteOption::Lease => builder.lease = value,
+            SqliteOption::BusyTimeout => builder.busy_timeout = value,
         }
-    }
+        Ok(())
+    })?;
     builder.check()?;
     Ok(builder)
 }
@@ -1475,6 +1487,7 @@ mod tests {
 
     #[test]
     fn url_forms() {
+        crate::options::assert_keys::<SqliteOption, _>(parse_url("sqlite://a.db?bogus=1"));
         assert_eq!(
             parse_url("sqlite://locks.db").unwrap().path,
             PathBuf::from("locks.db")
@@ -1739,11 +1752,11 @@ mod tests {
         let mut conn = Connection::open(&path).unwrap();
         let tx = conn.transaction().unwrap();
         let first = try_acquire_in_transaction(&tx, "k").unwrap();
-        assert_eq!(first.fencing_token(), 1);
+        assert_eq!(first.fencing_token(), Some(1));
         tx.rollback().unwrap();
         let tx = conn.transaction().unwrap();
         let second = acquire_in_transaction(&tx, "k", Duration::from_secs(1)).unwrap();
-        assert_eq!(second.fencing_token(), 2);
+        assert_eq!(second.fencing_token(), Some(2));
         tx.commit().unwrap();
         // A session acquisition issues tokens above the record.
         let taken = rt.block_on(take(&backend, "k")).unwrap();
@@ -1870,7 +1883,7 @@ mod tests {
             try_acquire_in_transaction(&tx, "k")
                 .unwrap()
                 .fencing_token(),
-            1
+            Some(1)
         );
         tx.commit().unwrap();
         let tx = conn.transaction().unwrap();
@@ -1878,7 +1891,7 @@ mod tests {
             try_acquire_in_transaction(&tx, "k")
                 .unwrap()
                 .fencing_token(),
-            2
+            Some(2)
         );
         tx.rollback().unwrap();
         // The row says 1; the record says 2 was handed out.
@@ -1887,5 +1900,246 @@ mod tests {
         assert_eq!(taken.fencing_token, Some(3));
         assert!(backend.shared.fencing.attached());
         rt.block_on(taken.handle.release()).unwrap();
+    }
+
+    fn failure(code: std::os::raw::c_int) -> rusqlite::Error {
+        rusqlite::Error::SqliteFailure(rusqlite::ffi::Error::new(code), None)
+    }
+
+    /// Failures are told apart by what the caller can do about them: fix the file (`Config`),
+    /// try again later (`Unavailable`), or read the database's code (`Backend`).
+    #[test]
+    fn errors_say_what_the_caller_can_do() {
+        use rusqlite::ffi;
+        let path = Path::new("/srv/l.db");
+        for code in [ffi::SQLITE_READONLY, ffi::SQLITE_PERM] {
+            let err = sqlite_error(path, "releasing a lock", failure(code));
+            assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+            assert!(err.to_string().contains("cannot be written"), "{err}");
+        }
+        let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_FULL));
+        assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+        assert!(err.to_string().contains("is full"), "{err}");
+        let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_IOERR));
+        assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+        assert!(
+            err.to_string().contains("I/O error on `/srv/l.db`"),
+            "{err}"
+        );
+        let err = sqlite_error(path, "releasing a lock", failure(ffi::SQLITE_CONSTRAINT));
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        assert_eq!(err.db_code(), Some("SQLITE_19"));
+
+        assert!(is_busy(&failure(ffi::SQLITE_BUSY)));
+        assert!(is_busy(&failure(ffi::SQLITE_LOCKED)));
+        assert!(!is_busy(&failure(ffi::SQLITE_CONSTRAINT)));
+        assert!(!is_busy(&rusqlite::Error::QueryReturnedNoRows));
+    }
+
+    /// A lock file of the earlier version (wall-clock `expires_at`, no boot column) is
+    /// converted when opened: held locks keep what was left of their lease, free ones stay
+    /// free, and counters go on from where they were.
+    #[tokio::test]
+    async fn a_lock_file_of_the_earlier_version_is_converted() {
+        let dir = tempfile::tempdir().unwrap();
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE __distributed_locks (name BLOB NOT NULL PRIMARY KEY, owner BLOB, \
+             expires_at INTEGER NOT NULL DEFAULT 0, fencing INTEGER NOT NULL DEFAULT 0) \
+             WITHOUT ROWID",
+        )
+        .unwrap();
+        let wall_now = millis(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap(),
+        );
+        conn.execute(
+            "INSERT INTO __distributed_locks VALUES (?1, zeroblob(16), ?2, 7), (?3, NULL, 0, 3)",
+            params![&b"held"[..], wall_now + 60_000, &b"free"[..]],
+        )
+        .unwrap();
+        drop(conn);
+
+        let backend = open(&dir, Duration::from_secs(30)).await;
+        assert!(take(&backend, "held").await.is_none());
+        let free = take(&backend, "free").await.unwrap();
+        assert_eq!(free.fencing_token, Some(4));
+        free.handle.release().await.unwrap();
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        let legacy: i64 = conn.query_row(LEGACY_SQL, [], |r| r.get(0)).unwrap();
+        assert_eq!(legacy, 0);
+        // What was left of the held lease is kept (not the whole remaining clock).
+        let lease_end: i64 = conn
+            .query_row(
+                "SELECT lease_end FROM __distributed_locks WHERE name = ?1",
+                [&b"held"[..]],
+                |r| r.get(0),
+            )
+            .unwrap();
+        let left = lease_end - LeaseClock::get().unwrap().now_ms();
+        assert!((50_000..=60_000).contains(&left), "{left}");
+    }
+
+    /// A counter that cannot be a fencing token is an error, and the row just taken is given
+    /// back instead of staying locked for its lease.
+    #[tokio::test]
+    async fn a_counter_that_is_not_a_positive_integer_gives_the_row_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let backend = open(&dir, Duration::from_secs(30)).await;
+        let conn = Connection::open(dir.path().join("l.db")).unwrap();
+        conn.execute(
+            "INSERT INTO __distributed_locks (name, owner, lease_end, fencing) \
+             VALUES (?1, NULL, 0, -10)",
+            [&b"k"[..]],
+        )
+        .unwrap();
+        let err = backend
+            .try_acquire(LockRequest::new("k"))
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("not a positive integer"), "{err}");
+        assert_eq!(row(&dir, "k"), Some((false, -9)));
+    }
+
+    /// Statements the file refuses (here by a trigger, as a constraint would) are failures,
+    /// not contention: they are neither retried for the busy timeout nor answered as "held".
+    #[test]
+    fn refused_statements_are_errors_not_contention() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let backend = rt
+            .block_on(
+                SqliteBackend::builder(&path)
+                    .busy_timeout(Duration::from_secs(20))
+                    .open(),
+            )
+            .unwrap();
+        let held = rt.block_on(take(&backend, "k")).unwrap();
+        let mut conn = Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TRIGGER no_insert BEFORE INSERT ON __distributed_locks \
+             BEGIN SELECT RAISE(ABORT, 'refused'); END; \
+             CREATE TRIGGER no_release BEFORE UPDATE ON __distributed_locks \
+             WHEN new.owner IS NULL BEGIN SELECT RAISE(ABORT, 'refused'); END;",
+        )
+        .unwrap();
+        let started = Instant::now();
+        let err = rt
+            .block_on(backend.try_acquire(LockRequest::new("new")))
+            .unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        let err = rt.block_on(held.handle.release()).unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        let tx = conn.transaction().unwrap();
+        let err = try_acquire_in_transaction(&tx, "t").unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        drop(tx);
+        assert!(started.elapsed() < Duration::from_secs(10));
+    }
+
+    /// A release that finds the file busy waits for it, within the busy timeout.
+    #[tokio::test]
+    async fn a_release_waits_for_a_busy_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let backend = SqliteBackend::builder(&path)
+            .busy_timeout(Duration::from_secs(20))
+            .open()
+            .await
+            .unwrap();
+        let held = take(&backend, "k").await.unwrap();
+        let (locked, is_locked) = std::sync::mpsc::channel();
+        let (free, unlock) = std::sync::mpsc::channel::<()>();
+        let writer = std::thread::spawn(move || {
+            let mut conn = Connection::open(&path).unwrap();
+            let tx = conn
+                .transaction_with_behavior(TransactionBehavior::Immediate)
+                .unwrap();
+            locked.send(()).unwrap();
+            // Held until the release has found the file busy at least once.
+            unlock.recv().unwrap();
+            drop(tx);
+        });
+        is_locked.recv().unwrap();
+        let release = tokio::spawn(held.handle.release());
+        // The release is retrying (it cannot get through while the write lock is held).
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!release.is_finished());
+        free.send(()).unwrap();
+        release.await.unwrap().unwrap();
+        writer.join().unwrap();
+        assert_eq!(row(&dir, "k"), Some((false, 1)));
+    }
+
+    /// A transaction lock on a file another connection is writing is held, as far as one try
+    /// can tell.
+    #[test]
+    fn a_transaction_lock_on_a_busy_file_is_already_held() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        drop(rt.block_on(open(&dir, Duration::from_secs(30))));
+        let mut writer = Connection::open(&path).unwrap();
+        let writing = writer
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let mut conn = Connection::open(&path).unwrap();
+        conn.busy_timeout(Duration::from_millis(20)).unwrap();
+        let tx = conn.transaction().unwrap();
+        let err = try_acquire_in_transaction(&tx, "k").unwrap_err();
+        assert!(matches!(err, LockError::AlreadyHeld { .. }), "{err:?}");
+        drop(tx);
+        drop(writing);
+    }
+
+    /// Failures other than a busy file are not retried while the file is opened.
+    #[tokio::test]
+    async fn a_file_that_is_not_a_database_is_refused_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("text");
+        std::fs::write(&path, vec![b'x'; 4096]).unwrap();
+        let started = Instant::now();
+        let err = SqliteBackend::builder(&path)
+            .busy_timeout(Duration::from_secs(60))
+            .open()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+        assert!(started.elapsed() < Duration::from_secs(30));
+    }
+
+    /// A file another connection keeps locked (exclusive locking mode) cannot be opened: the
+    /// open gives up once the busy timeout has passed instead of waiting for the file.
+    #[tokio::test]
+    async fn opening_a_file_locked_for_good_gives_up_after_the_busy_timeout() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.db");
+        let conn = Connection::open(&path).unwrap();
+        conn.query_row("PRAGMA journal_mode = WAL", [], |_| Ok(()))
+            .unwrap();
+        conn.execute_batch(
+            "PRAGMA locking_mode = EXCLUSIVE; BEGIN IMMEDIATE; CREATE TABLE other (x); COMMIT;",
+        )
+        .unwrap();
+        let started = Instant::now();
+        let err = SqliteBackend::builder(&path)
+            .busy_timeout(Duration::from_millis(200))
+            .open()
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Backend { .. }), "{err:?}");
+        assert_eq!(err.db_code(), Some("SQLITE_5"), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        drop(conn);
+        // Once the file is let go, it opens.
+        SqliteBackend::open(&path).await.unwrap();
     }
 }

@@ -3,13 +3,14 @@
 //! connecting within `connect_timeout`.
 
 use std::future::Future;
+use std::marker::PhantomData;
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
 
 use crate::LockError;
-use crate::options::{query_pairs, unknown_option};
-use crate::session::{Failure, SessionOptions};
+use crate::options::UrlForm;
+use crate::session::{Failure, OwnKey, SessionOptions, read_engine_query};
 
 /// How an engine's server errors read, for [`driver_error`].
 pub(crate) trait SqlxErrors {
@@ -121,30 +122,59 @@ pub(crate) async fn connect_within<E: SqlxErrors, T>(
     }
 }
 
-/// Reads the query of a sqlx engine's URL: the session options, and the driver's own options
-/// (`is_driver`), which go to the driver as they are; any other option is refused, so a typo
-/// does not pass unnoticed.
-pub(crate) fn split_query<E: SqlxErrors>(
-    query: &str,
-    driver_options: &[&str],
-    is_driver: impl Fn(&str) -> bool,
-) -> Result<(SessionOptions, Vec<(String, String)>), LockError> {
-    let mut session = SessionOptions::default();
-    let mut passthrough = Vec::new();
-    for (name, value) in query_pairs(query) {
-        if session.parse(true, &name, &value)? {
-            continue;
-        }
-        if !is_driver(&name) {
-            let valid: Vec<&str> = SessionOptions::names(true)
-                .iter()
-                .chain(driver_options)
-                .copied()
-                .collect();
-            return Err(unknown_option(E::NAME, &name, &valid));
-        }
-        passthrough.push((name, value));
+/// The URL of an engine built on sqlx: its form, and the driver's own options, which pass
+/// through to the driver. The driver would ignore any other option silently, so that a typo
+/// would go unnoticed: they are refused instead.
+pub(crate) trait SqlxUrl {
+    /// The engine's URL skeleton.
+    const FORM: UrlForm;
+    /// The driver's options, as the engine documents them.
+    const DRIVER_OPTIONS: &'static [&'static str];
+
+    /// Whether the driver reads the option `name`.
+    fn is_driver_option(name: &str) -> bool {
+        Self::DRIVER_OPTIONS.contains(&name)
     }
+}
+
+/// An option of a sqlx engine's driver, passed to it as it is.
+pub(crate) struct DriverOption<E> {
+    name: String,
+    engine: PhantomData<E>,
+}
+
+impl<E: SqlxUrl> OwnKey for DriverOption<E> {
+    const BACKEND: &'static str = E::FORM.backend;
+    const FENCING: bool = true;
+
+    fn find(name: &str) -> Option<Self> {
+        E::is_driver_option(name).then(|| DriverOption {
+            name: name.to_owned(),
+            engine: PhantomData,
+        })
+    }
+
+    fn names() -> Vec<&'static str> {
+        E::DRIVER_OPTIONS.to_vec()
+    }
+}
+
+impl<E> AsRef<str> for DriverOption<E> {
+    fn as_ref(&self) -> &str {
+        &self.name
+    }
+}
+
+/// Reads the query of a sqlx engine's URL: the session options, and the driver's own options,
+/// which go to the driver as they are.
+pub(crate) fn split_query<E: SqlxUrl>(
+    query: &str,
+) -> Result<(SessionOptions, Vec<(String, String)>), LockError> {
+    let mut passthrough = Vec::new();
+    let session = read_engine_query::<DriverOption<E>>(query, |key, value| {
+        passthrough.push((key.name, value));
+        Ok(())
+    })?;
     Ok((session, passthrough))
 }
 

@@ -16,9 +16,9 @@ use std::time::Duration;
 
 use super::model::{Bounds, Fault, History, MS, Op, OpKind, SEC, Violation};
 use super::plan::{Action, Backend, KNOWN_HOLES, Schedule, WorkerSpec, gated, generate, opened};
-use crate::support::postgres::PgServer;
-use crate::support::redis::{Flavor, RedisServer};
-use crate::support::{unique_key, worker_bin};
+use dlock_testkit::postgres::PgServer;
+use dlock_testkit::redis::{Flavor, RedisServer};
+use dlock_testkit::unique_key;
 
 /// Nanoseconds of `CLOCK_MONOTONIC` through the vDSO: the clock the workers report in.
 pub fn now() -> u64 {
@@ -261,7 +261,7 @@ impl Run<'_> {
         let spec = self.sched.workers.get(slot);
         let store = lock(&self.store);
         let url = store.url(self.sched, spec, &self.worker_name(slot));
-        let mut cmd = Command::new(worker_bin());
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dlock-worker"));
         cmd.args(["schedule", "--url", &url]);
         if let Some(file) = store.sqlite_file() {
             cmd.arg("--sqlite-file").arg(file);

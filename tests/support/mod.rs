@@ -1,39 +1,13 @@
-//! Test support shared by the integration tests: unique keys, child processes, and (per
-//! backend) throwaway servers.
-#![allow(dead_code, unreachable_pub)]
-
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
-mod placement;
-#[cfg(feature = "redis")]
-pub mod redis;
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
-pub mod tls;
-
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
-pub use placement::Placement;
+//! What only this repository's tests do: run its `dlock-worker` binary (lock holders in other
+//! processes, the multi-process exclusion checker). Everything else the tests share (the
+//! conformance suite, throwaway servers, keys, waits) is in `dlock-testkit`.
+//!
+//! Each test binary that runs workers includes this module and uses part of it.
+#![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
-
-/// A key no other test (or earlier run against the same server) uses.
-pub fn unique_key(name: &str) -> String {
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{name}:{}:{}:{}",
-        std::process::id(),
-        NEXT.fetch_add(1, Ordering::Relaxed),
-        fastrand_u64()
-    )
-}
-
-fn fastrand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(0);
-    h.finish()
-}
 
 /// The path of the worker binary built with the tests.
 pub fn worker_bin() -> &'static str {
@@ -176,88 +150,3 @@ impl Drop for Holder {
         let _ = self.child.wait();
     }
 }
-
-/// Every panic raised so far in this test binary outside the test suite's own files (in dlock,
-/// or in a dependency dlock called), as `file:line: message`. The first call installs a panic
-/// hook that records them before it runs the hook that was there. A panic in a task dlock
-/// spawns (a background release, a connection task) never reaches a test's `JoinHandle`; this
-/// is how a test sees it. Tests run in parallel threads of one binary, so a count taken around
-/// a test also sees panics of the library in other tests of the same binary: each one is a
-/// defect all the same.
-pub fn foreign_panics() -> Vec<String> {
-    use std::sync::{Mutex, OnceLock};
-    static PANICS: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
-    let panics = PANICS.get_or_init(|| {
-        let previous = std::panic::take_hook();
-        std::panic::set_hook(Box::new(move |info| {
-            let (file, line) = info.location().map_or(("?", 0), |l| (l.file(), l.line()));
-            if !file.starts_with("tests/") {
-                let message = info
-                    .payload()
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                    .unwrap_or_default();
-                if let Some(panics) = PANICS.get() {
-                    panics
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner)
-                        .push(format!("{file}:{line}: {message}"));
-                }
-            }
-            previous(info);
-        }));
-        Mutex::new(Vec::new())
-    });
-    panics
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone()
-}
-
-/// Polls `condition` (an async closure, so it may ask a server) every few milliseconds until
-/// it holds, and fails the test, naming `what`, if it does not hold within `limit`: for
-/// waiting on something that can be observed (a wait has reached the server, a renewal has
-/// happened) instead of sleeping and hoping it has.
-pub async fn wait_until(what: &str, limit: Duration, mut condition: impl AsyncFnMut() -> bool) {
-    let started = std::time::Instant::now();
-    loop {
-        if condition().await {
-            return;
-        }
-        assert!(
-            started.elapsed() < limit,
-            "timed out after {limit:?} waiting until {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// A multi-thread Tokio runtime of `workers` threads, for tests that make and drop runtimes of
-/// their own.
-pub fn runtime(workers: usize) -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(workers)
-        .enable_all()
-        .build()
-        .expect("a Tokio runtime")
-}
-
-/// Waits for `condition` to hold, checking every few milliseconds, for at most `limit`.
-pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
-    let deadline = tokio::time::Instant::now() + limit;
-    loop {
-        if condition() {
-            return true;
-        }
-        if tokio::time::Instant::now() >= deadline {
-            return false;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-#[cfg(feature = "mysql")]
-pub mod mysql;
-#[cfg(feature = "postgres")]
-pub mod postgres;

@@ -129,11 +129,13 @@ use crate::session::{
 };
 use session::MssqlConnector;
 pub use statements::resource_name;
-use statements::{Grant, Owner, getapplock_call, getapplock_result, lock_timeout_ms};
+use statements::{Grant, NAME, Owner, getapplock_call, getapplock_result, lock_timeout_ms};
 
 /// The `tiberius` driver this module is built against, for [`MssqlBackend::builder`]'s
 /// `Config` and the transaction-bound functions' `Client`.
 pub use tiberius;
+
+pub use crate::TransactionLock;
 
 /// The SQL Server engine: the type parameter of [`MssqlBackend`] and [`MssqlBuilder`].
 #[derive(Debug, Clone, Copy)]
@@ -280,11 +282,12 @@ impl SessionBackend<Mssql> {
 pub async fn try_acquire_in_transaction<S>(
     client: &mut tiberius::Client<S>,
     key: &str,
-) -> Result<(), LockError>
+) -> Result<TransactionLock, LockError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    lock_in_transaction(client, key, Duration::ZERO).await
+    let locking = lock_in_transaction(client, key, Duration::ZERO);
+    crate::transaction::observe(NAME, key, Duration::ZERO, locking).await
 }
 
 /// Locks `key` in the caller's open transaction on `client`, waiting on the server up to
@@ -299,18 +302,19 @@ pub async fn acquire_in_transaction<S>(
     client: &mut tiberius::Client<S>,
     key: &str,
     timeout: Duration,
-) -> Result<(), LockError>
+) -> Result<TransactionLock, LockError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    lock_in_transaction(client, key, timeout).await
+    let locking = lock_in_transaction(client, key, timeout);
+    crate::transaction::observe(NAME, key, timeout, locking).await
 }
 
 async fn lock_in_transaction<S>(
     client: &mut tiberius::Client<S>,
     key: &str,
     timeout: Duration,
-) -> Result<(), LockError>
+) -> Result<TransactionLock, LockError>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
@@ -324,7 +328,7 @@ where
         .await
         .map_err(|err| session::failure("taking a transaction-bound lock", err).error)?;
     match getapplock_result(code, key)? {
-        Grant::Granted => Ok(()),
+        Grant::Granted => Ok(TransactionLock::new(NAME, key, None)),
         Grant::TimedOut => Err(contention(key, timeout)),
     }
 }

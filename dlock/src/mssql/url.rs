@@ -3,13 +3,38 @@
 use tiberius::{AuthMethod, Config, EncryptionLevel};
 
 use crate::LockError;
-use crate::options::{query_pairs, unknown_option};
-use crate::session::SessionOptions;
+use crate::options::{UrlForm, bad_value, parse_bool, url_keys};
+use crate::session::{OwnKey, SessionOptions, read_engine_query};
 
 const DEFAULT_PORT: u16 = 1433;
 
-/// The URL options of SQL Server's own, beside the session options.
-const URL_OPTIONS: &[&str] = &["encrypt", "trust_server_certificate", "application_name"];
+const FORM: UrlForm = UrlForm {
+    backend: "SQL Server",
+    schemes: &["mssql", "sqlserver"],
+    example: "mssql://user:password@host:1433/database",
+};
+
+url_keys! {
+    /// SQL Server's own URL options, beside the session options.
+    pub(super) enum MssqlOption {
+        Encrypt = "encrypt",
+        TrustServerCertificate = "trust_server_certificate",
+        ApplicationName = "application_name",
+    }
+}
+
+impl OwnKey for MssqlOption {
+    const BACKEND: &'static str = FORM.backend;
+    const FENCING: bool = false;
+
+    fn find(name: &str) -> Option<Self> {
+        MssqlOption::find(name)
+    }
+
+    fn names() -> Vec<&'static str> {
+        MssqlOption::names().collect()
+    }
+}
 
 /// The `key=value` pairs of an ADO.NET connection string, keys trimmed and in lower case,
 /// values unquoted (`'...'` or `"..."`, a doubled quote standing for one; `;` inside quotes
@@ -106,82 +131,51 @@ enum Encryption {
 }
 
 pub(super) fn parse_url(url: &str) -> Result<ParsedUrl, LockError> {
-    let parsed = url::Url::parse(url).map_err(|err| {
-        LockError::config(format!(
-            "the SQL Server URL is malformed ({err}); expected mssql://user:password@host:port/database"
-        ))
+    let server = FORM.server(url, "database name")?;
+    if server.user.is_empty() {
+        return Err(FORM.error(
+            "has no user name (or use MssqlBackend::builder with a tiberius::Config for other \
+             authentication)",
+        ));
+    }
+    let mut encryption = Encryption::Required;
+    let mut trust_server_certificate = false;
+    let mut application_name = None;
+    let options = read_engine_query(&server.query, |key, value| {
+        match key {
+            MssqlOption::Encrypt => encryption = parse_encryption(&value)?,
+            MssqlOption::TrustServerCertificate => {
+                trust_server_certificate = parse_bool(key.as_ref(), &value)?
+            }
+            MssqlOption::ApplicationName => application_name = Some(value),
+        }
+        Ok(())
     })?;
-    if !matches!(parsed.scheme(), "mssql" | "sqlserver") {
-        return Err(LockError::config(
-            "a SQL Server URL starts with mssql:// or sqlserver://",
-        ));
+    Ok(ParsedUrl {
+        host: server.host,
+        port: server.port.unwrap_or(DEFAULT_PORT),
+        database: (!server.name.is_empty()).then_some(server.name),
+        user: server.user,
+        password: server.password,
+        encryption,
+        trust_server_certificate,
+        application_name,
+        options,
+    })
+}
+
+/// `encrypt`: a boolean, or one of the driver's levels by name.
+fn parse_encryption(value: &str) -> Result<Encryption, LockError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "required" | "mandatory" => Ok(Encryption::Required),
+        "optional" => Ok(Encryption::LoginOnly),
+        "not_supported" | "none" => Ok(Encryption::None),
+        _ => match parse_bool("encrypt", value) {
+            Ok(true) => Ok(Encryption::Required),
+            Ok(false) => Ok(Encryption::LoginOnly),
+            Err(_) => Err(bad_value("encrypt", value, "true, false or not_supported")),
+        },
     }
-    let host = match parsed.host_str() {
-        Some(host) if !host.is_empty() => host.to_owned(),
-        _ => {
-            return Err(LockError::config(
-                "the SQL Server URL has no host; expected mssql://user:password@host:port/database",
-            ));
-        }
-    };
-    let user = decode(parsed.username(), "user name")?;
-    let password = decode(parsed.password().unwrap_or(""), "password")?;
-    if user.is_empty() {
-        return Err(LockError::config(
-            "the SQL Server URL has no user name; expected mssql://user:password@host:port/database \
-             (or use MssqlBackend::builder with a tiberius::Config for other authentication)",
-        ));
-    }
-    let database = decode(parsed.path().trim_start_matches('/'), "database name")?;
-    if database.contains('/') {
-        return Err(LockError::config(
-            "the SQL Server URL's path must be just the database name",
-        ));
-    }
-    let mut out = ParsedUrl {
-        host,
-        port: parsed.port().unwrap_or(DEFAULT_PORT),
-        database: (!database.is_empty()).then_some(database),
-        user,
-        password,
-        encryption: Encryption::Required,
-        trust_server_certificate: false,
-        application_name: None,
-        options: SessionOptions::default(),
-    };
-    for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
-        if out.options.parse(false, &name, &value)? {
-            continue;
-        }
-        match name.as_str() {
-            "encrypt" => {
-                out.encryption = match value.to_ascii_lowercase().as_str() {
-                    "true" | "yes" | "on" | "required" | "mandatory" => Encryption::Required,
-                    "false" | "no" | "off" | "optional" => Encryption::LoginOnly,
-                    "not_supported" | "none" => Encryption::None,
-                    _ => {
-                        return Err(LockError::config(format!(
-                            "option `encrypt` has the value `{}`; use true, false or not_supported",
-                            crate::options::shown(&value)
-                        )));
-                    }
-                }
-            }
-            "trust_server_certificate" => {
-                out.trust_server_certificate = parse_bool("trust_server_certificate", &value)?
-            }
-            "application_name" => out.application_name = Some(value),
-            other => {
-                let valid: Vec<&str> = URL_OPTIONS
-                    .iter()
-                    .chain(SessionOptions::names(false))
-                    .copied()
-                    .collect();
-                return Err(unknown_option("SQL Server", other, &valid));
-            }
-        }
-    }
-    Ok(out)
 }
 
 impl ParsedUrl {
@@ -209,25 +203,6 @@ impl ParsedUrl {
     }
 }
 
-fn decode(text: &str, what: &str) -> Result<String, LockError> {
-    crate::options::percent_decode(text).ok_or_else(|| {
-        LockError::config(format!(
-            "the {what} in the SQL Server URL is not valid percent-encoded UTF-8"
-        ))
-    })
-}
-
-fn parse_bool(option: &str, value: &str) -> Result<bool, LockError> {
-    match value.to_ascii_lowercase().as_str() {
-        "true" | "yes" | "on" | "1" => Ok(true),
-        "false" | "no" | "off" | "0" => Ok(false),
-        _ => Err(LockError::config(format!(
-            "option `{option}` has the value `{}`; use true or false",
-            crate::options::shown(value)
-        ))),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -237,6 +212,9 @@ mod tests {
 
     #[test]
     fn url_defaults() {
+        crate::options::assert_keys::<crate::session::EngineKey<MssqlOption>, _>(parse_url(
+            "mssql://app:secret@db.internal/app?bogus=1",
+        ));
         let url = parse_url("mssql://app:secret@db.internal/app").unwrap();
         assert_eq!(url.host, "db.internal");
         assert_eq!(url.port, 1433);

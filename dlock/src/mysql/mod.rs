@@ -274,10 +274,7 @@ impl SessionBackend<MySql> {
 // ---------------------------------------------------------------------------------------------
 // Transaction-bound locks.
 
-/// A lock bound to a transaction. MySQL and MariaDB have none, so no value of this type can
-/// exist; see [`try_acquire_in_transaction`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransactionLock {}
+pub use crate::TransactionLock;
 
 const NO_TRANSACTION_LOCKS: &str = "MySQL and MariaDB have no transaction-bound user locks: GET_LOCK locks belong to the session and outlive commit and rollback; take the lock with LockProvider::acquire and release it after the transaction ends";
 

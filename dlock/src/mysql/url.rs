@@ -5,51 +5,51 @@ use std::str::FromStr;
 use sqlx::mysql::MySqlConnectOptions;
 
 use crate::LockError;
-use crate::session::SessionOptions;
-use crate::sqlx_engine::{driver_url, split_query};
+use crate::options::UrlForm;
+use crate::session::{SessionKey, SessionOptions};
+use crate::sqlx_engine::{SqlxUrl, driver_url, split_query};
 
 use super::MySql;
 
-/// Options of the driver that pass through the URL unchanged.
-const DRIVER_OPTIONS: &[&str] = &[
-    "sslmode",
-    "ssl-mode",
-    "sslca",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
-    "charset",
-    "collation",
-    "socket",
-    "timezone",
-    "time-zone",
-    "statement-cache-capacity",
-];
+impl SqlxUrl for MySql {
+    const FORM: UrlForm = UrlForm {
+        backend: "MySQL",
+        schemes: &["mysql", "mariadb"],
+        example: "mysql://user:password@host:3306/database",
+    };
+    const DRIVER_OPTIONS: &'static [&'static str] = &[
+        "sslmode",
+        "ssl-mode",
+        "sslca",
+        "ssl-ca",
+        "sslcert",
+        "ssl-cert",
+        "sslkey",
+        "ssl-key",
+        "charset",
+        "collation",
+        "socket",
+        "timezone",
+        "time-zone",
+        "statement-cache-capacity",
+    ];
+}
 
 /// Reads a `mysql://` or `mariadb://` URL; its options are checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(MySqlConnectOptions, SessionOptions), LockError> {
-    let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let Some((scheme, rest)) = base.split_once("://") else {
-        return Err(LockError::config(
-            "the MySQL URL must look like mysql://user:password@host:3306/database",
-        ));
+    let form = MySql::FORM;
+    let (rest, query) = form.split(url)?;
+    let Some(rest) = rest.strip_prefix("//") else {
+        return Err(form.error("has no `//` after its scheme"));
     };
-    if !matches!(scheme.to_ascii_lowercase().as_str(), "mysql" | "mariadb") {
-        return Err(LockError::config(
-            "the MySQL backend takes mysql:// or mariadb:// URLs",
-        ));
-    }
-    let (session, passthrough) =
-        split_query::<MySql>(query, DRIVER_OPTIONS, |name| DRIVER_OPTIONS.contains(&name))?;
+    let (session, passthrough) = split_query::<MySql>(query)?;
     // The driver reads `mysql://`; `mariadb://` is the same protocol.
     let driver_url = driver_url(format!("mysql://{rest}"), &passthrough);
     let options = MySqlConnectOptions::from_str(&driver_url).map_err(|e| {
-        LockError::config(format!(
-            "the MySQL URL is not valid ({}); write it like mysql://user:password@host:3306/database (options: {})",
+        form.error(format!(
+            "is not valid ({}) (options: {})",
             describe_url_error(&e),
-            SessionOptions::names(true).join(", ")
+            SessionKey::names_of(true).collect::<Vec<_>>().join(", ")
         ))
     })?;
     Ok((options, session))
@@ -71,6 +71,10 @@ mod tests {
 
     #[test]
     fn urls() {
+        crate::options::assert_keys::<
+            crate::session::EngineKey<crate::sqlx_engine::DriverOption<crate::mysql::MySql>>,
+            _,
+        >(MySqlBackend::builder_from_url("mysql://h/db?bogus=1"));
         let b = MySqlBackend::builder_from_url(
             "mariadb://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&ssl-mode=disabled",
         )

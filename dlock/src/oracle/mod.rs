@@ -126,7 +126,9 @@ use crate::session::{
 };
 use session::{OracleConnector, OracleTarget, map_error, run_call};
 pub use statements::dbms_lock_id;
-use statements::{Grant, MAXWAIT_SECS, Scope, request_call, request_result};
+use statements::{Grant, MAXWAIT_SECS, NAME, Scope, request_call, request_result};
+
+pub use crate::TransactionLock;
 
 /// The `oracle` driver this module is built against, for the transaction-bound functions'
 /// `Connection`.
@@ -200,8 +202,13 @@ impl SessionBackend<Oracle> {
 /// conn.commit()?; // releases the lock
 /// # Ok(()) }
 /// ```
-pub fn try_acquire_in_transaction(conn: &oracle::Connection, key: &str) -> Result<(), LockError> {
-    acquire_in_transaction(conn, key, Duration::ZERO)
+pub fn try_acquire_in_transaction(
+    conn: &oracle::Connection,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, Duration::ZERO, || {
+        lock_in_transaction(conn, key, Duration::ZERO)
+    })
 }
 
 /// Locks `key` until the caller's next commit or rollback on `conn`, waiting up to `timeout`
@@ -213,7 +220,17 @@ pub fn acquire_in_transaction(
     conn: &oracle::Connection,
     key: &str,
     timeout: Duration,
-) -> Result<(), LockError> {
+) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe_blocking(NAME, key, timeout, || {
+        lock_in_transaction(conn, key, timeout)
+    })
+}
+
+fn lock_in_transaction(
+    conn: &oracle::Connection,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
     crate::key::validate_key(key)?;
     let id = dbms_lock_id(key);
     let deadline = crate::time::deadline(Instant::now(), timeout);
@@ -237,7 +254,7 @@ pub fn acquire_in_transaction(
         let code = run_call(conn, &call)
             .map_err(|err| map_error("taking a transaction-bound lock", &err).error)?;
         match request_result(code)? {
-            Grant::Granted => return Ok(()),
+            Grant::Granted => return Ok(TransactionLock::new(NAME, key, None)),
             // 4: this session already owns the id (the same key, or one sharing its id).
             Grant::NotGranted if last || code == Some(4) => return Err(contention(key, timeout)),
             Grant::NotGranted => {}

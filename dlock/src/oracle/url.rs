@@ -1,70 +1,58 @@
 //! The `oracle://` URL.
 
 use crate::LockError;
-use crate::options::{query_pairs, unknown_option};
-use crate::session::SessionOptions;
+use crate::options::UrlForm;
+use crate::session::{OwnKey, SessionOptions, read_engine_query};
 
 use super::session::OracleTarget;
 
 const DEFAULT_PORT: u16 = 1521;
 
+const FORM: UrlForm = UrlForm {
+    backend: "Oracle",
+    schemes: &["oracle"],
+    example: "oracle://user:password@host:1521/service_name",
+};
+
+/// Oracle's own URL options: none, beside the session options.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OracleOption {}
+
+impl AsRef<str> for OracleOption {
+    fn as_ref(&self) -> &str {
+        match *self {}
+    }
+}
+
+impl OwnKey for OracleOption {
+    const BACKEND: &'static str = FORM.backend;
+    const FENCING: bool = false;
+
+    fn find(_: &str) -> Option<Self> {
+        None
+    }
+
+    fn names() -> Vec<&'static str> {
+        Vec::new()
+    }
+}
+
 /// Reads an `oracle://` URL; its options are checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(OracleTarget, SessionOptions), LockError> {
-    let parsed = url::Url::parse(url).map_err(|err| {
-        LockError::config(format!(
-            "the Oracle URL is malformed ({err}); expected oracle://user:password@host:port/service_name"
-        ))
-    })?;
-    if parsed.scheme() != "oracle" {
-        return Err(LockError::config("an Oracle URL starts with oracle://"));
+    let server = FORM.server(url, "service name")?;
+    if server.user.is_empty() {
+        return Err(FORM.error("has no user name"));
     }
-    let host = match parsed.host_str() {
-        Some(host) if !host.is_empty() => host.to_owned(),
-        _ => {
-            return Err(LockError::config(
-                "the Oracle URL has no host; expected oracle://user:password@host:port/service_name",
-            ));
-        }
-    };
-    let bad = |what: &str| {
-        LockError::config(format!(
-            "the {what} in the Oracle URL is not valid percent-encoded UTF-8"
-        ))
-    };
-    let user = crate::options::percent_decode(parsed.username()).ok_or_else(|| bad("user name"))?;
-    let password = crate::options::percent_decode(parsed.password().unwrap_or(""))
-        .ok_or_else(|| bad("password"))?;
-    if user.is_empty() {
-        return Err(LockError::config(
-            "the Oracle URL has no user name; expected oracle://user:password@host:port/service_name",
-        ));
-    }
-    let service = crate::options::percent_decode(parsed.path().trim_start_matches('/'))
-        .ok_or_else(|| bad("service name"))?;
-    if service.contains('/') {
-        return Err(LockError::config(
-            "the Oracle URL's path must be just the service name",
-        ));
-    }
-    let port = parsed.port().unwrap_or(DEFAULT_PORT);
-    let connect_string = if service.is_empty() {
-        format!("//{host}:{port}")
+    let port = server.port.unwrap_or(DEFAULT_PORT);
+    let connect_string = if server.name.is_empty() {
+        format!("//{}:{port}", server.host)
     } else {
-        format!("//{host}:{port}/{service}")
+        format!("//{}:{port}/{}", server.host, server.name)
     };
-    let mut options = SessionOptions::default();
-    for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
-        if !options.parse(false, &name, &value)? {
-            return Err(unknown_option(
-                "Oracle",
-                &name,
-                SessionOptions::names(false),
-            ));
-        }
-    }
+    let options = read_engine_query::<OracleOption>(&server.query, |key, _| match key {})?;
     let target = OracleTarget {
-        user,
-        password,
+        user: server.user,
+        password: server.password,
         connect_string,
     };
     Ok((target, options))
@@ -78,6 +66,9 @@ mod tests {
 
     #[test]
     fn urls() {
+        crate::options::assert_keys::<crate::session::EngineKey<super::OracleOption>, _>(
+            OracleBackend::builder_from_url("oracle://u:p@h/svc?bogus=1"),
+        );
         let b = OracleBackend::builder_from_url(
             "oracle://app%40x:p%40ss+w@db.internal:1522/FREEPDB1?keepalive=1s&connections=2\
              &wait_connections=0&connect_timeout=3s",

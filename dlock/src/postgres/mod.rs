@@ -259,18 +259,7 @@ impl SessionBackend<Postgres> {
 // ---------------------------------------------------------------------------------------------
 // Transaction-bound locks.
 
-/// A lock held until the end of the caller's transaction; see the [module docs](self).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TransactionLock {
-    id: i64,
-}
-
-impl TransactionLock {
-    /// The advisory lock id that is held ([`lock_id`] of the key).
-    pub fn lock_id(&self) -> i64 {
-        self.id
-    }
-}
+pub use crate::TransactionLock;
 
 /// Locks `key` until the transaction open on `conn` commits or rolls back; one try
 /// (`pg_try_advisory_xact_lock`). Contention is [`LockError::AlreadyHeld`].
@@ -287,6 +276,13 @@ pub async fn try_acquire_in_transaction(
     conn: &mut PgConnection,
     key: &str,
 ) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe(NAME, key, Duration::ZERO, try_in_transaction(conn, key)).await
+}
+
+async fn try_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+) -> Result<TransactionLock, LockError> {
     validate_key(key)?;
     let id = lock_id(key);
     let got: bool = sqlx::query_scalar(TRY_XACT_SQL)
@@ -295,7 +291,7 @@ pub async fn try_acquire_in_transaction(
         .await
         .map_err(|e| driver_error::<Postgres>("taking a transaction lock", e))?;
     if got {
-        Ok(TransactionLock { id })
+        Ok(TransactionLock::new(NAME, key, None))
     } else {
         Err(LockError::AlreadyHeld {
             key: Arc::from(key),
@@ -321,9 +317,17 @@ pub async fn acquire_in_transaction(
     key: &str,
     timeout: Duration,
 ) -> Result<TransactionLock, LockError> {
+    crate::transaction::observe(NAME, key, timeout, wait_in_transaction(conn, key, timeout)).await
+}
+
+async fn wait_in_transaction(
+    conn: &mut PgConnection,
+    key: &str,
+    timeout: Duration,
+) -> Result<TransactionLock, LockError> {
     validate_key(key)?;
     if timeout.is_zero() {
-        return try_acquire_in_transaction(conn, key).await;
+        return try_in_transaction(conn, key).await;
     }
     let id = lock_id(key);
     let err = |e| driver_error::<Postgres>("taking a transaction lock", e);
@@ -363,7 +367,7 @@ pub async fn acquire_in_transaction(
                 .execute(&mut *conn)
                 .await
                 .map_err(err)?;
-            Ok(TransactionLock { id })
+            Ok(TransactionLock::new(NAME, key, None))
         }
         Err(e) => {
             // Undo the savepoint (and with it the wait's lock_timeout).
@@ -385,7 +389,7 @@ pub async fn acquire_in_transaction(
                 .await
                 .map_err(err)?;
             if held {
-                Ok(TransactionLock { id })
+                Ok(TransactionLock::new(NAME, key, None))
             } else {
                 Err(LockError::Timeout {
                     key: Arc::from(key),

@@ -5,48 +5,59 @@ use std::str::FromStr;
 use sqlx::postgres::PgConnectOptions;
 
 use crate::LockError;
-use crate::session::SessionOptions;
-use crate::sqlx_engine::{driver_url, split_query};
+use crate::options::UrlForm;
+use crate::session::{SessionKey, SessionOptions};
+use crate::sqlx_engine::{SqlxUrl, driver_url, split_query};
 
 use super::Postgres;
 
-/// Query options the driver reads (it would ignore any other silently, so a typo would go
-/// unnoticed: they are refused instead).
-const DRIVER_OPTIONS: &[&str] = &[
-    "sslmode",
-    "ssl-mode",
-    "sslrootcert",
-    "ssl-root-cert",
-    "ssl-ca",
-    "sslcert",
-    "ssl-cert",
-    "sslkey",
-    "ssl-key",
-    "statement-cache-capacity",
-    "host",
-    "hostaddr",
-    "port",
-    "dbname",
-    "user",
-    "password",
-    "application_name",
-    "options",
-];
+impl SqlxUrl for Postgres {
+    const FORM: UrlForm = UrlForm {
+        backend: "PostgreSQL",
+        schemes: &["postgres", "postgresql"],
+        example: "postgres://user:password@host:5432/database",
+    };
+    const DRIVER_OPTIONS: &'static [&'static str] = &[
+        "sslmode",
+        "ssl-mode",
+        "sslrootcert",
+        "ssl-root-cert",
+        "ssl-ca",
+        "sslcert",
+        "ssl-cert",
+        "sslkey",
+        "ssl-key",
+        "statement-cache-capacity",
+        "host",
+        "hostaddr",
+        "port",
+        "dbname",
+        "user",
+        "password",
+        "application_name",
+        "options",
+    ];
+
+    fn is_driver_option(name: &str) -> bool {
+        Self::DRIVER_OPTIONS.contains(&name) || name.starts_with("options[")
+    }
+}
 
 /// Reads a `postgres://` URL; its options are checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(PgConnectOptions, SessionOptions), LockError> {
-    let (base, query) = url.split_once('?').unwrap_or((url, ""));
-    let (session, passthrough) = split_query::<Postgres>(query, DRIVER_OPTIONS, |name| {
-        DRIVER_OPTIONS.contains(&name) || name.starts_with("options[")
-    })?;
+    let form = Postgres::FORM;
+    let (rest, query) = form.split(url)?;
+    let (session, passthrough) = split_query::<Postgres>(query)?;
     let named = passthrough
         .iter()
         .any(|(name, _)| name == "application_name");
-    let mut options = PgConnectOptions::from_str(&driver_url(base.to_owned(), &passthrough)).map_err(|e| {
+    // `postgresql://` is the same as `postgres://` to the driver.
+    let base = format!("postgres:{}", rest);
+    let mut options = PgConnectOptions::from_str(&driver_url(base, &passthrough)).map_err(|e| {
         // The driver's message is about the URL's shape; it does not repeat the URL.
-        LockError::config(format!(
-            "the postgres:// URL is not valid ({e}); write it like postgres://user:password@host:5432/database (options: {})",
-            SessionOptions::names(true).join(", ")
+        form.error(format!(
+            "is not valid ({e}) (options: {})",
+            SessionKey::names_of(true).collect::<Vec<_>>().join(", ")
         ))
     })?;
     if !named {
@@ -63,6 +74,10 @@ mod tests {
 
     #[test]
     fn urls() {
+        crate::options::assert_keys::<
+            crate::session::EngineKey<crate::sqlx_engine::DriverOption<super::super::Postgres>>,
+            _,
+        >(PostgresBackend::builder_from_url("postgres://h/db?bogus=1"));
         let b = PostgresBackend::builder_from_url("postgres://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&sslmode=disable").unwrap();
         assert!(b.options.fencing);
         assert_eq!(b.options.keepalive, Duration::from_millis(250));

@@ -884,3 +884,6 @@ mod tests {
         assert!(flag.load(Ordering::SeqCst));
     }
 }
+
+#[cfg(test)]
+mod live_tests;

@@ -210,7 +210,7 @@ use crate::LockError;
 use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
 use crate::key::validate_key;
 use crate::lease::safe_window;
-use crate::options::{parse_duration, query_pairs, unknown_option};
+use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
 use crate::time::{MAX_SETTING, check_setting};
 
 use commands::Conn;
@@ -223,7 +223,6 @@ const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 const MIN_LEASE: Duration = Duration::from_millis(100);
 const DEFAULT_PREFIX: &str = "dlock:";
-const URL_OPTIONS: &[&str] = &["lease", "prefix", "fencing", "timeout", "protocol", "ca"];
 
 /// The longest an acquisition's answer may take, from before the command was sent, for the
 /// lock to be handed out: half the safe window, 40% of the lease. What is left of the window is
@@ -721,19 +720,18 @@ fn fence_key(lock_key: &[u8]) -> Vec<u8> {
 
 /// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`] (365 days, whose
 /// milliseconds `PX` takes easily).
-fn check_lease(lease: Duration) -> Result<(), LockError> {
-    check_setting("the redis `lease`", lease, MIN_LEASE, MAX_SETTING).map(drop)
+fn check_lease(lease: Duration) -> Result<Duration, LockError> {
+    check_setting("the redis `lease`", lease, MIN_LEASE, MAX_SETTING)
 }
 
 /// A command timeout is above zero and at most [`MAX_SETTING`].
-fn check_timeout(timeout: Duration) -> Result<(), LockError> {
+fn check_timeout(timeout: Duration) -> Result<Duration, LockError> {
     check_setting(
         "the redis `timeout`",
         timeout,
         Duration::from_nanos(1),
         MAX_SETTING,
     )
-    .map(drop)
 }
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
@@ -799,60 +797,56 @@ fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
     }
 }
 
-fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
-    let mut parsed = url::Url::parse(url).map_err(|err| {
-        LockError::config(format!(
-            "the redis URL is malformed ({err}); write it like redis://host:6379/0?lease=30s"
-        ))
-    })?;
-    if !matches!(parsed.scheme(), "redis" | "rediss") {
-        return Err(LockError::config(
-            "a redis URL starts with redis:// or rediss://",
-        ));
+const FORM: UrlForm = UrlForm {
+    backend: "Redis",
+    schemes: &["redis", "rediss"],
+    example: "redis://user:password@host:6379/0?lease=30s",
+};
+
+url_keys! {
+    /// The redis URL options.
+    enum RedisOption for FORM {
+        Lease = "lease",
+        Prefix = "prefix",
+        Fencing = "fencing",
+        Timeout = "timeout",
+        Protocol = "protocol",
+        Ca = "ca",
     }
+}
+
+fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
+    let mut parsed = FORM.parse(url)?;
+    let tls = parsed.scheme() == "rediss";
     let mut lease = DEFAULT_LEASE;
     let mut prefix = DEFAULT_PREFIX.to_owned();
     let mut fencing = true;
     let mut timeout = DEFAULT_TIMEOUT;
     let mut ca = None;
     let mut passed_on = Vec::new();
-    for (name, value) in query_pairs(parsed.query().unwrap_or("")) {
-        match name.as_str() {
-            "lease" => {
-                lease = parse_duration("lease", &value)?;
-                check_lease(lease)?;
+    read_query(parsed.query().unwrap_or(""), |key: RedisOption, value| {
+        let name = key.as_ref();
+        match key {
+            RedisOption::Lease => lease = check_lease(parse_duration(name, &value)?)?,
+            RedisOption::Prefix => prefix = value,
+            RedisOption::Timeout => timeout = check_timeout(parse_duration(name, &value)?)?,
+            RedisOption::Fencing => fencing = parse_bool(name, &value)?,
+            RedisOption::Protocol => passed_on.push((name.to_owned(), value)),
+            RedisOption::Ca if !tls => {
+                return Err(LockError::config(
+                    "the redis option `ca` needs a TLS connection: use a rediss:// URL",
+                ));
             }
-            "prefix" => prefix = value,
-            "timeout" => {
-                timeout = parse_duration("timeout", &value)?;
-                check_timeout(timeout)?;
-            }
-            "fencing" => {
-                fencing = match value.as_str() {
-                    "true" | "1" | "yes" | "on" => true,
-                    "false" | "0" | "no" | "off" => false,
-                    _ => {
-                        return Err(LockError::config("option `fencing` takes true or false"));
-                    }
-                }
-            }
-            "protocol" => passed_on.push((name, value)),
-            "ca" => {
-                if parsed.scheme() != "rediss" {
-                    return Err(LockError::config(
-                        "the redis option `ca` needs a TLS connection: use a rediss:// URL",
-                    ));
-                }
+            RedisOption::Ca => {
                 ca = Some(std::fs::read(&value).map_err(|err| {
                     LockError::config(format!(
-                        "the redis option `ca` names a file that cannot be read ({}: {err})",
-                        value
+                        "the redis option `ca` names a file that cannot be read ({value}: {err})"
                     ))
                 })?);
             }
-            _ => return Err(unknown_option(NAME, &name, URL_OPTIONS)),
         }
-    }
+        Ok(())
+    })?;
     if passed_on.is_empty() {
         parsed.set_query(None);
     } else {
@@ -862,12 +856,8 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
             .extend_pairs(passed_on.iter().map(|(k, v)| (k.as_str(), v.as_str())));
     }
     // The driver's messages are not repeated: they may quote the URL, password included.
-    let client = redis::Client::open(parsed.as_str()).map_err(|err| {
-        LockError::config(format!(
-            "the redis URL is not valid ({:?}); write it like redis://user:password@host:6379/0",
-            err.kind()
-        ))
-    })?;
+    let client = redis::Client::open(parsed.as_str())
+        .map_err(|err| FORM.error(format!("is not valid ({:?})", err.kind())))?;
     let mut builder = RedisBackend::builder(client)
         .lease(lease)
         .prefix(prefix)
@@ -1059,6 +1049,7 @@ mod tests {
 
     #[tokio::test]
     async fn urls() {
+        crate::options::assert_keys::<RedisOption, _>(parse_url("redis://h/?bogus=1"));
         let b = parse_url("redis://127.0.0.1:1/0?lease=2s&prefix=locks:&fencing=false&timeout=1s")
             .unwrap();
         assert_eq!(b.lease, Duration::from_secs(2));

@@ -14,6 +14,7 @@ use super::options::LaneSettings;
 use super::traits::Connector;
 use super::wait::{WaitHeld, WaitPool, WaitTask};
 use crate::backend::Acquired;
+use crate::backoff::Pauses;
 use crate::{Backoff, LockError};
 
 /// The shared machinery of one backend instance.
@@ -149,8 +150,7 @@ impl<C: Connector> Lanes<C> {
         resource: C::Resource,
         deadline: Option<Instant>,
     ) -> Result<Option<Acquired>, LockError> {
-        let backoff = Backoff::default();
-        let mut attempt = 0u32;
+        let mut pauses = Pauses::new(Backoff::default(), deadline);
         loop {
             // Another acquisition of this backend holding the resource is waited for here,
             // without asking the server.
@@ -164,15 +164,9 @@ impl<C: Connector> Lanes<C> {
             if let Some(acquired) = self.try_claimed(resource.clone(), claim).await? {
                 return Ok(Some(acquired));
             }
-            let mut pause = backoff.delay(attempt);
-            attempt = attempt.saturating_add(1);
-            if let Some(deadline) = deadline {
-                let now = Instant::now();
-                if now >= deadline {
-                    return Ok(None);
-                }
-                pause = pause.min(deadline - now);
-            }
+            let Some(pause) = pauses.next_pause() else {
+                return Ok(None);
+            };
             tokio::time::sleep(pause).await;
         }
     }

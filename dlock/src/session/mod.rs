@@ -65,7 +65,11 @@ pub use traits::{Engine, Fencing};
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use claims::SETTLE_LIMIT;
-pub(crate) use options::SessionOptions;
+#[cfg(test)]
+pub(crate) use options::EngineKey;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use options::SessionKey;
+pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
 #[cfg(any(feature = "mssql", feature = "oracle"))]
 pub(crate) use traits::open_first;
 pub(crate) use traits::{Connector, Driver, Failure, Grant, Opened, Session};

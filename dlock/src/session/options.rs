@@ -1,10 +1,14 @@
 //! The options every session engine takes, from its URL or its builder: their defaults, their
 //! URL names, how they are read and how they are checked, written once for all engines.
 
+use std::str::FromStr;
 use std::time::Duration;
 
 use crate::LockError;
-use crate::options::{parse_duration, shown};
+use crate::options::{
+    ConfigKey, check_count, parse_bool, parse_count, parse_duration, parse_key, read_query,
+    url_keys,
+};
 use crate::time::{MAX_SETTING, check_setting};
 
 /// How many connections, and how often they are checked.
@@ -27,19 +31,12 @@ impl LaneSettings {
             Duration::from_millis(10),
             MAX_SETTING,
         )?;
-        if !(1..=MAX_CONNECTIONS).contains(&self.connections) {
-            return Err(LockError::config(format!(
-                "connections must be between 1 and {MAX_CONNECTIONS}, not {}",
-                self.connections
-            )));
-        }
-        if self.wait_connections > MAX_CONNECTIONS {
-            return Err(LockError::config(format!(
-                "wait_connections must be between 0 and {MAX_CONNECTIONS}, not {}",
-                self.wait_connections
-            )));
-        }
-        Ok(())
+        check_count("connections", self.connections, 1..=MAX_CONNECTIONS)?;
+        check_count(
+            "wait_connections",
+            self.wait_connections,
+            0..=MAX_CONNECTIONS,
+        )
     }
 }
 
@@ -67,52 +64,17 @@ impl Default for SessionOptions {
 }
 
 impl SessionOptions {
-    /// The URL options [`SessionOptions::parse`] reads, `fencing` first.
-    const NAMES: &[&str] = &[
-        "fencing",
-        "keepalive",
-        "connections",
-        "wait_connections",
-        "connect_timeout",
-    ];
-
-    /// The URL option names of an engine that does (`fencing`) or does not issue fencing tokens.
-    pub(crate) fn names(fencing: bool) -> &'static [&'static str] {
-        if fencing {
-            Self::NAMES
-        } else {
-            &Self::NAMES[1..]
+    /// Reads the value of the URL option `key`.
+    pub(crate) fn set(&mut self, key: SessionKey, value: &str) -> Result<(), LockError> {
+        let name = key.as_ref();
+        match key {
+            SessionKey::Fencing => self.fencing = parse_bool(name, value)?,
+            SessionKey::Keepalive => self.keepalive = parse_duration(name, value)?,
+            SessionKey::ConnectTimeout => self.connect_timeout = parse_duration(name, value)?,
+            SessionKey::Connections => self.connections = parse_count(name, value)?,
+            SessionKey::WaitConnections => self.wait_connections = parse_count(name, value)?,
         }
-    }
-
-    /// Reads the URL option `name` if it is one of [`SessionOptions::names`]`(fencing)`:
-    /// `Ok(false)` when it is not.
-    pub(crate) fn parse(
-        &mut self,
-        fencing: bool,
-        name: &str,
-        value: &str,
-    ) -> Result<bool, LockError> {
-        match name {
-            "fencing" if fencing => {
-                self.fencing = match value {
-                    "true" | "1" | "yes" | "on" => true,
-                    "false" | "0" | "no" | "off" => false,
-                    _ => {
-                        return Err(LockError::config(format!(
-                            "option `fencing` has the value `{}`; write `true` or `false`",
-                            shown(value)
-                        )));
-                    }
-                }
-            }
-            "keepalive" => self.keepalive = parse_duration(name, value)?,
-            "connect_timeout" => self.connect_timeout = parse_duration(name, value)?,
-            "connections" => self.connections = parse_count(name, value)?,
-            "wait_connections" => self.wait_connections = parse_count(name, value)?,
-            _ => return Ok(false),
-        }
-        Ok(true)
+        Ok(())
     }
 
     /// The lane machinery's part of the options.
@@ -136,47 +98,175 @@ impl SessionOptions {
     }
 }
 
-/// Reads a count option (`connections`, `wait_connections`).
-fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
-    value.trim().parse().map_err(|_| {
-        LockError::config(format!(
-            "option `{option}` has the value `{}`, which is not a whole number",
-            shown(value)
-        ))
-    })
+url_keys! {
+    /// A URL option that every session engine reads (`fencing` only where the engine issues
+    /// fencing tokens).
+    pub(crate) enum SessionKey {
+        Fencing = "fencing",
+        Keepalive = "keepalive",
+        Connections = "connections",
+        WaitConnections = "wait_connections",
+        ConnectTimeout = "connect_timeout",
+    }
+}
+
+impl SessionKey {
+    /// The key `name` of an engine that does (`fencing`) or does not issue fencing tokens.
+    fn find_of(name: &str, fencing: bool) -> Option<SessionKey> {
+        Self::find(name).filter(|key| fencing || *key != SessionKey::Fencing)
+    }
+
+    /// The names of the keys of such an engine.
+    pub(crate) fn names_of(fencing: bool) -> impl Iterator<Item = &'static str> {
+        Self::names().filter(move |name| fencing || *name != SessionKey::Fencing.name())
+    }
+}
+
+/// The options of a session engine that are its own (beside the [`SessionKey`]s), as
+/// [`EngineKey`] reads them.
+pub(crate) trait OwnKey: AsRef<str> + Sized {
+    /// The engine, as its messages name it.
+    const BACKEND: &'static str;
+    /// Whether the engine issues fencing tokens (and so reads `fencing`).
+    const FENCING: bool;
+
+    /// The own option named `name`, if there is one.
+    fn find(name: &str) -> Option<Self>;
+
+    /// The names of the own options.
+    fn names() -> Vec<&'static str>;
+}
+
+/// A URL option of a session engine: one that every engine reads, or one of the engine's own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum EngineKey<K> {
+    Session(SessionKey),
+    Own(K),
+}
+
+impl<K: OwnKey> ConfigKey for EngineKey<K> {
+    const BACKEND: &'static str = K::BACKEND;
+
+    fn find(name: &str) -> Option<Self> {
+        SessionKey::find_of(name, K::FENCING)
+            .map(EngineKey::Session)
+            .or_else(|| K::find(name).map(EngineKey::Own))
+    }
+
+    fn names() -> Vec<&'static str> {
+        SessionKey::names_of(K::FENCING).chain(K::names()).collect()
+    }
+}
+
+impl<K: OwnKey> FromStr for EngineKey<K> {
+    type Err = LockError;
+
+    fn from_str(name: &str) -> Result<Self, LockError> {
+        parse_key(name)
+    }
+}
+
+impl<K: OwnKey> AsRef<str> for EngineKey<K> {
+    fn as_ref(&self) -> &str {
+        match self {
+            EngineKey::Session(key) => key.name(),
+            EngineKey::Own(key) => key.as_ref(),
+        }
+    }
+}
+
+/// Reads a session engine's URL `query`: the session options into the answer, each of the
+/// engine's own to `own`.
+pub(crate) fn read_engine_query<K: OwnKey>(
+    query: &str,
+    mut own: impl FnMut(K, String) -> Result<(), LockError>,
+) -> Result<SessionOptions, LockError> {
+    let mut options = SessionOptions::default();
+    read_query(query, |key, value| match key {
+        EngineKey::Session(key) => options.set(key, &value),
+        EngineKey::Own(key) => own(key, value),
+    })?;
+    Ok(options)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// An engine with no options of its own, issuing fencing tokens or not.
+    #[derive(Debug, PartialEq, Eq)]
+    enum NoOwn<const FENCING: bool> {}
+
+    impl<const FENCING: bool> AsRef<str> for NoOwn<FENCING> {
+        fn as_ref(&self) -> &str {
+            match *self {}
+        }
+    }
+
+    impl<const FENCING: bool> OwnKey for NoOwn<FENCING> {
+        const BACKEND: &'static str = "test";
+        const FENCING: bool = FENCING;
+        fn find(_: &str) -> Option<Self> {
+            None
+        }
+        fn names() -> Vec<&'static str> {
+            Vec::new()
+        }
+    }
+
+    type Fenced = EngineKey<NoOwn<true>>;
+    type Unfenced = EngineKey<NoOwn<false>>;
+
     #[test]
     fn fencing_is_an_option_only_where_tokens_are_issued() {
-        let mut options = SessionOptions::default();
-        assert!(options.parse(true, "fencing", "on").unwrap());
+        let options =
+            read_engine_query::<NoOwn<true>>("fencing=on", |key, _| match key {}).unwrap();
         assert!(options.fencing);
-        let mut options = SessionOptions::default();
-        assert!(!options.parse(false, "fencing", "true").unwrap());
-        assert!(!options.fencing);
-        assert!(!SessionOptions::names(false).contains(&"fencing"));
-        assert_eq!(SessionOptions::names(true).len(), 5);
+        let err = read_engine_query::<NoOwn<false>>("fencing=true", |key, _| match key {})
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("unknown test URL option `fencing`"), "{err}");
+        assert!(!Unfenced::names().contains(&"fencing"));
+        assert_eq!(Fenced::names().len(), 5);
+    }
+
+    #[test]
+    fn keys_round_trip_through_their_names() {
+        for name in Fenced::names() {
+            assert_eq!(name.parse::<Fenced>().unwrap().as_ref(), name);
+        }
+        for name in Unfenced::names() {
+            assert_eq!(name.parse::<Unfenced>().unwrap().as_ref(), name);
+        }
+        let err = "Keepalive".parse::<Fenced>().unwrap_err().to_string();
+        assert!(
+            err.ends_with("valid options are: fencing, keepalive, connections, wait_connections, connect_timeout"),
+            "{err}"
+        );
     }
 
     #[test]
     fn counts_and_durations() {
-        let mut options = SessionOptions::default();
-        assert!(options.parse(false, "connections", " 7 ").unwrap());
-        assert!(options.parse(false, "wait_connections", "0").unwrap());
-        assert!(options.parse(false, "keepalive", "250ms").unwrap());
-        assert!(options.parse(false, "connect_timeout", "3s").unwrap());
-        assert!(!options.parse(false, "bogus", "1").unwrap());
+        let mut options = read_engine_query::<NoOwn<false>>(
+            "connections=+7+&wait_connections=0&keepalive=250ms&connect_timeout=3s",
+            |key, _| match key {},
+        )
+        .unwrap();
+        assert!(read_engine_query::<NoOwn<false>>("bogus=1", |key, _| match key {}).is_err());
         assert_eq!((options.connections, options.wait_connections), (7, 0));
         assert_eq!(options.keepalive, Duration::from_millis(250));
         assert_eq!(options.connect_timeout, Duration::from_secs(3));
         options.check().unwrap();
-        let err = options.parse(false, "connections", "many").unwrap_err();
+        let err = options.set(SessionKey::Connections, "many").unwrap_err();
         assert!(err.to_string().contains("not a whole number"), "{err}");
         options.connect_timeout = Duration::ZERO;
         assert!(options.check().is_err());
+        options.connect_timeout = Duration::from_secs(1);
+        options.wait_connections = MAX_CONNECTIONS + 1;
+        let err = options.check().unwrap_err().to_string();
+        assert!(
+            err.ends_with("wait_connections is 65, but it must be between 0 and 64"),
+            "{err}"
+        );
     }
 }

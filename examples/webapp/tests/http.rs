@@ -31,7 +31,7 @@ impl Setup {
     }
 
     /// Locks on another store; balances still in a file of the temp dir.
-    #[allow(dead_code)]
+    #[cfg(any(feature = "postgres", feature = "redis"))]
     fn with_lock_url(lock_url: String) -> Setup {
         Setup {
             dir: tempfile::tempdir().expect("temp dir"),
@@ -174,22 +174,10 @@ async fn two_instances_lose_no_debit() {
 }
 
 // The same 200 debits with the locks on a throwaway PostgreSQL or Redis server.
-#[cfg(any(feature = "postgres", feature = "redis"))]
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../../tests/support/placement.rs"]
-mod placement;
-#[cfg(any(feature = "postgres", feature = "redis"))]
-use placement::Placement;
-
 #[cfg(feature = "postgres")]
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../../tests/support/postgres.rs"]
-mod pg_server;
-
+use dlock_testkit::postgres as pg_server;
 #[cfg(feature = "redis")]
-#[allow(dead_code, unreachable_pub)]
-#[path = "../../../tests/support/redis.rs"]
-mod redis_server;
+use dlock_testkit::redis as redis_server;
 
 #[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! `dlock-worker schedule`: one worker process of the schedule test (`tests/schedule.rs`).
+//! `dlock-worker schedule`: one worker process of the schedule test (`tests/schedule/`).
 //!
 //! ```text
 //! dlock-worker schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]
@@ -554,6 +554,7 @@ fn transaction(ctx: &Ctx, op: u64, path: &str, key: &str, commit: bool, hold: Du
     ctx.out.emit(&format!(
         "acq {op} ok {t_start} {t} {t} {}",
         lock.fencing_token()
+            .map_or("-".to_owned(), |t| t.to_string())
     ));
     std::thread::sleep(hold);
     let t0 = now();

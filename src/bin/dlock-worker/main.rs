@@ -32,7 +32,7 @@
 //! killed, with the transaction still open.
 //!
 //! `dlock-worker schedule --url URL ...` is one worker process of the schedule test
-//! (`tests/schedule.rs`), driven over stdin and stdout; see the `schedule` module.
+//! (`tests/schedule/`), driven over stdin and stdout; see the `schedule` module.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -41,7 +41,6 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-#[path = "dlock-worker/schedule.rs"]
 mod schedule;
 
 /// How long one acquisition may wait before the worker gives up (and fails the run).
@@ -468,7 +467,11 @@ fn tx_hold(file: &str, key: &str) -> Result<(), String> {
         .transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)
         .map_err(|e| e.to_string())?;
     let lock = dlock::sqlite::try_acquire_in_transaction(&tx, key).map_err(|e| e.to_string())?;
-    println!("held {}", lock.fencing_token());
+    // SQLite issues a token for every transaction lock.
+    let token = lock
+        .fencing_token()
+        .ok_or("a SQLite transaction lock without a token")?;
+    println!("held {token}");
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     loop {
         std::thread::sleep(Duration::from_secs(3600));

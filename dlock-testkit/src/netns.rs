@@ -19,16 +19,13 @@
 //! Dropping a `Netns` kills what still runs inside it and deletes it (which removes its veth
 //! pairs). Namespaces and veth ends left behind by test processes that died are removed by the
 //! next `new`.
-//!
-//! Only the test binaries that need it include this file (`#[path = "support/netns.rs"]`).
-#![allow(dead_code, unreachable_pub)]
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::{Command, Stdio};
 
-use crate::support::Placement;
+use crate::Placement;
 
 const LOCK_DIR: &str = "/run/dlock-netns";
 /// /29 blocks in 10.213.0.0/16.
@@ -38,11 +35,14 @@ const TABLE: &str = "dlock_cut";
 /// One veth link: the server's address in the namespace and the client's address here.
 #[derive(Debug, Clone, Copy)]
 pub struct Link {
+    /// The namespace's end, where servers listen.
     pub server: Ipv4Addr,
+    /// This namespace's end, where clients connect from.
     pub client: Ipv4Addr,
 }
 
 /// A network namespace with two links to this one; see the [module docs](self).
+#[derive(Debug)]
 pub struct Netns {
     name: String,
     block: u32,
@@ -290,6 +290,7 @@ impl Netns {
         format!("dlk{}n{link}", self.block)
     }
 
+    /// The namespace's name (`dlock-{pid}-{block}`), for `ip netns exec`.
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -1,8 +1,7 @@
 //! The conformance suite: plain async functions that take a [`Harness`], run identically
 //! against every backend. A backend's test file implements `Harness` and calls
-//! [`conformance_suite!`], which makes one `#[tokio::test]` per case so that each failure is
-//! reported on its own.
-#![allow(dead_code, unreachable_pub)]
+//! [`conformance_suite!`](crate::conformance_suite), which makes one `#[tokio::test]` per case
+//! so that each failure is reported on its own.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -11,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use dlock::{CancellationToken, LockError, LockGuard, LockProvider};
 
-use crate::support::unique_key;
+use crate::unique_key;
 
 /// What the suite needs from a backend.
 pub trait Harness: Send + Sync + 'static {
@@ -55,8 +54,9 @@ pub trait Harness: Send + Sync + 'static {
 /// builds. `conformance_suite!(optional $make)` takes a `$make` that yields `Option<Harness>`:
 /// `None` (its server binaries are missing outside CI, and `$make` has said so) skips every
 /// case. `conformance_suite!(attributes [#[...]] $make)` puts those attributes on every case:
-/// the SQL Server and Oracle suites are ignored, with the reason, when their server's URL was
-/// not set at build time (see `build.rs`).
+/// dlock's SQL Server and Oracle suites are ignored, with the reason, when their server's URL
+/// was not set at build time. The cases are `#[tokio::test]`s: the calling crate needs `tokio`
+/// with its `macros` and `rt-multi-thread` features.
 #[macro_export]
 macro_rules! conformance_suite {
     (@harness required $make:expr) => {
@@ -123,7 +123,7 @@ macro_rules! conformance_suite {
 /// started: the key is in the provider's table. The window in which a case then checks that
 /// the waiter is still waiting starts only once it is waiting.
 async fn waiting<T>(provider: &LockProvider, waiter: &tokio::task::JoinHandle<T>) {
-    crate::support::wait_until(
+    crate::wait_until(
         "the waiter is acquiring",
         Duration::from_secs(5),
         async || {
@@ -613,7 +613,7 @@ pub async fn acquisition_dropped_midway(h: &impl Harness) {
         .expect("nothing stranded by abandoned acquisitions");
     guard.release().await.expect("release");
     assert!(
-        crate::support::eventually(Duration::from_secs(2), || a.local_key_count() == 0).await,
+        crate::eventually(Duration::from_secs(2), || a.local_key_count() == 0).await,
         "abandoned acquisitions leave the table"
     );
 }
@@ -632,7 +632,7 @@ pub async fn cancellation_sweep(h: &impl Harness) {
     let keys: Vec<String> = (0..6).map(|i| unique_key(&format!("sweep{i}"))).collect();
     let seed = fastrand::u64(..);
     let mut rng = fastrand::Rng::with_seed(seed);
-    let panics_before = crate::support::foreign_panics().len();
+    let panics_before = crate::foreign_panics().len();
     // A task may end by the abort the sweep aimed at it; any other way it ends (a panic in
     // dlock or in the sweep's own asserts) fails the test.
     let reap = |done: Option<Result<(), tokio::task::JoinError>>| {
@@ -703,12 +703,12 @@ pub async fn cancellation_sweep(h: &impl Harness) {
         guard.release().await.expect("release");
     }
     assert!(
-        crate::support::eventually(Duration::from_secs(5), || a.local_key_count() == 0).await,
+        crate::eventually(Duration::from_secs(5), || a.local_key_count() == 0).await,
         "abandoned acquisitions leave the table (seed {seed})"
     );
     // Nor did anything panic where no `JoinHandle` of the sweep sees it (a background
     // release, a connection or renewal task).
-    let panics = &crate::support::foreign_panics()[panics_before..];
+    let panics = &crate::foreign_panics()[panics_before..];
     assert!(
         panics.is_empty(),
         "{} panics outside the test code during the sweep (seed {seed}; or in another test of \
@@ -741,7 +741,7 @@ pub async fn shared_backend_excludes(h: &impl Harness) {
     };
     // Still waiting while the first provider holds the key.
     assert!(
-        !crate::support::eventually(Duration::from_millis(200), || waiter.is_finished()).await,
+        !crate::eventually(Duration::from_millis(200), || waiter.is_finished()).await,
         "a provider on the same backend got a held key"
     );
     guard.release().await.expect("release");
@@ -838,7 +838,7 @@ where
     Fut: Future<Output = Option<H>>,
     H: Harness,
 {
-    let runtime = crate::support::runtime;
+    let runtime = crate::runtime;
     let main = runtime(1);
     let Some(h) = main.block_on(make()) else {
         return;
@@ -910,7 +910,7 @@ async fn contended_wait(h: &impl Harness, provider: &LockProvider) {
     };
     tokio::select! {
         outcome = &mut waiter => panic!("the waiter finished while the key was held: {outcome:?}"),
-        () = crate::support::wait_until(
+        () = crate::wait_until(
             "the waiter is acquiring",
             Duration::from_secs(5),
             async || provider.local_key_count() == before + 1,

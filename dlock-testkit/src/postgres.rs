@@ -17,10 +17,10 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use super::Placement;
-use super::placement::ServerTls;
+use crate::{Placement, ServerTls};
 
 /// A running (or stopped) throwaway server.
+#[derive(Debug)]
 pub struct PgServer {
     dir: PathBuf,
     port: u16,
@@ -220,6 +220,7 @@ impl PgServer {
         SHARED.get_or_init(PgServer::start)
     }
 
+    /// The server's TCP port.
     pub fn port(&self) -> u16 {
         self.port
     }

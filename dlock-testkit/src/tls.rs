@@ -13,7 +13,7 @@
 
 use std::path::{Path, PathBuf};
 
-pub use super::placement::ServerTls;
+pub use crate::ServerTls;
 
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
@@ -30,6 +30,7 @@ pub enum ServerCert {
 }
 
 /// A test CA, another CA, and the server certificates, as files.
+#[derive(Debug)]
 pub struct Pki {
     dir: PathBuf,
     /// The CA that signed the server certificates (PEM).
@@ -50,6 +51,12 @@ fn ca(name: &str) -> (CertificateParams, KeyPair, String) {
     let key = KeyPair::generate().expect("CA key");
     let pem = params.self_signed(&key).expect("self-signed CA").pem();
     (params, key, pem)
+}
+
+impl Default for Pki {
+    fn default() -> Pki {
+        Pki::new()
+    }
 }
 
 impl Pki {
@@ -107,6 +114,7 @@ impl Pki {
         }
     }
 
+    /// The temp dir that holds every file.
     pub fn dir(&self) -> &Path {
         &self.dir
     }

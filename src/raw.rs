@@ -1,8 +1,6 @@
 //! The raw-driver baselines of the benches: the statements or commands a backend's acquire +
 //! release runs, straight on the driver, without dlock. Shared by the per-backend benches and
-//! the report (`#[path]`-included; each includer uses the parts its features enable).
-
-#![allow(dead_code, unreachable_pub)]
+//! the report; each part is there with the feature of its backend.
 
 /// The Lua compare-and-delete a Redis release runs when the server has no native one.
 pub const REDIS_RELEASE_LUA: &str =

@@ -1,6 +1,4 @@
-//! Where a throwaway server of `tests/support` runs, and the certificate files it presents when
-//! it speaks TLS. Its own file, so that the benches, which include single server modules by
-//! path, can include it beside them.
+//! Where a throwaway server runs, and the certificate files it presents when it speaks TLS.
 
 use std::ffi::OsStr;
 use std::net::IpAddr;
@@ -96,8 +94,11 @@ impl Placement {
 /// that want one configured).
 #[derive(Debug, Clone)]
 pub struct ServerTls {
+    /// The server's certificate (PEM).
     pub cert: PathBuf,
+    /// Its private key (PEM).
     pub key: PathBuf,
+    /// The CA that signed it (PEM).
     pub ca: PathBuf,
 }
 

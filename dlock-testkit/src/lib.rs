@@ -1,0 +1,160 @@
+//! The conformance kit of dlock: the suite every dlock backend passes, and the throwaway servers
+//! and helpers its tests run on, for anyone who writes a [`LockBackend`](dlock::LockBackend) of
+//! their own.
+//!
+//! A backend's test file implements [`Harness`] (how to open providers on the store, how to
+//! break a held lock behind the holder's back, the bounds the backend promises) and invokes
+//! [`conformance_suite!`], which makes one `#[tokio::test]` per case of [`conformance`]:
+//! exclusion between providers and between tasks, waits, timeouts, cancellation, release on
+//! drop, fencing tokens, loss detection, and acquisitions abandoned at random points. The
+//! calling crate needs `tokio` (with the `macros` and `rt-multi-thread` features) among its
+//! dev-dependencies, as `#[tokio::test]` names it.
+//!
+//! # Running the suite on your own backend
+//!
+//! Here the backend is an in-process table, as small as a [`LockBackend`](dlock::LockBackend)
+//! can be; yours talks to its store instead. The harness breaks a lock by taking the key from
+//! its holder in the store.
+//!
+//! (This is `tests/memory.rs` of this crate, which runs it.)
+#![doc = concat!("```\n", include_str!("../tests/memory.rs"), "# fn main() {}\n```\n")]
+//!
+//! `conformance_suite!(optional $make)` takes a `$make` that yields `Option<Harness>` and skips
+//! every case on `None` (a server that cannot run here), and `conformance_suite!(attributes
+//! [#[ignore = "..."]] $make)` puts attributes on every case. Each case is also a plain async
+//! function of [`conformance`], for a test that runs one of them in a setting of its own.
+//!
+//! # Throwaway servers and helpers
+//!
+//! With the matching feature, the modules `postgres`, `mysql` (MariaDB and MySQL) and `redis`
+//! (Redis and Valkey) start servers from their installed binaries in temp dirs on free loopback
+//! ports, or inside a network namespace of [`netns`] ([`Placement`]); `tls` makes certificate
+//! authorities and server certificates for them. The free functions here ([`unique_key`],
+//! [`wait_until`], [`eventually`], [`runtime`], [`foreign_panics`]) serve every test.
+//!
+//! # Features
+//!
+//! `sqlite`, `postgres`, `mysql`, `redis`, `mssql` and `oracle` turn on dlock's backend of that
+//! name; `postgres`, `mysql` and `redis` also the throwaway servers of that name, and with any
+//! of them `tls`.
+#![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod conformance;
+#[cfg(feature = "mysql")]
+pub mod mysql;
+pub mod netns;
+mod placement;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
+pub mod tls;
+
+pub use conformance::Harness;
+pub use placement::{Placement, ServerTls};
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// A key no other test (or earlier run against the same server) uses: `name`, this process's
+/// id, a counter and a random number.
+pub fn unique_key(name: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "{name}:{}:{}:{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed),
+        fastrand::u64(..)
+    )
+}
+
+/// Every panic raised so far in this test binary outside the test code (the calling crate's
+/// `tests/` and this kit's own files): in dlock, in the backend under test, or in a dependency
+/// they called, as `file:line: message`. The first call installs a panic hook that records them
+/// before it runs the hook that was there. A panic in a task a backend spawns (a background
+/// release, a connection task) never reaches a test's `JoinHandle`; this is how a test sees it.
+/// Tests run in parallel threads of one binary, so a count taken around a test also sees panics
+/// of the library in other tests of the same binary: each one is a defect all the same.
+pub fn foreign_panics() -> Vec<String> {
+    use std::sync::{Mutex, OnceLock};
+    static PANICS: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
+    let panics = PANICS.get_or_init(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let (file, line) = info.location().map_or(("?", 0), |l| (l.file(), l.line()));
+            if !is_test_code(file) {
+                let message = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                if let Some(panics) = PANICS.get() {
+                    panics
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(format!("{file}:{line}: {message}"));
+                }
+            }
+            previous(info);
+        }));
+        Mutex::new(Vec::new())
+    });
+    panics
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
+/// Whether a panic at `file` is the test code's own: an integration test of the calling crate
+/// (`tests/...`) or a case or fixture of this kit (its source folder, however the kit was
+/// built: as a member of the calling workspace or from a registry).
+fn is_test_code(file: &str) -> bool {
+    let kit = file!().rsplit_once(['/', '\\']).map_or("", |(dir, _)| dir);
+    file.starts_with("tests/") || (!kit.is_empty() && file.starts_with(kit))
+}
+
+/// Polls `condition` (an async closure, so it may ask a server) every few milliseconds until
+/// it holds, and fails the test, naming `what`, if it does not hold within `limit`: for
+/// waiting on something that can be observed (a wait has reached the server, a renewal has
+/// happened) instead of sleeping and hoping it has.
+pub async fn wait_until(what: &str, limit: Duration, mut condition: impl AsyncFnMut() -> bool) {
+    let started = std::time::Instant::now();
+    loop {
+        if condition().await {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "timed out after {limit:?} waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A multi-thread Tokio runtime of `workers` threads, for tests that make and drop runtimes of
+/// their own.
+pub fn runtime(workers: usize) -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .expect("a Tokio runtime")
+}
+
+/// Waits for `condition` to hold, checking every few milliseconds, for at most `limit`: whether
+/// it did.
+pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        if condition() {
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}

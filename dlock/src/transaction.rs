@@ -1,0 +1,151 @@
+//! Locks bound to the caller's transaction: one shape for every engine that has them.
+
+use std::sync::Arc;
+
+/// A lock held until the caller's transaction commits or rolls back.
+///
+/// Every engine that has transaction-bound locks returns it from its
+/// `try_acquire_in_transaction` and `acquire_in_transaction`
+/// ([`postgres`](crate::postgres), [`sqlite`](crate::sqlite), [`mssql`](crate::mssql),
+/// [`oracle`](crate::oracle); [`mysql`](crate::mysql) has none and answers
+/// [`Unsupported`](crate::LockError::Unsupported)), so code that takes one can be written once
+/// for every engine. Dropping it changes nothing: the lock ends with the transaction.
+///
+/// Each such acquisition runs in a `dlock.acquire` span (fields `key`, `backend`,
+/// `timeout_ms`, `transaction = true`, `outcome`) and is counted in
+/// `distributed_lock.acquisitions` and `distributed_lock.wait_duration` with the same
+/// attributes as a provider's acquisitions (see [`metrics`](crate::metrics)), in the instruments
+/// of the global meter provider as it is at the first transaction-bound acquisition (install the
+/// SDK before). Hold durations and losses are not recorded: the lock ends with the transaction,
+/// which dlock does not see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransactionLock {
+    key: Arc<str>,
+    backend: &'static str,
+    fencing_token: Option<u64>,
+}
+
+impl TransactionLock {
+    #[cfg(any(
+        feature = "postgres",
+        feature = "sqlite",
+        feature = "mssql",
+        feature = "oracle"
+    ))]
+    pub(crate) fn new(backend: &'static str, key: &str, fencing_token: Option<u64>) -> Self {
+        TransactionLock {
+            key: Arc::from(key),
+            backend,
+            fencing_token,
+        }
+    }
+
+    /// The key that is locked.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The name of the backend that holds the lock (`"postgres"`, `"sqlite"`, ...).
+    pub fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    /// The fencing token of this acquisition, where the engine issues one for transaction
+    /// locks (SQLite: above every token issued before for the key, session locks included,
+    /// and never issued again, even when the transaction rolls back); `None` elsewhere.
+    pub fn fencing_token(&self) -> Option<u64> {
+        self.fencing_token
+    }
+
+    /// [`lock_id`](crate::lock_id) of the key: the PostgreSQL advisory lock id that is held
+    /// (on the other engines, the same function of the key, which they do not use).
+    pub fn lock_id(&self) -> i64 {
+        crate::lock_id(&self.key)
+    }
+}
+
+/// The span and the metrics of transaction-bound acquisitions.
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlite",
+    feature = "mssql",
+    feature = "oracle"
+))]
+mod observing {
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    use super::TransactionLock;
+    use crate::LockError;
+    use crate::metrics::Metrics;
+
+    /// The instruments transaction-bound acquisitions record into, from the global meter
+    /// provider at the first such acquisition.
+    fn metrics() -> &'static Metrics {
+        static METRICS: OnceLock<Metrics> = OnceLock::new();
+        METRICS.get_or_init(|| Metrics::new(&opentelemetry::global::meter("dlock"), false))
+    }
+
+    fn span(backend: &'static str, key: &str, timeout: Duration) -> tracing::Span {
+        tracing::debug_span!(
+            "dlock.acquire",
+            key,
+            backend,
+            timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+            transaction = true,
+            outcome = tracing::field::Empty,
+        )
+    }
+
+    fn record<T>(
+        span: &tracing::Span,
+        backend: &'static str,
+        key: &str,
+        outcome: &Result<T, LockError>,
+        waited: Duration,
+    ) {
+        metrics().acquisition(backend, key, outcome, waited);
+        if !span.is_disabled() {
+            let status = match outcome {
+                Ok(_) => "acquired",
+                Err(err) => err.code(),
+            };
+            span.record("outcome", status);
+        }
+    }
+
+    /// Runs an engine's transaction-bound acquisition in its span, and records it.
+    #[cfg(any(feature = "postgres", feature = "mssql"))]
+    pub(crate) async fn observe(
+        backend: &'static str,
+        key: &str,
+        timeout: Duration,
+        acquisition: impl std::future::Future<Output = Result<TransactionLock, LockError>>,
+    ) -> Result<TransactionLock, LockError> {
+        let span = span(backend, key, timeout);
+        let started = Instant::now();
+        let outcome = tracing::Instrument::instrument(acquisition, span.clone()).await;
+        record(&span, backend, key, &outcome, started.elapsed());
+        outcome
+    }
+
+    /// [`observe`] for the engines whose drivers block (SQLite, Oracle).
+    #[cfg(any(feature = "sqlite", feature = "oracle"))]
+    pub(crate) fn observe_blocking(
+        backend: &'static str,
+        key: &str,
+        timeout: Duration,
+        acquisition: impl FnOnce() -> Result<TransactionLock, LockError>,
+    ) -> Result<TransactionLock, LockError> {
+        let span = span(backend, key, timeout);
+        let started = Instant::now();
+        let outcome = span.in_scope(acquisition);
+        record(&span, backend, key, &outcome, started.elapsed());
+        outcome
+    }
+}
+
+#[cfg(any(feature = "postgres", feature = "mssql"))]
+pub(crate) use observing::observe;
+#[cfg(any(feature = "sqlite", feature = "oracle"))]
+pub(crate) use observing::observe_blocking;
