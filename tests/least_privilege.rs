@@ -100,11 +100,11 @@ mod postgres {
                 };
                 let mut admin = PgConnection::connect(&url("postgres")).await.unwrap();
                 for statement in std::iter::once(&"CREATE DATABASE locks").chain(ADMIN_SQL) {
-                    sqlx::raw_sql(statement).execute(&mut admin).await.unwrap();
+                    sqlx::raw_sql(*statement).execute(&mut admin).await.unwrap();
                 }
                 let mut admin = PgConnection::connect(&url("locks")).await.unwrap();
                 for statement in FENCING_SQL {
-                    sqlx::raw_sql(statement).execute(&mut admin).await.unwrap();
+                    sqlx::raw_sql(*statement).execute(&mut admin).await.unwrap();
                 }
             });
             prod
@@ -358,7 +358,7 @@ mod mysql {
             ),
         ] {
             let show = format!("SHOW GRANTS FOR '{user}'@'127.0.0.1'");
-            let grants: Vec<String> = sqlx::query_scalar(show.as_str())
+            let grants: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(show))
                 .fetch_all(&mut admin)
                 .await
                 .unwrap();
@@ -390,7 +390,7 @@ mod mysql {
             format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1' REQUIRE SSL"),
             format!("GRANT SELECT ON dlock_test.other TO '{user}'@'127.0.0.1'"),
         ] {
-            admin.execute(statement.as_str()).await.unwrap();
+            admin.execute(sqlx::AssertSqlSafe(statement)).await.unwrap();
         }
         let err = LockProvider::connect(&prod.url(&user, "dlock_test", "&fencing=true"))
             .await
@@ -402,7 +402,7 @@ mod mysql {
             "{text}"
         );
         let drop_user = format!("DROP USER '{user}'@'127.0.0.1'");
-        admin.execute(drop_user.as_str()).await.unwrap();
+        admin.execute(sqlx::AssertSqlSafe(drop_user)).await.unwrap();
     }
 
     /// The connection that holds `key`'s user lock is killed by the administrator.
@@ -414,7 +414,7 @@ mod mysql {
             .await
             .unwrap();
         let kill = format!("KILL CONNECTION {}", id.expect("someone holds the lock"));
-        admin.execute(kill.as_str()).await.unwrap();
+        admin.execute(sqlx::AssertSqlSafe(kill)).await.unwrap();
     }
 
     struct Harness {

@@ -41,7 +41,10 @@ async fn kill_holder(server: &DbServer, key: &str) {
         .await
         .expect("someone holds the lock");
     let kill = format!("KILL CONNECTION {id}");
-    sqlx::query(&kill).execute(&mut conn).await.expect("KILL");
+    sqlx::query(sqlx::AssertSqlSafe(kill))
+        .execute(&mut conn)
+        .await
+        .expect("KILL");
 }
 
 /// A user of its own on `server` (all privileges, no password), so that a test can pick its
@@ -54,7 +57,7 @@ async fn own_user(server: &DbServer, name: &str, options: &str) -> (String, Stri
         format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1'"),
         format!("GRANT ALL PRIVILEGES ON *.* TO '{user}'@'127.0.0.1'"),
     ] {
-        conn.execute(statement.as_str()).await.unwrap();
+        conn.execute(sqlx::AssertSqlSafe(statement)).await.unwrap();
     }
     let sep = if options.is_empty() { "" } else { "?" };
     let url = format!(

@@ -731,20 +731,25 @@ async fn errors_at_commit_after_a_returned_row_reach_the_caller() {
              p int REFERENCES {parent}(id) DEFERRABLE INITIALLY DEFERRED)"
         ),
     ] {
-        sqlx::query(&statement).execute(&mut conn).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&mut conn)
+            .await
+            .unwrap();
     }
-    let outcome: Result<i32, _> =
-        sqlx::query_scalar(&format!("INSERT INTO {child} VALUES (1, 42) RETURNING id"))
-            .fetch_one(&mut conn)
-            .await;
+    let outcome: Result<i32, _> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {child} VALUES (1, 42) RETURNING id"
+    )))
+    .fetch_one(&mut conn)
+    .await;
     let err = outcome.expect_err("the commit fails after the row was returned");
     assert!(err.to_string().contains("foreign key"), "{err}");
-    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {child}"))
-        .fetch_one(&mut conn)
-        .await
-        .unwrap();
+    let rows: i64 =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {child}")))
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
     assert_eq!(rows, 0);
-    sqlx::query(&format!("DROP TABLE {child}, {parent}"))
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {child}, {parent}")))
         .execute(&mut conn)
         .await
         .unwrap();

@@ -277,7 +277,7 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
     // The KILL statement allowed by `no_sql_is_built_by_formatting`.
     (
         "mysql/session.rs",
-        "&kill",
+        "sqlx::AssertSqlSafe(kill)",
         "mysql/session.rs",
         "let kill = kill_sql(id);",
     ),

@@ -1,5 +1,5 @@
 //! The conformance kit of dlock: the suite every dlock backend passes, and the throwaway servers
-//! and helpers its tests run on, for anyone who writes a [`LockBackend`](dlock::LockBackend) of
+//! and helpers its tests run on, for anyone who writes a [`LockBackend`](dlock::backend::LockBackend) of
 //! their own.
 //!
 //! A backend's test file implements [`Harness`] (how to open providers on the store, how to
@@ -12,7 +12,7 @@
 //!
 //! # Running the suite on your own backend
 //!
-//! Here the backend is an in-process table, as small as a [`LockBackend`](dlock::LockBackend)
+//! Here the backend is an in-process table, as small as a [`LockBackend`](dlock::backend::LockBackend)
 //! can be; yours talks to its store instead. The harness breaks a lock by taking the key from
 //! its holder in the store.
 //!
@@ -38,6 +38,7 @@
 //! name; `postgres`, `mysql` and `redis` also the throwaway servers of that name, and with any
 //! of them `tls`.
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod conformance;
 #[cfg(feature = "mysql")]

@@ -1,7 +1,7 @@
 //! Two "replicas" of a service race for the same jobs on one SQLite lock file; each job runs
 //! on exactly one of them at a time.
 //!
-//! Run with `cargo run -p dlock --example quickstart` (the lock file goes to `target/`).
+//! Run with `cargo run -p dlock-rs --example quickstart` (the lock file goes to `target/`).
 
 use std::time::Duration;
 

@@ -71,7 +71,7 @@
 //! with [`ProviderBuilder::cancel_on`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backend;
 mod backoff;

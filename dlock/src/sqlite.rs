@@ -484,7 +484,7 @@ impl SqliteBuilder {
         background
             .busy_timeout(Duration::ZERO)
             .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
-        let checkpointer = open_connection(&self.path, self.busy_timeout, clock)?;
+        let mut checkpointer = open_connection(&self.path, self.busy_timeout, clock)?;
         checkpointer
             .busy_handler(Some(checkpoint_busy))
             .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
@@ -1025,7 +1025,7 @@ impl Shared {
     /// lets the log start over.
     fn count_commit(&self) {
         let commits = self.commits.fetch_add(1, Ordering::Relaxed) + 1;
-        if commits % CHECKPOINT_EVERY != 0 {
+        if !commits.is_multiple_of(CHECKPOINT_EVERY) {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {

@@ -84,7 +84,7 @@ fn shown_duration(value: Duration) -> String {
     const DAY: u64 = 86_400;
     if value.as_secs() >= DAY {
         let days = value.as_secs() / DAY;
-        if value.as_secs() % DAY == 0 && value.subsec_nanos() == 0 {
+        if value.as_secs().is_multiple_of(DAY) && value.subsec_nanos() == 0 {
             format!("{days} days")
         } else {
             format!("more than {days} days")

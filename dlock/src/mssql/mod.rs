@@ -191,7 +191,9 @@ impl SessionBackend<Mssql> {
     /// `Server=tcp:db,1433;Database=app;User Id=app;Password=secret;TrustServerCertificate=true`.
     ///
     /// `TrustServerCertificate=true` and `TrustServerCertificateCA=<path>` exclude each other
-    /// (the driver would panic on both): together they are a [`LockError::Config`].
+    /// (the driver would panic on both): together they are a [`LockError::Config`]. Without an
+    /// `Encrypt` entry, TLS protects the login only (`Encrypt=false`); write `Encrypt=true`
+    /// to encrypt the whole connection.
     pub fn builder_from_ado(connection_string: &str) -> Result<MssqlBuilder, LockError> {
         let both_trusts = || {
             LockError::config(
@@ -215,7 +217,7 @@ impl SessionBackend<Mssql> {
         // check above did not (quoting), the panic is kept from the caller.
         let parsed = std::panic::catch_unwind(|| Config::from_ado_string(connection_string))
             .map_err(|_| both_trusts())?;
-        let config = parsed.map_err(|_| {
+        let mut config = parsed.map_err(|_| {
             // The driver's message may quote parts of the string: say what to check instead.
             LockError::config(
                 "the ADO.NET connection string could not be parsed; check its Server \
@@ -223,6 +225,11 @@ impl SessionBackend<Mssql> {
                  TrustServerCertificate entries",
             )
         })?;
+        // The driver now requires encryption throughout when `Encrypt` is absent; strings
+        // written for the earlier default keep it (TLS for the login only).
+        if !keys.iter().any(|(key, _)| key == "encrypt") {
+            config.encryption(tiberius::EncryptionLevel::Off);
+        }
         Ok(MssqlBackend::builder(config))
     }
 

@@ -43,6 +43,11 @@ pub(crate) async fn open_client(
 
 async fn connect(config: &Config) -> Result<MssqlClient, LockError> {
     let mut config = config.clone();
+    // The backend bounds connecting (`connect_timeout`) and each wait (`@LockTimeout`) itself;
+    // the driver's own limits on the handshake and on each round trip would cut a long wait
+    // short and leave the connection in an unknown state.
+    config.handshake_timeout(None);
+    config.command_timeout(None);
     for _ in 0..2 {
         let addr = config.get_addr();
         let tcp = TcpStream::connect(&addr).await.map_err(|err| {

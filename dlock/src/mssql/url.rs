@@ -304,4 +304,23 @@ mod tests {
         assert_eq!(err.code(), "DistributedLock.Configuration");
         assert!(!err.to_string().contains("hunter2"));
     }
+
+    /// Without `Encrypt`, an ADO.NET string encrypts the login only, as it always did here;
+    /// `Encrypt` given is the driver's reading of it.
+    #[test]
+    fn ado_encryption_defaults_to_the_login_only() {
+        for (ado, expected) in [
+            ("Server=tcp:db,1433", "encryption: Off"),
+            ("Server=tcp:db,1433;Encrypt=false", "encryption: Off"),
+            ("Server=tcp:db,1433;ENCRYPT=true", "encryption: Required"),
+            (
+                "Server=tcp:db,1433;Encrypt=DANGER_PLAINTEXT",
+                "encryption: NotSupported",
+            ),
+        ] {
+            let builder = MssqlBackend::builder_from_ado(ado).unwrap();
+            let shown = format!("{:?}", builder.config());
+            assert!(shown.contains(expected), "{ado}: {shown}");
+        }
+    }
 }

@@ -164,7 +164,11 @@ impl MySqlSession {
     /// Ends session `id` (an abandoned wait) and waits until it no longer holds `name`.
     async fn kill(&mut self, id: u64, name: &str) -> Result<(), sqlx::Error> {
         let kill = kill_sql(id);
-        match sqlx::query(&kill).execute(&mut self.conn).await {
+        // The text carries nothing but the numeric session id the server reported.
+        match sqlx::query(sqlx::AssertSqlSafe(kill))
+            .execute(&mut self.conn)
+            .await
+        {
             Ok(_) => {}
             // Unknown thread id: the session is gone already.
             Err(err) if error_number(&err) == Some(1094) => return Ok(()),

@@ -74,6 +74,11 @@
 //! dlock: build the `redis::Client` with `redis::Client::build_with_tls` and pass it to
 //! [`RedisBackend::builder`].
 //!
+//! redis-rs takes the process-wide rustls `CryptoProvider`. Before its first `rediss://`
+//! connection, dlock installs ring as that provider unless the application installed one
+//! already: with ring and aws-lc-rs both built into the program (the `mssql` feature brings
+//! aws-lc-rs), rustls would not choose by itself.
+//!
 //! # Permissions
 //!
 //! dlock runs only the commands of the path it finds on the server (see [Native commands
@@ -377,6 +382,12 @@ impl RedisBuilder {
                     client.get_connection_info().addr(),
                     redis::ConnectionAddr::TcpTls { .. }
                 );
+                if tls {
+                    // redis-rs uses rustls's process-wide crypto provider, which rustls cannot
+                    // choose by itself once both ring and aws-lc-rs are built in (the SQL
+                    // Server driver brings aws-lc-rs): ring, unless the application chose.
+                    let _ = rustls::crypto::ring::default_provider().install_default();
+                }
                 let config = ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout))

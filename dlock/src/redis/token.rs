@@ -65,7 +65,7 @@ impl OwnerToken {
     /// length, a non-hex digit or an empty string.
     pub fn from_hex(hex: &str) -> Result<OwnerToken, LockError> {
         let digits = hex.as_bytes();
-        if digits.len() % 2 != 0 {
+        if !digits.len().is_multiple_of(2) {
             return Err(LockError::config(
                 "a hex owner token must have an even number of digits",
             ));

@@ -117,10 +117,10 @@ impl<R: Clone + Eq + Hash> Claims<R> {
     /// Marks claim `id` of `resource` as being cleaned up (if it is still that claim): tries
     /// wait for it instead of answering that the resource is held.
     pub(super) fn settle(&self, resource: &R, id: u64) {
-        if let Some(state) = self.map().get_mut(resource) {
-            if state.id == id {
-                state.settling = true;
-            }
+        if let Some(state) = self.map().get_mut(resource)
+            && state.id == id
+        {
+            state.settling = true;
         }
     }
 }
@@ -158,11 +158,10 @@ impl<R: Clone + Eq + Hash> Drop for Claim<R> {
         if map
             .get(&self.resource)
             .is_some_and(|state| state.id == self.id)
+            && let Some(state) = map.remove(&self.resource)
         {
-            if let Some(state) = map.remove(&self.resource) {
-                drop(map);
-                state.ended.notify_waiters();
-            }
+            drop(map);
+            state.ended.notify_waiters();
         }
     }
 }

@@ -94,12 +94,12 @@ impl Session for ModelSession {
 
     fn unlock<'a>(&'a mut self, resource: &'a u64) -> BoxFuture<'a, Result<(), Failure>> {
         let mut locks = self.server.locks.lock().unwrap();
-        if let Some((owner, count)) = locks.get_mut(resource) {
-            if *owner == self.id {
-                *count -= 1;
-                if *count == 0 {
-                    locks.remove(resource);
-                }
+        if let Some((owner, count)) = locks.get_mut(resource)
+            && *owner == self.id
+        {
+            *count -= 1;
+            if *count == 0 {
+                locks.remove(resource);
             }
         }
         Box::pin(async { Ok(()) })
