@@ -330,6 +330,9 @@ async fn a_dropped_backend_ends_its_driver_and_its_locks_are_lost() {
     let lease = Duration::from_secs(30);
     let shared = backend(&server, lease, Duration::from_secs(2)).await;
     let (_, _, lost) = register(&shared, b"k", "a", lease, Instant::now());
+    // On this single-threaded runtime the driver runs while the test waits: it then sleeps
+    // until the lock's renewal, 10 s away.
+    tokio::time::sleep(50 * MS).await;
     let renewals = Arc::clone(&shared.renewals);
     drop(shared);
     assert!(
