@@ -886,4 +886,4 @@ mod tests {
 }
 
 #[cfg(test)]
-mod live_tests;
+pub(super) mod live_tests;

@@ -272,3 +272,6 @@ async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, 
     let wake_at = entry.term.wake_at();
     renewals.plan(state, wake_at);
 }
+
+#[cfg(test)]
+mod tests;

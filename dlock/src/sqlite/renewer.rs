@@ -677,4 +677,194 @@ mod tests {
         assert_eq!(renewer.len(), 0);
         drop(tx);
     }
+
+    /// `ensure_running` starts the thread (an acquisition calls it before it writes its row),
+    /// and starts no second one while it runs.
+    #[test]
+    fn ensure_running_starts_the_thread_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        assert!(!renewer.state.registry().running);
+        renewer.ensure_running().unwrap();
+        assert!(renewer.state.registry().running);
+        let first = renewer
+            .thread
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .thread()
+            .id();
+        renewer.ensure_running().unwrap();
+        let again = renewer
+            .thread
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .thread()
+            .id();
+        assert_eq!(first, again);
+    }
+
+    /// Waits until `condition` holds of the registry; panics with `what` after `limit`.
+    fn until(
+        renewer: &Renewer,
+        what: &str,
+        limit: Duration,
+        condition: impl Fn(&Registry) -> bool,
+    ) {
+        let end = Instant::now() + limit;
+        while !condition(&renewer.state.registry()) {
+            assert!(Instant::now() < end, "timed out waiting until {what}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// After the last lock is released the thread keeps looking in by itself every tick for
+    /// `IDLE_LINGER`, then sleeps until woken.
+    #[test]
+    fn the_thread_lingers_after_the_last_release_then_sleeps() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let conn = Connection::open(dir.path().join("r.db")).unwrap();
+        insert_row(&conn, b"k", [1; 16]);
+        // Renewed every 100 ms: the thread looks in often while it is held.
+        let id = renewer
+            .register(Renewal::new(
+                Arc::from(&b"k"[..]),
+                [1; 16],
+                Duration::from_millis(300),
+                CancellationToken::new(),
+                Instant::now(),
+            ))
+            .unwrap();
+        until(
+            &renewer,
+            "the thread holds the lock",
+            Duration::from_secs(5),
+            |r| r.last_held.is_some(),
+        );
+        renewer.unregister(id);
+        let released = Instant::now();
+        // Lingering: it plans to look again a tick from each look.
+        until(&renewer, "the thread ticks", Duration::from_secs(5), |r| {
+            r.last_held.is_some_and(|held| held < released)
+                && r.planned
+                    .is_some_and(|at| at > released && at <= later(Instant::now(), IDLE_TICK))
+                && r.renewals.is_empty()
+        });
+        let ticking = Instant::now();
+        assert!(
+            ticking < later(released, Duration::from_millis(1500)),
+            "ticks at once"
+        );
+        until(&renewer, "the thread sleeps", Duration::from_secs(5), |r| {
+            r.planned.is_none()
+        });
+        let slept = Instant::now();
+        assert!(
+            slept >= later(released, IDLE_LINGER - Duration::from_millis(150)),
+            "lingers for IDLE_LINGER: slept {:?} after the release",
+            slept - released
+        );
+        // Asleep, it is woken by a new lock, and renews it.
+        let lost = CancellationToken::new();
+        let written = Instant::now();
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"k"[..]),
+                [1; 16],
+                Duration::from_millis(300),
+                lost.clone(),
+                written,
+            ))
+            .unwrap();
+        until(
+            &renewer,
+            "the new lock is seen",
+            Duration::from_secs(5),
+            |r| r.planned.is_some(),
+        );
+    }
+
+    /// Dropping the backend ends the thread promptly even while another connection keeps the
+    /// file's write lock and a renewal waits for it; the locks are then lost.
+    #[test]
+    fn a_renewer_dropped_while_the_file_is_busy_ends_its_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let mut conn = Connection::open(dir.path().join("r.db")).unwrap();
+        insert_row(&conn, b"k", [1; 16]);
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let lost = CancellationToken::new();
+        // Due at once, trusted for 13 s more.
+        let written = Instant::now() - Duration::from_secs(11);
+        renewer
+            .register(Renewal::new(
+                Arc::from(&b"k"[..]),
+                [1; 16],
+                Duration::from_secs(30),
+                lost.clone(),
+                written,
+            ))
+            .unwrap();
+        // The renewal holds the connection while it waits for the file.
+        let end = Instant::now() + Duration::from_secs(5);
+        while renewer.state.connection.try_lock().is_ok() {
+            assert!(Instant::now() < end, "no renewal started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let (done, dropped) = std::sync::mpsc::channel();
+        let dropping = std::thread::spawn(move || {
+            drop(renewer);
+            let _ = done.send(());
+        });
+        let ended = dropped.recv_timeout(Duration::from_secs(3));
+        drop(tx);
+        dropping.join().unwrap();
+        assert!(ended.is_ok(), "the drop waited for the file");
+        assert!(lost.is_cancelled());
+    }
+
+    /// While another connection holds the file's write lock for a moment, the renewal waits
+    /// and succeeds once it is free, well before the lock's deadline.
+    #[test]
+    fn a_renewal_waits_out_a_busy_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let renewer = renewer(&dir);
+        let mut conn = Connection::open(dir.path().join("r.db")).unwrap();
+        insert_row(&conn, b"k", [1; 16]);
+        let first = lease_end(&conn, b"k");
+        let tx = conn
+            .transaction_with_behavior(TransactionBehavior::Immediate)
+            .unwrap();
+        let lost = CancellationToken::new();
+        let written = Instant::now() - Duration::from_secs(11);
+        let id = renewer
+            .register(Renewal::new(
+                Arc::from(&b"k"[..]),
+                [1; 16],
+                Duration::from_secs(30),
+                lost.clone(),
+                written,
+            ))
+            .unwrap();
+        let end = Instant::now() + Duration::from_secs(5);
+        while renewer.state.connection.try_lock().is_ok() {
+            assert!(Instant::now() < end, "no renewal started");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        drop(tx);
+        let end = Instant::now() + Duration::from_secs(5);
+        while lease_end(&conn, b"k") <= first {
+            assert!(Instant::now() < end, "no renewal after the file was freed");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert!(!lost.is_cancelled());
+        renewer.unregister(id);
+    }
 }

@@ -16,7 +16,7 @@ use std::time::Instant;
 use super::*;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Flavor {
+pub(in crate::redis) enum Flavor {
     Redis7,
     Redis8,
     Valkey91,
@@ -65,7 +65,7 @@ fn on_path(name: &str) -> Option<PathBuf> {
 }
 
 /// A server process, killed when dropped.
-struct Server {
+pub(in crate::redis) struct Server {
     child: Child,
     port: u16,
     _dir: tempfile::TempDir,
@@ -81,7 +81,7 @@ impl Drop for Server {
 impl Server {
     /// Starts `flavor` on a free loopback port; `None` (after saying why) when its binary is
     /// missing and `CI` is not set.
-    fn start(flavor: Flavor) -> Option<Server> {
+    pub(in crate::redis) fn start(flavor: Flavor) -> Option<Server> {
         let Some(binary) = flavor.binary() else {
             assert!(
                 std::env::var("CI").is_err(),
@@ -146,7 +146,7 @@ impl Server {
     }
 
     /// The tests' own connection (the default user, separate from the one under test).
-    async fn admin(&self) -> redis::aio::MultiplexedConnection {
+    pub(in crate::redis) async fn admin(&self) -> redis::aio::MultiplexedConnection {
         self.client("")
             .get_multiplexed_async_connection()
             .await
@@ -154,7 +154,7 @@ impl Server {
     }
 
     /// A `Conn` as the backend makes one: a connection manager it can make again.
-    async fn conn(&self, user: &str) -> Conn {
+    pub(in crate::redis) async fn conn(&self, user: &str) -> Conn {
         let client = self.client(user);
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(Duration::from_secs(5)))
@@ -188,7 +188,10 @@ impl Server {
     }
 }
 
-async fn get(admin: &mut redis::aio::MultiplexedConnection, key: &[u8]) -> Option<Vec<u8>> {
+pub(in crate::redis) async fn get(
+    admin: &mut redis::aio::MultiplexedConnection,
+    key: &[u8],
+) -> Option<Vec<u8>> {
     redis::cmd("GET")
         .arg(key)
         .query_async(admin)
@@ -196,7 +199,10 @@ async fn get(admin: &mut redis::aio::MultiplexedConnection, key: &[u8]) -> Optio
         .expect("GET")
 }
 
-async fn pttl(admin: &mut redis::aio::MultiplexedConnection, key: &[u8]) -> i64 {
+pub(in crate::redis) async fn pttl(
+    admin: &mut redis::aio::MultiplexedConnection,
+    key: &[u8],
+) -> i64 {
     redis::cmd("PTTL")
         .arg(key)
         .query_async(admin)
@@ -204,7 +210,7 @@ async fn pttl(admin: &mut redis::aio::MultiplexedConnection, key: &[u8]) -> i64 
         .expect("PTTL")
 }
 
-fn token(text: &str) -> OwnerToken {
+pub(in crate::redis) fn token(text: &str) -> OwnerToken {
     OwnerToken::from_text(text).expect("a token")
 }
 
