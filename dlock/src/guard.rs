@@ -101,11 +101,7 @@ impl LockGuard {
         if self.lost.is_cancelled() {
             return true;
         }
-        if self
-            .lease_deadline
-            .as_ref()
-            .is_some_and(LeaseDeadline::has_passed)
-        {
+        if self.lease_ran_out() {
             tracing::warn!(
                 key = &*self.key,
                 backend = self.backend,
@@ -115,6 +111,14 @@ impl LockGuard {
             return true;
         }
         false
+    }
+
+    /// Whether the lease's local deadline has passed (never for session locks). Read by
+    /// [`is_lost`](LockGuard::is_lost), which acts on it, and by `Debug`, which must not.
+    fn lease_ran_out(&self) -> bool {
+        self.lease_deadline
+            .as_ref()
+            .is_some_and(LeaseDeadline::has_passed)
     }
 
     /// The name of the backend that holds the lock.
@@ -258,14 +262,7 @@ impl fmt::Debug for LockGuard {
             .field("key", &self.key)
             .field("backend", &self.backend)
             .field("fencing_token", &self.fencing_token)
-            .field(
-                "lost",
-                &(self.lost.is_cancelled()
-                    || self
-                        .lease_deadline
-                        .as_ref()
-                        .is_some_and(LeaseDeadline::has_passed)),
-            )
+            .field("lost", &(self.lost.is_cancelled() || self.lease_ran_out()))
             .field("released", &self.state.is_none())
             .finish()
     }
