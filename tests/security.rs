@@ -300,7 +300,7 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
 /// Arguments of those calls that are not SQL text, by the name they have in one file.
 const NOT_SQL: &[(&str, &str)] = &[
     // `returning_one(statement, params: impl rusqlite::Params)` steps a prepared statement.
-    ("sqlite.rs", "params"),
+    ("sqlite/file.rs", "params"),
 ];
 
 /// What a call's argument is, as far as SQL goes.
@@ -574,7 +574,7 @@ fn statements_are_constants() {
         );
     }
     // The scan sees the SQL of every driver.
-    for file in ["sqlite.rs:", "postgres/", "mysql/", "mssql/", "oracle/"] {
+    for file in ["sqlite/", "postgres/", "mysql/", "mssql/", "oracle/"] {
         let n = sites
             .iter()
             .filter(|site| {

@@ -1,0 +1,980 @@
+//! SQLite: locks in a shared database file, for processes on one machine.
+//!
+//! The embedded default: no server to run, and every process that opens the same file shares
+//! its locks. Locks are rows of the table `__distributed_locks` (created on open):
+//!
+//! | column | meaning |
+//! |---|---|
+//! | `name` (BLOB, primary key) | the key's UTF-8 bytes, compared byte for byte (NUL and any length work) |
+//! | `owner` (BLOB) | a 128-bit token of the holding acquisition, `NULL` when free |
+//! | `lease_end` (INTEGER) | end of the holder's lease, in milliseconds on the [lease clock](#the-lease-clock) |
+//! | `boot` (BLOB) | the boot of the machine that `lease_end` belongs to (Linux's boot id; empty elsewhere) |
+//! | `fencing` (INTEGER) | the last fencing token issued for the key |
+//!
+//! An acquisition takes a free or expired row with one atomic statement. Polls of a key that
+//! is held elsewhere are answered by a read, without the file's write lock, once the key has
+//! been found held in the last second or whenever another connection is writing, so processes
+//! polling a busy key neither hold up the holders' writes nor wait for them. A held lock is a
+//! **lease**: the provider renews it every third of the lease, on a thread of the backend's
+//! own (no Tokio runtime of the application has to outlive the lock), so the lock of a process
+//! that dies (even by SIGKILL) frees itself when its lease runs out. When a renewal or the
+//! release finds the row taken over or gone, or renewals keep failing until four fifths of the
+//! lease have passed, the guard's [`lost_token`](crate::LockGuard::lost_token) fires and the
+//! release answers [`LockError::Lost`]; the loss is also logged (`tracing`, warn). If the
+//! renewal thread ever ended while locks were held, their lost tokens would fire and the next
+//! acquisition would start a new thread.
+//!
+//! # The lease clock
+//!
+//! Processes compare lease ends that other processes wrote with their own clock, so the clock
+//! must be one for the whole machine and must not step.
+//!
+//! - **Linux** (and Android): `CLOCK_MONOTONIC`, shared by every process and never stepped by
+//!   time synchronisation or an administrator's `date`; a step of the system clock changes
+//!   nothing. Rows carry the kernel's boot id, so the locks of an earlier boot count as free
+//!   after a reboot, and the offset of a process's time namespace is taken off, so containers
+//!   in time namespaces agree with the host. `/proc` must be readable (opening errors with
+//!   [`LockError::Config`] otherwise).
+//! - **Other platforms**: the wall clock (Unix milliseconds). A step forward by more than a
+//!   holder's remaining lease lets another process take the lock while the holder still
+//!   believes it holds it (until its next renewal, at most a third of the lease later, reports
+//!   the loss); a step backward keeps the lock of a dead holder for its lease plus the step.
+//!   Keep the clock slewed, not stepped, on machines that share a lock file there.
+//!
+//! # Fencing tokens
+//!
+//! Fencing tokens are free here (the acquisition writes the row anyway). They increase
+//! strictly for each key, and a token once handed out is never handed out again: not after
+//! closing and reopening the file, not after a process crash, and not after a
+//! [transaction-bound lock](#transaction-bound-locks) whose transaction rolled back. Such a
+//! lock cannot keep its token in the caller's transaction (a rollback would undo it), so it
+//! records the token, before returning it, in a second SQLite file next to the lock file:
+//! `<lock file>-fencing`, with a write lock of its own, created by the first transaction-bound
+//! lock on the file. Session acquisitions issue tokens above that record once the file exists
+//! (they look for it at most every 50 ms; a process's first transaction-bound lock on a file
+//! waits 50 ms, once, so that no look older than that is trusted). Keep the `-fencing` file
+//! with the lock file (as SQLite's own `-wal` file); deleting it lets the token of a
+//! rolled-back transaction lock be issued again. Rows stay in the table after release, to keep
+//! the counter. A power loss (not a process crash) may roll back the last acquisitions and
+//! their tokens (`synchronous=NORMAL`).
+//!
+//! # URL
+//!
+//! `sqlite://relative/path.db` or `sqlite:///absolute/path.db`, with options:
+//!
+//! | option | default | meaning |
+//! |---|---|---|
+//! | `lease` | `30s` | lease of each lock, 100 ms to 365 days; renewed every `lease / 3` |
+//! | `busy_timeout` | `5s` | how long one statement waits for another writer of the file, up to 365 days |
+//!
+//! Values outside those bounds are refused with [`LockError::Config`] naming the bound, from
+//! the URL, the [builder](SqliteBuilder) and a lease asked for one acquisition alike.
+//!
+//! # The write-ahead log
+//!
+//! The file is opened in WAL mode with `synchronous=NORMAL`, and created with 1 KiB pages
+//! (every commit appends whole pages to the log; lock rows are short). Under sustained load
+//! from several processes SQLite's own (passive) checkpoints never catch up with the writers,
+//! and the log grew without end (by gigabytes). So every 1,000 commits a backend checkpoints
+//! on the blocking pool, so that no thread of the application waits for its `fsync`s; the
+//! backend's own writes wait for it (asynchronously), as they would for SQLite's automatic
+//! checkpoint, so that with no other writer it catches up and the log starts over. While the
+//! `-wal` file is under 8 MiB the checkpoint is passive: it holds no other process back. Past
+//! that (other processes kept passive ones from catching up), it is a `RESTART`: it holds
+//! every writer back while it writes out the rest of the log and lets the log start over; it
+//! tries every 0.2 ms, up to 250 times, to get the write lock and then to find no reader in
+//! the way. `journal_size_limit` trims the file to 8 MiB when the log starts over. A
+//! transaction kept open on the file (a long transaction-bound lock, an application's long
+//! read) holds checkpoints back, and the log grows while it lasts.
+//!
+//! # Limits
+//!
+//! SQLite has one writer at a time per file. Every acquisition of a free key, renewal and
+//! release is one short write; they serialize, which is plenty for locks but bounds throughput
+//! at some tens of thousands of writes per second. Renewals and releases try again for the
+//! write lock every 0.5 ms and 1 ms at most, so a stream of acquisitions does not starve them;
+//! still, a machine so overloaded that a process is not scheduled for about half a lease loses
+//! that process's leases (they are reported lost), so keep leases well above such stalls.
+//! All processes must run on the one machine that has the file (network file systems are not
+//! supported: their file locking is not reliable enough for SQLite, and the lease clock is
+//! per machine).
+//!
+//! # Upgrading a lock file
+//!
+//! Lock files written by an earlier version of this crate (whose table has the wall-clock
+//! column `expires_at`) are converted in place by the first process of this version that opens
+//! them: fencing counters are kept, so tokens keep increasing, and locks held at that moment
+//! keep the rest of their lease. From then on, every statement of an earlier version fails on
+//! that file (`no such column: expires_at`): its acquisitions error, and the locks it holds are
+//! reported lost before their lease ends. A fleet that shares a file must therefore upgrade
+//! all its processes together (or stop the old ones first) and must not start an earlier
+//! version against a converted file; nothing is ever locked twice meanwhile, but the old
+//! processes cannot take locks.
+//!
+//! # Transaction-bound locks
+//!
+//! [`try_acquire_in_transaction`] and [`acquire_in_transaction`] lock a key inside the caller's
+//! own `rusqlite` transaction. The lock is held until that transaction commits or rolls back:
+//! the acquisition writes to the database, and SQLite lets no other connection write until the
+//! transaction ends. That also means such a transaction keeps every other writer of the file
+//! waiting (including acquisitions of other keys, renewals and releases): keep it short. The
+//! database must be a file (its `-fencing` file holds the tokens). A transaction sees the
+//! file as it was when it first read it, and while it holds the write lock nobody else can
+//! release; so [`acquire_in_transaction`] mostly waits for leases to run out. To wait for a
+//! session lock, retry [`try_acquire_in_transaction`] in fresh transactions instead.
+
+mod clock;
+mod file;
+mod renewer;
+mod statements;
+mod transaction;
+mod url;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use rusqlite::{Connection, ErrorCode, OpenFlags, Transaction, TransactionBehavior, params};
+use tokio_util::sync::CancellationToken;
+
+use self::clock::LeaseClock;
+use self::file::*;
+use self::renewer::{Renewal, Renewer};
+use self::statements::*;
+pub use self::transaction::{acquire_in_transaction, try_acquire_in_transaction};
+use self::url::*;
+use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::backoff::Pauses;
+use crate::key::validate_key;
+use crate::options::{UrlForm, parse_duration, read_query, url_keys};
+use crate::time::{MAX_SETTING, check_setting};
+use crate::{Backoff, LockError};
+
+const NAME: &str = "sqlite";
+
+/// Commits of a backend between two checkpoints (about as many pages of log).
+const CHECKPOINT_EVERY: u64 = 1000;
+/// The size of the `-wal` file past which a checkpoint makes the log start over (`RESTART`)
+/// instead of writing it out passively, and the size the file is trimmed to when the log
+/// starts over (`journal_size_limit`).
+const WAL_LIMIT_BYTES: u64 = 8 << 20;
+/// How many times, [`CHECKPOINT_RETRY`] apart, a `RESTART` checkpoint tries again to get the
+/// file's write lock, and then to find no reader in the way (holding the write lock). SQLite's
+/// own busy handler sleeps whole milliseconds: other writers win the lock meanwhile, and
+/// writers wait longer than the readers need.
+const CHECKPOINT_TRIES: i32 = 250;
+const CHECKPOINT_RETRY: Duration = Duration::from_micros(200);
+
+/// The busy handler of the checkpoint connection: see [`CHECKPOINT_TRIES`].
+fn checkpoint_busy(tries: i32) -> bool {
+    if tries >= CHECKPOINT_TRIES {
+        return false;
+    }
+    std::thread::sleep(CHECKPOINT_RETRY);
+    true
+}
+
+/// The suffix of the file that records the tokens of transaction-bound locks.
+const FENCING_SUFFIX: &str = "-fencing";
+
+/// How long a backend trusts that the `-fencing` file does not exist after looking; a process
+/// waits as long after it first opens the file before it hands out a token recorded there,
+/// so that no backend can still trust an earlier look (see [`Fencing`]).
+const FENCING_LOOK: Duration = Duration::from_millis(50);
+
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// How long a key found held makes the backend read before it writes, and how many such keys
+/// it remembers.
+const HELD_MEMORY: Duration = Duration::from_secs(1);
+const HELD_MEMORY_KEYS: usize = 1024;
+
+/// Pauses between tries of a write while another connection holds the file's write lock:
+/// (first, longest). Releases retry sooner than acquisitions, so that a stream of
+/// acquisitions does not starve them.
+const ACQUIRE_PAUSES: (Duration, Duration) = (Duration::from_micros(200), Duration::from_millis(5));
+const RELEASE_PAUSES: (Duration, Duration) = (Duration::from_micros(100), Duration::from_millis(1));
+
+/// The SQLite backend. Usually made through [`LockProvider::connect`](crate::LockProvider::connect)
+/// with a `sqlite://` URL; [`SqliteBackend::builder`] sets the options from code.
+#[derive(Clone)]
+pub struct SqliteBackend {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    path: PathBuf,
+    /// Runs the short statements of acquisition and release on the calling task (no busy wait:
+    /// a busy database is retried with async pauses, so no worker thread is ever parked). Has
+    /// the `-fencing` file attached.
+    inline: Mutex<Connection>,
+    /// Runs checkpoints, on the blocking pool.
+    checkpointer: Arc<Mutex<Connection>>,
+    /// Set while a checkpoint is under way.
+    checkpointing: Arc<AtomicBool>,
+    /// Writes of the inline connection pass it shared; a checkpoint takes it whole, so that
+    /// this backend's writes wait (asynchronously) while it runs and, with no other writer
+    /// of the file, it catches up and the log starts over, as with SQLite's own checkpoints.
+    gate: Arc<tokio::sync::RwLock<()>>,
+    /// The `-wal` file, whose size decides the kind of checkpoint.
+    wal: PathBuf,
+    lease: Duration,
+    busy_timeout: Duration,
+    clock: &'static LeaseClock,
+    commits: AtomicU64,
+    renewer: Renewer,
+    /// Keys this backend found held lately: their next poll reads before it writes.
+    held_recently: Mutex<HashMap<Box<[u8]>, Instant>>,
+    /// Random bytes for owner tokens, not handed out yet.
+    owners: Mutex<Owners>,
+    /// The `-fencing` file, once it exists.
+    fencing: Fencing,
+}
+
+/// The `-fencing` file of a backend's lock file, attached to the inline connection once it
+/// exists. Until then (a file on which no transaction-bound lock ever issued a token, the
+/// common case), acquisitions do not read it: after taking a row with [`ACQUIRE_SQL`], they
+/// look whether the file exists (at most every [`FENCING_LOOK`]; a look that finds it absent
+/// is trusted that long), and if it does, attach it and raise the token above its record.
+///
+/// Why a look may be trusted for [`FENCING_LOOK`]: a transaction-bound lock hands out a token
+/// only [`FENCING_LOOK`] after its process first opened the file (so after the file came to
+/// be), and only while its transaction holds the file's write lock; the acquisition that
+/// trusts a look took its row later, once that transaction had ended, so less than
+/// [`FENCING_LOOK`] after the look. Had the token come first, the file would have existed for
+/// more than [`FENCING_LOOK`] before the acquisition, so before the look, which would have
+/// found it.
+struct Fencing {
+    path: PathBuf,
+    /// Set once the file is attached to the inline connection (under its lock).
+    attached: AtomicBool,
+    /// When the last look that found the file absent began.
+    absent_since: Mutex<Option<Instant>>,
+}
+
+impl Fencing {
+    fn attached(&self) -> bool {
+        self.attached.load(Ordering::Acquire)
+    }
+
+    /// Attaches the file (creating its table if its creator has not yet) to `inline`.
+    fn attach(&self, inline: &Connection, busy_timeout: Duration) -> Result<(), LockError> {
+        if self.attached() {
+            return Ok(());
+        }
+        drop(open_fencing(&self.path, busy_timeout)?);
+        let name = self.path.to_str().ok_or_else(|| {
+            LockError::config(format!(
+                "the fencing file's path `{}` is not valid UTF-8",
+                self.path.display()
+            ))
+        })?;
+        inline
+            .execute(ATTACH_FENCING_SQL, [name])
+            .map_err(|e| sqlite_error(&self.path, "opening the fencing file", e))?;
+        self.attached.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Whether the file may exist, looking if the last look is too old to be trusted.
+    fn may_exist(&self) -> bool {
+        if self.attached() {
+            return true;
+        }
+        let mut absent_since = self
+            .absent_since
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if absent_since.is_some_and(|since| since.elapsed() < FENCING_LOOK) {
+            return false;
+        }
+        // The instant the look begins: the file did not exist before it, if it is absent.
+        let look = Instant::now();
+        match std::fs::symlink_metadata(&self.path) {
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                *absent_since = Some(look);
+                false
+            }
+            _ => true,
+        }
+    }
+}
+
+/// How many owner tokens one call to the operating system's generator fetches.
+const OWNERS_PER_FETCH: usize = 32;
+
+struct Owners {
+    bytes: [u8; 16 * OWNERS_PER_FETCH],
+    /// How many tokens of `bytes` have been handed out.
+    used: usize,
+}
+
+/// Builds a [`SqliteBackend`] with options.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct SqliteBuilder {
+    path: PathBuf,
+    lease: Duration,
+    busy_timeout: Duration,
+}
+
+impl SqliteBuilder {
+    /// The lease of each lock (default 30 s; 100 ms to 365 days, checked by
+    /// [`open`](SqliteBuilder::open)). Renewed every third of it.
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long one statement waits for another writer of the file (default 5 s; at most 365
+    /// days, checked by [`open`](SqliteBuilder::open)).
+    pub fn busy_timeout(mut self, busy_timeout: Duration) -> Self {
+        self.busy_timeout = busy_timeout;
+        self
+    }
+
+    /// Opens (creating if needed) the lock file and its table, and the `-fencing` file next to
+    /// it; converts the table of an earlier version (see the [module docs](self)).
+    ///
+    /// Errors with [`LockError::Config`] when the lease or busy timeout is out of bounds, or
+    /// the file cannot be used.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: the file is opened on the blocking pool, and closed again if the future is
+    /// dropped before it completes.
+    pub async fn open(self) -> Result<SqliteBackend, LockError> {
+        self.check()?;
+        tokio::task::spawn_blocking(move || self.open_blocking())
+            .await
+            .map_err(|err| {
+                LockError::backend(
+                    NAME,
+                    "opening the lock file failed",
+                    None,
+                    Some(Box::new(err)),
+                )
+            })?
+    }
+
+    fn check(&self) -> Result<(), LockError> {
+        check_lease(self.lease)?;
+        check_setting(
+            "the SQLite busy_timeout",
+            self.busy_timeout,
+            Duration::ZERO,
+            MAX_SETTING,
+        )?;
+        Ok(())
+    }
+
+    fn open_blocking(self) -> Result<SqliteBackend, LockError> {
+        let clock = LeaseClock::get()?;
+        let inline = open_connection(&self.path, self.busy_timeout, clock)?;
+        let db_file = PathBuf::from(inline.path().unwrap_or_default());
+        let db_file = if db_file.as_os_str().is_empty() {
+            self.path.clone()
+        } else {
+            db_file
+        };
+        // The calling task never waits inside SQLite; see `with_busy_retry`.
+        inline
+            .busy_timeout(Duration::ZERO)
+            .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
+        let background = open_connection(&self.path, self.busy_timeout, clock)?;
+        background
+            .busy_timeout(Duration::ZERO)
+            .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
+        let mut checkpointer = open_connection(&self.path, self.busy_timeout, clock)?;
+        checkpointer
+            .busy_handler(Some(checkpoint_busy))
+            .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
+        let mut wal = db_file.clone().into_os_string();
+        wal.push("-wal");
+        let fencing = Fencing {
+            path: fencing_path(&db_file),
+            attached: AtomicBool::new(false),
+            absent_since: Mutex::new(None),
+        };
+        if fencing.path.exists() {
+            fencing.attach(&inline, self.busy_timeout)?;
+        }
+        Ok(SqliteBackend {
+            shared: Arc::new(Shared {
+                inline: Mutex::new(inline),
+                checkpointer: Arc::new(Mutex::new(checkpointer)),
+                checkpointing: Arc::new(AtomicBool::new(false)),
+                gate: Arc::new(tokio::sync::RwLock::new(())),
+                wal: PathBuf::from(wal),
+                lease: self.lease,
+                busy_timeout: self.busy_timeout,
+                clock,
+                commits: AtomicU64::new(0),
+                renewer: Renewer::new(background, clock, self.path.clone()),
+                held_recently: Mutex::new(HashMap::new()),
+                fencing,
+                owners: Mutex::new(Owners {
+                    bytes: [0; 16 * OWNERS_PER_FETCH],
+                    used: OWNERS_PER_FETCH,
+                }),
+                path: self.path,
+            }),
+        })
+    }
+}
+
+impl SqliteBackend {
+    /// A builder for the lock file at `path`.
+    pub fn builder(path: impl Into<PathBuf>) -> SqliteBuilder {
+        SqliteBuilder {
+            path: path.into(),
+            lease: DEFAULT_LEASE,
+            busy_timeout: DEFAULT_BUSY_TIMEOUT,
+        }
+    }
+
+    /// Opens the lock file at `path` with the default options.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`SqliteBuilder::open`].
+    pub async fn open(path: impl Into<PathBuf>) -> Result<SqliteBackend, LockError> {
+        SqliteBackend::builder(path).open().await
+    }
+
+    /// Parses a `sqlite://` URL with the options of the [module docs](self) into a builder,
+    /// without opening the file. Options out of bounds are a [`LockError::Config`].
+    pub fn builder_from_url(url: &str) -> Result<SqliteBuilder, LockError> {
+        parse_url(url)
+    }
+
+    /// Opens the lock file named by a `sqlite://` URL (see the [module docs](self)).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`SqliteBuilder::open`].
+    pub async fn connect(url: &str) -> Result<SqliteBackend, LockError> {
+        parse_url(url)?.open().await
+    }
+
+    /// The lock file's path.
+    pub fn path(&self) -> &Path {
+        &self.shared.path
+    }
+
+    /// The default lease.
+    pub fn lease(&self) -> Duration {
+        self.shared.lease
+    }
+}
+
+impl std::fmt::Debug for SqliteBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteBackend")
+            .field("path", &self.shared.path)
+            .field("lease", &self.shared.lease)
+            .field("busy_timeout", &self.shared.busy_timeout)
+            .finish()
+    }
+}
+
+impl LockBackend for SqliteBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            let lease = request.lease.unwrap_or(self.shared.lease);
+            check_lease(lease)?;
+            // Everything that can fail for want of resources fails before the row is written.
+            self.shared.renewer.ensure_running()?;
+            let owner = self.shared.new_owner()?;
+            let name = request.key.as_bytes();
+            let (started, fencing, fenced) = match self.shared.take_row(name, &owner, lease).await {
+                Ok(Take::Taken {
+                    started,
+                    fencing,
+                    fenced,
+                }) => (started, fencing, fenced),
+                Ok(Take::Held) => return Ok(None),
+                // Another writer kept the file for the whole busy timeout: contention.
+                Err(Busy::Timeout) => return Ok(None),
+                Err(Busy::Failed(err)) => return Err(err),
+            };
+            self.shared.count_commit();
+            // The row is ours from here on: a failure must give it back.
+            let fencing = match fencing {
+                Ok(token) if !fenced && self.shared.fencing.may_exist() => {
+                    self.shared.raise_token(name, &owner, token).await
+                }
+                Ok(token) => Ok(token),
+                Err(err) => Err(sqlite_error(&self.shared.path, "acquiring a lock", err)),
+            };
+            let token = match fencing.map(u64::try_from) {
+                Ok(Ok(token)) => token,
+                Ok(Err(_)) => {
+                    self.shared.give_back(name, &owner).await;
+                    return Err(LockError::backend(
+                        NAME,
+                        format!(
+                            "acquiring a lock: the fencing counter of the lock file `{}` is not a positive integer; the lock was given back",
+                            self.shared.path.display()
+                        ),
+                        None,
+                        None,
+                    ));
+                }
+                Err(err) => {
+                    self.shared.give_back(name, &owner).await;
+                    return Err(err);
+                }
+            };
+            let name: Arc<[u8]> = Arc::from(name);
+            let lost = CancellationToken::new();
+            let renewal = Renewal::new(Arc::clone(&name), owner, lease, lost.clone(), started);
+            let deadline = renewal.deadline();
+            let registered = self.shared.renewer.register(renewal);
+            let id = match registered {
+                Ok(id) => id,
+                Err(err) => {
+                    self.shared.give_back(&name, &owner).await;
+                    return Err(err);
+                }
+            };
+            Ok(Some(
+                Acquired::new(
+                    Some(token),
+                    lost.clone(),
+                    Box::new(SqliteHeld {
+                        shared: Arc::clone(&self.shared),
+                        id,
+                        key: Arc::from(request.key),
+                        owner,
+                        lost,
+                    }),
+                )
+                .with_lease_deadline(deadline),
+            ))
+        })
+    }
+}
+
+struct SqliteHeld {
+    shared: Arc<Shared>,
+    id: u64,
+    key: Arc<str>,
+    owner: [u8; 16],
+    lost: CancellationToken,
+}
+
+impl std::fmt::Debug for SqliteHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteHeld")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HeldLock for SqliteHeld {
+    /// Frees the row if this lock still owns it. When the row was taken over or removed (the
+    /// lease had run out unrenewed), fires the lost token and answers [`LockError::Lost`].
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move {
+            // Renewed until the row is free: a release that waits for the file must not let
+            // the lease run out meanwhile.
+            self.shared.renewer.releasing(self.id);
+            let outcome = self
+                .shared
+                .with_busy_retry("releasing a lock", RELEASE_PAUSES, |conn| {
+                    conn.prepare_cached(RELEASE_SQL)?
+                        .execute(params![self.key.as_bytes(), &self.owner[..]])
+                })
+                .await;
+            self.shared.renewer.unregister(self.id);
+            match outcome {
+                Ok(1) => {
+                    self.shared.count_commit();
+                    Ok(())
+                }
+                Ok(_) => {
+                    tracing::warn!(
+                        backend = NAME,
+                        key = &*self.key,
+                        "the release found the lock taken over or removed; it was lost"
+                    );
+                    self.lost.cancel();
+                    Err(LockError::Lost {
+                        key: Arc::clone(&self.key),
+                        reason: "the release found the lock taken over or removed (its lease had run out)".to_owned(),
+                    })
+                }
+                Err(Busy::Timeout) => Err(LockError::unavailable(
+                    NAME,
+                    format!(
+                        "releasing a lock: the lock file `{}` stayed busy for the whole busy timeout; the lock frees itself when its lease runs out",
+                        self.shared.path.display()
+                    ),
+                    None,
+                )),
+                Err(Busy::Failed(err)) => Err(err),
+            }
+        })
+    }
+}
+
+impl Drop for SqliteHeld {
+    fn drop(&mut self) {
+        // Stops the renewal if the handle is dropped without a release; the lease ends it.
+        self.shared.renewer.unregister(self.id);
+    }
+}
+
+enum Busy {
+    /// The file stayed locked by another writer for the whole busy timeout.
+    Timeout,
+    Failed(LockError),
+}
+
+/// What an acquisition's statement found.
+enum Take {
+    /// The row is ours.
+    Taken {
+        /// When the statement began (before the clock was read).
+        started: Instant,
+        /// The fencing token (read apart: when it cannot be read, the row must still be
+        /// given back).
+        fencing: rusqlite::Result<i64>,
+        /// Whether the token is above the `-fencing` file's record ([`ACQUIRE_FENCED_SQL`]).
+        fenced: bool,
+    },
+    /// Someone else holds the lock.
+    Held,
+}
+
+impl Shared {
+    fn inline(&self) -> MutexGuard<'_, Connection> {
+        self.inline.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A fresh owner token: 128 bits from the operating system's secure generator, so no
+    /// other acquisition, in this process or any other, can ever present the same one. The
+    /// bits are fetched [`OWNERS_PER_FETCH`] tokens at a time (one system call), and each
+    /// token is handed out once.
+    fn new_owner(&self) -> Result<[u8; 16], LockError> {
+        let mut owners = self.owners.lock().unwrap_or_else(PoisonError::into_inner);
+        if owners.used == OWNERS_PER_FETCH {
+            getrandom::fill(&mut owners.bytes).map_err(|err| {
+                LockError::backend(
+                    NAME,
+                    format!("the operating system's random generator failed: {err}"),
+                    None,
+                    None,
+                )
+            })?;
+            owners.used = 0;
+        }
+        let at = owners.used * 16;
+        let mut owner = [0u8; 16];
+        owner.copy_from_slice(&owners.bytes[at..at + 16]);
+        // Not used again: overwritten before the next fetch is handed out.
+        owners.bytes[at..at + 16].fill(0);
+        owners.used += 1;
+        Ok(owner)
+    }
+
+    /// Takes the key's row if it is free or expired. A held key is answered by a read,
+    /// without the file's write lock, whenever there is reason to expect it held: the key was
+    /// found held in the last second, or the write lock is taken (then the poll does not wait
+    /// for it). Otherwise (the common case of a free key) the write comes first, with no read.
+    async fn take_row(&self, name: &[u8], owner: &[u8; 16], lease: Duration) -> Result<Take, Busy> {
+        let clock = self.clock;
+        let held = |conn: &Connection| -> Result<bool, Busy> {
+            let peek = conn.prepare_cached(PEEK_SQL).and_then(|mut peek| {
+                let mut rows = peek.query(params![name, clock.now_ms(), clock.boot()])?;
+                Ok(rows.next()?.is_some())
+            });
+            match peek {
+                Ok(held) => Ok(held),
+                // Not known: the write will tell.
+                Err(err) if is_busy(&err) => Ok(false),
+                Err(err) => Err(Busy::Failed(sqlite_error(
+                    &self.path,
+                    "checking a lock",
+                    err,
+                ))),
+            }
+        };
+        if self.seen_held(name) && held(&self.inline())? {
+            self.note_held(name);
+            return Ok(Take::Held);
+        }
+        let waiting_since = Instant::now();
+        let (mut pause, longest) = ACQUIRE_PAUSES;
+        loop {
+            let pass = self.gate.read().await;
+            let attempt = {
+                let conn = self.inline();
+                // Taken before the clock is read: the holder's own deadlines start no later
+                // than the lease it writes.
+                let started = Instant::now();
+                let now = clock.now_ms();
+                // Read under the connection's lock, which attaching takes too.
+                let fenced = self.fencing.attached();
+                let statement = if fenced {
+                    conn.prepare_cached(ACQUIRE_FENCED_SQL)
+                } else {
+                    conn.prepare_cached(ACQUIRE_SQL)
+                };
+                let written = statement.and_then(|mut acquire| {
+                    returning_one(
+                        &mut acquire,
+                        params![
+                            name,
+                            &owner[..],
+                            now.saturating_add(millis(lease)),
+                            now,
+                            clock.boot()
+                        ],
+                    )
+                });
+                match written {
+                    Ok(Some(fencing)) => Some(Take::Taken {
+                        started,
+                        fencing,
+                        fenced,
+                    }),
+                    Ok(None) => Some(Take::Held),
+                    Err(err) if is_busy(&err) => {
+                        if held(&conn)? {
+                            Some(Take::Held)
+                        } else {
+                            None
+                        }
+                    }
+                    Err(err) => {
+                        return Err(Busy::Failed(sqlite_error(
+                            &self.path,
+                            "acquiring a lock",
+                            err,
+                        )));
+                    }
+                }
+            };
+            drop(pass);
+            match attempt {
+                Some(Take::Held) => {
+                    self.note_held(name);
+                    return Ok(Take::Held);
+                }
+                Some(taken) => {
+                    self.forget_held(name);
+                    return Ok(taken);
+                }
+                None => {}
+            }
+            if waiting_since.elapsed() >= self.busy_timeout {
+                return Err(Busy::Timeout);
+            }
+            let jitter = Backoff::new(pause, pause, 0.5).map_or(pause, |b| b.delay(0));
+            tokio::time::sleep(jitter).await;
+            pause = (pause * 2).min(longest);
+        }
+    }
+
+    fn held_recently(&self) -> MutexGuard<'_, HashMap<Box<[u8]>, Instant>> {
+        self.held_recently
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether this backend found `name` held in the last [`HELD_MEMORY`].
+    fn seen_held(&self, name: &[u8]) -> bool {
+        let held = self.held_recently();
+        !held.is_empty() && held.get(name).is_some_and(|at| at.elapsed() < HELD_MEMORY)
+    }
+
+    fn note_held(&self, name: &[u8]) {
+        let mut held = self.held_recently();
+        if held.len() >= HELD_MEMORY_KEYS && !held.contains_key(name) {
+            held.retain(|_, at| at.elapsed() < HELD_MEMORY);
+            if held.len() >= HELD_MEMORY_KEYS {
+                held.clear();
+            }
+        }
+        match held.get_mut(name) {
+            Some(at) => *at = Instant::now(),
+            None => {
+                held.insert(Box::from(name), Instant::now());
+            }
+        }
+    }
+
+    fn forget_held(&self, name: &[u8]) {
+        let mut held = self.held_recently();
+        if !held.is_empty() {
+            held.remove(name);
+        }
+    }
+
+    /// Runs one short write on the inline connection. When another connection holds the
+    /// file's write lock, pauses asynchronously (`pauses`: first and longest pause) and tries
+    /// again, up to the busy timeout.
+    async fn with_busy_retry<T>(
+        &self,
+        what: &str,
+        pauses: (Duration, Duration),
+        mut op: impl FnMut(&Connection) -> rusqlite::Result<T>,
+    ) -> Result<T, Busy> {
+        let started = Instant::now();
+        let (mut pause, longest) = pauses;
+        loop {
+            let pass = self.gate.read().await;
+            let outcome = op(&self.inline());
+            drop(pass);
+            match outcome {
+                Ok(value) => return Ok(value),
+                Err(err) if is_busy(&err) => {
+                    if started.elapsed() >= self.busy_timeout {
+                        return Err(Busy::Timeout);
+                    }
+                    let jitter = Backoff::new(pause, pause, 0.5).map_or(pause, |b| b.delay(0));
+                    tokio::time::sleep(jitter).await;
+                    pause = (pause * 2).min(longest);
+                }
+                Err(err) => return Err(Busy::Failed(sqlite_error(&self.path, what, err))),
+            }
+        }
+    }
+
+    /// Raises the token of a row just taken with [`ACQUIRE_SQL`] above the `-fencing` file's
+    /// record, attaching the file first.
+    async fn raise_token(
+        &self,
+        name: &[u8],
+        owner: &[u8; 16],
+        token: i64,
+    ) -> Result<i64, LockError> {
+        self.fencing.attach(&self.inline(), self.busy_timeout)?;
+        let raised = self
+            .with_busy_retry("acquiring a lock", RELEASE_PAUSES, |conn| {
+                returning_one(
+                    &mut conn.prepare_cached(RAISE_TOKEN_SQL)?,
+                    params![name, &owner[..]],
+                )
+            })
+            .await;
+        match raised {
+            Ok(Some(Ok(raised))) => {
+                self.count_commit();
+                if raised != token {
+                    tracing::debug!(
+                        backend = NAME,
+                        token,
+                        raised,
+                        "fencing token raised above a transaction-bound lock's"
+                    );
+                }
+                Ok(raised)
+            }
+            Ok(Some(Err(err))) => Err(sqlite_error(&self.path, "acquiring a lock", err)),
+            Ok(None) => Err(LockError::backend(
+                NAME,
+                "acquiring a lock: the row taken was gone before its fencing token was final",
+                None,
+                None,
+            )),
+            Err(Busy::Timeout) => Err(LockError::unavailable(
+                NAME,
+                format!(
+                    "acquiring a lock: the lock file `{}` stayed busy for the whole busy timeout",
+                    self.path.display()
+                ),
+                None,
+            )),
+            Err(Busy::Failed(err)) => Err(err),
+        }
+    }
+
+    /// Frees a row this backend has just written but cannot hand out; best effort (if it
+    /// fails, the row's lease ends it).
+    async fn give_back(&self, name: &[u8], owner: &[u8; 16]) {
+        let outcome = self
+            .with_busy_retry("giving a lock back", RELEASE_PAUSES, |conn| {
+                conn.prepare_cached(RELEASE_SQL)?
+                    .execute(params![name, &owner[..]])
+            })
+            .await;
+        if outcome.is_err() {
+            tracing::warn!(
+                backend = NAME,
+                "a lock taken but not handed out could not be given back; it frees itself when its lease ends"
+            );
+        }
+    }
+
+    /// Counts a commit of the inline connection. Every [`CHECKPOINT_EVERY`] commits, starts a
+    /// checkpoint on the blocking pool, so that no thread of the application waits for its
+    /// `fsync`s; this backend's writes wait for it asynchronously (see `gate`). A passive
+    /// one: it writes the log into the database without holding other processes back, and
+    /// with no other writer the log starts over at the next commit. When the `-wal` file has
+    /// grown past [`WAL_LIMIT_BYTES`] (other processes kept passive ones from catching up), a
+    /// `RESTART` one: it holds every writer back while it writes the rest of the log, and
+    /// lets the log start over.
+    fn count_commit(&self) {
+        let commits = self.commits.fetch_add(1, Ordering::Relaxed) + 1;
+        if !commits.is_multiple_of(CHECKPOINT_EVERY) {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if self.checkpointing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // Cleared when the work is done or dropped unrun.
+        let running = Checkpointing(Arc::clone(&self.checkpointing));
+        let checkpointer = Arc::clone(&self.checkpointer);
+        let gate = Arc::clone(&self.gate);
+        let wal = self.wal.clone();
+        drop(runtime.spawn_blocking(move || {
+            let _running = running;
+            // Waits for the statements under way (one at most), then holds the next ones.
+            let _writes_wait = gate.blocking_write();
+            let conn = checkpointer.lock().unwrap_or_else(PoisonError::into_inner);
+            // Past the limit, passive checkpoints did not catch up with the other writers of
+            // the file (the file only grows when the log does not fit in it).
+            let size = std::fs::metadata(&wal).map_or(0, |m| m.len());
+            let done = if size > WAL_LIMIT_BYTES {
+                conn.query_row(CHECKPOINT_RESTART_SQL, [], |_| Ok(()))
+            } else {
+                conn.query_row(CHECKPOINT_PASSIVE_SQL, [], |_| Ok(()))
+            };
+            // Best effort: a checkpoint that finds others in the way is tried again later.
+            if let Err(err) = done {
+                tracing::debug!(backend = NAME, error = %err, "checkpoint of the write-ahead log failed");
+            }
+        }));
+    }
+}
+
+/// Clears the checkpoint flag when dropped.
+struct Checkpointing(Arc<AtomicBool>);
+
+impl Drop for Checkpointing {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+pub use crate::TransactionLock;
+
+#[cfg(test)]
+mod tests;
