@@ -185,32 +185,25 @@ pub(crate) fn unknown_key<K: ConfigKey>(name: &str) -> LockError {
 /// written), `name()` and `as_ref()`. With `for FORM` (a [`UrlForm`]), the enum is that
 /// backend's [`ConfigKey`], with `FromStr`.
 macro_rules! url_keys {
-    ($(#[$meta:meta])* $vis:vis enum $key:ident { $($variant:ident = $name:literal),+ $(,)? }) => {
+    (
+        $(#[$meta:meta])* $vis:vis enum $key:ident $(for $form:ident)?
+        { $($variant:ident = $name:literal),* $(,)? }
+    ) => {
         $(#[$meta])*
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
         $vis enum $key {
-            $($variant),+
+            $($variant),*
         }
 
         impl $key {
             /// Every key, in the order the docs list them.
-            const ALL: &'static [$key] = &[$($key::$variant),+];
+            const ALL: &'static [$key] = &[$($key::$variant),*];
 
             /// The key's URL name.
             fn name(self) -> &'static str {
                 match self {
-                    $($key::$variant => $name),+
+                    $($key::$variant => $name),*
                 }
-            }
-
-            /// The key named `name`.
-            fn find(name: &str) -> Option<$key> {
-                Self::ALL.iter().copied().find(|key| key.name() == name)
-            }
-
-            /// The names of every key.
-            fn names() -> impl Iterator<Item = &'static str> {
-                Self::ALL.iter().map(|key| key.name())
             }
         }
 
@@ -219,19 +212,17 @@ macro_rules! url_keys {
                 self.name()
             }
         }
-    };
-    ($(#[$meta:meta])* $vis:vis enum $key:ident for $form:ident { $($body:tt)* }) => {
-        url_keys!($(#[$meta])* $vis enum $key { $($body)* });
 
+        $(
         impl $crate::options::ConfigKey for $key {
             const BACKEND: &'static str = $form.backend;
 
             fn find(name: &str) -> Option<Self> {
-                $key::find(name)
+                Self::ALL.iter().copied().find(|key| key.name() == name)
             }
 
             fn names() -> Vec<&'static str> {
-                $key::names().collect()
+                Self::ALL.iter().map(|key| key.name()).collect()
             }
         }
 
@@ -242,6 +233,7 @@ macro_rules! url_keys {
                 $crate::options::parse_key(name)
             }
         }
+        )?
     };
 }
 pub(crate) use url_keys;

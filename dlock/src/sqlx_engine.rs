@@ -9,7 +9,7 @@ use std::time::Duration;
 use sqlx::error::DatabaseError;
 
 use crate::LockError;
-use crate::options::UrlForm;
+use crate::options::{ConfigKey, UrlForm, parse_key};
 use crate::session::{Failure, OwnKey, SessionOptions, read_engine_query};
 
 /// How an engine's server errors read, for [`driver_error`].
@@ -143,9 +143,8 @@ pub(crate) struct DriverOption<E> {
     engine: PhantomData<E>,
 }
 
-impl<E: SqlxUrl> OwnKey for DriverOption<E> {
+impl<E: SqlxUrl> ConfigKey for DriverOption<E> {
     const BACKEND: &'static str = E::FORM.backend;
-    const FENCING: bool = true;
 
     fn find(name: &str) -> Option<Self> {
         E::is_driver_option(name).then(|| DriverOption {
@@ -157,6 +156,18 @@ impl<E: SqlxUrl> OwnKey for DriverOption<E> {
     fn names() -> Vec<&'static str> {
         E::DRIVER_OPTIONS.to_vec()
     }
+}
+
+impl<E: SqlxUrl> std::str::FromStr for DriverOption<E> {
+    type Err = LockError;
+
+    fn from_str(name: &str) -> Result<Self, LockError> {
+        parse_key(name)
+    }
+}
+
+impl<E: SqlxUrl> OwnKey for DriverOption<E> {
+    const FENCING: bool = true;
 }
 
 impl<E> AsRef<str> for DriverOption<E> {

@@ -16,7 +16,7 @@ const FORM: UrlForm = UrlForm {
 
 url_keys! {
     /// SQL Server's own URL options, beside the session options.
-    pub(super) enum MssqlOption {
+    pub(super) enum MssqlOption for FORM {
         Encrypt = "encrypt",
         TrustServerCertificate = "trust_server_certificate",
         ApplicationName = "application_name",
@@ -24,16 +24,7 @@ url_keys! {
 }
 
 impl OwnKey for MssqlOption {
-    const BACKEND: &'static str = FORM.backend;
     const FENCING: bool = false;
-
-    fn find(name: &str) -> Option<Self> {
-        MssqlOption::find(name)
-    }
-
-    fn names() -> Vec<&'static str> {
-        MssqlOption::names().collect()
-    }
 }
 
 /// The `key=value` pairs of an ADO.NET connection string, keys trimmed and in lower case,

@@ -1,7 +1,7 @@
 //! The `oracle://` URL.
 
 use crate::LockError;
-use crate::options::UrlForm;
+use crate::options::{UrlForm, url_keys};
 use crate::session::{OwnKey, SessionOptions, read_engine_query};
 
 use super::session::OracleTarget;
@@ -14,27 +14,13 @@ const FORM: UrlForm = UrlForm {
     example: "oracle://user:password@host:1521/service_name",
 };
 
-/// Oracle's own URL options: none, beside the session options.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum OracleOption {}
-
-impl AsRef<str> for OracleOption {
-    fn as_ref(&self) -> &str {
-        match *self {}
-    }
+url_keys! {
+    /// Oracle's own URL options: none, beside the session options.
+    pub(super) enum OracleOption for FORM {}
 }
 
 impl OwnKey for OracleOption {
-    const BACKEND: &'static str = FORM.backend;
     const FENCING: bool = false;
-
-    fn find(_: &str) -> Option<Self> {
-        None
-    }
-
-    fn names() -> Vec<&'static str> {
-        Vec::new()
-    }
 }
 
 /// Reads an `oracle://` URL; its options are checked by the caller.

@@ -113,28 +113,26 @@ url_keys! {
 impl SessionKey {
     /// The key `name` of an engine that does (`fencing`) or does not issue fencing tokens.
     fn find_of(name: &str, fencing: bool) -> Option<SessionKey> {
-        Self::find(name).filter(|key| fencing || *key != SessionKey::Fencing)
+        Self::ALL
+            .iter()
+            .copied()
+            .find(|key| key.name() == name && (fencing || *key != SessionKey::Fencing))
     }
 
     /// The names of the keys of such an engine.
     pub(crate) fn names_of(fencing: bool) -> impl Iterator<Item = &'static str> {
-        Self::names().filter(move |name| fencing || *name != SessionKey::Fencing.name())
+        Self::ALL
+            .iter()
+            .filter(move |key| fencing || **key != SessionKey::Fencing)
+            .map(|key| key.name())
     }
 }
 
 /// The options of a session engine that are its own (beside the [`SessionKey`]s), as
 /// [`EngineKey`] reads them.
-pub(crate) trait OwnKey: AsRef<str> + Sized {
-    /// The engine, as its messages name it.
-    const BACKEND: &'static str;
+pub(crate) trait OwnKey: ConfigKey {
     /// Whether the engine issues fencing tokens (and so reads `fencing`).
     const FENCING: bool;
-
-    /// The own option named `name`, if there is one.
-    fn find(name: &str) -> Option<Self>;
-
-    /// The names of the own options.
-    fn names() -> Vec<&'static str>;
 }
 
 /// A URL option of a session engine: one that every engine reads, or one of the engine's own.
@@ -203,15 +201,25 @@ mod tests {
         }
     }
 
-    impl<const FENCING: bool> OwnKey for NoOwn<FENCING> {
+    impl<const FENCING: bool> ConfigKey for NoOwn<FENCING> {
         const BACKEND: &'static str = "test";
-        const FENCING: bool = FENCING;
         fn find(_: &str) -> Option<Self> {
             None
         }
         fn names() -> Vec<&'static str> {
             Vec::new()
         }
+    }
+
+    impl<const FENCING: bool> FromStr for NoOwn<FENCING> {
+        type Err = LockError;
+        fn from_str(name: &str) -> Result<Self, LockError> {
+            parse_key(name)
+        }
+    }
+
+    impl<const FENCING: bool> OwnKey for NoOwn<FENCING> {
+        const FENCING: bool = FENCING;
     }
 
     type Fenced = EngineKey<NoOwn<true>>;
