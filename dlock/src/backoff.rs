@@ -37,6 +37,16 @@ impl Default for Backoff {
 }
 
 impl Backoff {
+    /// Pauses from `initial`, doubling up to `max`, without jitter (checked by the caller).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(crate) const fn unjittered(initial: Duration, max: Duration) -> Backoff {
+        Backoff {
+            initial,
+            max,
+            jitter: 0.0,
+        }
+    }
+
     /// A backoff policy; `jitter` is a ratio in `0.0..=1.0`.
     ///
     /// Errors with [`LockError::Config`] when `initial` is zero, either interval is longer than

@@ -9,8 +9,9 @@ use std::time::Duration;
 use sqlx::error::DatabaseError;
 
 use crate::LockError;
+use crate::backoff::{Backoff, Pauses};
 use crate::options::{ConfigKey, UrlForm, parse_key};
-use crate::session::{Failure, OwnKey, SessionOptions, read_engine_query};
+use crate::session::{Failure, OwnKey, SETTLE_LIMIT, SessionOptions, read_engine_query};
 
 /// How an engine's server errors read, for [`driver_error`].
 pub(crate) trait SqlxErrors {
@@ -120,6 +121,40 @@ pub(crate) async fn connect_within<E: SqlxErrors, T>(
             None,
         )),
     }
+}
+
+/// A session's liveness check: the driver's ping, any failure ending the session.
+pub(crate) async fn ping<E: SqlxErrors>(conn: &mut impl sqlx::Connection) -> Result<(), Failure> {
+    conn.ping()
+        .await
+        .map_err(|err| Failure::connection(driver_error::<E>("checking a connection", err)))
+}
+
+/// Runs `settle`, the end of an abandoned wait from another session (a cancel or a kill,
+/// then looking at the server, with [`settle_pauses`], until the wait's session neither waits
+/// nor holds its lock), for at most [`SETTLE_LIMIT`]; after that, a warning is logged and the
+/// session is left to end on its own.
+pub(crate) async fn settle<E: SqlxErrors>(
+    what: &str,
+    settle: impl Future<Output = Result<(), sqlx::Error>>,
+) -> Result<(), Failure> {
+    match tokio::time::timeout(SETTLE_LIMIT, settle).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(err)) => Err(failure::<E>(what, err)),
+        Err(_) => {
+            tracing::warn!(
+                backend = E::NAME,
+                "an abandoned wait's session still waits for or holds its lock after {SETTLE_LIMIT:?}"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// The pauses between two looks at a settling session: 1 ms, doubling to 20 ms.
+pub(crate) fn settle_pauses() -> Pauses {
+    let backoff = Backoff::unjittered(Duration::from_millis(1), Duration::from_millis(20));
+    Pauses::new(backoff, None)
 }
 
 /// The URL of an engine built on sqlx: its form, and the driver's own options, which pass

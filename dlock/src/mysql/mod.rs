@@ -174,7 +174,7 @@ use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
 use crate::session::{Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions};
-use session::{MySqlConnector, create_fencing_table, open_first};
+use session::{MySqlConnector, create_fencing_table, open_connection};
 use statements::NAME;
 pub use statements::server_lock_name;
 
@@ -210,7 +210,7 @@ impl Driver for MySql {
     ) -> BoxFuture<'static, Opened<Self>> {
         let (fencing, connect_timeout) = (session.fencing, session.connect_timeout);
         Box::pin(async move {
-            let (mut conn, id, server) = open_first(&options, connect_timeout).await?;
+            let (mut conn, id, server) = open_connection(&options, connect_timeout).await?;
             if fencing {
                 create_fencing_table(&mut conn).await?;
             }

@@ -11,8 +11,10 @@ use super::MySql;
 use super::statements::*;
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant, SETTLE_LIMIT, Session};
-use crate::sqlx_engine::{SqlxErrors, connect_within, driver_error, failure};
+use crate::session::{Connector, Failure, Grant, Session};
+use crate::sqlx_engine::{
+    SqlxErrors, connect_within, driver_error, failure, ping, settle, settle_pauses,
+};
 
 /// What the first connection learned about the server.
 #[derive(Debug, Clone)]
@@ -99,8 +101,7 @@ impl Connector for MySqlConnector {
 
     fn open(&self) -> BoxFuture<'_, Result<MySqlSession, LockError>> {
         Box::pin(async move {
-            let (conn, id) =
-                open_connection(&self.options, &self.server, self.connect_timeout).await?;
+            let (conn, id, _) = open_connection(&self.options, self.connect_timeout).await?;
             Ok(self.session(conn, id))
         })
     }
@@ -160,34 +161,6 @@ impl MySqlSession {
             }
         }
     }
-
-    /// Ends session `id` (an abandoned wait) and waits until it no longer holds `name`.
-    async fn kill(&mut self, id: u64, name: &str) -> Result<(), sqlx::Error> {
-        let kill = kill_sql(id);
-        // The text carries nothing but the numeric session id the server reported.
-        match sqlx::query(sqlx::AssertSqlSafe(kill))
-            .execute(&mut self.conn)
-            .await
-        {
-            Ok(_) => {}
-            // Unknown thread id: the session is gone already.
-            Err(err) if error_number(&err) == Some(1094) => return Ok(()),
-            Err(err) => return Err(err),
-        }
-        // KILL only flags the session: it frees its locks a moment later.
-        let mut pause = Duration::from_millis(1);
-        loop {
-            let holder: Option<u64> = sqlx::query_scalar(HOLDER_SQL)
-                .bind(name)
-                .fetch_one(&mut self.conn)
-                .await?;
-            if holder != Some(id) {
-                return Ok(());
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(20));
-        }
-    }
 }
 
 impl Session for MySqlSession {
@@ -235,11 +208,7 @@ impl Session for MySqlSession {
     }
 
     fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
-        Box::pin(async move {
-            self.conn.ping().await.map_err(|err| {
-                Failure::connection(driver_error::<MySql>("checking a connection", err))
-            })
-        })
+        Box::pin(ping::<MySql>(&mut self.conn))
     }
 
     fn interrupt(&self, name: &Arc<str>) -> Option<MySqlKill> {
@@ -249,20 +218,26 @@ impl Session for MySqlSession {
         })
     }
 
+    /// Ends session `kill.id` (an abandoned wait), and waits until it no longer holds
+    /// `kill.name`.
     fn run_interrupt(&mut self, kill: MySqlKill) -> BoxFuture<'_, Result<(), Failure>> {
-        Box::pin(async move {
-            match tokio::time::timeout(SETTLE_LIMIT, self.kill(kill.id, &kill.name)).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(err)) => Err(failure::<MySql>("ending an abandoned wait", err)),
-                Err(_) => {
-                    tracing::warn!(
-                        backend = NAME,
-                        "an abandoned wait's session still holds its lock after {SETTLE_LIMIT:?}"
-                    );
-                    Ok(())
-                }
+        Box::pin(settle::<MySql>("ending an abandoned wait", async move {
+            let killed = sqlx::query(sqlx::AssertSqlSafe(kill_sql(kill.id)));
+            match killed.execute(&mut self.conn).await {
+                Ok(_) => {}
+                // No such session: it has ended.
+                Err(err) if error_number(&err) == Some(1094) => return Ok(()),
+                Err(err) => return Err(err),
             }
-        })
+            let mut pauses = settle_pauses();
+            loop {
+                let holder = sqlx::query_scalar::<_, Option<u64>>(HOLDER_SQL).bind(&*kill.name);
+                if holder.fetch_one(&mut self.conn).await? != Some(kill.id) {
+                    return Ok(());
+                }
+                tokio::time::sleep(pauses.next_pause().unwrap_or_default()).await;
+            }
+        }))
     }
 }
 
@@ -275,8 +250,8 @@ async fn fence(conn: &mut MySqlConnection, name: &str) -> Result<u64, sqlx::Erro
     Ok(done.last_insert_id())
 }
 
-/// Opens the first connection and learns what server it is.
-pub(super) async fn open_first(
+/// Opens a connection, learns what server it is and sets its session up, within `timeout`.
+pub(super) async fn open_connection(
     options: &MySqlConnectOptions,
     timeout: Duration,
 ) -> Result<(MySqlConnection, u64, ServerInfo), LockError> {
@@ -288,22 +263,6 @@ pub(super) async fn open_first(
         let server = ServerInfo::new(version);
         sqlx::query(server.session_sql()).execute(&mut conn).await?;
         Ok::<_, sqlx::Error>((conn, id, server))
-    };
-    connect_within::<MySql, _>(timeout, connect).await
-}
-
-async fn open_connection(
-    options: &MySqlConnectOptions,
-    server: &ServerInfo,
-    timeout: Duration,
-) -> Result<(MySqlConnection, u64), LockError> {
-    let connect = async {
-        let mut conn = MySqlConnection::connect_with(options).await?;
-        let id: u64 = sqlx::query_scalar("SELECT CAST(CONNECTION_ID() AS UNSIGNED)")
-            .fetch_one(&mut conn)
-            .await?;
-        sqlx::query(server.session_sql()).execute(&mut conn).await?;
-        Ok::<_, sqlx::Error>((conn, id))
     };
     connect_within::<MySql, _>(timeout, connect).await
 }

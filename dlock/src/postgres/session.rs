@@ -9,9 +9,10 @@ use sqlx::{Connection, Row};
 use super::Postgres;
 use super::statements::*;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant, SETTLE_LIMIT, Session};
+use crate::session::{Connector, Failure, Grant, Session};
 use crate::sqlx_engine::{
-    SqlxErrors, connect_within, db_code, driver_error, failure, is_connection_error,
+    SqlxErrors, connect_within, db_code, driver_error, is_connection_error, ping, settle,
+    settle_pauses,
 };
 use crate::{LockError, lock_id};
 
@@ -158,34 +159,6 @@ impl PgSession {
     }
 }
 
-impl PgSession {
-    /// Cancels another session's abandoned wait, then watches the server until that session
-    /// neither waits for nor holds an advisory lock. The cancel only asks, and a wait granted
-    /// just before it holds its lock until the server sees the dropped connection; the
-    /// acquisition's claim is kept until then, so a later acquisition of the key through the
-    /// same backend never finds it held by a session that is going away.
-    async fn cancel_and_settle(&mut self, cancel: &PgCancel) -> Result<(), sqlx::Error> {
-        sqlx::query(CANCEL_SQL)
-            .bind(cancel.pid)
-            .bind(&cancel.started)
-            .execute(&mut self.conn)
-            .await?;
-        let mut pause = Duration::from_millis(1);
-        loop {
-            let settled: bool = sqlx::query_scalar(SETTLED_SQL)
-                .bind(cancel.pid)
-                .bind(&cancel.started)
-                .fetch_one(&mut self.conn)
-                .await?;
-            if settled {
-                return Ok(());
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(20));
-        }
-    }
-}
-
 impl Session for PgSession {
     type Resource = i64;
     type Interrupt = PgCancel;
@@ -237,11 +210,7 @@ impl Session for PgSession {
     }
 
     fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
-        Box::pin(async move {
-            self.conn.ping().await.map_err(|err| {
-                Failure::connection(driver_error::<Postgres>("checking a connection", err))
-            })
-        })
+        Box::pin(ping::<Postgres>(&mut self.conn))
     }
 
     fn interrupt(&self, _id: &i64) -> Option<PgCancel> {
@@ -251,22 +220,28 @@ impl Session for PgSession {
         })
     }
 
+    /// Cancels another session's abandoned wait, then watches the server until that session
+    /// neither waits for nor holds an advisory lock. The cancel only asks, and a wait granted
+    /// just before it holds its lock until the server sees the dropped connection; the
+    /// acquisition's claim is kept until then, so a later acquisition of the key through the
+    /// same backend never finds it held by a session that is going away.
     fn run_interrupt(&mut self, cancel: PgCancel) -> BoxFuture<'_, Result<(), Failure>> {
-        Box::pin(async move {
-            let what = "cancelling an abandoned wait";
-            let settled = tokio::time::timeout(SETTLE_LIMIT, self.cancel_and_settle(&cancel));
-            match settled.await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(err)) => Err(failure::<Postgres>(what, err)),
-                Err(_) => {
-                    tracing::warn!(
-                        backend = NAME,
-                        "an abandoned wait's session still waits for or holds its lock after {SETTLE_LIMIT:?}"
-                    );
-                    Ok(())
+        Box::pin(settle::<Postgres>(
+            "cancelling an abandoned wait",
+            async move {
+                let (pid, started) = (cancel.pid, &cancel.started);
+                let cancelled = sqlx::query(CANCEL_SQL).bind(pid).bind(started);
+                cancelled.execute(&mut self.conn).await?;
+                let mut pauses = settle_pauses();
+                loop {
+                    let settled = sqlx::query_scalar(SETTLED_SQL).bind(pid).bind(started);
+                    if settled.fetch_one(&mut self.conn).await? {
+                        return Ok(());
+                    }
+                    tokio::time::sleep(pauses.next_pause().unwrap_or_default()).await;
                 }
-            }
-        })
+            },
+        ))
     }
 }
 
