@@ -28,17 +28,31 @@ pub struct LockRequest<'a> {
     /// The lease asked for this acquisition, if the caller set one; lease-based backends use
     /// their configured default otherwise, and session-based backends ignore it.
     pub lease: Option<Duration>,
+    /// Whether a lease-based backend renews the lock while it is held (the default). When
+    /// not, the lock expires with its lease, and its lost token fires at its local deadline.
+    /// Session-based backends ignore it.
+    pub renew: bool,
 }
 
 impl<'a> LockRequest<'a> {
-    /// A request for `key` with the backend's default lease.
+    /// A request for `key` with the backend's default lease, renewed while held.
     pub fn new(key: &'a str) -> Self {
-        LockRequest { key, lease: None }
+        LockRequest {
+            key,
+            lease: None,
+            renew: true,
+        }
     }
 
     /// The same request with the given lease.
     pub fn with_lease(mut self, lease: Option<Duration>) -> Self {
         self.lease = lease;
+        self
+    }
+
+    /// The same request, renewed while held (`true`) or left to expire with its lease.
+    pub fn with_renewal(mut self, renew: bool) -> Self {
+        self.renew = renew;
         self
     }
 }
@@ -85,6 +99,37 @@ impl Acquired {
     }
 }
 
+/// What a release found in the store.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ReleaseOutcome {
+    /// The lock was held by this owner, and is now free.
+    Released,
+    /// There was no lock to give back: it was released already, its lease ran out, or its
+    /// session ended.
+    AlreadyReleased,
+    /// Another owner holds the lock now; it was left alone.
+    NotOwned,
+}
+
+/// Handle-level control of a leased lock (SQLite, Redis): see
+/// [`HeldLock::lease_control`].
+pub trait LeaseControl: Send + Sync {
+    /// Sets the lease to `lease` from now if this owner still holds the lock, and makes it the
+    /// lease later renewals ask for. `Ok(false)` when the lock is gone or held by another
+    /// owner: nothing was changed, and the backend has cancelled the lost token. On success
+    /// the local deadline moves to four fifths of `lease` after the command was sent.
+    fn extend(&self, lease: Duration) -> BoxFuture<'_, Result<bool, LockError>>;
+
+    /// Asks the store, in one round trip, whether this owner still holds the lock. A `false`
+    /// answer also cancels the lost token.
+    fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>>;
+
+    /// Stops renewing the lock without releasing it: the lock then expires with its lease,
+    /// and its lost token fires at the local deadline. Idempotent.
+    fn stop_renewal(&self);
+}
+
 /// The backend's handle on one held lock.
 ///
 /// Dropping the handle without calling [`release`](HeldLock::release) must not leave the lock
@@ -95,6 +140,21 @@ pub trait HeldLock: Send + Sync + Debug + 'static {
     /// over, connection closed) cancels the lock's lost token and may answer
     /// [`LockError::Lost`]; either way the provider reports the release as `Lost`.
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>>;
+
+    /// Gives the lock back and says what the store found. The default runs
+    /// [`release`](HeldLock::release) and answers [`ReleaseOutcome::Released`] on success;
+    /// a backend that can tell the outcomes apart overrides it (and cancels the lost token on
+    /// any outcome but `Released`, as `release` does).
+    fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
+        let release = self.release();
+        Box::pin(async move { release.await.map(|()| ReleaseOutcome::Released) })
+    }
+
+    /// The lease control of a leased lock; `None` (the default) for a lock that lives with a
+    /// session or connection, which has no lease to extend.
+    fn lease_control(&self) -> Option<&dyn LeaseControl> {
+        None
+    }
 }
 
 /// A lock store.
@@ -141,6 +201,19 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
                 name,
                 "native waits",
                 "this backend has no blocking wait; the provider polls it instead",
+            ))
+        })
+    }
+
+    /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a
+    /// read of the lock table). The default answers [`LockError::Unsupported`].
+    fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        let name = self.name();
+        Box::pin(async move {
+            Err(LockError::unsupported(
+                name,
+                "ping",
+                "this backend cannot check its store",
             ))
         })
     }

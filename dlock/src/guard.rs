@@ -3,13 +3,13 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::Poll;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::LockError;
-use crate::backend::{BoxFuture, HeldLock, LeaseDeadline};
+use crate::backend::{BoxFuture, HeldLock, LeaseControl, LeaseDeadline, ReleaseOutcome};
 use crate::metrics::Metrics;
 use crate::table::Slot;
 
@@ -143,41 +143,171 @@ impl LockGuard {
     ///
     /// Dropping the returned future before it completes still releases the lock, in the
     /// background, as dropping the guard does.
-    pub async fn release(mut self) -> Result<(), LockError> {
+    pub async fn release(self) -> Result<(), LockError> {
+        let key = Arc::clone(&self.key);
+        let lost = self.lost.clone();
+        let outcome = self.give_back().await;
+        if lost.is_cancelled() {
+            return Err(LockError::Lost {
+                key,
+                reason: "ownership was lost before the release".to_owned(),
+            });
+        }
+        match outcome? {
+            ReleaseOutcome::Released => Ok(()),
+            ReleaseOutcome::AlreadyReleased | ReleaseOutcome::NotOwned => Err(LockError::Lost {
+                key,
+                reason: "the store no longer held the lock for this owner".to_owned(),
+            }),
+        }
+    }
+
+    /// Releases the lock, like [`release`](LockGuard::release), and says what the store
+    /// found: [`Released`](ReleaseOutcome::Released), or, for a lock that was lost,
+    /// [`AlreadyReleased`](ReleaseOutcome::AlreadyReleased) (nothing under the key: its lease
+    /// ran out, its session ended) or [`NotOwned`](ReleaseOutcome::NotOwned) (another owner
+    /// holds it now, and was left alone). Session-lock backends, whose locks end with their
+    /// session, answer `Released` or an error.
+    ///
+    /// The outcome is the store's: a leased lock presumed lost because its local deadline
+    /// passed is still `Released` if the store had it. Use [`release`](LockGuard::release) to
+    /// have every loss reported as [`LockError::Lost`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`release`](LockGuard::release): a dropped future still releases the lock, in the
+    /// background.
+    pub async fn release_outcome(self) -> Result<ReleaseOutcome, LockError> {
+        self.give_back().await
+    }
+
+    /// Gives the lock back, waits for the store, then frees the local slot.
+    async fn give_back(mut self) -> Result<ReleaseOutcome, LockError> {
         // Before the release: its own round trip must not count against the lease.
         let _ = self.is_lost();
         let Some(Held { handle, slot }) = self.state.take() else {
-            return Ok(());
+            return Ok(ReleaseOutcome::AlreadyReleased);
         };
         let span = tracing::debug_span!("dlock.release", key = &*self.key, backend = self.backend);
         let mut releasing = Releasing {
-            future: Some(handle.release()),
+            future: Some(handle.release_outcome()),
             slot: Some(slot),
             end: Some(self.hold_end()),
             runtime: self.runtime.clone(),
         };
         let outcome = std::future::poll_fn(|cx| match releasing.future.as_mut() {
             Some(future) => future.as_mut().poll(cx),
-            None => Poll::Ready(Ok(())),
+            None => Poll::Ready(Ok(ReleaseOutcome::AlreadyReleased)),
         })
         .instrument(span)
         .await;
+        if !matches!(outcome, Ok(ReleaseOutcome::Released) | Err(_)) {
+            self.lost.cancel();
+        }
         releasing.future = None;
         drop(releasing);
-        if self.lost.is_cancelled() {
-            return Err(LockError::Lost {
-                key: Arc::clone(&self.key),
-                reason: "ownership was lost before the release".to_owned(),
-            });
-        }
         outcome
+    }
+
+    /// The lease control of this lock, or the error for a backend without leases.
+    fn lease_control(&self, operation: &'static str) -> Result<&dyn LeaseControl, LockError> {
+        self.state
+            .as_ref()
+            .and_then(|held| held.handle.lease_control())
+            .ok_or_else(|| {
+                LockError::unsupported(
+                    self.backend,
+                    operation,
+                    "this backend's locks live with a server session, not a lease",
+                )
+            })
+    }
+
+    /// The error for a lock found lost by a lease operation.
+    fn lost_error(&self, reason: &str) -> LockError {
+        LockError::Lost {
+            key: Arc::clone(&self.key),
+            reason: reason.to_owned(),
+        }
+    }
+
+    /// Sets the lease of a leased lock (SQLite, Redis) to `lease` from now, if this guard
+    /// still holds it, and makes `lease` the lease its renewals ask for from then on. The
+    /// command is owner-checked (Redis: `SET … IFEQ … PX` where the server has it, else a
+    /// script): it never extends a lock another owner holds.
+    ///
+    /// Errors with [`LockError::Lost`] when the lock was lost (the lost token then fires),
+    /// [`LockError::Config`] when `lease` is out of the backend's bounds, and
+    /// [`LockError::Unsupported`] on backends whose locks are session locks (PostgreSQL,
+    /// MySQL, SQL Server, Oracle).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a dropped future may or may not have extended the lease. The lock
+    /// stays held either way, and renewals go on.
+    pub async fn extend(&self, lease: Duration) -> Result<(), LockError> {
+        let control = self.lease_control("extend")?;
+        if self.is_lost() {
+            return Err(self.lost_error("the lock was lost before it could be extended"));
+        }
+        if control.extend(lease).await? {
+            Ok(())
+        } else {
+            self.lost.cancel();
+            Err(self.lost_error(
+                "the store no longer held the lock for this owner when it was extended",
+            ))
+        }
+    }
+
+    /// Asks the store, in one round trip, whether this guard still holds its leased lock.
+    /// `Ok(false)` (and the lost token fires) when the lock is gone or held by another owner,
+    /// or when it is already known to be lost (then without a round trip).
+    ///
+    /// Errors with [`LockError::Unsupported`] on backends whose locks are session locks.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a read.
+    pub async fn verify_still_held(&self) -> Result<bool, LockError> {
+        let control = self.lease_control("verify_still_held")?;
+        if self.is_lost() {
+            return Ok(false);
+        }
+        let held = control.verify_still_held().await?;
+        if !held {
+            self.lost.cancel();
+        }
+        Ok(held)
+    }
+
+    /// How long this holder may still count on its leased lock without another confirmed
+    /// renewal: the time to the lease's local deadline, four fifths of the lease after the
+    /// last confirmed renewal (or the acquisition) was sent. Read locally, with no round trip;
+    /// zero once the lock is lost. `None` for session locks, which have no lease.
+    pub fn remaining_lease(&self) -> Option<Duration> {
+        let deadline = self.lease_deadline.as_ref()?;
+        if self.lost.is_cancelled() {
+            return Some(Duration::ZERO);
+        }
+        Some(deadline.at().saturating_duration_since(Instant::now()))
+    }
+
+    /// Stops renewing a leased lock without releasing it. The lock then expires with its
+    /// lease (see [`remaining_lease`](LockGuard::remaining_lease)), and the lost token fires
+    /// at its local deadline; dropping or releasing the guard still gives it back at once.
+    ///
+    /// Errors with [`LockError::Unsupported`] on backends whose locks are session locks.
+    pub fn stop_renewal(&self) -> Result<(), LockError> {
+        self.lease_control("stop_renewal")?.stop_renewal();
+        Ok(())
     }
 }
 
 /// A release in flight. If its owner stops polling it (the `release` future was dropped), the
 /// rest of the release runs in the background, and the local slot is freed after it.
 struct Releasing {
-    future: Option<BoxFuture<'static, Result<(), LockError>>>,
+    future: Option<BoxFuture<'static, Result<ReleaseOutcome, LockError>>>,
     slot: Option<Slot>,
     end: Option<HoldEnd>,
     runtime: tokio::runtime::Handle,

@@ -45,6 +45,9 @@ pub(crate) struct Term {
     next: Instant,
     deadline: LeaseDeadline,
     in_flight: bool,
+    /// Renewals were turned off (at acquisition, or later by the holder): the lock expires
+    /// with its lease, and is presumed lost at its deadline.
+    stopped: bool,
 }
 
 #[cfg(any(feature = "sqlite", feature = "redis"))]
@@ -56,7 +59,20 @@ impl Term {
             next: later(sent, renew_every(lease)),
             deadline: LeaseDeadline::new(later(sent, safe_window(lease))),
             in_flight: false,
+            stopped: false,
         }
+    }
+
+    /// Renewals stop: the deadline stays where the last confirmed renewal put it.
+    pub(crate) fn stop(&mut self) {
+        self.stopped = true;
+    }
+
+    /// The holder set the lease to `lease` with a command sent at `sent` and confirmed:
+    /// later renewals ask for `lease`.
+    pub(crate) fn extended(&mut self, lease: Duration, sent: Instant) {
+        self.lease = lease;
+        self.renewed(sent);
     }
 
     /// The lease renewals ask for.
@@ -71,7 +87,7 @@ impl Term {
 
     /// Whether a renewal should start at `now`.
     pub(crate) fn is_due(&self, now: Instant) -> bool {
-        !self.in_flight && self.next <= now
+        !self.in_flight && !self.stopped && self.next <= now
     }
 
     /// Whether the local deadline has passed at `now`: the lock is presumed lost.
@@ -100,7 +116,7 @@ impl Term {
 
     /// When the driver must look at this lock next: its next renewal, or its deadline.
     pub(crate) fn wake_at(&self) -> Instant {
-        if self.in_flight {
+        if self.in_flight || self.stopped {
             self.deadline.at()
         } else {
             self.next.min(self.deadline.at())

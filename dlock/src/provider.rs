@@ -270,6 +270,30 @@ impl LockProvider {
         self.inner.backend.name()
     }
 
+    /// Checks that the lock store answers, with one cheap round trip: a `SELECT 1` on a lock
+    /// connection (PostgreSQL, MySQL, SQL Server, Oracle), a `PING` (Redis), a read of the lock
+    /// table (SQLite). For health checks: `Ok(())` when the store can be reached, otherwise
+    /// the error an acquisition would meet ([`LockError::Unavailable`] for a store that is
+    /// down). Must run inside a Tokio runtime.
+    ///
+    /// ```
+    /// # async fn demo(locks: dlock::LockProvider) {
+    /// let healthy = locks.ping().await.is_ok();
+    /// # let _ = healthy; }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it takes and holds nothing.
+    pub async fn ping(&self) -> Result<(), LockError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(LockError::config(
+                "LockProvider::ping must run inside a Tokio runtime",
+            ));
+        }
+        self.inner.backend.ping().await
+    }
+
     /// How many keys this provider holds or is acquiring right now.
     pub fn local_key_count(&self) -> usize {
         self.inner.table.len()

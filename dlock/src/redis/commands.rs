@@ -113,16 +113,7 @@ pub enum CommandPath {
     Lua,
 }
 
-/// The outcome of giving back a lock by token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReleaseOutcome {
-    /// The token owned the lock, and the lock is now free.
-    Released,
-    /// There was no lock under the key (released already, or its lease ran out).
-    AlreadyReleased,
-    /// Another owner holds the lock; it was left alone.
-    NotOwned,
-}
+pub use crate::backend::ReleaseOutcome;
 
 /// The connection and the memory of what it supports.
 pub(crate) struct Conn {

@@ -207,7 +207,7 @@ use redis::{ErrorKind, RedisError, ServerErrorKind};
 use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::backend::{Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest};
 use crate::key::validate_key;
 use crate::lease::safe_window;
 use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
@@ -874,6 +874,17 @@ impl LockBackend for RedisBackend {
         NAME
     }
 
+    fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(async move {
+            let cmd = redis::cmd("PING");
+            let ping = self.shared.conn.query(&cmd);
+            self.shared
+                .bounded("checking the server", ping)
+                .await
+                .map(drop)
+        })
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: LockRequest<'a>,
@@ -936,6 +947,7 @@ impl LockBackend for RedisBackend {
                 lease,
                 sent,
                 lost.clone(),
+                request.renew,
             ) {
                 Ok(registered) => registered,
                 Err(err) => {
@@ -1025,6 +1037,12 @@ impl std::fmt::Debug for RedisHeld {
 
 impl HeldLock for RedisHeld {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let released = self.release_outcome();
+        // Gone or taken over while we held it: the lost token fired, and the guard reports it.
+        Box::pin(async move { released.await.map(drop) })
+    }
+
+    fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
         Box::pin(async move {
             self.shared.renewals.remove(self.renewal);
             let (outcome, _) = self
@@ -1035,11 +1053,47 @@ impl HeldLock for RedisHeld {
                 )
                 .await?;
             if outcome != ReleaseOutcome::Released {
-                // Gone or taken over while we held it: the guard reports the loss.
                 self.lost.cancel();
             }
-            Ok(())
+            Ok(outcome)
         })
+    }
+
+    fn lease_control(&self) -> Option<&dyn LeaseControl> {
+        Some(self)
+    }
+}
+
+impl LeaseControl for RedisHeld {
+    fn extend(&self, lease: Duration) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            check_lease(lease)?;
+            let sent = Instant::now();
+            let extend = self.shared.conn.extend(&self.key, &self.token, lease);
+            let (extended, _) = self.shared.bounded("extending a lock", extend).await?;
+            if extended {
+                self.shared.renewals.extended(self.renewal, lease, sent);
+            } else {
+                self.shared.renewals.lose(self.renewal);
+            }
+            Ok(extended)
+        })
+    }
+
+    fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            let read = self.shared.conn.owner_and_ttl(&self.key);
+            let (owner, _) = self.shared.bounded("reading a lock", read).await?;
+            let held = owner.as_deref() == Some(self.token.as_bytes());
+            if !held {
+                self.shared.renewals.lose(self.renewal);
+            }
+            Ok(held)
+        })
+    }
+
+    fn stop_renewal(&self) {
+        self.shared.renewals.stop(self.renewal);
     }
 }
 

@@ -75,9 +75,13 @@ impl Renewals {
         lease: Duration,
         sent: Instant,
         lost: CancellationToken,
+        renew: bool,
     ) -> Result<(u64, LeaseDeadline), LockError> {
         let renewals = &shared.renewals;
-        let term = Term::new(lease, sent);
+        let mut term = Term::new(lease, sent);
+        if !renew {
+            term.stop();
+        }
         let deadline = term.deadline();
         let entry = Entry {
             key,
@@ -129,6 +133,31 @@ impl Renewals {
     /// driver skips what it no longer finds.
     pub(super) fn remove(&self, id: u64) {
         self.state().entries.remove(&id);
+    }
+
+    /// Lock `id`'s lease was set to `lease` by a command sent at `sent`: later renewals ask
+    /// for it, and the driver looks at the new schedule.
+    pub(super) fn extended(&self, id: u64, lease: Duration, sent: Instant) {
+        let mut state = self.state();
+        if let Some(entry) = state.entries.get_mut(&id) {
+            entry.term.extended(lease, sent);
+            let wake_at = entry.term.wake_at();
+            self.plan(state, wake_at);
+        }
+    }
+
+    /// Stops renewing lock `id`; the driver still fires its lost token at its deadline.
+    pub(super) fn stop(&self, id: u64) {
+        if let Some(entry) = self.state().entries.get_mut(&id) {
+            entry.term.stop();
+        }
+    }
+
+    /// Lock `id` was found lost: its renewals end, and its lost token fires.
+    pub(super) fn lose(&self, id: u64) {
+        if let Some(entry) = self.state().entries.remove(&id) {
+            entry.lost.cancel();
+        }
     }
 
     /// Wakes the driver if `wake_at` is before its planned wake-up.

@@ -97,6 +97,15 @@ impl<C: Connector> Lanes<C> {
         Ok(sender.clone())
     }
 
+    /// A health check on a lane's session.
+    pub(crate) async fn ping(&self) -> Result<(), LockError> {
+        let lane = self.lane()?;
+        let (reply, answer) = oneshot::channel();
+        lane.send(LaneCommand::Ping { reply })
+            .map_err(|_| lane_gone::<C>())?;
+        answer.await.map_err(|_| lane_gone::<C>())?
+    }
+
     /// One try on a lane.
     pub(crate) async fn try_acquire(&self, key: &str) -> Result<Option<Acquired>, LockError> {
         let resource = self.connector.resource(key);

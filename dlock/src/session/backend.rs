@@ -198,4 +198,8 @@ impl<E: Engine> LockBackend for SessionBackend<E> {
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
         Box::pin(self.lanes.acquire_wait(request.key, timeout))
     }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(self.lanes.ping())
+    }
 }

@@ -39,6 +39,10 @@ pub(super) enum LaneCommand<C: Connector> {
         request: InterruptOf<C>,
         done: oneshot::Sender<()>,
     },
+    /// A health check: the lane's session answers a ping.
+    Ping {
+        reply: oneshot::Sender<Result<(), LockError>>,
+    },
 }
 
 /// A lock a lane holds.
@@ -134,6 +138,39 @@ impl<C: Connector> Lane<C> {
             LaneCommand::Interrupt { request, done } => {
                 self.interrupt(request).await;
                 let _ = done.send(());
+            }
+            LaneCommand::Ping { reply } => {
+                let reused = self.session.is_some();
+                let mut outcome = self.ping().await;
+                // An idle session that died (a server restart) is replaced once, as for a try.
+                if outcome.is_err() && reused && self.held.is_empty() {
+                    outcome = self.ping().await;
+                }
+                let _ = reply.send(outcome);
+            }
+        }
+    }
+
+    /// Pings the lane's session (opening one if there is none). A session that fails is
+    /// dropped, and the locks it held are reported lost.
+    async fn ping(&mut self) -> Result<(), LockError> {
+        let session = self.session().await?;
+        match tokio::time::timeout(C::PING_TIMEOUT, session.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(failure)) => {
+                self.die("the lock connection failed a health check");
+                Err(failure.error)
+            }
+            Err(_) => {
+                self.die("the lock connection did not answer a health check");
+                Err(LockError::unavailable(
+                    C::NAME,
+                    format!(
+                        "the server did not answer a ping within {:?}",
+                        C::PING_TIMEOUT
+                    ),
+                    None,
+                ))
             }
         }
     }

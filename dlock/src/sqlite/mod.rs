@@ -145,7 +145,9 @@ use self::renewer::{Renewal, Renewer};
 use self::statements::*;
 pub use self::transaction::{acquire_in_transaction, try_acquire_in_transaction};
 use self::url::*;
-use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::backend::{
+    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
+};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
 use crate::options::{UrlForm, parse_duration, read_query, url_keys};
@@ -487,6 +489,20 @@ impl LockBackend for SqliteBackend {
         NAME
     }
 
+    fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(async move {
+            let read =
+                self.shared
+                    .with_busy_retry("checking the lock file", RELEASE_PAUSES, |conn| {
+                        conn.prepare_cached(PING_SQL)?
+                            .query_row([], |row| row.get::<_, i64>(0))
+                    });
+            read.await
+                .map(drop)
+                .map_err(|busy| self.shared.busy_error("checking the lock file", busy))
+        })
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: LockRequest<'a>,
@@ -539,7 +555,10 @@ impl LockBackend for SqliteBackend {
             };
             let name: Arc<[u8]> = Arc::from(name);
             let lost = CancellationToken::new();
-            let renewal = Renewal::new(Arc::clone(&name), owner, lease, lost.clone(), started);
+            let mut renewal = Renewal::new(Arc::clone(&name), owner, lease, lost.clone(), started);
+            if !request.renew {
+                renewal = renewal.unrenewed();
+            }
             let deadline = renewal.deadline();
             let registered = self.shared.renewer.register(renewal);
             let id = match registered {
@@ -587,6 +606,25 @@ impl HeldLock for SqliteHeld {
     /// Frees the row if this lock still owns it. When the row was taken over or removed (the
     /// lease had run out unrenewed), fires the lost token and answers [`LockError::Lost`].
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let key = Arc::clone(&self.key);
+        let outcome = self.release_outcome();
+        Box::pin(async move {
+            match outcome.await? {
+                ReleaseOutcome::Released => Ok(()),
+                _ => Err(LockError::Lost {
+                    key,
+                    reason:
+                        "the release found the lock taken over or removed (its lease had run out)"
+                            .to_owned(),
+                }),
+            }
+        })
+    }
+
+    /// Frees the row if this lock still owns it; otherwise tells whether another owner holds
+    /// it under a live lease ([`ReleaseOutcome::NotOwned`]) or nobody does
+    /// ([`ReleaseOutcome::AlreadyReleased`]), and fires the lost token.
+    fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
         Box::pin(async move {
             // Renewed until the row is free: a release that waits for the file must not let
             // the lease run out meanwhile.
@@ -602,7 +640,7 @@ impl HeldLock for SqliteHeld {
             match outcome {
                 Ok(1) => {
                     self.shared.count_commit();
-                    Ok(())
+                    Ok(ReleaseOutcome::Released)
                 }
                 Ok(_) => {
                     tracing::warn!(
@@ -611,22 +649,89 @@ impl HeldLock for SqliteHeld {
                         "the release found the lock taken over or removed; it was lost"
                     );
                     self.lost.cancel();
-                    Err(LockError::Lost {
-                        key: Arc::clone(&self.key),
-                        reason: "the release found the lock taken over or removed (its lease had run out)".to_owned(),
+                    let clock = self.shared.clock;
+                    let taken = self
+                        .shared
+                        .with_busy_retry("releasing a lock", RELEASE_PAUSES, |conn| {
+                            let mut peek = conn.prepare_cached(PEEK_SQL)?;
+                            peek.exists(params![self.key.as_bytes(), clock.now_ms(), clock.boot()])
+                        })
+                        .await;
+                    Ok(match taken {
+                        Ok(true) => ReleaseOutcome::NotOwned,
+                        // The lock is lost either way; a file too busy to tell is not an error.
+                        Ok(false) | Err(_) => ReleaseOutcome::AlreadyReleased,
                     })
                 }
-                Err(Busy::Timeout) => Err(LockError::unavailable(
-                    NAME,
-                    format!(
-                        "releasing a lock: the lock file `{}` stayed busy for the whole busy timeout; the lock frees itself when its lease runs out",
-                        self.shared.path.display()
-                    ),
-                    None,
+                Err(Busy::Timeout) => Err(self.shared.busy_error(
+                    "releasing a lock (it frees itself when its lease runs out)",
+                    Busy::Timeout,
                 )),
                 Err(Busy::Failed(err)) => Err(err),
             }
         })
+    }
+
+    fn lease_control(&self) -> Option<&dyn LeaseControl> {
+        Some(self)
+    }
+}
+
+impl LeaseControl for SqliteHeld {
+    fn extend(&self, lease: Duration) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            check_lease(lease)?;
+            let sent = Instant::now();
+            let clock = self.shared.clock;
+            let changed = self
+                .shared
+                .with_busy_retry("extending a lease", RELEASE_PAUSES, |conn| {
+                    let lease_end = clock.now_ms().saturating_add(millis(lease));
+                    conn.prepare_cached(RENEW_SQL)?.execute(params![
+                        self.key.as_bytes(),
+                        &self.owner[..],
+                        lease_end
+                    ])
+                })
+                .await
+                .map_err(|busy| self.shared.busy_error("extending a lease", busy))?;
+            if changed == 1 {
+                self.shared.count_commit();
+                self.shared.renewer.extended(self.id, lease, sent);
+                Ok(true)
+            } else {
+                self.shared.renewer.lose(self.id);
+                Ok(false)
+            }
+        })
+    }
+
+    fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            let clock = self.shared.clock;
+            let held = self
+                .shared
+                .with_busy_retry("verifying a lock", RELEASE_PAUSES, |conn| {
+                    let mut verify = conn.prepare_cached(VERIFY_SQL)?;
+                    let params = params![
+                        self.key.as_bytes(),
+                        &self.owner[..],
+                        clock.now_ms(),
+                        clock.boot()
+                    ];
+                    verify.query_row(params, |row| row.get::<_, i64>(0))
+                })
+                .await
+                .map_err(|busy| self.shared.busy_error("verifying a lock", busy))?;
+            if held == 0 {
+                self.shared.renewer.lose(self.id);
+            }
+            Ok(held > 0)
+        })
+    }
+
+    fn stop_renewal(&self) {
+        self.shared.renewer.stop(self.id);
     }
 }
 
@@ -821,6 +926,23 @@ impl Shared {
         let mut held = self.held_recently();
         if !held.is_empty() {
             held.remove(name);
+        }
+    }
+
+    /// The error for a statement on the lock file that could not run: the file stayed busy
+    /// for the whole busy timeout, or the statement failed.
+    fn busy_error(&self, what: &str, busy: Busy) -> LockError {
+        match busy {
+            Busy::Failed(err) => err,
+            Busy::Timeout => LockError::unavailable(
+                NAME,
+                format!(
+                    "{what}: the lock file `{}` stayed busy for the whole busy timeout ({:?})",
+                    self.path.display(),
+                    self.busy_timeout
+                ),
+                None,
+            ),
         }
     }
 

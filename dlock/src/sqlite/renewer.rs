@@ -67,6 +67,12 @@ impl Renewal {
         }
     }
 
+    /// The same lock, never renewed: it expires with its lease.
+    pub(super) fn unrenewed(mut self) -> Renewal {
+        self.term.stop();
+        self
+    }
+
     /// The lock's local deadline, moved on by each renewal: the guard checks it itself, so a
     /// holder paused past it hears of the loss before the renewal thread runs again.
     pub(super) fn deadline(&self) -> LeaseDeadline {
@@ -198,6 +204,32 @@ impl Renewer {
         if let Some(renewal) = removed {
             renewal.lost.disarm();
         }
+    }
+
+    /// Lock `id`'s lease was set to `lease` by a statement begun at `sent`: later renewals
+    /// ask for it, and the thread looks at the new schedule.
+    pub(super) fn extended(&self, id: u64, lease: Duration, sent: Instant) {
+        let mut registry = self.state.registry();
+        if let Some(renewal) = registry.renewals.get_mut(&id) {
+            renewal.term.extended(lease, sent);
+            registry.woken = true;
+            drop(registry);
+            self.state.wake.notify_one();
+        }
+    }
+
+    /// Stops renewing lock `id`; it stays registered until its deadline, when its lost token
+    /// fires, or until it is released.
+    pub(super) fn stop(&self, id: u64) {
+        if let Some(renewal) = self.state.registry().renewals.get_mut(&id) {
+            renewal.term.stop();
+        }
+    }
+
+    /// Lock `id` was found lost: its renewals end, and its lost token fires.
+    pub(super) fn lose(&self, id: u64) {
+        let removed = self.state.registry().renewals.remove(&id);
+        drop(removed);
     }
 
     /// How many locks are being renewed.

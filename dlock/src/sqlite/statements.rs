@@ -102,3 +102,11 @@ pub(super) const CHECKPOINT_PASSIVE_SQL: &str = "PRAGMA wal_checkpoint(PASSIVE)"
 /// readers (for at most the checkpoint connection's busy timeout) and holding writers back
 /// meanwhile.
 pub(super) const CHECKPOINT_RESTART_SQL: &str = "PRAGMA wal_checkpoint(RESTART)";
+
+/// A health check: one read of the lock table (no row matches the empty name).
+pub(super) const PING_SQL: &str = "SELECT count(*) FROM main.__distributed_locks WHERE name = x''";
+
+/// Whether owner `?2` holds row `?1` under a live lease: `?3` now on the lease clock, `?4`
+/// boot.
+pub(super) const VERIFY_SQL: &str = "SELECT count(*) FROM main.__distributed_locks \
+    WHERE name = ?1 AND owner = ?2 AND boot = ?4 AND lease_end > ?3";

@@ -51,6 +51,7 @@ fn register(
         lease,
         sent,
         lost.clone(),
+        true,
     )
     .expect("registered");
     (id, deadline, lost)
@@ -306,6 +307,7 @@ fn a_driver_stopped_with_its_runtime_declares_every_lock_lost() {
         lease,
         Instant::now(),
         CancellationToken::new(),
+        true,
     )
     .expect_err("no runtime");
     assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
