@@ -81,3 +81,9 @@ pub use key::{ExtractorKey, KeyFn, KeyRejection, MakeLockKey, PathKey};
 pub use layer::{LockLayer, OnLost};
 pub use rejection::{LockRejection, PROBLEM_TYPE_PREFIX, ProblemCode, TOO_MANY_WAITERS_CODE};
 pub use service::LockService;
+
+/// The workspace README's Rust snippets, compiled as doctests here: this crate's tests have
+/// every dependency they use (dlock with SQLite and the macro, axum, tokio).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;
