@@ -136,24 +136,27 @@ where
     parts.extensions.insert(HeldLock::new(&guard));
     let cancel_on_loss = shared.on_lost == OnLost::Cancel;
     let lost = guard.lost_token().clone();
-    let mut lost_signal = pin!(lost.cancelled());
-    let mut call = pin!(inner.call(Request::from_parts(parts, body)));
-    let outcome = poll_fn(|cx| {
-        // `is_lost` also compares the clock with a leased lock's deadline, and cancels the
-        // lost token when it has passed: the handler's `HeldLock` sees what the guard knows.
-        let lost = guard.is_lost();
-        if cancel_on_loss && (lost || lost_signal.as_mut().poll(cx).is_ready()) {
-            return Poll::Ready(None);
-        }
-        call.as_mut()
-            .poll(cx)
-            .map(|result| Some(result.map(IntoResponse::into_response)))
-    })
-    .await;
+    // In a block of its own: the handler's future is dropped at its end, before the guard.
+    let outcome = {
+        let mut lost_signal = pin!(lost.cancelled());
+        let mut call = pin!(inner.call(Request::from_parts(parts, body)));
+        poll_fn(|cx| {
+            // `is_lost` also compares the clock with a leased lock's deadline, and cancels
+            // the lost token when it has passed: the handler's `HeldLock` sees what the
+            // guard knows.
+            let lost = guard.is_lost();
+            if cancel_on_loss && (lost || lost_signal.as_mut().poll(cx).is_ready()) {
+                return Poll::Ready(None);
+            }
+            call.as_mut()
+                .poll(cx)
+                .map(|result| Some(result.map(IntoResponse::into_response)))
+        })
+        .await
+    };
     match outcome {
-        // The handler's future is dropped here, mid-way.
+        // The handler's future was dropped mid-way, at the end of the block above.
         None => {
-            drop(call);
             let key = guard.key().into();
             drop(guard);
             reject(
@@ -165,7 +168,6 @@ where
             )
         }
         Some(result) => {
-            drop(call);
             let response = result?;
             match guard.release().await {
                 Ok(()) => {}
