@@ -65,8 +65,11 @@ use crate::service::LockService;
 ///    Empty keys and keys longer than [`max_key_len`](LockLayer::max_key_len) are answered
 ///    with 400, whichever way they were made;
 /// 2. takes the lock, waiting up to [`timeout`](LockLayer::timeout) (zero, the default: one try);
-/// 3. runs the handler while holding it. If the lock is lost meanwhile, the handler's future is
-///    dropped and the client gets the `Lost` problem (500);
+/// 3. runs the handler while holding it, with a [`HeldLock`](crate::HeldLock) in the request's
+///    extensions (the key, the fencing token and the lost token, for the handler to extract).
+///    If the lock is lost meanwhile, by default the handler's future is dropped and the client
+///    gets the `Lost` problem (500); with [`on_lost(OnLost::Continue)`](LockLayer::on_lost) the
+///    handler runs on and its response is sent as it is;
 /// 4. releases the lock once the response is produced, before it is returned. If the response
 ///    future is dropped instead (the client disconnected), the lock is released in the
 ///    background at once.
@@ -91,6 +94,28 @@ pub(crate) struct Shared<K> {
     pub(crate) max_key_len: usize,
     pub(crate) retry_after: Duration,
     pub(crate) cancel: Option<CancellationToken>,
+    pub(crate) on_lost: OnLost,
+}
+
+/// What [`LockLayer`] does with a handler whose lock is lost while it runs, set with
+/// [`LockLayer::on_lost`].
+///
+/// A lock is lost when the store no longer counts it as this request's: its connection died,
+/// its lease could not be renewed in time, or another owner took it over.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnLost {
+    /// Drop the handler's future as soon as the loss is known, and answer with the `Lost`
+    /// problem (500). The handler stops at its next `.await`, whatever it was doing; work it
+    /// had already done stays done. The default.
+    #[default]
+    Cancel,
+    /// Let the handler run on, and send its response as it is. The handler learns of the
+    /// loss through [`HeldLock`](crate::HeldLock) (`is_lost()`, `lost_token()`), and writes
+    /// with the lock's fencing token so that the store it writes to refuses what arrives
+    /// after another holder's writes. For handlers that must finish or undo what they
+    /// started, and answer with their own error.
+    Continue,
 }
 
 impl LockLayer<PathKey> {
@@ -326,6 +351,7 @@ impl<K: MakeLockKey> LockLayer<K> {
                 max_key_len: Self::DEFAULT_MAX_KEY_LEN,
                 retry_after: LockRejection::DEFAULT_RETRY_AFTER,
                 cancel: None,
+                on_lost: OnLost::Cancel,
             },
         }
     }
@@ -371,6 +397,36 @@ impl<K: MakeLockKey> LockLayer<K> {
         self.update(|s| s.cancel = Some(token))
     }
 
+    /// What happens to a handler whose lock is lost while it runs: dropped, with a 500
+    /// `Lost` answer ([`OnLost::Cancel`], the default), or left to run on and read the loss
+    /// from its [`HeldLock`](crate::HeldLock) ([`OnLost::Continue`]).
+    ///
+    /// ```
+    /// use axum::{Router, extract::Path, routing::post};
+    /// use dlock_axum::{HeldLock, LockLayer, OnLost};
+    ///
+    /// async fn settle(Path(id): Path<u64>, lock: HeldLock) -> Result<String, String> {
+    ///     // ... first half of the work ...
+    ///     if lock.is_lost() {
+    ///         // ... undo the first half ...
+    ///         return Err(format!("settlement {id} rolled back: its lock was lost"));
+    ///     }
+    ///     Ok(format!("settled {id}"))
+    /// }
+    ///
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// let app: Router = Router::new()
+    ///     .route("/settlements/{id}", post(settle))
+    ///     .route_layer(
+    ///         LockLayer::with_extractor(locks, |Path(id): Path<u64>| format!("settlement:{id}"))
+    ///             .on_lost(OnLost::Continue),
+    ///     );
+    /// # let _ = app; }
+    /// ```
+    pub fn on_lost(self, on_lost: OnLost) -> Self {
+        self.update(|s| s.on_lost = on_lost)
+    }
+
     /// How many requests wait for a lock right now, when [`max_waiting`](Self::max_waiting)
     /// is set (otherwise 0).
     pub fn waiting(&self) -> usize {
@@ -399,6 +455,7 @@ impl<K> Clone for Shared<K> {
             max_key_len: self.max_key_len,
             retry_after: self.retry_after,
             cancel: self.cancel.clone(),
+            on_lost: self.on_lost,
         }
     }
 }
@@ -427,6 +484,7 @@ impl<K: fmt::Debug> Shared<K> {
             .field("max_key_len", &self.max_key_len)
             .field("retry_after", &self.retry_after)
             .field("cancel", &self.cancel.is_some())
+            .field("on_lost", &self.on_lost)
             .finish()
     }
 }

@@ -58,7 +58,8 @@
 //!
 //! | item | role |
 //! |---|---|
-//! | [`LockLayer`] | the layer and its options: timeout, waiter limit, key length limit, `Retry-After`, cancellation |
+//! | [`LockLayer`] | the layer and its options: timeout, waiter limit, key length limit, `Retry-After`, cancellation, [`OnLost`] |
+//! | [`HeldLock`], [`NoLockLayer`] | the extractor that gives the handler the lock's key, fencing token and lost token; its rejection on a route without the layer |
 //! | [`LockService`], [`ResponseFuture`](future::ResponseFuture) | what it wraps around each route; the future owns the lock guard |
 //! | [`MakeLockKey`], [`ExtractorKey`], [`PathKey`], [`KeyFn`], [`KeyRejection`] | how a request becomes a key: an extractor and a closure, a template over the path's text, or a closure over the request head |
 //! | [`LockRejection`] | lock errors as `application/problem+json`, also for handlers that lock by hand |
@@ -67,14 +68,22 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 pub mod future;
+mod held;
 mod instance;
 mod key;
 mod layer;
 mod rejection;
 mod service;
 
+pub use held::{HeldLock, NO_LOCK_LAYER_CODE, NoLockLayer};
 pub use instance::problem_instance;
 pub use key::{ExtractorKey, KeyFn, KeyRejection, MakeLockKey, PathKey};
-pub use layer::LockLayer;
+pub use layer::{LockLayer, OnLost};
 pub use rejection::{LockRejection, PROBLEM_TYPE_PREFIX, ProblemCode, TOO_MANY_WAITERS_CODE};
 pub use service::LockService;
+
+/// The workspace README's Rust snippets, compiled as doctests here: this crate's tests have
+/// every dependency they use (dlock with SQLite and the macro, axum, tokio).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+struct ReadmeDoctests;

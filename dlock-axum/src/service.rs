@@ -1,6 +1,8 @@
 //! The service: one lock per request around the inner service.
 
 use std::fmt;
+use std::future::poll_fn;
+use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -10,8 +12,9 @@ use http::Request;
 use tower_service::Service;
 
 use crate::future::ResponseFuture;
+use crate::held::HeldLock;
 use crate::key::{KeyRejection, MakeLockKey, PathKey};
-use crate::layer::Shared;
+use crate::layer::{OnLost, Shared};
 use crate::rejection::LockRejection;
 
 /// The service [`LockLayer`](crate::LockLayer) wraps around a route: see the layer for what it
@@ -130,15 +133,29 @@ where
         Err(rejection) => return reject(rejection),
     };
 
+    parts.extensions.insert(HeldLock::new(&guard));
+    let cancel_on_loss = shared.on_lost == OnLost::Cancel;
     let lost = guard.lost_token().clone();
-    let call = inner.call(Request::from_parts(parts, body));
-    let outcome = tokio::select! {
-        biased;
-        () = lost.cancelled() => None,
-        result = call => Some(result.map(IntoResponse::into_response)),
+    // In a block of its own: the handler's future is dropped at its end, before the guard.
+    let outcome = {
+        let mut lost_signal = pin!(lost.cancelled());
+        let mut call = pin!(inner.call(Request::from_parts(parts, body)));
+        poll_fn(|cx| {
+            // `is_lost` also compares the clock with a leased lock's deadline, and cancels
+            // the lost token when it has passed: the handler's `HeldLock` sees what the
+            // guard knows.
+            let lost = guard.is_lost();
+            if cancel_on_loss && (lost || lost_signal.as_mut().poll(cx).is_ready()) {
+                return Poll::Ready(None);
+            }
+            call.as_mut()
+                .poll(cx)
+                .map(|result| Some(result.map(IntoResponse::into_response)))
+        })
+        .await
     };
     match outcome {
-        // The handler's future was dropped above, mid-way.
+        // The handler's future was dropped mid-way, at the end of the block above.
         None => {
             let key = guard.key().into();
             drop(guard);
@@ -152,12 +169,24 @@ where
         }
         Some(result) => {
             let response = result?;
-            if let Err(err) = guard.release().await {
-                tracing::warn!(
-                    error = &err as &(dyn std::error::Error + 'static),
-                    "releasing the request's lock failed; the store frees it when its lease \
-                     or session ends"
-                );
+            match guard.release().await {
+                Ok(()) => {}
+                // `OnLost::Continue`: the handler saw the loss through its `HeldLock` and
+                // answered as it saw fit.
+                Err(err @ LockError::Lost { .. }) => {
+                    tracing::warn!(
+                        error = %err,
+                        "the request's lock was lost while the handler ran on (OnLost::Continue); \
+                         its response is sent as it is"
+                    );
+                }
+                Err(err) => {
+                    tracing::warn!(
+                        error = &err as &(dyn std::error::Error + 'static),
+                        "releasing the request's lock failed; the store frees it when its lease \
+                         or session ends"
+                    );
+                }
             }
             Ok(response)
         }

@@ -10,7 +10,7 @@ use axum::extract::Path;
 use axum::routing::{get, post};
 use dlock::sqlite::SqliteBackend;
 use dlock::{Backoff, CancellationToken, LockError, LockProvider};
-use dlock_axum::{LockLayer, LockRejection};
+use dlock_axum::{HeldLock, LockLayer, LockRejection, OnLost};
 use http::request::Parts;
 use serde_json::{Value, json};
 use tokio::io::AsyncWriteExt;
@@ -1290,4 +1290,202 @@ async fn extractors_that_need_state_get_the_layers_state() {
     assert_eq!(status_while_held(&store, "eu:acct:42", &url).await, 409);
     let answer = post_to(&url).await;
     assert_eq!((answer.status, answer.body), (200, json!("eu 42")));
+}
+
+/// Steals `key`'s row in the lock file, as another owner taking it over after its lease ran
+/// out would: the holder's next renewal finds the lock gone.
+fn steal_row(store: &Store, key: &str) {
+    let conn = rusqlite::Connection::open(store.path()).expect("open");
+    let changed = conn
+        .execute(
+            "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+            [key.as_bytes()],
+        )
+        .expect("steal row");
+    assert_eq!(changed, 1, "the row of {key} is in the lock file");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_gets_the_key_and_fencing_token_of_the_layers_lock() {
+    let store = Store::new();
+    let other = store.provider().await;
+    let (seen_tx, mut seen_rx) = tokio::sync::mpsc::unbounded_channel();
+    let go_on = Arc::new(Notify::new());
+    let g = Arc::clone(&go_on);
+    let app = Router::new()
+        .route(
+            "/accounts/{id}/debit",
+            post(move |Path(id): Path<u64>, lock: HeldLock| {
+                let (seen_tx, g) = (seen_tx.clone(), Arc::clone(&g));
+                async move {
+                    let _ = seen_tx.send((lock.key().to_owned(), lock.fencing_token()));
+                    g.notified().await;
+                    format!("debited {id} with {:?}", lock.fencing_token())
+                }
+            }),
+        )
+        .route_layer(LockLayer::with_extractor(
+            store.provider().await,
+            |Path(id): Path<u64>| format!("account:{id}"),
+        ));
+    let server = serve(app).await;
+
+    let before = other.try_acquire("account:42").await.expect("before");
+    let token_before = before
+        .fencing_token()
+        .expect("SQLite issues fencing tokens");
+    before.release().await.expect("release");
+
+    let url = format!("{}/accounts/042/debit", server.base);
+    let request = tokio::spawn(async move { post_to(&url).await });
+    let (key, token) = seen_rx.recv().await.expect("the handler ran");
+    assert_eq!(key, "account:42");
+    let token = token.expect("the handler sees the fencing token");
+    // The handler runs under the lock its token belongs to.
+    assert!(matches!(
+        other.try_acquire("account:42").await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    go_on.notify_one();
+    let answer = request.await.expect("request task");
+    assert_eq!(
+        (answer.status, answer.body),
+        (200, json!(format!("debited 42 with Some({token})")))
+    );
+
+    let after = other.try_acquire("account:42").await.expect("after");
+    let token_after = after.fencing_token().expect("token");
+    after.release().await.expect("release");
+    // The only acquisition between `before` and `after` is the layer's: the handler's token
+    // is that one's.
+    assert!(
+        token_before < token && token < token_after,
+        "{token_before} < {token} < {token_after}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_on_lost_continue_the_handler_sees_the_loss_and_answers_itself() {
+    let store = Store::new();
+    let started = Arc::new(Notify::new());
+    let finished = Arc::new(AtomicUsize::new(0));
+    let (s, f) = (Arc::clone(&started), Arc::clone(&finished));
+    let app = Router::new()
+        .route(
+            "/jobs/{name}",
+            post(move |lock: HeldLock| {
+                let (s, f) = (Arc::clone(&s), Arc::clone(&f));
+                async move {
+                    assert!(!lock.is_lost());
+                    s.notify_one();
+                    // Until the lock is broken below; nothing else ends this wait.
+                    lock.lost_token().cancelled().await;
+                    f.fetch_add(1, Ordering::SeqCst);
+                    (
+                        http::StatusCode::CONFLICT,
+                        axum::Json(json!({ "lost": lock.is_lost(), "key": lock.key() })),
+                    )
+                }
+            }),
+        )
+        .route_layer(
+            LockLayer::new(store.provider().await, "job:{name}").on_lost(OnLost::Continue),
+        );
+    let server = serve(app).await;
+
+    let request =
+        tokio::spawn(async move { post_to(&format!("{}/jobs/nightly", server.base)).await });
+    started.notified().await;
+    steal_row(&store, "job:nightly");
+
+    let answer = request.await.expect("request task");
+    // The handler's own answer, not the layer's 500.
+    assert_eq!(
+        (answer.status, answer.body),
+        (409, json!({ "lost": true, "key": "job:nightly" }))
+    );
+    assert_eq!(
+        finished.load(Ordering::SeqCst),
+        1,
+        "the handler ran to its end"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_on_lost_cancel_the_handler_reading_its_lock_is_dropped() {
+    let store = Store::new();
+    let started = Arc::new(Notify::new());
+    let finished = Arc::new(AtomicUsize::new(0));
+    let (s, f) = (Arc::clone(&started), Arc::clone(&finished));
+    let app = Router::new()
+        .route(
+            "/jobs/{name}",
+            post(move |lock: HeldLock| {
+                let (s, f) = (Arc::clone(&s), Arc::clone(&f));
+                async move {
+                    s.notify_one();
+                    lock.lost_token().cancelled().await;
+                    // Never reached: the layer drops the handler first.
+                    f.fetch_add(1, Ordering::SeqCst);
+                    "finished"
+                }
+            }),
+        )
+        .route_layer(LockLayer::new(store.provider().await, "job:{name}").on_lost(OnLost::Cancel));
+    let server = serve(app).await;
+
+    let request =
+        tokio::spawn(async move { post_to(&format!("{}/jobs/nightly", server.base)).await });
+    started.notified().await;
+    steal_row(&store, "job:nightly");
+
+    let answer = request.await.expect("request task");
+    assert_eq!(answer.status, 500);
+    assert_eq!(answer.body["code"], json!("DistributedLock.Lost"));
+    assert_eq!(finished.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_lock_without_a_layer_is_a_500_problem_and_optional_where_asked() {
+    let store = Store::new();
+    let locked = Router::new()
+        .route(
+            "/maybe/{name}",
+            post(|lock: Option<HeldLock>| async move {
+                lock.map_or("none".to_owned(), |l| l.key().to_owned())
+            }),
+        )
+        .route_layer(LockLayer::with_key_fn(
+            store.provider().await,
+            |parts: &Parts| {
+                let name = parts.uri.path().strip_prefix("/maybe/")?;
+                (name != "free").then(|| format!("maybe:{name}"))
+            },
+        ));
+    let app = Router::new()
+        .route(
+            "/unlocked",
+            post(|lock: HeldLock| async move { lock.key().to_owned() }),
+        )
+        .merge(locked);
+    let server = serve(app).await;
+
+    let answer = post_to(&format!("{}/unlocked", server.base)).await;
+    assert_problem(
+        &answer,
+        problem(
+            "no-lock-layer",
+            500,
+            "Lock Configuration Error",
+            "The server's distributed locking is misconfigured.",
+            "/unlocked",
+            "DistributedLock.NoLockLayer",
+        ),
+        None,
+    );
+
+    let answer = post_to(&format!("{}/maybe/free", server.base)).await;
+    assert_eq!((answer.status, answer.body), (200, json!("none")));
+    let answer = post_to(&format!("{}/maybe/x", server.base)).await;
+    assert_eq!((answer.status, answer.body), (200, json!("maybe:x")));
 }

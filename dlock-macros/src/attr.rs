@@ -11,10 +11,41 @@ mod kw {
     syn::custom_keyword!(timeout);
     syn::custom_keyword!(provider);
     syn::custom_keyword!(guard);
+    syn::custom_keyword!(on_lost);
 }
 
 /// The options, as listed in error messages.
-const OPTIONS: &str = "`timeout = <seconds>`, `provider = <expr>` and `guard = <name>`";
+const OPTIONS: &str = "`timeout = <seconds>`, `provider = <expr>`, `guard = <name>` and \
+                       `on_lost = cancel | finish`";
+
+/// What the function does when its lock is lost while the body runs (`on_lost = ...`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum OnLost {
+    /// Stop the body at once and return `Err(Lost)`.
+    Cancel,
+    /// Run the body to its end, then return `Err(Lost)` (the default).
+    Finish,
+}
+
+impl OnLost {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        const HELP: &str = "`on_lost` is `cancel` (stop the body as soon as the lock is lost, \
+                            and return `Err(Lost)`) or `finish` (the default: run the body to \
+                            its end, then return `Err(Lost)`)";
+        if !input.peek(Ident::peek_any) {
+            return Err(syn::Error::new(input.span(), HELP));
+        }
+        let value = input.call(Ident::parse_any)?;
+        match value.to_string().as_str() {
+            "cancel" => Ok(OnLost::Cancel),
+            "finish" => Ok(OnLost::Finish),
+            other => Err(syn::Error::new(
+                value.span(),
+                format!("unknown `on_lost` value `{other}`; {HELP}"),
+            )),
+        }
+    }
+}
 
 /// The arguments of `#[distributed_lock("template", option = value, ...)]`.
 pub(crate) struct Args {
@@ -22,6 +53,7 @@ pub(crate) struct Args {
     pub(crate) timeout: Option<Timeout>,
     pub(crate) provider: Option<(kw::provider, Expr)>,
     pub(crate) guard: Option<(kw::guard, Ident)>,
+    pub(crate) on_lost: Option<(kw::on_lost, OnLost)>,
 }
 
 impl Parse for Args {
@@ -46,6 +78,7 @@ impl Parse for Args {
             timeout: None,
             provider: None,
             guard: None,
+            on_lost: None,
         };
         while !input.is_empty() {
             input.parse::<Token![,]>()?;
@@ -75,6 +108,11 @@ impl Parse for Args {
                     )
                 })?;
                 args.guard = Some((keyword, name));
+            } else if lookahead.peek(kw::on_lost) {
+                let keyword: kw::on_lost = input.parse()?;
+                reject_duplicate(args.on_lost.is_some(), keyword.span, "on_lost")?;
+                input.parse::<Token![=]>()?;
+                args.on_lost = Some((keyword, OnLost::parse(input)?));
             } else if input.peek(Ident::peek_any) {
                 let name = input.call(Ident::parse_any)?;
                 return Err(syn::Error::new(
@@ -230,6 +268,29 @@ mod tests {
             let err = parse(template).unwrap_err();
             assert!(err.contains(message), "{template:?}: {err}");
         }
+    }
+
+    #[test]
+    fn on_lost_values() {
+        let on_lost = |tokens: &str| {
+            let args: Args = syn::parse_str(&format!("\"k\", on_lost = {tokens}"))
+                .map_err(|err| err.to_string())?;
+            Ok::<_, String>(args.on_lost.map(|(_, v)| v))
+        };
+        assert_eq!(on_lost("cancel"), Ok(Some(OnLost::Cancel)));
+        assert_eq!(on_lost("finish"), Ok(Some(OnLost::Finish)));
+        assert!(
+            on_lost("stop")
+                .unwrap_err()
+                .contains("unknown `on_lost` value `stop`")
+        );
+        assert!(
+            on_lost("\"cancel\"")
+                .unwrap_err()
+                .contains("`on_lost` is `cancel`")
+        );
+        let args: Args = syn::parse_str("\"k\", guard = g").unwrap();
+        assert!(args.on_lost.is_none());
     }
 
     #[test]

@@ -7,7 +7,7 @@ use syn::{Fields, FnArg, Ident, Index, Item, ItemFn, ItemStruct, Member, Pat, Re
 
 use dlock_template::{Placeholder, Segment};
 
-use crate::attr::{Args, Template, Timeout};
+use crate::attr::{Args, OnLost, Template, Timeout};
 
 /// Entry point: the expansion, or the original item plus `compile_error!`s.
 pub(crate) fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -172,6 +172,13 @@ fn expand_struct(args: Args, command: ItemStruct) -> syn::Result<TokenStream> {
             keyword.span,
             "`guard` is an option of functions; for a struct, `locks.acquire_for(&command)` \
              returns the guard (the only option here is `timeout`)",
+        ));
+    }
+    if let Some((keyword, _)) = &args.on_lost {
+        errors.push(syn::Error::new(
+            keyword.span,
+            "`on_lost` is an option of functions; for a struct, watch the `lost_token()` of the \
+             guard `locks.acquire_for(&command)` returns (the only option here is `timeout`)",
         ));
     }
     let span = args.template.lit.span();
@@ -387,13 +394,27 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
     });
     // A provider of the wrong type is reported at the provider.
     let provider_ref = quote_spanned!(provider.span()=> &(#provider));
+    // `on_lost = cancel`: the body races the lost token, and `finish_unless_lost` turns a
+    // body stopped by the loss into `Err(Lost)`. One finishing function per mode, for both
+    // ends, so an error type without `From<LockError>` is reported once.
+    let cancel = matches!(args.on_lost, Some((_, OnLost::Cancel)));
+    let finish_fn = if cancel {
+        quote_spanned!(return_span=> ::dlock::__private::finish_unless_lost)
+    } else {
+        quote_spanned!(return_span=> ::dlock::__private::finish)
+    };
     let fail = quote_spanned! {return_span=>
-        ::dlock::__private::finish(::core::result::Result::Err(#error_var)).await
+        #finish_fn(::core::result::Result::Err(#error_var)).await
     };
     let finish = quote_spanned! {return_span=>
-        ::dlock::__private::finish(::core::result::Result::Ok((#guard_var, #output_var))).await
+        #finish_fn(::core::result::Result::Ok((#guard_var, #output_var))).await
     };
     let block = &function.block;
+    let run_body = if cancel {
+        quote! { ::dlock::__private::until_lost(&#guard_var, async move #block).await }
+    } else {
+        quote! { async move #block.await }
+    };
     let body = quote! {
         {
             let #key_var: ::std::string::String = #key;
@@ -406,7 +427,7 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
             };
             let #output_var = {
                 #user_guard
-                async move #block.await
+                #run_body
             };
             #finish
         }

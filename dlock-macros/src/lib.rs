@@ -13,7 +13,8 @@ mod expand;
 /// Takes a distributed lock around an `async fn`, or names the lock of a command struct.
 ///
 /// ```text
-/// #[distributed_lock("<key template>", timeout = <seconds>, provider = <expr>, guard = <name>)]
+/// #[distributed_lock("<key template>", timeout = <seconds>, provider = <expr>, guard = <name>,
+///                   on_lost = cancel | finish)]
 /// ```
 ///
 /// # On an `async fn`
@@ -80,6 +81,47 @@ mod expand;
 /// - **`guard = <name>`** binds the held lock as `&dlock::LockGuard` for the body: its
 ///   `fencing_token()` for the resource the lock protects, its `lost_token()` to stop when the
 ///   lock is lost.
+/// - **`on_lost = cancel`** stops the body as soon as the lock is lost (the body's future is
+///   dropped at its next `.await`) and returns `LockError::Lost`, converted with
+///   `From<LockError>`, at once. Without it (or with `on_lost = finish`, the default) the body
+///   runs to its end and the function then returns `Lost` instead of the body's `Ok`.
+///
+/// ```
+/// use dlock::{LockError, LockProvider, distributed_lock};
+///
+/// #[derive(Debug)]
+/// enum JobError {
+///     Lock(LockError),
+/// }
+///
+/// impl From<LockError> for JobError {
+///     fn from(err: LockError) -> Self {
+///         JobError::Lock(err)
+///     }
+/// }
+///
+/// // A long job that must not go on once another replica may have taken over: if the lock
+/// // is lost, the loop is stopped at its next `.await` and `rebuild` returns
+/// // `Err(JobError::Lock(LockError::Lost { .. }))`.
+/// #[distributed_lock("index:{name}", on_lost = cancel, guard = lock)]
+/// async fn rebuild(locks: &LockProvider, name: &str) -> Result<u64, JobError> {
+///     let mut batches = 0;
+///     while batches < 3 {
+///         // ... index a batch, tagged with lock.fencing_token() ...
+///         tokio::task::yield_now().await;
+///         batches += 1;
+///     }
+///     Ok(batches)
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), JobError> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+/// let locks = LockProvider::connect(&url).await?;
+/// assert_eq!(rebuild(&locks, "orders").await?, 3);
+/// # Ok(()) }
+/// ```
 ///
 /// Methods, generic functions and functions with destructured parameters work; every name a
 /// parameter's pattern binds can be a placeholder. On an axum handler, the key is made from the
@@ -155,8 +197,8 @@ mod expand;
 /// # Ok(()) }
 /// ```
 ///
-/// Tuple structs name their fields by position (`"job:{0}"`). `provider` and `guard` are
-/// options of functions only.
+/// Tuple structs name their fields by position (`"job:{0}"`). `provider`, `guard` and
+/// `on_lost` are options of functions only.
 ///
 /// # The key template
 ///
@@ -183,6 +225,9 @@ mod expand;
 ///   forgotten timeout fails fast rather than leaving callers waiting.
 /// - `provider = <expr>`: the provider to lock with (functions only).
 /// - `guard = <name>`: binds `&LockGuard` for the body (functions only).
+/// - `on_lost = cancel` or `on_lost = finish` (the default): whether a lost lock stops the
+///   body at once or lets it run to its end; either way the function returns `Lost`
+///   (functions only).
 ///
 /// # Compile errors
 ///

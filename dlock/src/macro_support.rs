@@ -30,3 +30,45 @@ where
         }
     }
 }
+
+/// Runs `body` until it completes or the lock of `guard` is lost, whichever comes first
+/// (`on_lost = cancel`): `None` when the lock was lost, and `body` has then been dropped.
+///
+/// The loss is checked before each poll of the body, with [`LockGuard::is_lost`] (which also
+/// notices a leased lock whose local deadline has passed), and awaited through the lost token.
+pub async fn until_lost<F: core::future::Future>(guard: &LockGuard, body: F) -> Option<F::Output> {
+    let mut lost = core::pin::pin!(guard.lost_token().cancelled());
+    let mut body = core::pin::pin!(body);
+    core::future::poll_fn(|cx| {
+        if guard.is_lost() || lost.as_mut().poll(cx).is_ready() {
+            return core::task::Poll::Ready(None);
+        }
+        body.as_mut().poll(cx).map(Some)
+    })
+    .await
+}
+
+/// [`finish`] for `on_lost = cancel`: a body stopped by the loss of the lock (`None`) ends the
+/// function with [`LockError::Lost`] at once. The guard is dropped, so the release runs in the
+/// background: a lost lock's store may be the very thing that stopped answering.
+pub async fn finish_unless_lost<T, E>(
+    run: Result<(LockGuard, Option<Result<T, E>>), LockError>,
+) -> Result<T, E>
+where
+    E: From<LockError>,
+{
+    let (guard, output) = run.map_err(E::from)?;
+    match output {
+        Some(output) => finish(Ok((guard, output))).await,
+        None => {
+            let key = std::sync::Arc::from(guard.key());
+            drop(guard);
+            Err(E::from(LockError::Lost {
+                key,
+                reason: "ownership was lost while the function ran; its body was stopped \
+                         (on_lost = cancel)"
+                    .to_owned(),
+            }))
+        }
+    }
+}

@@ -171,6 +171,11 @@ impl LockProvider {
     /// in the background. Returns [`LockError::Lost`] instead of `f`'s output when the lock was
     /// lost before `f` finished (the work may have overlapped with another holder's).
     ///
+    /// To end the wait on a cancellation token of the caller's (with [`LockError::Canceled`]),
+    /// and give `f` a token linked to both, use the builder's
+    /// [`with_lock`](LockBuilder::with_lock):
+    /// `locks.lock(key).timeout(t).cancel_on(&token).with_lock(f)`.
+    ///
     /// # Cancel safety
     ///
     /// Cancel safe as far as the lock goes (it is released); whatever `f` was doing is dropped
@@ -672,6 +677,77 @@ impl<'a> LockBuilder<'a> {
                 self.backoff.as_ref(),
             )
             .await
+    }
+
+    /// Takes the lock as [`acquire`](LockBuilder::acquire) does, runs `f` while holding it,
+    /// then releases it: [`LockProvider::with_lock`] with this acquisition's options, notably
+    /// the caller's cancellation token.
+    ///
+    /// - The token of [`cancel_on`](LockBuilder::cancel_on) ends the **wait** with
+    ///   [`LockError::Canceled`]; `f` is then not called.
+    /// - Once the lock is held, `f` gets a token cancelled when the caller's token is
+    ///   cancelled **or** the lock is lost, whichever comes first (the two linked). What `f`
+    ///   does with it is up to `f`: its output is returned once it finishes, unless the lock
+    ///   was lost meanwhile, in which case the result is [`LockError::Lost`] (the work may have
+    ///   overlapped with another holder's).
+    ///
+    /// Without [`timeout`](LockBuilder::timeout) the wait has no limit.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// use std::time::Duration;
+    /// let locks = dlock::LockProvider::connect(&url).await?;
+    /// let shutdown = dlock::CancellationToken::new();
+    /// let sent = locks
+    ///     .lock("reports:daily")
+    ///     .timeout(Duration::from_secs(15))
+    ///     .cancel_on(&shutdown)
+    ///     .with_lock(|stop| async move {
+    ///         // `stop` fires on shutdown or when the lock is lost.
+    ///         if stop.is_cancelled() { 0 } else { 12 }
+    ///     })
+    ///     .await?;
+    /// assert_eq!(sent, 12);
+    ///
+    /// shutdown.cancel();
+    /// let again = locks.lock("reports:daily").cancel_on(&shutdown).with_lock(|_| async { 1 }).await;
+    /// assert!(matches!(again, Err(dlock::LockError::Canceled { .. })));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe as far as the lock goes: dropping the future while it waits ends the wait
+    /// with no lock left held, and dropping it while `f` runs drops `f`'s future and the
+    /// guard, which releases the lock in the background. Prefer the cancellation token to
+    /// dropping: it ends the wait with a clear [`LockError::Canceled`], and lets `f` stop at a
+    /// point of its choosing.
+    pub async fn with_lock<F, Fut, T>(self, f: F) -> Result<T, LockError>
+    where
+        F: FnOnce(CancellationToken) -> Fut,
+        Fut: Future<Output = T>,
+    {
+        let token = self
+            .cancel
+            .map_or_else(CancellationToken::new, CancellationToken::child_token);
+        let guard = self.acquire().await?;
+        let output = {
+            let mut work = std::pin::pin!(f(token.clone()));
+            let mut lost = std::pin::pin!(guard.lost_token().cancelled());
+            std::future::poll_fn(|cx| {
+                // `is_lost` also notices a leased lock past its local deadline.
+                if !token.is_cancelled() && (guard.is_lost() || lost.as_mut().poll(cx).is_ready()) {
+                    token.cancel();
+                }
+                work.as_mut().poll(cx)
+            })
+            .await
+        };
+        guard.release().await?;
+        Ok(output)
     }
 }
 

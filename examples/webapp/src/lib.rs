@@ -3,8 +3,8 @@
 //!
 //! | route | locking |
 //! |---|---|
-//! | `POST /accounts/{id}/debit` `{"amount": n}` | [`LockLayer`] on `account:{id}`, waits up to the lock timeout |
-//! | `POST /accounts/{id}/credit` `{"amount": n}` | `#[distributed_lock("account:{id}", timeout = 10)]` on the handler |
+//! | `POST /accounts/{id}/debit` `{"amount": n}` | [`LockLayer`] on `account:{id}`, waits up to the lock timeout; the handler writes with the [`HeldLock`]'s fencing token |
+//! | `POST /accounts/{id}/credit` `{"amount": n}` | `#[distributed_lock("account:{id}", timeout = 10, guard = lock)]` on the handler; writes with the guard's fencing token |
 //! | `GET /accounts/{id}` | none |
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
 //! | `GET /health` | none |
@@ -19,6 +19,17 @@
 //! service makes the key from the parsed value with
 //! `LockLayer::with_extractor(locks, |Path(id): Path<u64>| format!("account:{id}"))`.
 //!
+//! Every error is answered as `application/problem+json` (RFC 9457): lock failures by
+//! dlock-axum, the service's own by [`AppError`], axum's rejections of a malformed path or
+//! body through [`ApiPath`] and [`ApiJson`], and anything else (an unknown route, a method a
+//! route does not take) by the [`problem_errors`] middleware.
+//!
+//! Balance writes carry the fencing token of the account's lock, and the [`Ledger`] refuses
+//! a write whose token is lower than one it has already seen for the account: the write of a
+//! holder whose lock was lost, after a later holder's, is answered 409 "Stale Lock" and
+//! changes nothing. Replicas started at the same moment on one ledger file wait for each
+//! other while they open (and create) it.
+//!
 //! Configuration comes from the environment (see [`Config::from_env`]); metrics go to an
 //! OTLP collector when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, to the log otherwise (see
 //! [`telemetry`]).
@@ -32,13 +43,16 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use axum::extract::{Path, State};
-use axum::http::StatusCode;
+use axum::extract::rejection::{JsonRejection, PathRejection};
+use axum::extract::{FromRequest, FromRequestParts, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use dlock::{CancellationToken, LockProvider};
-use dlock_axum::{LockLayer, LockRejection};
+use dlock_axum::{HeldLock, LockLayer, LockRejection, OnLost};
 use problem_details::ProblemDetails;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -146,12 +160,17 @@ impl AppState {
             .await
             .map_err(|e| format!("cannot open the lock store: {e}"))?
             .with_shutdown(shutdown);
-        let ledger = Ledger::open(&config.ledger_path).map_err(|e| {
-            format!(
-                "cannot open the ledger {}: {e}",
-                config.ledger_path.display()
-            )
-        })?;
+        // Waits for replicas that open or create the file at the same moment.
+        let path = config.ledger_path.clone();
+        let ledger = tokio::task::spawn_blocking(move || Ledger::open(&path))
+            .await
+            .map_err(|e| format!("cannot open the ledger: {e}"))?
+            .map_err(|e| {
+                format!(
+                    "cannot open the ledger {}: {e}",
+                    config.ledger_path.display()
+                )
+            })?;
         Ok(AppState {
             locks,
             ledger,
@@ -167,9 +186,17 @@ impl AppState {
 pub fn app(state: AppState) -> Router {
     // The template locks the path's text, which is the debit's `Path<String>` (see the
     // module docs: a handler that parsed the id would need `LockLayer::with_extractor`).
+    //
+    // `OnLost::Continue`: a debit whose lock is lost runs on to its write, and the ledger,
+    // which gets the lock's fencing token with every write, refuses it if a later holder has
+    // written since (409 "Stale Lock"); if none has, nothing conflicts and the write stands.
+    // Dropping the handler instead (`OnLost::Cancel`, the default) could stop a debit between
+    // its external work and its write; and a handler that was paused past its lease cannot
+    // be stopped before it resumes anyway. The fencing check is what protects the balance.
     let debit_layer = LockLayer::new(state.locks.clone(), "account:{id}")
         .timeout(state.lock_timeout)
-        .max_waiting(state.max_waiting);
+        .max_waiting(state.max_waiting)
+        .on_lost(OnLost::Continue);
     let debits = Router::new().route("/accounts/{id}/debit", post(debit));
     let debits = if state.debit_lock {
         debits.route_layer(debit_layer.clone())
@@ -192,6 +219,9 @@ pub fn app(state: AppState) -> Router {
         // Lock problems returned by handlers (the credit's #[distributed_lock]) get the
         // request path as `instance`, like the layer's.
         .layer(axum::middleware::from_fn(dlock_axum::problem_instance))
+        // Whatever error is left in another format (no such route, a method the route does
+        // not take, a body too large) is answered as problem details too.
+        .layer(axum::middleware::from_fn(problem_errors))
         .with_state(state)
 }
 
@@ -225,8 +255,12 @@ pub struct Account {
 
 async fn debit(
     State(state): State<AppState>,
-    Path(id): Path<String>,
-    Json(req): Json<Amount>,
+    ApiPath(id): ApiPath<String>,
+    // The layer's lock: its fencing token goes with the write, so the ledger refuses the write
+    // of a debit whose lock was lost and taken by another request that has written since.
+    // (`None` only with `DEBIT_LOCK=off`, which removes the layer.)
+    lock: Option<HeldLock>,
+    ApiJson(req): ApiJson<Amount>,
 ) -> Result<Json<Account>, AppError> {
     check_amount(req.amount)?;
     // Read, work, write: three steps the account lock keeps together.
@@ -236,7 +270,8 @@ async fn debit(
     }
     tokio::time::sleep(state.debit_work).await;
     let balance = balance - req.amount;
-    state.ledger.write(&id, balance, -req.amount).await?;
+    let token = lock.as_ref().and_then(HeldLock::fencing_token);
+    state.ledger.write(&id, balance, -req.amount, token).await?;
     Ok(Json(Account { id, balance }))
 }
 
@@ -244,30 +279,34 @@ async fn debit(
 // the debit's layer template sees, encoded the same way (so both lock one key per account);
 // it takes the lock from `state.locks` before the body and releases it after the body; lock
 // errors leave through `LockRejection`'s `From<LockError>`.
-#[dlock::distributed_lock("account:{id}", timeout = 10, provider = state.locks)]
+// `guard = lock` binds the guard, whose fencing token goes with the write, as the debit's.
+#[dlock::distributed_lock("account:{id}", timeout = 10, provider = state.locks, guard = lock)]
 async fn credit(
     State(state): State<AppState>,
-    Path(id): Path<String>,
-    Json(req): Json<Amount>,
+    ApiPath(id): ApiPath<String>,
+    ApiJson(req): ApiJson<Amount>,
 ) -> Result<Response, LockRejection> {
-    Ok(apply_credit(&state, id, req.amount).await.into_response())
+    Ok(apply_credit(&state, id, req.amount, lock.fencing_token())
+        .await
+        .into_response())
 }
 
 async fn apply_credit(
     state: &AppState,
     id: String,
     amount: i64,
+    token: Option<u64>,
 ) -> Result<Json<Account>, AppError> {
     check_amount(amount)?;
     let balance = state.ledger.balance(&id).await?.unwrap_or(0);
     let balance = balance.checked_add(amount).ok_or(AppError::BadAmount)?;
-    state.ledger.write(&id, balance, amount).await?;
+    state.ledger.write(&id, balance, amount, token).await?;
     Ok(Json(Account { id, balance }))
 }
 
 async fn account(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    ApiPath(id): ApiPath<String>,
 ) -> Result<Json<Account>, AppError> {
     let balance = state.ledger.balance(&id).await?.ok_or(AppError::NotFound)?;
     Ok(Json(Account { id, balance }))
@@ -335,9 +374,112 @@ pub enum AppError {
         /// The balance.
         balance: i64,
     },
+    /// The request is malformed: axum's rejection of its path or body (`status` is 400,
+    /// 415, 422, ...), answered as problem details rather than axum's plain text.
+    #[error("{detail}")]
+    BadRequest {
+        /// The rejection's status.
+        status: StatusCode,
+        /// The rejection's text, such as "Failed to parse the request body as JSON: ...".
+        detail: String,
+    },
     /// The balance database failed.
     #[error(transparent)]
     Ledger(#[from] ledger::LedgerError),
+}
+
+/// [`axum::Json`], whose rejections (malformed JSON, a missing `content-type`, a body of the
+/// wrong shape) are answered as problem details.
+#[derive(Debug)]
+pub struct ApiJson<T>(pub T);
+
+impl<T, S> FromRequest<S> for ApiJson<T>
+where
+    Json<T>: FromRequest<S, Rejection = JsonRejection>,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request(request: Request, state: &S) -> Result<Self, AppError> {
+        match Json::<T>::from_request(request, state).await {
+            Ok(Json(value)) => Ok(ApiJson(value)),
+            Err(rejection) => Err(AppError::BadRequest {
+                status: rejection.status(),
+                detail: rejection.body_text(),
+            }),
+        }
+    }
+}
+
+/// [`axum::extract::Path`], whose rejections are answered as problem details.
+#[derive(Debug)]
+pub struct ApiPath<T>(pub T);
+
+impl<T, S> FromRequestParts<S> for ApiPath<T>
+where
+    axum::extract::Path<T>: FromRequestParts<S, Rejection = PathRejection>,
+    S: Send + Sync,
+{
+    type Rejection = AppError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, AppError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
+            Err(rejection) => Err(AppError::BadRequest {
+                status: rejection.status(),
+                detail: rejection.body_text(),
+            }),
+        }
+    }
+}
+
+/// The longest error body [`problem_errors`] reads to turn into a problem's `detail`.
+const MAX_ERROR_BODY: usize = 4096;
+
+/// Middleware: an error response that is not `application/problem+json` yet (axum's 404 for
+/// an unknown route, 405 for a method the route does not take, 413 for a body over the limit)
+/// becomes one. Client errors keep their text as `detail`; server errors get a generic one,
+/// and their text goes to the log.
+///
+/// # Cancel safety
+///
+/// Dropping the future drops the inner service's future, as any middleware does.
+pub async fn problem_errors(request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    let status = response.status();
+    let is_problem = response
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .is_some_and(|ct| ct.as_bytes().starts_with(b"application/problem+json"));
+    if !(status.is_client_error() || status.is_server_error()) || is_problem {
+        return response;
+    }
+    let (parts, body) = response.into_parts();
+    let text = axum::body::to_bytes(body, MAX_ERROR_BODY)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_owned())
+        .unwrap_or_default();
+    let detail = if status.is_server_error() {
+        tracing::error!(%status, body = %text, "server error");
+        "The server failed to answer; retry later.".to_owned()
+    } else if text.is_empty() {
+        status
+            .canonical_reason()
+            .unwrap_or("The request was refused.")
+            .to_owned()
+    } else {
+        text
+    };
+    let mut problem = ProblemDetails::from_status_code(status)
+        .with_detail(detail)
+        .into_response();
+    // Headers the answer relies on (`Allow` of a 405, `Retry-After`) stay.
+    for name in [header::ALLOW, header::RETRY_AFTER] {
+        if let Some(value) = parts.headers.get(&name) {
+            problem.headers_mut().insert(name, value.clone());
+        }
+    }
+    problem
 }
 
 impl IntoResponse for AppError {
@@ -346,6 +488,23 @@ impl IntoResponse for AppError {
             AppError::NotFound => StatusCode::NOT_FOUND,
             AppError::BadAmount | AppError::InsufficientFunds { .. } => {
                 StatusCode::UNPROCESSABLE_ENTITY
+            }
+            AppError::BadRequest { status, .. } => *status,
+            AppError::Ledger(err @ ledger::LedgerError::StaleToken { .. }) => {
+                // The fencing check did its job: this request's lock was lost and a later
+                // holder of it has written. Nothing was written; the client may retry.
+                tracing::warn!(error = %err, "refused the write of a stale lock holder");
+                let mut response = ProblemDetails::from_status_code(StatusCode::CONFLICT)
+                    .with_title("Stale Lock")
+                    .with_detail(
+                        "This request's lock on the account was lost, and a later request \
+                         has updated the account since; nothing was written. Retry.",
+                    )
+                    .into_response();
+                response
+                    .headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+                return response;
             }
             AppError::Ledger(err) => {
                 tracing::error!(error = %err, "ledger failure");

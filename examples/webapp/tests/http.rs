@@ -611,3 +611,188 @@ async fn debit_and_credit_exclude_each_other_however_the_id_is_spelled() {
         (200, json!({"accounts": 1, "mismatches": []}))
     );
 }
+
+/// A request's status, content type, `Allow` header and body (JSON when it parses).
+async fn send(request: reqwest::RequestBuilder) -> (u16, Option<String>, Option<String>, Value) {
+    let response = request.send().await.expect("request");
+    let header = |name: &str| {
+        response
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().expect("ascii").to_owned())
+    };
+    let (content_type, allow) = (header("content-type"), header("allow"));
+    let status = response.status().as_u16();
+    let text = response.text().await.expect("body");
+    let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    (status, content_type, allow, body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_is_a_problem_including_axums_rejections() {
+    let setup = Setup::new();
+    let app = setup.start(&[]).await;
+    let client = reqwest::Client::new();
+    let url = |path: &str| format!("{}{path}", app.base);
+    let json_post = |path: &str, body: &'static str| {
+        client
+            .post(url(path))
+            .header("content-type", "application/json")
+            .body(body)
+    };
+    let cases = [
+        // axum's JSON rejections, on the layer's route and on the macro's.
+        (
+            "malformed JSON",
+            json_post("/accounts/a/debit", "{not json"),
+            400,
+        ),
+        (
+            "malformed JSON",
+            json_post("/accounts/a/credit", "{not json"),
+            400,
+        ),
+        (
+            "wrong shape",
+            json_post("/accounts/a/credit", r#"{"amount":"x"}"#),
+            422,
+        ),
+        (
+            "no content type",
+            client
+                .post(url("/accounts/a/credit"))
+                .body(r#"{"amount":1}"#),
+            415,
+        ),
+        // axum's path rejection: not UTF-8 once percent-decoded.
+        ("bad path parameter", client.get(url("/accounts/%FF")), 400),
+        // The service's own errors.
+        ("unknown account", client.get(url("/accounts/nobody")), 404),
+        (
+            "bad amount",
+            json_post("/accounts/a/credit", r#"{"amount":-1}"#),
+            422,
+        ),
+        // No route, wrong method.
+        ("no route", client.get(url("/nowhere")), 404),
+        ("wrong method", client.get(url("/accounts/a/debit")), 405),
+    ];
+    for (what, request, status) in cases {
+        let (got, content_type, allow, body) = send(request).await;
+        assert_eq!(got, status, "{what}: {body}");
+        assert_eq!(
+            content_type.as_deref(),
+            Some("application/problem+json"),
+            "{what}: {body}"
+        );
+        assert_eq!(body["status"], status, "{what}: {body}");
+        assert!(body["title"].is_string(), "{what}: {body}");
+        assert!(body["detail"].is_string(), "{what}: {body}");
+        if status == 405 {
+            assert_eq!(
+                allow.as_deref(),
+                Some("POST"),
+                "{what}: the Allow header stays"
+            );
+        }
+    }
+    // axum's own text, as the detail.
+    let (_, _, _, body) = send(json_post("/accounts/a/credit", "{not json")).await;
+    assert!(
+        body["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("Failed to parse the request body as JSON")),
+        "{body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debit_whose_lock_was_lost_and_taken_over_is_refused_by_the_ledger() {
+    let setup = Setup::new();
+    // A one-second lease: a holder stopped for longer has lost its lock.
+    let lock_url = format!("{}?lease=1s", setup.lock_url());
+    let mut app = start(&lock_url, &setup.ledger(), &[("DEBIT_WORK", "2s")]).await;
+    let client = reqwest::Client::new();
+    let credit = format!("{}/accounts/alice/credit", app.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 100})).await.0,
+        200
+    );
+
+    let debit = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{}/accounts/alice/debit", app.base));
+        async move { send(client.post(url).json(&json!({"amount": 30}))).await }
+    });
+    // Once the debit holds the account's lock (it is then between its read and its write,
+    // in its two seconds of work), the replica is stopped, as a long pause would stop it.
+    let other = LockProvider::connect(&lock_url).await.expect("lock store");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match other.try_acquire("account:alice").await {
+            Err(dlock::LockError::AlreadyHeld { .. }) => break,
+            Ok(guard) => guard.release().await.expect("release"),
+            Err(err) => panic!("{err}"),
+        }
+        assert!(Instant::now() < deadline, "the debit never took the lock");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let signal = |name: &str| {
+        let status = std::process::Command::new("kill")
+            .args([name, &app.pid().to_string()])
+            .status()
+            .expect("kill");
+        assert!(status.success());
+    };
+    signal("-STOP");
+
+    // Its lease runs out; another replica takes the lock (a higher fencing token) and debits.
+    let newer = other
+        .acquire("account:alice", Duration::from_secs(30))
+        .await
+        .expect("the stopped replica's lease runs out");
+    let ledger = webapp::Ledger::open(&setup.ledger()).expect("ledger");
+    let balance = ledger
+        .balance("alice")
+        .await
+        .expect("read")
+        .expect("account");
+    ledger
+        .write("alice", balance - 5, -5, newer.fencing_token())
+        .await
+        .expect("the newer holder writes");
+    newer.release().await.expect("release");
+
+    // The stale debit resumes, runs on (`OnLost::Continue`) and writes with its older token.
+    signal("-CONT");
+    let (status, content_type, _, body) = debit.await.expect("debit task");
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(content_type.as_deref(), Some("application/problem+json"));
+    assert_eq!(body["title"], "Stale Lock", "{body}");
+    assert_eq!(balance, 100);
+    assert_eq!(
+        ledger.balance("alice").await.expect("read"),
+        Some(95),
+        "only the newer holder's debit landed"
+    );
+    let (_, mismatches) = ledger.reconcile().await.expect("reconcile");
+    assert!(mismatches.is_empty(), "{mismatches:?}");
+    let _ = app.child.kill().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_started_at_the_same_moment_on_a_new_ledger_all_start() {
+    // Thirty rounds of three: without the wait in `Ledger::open`, some round fails.
+    for _ in 0..30 {
+        let setup = Setup::new();
+        // `start` fails the test if an instance exits instead of listening ("cannot open the
+        // ledger ...: database is locked").
+        let (a, b, c) = tokio::join!(setup.start(&[]), setup.start(&[]), setup.start(&[]));
+        let client = reqwest::Client::new();
+        for (instance, amount) in [(&a, 1), (&b, 2), (&c, 3)] {
+            let url = format!("{}/accounts/shared/credit", instance.base);
+            let (status, body) = post_json(&client, &url, json!({"amount": amount})).await;
+            assert_eq!(status, 200, "{body}");
+        }
+        assert_eq!(balance(&client, &a, "shared").await, 6);
+    }
+}
