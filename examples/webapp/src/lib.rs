@@ -7,7 +7,7 @@
 //! | `POST /accounts/{id}/credit` `{"amount": n}` | `#[distributed_lock("account:{id}", timeout = 10, guard = lock)]` on the handler; writes with the guard's fencing token |
 //! | `GET /accounts/{id}` | none |
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
-//! | `GET /health` | none |
+//! | `GET /health` | none; asks the lock store (`LockProvider::ping`), 503 problem when it is down |
 //!
 //! Account ids are strings: the handlers take `Path<String>`, which is the percent-decoded
 //! text of the path. That text is exactly what the layer's template `account:{id}` locks, and
@@ -342,13 +342,19 @@ struct Health {
     lock_keys: usize,
 }
 
-async fn health(State(state): State<AppState>, waiting_debits: usize) -> Json<Health> {
-    Json(Health {
+/// Asks the lock store (one round trip, `LockProvider::ping`): a store that cannot be reached
+/// is a 503 problem, as the lock layer answers when it cannot lock.
+async fn health(
+    State(state): State<AppState>,
+    waiting_debits: usize,
+) -> Result<Json<Health>, LockRejection> {
+    state.locks.ping().await?;
+    Ok(Json(Health {
         status: "ok",
         lock_backend: state.locks.backend_name(),
         waiting_debits,
         lock_keys: state.locks.local_key_count(),
-    })
+    }))
 }
 
 fn check_amount(amount: i64) -> Result<(), AppError> {

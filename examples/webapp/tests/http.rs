@@ -203,7 +203,20 @@ async fn a_stopped_lock_store_is_a_503_problem_and_the_service_recovers() {
         200
     );
 
+    let health = format!("{}/health", app.base);
+    assert_eq!(
+        client.get(&health).send().await.expect("health").status(),
+        200
+    );
+
     server.stop();
+    // The health check asks the store: a 503 problem while it is down.
+    let answer = client.get(&health).send().await.expect("health");
+    assert_eq!(answer.status(), 503);
+    assert_eq!(answer.headers()["content-type"], "application/problem+json");
+    let body: Value = answer.json().await.expect("json");
+    assert_eq!(body["code"], "DistributedLock.Unavailable", "{body}");
+    assert_eq!(body["instance"], "/health", "{body}");
     let started = Instant::now();
     let (status, body) = post_json(&client, &debit, json!({"amount": 1})).await;
     let took = started.elapsed();
@@ -223,6 +236,8 @@ async fn a_stopped_lock_store_is_a_503_problem_and_the_service_recovers() {
         let (status, body) = post_json(&client, &debit, json!({"amount": 1})).await;
         if status == 200 {
             assert_eq!(body["balance"], 9);
+            let healthy = client.get(&health).send().await.expect("health");
+            assert_eq!(healthy.status(), 200, "the store is back");
             break;
         }
         assert_eq!(status, 503, "{body}");
