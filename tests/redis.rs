@@ -308,6 +308,32 @@ async fn server_restart(server: &mut RedisServer) {
     assert!(calls(server, expect(server.flavor).release) >= 1);
 }
 
+/// `ping` follows the server: `Unavailable` while it is down (within the command timeout),
+/// and answers again once it is back, on the same provider.
+async fn ping_follows_the_server(server: &mut RedisServer) {
+    let locks = LockProvider::connect(&server.url("timeout=1s"))
+        .await
+        .unwrap();
+    locks.ping().await.expect("ping of a server that is up");
+    server.stop();
+    let started = std::time::Instant::now();
+    let down = locks.ping().await;
+    assert!(
+        matches!(down, Err(LockError::Unavailable { .. })),
+        "{down:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    server.restart();
+    dlock_testkit::wait_until("ping answers again", Duration::from_secs(10), async || {
+        locks.ping().await.is_ok()
+    })
+    .await;
+}
+
 /// Locks with different leases on one backend are each renewed on their own schedule: one
 /// with a 30 s lease is taken first (the renewal driver then plans to look in 10 s), then one
 /// with a 300 ms lease, which must still be renewed every 100 ms and never lost; both stay
@@ -1375,6 +1401,12 @@ macro_rules! flavor_tests {
             async fn restart() {
                 let Some(mut server) = start() else { return };
                 server_restart(&mut server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn ping_follows() {
+                let Some(mut server) = start() else { return };
+                ping_follows_the_server(&mut server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

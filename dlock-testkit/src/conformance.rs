@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock::{CancellationToken, LockError, LockGuard, LockProvider};
+use dlock::{CancellationToken, LockError, LockGuard, LockProvider, ReleaseOutcome};
 
 use crate::unique_key;
 
@@ -102,7 +102,8 @@ macro_rules! conformance_suite {
             fencing_increases, with_lock_releases_on_error, with_lock_releases_on_panic,
             with_lock_returns_output, many_keys_at_once, bad_keys, distinct_keys_do_not_collide,
             exclusion_under_contention, lost_detection, acquisition_dropped_midway,
-            cancellation_sweep, shared_backend_excludes, shared_backend_contention
+            cancellation_sweep, shared_backend_excludes, shared_backend_contention, ping_answers,
+            lease_control
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -922,4 +923,128 @@ async fn contended_wait(h: &impl Harness, provider: &LockProvider) {
         .expect("join")
         .expect("the waiter gets the key once it is released");
     got.release().await.expect("release");
+}
+
+/// `ping` answers from the store, holds nothing, and keeps answering after the store dropped
+/// a lock behind a guard (a killed session is replaced, not reported as a store that is down).
+pub async fn ping_answers(h: &impl Harness) {
+    let a = h.provider().await;
+    a.ping().await.expect("ping of a store that is up");
+    assert_eq!(a.local_key_count(), 0, "a ping takes nothing");
+    let guard = a.try_acquire(&unique_key("ping")).await.expect("free key");
+    h.break_lock(&guard).await;
+    // Every lock connection of the backend is asked in turn (at most 64 of them).
+    for _ in 0..8 {
+        a.ping()
+            .await
+            .expect("ping after a lock connection was killed");
+    }
+    drop(guard);
+}
+
+/// Handle-level lease control. A leased lock (its guard has a `remaining_lease`) can be
+/// extended, verified, and left to expire; a lock the store dropped is reported as lost by
+/// each of them. A session lock answers `Unsupported` to each, and releases as `Released`.
+pub async fn lease_control(h: &impl Harness) {
+    let a = h.provider().await;
+    let guard = a.try_acquire(&unique_key("lease")).await.expect("free key");
+    let Some(left) = guard.remaining_lease() else {
+        let unsupported = |result: Result<_, LockError>| {
+            assert!(
+                matches!(result, Err(LockError::Unsupported { .. })),
+                "a session lock has no lease to control"
+            )
+        };
+        unsupported(guard.extend(Duration::from_secs(60)).await);
+        unsupported(guard.verify_still_held().await.map(drop));
+        unsupported(guard.stop_renewal());
+        assert_eq!(
+            guard.release_outcome().await.expect("release"),
+            ReleaseOutcome::Released
+        );
+        return;
+    };
+    assert!(left > Duration::ZERO);
+    assert!(guard.verify_still_held().await.expect("verify"));
+    guard
+        .extend(Duration::from_secs(300))
+        .await
+        .expect("extend");
+    let extended = guard.remaining_lease().expect("still leased");
+    assert!(
+        extended > Duration::from_secs(200),
+        "four fifths of the new 300 s lease, less a round trip: {extended:?}"
+    );
+    assert!(matches!(
+        guard.extend(Duration::ZERO).await,
+        Err(LockError::Config { .. })
+    ));
+    assert!(!guard.is_lost(), "a refused extension loses nothing");
+    h.break_lock(&guard).await;
+    assert!(!guard.verify_still_held().await.expect("verify"));
+    assert!(
+        guard.lost_token().is_cancelled(),
+        "verify reported the loss"
+    );
+    assert_eq!(guard.remaining_lease(), Some(Duration::ZERO));
+    assert!(matches!(
+        guard.extend(Duration::from_secs(60)).await,
+        Err(LockError::Lost { .. })
+    ));
+    let outcome = guard.release_outcome().await.expect("release");
+    assert_ne!(
+        outcome,
+        ReleaseOutcome::Released,
+        "the store no longer had it"
+    );
+
+    // A lock whose renewal stops expires with its lease: its lost token fires, and another
+    // provider then takes the key. Renewed (the control), the same lease outlives itself.
+    let lease = Duration::from_millis(600);
+    let (key, control) = (unique_key("unrenewed"), unique_key("renewed"));
+    let stopped = a
+        .lock(&key)
+        .lease(lease)
+        .try_acquire()
+        .await
+        .expect("free key");
+    let renewed = a
+        .lock(&control)
+        .lease(lease)
+        .try_acquire()
+        .await
+        .expect("free key");
+    stopped.stop_renewal().expect("stop");
+    tokio::time::timeout(Duration::from_secs(10), stopped.lost_token().cancelled())
+        .await
+        .expect("the unrenewed lock is presumed lost at its deadline");
+    let b = h.provider().await;
+    let next = b
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("the unrenewed lock expired in the store");
+    assert!(!renewed.is_lost(), "the renewed lock is still held");
+    assert!(matches!(
+        b.try_acquire(&control).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    // Taken without renewal from the start, a lock expires the same way.
+    let unrenewed = a
+        .lock(&unique_key("never-renewed"))
+        .lease(lease)
+        .renewal(false)
+        .try_acquire()
+        .await
+        .expect("free key");
+    tokio::time::timeout(Duration::from_secs(10), unrenewed.lost_token().cancelled())
+        .await
+        .expect("a lock taken without renewal is presumed lost at its deadline");
+    for guard in [next, renewed] {
+        guard.release().await.expect("release");
+    }
+    assert!(matches!(
+        stopped.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    drop(unrenewed);
 }

@@ -253,6 +253,22 @@ mod tests {
     }
 
     #[test]
+    fn a_stopped_term_waits_only_for_its_deadline_and_an_extension_sets_a_new_lease() {
+        let sent = Instant::now();
+        let mut term = Term::new(3000 * MS, sent);
+        term.stop();
+        assert!(!term.is_due(sent + 1000 * MS), "no renewal once stopped");
+        assert_eq!(term.wake_at(), sent + 2400 * MS, "only the deadline");
+        assert!(term.is_overdue(sent + 2400 * MS));
+        let mut term = Term::new(3000 * MS, sent);
+        let at = sent + 500 * MS;
+        term.extended(30_000 * MS, at);
+        assert_eq!(term.lease(), 30_000 * MS, "renewals ask for the new lease");
+        assert_eq!(term.deadline().at(), at + 24_000 * MS);
+        assert_eq!(term.next(), at + 10_000 * MS);
+    }
+
+    #[test]
     fn deadlines_are_shared_and_saturate() {
         let now = Instant::now();
         let deadline = LeaseDeadline::new(now + 10 * MS);

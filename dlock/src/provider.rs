@@ -58,8 +58,17 @@ struct Inner {
     table: Arc<LocalTable>,
     backoff: Backoff,
     lease: Option<Duration>,
+    /// Whether leased locks are renewed while held, unless an acquisition says otherwise.
+    renew: bool,
     shutdown: Option<CancellationToken>,
     metrics: Arc<Metrics>,
+}
+
+/// The lease terms one acquisition asks for: `None` takes the provider's.
+#[derive(Debug, Clone, Copy, Default)]
+struct Terms {
+    lease: Option<Duration>,
+    renew: Option<bool>,
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
@@ -124,6 +133,7 @@ impl LockProvider {
             backend: Arc::new(backend),
             backoff: Backoff::default(),
             lease: None,
+            renew: true,
             shutdown: None,
             meter: None,
             metric_key_prefix: false,
@@ -143,7 +153,7 @@ impl LockProvider {
     ///
     /// Cancel safe: if the future is dropped, no lock is left held.
     pub async fn try_acquire(&self, key: &str) -> Result<LockGuard, LockError> {
-        self.acquire_with(key, Duration::ZERO, None, None, None)
+        self.acquire_with(key, Duration::ZERO, None, Terms::default(), None)
             .await
     }
 
@@ -161,7 +171,8 @@ impl LockProvider {
     /// held. Use [`lock`](LockProvider::lock) with
     /// [`cancel_on`](LockBuilder::cancel_on) to end a wait with [`LockError::Canceled`].
     pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockGuard, LockError> {
-        self.acquire_with(key, timeout, None, None, None).await
+        self.acquire_with(key, timeout, None, Terms::default(), None)
+            .await
     }
 
     /// Runs `f` while holding the lock, then releases it.
@@ -232,7 +243,7 @@ impl LockProvider {
             key,
             timeout: Duration::MAX,
             cancel: None,
-            lease: None,
+            terms: Terms::default(),
             backoff: None,
         }
     }
@@ -264,6 +275,7 @@ impl LockProvider {
                 table: Arc::clone(&self.inner.table),
                 backoff: self.inner.backoff,
                 lease: self.inner.lease,
+                renew: self.inner.renew,
                 shutdown: Some(shutdown.clone()),
                 metrics: Arc::clone(&self.inner.metrics),
             }),
@@ -309,7 +321,7 @@ impl LockProvider {
         key: &str,
         timeout: Duration,
         cancel: Option<&CancellationToken>,
-        lease: Option<Duration>,
+        terms: Terms,
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
         let backend = self.inner.backend.name();
@@ -322,7 +334,7 @@ impl LockProvider {
         );
         let started = Instant::now();
         let outcome = self
-            .acquire_untraced(key, timeout, cancel, lease, backoff)
+            .acquire_untraced(key, timeout, cancel, terms, backoff)
             .instrument(span.clone())
             .await;
         let waited = started.elapsed();
@@ -351,7 +363,7 @@ impl LockProvider {
         key: &str,
         timeout: Duration,
         cancel: Option<&CancellationToken>,
-        lease: Option<Duration>,
+        terms: Terms,
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
         validate_key(key)?;
@@ -383,7 +395,9 @@ impl LockProvider {
                 "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
             )
         })?;
-        let request = LockRequest::new(key).with_lease(lease.or(inner.lease));
+        let request = LockRequest::new(key)
+            .with_lease(terms.lease.or(inner.lease))
+            .with_renewal(terms.renew.unwrap_or(inner.renew));
         let backend = &*inner.backend;
         let attempt = async {
             if one_try {
@@ -548,6 +562,7 @@ pub struct ProviderBuilder {
     backend: Arc<dyn LockBackend>,
     backoff: Backoff,
     lease: Option<Duration>,
+    renew: bool,
     shutdown: Option<CancellationToken>,
     meter: Option<Meter>,
     metric_key_prefix: bool,
@@ -581,6 +596,17 @@ impl ProviderBuilder {
         self
     }
 
+    /// Whether leased locks (SQLite, Redis) are renewed while they are held (default `true`).
+    /// With `false`, a lock simply expires with its lease unless its holder calls
+    /// [`LockGuard::extend`]; its lost token fires at the local deadline, four fifths of the
+    /// lease after the acquisition was sent (the store frees it at the full lease). An
+    /// acquisition can choose otherwise with [`LockBuilder::renewal`]. Ignored by
+    /// session-based backends, whose locks last as long as their session.
+    pub fn renewal(mut self, renew: bool) -> Self {
+        self.renew = renew;
+        self
+    }
+
     /// A token that cancels every pending and future acquisition of the provider (with
     /// [`LockError::Canceled`]), for graceful shutdown. Locks already held are not released by
     /// it; drop their guards.
@@ -601,6 +627,7 @@ impl ProviderBuilder {
                 table: Arc::new(LocalTable::default()),
                 backoff: self.backoff,
                 lease: self.lease,
+                renew: self.renew,
                 shutdown: self.shutdown,
                 metrics,
             }),
@@ -616,7 +643,7 @@ pub struct LockBuilder<'a> {
     key: &'a str,
     timeout: Duration,
     cancel: Option<&'a CancellationToken>,
-    lease: Option<Duration>,
+    terms: Terms,
     backoff: Option<Backoff>,
 }
 
@@ -635,7 +662,14 @@ impl<'a> LockBuilder<'a> {
 
     /// The lease for this acquisition on lease-based backends (SQLite, Redis).
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = Some(lease);
+        self.terms.lease = Some(lease);
+        self
+    }
+
+    /// Whether this lock is renewed while held, instead of the provider's choice (see
+    /// [`ProviderBuilder::renewal`]); lease-based backends only.
+    pub fn renewal(mut self, renew: bool) -> Self {
+        self.terms.renew = Some(renew);
         self
     }
 
@@ -656,7 +690,7 @@ impl<'a> LockBuilder<'a> {
                 self.key,
                 self.timeout,
                 self.cancel,
-                self.lease,
+                self.terms,
                 self.backoff.as_ref(),
             )
             .await
@@ -673,7 +707,7 @@ impl<'a> LockBuilder<'a> {
                 self.key,
                 Duration::ZERO,
                 self.cancel,
-                self.lease,
+                self.terms,
                 self.backoff.as_ref(),
             )
             .await
