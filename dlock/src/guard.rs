@@ -241,6 +241,28 @@ impl LockGuard {
     /// [`LockError::Unsupported`] on backends whose locks are session locks (PostgreSQL,
     /// MySQL, SQL Server, Oracle).
     ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// use std::time::Duration;
+    /// let locks = dlock::LockProvider::connect(&url).await?;
+    /// // A lock that expires by itself after 10 s unless the job shows it is still alive.
+    /// let guard = locks
+    ///     .lock("jobs:import")
+    ///     .lease(Duration::from_secs(10))
+    ///     .renewal(false)
+    ///     .try_acquire()
+    ///     .await?;
+    /// // ... a batch done: ten more seconds, if this guard still holds the lock.
+    /// guard.extend(Duration::from_secs(10)).await?;
+    /// assert!(guard.remaining_lease().unwrap() > Duration::from_secs(5));
+    /// assert!(guard.verify_still_held().await?);
+    /// guard.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Cancel safety
     ///
     /// Not cancel safe: a dropped future may or may not have extended the lease. The lock
