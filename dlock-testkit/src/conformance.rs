@@ -103,7 +103,7 @@ macro_rules! conformance_suite {
             with_lock_returns_output, many_keys_at_once, bad_keys, distinct_keys_do_not_collide,
             exclusion_under_contention, lost_detection, acquisition_dropped_midway,
             cancellation_sweep, shared_backend_excludes, shared_backend_contention, ping_answers,
-            lease_control
+            lease_control, many_all_or_none, many_never_deadlock
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1047,4 +1047,135 @@ pub async fn lease_control(h: &impl Harness) {
         Err(LockError::Lost { .. })
     ));
     drop(unrenewed);
+}
+
+/// Multi-key acquisitions are all or none: a set with one held key leaves none of its other
+/// keys held, a wait gets the whole set once the key is free, a timeout gives back what it
+/// took, and a key given twice is refused.
+pub async fn many_all_or_none(h: &impl Harness) {
+    let (a, b, c) = (h.provider().await, h.provider().await, h.provider().await);
+    let (w, x, y) = (
+        unique_key("many-w"),
+        unique_key("many-x"),
+        unique_key("many-y"),
+    );
+    let held = a.try_acquire(&x).await.expect("free key");
+    assert_held(b.try_acquire_many(&[&y, &x, &w]).await);
+    let rest = c
+        .try_acquire_many(&[&w, &y])
+        .await
+        .expect("the keys taken before the held one were given back");
+    for guard in rest {
+        guard.release().await.expect("release");
+    }
+    // A timed-out wait gives back the keys it took (w is taken before x).
+    let outcome = b.acquire_many(&[&x, &w], Duration::from_millis(300)).await;
+    assert!(
+        matches!(outcome, Err(LockError::Timeout { timeout, .. }) if timeout == Duration::from_millis(300)),
+        "{outcome:?}"
+    );
+    c.try_acquire(&w)
+        .await
+        .expect("a timed-out multi-key wait gave its keys back")
+        .release()
+        .await
+        .expect("release");
+    // A wait gets every key once the held one is free; the guards follow the given order.
+    let waiter = tokio::spawn({
+        let b = b.clone();
+        let keys = [y.clone(), x.clone(), w.clone()];
+        async move {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            b.acquire_many(&keys, Duration::from_secs(10)).await
+        }
+    });
+    crate::wait_until(
+        "the multi-key wait holds its first key",
+        Duration::from_secs(5),
+        async || {
+            assert!(
+                !waiter.is_finished(),
+                "the wait finished while a key was held"
+            );
+            b.local_key_count() == 2
+        },
+    )
+    .await;
+    held.release().await.expect("release");
+    let guards = waiter
+        .await
+        .expect("join")
+        .expect("every key once x is free");
+    let got: Vec<&str> = guards.iter().map(LockGuard::key).collect();
+    assert_eq!(got, [y.as_str(), x.as_str(), w.as_str()]);
+    for key in [&w, &x, &y] {
+        assert_held(c.try_acquire(key).await);
+    }
+    for guard in guards {
+        guard.release().await.expect("release");
+    }
+    assert!(matches!(
+        a.try_acquire_many(&[&w, &x, &w]).await,
+        Err(LockError::InvalidKey { .. })
+    ));
+    assert!(a.try_acquire_many(&[]).await.expect("no keys").is_empty());
+    assert_eq!(a.local_key_count(), 0);
+}
+
+/// Two providers taking one pair of keys, given in opposite orders, never wait on each other
+/// in a cycle; multi-key waits dropped at random points leave no key behind.
+pub async fn many_never_deadlock(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let (k1, k2) = (unique_key("pair-1"), unique_key("pair-2"));
+    let c = h.provider().await;
+    for _ in 0..5 {
+        // Both callers wait while a third holds the pair, then it lets go of both: with keys
+        // taken in their given order, each would get one key and wait for the other's.
+        let blockers = c.try_acquire_many(&[&k1, &k2]).await.expect("free keys");
+        let take = |provider: &LockProvider, keys: [&String; 2]| {
+            let provider = provider.clone();
+            let keys = keys.map(String::clone);
+            tokio::spawn(async move {
+                let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+                let guards = provider
+                    .acquire_many(&keys, Duration::from_secs(10))
+                    .await?;
+                for guard in guards {
+                    guard.release().await?;
+                }
+                Ok::<_, LockError>(())
+            })
+        };
+        let one = take(&a, [&k1, &k2]);
+        let other = take(&b, [&k2, &k1]);
+        crate::wait_until("both callers wait", Duration::from_secs(5), async || {
+            a.local_key_count() == 1 && b.local_key_count() == 1
+        })
+        .await;
+        // k2 first: a caller waiting on it gets it while the other still waits on k1.
+        for guard in blockers.into_iter().rev() {
+            guard.release().await.expect("release");
+        }
+        one.await.expect("join").expect("first caller");
+        other
+            .await
+            .expect("join")
+            .expect("second caller, keys in the other order");
+    }
+    let held = a.try_acquire(&k2).await.expect("free key");
+    let pair = [k1.as_str(), k2.as_str()];
+    for _ in 0..20 {
+        let wait = b.acquire_many(&pair, Duration::from_secs(5));
+        let cut = Duration::from_micros(fastrand::u64(0..3000));
+        assert!(tokio::time::timeout(cut, wait).await.is_err(), "k2 is held");
+    }
+    held.release().await.expect("release");
+    let bound = h.abandon_bound().unwrap_or(Duration::from_secs(5));
+    let guards = c
+        .acquire_many(&[&k1, &k2], bound)
+        .await
+        .expect("abandoned multi-key waits left no key behind");
+    for guard in guards {
+        guard.release().await.expect("release");
+    }
 }

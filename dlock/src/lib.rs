@@ -80,6 +80,7 @@ mod guard;
 mod key;
 pub mod key_template;
 mod lease;
+mod many;
 pub mod metrics;
 #[cfg(feature = "mysql")]
 pub mod mysql;
