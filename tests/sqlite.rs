@@ -190,6 +190,85 @@ async fn renewal_keeps_a_lock_past_its_lease() {
     guard.release().await.unwrap();
 }
 
+/// A leader whose lock is taken over is told (its term's token fires), and contends again: it
+/// leads a second term, with a larger fencing token, once the taker's lease has run out. A job
+/// run under `run_exclusive` whose lock is taken over reports `Lost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_that_loses_its_lock_contends_again_and_a_lost_job_is_reported() {
+    let harness = SqliteHarness::new().await;
+    let locks = LockProvider::connect(&harness.url()).await.unwrap();
+    let key = unique_key("leader-lost");
+    let shutdown = dlock::CancellationToken::new();
+    let (terms_tx, mut terms) = tokio::sync::mpsc::unbounded_channel();
+    let run = tokio::spawn({
+        let (locks, key, shutdown) = (locks.clone(), key.clone(), shutdown.clone());
+        async move {
+            dlock::Leader::new(&locks, key)
+                .run(&shutdown, |term| {
+                    let terms_tx = terms_tx.clone();
+                    async move {
+                        let _ = terms_tx.send((
+                            term.number(),
+                            term.fencing_token(),
+                            term.token().clone(),
+                        ));
+                        term.ended().await;
+                    }
+                })
+                .await
+        }
+    });
+    let (number, first_token, first) = terms.recv().await.expect("a first term");
+    assert_eq!(number, 1);
+    let conn = rusqlite::Connection::open(harness.path()).expect("open");
+    let stolen = conn
+        .execute(
+            "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+            [key.as_bytes()],
+        )
+        .expect("steal row");
+    assert_eq!(stolen, 1);
+    tokio::time::timeout(Duration::from_secs(5), first.cancelled())
+        .await
+        .expect("the term ends when the lock is lost");
+    let (number, second_token, second) =
+        tokio::time::timeout(Duration::from_secs(10), terms.recv())
+            .await
+            .expect("a second term once the taker's lease ran out")
+            .expect("a second term");
+    assert_eq!(number, 2);
+    assert!(
+        second_token > first_token,
+        "{first_token:?} then {second_token:?}"
+    );
+    assert!(!second.is_cancelled());
+    shutdown.cancel();
+    run.await.unwrap().expect("ends cleanly");
+
+    let job = unique_key("job-lost");
+    let (path, name) = (harness.path(), job.clone());
+    let outcome = locks
+        .run_exclusive(
+            &job,
+            Duration::from_secs(5),
+            Duration::ZERO,
+            |lost| async move {
+                let conn = rusqlite::Connection::open(path).expect("open");
+                conn.execute(
+                    "UPDATE __distributed_locks SET owner = X'00' WHERE name = ?1",
+                    [name.as_bytes()],
+                )
+                .expect("steal row");
+                lost.cancelled().await;
+            },
+        )
+        .await;
+    assert!(
+        matches!(outcome, Err(LockError::Lost { .. })),
+        "{outcome:?}"
+    );
+}
+
 #[tokio::test]
 async fn fencing_tokens_survive_reopening_the_file() {
     let dir = tempfile::tempdir().unwrap();

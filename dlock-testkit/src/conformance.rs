@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use dlock::{CancellationToken, LockError, LockGuard, LockProvider, ReleaseOutcome};
+use dlock::{CancellationToken, Leader, LockError, LockGuard, LockProvider, ReleaseOutcome};
 
 use crate::unique_key;
 
@@ -103,7 +103,8 @@ macro_rules! conformance_suite {
             with_lock_returns_output, many_keys_at_once, bad_keys, distinct_keys_do_not_collide,
             exclusion_under_contention, lost_detection, acquisition_dropped_midway,
             cancellation_sweep, shared_backend_excludes, shared_backend_contention, ping_answers,
-            lease_control, many_all_or_none, many_never_deadlock
+            lease_control, many_all_or_none, many_never_deadlock, run_exclusive_once,
+            leader_hands_over
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1178,4 +1179,163 @@ pub async fn many_never_deadlock(h: &impl Harness) {
     for guard in guards {
         guard.release().await.expect("release");
     }
+}
+
+/// `run_exclusive` runs a job on one provider at a time, skips it elsewhere without waiting,
+/// and keeps the lock for `at_least_for` after a quick run.
+pub async fn run_exclusive_once(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("job");
+    let most = Duration::from_secs(30);
+    let started = Arc::new(tokio::sync::Notify::new());
+    let finish = Arc::new(tokio::sync::Notify::new());
+    let running = tokio::spawn({
+        let (a, key, started, finish) = (a.clone(), key.clone(), started.clone(), finish.clone());
+        async move {
+            a.run_exclusive(&key, most, Duration::ZERO, |_lost| async move {
+                started.notify_one();
+                finish.notified().await;
+                "ran"
+            })
+            .await
+        }
+    });
+    started.notified().await;
+    let ran_here = AtomicBool::new(false);
+    let skipped = b
+        .run_exclusive(&key, most, Duration::ZERO, |_| async {
+            ran_here.store(true, Ordering::SeqCst);
+        })
+        .await
+        .expect("a skipped run is not an error");
+    assert_eq!(skipped, None);
+    assert!(
+        !ran_here.load(Ordering::SeqCst),
+        "the job ran on two providers at once"
+    );
+    finish.notify_one();
+    assert_eq!(
+        running.await.expect("join").expect("the job ran"),
+        Some("ran")
+    );
+    assert_eq!(
+        b.run_exclusive(&key, most, Duration::ZERO, |_| async { 2 })
+            .await
+            .expect("run"),
+        Some(2),
+        "with no at_least_for the lock is free once the job returns"
+    );
+
+    // A quick run keeps the lock for at_least_for from its start.
+    let least = Duration::from_millis(800);
+    let key = unique_key("job-least");
+    let start = Instant::now();
+    let first = a.run_exclusive(&key, most, least, |_| async { 1 }).await;
+    assert_eq!(first.expect("run"), Some(1));
+    assert_eq!(
+        b.run_exclusive(&key, most, least, |_| async { 2 })
+            .await
+            .expect("skip"),
+        None
+    );
+    let mut next = None;
+    crate::wait_until(
+        "the job runs again after at_least_for",
+        Duration::from_secs(10),
+        async || {
+            next = b
+                .run_exclusive(&key, most, least, |_| async { 3 })
+                .await
+                .expect("run");
+            next.is_some()
+        },
+    )
+    .await;
+    assert!(
+        start.elapsed() >= least,
+        "the job ran again {:?} after the first start, before at_least_for",
+        start.elapsed()
+    );
+    assert!(matches!(
+        a.run_exclusive(&key, least, most, |_| async {}).await,
+        Err(LockError::Config { .. })
+    ));
+}
+
+/// Two leaders on one key: one leads at a time; the leader stepping down on shutdown hands
+/// over to the other at once, with a larger fencing token.
+pub async fn leader_hands_over(h: &impl Harness) {
+    let key = unique_key("leader");
+    let leading = Arc::new(std::sync::Mutex::new(Vec::<(usize, Option<u64>)>::new()));
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let mut runs = Vec::new();
+    let mut shutdowns = Vec::new();
+    for id in 0..2 {
+        let provider = h.provider().await;
+        let shutdown = CancellationToken::new();
+        let (key, leading, overlaps, stop) = (
+            key.clone(),
+            leading.clone(),
+            overlaps.clone(),
+            shutdown.clone(),
+        );
+        runs.push(tokio::spawn(async move {
+            Leader::new(&provider, key)
+                .run(&stop, |term| {
+                    let (leading, overlaps) = (leading.clone(), overlaps.clone());
+                    async move {
+                        {
+                            let mut now = leading.lock().unwrap();
+                            if !now.is_empty() {
+                                overlaps.fetch_add(1, Ordering::SeqCst);
+                            }
+                            now.push((id, term.fencing_token()));
+                        }
+                        term.ended().await;
+                        leading.lock().unwrap().retain(|(who, _)| *who != id);
+                    }
+                })
+                .await
+        }));
+        shutdowns.push(shutdown);
+    }
+    let first = {
+        let mut found = None;
+        crate::wait_until("a leader is elected", Duration::from_secs(10), async || {
+            found = leading.lock().unwrap().first().copied();
+            found.is_some()
+        })
+        .await;
+        found.expect("a leader")
+    };
+    shutdowns[first.0].cancel();
+    let second = {
+        let mut found = None;
+        crate::wait_until(
+            "the other takes over",
+            Duration::from_secs(10),
+            async || {
+                found = leading
+                    .lock()
+                    .unwrap()
+                    .first()
+                    .copied()
+                    .filter(|(who, _)| *who != first.0);
+                found.is_some()
+            },
+        )
+        .await;
+        found.expect("a second leader")
+    };
+    if h.fencing() {
+        assert!(second.1 > first.1, "tokens {first:?} then {second:?}");
+    }
+    shutdowns[second.0].cancel();
+    for run in runs {
+        run.await
+            .expect("join")
+            .expect("a leader's run ends cleanly on shutdown");
+    }
+    assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two leaders at once");
+    assert!(leading.lock().unwrap().is_empty());
 }
