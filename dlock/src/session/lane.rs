@@ -9,14 +9,11 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::acquire::lane_gone;
-use super::claims::Claim;
+use super::claims::{Claim, SETTLE_LIMIT};
+use super::options::LaneSettings;
 use super::traits::{Connector, Grant, InterruptOf, Session};
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
-
-/// The most a lock, unlock or interrupt statement on a lane may take before its connection
-/// is presumed dead (pings have [`Connector::PING_TIMEOUT`]).
-pub(super) const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 // Lanes.
 
@@ -56,6 +53,9 @@ pub(super) struct LaneLock<C: Connector> {
 pub(super) struct Lane<C: Connector> {
     connector: Arc<C>,
     keepalive: Duration,
+    /// The most a lock or unlock statement may take before the session is presumed dead
+    /// (`statement_timeout`; pings have [`Connector::PING_TIMEOUT`]).
+    statement_timeout: Duration,
     session: Option<C::Session>,
     held: HashMap<u64, LaneLock<C>>,
 }
@@ -65,13 +65,14 @@ impl<C: Connector> Lane<C> {
     /// needed) and returns its command channel.
     pub(super) fn spawn(
         connector: &Arc<C>,
-        keepalive: Duration,
+        settings: &LaneSettings,
         session: Option<C::Session>,
     ) -> mpsc::UnboundedSender<LaneCommand<C>> {
         let (tx, rx) = mpsc::unbounded_channel();
         let lane = Lane {
             connector: Arc::clone(connector),
-            keepalive,
+            keepalive: settings.keepalive,
+            statement_timeout: settings.statement_timeout,
             session,
             held: HashMap::new(),
         };
@@ -195,9 +196,9 @@ impl<C: Connector> Lane<C> {
     }
 
     async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
+        let bound = self.statement_timeout;
         let session = self.session().await?;
-        let outcome =
-            tokio::time::timeout(STATEMENT_TIMEOUT, session.lock(resource, Duration::ZERO)).await;
+        let outcome = tokio::time::timeout(bound, session.lock(resource, Duration::ZERO)).await;
         match outcome {
             Ok(Ok(granted)) => Ok(granted),
             Ok(Err(failure)) => {
@@ -211,7 +212,8 @@ impl<C: Connector> Lane<C> {
                 Err(LockError::unavailable(
                     C::NAME,
                     format!(
-                        "the server did not answer a lock statement within {STATEMENT_TIMEOUT:?}"
+                        "the server did not answer a lock statement within {bound:?} \
+                         (statement_timeout); the connection was dropped"
                     ),
                     None,
                 ))
@@ -227,7 +229,7 @@ impl<C: Connector> Lane<C> {
         let Some(session) = self.session.as_mut() else {
             return;
         };
-        match tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&lock.resource)).await {
+        match tokio::time::timeout(self.statement_timeout, session.unlock(&lock.resource)).await {
             Ok(Ok(())) => {}
             Ok(Err(failure)) if failure.connection_ok => {
                 tracing::warn!(backend = C::NAME, error = %failure.error, "releasing a lock failed; closing its connection");
@@ -239,12 +241,15 @@ impl<C: Connector> Lane<C> {
         }
     }
 
-    /// Runs an abandoned wait's interrupt request from this lane's session.
+    /// Runs an abandoned wait's interrupt request from this lane's session: its statements,
+    /// and watching the server until the wait has settled (which the engine bounds by
+    /// [`SETTLE_LIMIT`]).
     async fn interrupt(&mut self, request: InterruptOf<C>) {
+        let bound = self.statement_timeout.saturating_add(SETTLE_LIMIT);
         let Ok(session) = self.session().await else {
             return;
         };
-        match tokio::time::timeout(STATEMENT_TIMEOUT, session.run_interrupt(request)).await {
+        match tokio::time::timeout(bound, session.run_interrupt(request)).await {
             Ok(Ok(())) => {}
             Ok(Err(failure)) if failure.connection_ok => {
                 tracing::warn!(backend = C::NAME, error = %failure.error, "stopping an abandoned wait failed");
