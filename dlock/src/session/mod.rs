@@ -71,8 +71,6 @@ pub(crate) use options::EngineKey;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use options::SessionKey;
 pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
-#[cfg(any(feature = "mssql", feature = "oracle"))]
-pub(crate) use traits::open_first;
 pub(crate) use traits::{Connector, Driver, Failure, Grant, Opened, Session};
 
 /// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a
