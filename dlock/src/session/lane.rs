@@ -141,10 +141,11 @@ impl<C: Connector> Lane<C> {
                 let _ = done.send(());
             }
             LaneCommand::Ping { reply } => {
-                let reused = self.session.is_some();
+                // Known before the ping: a failure drains `held`.
+                let idle = self.session.is_some() && self.held.is_empty();
                 let mut outcome = self.ping().await;
                 // An idle session that died (a server restart) is replaced once, as for a try.
-                if outcome.is_err() && reused && self.held.is_empty() {
+                if outcome.is_err() && idle {
                     outcome = self.ping().await;
                 }
                 let _ = reply.send(outcome);
@@ -184,13 +185,14 @@ impl<C: Connector> Lane<C> {
         self.session.as_mut().ok_or_else(lane_gone::<C>)
     }
 
-    /// One try. An idle session found dead (nothing held on it) is replaced once.
+    /// One try. An idle session found dead (nothing held on it) is replaced once. A session
+    /// that held locks is not: its failure is reported (its locks were just reported lost), and
+    /// a retry could only find the locks its abandoned server session may still hold.
     async fn try_lock(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
-        let reused = self.session.is_some();
+        // Whether the session was idle is known only before the try: a failure drains `held`.
+        let idle = self.session.is_some() && self.held.is_empty();
         match self.try_once(resource).await {
-            Err(_) if reused && self.session.is_none() && self.held.is_empty() => {
-                self.try_once(resource).await
-            }
+            Err(_) if idle && self.session.is_none() => self.try_once(resource).await,
             other => other,
         }
     }
