@@ -366,8 +366,14 @@ async fn statement_timeouts_out_of_bounds_are_refused() {
     // Nothing listens on port 1: a refusal must come before any connection.
     for scheme in ["postgres", "mysql", "mariadb", "mssql"] {
         for (value, words) in [
-            ("9ms", "statement_timeout is 9ms, but it must be at least 10ms"),
-            ("0", "statement_timeout is 0ns, but it must be at least 10ms"),
+            (
+                "9ms",
+                "statement_timeout is 9ms, but it must be at least 10ms",
+            ),
+            (
+                "0",
+                "statement_timeout is 0ns, but it must be at least 10ms",
+            ),
             ("soon", "option `statement_timeout` has the value `soon`"),
             ("-1s", "option `statement_timeout`"),
         ] {
@@ -403,9 +409,14 @@ async fn statement_timeouts_out_of_bounds_are_refused() {
     ];
     for (n, outcome) in refused.into_iter().enumerate() {
         let err = outcome.expect_err("refused");
-        assert_eq!(err.code(), "DistributedLock.Configuration", "builder {n}: {err}");
+        assert_eq!(
+            err.code(),
+            "DistributedLock.Configuration",
+            "builder {n}: {err}"
+        );
         assert!(
-            err.to_string().contains("statement_timeout") && err.to_string().contains("at least 10ms"),
+            err.to_string().contains("statement_timeout")
+                && err.to_string().contains("at least 10ms"),
             "builder {n}: {err}"
         );
     }

@@ -225,7 +225,10 @@ async fn live_fencing_tokens_increase_across_providers_and_waits() {
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     holder.release().await.expect("release");
-    let waited = waiter.await.expect("task").expect("granted after the release");
+    let waited = waiter
+        .await
+        .expect("task")
+        .expect("granted after the release");
     assert!(waited.expect("a token") > held);
 }
 

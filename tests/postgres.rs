@@ -765,12 +765,16 @@ async fn a_statement_outliving_statement_timeout_drops_its_connection() {
     let server = PgServer::shared();
     // One lock connection, no wait connections, and a keepalive too slow to notice anything
     // first: only the statement bound can end this.
-    let url = server.url("fencing=true&connections=1&wait_connections=0&keepalive=1h&statement_timeout=300ms");
+    let url = server
+        .url("fencing=true&connections=1&wait_connections=0&keepalive=1h&statement_timeout=300ms");
     let locks = LockProvider::connect(&url).await.expect("connect");
     let (held_key, blocked_key) = (unique_key("st-held"), unique_key("st-blocked"));
     let held = locks.try_acquire(&held_key).await.expect("free");
     let mut blocker = admin(server).await;
-    sqlx::query("BEGIN").execute(&mut blocker).await.expect("begin");
+    sqlx::query("BEGIN")
+        .execute(&mut blocker)
+        .await
+        .expect("begin");
     sqlx::query(
         "INSERT INTO dlock_fencing (id, token) VALUES ($1, 1) \
          ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1",
@@ -789,9 +793,15 @@ async fn a_statement_outliving_statement_timeout_drops_its_connection() {
     assert!(took >= Duration::from_millis(300), "{took:?}");
     assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
     assert!(err.to_string().contains("statement_timeout"), "{err}");
-    assert!(held.is_lost(), "the connection's other lock is reported lost");
+    assert!(
+        held.is_lost(),
+        "the connection's other lock is reported lost"
+    );
     let release = held.release().await;
-    assert!(matches!(release, Err(LockError::Lost { .. })), "{release:?}");
+    assert!(
+        matches!(release, Err(LockError::Lost { .. })),
+        "{release:?}"
+    );
     // The server ends the abandoned session (it checks its client every second while a
     // statement runs), and with it the lost lock; nothing is left held after the rollback.
     let mut check = admin(server).await;

@@ -239,7 +239,10 @@ mod tests {
         let err = MssqlBackend::builder_from_url("mssql://app:secret@db/app?statement_timeout=5ms")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("statement_timeout is 5ms, but it must be at least 10ms"), "{err}");
+        assert!(
+            err.contains("statement_timeout is 5ms, but it must be at least 10ms"),
+            "{err}"
+        );
     }
 
     #[test]

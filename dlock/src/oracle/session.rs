@@ -197,9 +197,7 @@ pub(super) fn create_fencing_table(conn: &oracle::Connection) -> Result<(), Lock
                 Err(err) if err.to_string().contains(NO_PRIVILEGE_ERROR) => {
                     Err(fencing_create_error(&err.to_string()))
                 }
-                Err(err) => {
-                    Err(map_error("creating the fencing table dlock_fencing", &err).error)
-                }
+                Err(err) => Err(map_error("creating the fencing table dlock_fencing", &err).error),
             }
         }
         Err(err) => Err(map_error("looking for the fencing table dlock_fencing", &err).error),

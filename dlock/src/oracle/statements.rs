@@ -159,7 +159,10 @@ pub(super) fn request_fenced_call(id: i32, timeout_secs: i64) -> Call {
 /// Reads the answer of a fenced request: its return code (as [`request_result`]) and the
 /// token issued with a grant. A grant must carry a positive token; one without is an error
 /// (the caller gives the lock back).
-pub(super) fn fenced_result(code: Option<i64>, token: Option<i64>) -> Result<Option<u64>, LockError> {
+pub(super) fn fenced_result(
+    code: Option<i64>,
+    token: Option<i64>,
+) -> Result<Option<u64>, LockError> {
     match request_result(code)? {
         Grant::NotGranted => Ok(None),
         Grant::Granted => match token.and_then(|t| u64::try_from(t).ok()).filter(|t| *t > 0) {
@@ -350,7 +353,10 @@ mod tests {
         );
         assert!(err.contains("ORA-01031"), "{err}");
         let err = fencing_privilege_error("ORA-01031").to_string();
-        assert!(err.contains("all three of SELECT, INSERT and UPDATE"), "{err}");
+        assert!(
+            err.contains("all three of SELECT, INSERT and UPDATE"),
+            "{err}"
+        );
         // Every id fits the counter's key column.
         assert!(MAX_USER_ID < 10_i64.pow(10));
     }

@@ -80,8 +80,9 @@ mod tests {
         let b = OracleBackend::builder_from_url("oracle://u:p@h/svc").unwrap();
         assert!(!b.options.fencing);
         assert_eq!(b.options.statement_timeout, Duration::from_secs(10));
-        let b = OracleBackend::builder_from_url("oracle://u:p@h/svc?fencing=on&statement_timeout=2s")
-            .unwrap();
+        let b =
+            OracleBackend::builder_from_url("oracle://u:p@h/svc?fencing=on&statement_timeout=2s")
+                .unwrap();
         assert!(b.options.fencing);
         assert_eq!(b.options.statement_timeout, Duration::from_secs(2));
         let b = OracleBackend::builder("u", "p", "//h/svc")
@@ -92,7 +93,10 @@ mod tests {
         let err = OracleBackend::builder_from_url("oracle://u:p@h/svc?statement_timeout=1ms")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("statement_timeout is 1ms, but it must be at least 10ms"), "{err}");
+        assert!(
+            err.contains("statement_timeout is 1ms, but it must be at least 10ms"),
+            "{err}"
+        );
     }
 
     #[test]

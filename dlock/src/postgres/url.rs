@@ -106,7 +106,8 @@ mod tests {
     fn statement_timeout_from_the_url_and_the_builder() {
         let b = PostgresBackend::builder_from_url("postgres://h/db").unwrap();
         assert_eq!(b.options.statement_timeout, Duration::from_secs(10));
-        let b = PostgresBackend::builder_from_url("postgres://h/db?statement_timeout=1500ms").unwrap();
+        let b =
+            PostgresBackend::builder_from_url("postgres://h/db?statement_timeout=1500ms").unwrap();
         assert_eq!(b.options.statement_timeout, Duration::from_millis(1500));
         // The driver never sees it (it would be taken for a server setting).
         assert!(!format!("{:?}", b.target).contains("1500"));
@@ -115,6 +116,9 @@ mod tests {
         let err = PostgresBackend::builder_from_url("postgres://h/db?statement_timeout=9ms")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("statement_timeout is 9ms, but it must be at least 10ms"), "{err}");
+        assert!(
+            err.contains("statement_timeout is 9ms, but it must be at least 10ms"),
+            "{err}"
+        );
     }
 }

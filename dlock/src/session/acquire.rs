@@ -300,13 +300,20 @@ mod tests {
         assert!(started.elapsed() >= Duration::from_millis(100));
         assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
         assert!(err.to_string().contains("statement_timeout"), "{err}");
-        assert!(held.lost.is_cancelled(), "the lane's locks are reported lost");
+        assert!(
+            held.lost.is_cancelled(),
+            "the lane's locks are reported lost"
+        );
         assert!(
             server.locks.lock().unwrap().is_empty(),
             "the session, and its lock, were dropped"
         );
         server.hang.lock().unwrap().clear();
-        let again = lanes.try_acquire("a").await.unwrap().expect("a new session");
+        let again = lanes
+            .try_acquire("a")
+            .await
+            .unwrap()
+            .expect("a new session");
         again.handle.release().await.unwrap();
         held.handle.release().await.unwrap();
     }

@@ -303,10 +303,12 @@ mod tests {
 
     #[test]
     fn statement_timeout_default_and_bounds() {
-        let defaults =
-            read_engine_query::<NoOwn<false>>("", |key, _| match key {}).unwrap();
+        let defaults = read_engine_query::<NoOwn<false>>("", |key, _| match key {}).unwrap();
         assert_eq!(defaults.statement_timeout, Duration::from_secs(10));
-        assert_eq!(defaults.settings().statement_timeout, Duration::from_secs(10));
+        assert_eq!(
+            defaults.settings().statement_timeout,
+            Duration::from_secs(10)
+        );
         let mut options = defaults;
         for (value, words) in [
             ("9ms", "must be at least 10ms"),
@@ -323,7 +325,10 @@ mod tests {
             .set(SessionKey::StatementTimeout, "soon")
             .unwrap_err()
             .to_string();
-        assert!(err.contains("statement_timeout") && err.contains("a duration"), "{err}");
+        assert!(
+            err.contains("statement_timeout") && err.contains("a duration"),
+            "{err}"
+        );
         options.set(SessionKey::StatementTimeout, "10ms").unwrap();
         options.check().unwrap();
         options.set(SessionKey::StatementTimeout, "8760h").unwrap();
