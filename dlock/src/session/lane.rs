@@ -141,11 +141,12 @@ impl<C: Connector> Lane<C> {
                 let _ = done.send(());
             }
             LaneCommand::Ping { reply } => {
-                // Known before the ping: a failure drains `held`.
-                let idle = self.session.is_some() && self.held.is_empty();
+                let reused = self.session.is_some();
                 let mut outcome = self.ping().await;
-                // An idle session that died (a server restart) is replaced once, as for a try.
-                if outcome.is_err() && idle {
+                // A session that died (a server restart, a killed session) is replaced once:
+                // the ping answers for the store, and the locks of the dead session have just
+                // been reported lost.
+                if outcome.is_err() && reused {
                     outcome = self.ping().await;
                 }
                 let _ = reply.send(outcome);
@@ -185,19 +186,23 @@ impl<C: Connector> Lane<C> {
         self.session.as_mut().ok_or_else(lane_gone::<C>)
     }
 
-    /// One try. An idle session found dead (nothing held on it) is replaced once. A session
-    /// that held locks is not: its failure is reported (its locks were just reported lost), and
-    /// a retry could only find the locks its abandoned server session may still hold.
+    /// One try. A session found dead is replaced once (its locks have just been reported
+    /// lost), except after a statement that outlived `statement_timeout` on a session that held
+    /// locks: the server may still run that session, holding what it was granted, and a retry
+    /// would answer that the key is held (by the abandoned session) instead of the failure.
     async fn try_lock(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
-        // Whether the session was idle is known only before the try: a failure drains `held`.
-        let idle = self.session.is_some() && self.held.is_empty();
+        let reused = self.session.is_some();
+        // Known only before the try: a failure drains `held`.
+        let idle = self.held.is_empty();
         match self.try_once(resource).await {
-            Err(_) if idle && self.session.is_none() => self.try_once(resource).await,
-            other => other,
+            Err(failed) if reused && self.session.is_none() && (idle || !failed.timed_out) => {
+                self.try_once(resource).await.map_err(|failed| failed.error)
+            }
+            other => other.map_err(|failed| failed.error),
         }
     }
 
-    async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
+    async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, TryFailed> {
         let bound = self.statement_timeout;
         let session = self.session().await?;
         let outcome = tokio::time::timeout(bound, session.lock(resource, Duration::ZERO)).await;
@@ -207,18 +212,24 @@ impl<C: Connector> Lane<C> {
                 if !failure.connection_ok {
                     self.die("the lock connection failed");
                 }
-                Err(failure.error)
+                Err(TryFailed {
+                    error: failure.error,
+                    timed_out: false,
+                })
             }
             Err(_) => {
                 self.die("the lock connection stopped answering");
-                Err(LockError::unavailable(
-                    C::NAME,
-                    format!(
-                        "the server did not answer a lock statement within {bound:?} \
-                         (statement_timeout); the connection was dropped"
+                Err(TryFailed {
+                    error: LockError::unavailable(
+                        C::NAME,
+                        format!(
+                            "the server did not answer a lock statement within {bound:?} \
+                             (statement_timeout); the connection was dropped"
+                        ),
+                        None,
                     ),
-                    None,
-                ))
+                    timed_out: true,
+                })
             }
         }
     }
@@ -283,6 +294,22 @@ impl<C: Connector> Lane<C> {
             lock.lost.cancel();
         }
         self.session = None;
+    }
+}
+
+/// A failed try, and whether it failed by outliving `statement_timeout`.
+struct TryFailed {
+    error: LockError,
+    timed_out: bool,
+}
+
+impl From<LockError> for TryFailed {
+    /// A failure before any statement was sent (opening the session).
+    fn from(error: LockError) -> Self {
+        TryFailed {
+            error,
+            timed_out: false,
+        }
     }
 }
 
