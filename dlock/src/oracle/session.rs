@@ -419,6 +419,23 @@ impl Session for OracleSession {
     }
 }
 
+impl Drop for OracleSession {
+    /// A session dropped with a blocking call still in flight (a lane statement that outlived
+    /// `statement_timeout`) would stay open, with its locks, until that call returned, since
+    /// the call shares the connection: the call is broken off (`OCIBreak`), so the session
+    /// closes and the server frees its locks.
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.conn) > 1
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let conn = Arc::clone(&self.conn);
+            drop(runtime.spawn_blocking(move || {
+                let _ = conn.break_execution();
+            }));
+        }
+    }
+}
+
 /// The error for a wait answered 4 ("already own"). Wait sessions hold nothing while they
 /// wait, so this cannot happen; answering it as contention would make the wait spin on the
 /// server.
