@@ -31,6 +31,10 @@ fn seeds() -> Vec<String> {
         format!("rediss://user:{SECRET}@cache.internal/?lease=2s"),
         "sqlite:///var/lib/app/locks.db?lease=30s&busy_timeout=250ms".to_owned(),
         format!("mssql://app:{SECRET}@sql.internal:1433/app?keepalive=5s&connect_timeout=2s"),
+        format!(
+            "mssql://app:{SECRET}@sql.internal:1433/app?fencing=true&statement_timeout=3s&encrypt=true"
+        ),
+        format!("mariadb://app:{SECRET}@db.internal/app?statement_timeout=250ms&fencing=true"),
     ]
 }
 
@@ -90,6 +94,8 @@ const PIECES: &[&str] = &[
     ":65536",
     ":0",
     "fencing=",
+    "statement_timeout=",
+    "statement_timeout=1ms",
 ];
 
 /// 4,000 mutated URLs through all five parsers (20,000 parses): each answers a builder or a Configuration
@@ -266,6 +272,9 @@ async fn session_store_durations_beyond_their_bound_are_refused() {
         format!("mariadb://app:{SECRET}@127.0.0.1:1/app?connect_timeout={huge}"),
         format!("mssql://app:{SECRET}@127.0.0.1:1/app?keepalive={huge}"),
         format!("mssql://app:{SECRET}@127.0.0.1:1/app?connect_timeout={huge}"),
+        format!("postgres://app:{SECRET}@127.0.0.1:1/app?statement_timeout={huge}"),
+        format!("mysql://app:{SECRET}@127.0.0.1:1/app?statement_timeout={huge}"),
+        format!("mssql://app:{SECRET}@127.0.0.1:1/app?statement_timeout={huge}"),
     ];
     for url in &urls {
         let err = LockProvider::connect(url).await.expect_err(url);
@@ -306,6 +315,24 @@ async fn session_store_durations_beyond_their_bound_are_refused() {
             .open()
             .await
             .map(drop),
+        PostgresBackend::builder_from_url(&base)
+            .unwrap()
+            .statement_timeout(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
+        MySqlBackend::builder_from_url(&base.replace("postgres", "mysql"))
+            .unwrap()
+            .statement_timeout(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
+        MssqlBackend::builder_from_url(&base.replace("postgres", "mssql"))
+            .unwrap()
+            .statement_timeout(Duration::MAX)
+            .open()
+            .await
+            .map(drop),
     ];
     for (n, outcome) in refused.into_iter().enumerate() {
         let err = outcome.expect_err("refused");
@@ -329,4 +356,75 @@ async fn session_store_durations_beyond_their_bound_are_refused() {
     // A backoff's intervals have the same bound.
     let err = dlock::Backoff::new(Duration::from_millis(1), Duration::MAX, 0.5).unwrap_err();
     assert!(err.to_string().contains("at most 365 days"), "{err}");
+}
+
+/// A `statement_timeout` too short to tell a slow answer from a dead connection (below 10 ms),
+/// or not a duration, is refused on every session engine, from the URL and from the builder,
+/// before any connection, with a configuration error that names the option and its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn statement_timeouts_out_of_bounds_are_refused() {
+    // Nothing listens on port 1: a refusal must come before any connection.
+    for scheme in ["postgres", "mysql", "mariadb", "mssql"] {
+        for (value, words) in [
+            (
+                "9ms",
+                "statement_timeout is 9ms, but it must be at least 10ms",
+            ),
+            (
+                "0",
+                "statement_timeout is 0ns, but it must be at least 10ms",
+            ),
+            ("soon", "option `statement_timeout` has the value `soon`"),
+            ("-1s", "option `statement_timeout`"),
+        ] {
+            let url = format!("{scheme}://app:{SECRET}@127.0.0.1:1/app?statement_timeout={value}");
+            let err = LockProvider::connect(&url).await.expect_err(&url);
+            let text = err.to_string();
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {text}");
+            assert!(text.contains(words), "{url}: {text}");
+            assert!(!text.contains(SECRET), "{text}");
+        }
+    }
+    let base = format!("postgres://app:{SECRET}@127.0.0.1:1/app");
+    let short = Duration::from_millis(9);
+    let refused = [
+        PostgresBackend::builder_from_url(&base)
+            .unwrap()
+            .statement_timeout(short)
+            .open()
+            .await
+            .map(drop),
+        MySqlBackend::builder_from_url(&base.replace("postgres", "mysql"))
+            .unwrap()
+            .statement_timeout(Duration::ZERO)
+            .open()
+            .await
+            .map(drop),
+        MssqlBackend::builder_from_url(&base.replace("postgres", "mssql"))
+            .unwrap()
+            .statement_timeout(short)
+            .open()
+            .await
+            .map(drop),
+    ];
+    for (n, outcome) in refused.into_iter().enumerate() {
+        let err = outcome.expect_err("refused");
+        assert_eq!(
+            err.code(),
+            "DistributedLock.Configuration",
+            "builder {n}: {err}"
+        );
+        assert!(
+            err.to_string().contains("statement_timeout")
+                && err.to_string().contains("at least 10ms"),
+            "builder {n}: {err}"
+        );
+    }
+    // The bound itself is accepted (the connection then fails: nothing listens).
+    let err = LockProvider::connect(&format!(
+        "postgres://app:{SECRET}@127.0.0.1:1/app?statement_timeout=10ms&connect_timeout=1s"
+    ))
+    .await
+    .expect_err("nothing listens");
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
 }

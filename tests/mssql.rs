@@ -45,23 +45,26 @@ struct MssqlHarness {
     url: String,
     /// The program name of this harness's lock connections, so `break_lock` can find them.
     application: String,
+    fencing: bool,
 }
 
 impl MssqlHarness {
-    async fn from_env() -> Self {
+    async fn from_env(fencing: bool) -> Self {
         MssqlHarness {
             url: live_url(),
             application: unique_key("dlock-conformance").replace(':', "-"),
+            fencing,
         }
     }
 
     fn url(&self) -> String {
         let sep = if self.url.contains('?') { '&' } else { '?' };
         format!(
-            "{}{sep}keepalive={}ms&application_name={}",
+            "{}{sep}keepalive={}ms&application_name={}&fencing={}",
             self.url,
             KEEPALIVE.as_millis(),
-            self.application
+            self.application,
+            self.fencing
         )
     }
 
@@ -132,7 +135,7 @@ impl dlock_testkit::Harness for MssqlHarness {
     }
 
     fn fencing(&self) -> bool {
-        false
+        self.fencing
     }
 
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
@@ -154,8 +157,79 @@ mod live {
             not(dlock_mssql_live),
             ignore = "DLOCK_MSSQL_URL is not set: no SQL Server to test against"
         )]]
-        MssqlHarness::from_env()
+        MssqlHarness::from_env(false)
     );
+}
+
+/// The conformance suite with fencing on: every acquisition carries a token from the
+/// `dlock_fencing` counter, taken in the batch of its `sp_getapplock`.
+mod live_fenced {
+    use super::*;
+
+    dlock_testkit::conformance_suite!(
+        attributes [#[cfg_attr(
+            not(dlock_mssql_live),
+            ignore = "DLOCK_MSSQL_URL is not set: no SQL Server to test against"
+        )]]
+        MssqlHarness::from_env(true)
+    );
+}
+
+/// Fencing tokens strictly increase for one key across new providers (new sessions), tries
+/// and native waits, and a wait's token is issued on the session it was granted to; the
+/// builder's `fencing` and `statement_timeout` are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(dlock_mssql_live),
+    ignore = "DLOCK_MSSQL_URL is not set: no SQL Server to test against"
+)]
+async fn live_fencing_tokens_increase_across_providers_and_waits() {
+    let url = live_url();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let key = unique_key("mssql-fence");
+    let mut last = 0;
+    for _ in 0..3 {
+        let locks = LockProvider::connect(&format!("{url}{sep}fencing=true"))
+            .await
+            .expect("connect");
+        let guard = locks.try_acquire(&key).await.expect("free");
+        let token = guard.fencing_token().expect("a token");
+        assert!(token > last, "token {token} after {last}");
+        last = token;
+        guard.release().await.expect("release");
+    }
+    let backend = MssqlBackend::builder_from_url(&url)
+        .expect("url")
+        .fencing(true)
+        .statement_timeout(Duration::from_secs(3))
+        .open()
+        .await
+        .expect("open");
+    assert!(backend.fencing());
+    assert_eq!(backend.statement_timeout(), Duration::from_secs(3));
+    let locks = LockProvider::from_backend(backend);
+    let holder = locks.try_acquire(&key).await.expect("free");
+    let held = holder.fencing_token().expect("a token");
+    assert!(held > last);
+    let waiter = tokio::spawn({
+        let locks = LockProvider::connect(&format!("{url}{sep}fencing=true"))
+            .await
+            .expect("connect");
+        let key = key.clone();
+        async move {
+            let guard = locks.acquire(&key, Duration::from_secs(20)).await?;
+            let token = guard.fencing_token();
+            guard.release().await?;
+            Ok::<_, LockError>(token)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    holder.release().await.expect("release");
+    let waited = waiter
+        .await
+        .expect("task")
+        .expect("granted after the release");
+    assert!(waited.expect("a token") > held);
 }
 
 #[tokio::test]
@@ -230,6 +304,14 @@ async fn live_transaction_bound_locks() {
 async fn live_multi_process_exclusion() {
     let url = live_url();
     support::run_multi_process(&url, &unique_key("mssql-mp"), 3, 10, support::Fencing::None);
+    let sep = if url.contains('?') { '&' } else { '?' };
+    support::run_multi_process(
+        &format!("{url}{sep}fencing=true"),
+        &unique_key("mssql-mp-fenced"),
+        3,
+        10,
+        support::Fencing::Every,
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -55,17 +55,32 @@ fn raw_connection(url: &str) -> Connection {
 
 struct OracleHarness {
     url: String,
+    fencing: bool,
 }
 
 impl OracleHarness {
-    async fn from_env() -> Self {
-        OracleHarness { url: live_url() }
+    async fn from_env(fencing: bool) -> Self {
+        OracleHarness {
+            url: live_url(),
+            fencing,
+        }
     }
 
     fn url(&self) -> String {
         let sep = if self.url.contains('?') { '&' } else { '?' };
-        format!("{}{sep}keepalive={}ms", self.url, KEEPALIVE.as_millis())
+        format!(
+            "{}{sep}keepalive={}ms&fencing={}",
+            self.url,
+            KEEPALIVE.as_millis(),
+            self.fencing
+        )
     }
+}
+
+/// `url` with `options` appended.
+fn with_options(url: &str, options: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}{options}")
 }
 
 impl dlock_testkit::Harness for OracleHarness {
@@ -109,7 +124,7 @@ impl dlock_testkit::Harness for OracleHarness {
     }
 
     fn fencing(&self) -> bool {
-        false
+        self.fencing
     }
 
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
@@ -132,8 +147,74 @@ mod live {
             not(dlock_oracle_live),
             ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
         )]]
-        OracleHarness::from_env()
+        OracleHarness::from_env(false)
     );
+}
+
+/// The conformance suite with fencing on: every acquisition carries a token from the
+/// `dlock_fencing` counter, taken in the PL/SQL block of its `DBMS_LOCK.REQUEST`.
+mod live_fenced {
+    use super::*;
+
+    dlock_testkit::conformance_suite!(
+        attributes [#[cfg_attr(
+            not(dlock_oracle_live),
+            ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+        )]]
+        OracleHarness::from_env(true)
+    );
+}
+
+/// Fencing tokens strictly increase for one key across new providers (new sessions), tries
+/// and native waits; the builder's `fencing` and `statement_timeout` are taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[cfg_attr(
+    not(dlock_oracle_live),
+    ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+)]
+async fn live_fencing_tokens_increase_across_providers_and_waits() {
+    let url = live_url();
+    let fenced = with_options(&url, "fencing=true");
+    let key = unique_key("oracle-fence");
+    let mut last = 0;
+    for _ in 0..3 {
+        let locks = LockProvider::connect(&fenced).await.expect("connect");
+        let guard = locks.try_acquire(&key).await.expect("free");
+        let token = guard.fencing_token().expect("a token");
+        assert!(token > last, "token {token} after {last}");
+        last = token;
+        guard.release().await.expect("release");
+    }
+    let backend = OracleBackend::builder_from_url(&url)
+        .expect("url")
+        .fencing(true)
+        .statement_timeout(Duration::from_secs(3))
+        .open()
+        .await
+        .expect("open");
+    assert!(backend.fencing());
+    assert_eq!(backend.statement_timeout(), Duration::from_secs(3));
+    let locks = LockProvider::from_backend(backend);
+    let holder = locks.try_acquire(&key).await.expect("free");
+    let held = holder.fencing_token().expect("a token");
+    assert!(held > last);
+    let other = LockProvider::connect(&fenced).await.expect("connect");
+    let waiter = tokio::spawn({
+        let key = key.clone();
+        async move {
+            let guard = other.acquire(&key, Duration::from_secs(20)).await?;
+            let token = guard.fencing_token();
+            guard.release().await?;
+            Ok::<_, LockError>(token)
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holder.release().await.expect("release");
+    let waited = waiter
+        .await
+        .expect("task")
+        .expect("granted after the release");
+    assert!(waited.expect("a token") > held);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -197,6 +278,13 @@ async fn live_multi_process_exclusion() {
         3,
         10,
         support::Fencing::None,
+    );
+    support::run_multi_process(
+        &with_options(&url, "fencing=true"),
+        &unique_key("oracle-mp-fenced"),
+        3,
+        10,
+        support::Fencing::Every,
     );
 }
 

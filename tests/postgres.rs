@@ -754,3 +754,71 @@ async fn errors_at_commit_after_a_returned_row_reach_the_caller() {
         .await
         .unwrap();
 }
+
+/// A lock statement that outlives `statement_timeout` drops its connection and reports every
+/// lock that connection held as lost, at the setting (300 ms here, against the 10 s default):
+/// another session holds the fencing counter row of a second key in an open transaction, so
+/// the fenced try of that key (which takes its advisory lock, then increments the row) blocks
+/// on the server. Once the server sees the connection gone, the lost lock is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_outliving_statement_timeout_drops_its_connection() {
+    let server = PgServer::shared();
+    // One lock connection, no wait connections, and a keepalive too slow to notice anything
+    // first: only the statement bound can end this.
+    let url = server
+        .url("fencing=true&connections=1&wait_connections=0&keepalive=1h&statement_timeout=300ms");
+    let locks = LockProvider::connect(&url).await.expect("connect");
+    let (held_key, blocked_key) = (unique_key("st-held"), unique_key("st-blocked"));
+    let held = locks.try_acquire(&held_key).await.expect("free");
+    let mut blocker = admin(server).await;
+    sqlx::query("BEGIN")
+        .execute(&mut blocker)
+        .await
+        .expect("begin");
+    sqlx::query(
+        "INSERT INTO dlock_fencing (id, token) VALUES ($1, 1) \
+         ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1",
+    )
+    .bind(lock_id(&blocked_key))
+    .execute(&mut blocker)
+    .await
+    .expect("hold the counter row");
+    let started = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(5), locks.try_acquire(&blocked_key))
+        .await
+        .expect("the statement outlived statement_timeout=300ms: the setting was not applied")
+        .expect_err("the counter row is held");
+    let took = started.elapsed();
+    eprintln!("answered after {took:?}: {err}");
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
+    assert!(err.to_string().contains("statement_timeout"), "{err}");
+    assert!(
+        held.is_lost(),
+        "the connection's other lock is reported lost"
+    );
+    let release = held.release().await;
+    assert!(
+        matches!(release, Err(LockError::Lost { .. })),
+        "{release:?}"
+    );
+    // The server ends the abandoned session (it checks its client every second while a
+    // statement runs), and with it the lost lock; nothing is left held after the rollback.
+    let mut check = admin(server).await;
+    dlock_testkit::wait_until(
+        "the lost lock is freed on the server",
+        Duration::from_secs(10),
+        async || holders(&mut check, &held_key).await.is_empty(),
+    )
+    .await;
+    sqlx::query("ROLLBACK")
+        .execute(&mut blocker)
+        .await
+        .expect("rollback");
+    // The backend opens a fresh connection and goes on.
+    let again = locks.try_acquire(&blocked_key).await.expect("free again");
+    assert!(again.fencing_token().is_some());
+    again.release().await.expect("release");
+    let again = locks.try_acquire(&held_key).await.expect("free again");
+    again.release().await.expect("release");
+}

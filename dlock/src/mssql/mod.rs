@@ -72,7 +72,18 @@
 //!
 //! # Fencing tokens
 //!
-//! Not issued: [`fencing_token`](crate::LockGuard::fencing_token) is `None`.
+//! Opt-in (`fencing=true`, or [`MssqlBuilder::fencing`]); without it
+//! [`fencing_token`](crate::LockGuard::fencing_token) is `None`. The backend keeps one counter
+//! row per resource name in the table
+//! `dlock_fencing (resource nvarchar(255) PRIMARY KEY, token bigint)` (created if missing, in
+//! the user's default schema), and increments it in the same batch as the `sp_getapplock`
+//! that takes the lock, only when the lock is granted, so an acquisition costs one round trip
+//! either way, tries and waits alike (a wait's token is taken after the grant, on the session
+//! that holds the lock). Should the increment fail, the batch gives the lock back before it
+//! reports the error: no lock is kept without its token. Each increment commits on its own,
+//! so tokens increase strictly for each key across holders, processes and server restarts.
+//! Every process that locks a key must use the same table. Transaction-bound locks issue no
+//! token.
 //!
 //! # URL
 //!
@@ -82,6 +93,7 @@
 //!
 //! | option | default | meaning |
 //! |---|---|---|
+//! | `fencing` | `false` | issue fencing tokens (see above) |
 //! | `encrypt` | `true` | `true` (TLS for the whole connection), `false` (TLS for the login only), `not_supported` (no TLS) |
 //! | `trust_server_certificate` | `false` | accept the server's certificate without checking it |
 //! | `application_name` | none | shown by the server as the session's program name |
@@ -89,6 +101,7 @@
 //! | `connections` | `4` | lock connections (1 to 64) |
 //! | `wait_connections` | `4` | connections for native waits (0 to 64) |
 //! | `connect_timeout` | `10s` | how long opening a connection may take |
+//! | `statement_timeout` | `10s` | the most one short statement (a try, a release) may take before its connection is dropped and its locks reported lost (10 ms to 365 days) |
 //!
 //! An ADO.NET connection string works too, through [`MssqlBackend::builder_from_ado`]:
 //! `Server=tcp:db.internal,1433;Database=app;User Id=app;Password=secret;TrustServerCertificate=true`.
@@ -103,7 +116,17 @@
 //!
 //! `sp_getapplock` and `sp_releaseapplock` need membership in the database's `public` role,
 //! which every database user has: `CREATE USER dlock_app FOR LOGIN dlock_app` in the URL's
-//! database is all. (From the SQL Server documentation; not verified here, see the README.)
+//! database is all. With fencing, the user needs `SELECT`, `INSERT` and `UPDATE` on the
+//! fencing table; the backend creates the table only when it is missing, and then needs
+//! `CREATE TABLE` and `ALTER` on the schema. A user that may neither see nor create it gets a
+//! [`LockError::Config`] with the statements to run when the backend opens:
+//!
+//! ```sql
+//! CREATE TABLE dbo.dlock_fencing (resource nvarchar(255) NOT NULL PRIMARY KEY, token bigint NOT NULL);
+//! GRANT SELECT, INSERT, UPDATE ON dbo.dlock_fencing TO dlock_app;
+//! ```
+//!
+//! (From the SQL Server documentation; not verified here, see the README.)
 //!
 //! # Transaction-bound locks
 //!
@@ -125,9 +148,9 @@ use tiberius::Config;
 use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::session::{
-    Driver, Opened, SessionBackend, SessionBuilder, SessionOptions, contention, open_first,
+    Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions, contention,
 };
-use session::MssqlConnector;
+use session::{MssqlConnector, create_fencing_table};
 pub use statements::resource_name;
 use statements::{Grant, NAME, Owner, getapplock_call, getapplock_result, lock_timeout_ms};
 
@@ -149,10 +172,12 @@ pub type MssqlBackend = SessionBackend<Mssql>;
 /// Builds an [`MssqlBackend`] with options.
 pub type MssqlBuilder = SessionBuilder<Mssql>;
 
+impl Fencing for Mssql {}
+
 impl Driver for Mssql {
     const BACKEND: &'static str = "MssqlBackend";
     const BUILDER: &'static str = "MssqlBuilder";
-    const FENCING: bool = false;
+    const FENCING: bool = true;
 
     type Target = Config;
     type Connector = MssqlConnector;
@@ -162,10 +187,18 @@ impl Driver for Mssql {
     }
 
     fn open(config: Config, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
-        Box::pin(open_first(MssqlConnector {
+        let connector = MssqlConnector {
             config,
             connect_timeout: options.connect_timeout,
-        }))
+            fencing: options.fencing,
+        };
+        Box::pin(async move {
+            let mut first = crate::session::Connector::open(&connector).await?;
+            if connector.fencing {
+                create_fencing_table(&mut first.client).await?;
+            }
+            Ok((connector, first))
+        })
     }
 
     fn fmt_target(config: &Config, f: &mut std::fmt::DebugStruct<'_, '_>) {

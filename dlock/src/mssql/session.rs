@@ -12,7 +12,9 @@ use tokio::net::TcpStream;
 use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
 use super::statements::{
-    Call, Grant as AppLock, MAX_WAIT, NAME, NOT_HELD_ERROR, Owner, Param, getapplock_call,
+    ALREADY_EXISTS_ERROR, CREATE_DENIED_ERRORS, Call, Grant as AppLock, MAX_WAIT, NAME,
+    NOT_HELD_ERROR, Owner, Param, fenced_result, fencing_create_error, fencing_privilege_error,
+    fencing_table_call, fencing_table_check_call, getapplock_call, getapplock_fenced_call,
     getapplock_result, keepalive_call, lock_timeout_ms, releaseapplock_call, releaseapplock_result,
     resource_name, server_error,
 };
@@ -133,6 +135,15 @@ fn bind(param: &Param) -> &dyn ToSql {
     }
 }
 
+/// Runs `call` and reads the first row of its first result set.
+async fn run_row<S>(client: &mut Client<S>, call: &Call) -> Result<Option<tiberius::Row>, TdsError>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let params: Vec<&dyn ToSql> = call.params.iter().map(bind).collect();
+    client.query(call.sql, &params).await?.into_row().await
+}
+
 /// Runs `call` and reads the `int` in the first column of its first row.
 pub(crate) async fn run_scalar<S>(
     client: &mut Client<S>,
@@ -141,11 +152,55 @@ pub(crate) async fn run_scalar<S>(
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
-    let params: Vec<&dyn ToSql> = call.params.iter().map(bind).collect();
-    let row = client.query(call.sql, &params).await?.into_row().await?;
-    match row {
+    match run_row(client, call).await? {
         Some(row) => row.try_get::<i32, _>(0),
         None => Ok(None),
+    }
+}
+
+/// Runs a fenced `sp_getapplock` call: its return code (`int`) and token (`bigint`, `NULL`
+/// when not granted).
+async fn run_fenced(
+    client: &mut MssqlClient,
+    call: &Call,
+) -> Result<(Option<i32>, Option<i64>), TdsError> {
+    match run_row(client, call).await? {
+        Some(row) => Ok((row.try_get::<i32, _>(0)?, row.try_get::<i64, _>(1)?)),
+        None => Ok((None, None)),
+    }
+}
+
+/// Makes sure the fencing table is there and usable: a table this user sees needs only its
+/// three privileges (never `CREATE TABLE`); a missing one is created.
+pub(super) async fn create_fencing_table(client: &mut MssqlClient) -> Result<(), LockError> {
+    let looking = "looking for the fencing table dlock_fencing";
+    let row = run_row(client, &fencing_table_check_call())
+        .await
+        .map_err(|err| failure(looking, err).error)?;
+    let flag = |column: usize| {
+        row.as_ref()
+            .and_then(|row| row.try_get::<i32, _>(column).ok().flatten())
+            .unwrap_or(0)
+            == 1
+    };
+    let (exists, usable) = (flag(0), flag(1));
+    if exists {
+        return if usable {
+            Ok(())
+        } else {
+            Err(fencing_privilege_error())
+        };
+    }
+    let create = fencing_table_call();
+    let params: Vec<&dyn ToSql> = create.params.iter().map(bind).collect();
+    match client.execute(create.sql, &params).await {
+        Ok(_) => Ok(()),
+        // Another process created it at the same moment.
+        Err(TdsError::Server(token)) if token.code() == ALREADY_EXISTS_ERROR => Ok(()),
+        Err(TdsError::Server(token)) if CREATE_DENIED_ERRORS.contains(&token.code()) => {
+            Err(fencing_create_error(token.message()))
+        }
+        Err(err) => Err(failure("creating the fencing table dlock_fencing", err).error),
     }
 }
 
@@ -185,6 +240,7 @@ pub struct Resource {
 pub struct MssqlConnector {
     pub(super) config: Config,
     pub(super) connect_timeout: Duration,
+    pub(super) fencing: bool,
 }
 
 impl std::fmt::Debug for MssqlConnector {
@@ -217,7 +273,10 @@ impl Connector for MssqlConnector {
     fn open(&self) -> BoxFuture<'_, Result<MssqlSession, LockError>> {
         Box::pin(async move {
             let client = open_client(&self.config, self.connect_timeout).await?;
-            Ok(MssqlSession { client })
+            Ok(MssqlSession {
+                client,
+                fencing: self.fencing,
+            })
         })
     }
 }
@@ -225,7 +284,49 @@ impl Connector for MssqlConnector {
 /// One backend connection: its session owns the application locks it takes.
 #[derive(Debug)]
 pub struct MssqlSession {
-    client: MssqlClient,
+    pub(super) client: MssqlClient,
+    fencing: bool,
+}
+
+impl MssqlSession {
+    /// A fenced lock call: the lock and, with a grant, its token in the same batch. On a
+    /// failure after the lock may have been granted, the lock is given back first (the batch
+    /// does it itself for errors it catches; this covers the rest).
+    async fn lock_fenced(
+        &mut self,
+        resource: &Resource,
+        wait: Duration,
+    ) -> Result<Option<Grant>, Failure> {
+        let call = getapplock_fenced_call(&resource.name, lock_timeout_ms(wait));
+        let (code, token) = match run_fenced(&mut self.client, &call).await {
+            Ok(answer) => answer,
+            Err(err) => {
+                let failure = failure("taking a lock", err);
+                return Err(self.give_back(resource, failure).await);
+            }
+        };
+        match fenced_result(code, token, &resource.key) {
+            Ok(token) => Ok(token.map(|token| Grant { token: Some(token) })),
+            // Granted, but without a token: not kept.
+            Err(error) if matches!(code, Some(0 | 1)) => {
+                Err(self.give_back(resource, Failure::statement(error)).await)
+            }
+            Err(error) => Err(Failure::statement(error)),
+        }
+    }
+
+    /// Gives back `resource` after `failure`, if the session is still usable; a session on
+    /// which that fails is given up (dropping it ends its locks on the server).
+    async fn give_back(&mut self, resource: &Resource, failure: Failure) -> Failure {
+        if !failure.connection_ok {
+            return failure;
+        }
+        match run_scalar(&mut self.client, &releaseapplock_call(&resource.name)).await {
+            Ok(_) => failure,
+            Err(TdsError::Server(token)) if token.code() == NOT_HELD_ERROR => failure,
+            Err(_) => Failure::connection(failure.error),
+        }
+    }
 }
 
 impl Session for MssqlSession {
@@ -238,6 +339,9 @@ impl Session for MssqlSession {
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
         Box::pin(async move {
+            if self.fencing {
+                return self.lock_fenced(resource, wait).await;
+            }
             let call = getapplock_call(&resource.name, Owner::Session, lock_timeout_ms(wait));
             let code = run_scalar(&mut self.client, &call)
                 .await
@@ -288,6 +392,15 @@ mod tests {
             vec![
                 ColumnData::String(Some(Cow::Borrowed("dlock:ab"))),
                 ColumnData::I32(Some(250)),
+            ]
+        );
+        let call = getapplock_fenced_call("dlock:ef", 0);
+        let sent: Vec<ColumnData<'_>> = call.params.iter().map(|p| bind(p).to_sql()).collect();
+        assert_eq!(
+            sent,
+            vec![
+                ColumnData::String(Some(Cow::Borrowed("dlock:ef"))),
+                ColumnData::I32(Some(0)),
             ]
         );
         let call = releaseapplock_call("dlock:cd");

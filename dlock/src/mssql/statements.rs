@@ -34,6 +34,57 @@ EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = '
 @LockTimeout = @P2, @DbPrincipal = 'public'; \
 SELECT @r;";
 
+/// The `sp_getapplock` call with `@LockOwner = 'Session'` that, only when the lock is granted,
+/// increments the key's fencing counter in the same batch (one round trip), and answers the
+/// return code and the new token (`NULL` when not granted). The counter is updated through
+/// `sp_executesql`, so that even an error SQL Server raises while compiling it (the table
+/// dropped since the backend opened) is caught here: the lock is then given back before the
+/// error reaches the client, and no lock is kept without its token. Each statement commits on
+/// its own (autocommit), so a token once issued is never issued again, also across server
+/// restarts.
+pub(crate) const GETAPPLOCK_FENCED_SQL: &str = "DECLARE @r int, @t bigint; \
+EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Session', \
+@LockTimeout = @P2, @DbPrincipal = 'public'; \
+IF @r >= 0 \
+BEGIN \
+BEGIN TRY \
+EXEC sp_executesql N'UPDATE dlock_fencing SET @t = token = token + 1 WHERE resource = @n; \
+IF @@ROWCOUNT = 0 BEGIN INSERT INTO dlock_fencing (resource, token) VALUES (@n, 1); SET @t = 1; END', \
+N'@n nvarchar(255), @t bigint OUTPUT', @n = @P1, @t = @t OUTPUT; \
+END TRY \
+BEGIN CATCH \
+EXEC sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+THROW; \
+END CATCH; \
+END; \
+SELECT @r, @t;";
+
+/// Whether the fencing table exists (in the user's default schema, as the unqualified name
+/// resolves) and this user may `SELECT`, `INSERT` and `UPDATE` it: two `int`s, 1 or 0.
+/// Asked at open before [`FENCING_TABLE_SQL`], which needs `CREATE TABLE` even when the table
+/// exists: a user with just the table's grants could not open the backend.
+pub(crate) const FENCING_TABLE_CHECK_SQL: &str = "SELECT \
+CAST(CASE WHEN OBJECT_ID(N'dlock_fencing', N'U') IS NULL THEN 0 ELSE 1 END AS int), \
+CAST(ISNULL(HAS_PERMS_BY_NAME(N'dlock_fencing', N'OBJECT', N'SELECT') \
+& HAS_PERMS_BY_NAME(N'dlock_fencing', N'OBJECT', N'INSERT') \
+& HAS_PERMS_BY_NAME(N'dlock_fencing', N'OBJECT', N'UPDATE'), 0) AS int)";
+
+/// Creates the fencing table, one counter row per resource name.
+pub(crate) const FENCING_TABLE_SQL: &str = "CREATE TABLE dlock_fencing \
+(resource nvarchar(255) NOT NULL PRIMARY KEY, token bigint NOT NULL)";
+
+/// What an administrator runs for a user that may not create the fencing table.
+pub(crate) const FENCING_GRANTS: &str = "CREATE TABLE dbo.dlock_fencing (resource nvarchar(255) NOT NULL \
+PRIMARY KEY, token bigint NOT NULL); GRANT SELECT, INSERT, UPDATE ON dbo.dlock_fencing TO <user> \
+(the user's default schema must be dbo, or the table created in it)";
+
+/// SQL Server error 2714: "There is already an object named ... in the database."
+pub(crate) const ALREADY_EXISTS_ERROR: u32 = 2714;
+/// SQL Server errors that refuse `CREATE TABLE` to this user: 262 (permission denied in the
+/// database), 2760 (the schema does not exist or may not be used), 1088 (cannot find the
+/// object, or no permission).
+pub(crate) const CREATE_DENIED_ERRORS: &[u32] = &[262, 2760, 1088];
+
 /// The `sp_releaseapplock` call for session locks.
 pub(crate) const RELEASEAPPLOCK_SESSION_SQL: &str = "DECLARE @r int; \
 EXEC @r = sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
@@ -113,6 +164,73 @@ pub(crate) fn getapplock_call(resource: &str, owner: Owner, timeout_ms: i32) -> 
         },
         params: vec![Param::NVarChar(resource.to_owned()), Param::Int(timeout_ms)],
     }
+}
+
+/// The fenced `sp_getapplock` call for a session lock on `resource`: the lock and, if it is
+/// granted, its next fencing token ([`GETAPPLOCK_FENCED_SQL`]).
+pub(crate) fn getapplock_fenced_call(resource: &str, timeout_ms: i32) -> Call {
+    Call {
+        sql: GETAPPLOCK_FENCED_SQL,
+        params: vec![Param::NVarChar(resource.to_owned()), Param::Int(timeout_ms)],
+    }
+}
+
+/// The fencing table check ([`FENCING_TABLE_CHECK_SQL`]).
+pub(crate) fn fencing_table_check_call() -> Call {
+    Call {
+        sql: FENCING_TABLE_CHECK_SQL,
+        params: Vec::new(),
+    }
+}
+
+/// Creating the fencing table ([`FENCING_TABLE_SQL`]).
+pub(crate) fn fencing_table_call() -> Call {
+    Call {
+        sql: FENCING_TABLE_SQL,
+        params: Vec::new(),
+    }
+}
+
+/// Reads the answer of a fenced `sp_getapplock` call: its return code (as
+/// [`getapplock_result`]) and the token issued with a grant. A grant must carry a positive
+/// token; a grant without one is an error (the caller gives the lock back), and a token beside
+/// a refusal is ignored.
+pub(crate) fn fenced_result(
+    code: Option<i32>,
+    token: Option<i64>,
+    key: &str,
+) -> Result<Option<u64>, LockError> {
+    match getapplock_result(code, key)? {
+        Grant::TimedOut => Ok(None),
+        Grant::Granted => match token.and_then(|t| u64::try_from(t).ok()).filter(|t| *t > 0) {
+            Some(token) => Ok(Some(token)),
+            None => Err(LockError::backend(
+                NAME,
+                format!(
+                    "sp_getapplock granted the lock, but the fencing counter in dlock_fencing \
+                     answered {token:?} instead of a positive token; the lock was given back"
+                ),
+                None,
+                None,
+            )),
+        },
+    }
+}
+
+/// The error for a fencing table this user can see but lacks a privilege on.
+pub(crate) fn fencing_privilege_error() -> LockError {
+    LockError::config(format!(
+        "fencing=true: this user lacks a privilege the table dlock_fencing needs (all three of \
+         SELECT, INSERT and UPDATE); an administrator grants them: {FENCING_GRANTS}"
+    ))
+}
+
+/// The error for a fencing table this user neither sees nor may create.
+pub(crate) fn fencing_create_error(message: &str) -> LockError {
+    LockError::config(format!(
+        "fencing=true needs the table dlock_fencing, which this user does not see and may not \
+         create ({message}); an administrator creates it and grants it: {FENCING_GRANTS}"
+    ))
 }
 
 /// The `sp_releaseapplock` call for a session lock on `resource`.
@@ -269,6 +387,94 @@ mod tests {
         assert_eq!(call.params, vec![Param::NVarChar("dlock:ef".into())]);
         assert_eq!(keepalive_call().sql, "SELECT 1");
         assert!(keepalive_call().params.is_empty());
+    }
+
+    #[test]
+    fn fenced_getapplock_statement_and_parameters() {
+        let call = getapplock_fenced_call("dlock:ab", 1500);
+        assert_eq!(
+            call.sql,
+            "DECLARE @r int, @t bigint; \
+             EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', \
+             @LockOwner = 'Session', @LockTimeout = @P2, @DbPrincipal = 'public'; \
+             IF @r >= 0 \
+             BEGIN \
+             BEGIN TRY \
+             EXEC sp_executesql N'UPDATE dlock_fencing SET @t = token = token + 1 WHERE resource = @n; \
+             IF @@ROWCOUNT = 0 BEGIN INSERT INTO dlock_fencing (resource, token) VALUES (@n, 1); \
+             SET @t = 1; END', N'@n nvarchar(255), @t bigint OUTPUT', @n = @P1, @t = @t OUTPUT; \
+             END TRY \
+             BEGIN CATCH \
+             EXEC sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+             THROW; \
+             END CATCH; \
+             END; \
+             SELECT @r, @t;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::NVarChar("dlock:ab".into()), Param::Int(1500)]
+        );
+        // The counter is touched only under `IF @r >= 0` (0 and 1 are the grants), and the
+        // key only ever travels as the bound resource name.
+        assert!(call.sql.contains("IF @r >= 0 BEGIN BEGIN TRY"));
+        let key = "'; DROP TABLE dlock_fencing; --";
+        let call = getapplock_fenced_call(&resource_name(key), 0);
+        assert!(!call.sql.contains("DROP"));
+        assert_eq!(call.params[0], Param::NVarChar(resource_name(key)));
+        // The counter's key column holds every resource name.
+        assert!(resource_name(key).len() <= 255);
+    }
+
+    #[test]
+    fn fencing_table_statements() {
+        let check = fencing_table_check_call();
+        assert_eq!(
+            check.sql,
+            "SELECT CAST(CASE WHEN OBJECT_ID(N'dlock_fencing', N'U') IS NULL THEN 0 ELSE 1 END AS int), \
+             CAST(ISNULL(HAS_PERMS_BY_NAME(N'dlock_fencing', N'OBJECT', N'SELECT') \
+             & HAS_PERMS_BY_NAME(N'dlock_fencing', N'OBJECT', N'INSERT') \
+             & HAS_PERMS_BY_NAME(N'dlock_fencing', N'OBJECT', N'UPDATE'), 0) AS int)"
+        );
+        assert!(check.params.is_empty());
+        let create = fencing_table_call();
+        assert_eq!(
+            create.sql,
+            "CREATE TABLE dlock_fencing (resource nvarchar(255) NOT NULL PRIMARY KEY, token bigint NOT NULL)"
+        );
+        assert!(create.params.is_empty());
+        let err = fencing_privilege_error().to_string();
+        assert!(
+            err.contains("GRANT SELECT, INSERT, UPDATE ON dbo.dlock_fencing TO <user>"),
+            "{err}"
+        );
+        let err = fencing_create_error("CREATE TABLE permission denied").to_string();
+        assert!(err.contains("CREATE TABLE dbo.dlock_fencing"), "{err}");
+        assert!(err.contains("CREATE TABLE permission denied"), "{err}");
+    }
+
+    #[test]
+    fn fenced_results() {
+        assert_eq!(fenced_result(Some(0), Some(1), "k").unwrap(), Some(1));
+        assert_eq!(fenced_result(Some(1), Some(42), "k").unwrap(), Some(42));
+        // Not granted: no token, whatever the second column says.
+        assert_eq!(fenced_result(Some(-1), None, "k").unwrap(), None);
+        assert_eq!(fenced_result(Some(-1), Some(9), "k").unwrap(), None);
+        // A grant without a positive token is an error, never a lock without its token.
+        for token in [None, Some(0), Some(-5)] {
+            let err = fenced_result(Some(0), token, "k").unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.BackendError", "{token:?}");
+            assert!(err.to_string().contains("given back"), "{err}");
+        }
+        // Refusals map as for the plain call.
+        assert!(matches!(
+            fenced_result(Some(-2), None, "k"),
+            Err(LockError::Canceled { .. })
+        ));
+        assert_eq!(
+            fenced_result(Some(-3), None, "k").unwrap_err().db_code(),
+            Some("-3")
+        );
     }
 
     #[test]

@@ -24,7 +24,7 @@ url_keys! {
 }
 
 impl OwnKey for MssqlOption {
-    const FENCING: bool = false;
+    const FENCING: bool = true;
 }
 
 /// The `key=value` pairs of an ADO.NET connection string, keys trimmed and in lower case,
@@ -218,6 +218,31 @@ mod tests {
         assert_eq!(url.options.connections, 4);
         assert_eq!(url.options.wait_connections, 4);
         assert_eq!(url.options.connect_timeout, Duration::from_secs(10));
+        assert_eq!(url.options.statement_timeout, Duration::from_secs(10));
+        assert!(!url.options.fencing);
+    }
+
+    #[test]
+    fn fencing_and_statement_timeout_from_the_url_and_the_builder() {
+        let url =
+            parse_url("mssql://app:secret@db/app?fencing=true&statement_timeout=750ms").unwrap();
+        assert!(url.options.fencing);
+        assert_eq!(url.options.statement_timeout, Duration::from_millis(750));
+        let builder = MssqlBackend::builder_from_url("mssql://app:secret@db/app")
+            .unwrap()
+            .fencing(true)
+            .statement_timeout(Duration::from_secs(2));
+        assert!(builder.options.fencing);
+        assert_eq!(builder.options.statement_timeout, Duration::from_secs(2));
+        let shown = format!("{builder:?}");
+        assert!(shown.contains("fencing: true"), "{shown}");
+        let err = MssqlBackend::builder_from_url("mssql://app:secret@db/app?statement_timeout=5ms")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("statement_timeout is 5ms, but it must be at least 10ms"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -263,6 +288,10 @@ mod tests {
             "mssql://app:hunter2@db/app?connect_timeout=0",
             "mssql://app:hunter2@db/app?connect_timeout=10000000000000000s",
             "mssql://app:hunter2@db/app?keepalive=10000000000000000s",
+            "mssql://app:hunter2@db/app?statement_timeout=soon",
+            "mssql://app:hunter2@db/app?statement_timeout=1ms",
+            "mssql://app:hunter2@db/app?statement_timeout=10000000000000000s",
+            "mssql://app:hunter2@db/app?fencing=maybe",
             "mssql://app:hunter2@db:99999/app",
             "mssql://:hunter2@db/app",
             "mssql://app:hunter2@/app",

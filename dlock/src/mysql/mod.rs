@@ -136,6 +136,7 @@
 //! | `connections` | `4` | lock connections (1 to 64) |
 //! | `wait_connections` | `4` | connections for native waits (0 to 64) |
 //! | `connect_timeout` | `10s` | how long opening a connection may take |
+//! | `statement_timeout` | `10s` | the most one short statement (a try, a release) may take before its connection is dropped and its locks reported lost (10 ms to 365 days) |
 //!
 //! The driver's own options pass through: `ssl-mode`, `ssl-ca`, `ssl-cert`, `ssl-key`,
 //! `charset`, `collation`, `socket`, `timezone`, `statement-cache-capacity`.

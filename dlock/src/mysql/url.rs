@@ -94,10 +94,26 @@ mod tests {
             "mysql://h/db?nonsense=1",
             "mysql://h:notaport/db",
             "postgres://h/db",
+            "mysql://h/db?statement_timeout=later",
+            "mysql://h/db?statement_timeout=0",
+            "mariadb://h/db?statement_timeout=10000000000000000s",
         ] {
             let err = MySqlBackend::builder_from_url(bad).unwrap_err();
             assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
             assert!(!err.to_string().contains("secret"));
         }
+    }
+
+    #[test]
+    fn statement_timeout_from_the_url_and_the_builder() {
+        let b = MySqlBackend::builder_from_url("mysql://h/db").unwrap();
+        assert_eq!(b.options.statement_timeout, Duration::from_secs(10));
+        let b = MySqlBackend::builder_from_url("mariadb://h/db?statement_timeout=2s").unwrap();
+        assert_eq!(b.options.statement_timeout, Duration::from_secs(2));
+        let b = b.statement_timeout(Duration::from_millis(250));
+        assert_eq!(b.options.statement_timeout, Duration::from_millis(250));
+        let err = MySqlBackend::builder_from_url("mysql://h/db?statement_timeout=1h%2030m")
+            .map(|b| b.options.statement_timeout);
+        assert_eq!(err.unwrap(), Duration::from_secs(5400));
     }
 }

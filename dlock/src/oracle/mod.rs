@@ -86,7 +86,19 @@
 //!
 //! # Fencing tokens
 //!
-//! Not issued: [`fencing_token`](crate::LockGuard::fencing_token) is `None`.
+//! Opt-in (`fencing=true`, or [`OracleBuilder::fencing`]); without it
+//! [`fencing_token`](crate::LockGuard::fencing_token) is `None`. The backend keeps one counter
+//! row per lock id in the table `dlock_fencing (id NUMBER(10) PRIMARY KEY, token NUMBER(19))`
+//! (created if missing), and increments and commits it in the same PL/SQL block as the
+//! `DBMS_LOCK.REQUEST` that takes the lock, only when the lock is granted, so an acquisition
+//! costs one round trip either way, tries and waits alike (a wait's token is taken after the
+//! grant, on the session that holds the lock; the lock survives the commit, being requested
+//! with `release_on_commit => FALSE`). Should the increment fail, the block rolls it back and
+//! gives the lock back before it reports the error: no lock is kept without its token. Tokens
+//! increase strictly for each key across holders, processes and server restarts. Two keys
+//! that share a lock id (see above) share its counter, which still increases for each of
+//! them. Every process that locks a key must use the same table. Transaction-bound locks issue
+//! no token.
 //!
 //! # URL
 //!
@@ -96,15 +108,21 @@
 //! (Oracle Client 19c and later) such as
 //! `tcps://db.internal:2484/app?wallet_location=/etc/oracle/wallet&ssl_server_dn_match=on`, or
 //! a `tnsnames.ora` alias whose `sqlnet.ora` names the wallet. The account needs
-//! `CREATE SESSION` and `EXECUTE` on `SYS.DBMS_LOCK`, nothing else. (From Oracle's
+//! `CREATE SESSION` and `EXECUTE` on `SYS.DBMS_LOCK`, nothing else; with fencing, also
+//! `SELECT`, `INSERT` and `UPDATE` on the fencing table (the backend creates it when it is
+//! missing, which needs `CREATE TABLE` and a quota on a tablespace; a user that may neither
+//! see nor create it gets a [`LockError::Config`] with the statements to run when the backend
+//! opens). (From Oracle's
 //! documentation; not verified here, see the README.) Options:
 //!
 //! | option | default | meaning |
 //! |---|---|---|
+//! | `fencing` | `false` | issue fencing tokens (see above) |
 //! | `keepalive` | `5s` | liveness check cadence of sessions that hold locks |
 //! | `connections` | `4` | lock sessions (1 to 64) |
 //! | `wait_connections` | `4` | sessions for native waits (0 to 64) |
 //! | `connect_timeout` | `10s` | how long opening a session may take |
+//! | `statement_timeout` | `10s` | the most one short statement (a try, a release) may take before its connection is dropped and its locks reported lost (10 ms to 365 days) |
 //!
 //! # Transaction-bound locks
 //!
@@ -122,7 +140,7 @@ use std::time::{Duration, Instant};
 use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::session::{
-    Driver, Opened, SessionBackend, SessionBuilder, SessionOptions, contention, open_first,
+    Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions, contention,
 };
 use session::{OracleConnector, OracleTarget, map_error, run_call};
 pub use statements::dbms_lock_id;
@@ -145,10 +163,12 @@ pub type OracleBackend = SessionBackend<Oracle>;
 /// Builds an [`OracleBackend`] with options.
 pub type OracleBuilder = SessionBuilder<Oracle>;
 
+impl Fencing for Oracle {}
+
 impl Driver for Oracle {
     const BACKEND: &'static str = "OracleBackend";
     const BUILDER: &'static str = "OracleBuilder";
-    const FENCING: bool = false;
+    const FENCING: bool = true;
 
     type Target = OracleTarget;
     type Connector = OracleConnector;
@@ -158,10 +178,18 @@ impl Driver for Oracle {
     }
 
     fn open(target: OracleTarget, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
-        Box::pin(open_first(OracleConnector {
+        let connector = OracleConnector {
             target,
             connect_timeout: options.connect_timeout,
-        }))
+            fencing: options.fencing,
+        };
+        Box::pin(async move {
+            let first = crate::session::Connector::open(&connector).await?;
+            if connector.fencing {
+                first.create_fencing_table().await?;
+            }
+            Ok((connector, first))
+        })
     }
 
     fn fmt_target(target: &OracleTarget, f: &mut std::fmt::DebugStruct<'_, '_>) {

@@ -95,8 +95,10 @@ pub(super) fn map_error_text(what: &str, text: &str) -> Failure {
         ErrorClass::NoGrant => Failure::statement(LockError::backend(
             NAME,
             format!(
-                "{what}: the user may not call DBMS_LOCK; have a DBA run \
-                 `GRANT EXECUTE ON SYS.DBMS_LOCK TO <user>`. Server message: {text}"
+                "{what}: the user may not call DBMS_LOCK (or, with fencing=true, write the table \
+                 dlock_fencing); have a DBA run `GRANT EXECUTE ON SYS.DBMS_LOCK TO <user>` \
+                 (and `GRANT SELECT, INSERT, UPDATE ON dlock_fencing TO <user>`). Server \
+                 message: {text}"
             ),
             oracle_code(text),
             None,
@@ -133,22 +135,73 @@ pub(super) fn join_failure(what: &str) -> Failure {
     ))
 }
 
+/// Runs `call` and reads its first OUT bind.
 pub(super) fn run_call(
     conn: &oracle::Connection,
     call: &Call,
 ) -> Result<Option<i64>, oracle::Error> {
-    let out_type = oracle::sql_type::OracleType::Number(10, 0);
-    let values: Vec<&dyn oracle::sql_type::ToSql> = call
+    Ok(run_outs(conn, call)?.into_iter().next().flatten())
+}
+
+/// Runs `call` (binding by position) and reads its OUT binds, in order.
+pub(super) fn run_outs(
+    conn: &oracle::Connection,
+    call: &Call,
+) -> Result<Vec<Option<i64>>, oracle::Error> {
+    use oracle::sql_type::{OracleType, ToSql};
+    let number = OracleType::Number(10, 0);
+    let token = OracleType::Number(19, 0);
+    let values: Vec<&dyn ToSql> = call
         .params
         .iter()
         .map(|param| match param {
-            Param::OutNumber => &out_type as &dyn oracle::sql_type::ToSql,
-            Param::Number(number) => number as &dyn oracle::sql_type::ToSql,
+            Param::OutNumber => &number as &dyn ToSql,
+            Param::OutToken => &token as &dyn ToSql,
+            Param::Number(value) => value as &dyn ToSql,
         })
         .collect();
     let mut statement = conn.statement(call.sql).build()?;
     statement.execute(&values)?;
-    statement.bind_value::<usize, Option<i64>>(1)
+    call.params
+        .iter()
+        .enumerate()
+        .filter(|(_, param)| matches!(param, Param::OutNumber | Param::OutToken))
+        .map(|(at, _)| statement.bind_value::<usize, Option<i64>>(at + 1))
+        .collect()
+}
+
+/// Makes sure the fencing table is there and usable (blocking): a table this user sees needs
+/// only its three privileges (never `CREATE TABLE`); a missing one is created.
+pub(super) fn create_fencing_table(conn: &oracle::Connection) -> Result<(), LockError> {
+    match conn.query_row_as::<i64>(FENCING_TABLE_CHECK_SQL, &[]) {
+        Ok(_) => {
+            for check in [FENCING_UPDATE_CHECK_SQL, FENCING_INSERT_CHECK_SQL] {
+                if let Err(err) = conn.execute(check, &[]) {
+                    let _ = conn.rollback();
+                    let text = err.to_string();
+                    return Err(if text.contains(NO_PRIVILEGE_ERROR) {
+                        fencing_privilege_error(&text)
+                    } else {
+                        map_error("checking the fencing table dlock_fencing", &err).error
+                    });
+                }
+            }
+            conn.rollback()
+                .map_err(|err| map_error("checking the fencing table dlock_fencing", &err).error)
+        }
+        Err(err) if err.to_string().contains(NO_TABLE_ERROR) => {
+            match conn.execute(FENCING_TABLE_SQL, &[]) {
+                Ok(_) => Ok(()),
+                // Another process created it at the same moment.
+                Err(err) if err.to_string().contains(NAME_USED_ERROR) => Ok(()),
+                Err(err) if err.to_string().contains(NO_PRIVILEGE_ERROR) => {
+                    Err(fencing_create_error(&err.to_string()))
+                }
+                Err(err) => Err(map_error("creating the fencing table dlock_fencing", &err).error),
+            }
+        }
+        Err(err) => Err(map_error("looking for the fencing table dlock_fencing", &err).error),
+    }
 }
 
 pub(super) fn ping(conn: &oracle::Connection) -> Result<(), oracle::Error> {
@@ -177,6 +230,7 @@ impl std::fmt::Debug for OracleTarget {
 pub struct OracleConnector {
     pub(super) target: OracleTarget,
     pub(super) connect_timeout: Duration,
+    pub(super) fencing: bool,
 }
 
 impl Connector for OracleConnector {
@@ -203,6 +257,7 @@ impl Connector for OracleConnector {
             connect_string,
         } = self.target.clone();
         let timeout = self.connect_timeout;
+        let fencing = self.fencing;
         Box::pin(async move {
             let opening = tokio::task::spawn_blocking(move || {
                 oracle::Connector::new(user, password, connect_string).connect()
@@ -210,6 +265,7 @@ impl Connector for OracleConnector {
             match tokio::time::timeout(timeout, opening).await {
                 Ok(Ok(Ok(conn))) => Ok(OracleSession {
                     conn: Arc::new(conn),
+                    fencing,
                 }),
                 Ok(Ok(Err(err))) => Err(map_error("connecting to Oracle", &err).error),
                 Ok(Err(_)) => Err(join_failure("connecting to Oracle").error),
@@ -235,9 +291,66 @@ pub struct OracleResource {
 #[derive(Debug)]
 pub struct OracleSession {
     conn: Arc<oracle::Connection>,
+    fencing: bool,
 }
 
 impl OracleSession {
+    /// Sets up the fencing table on this session (at open).
+    pub(super) async fn create_fencing_table(&self) -> Result<(), LockError> {
+        let conn = Arc::clone(&self.conn);
+        match tokio::task::spawn_blocking(move || create_fencing_table(&conn)).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(join_failure("setting up the fencing table").error),
+        }
+    }
+
+    /// A fenced request: the lock and, with a grant, its token in the same block. On a
+    /// failure after the lock may have been granted, the lock is given back first (the block
+    /// does it itself for errors it catches; this covers the rest).
+    async fn lock_fenced(
+        &mut self,
+        resource: &OracleResource,
+        wait: Duration,
+    ) -> Result<Option<LaneGrant>, Failure> {
+        let call = request_fenced_call(resource.id, timeout_secs(wait));
+        let outs = match self
+            .blocking("taking a lock", move |conn| run_outs(conn, &call))
+            .await
+        {
+            Ok(outs) => outs,
+            Err(failure) => return Err(self.give_back(resource, failure).await),
+        };
+        let code = outs.first().copied().flatten();
+        let token = outs.get(1).copied().flatten();
+        if code == Some(4) && !wait.is_zero() {
+            return Err(Failure::statement(already_own()));
+        }
+        match fenced_result(code, token) {
+            Ok(token) => Ok(token.map(|token| LaneGrant { token: Some(token) })),
+            // Granted, but without a token: not kept.
+            Err(error) if code == Some(0) => {
+                Err(self.give_back(resource, Failure::statement(error)).await)
+            }
+            Err(error) => Err(Failure::statement(error)),
+        }
+    }
+
+    /// Gives back `resource` after `failure`, if the session is still usable; a session on
+    /// which that fails is given up (closing it ends its locks on the server).
+    async fn give_back(&mut self, resource: &OracleResource, failure: Failure) -> Failure {
+        if !failure.connection_ok {
+            return failure;
+        }
+        let call = release_call(resource.id);
+        match self
+            .blocking("releasing a lock", move |conn| run_call(conn, &call))
+            .await
+        {
+            Ok(code) if release_result(code).is_ok() => failure,
+            _ => Failure::connection(failure.error),
+        }
+    }
+
     async fn blocking<T, F>(&self, what: &'static str, f: F) -> Result<T, Failure>
     where
         T: Send + 'static,
@@ -263,17 +376,14 @@ impl Session for OracleSession {
     ) -> BoxFuture<'a, Result<Option<LaneGrant>, Failure>> {
         let call = request_call(resource.id, Scope::Session, timeout_secs(wait));
         Box::pin(async move {
+            if self.fencing {
+                return self.lock_fenced(resource, wait).await;
+            }
             let code = self
                 .blocking("taking a lock", move |conn| run_call(conn, &call))
                 .await?;
             if code == Some(4) && !wait.is_zero() {
-                // Wait sessions hold nothing while they wait, so this cannot happen; answering
-                // it as contention would make the wait spin on the server.
-                return Err(Failure::statement(dbms_error(
-                    "REQUEST",
-                    4,
-                    "the waiting session already owns this lock id",
-                )));
+                return Err(Failure::statement(already_own()));
             }
             match request_result(code) {
                 Ok(Grant::Granted) => Ok(Some(LaneGrant::PLAIN)),
@@ -307,6 +417,34 @@ impl Session for OracleSession {
         }));
         None
     }
+}
+
+impl Drop for OracleSession {
+    /// A session dropped with a blocking call still in flight (a lane statement that outlived
+    /// `statement_timeout`) would stay open, with its locks, until that call returned, since
+    /// the call shares the connection: the call is broken off (`OCIBreak`), so the session
+    /// closes and the server frees its locks.
+    fn drop(&mut self) {
+        if Arc::strong_count(&self.conn) > 1
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            let conn = Arc::clone(&self.conn);
+            drop(runtime.spawn_blocking(move || {
+                let _ = conn.break_execution();
+            }));
+        }
+    }
+}
+
+/// The error for a wait answered 4 ("already own"). Wait sessions hold nothing while they
+/// wait, so this cannot happen; answering it as contention would make the wait spin on the
+/// server.
+fn already_own() -> LockError {
+    dbms_error(
+        "REQUEST",
+        4,
+        "the waiting session already owns this lock id",
+    )
 }
 
 #[cfg(test)]

@@ -22,6 +22,56 @@ lockmode => DBMS_LOCK.X_MODE, timeout => :3, release_on_commit => FALSE); END;";
 pub(super) const REQUEST_TRANSACTION_SQL: &str = "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, \
 lockmode => DBMS_LOCK.X_MODE, timeout => :3, release_on_commit => TRUE); END;";
 
+/// `DBMS_LOCK.REQUEST` in exclusive mode, held by the session, that, only when the lock is
+/// granted, increments its fencing counter and commits it, in the same block (one round
+/// trip). `:1` lock id, `:2` timeout (IN); `:3` return code, `:4` token (OUT, `NULL` when not
+/// granted). Each bind appears once, in the order of its number, so binding by position is
+/// unambiguous. A failure after the grant rolls the counter back, gives the lock back, and
+/// raises the error again: no lock is kept without its token. The session lock survives the
+/// `COMMIT` (`release_on_commit => FALSE`), and a committed token is never issued again, also
+/// across server restarts.
+pub(super) const REQUEST_FENCED_SQL: &str = "DECLARE k INTEGER := :1; r INTEGER; t NUMBER; \
+BEGIN \
+r := DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.X_MODE, timeout => :2, release_on_commit => FALSE); \
+IF r = 0 THEN \
+BEGIN \
+UPDATE dlock_fencing SET token = token + 1 WHERE id = k RETURNING token INTO t; \
+IF SQL%ROWCOUNT = 0 THEN INSERT INTO dlock_fencing (id, token) VALUES (k, 1); t := 1; END IF; \
+COMMIT; \
+EXCEPTION WHEN OTHERS THEN \
+ROLLBACK; \
+r := DBMS_LOCK.RELEASE(id => k); \
+RAISE; \
+END; \
+END IF; \
+:3 := r; \
+:4 := t; \
+END;";
+
+/// Whether the fencing table can be read (it exists, and this user sees it): fails with
+/// ORA-00942 otherwise.
+pub(super) const FENCING_TABLE_CHECK_SQL: &str = "SELECT COUNT(*) FROM dlock_fencing WHERE 1 = 0";
+/// Whether this user may update the fencing table (checked when parsed; touches no row).
+pub(super) const FENCING_UPDATE_CHECK_SQL: &str =
+    "UPDATE dlock_fencing SET token = token WHERE 1 = 0";
+/// Whether this user may insert into the fencing table (checked when parsed; inserts nothing).
+pub(super) const FENCING_INSERT_CHECK_SQL: &str =
+    "INSERT INTO dlock_fencing (id, token) SELECT 0, 0 FROM DUAL WHERE 1 = 0";
+/// Creates the fencing table: one counter row per `DBMS_LOCK` id.
+pub(super) const FENCING_TABLE_SQL: &str =
+    "CREATE TABLE dlock_fencing (id NUMBER(10) PRIMARY KEY, token NUMBER(19) NOT NULL)";
+/// What an administrator runs for a user that may not create the fencing table.
+pub(super) const FENCING_GRANTS: &str = "CREATE TABLE <owner>.dlock_fencing (id NUMBER(10) PRIMARY KEY, \
+token NUMBER(19) NOT NULL); GRANT SELECT, INSERT, UPDATE ON <owner>.dlock_fencing TO <user>; \
+CREATE SYNONYM <user>.dlock_fencing FOR <owner>.dlock_fencing";
+
+/// ORA-00942: table or view does not exist (or is out of this user's sight).
+pub(super) const NO_TABLE_ERROR: &str = "ORA-00942";
+/// ORA-00955: name is already used by an existing object.
+pub(super) const NAME_USED_ERROR: &str = "ORA-00955";
+/// ORA-01031: insufficient privileges.
+pub(super) const NO_PRIVILEGE_ERROR: &str = "ORA-01031";
+
 /// `DBMS_LOCK.RELEASE`.
 pub(super) const RELEASE_SQL: &str = "BEGIN :1 := DBMS_LOCK.RELEASE(id => :2); END;";
 
@@ -49,6 +99,8 @@ pub fn dbms_lock_id(key: &str) -> i32 {
 pub(super) enum Param {
     /// An OUT bind for the function's result, `NUMBER(10)`.
     OutNumber,
+    /// An OUT bind for a fencing token, `NUMBER(19)`.
+    OutToken,
     /// An IN bind, `NUMBER` from a Rust `i64`.
     Number(i64),
 }
@@ -89,6 +141,60 @@ pub(super) fn request_call(id: i32, scope: Scope, timeout_secs: i64) -> Call {
             Param::Number(timeout_secs),
         ],
     }
+}
+
+/// The fenced `DBMS_LOCK.REQUEST` of a session lock ([`REQUEST_FENCED_SQL`]).
+pub(super) fn request_fenced_call(id: i32, timeout_secs: i64) -> Call {
+    Call {
+        sql: REQUEST_FENCED_SQL,
+        params: vec![
+            Param::Number(i64::from(id)),
+            Param::Number(timeout_secs),
+            Param::OutNumber,
+            Param::OutToken,
+        ],
+    }
+}
+
+/// Reads the answer of a fenced request: its return code (as [`request_result`]) and the
+/// token issued with a grant. A grant must carry a positive token; one without is an error
+/// (the caller gives the lock back).
+pub(super) fn fenced_result(
+    code: Option<i64>,
+    token: Option<i64>,
+) -> Result<Option<u64>, LockError> {
+    match request_result(code)? {
+        Grant::NotGranted => Ok(None),
+        Grant::Granted => match token.and_then(|t| u64::try_from(t).ok()).filter(|t| *t > 0) {
+            Some(token) => Ok(Some(token)),
+            None => Err(LockError::backend(
+                NAME,
+                format!(
+                    "DBMS_LOCK.REQUEST granted the lock, but the fencing counter in \
+                     dlock_fencing answered {token:?} instead of a positive token; the lock \
+                     was given back"
+                ),
+                None,
+                None,
+            )),
+        },
+    }
+}
+
+/// The error for a fencing table this user sees but lacks a privilege on (`ORA-01031`).
+pub(super) fn fencing_privilege_error(text: &str) -> LockError {
+    LockError::config(format!(
+        "fencing=true: this user lacks a privilege the table dlock_fencing needs (all three of \
+         SELECT, INSERT and UPDATE); an administrator grants them: {FENCING_GRANTS} ({text})"
+    ))
+}
+
+/// The error for a fencing table this user neither sees nor may create.
+pub(super) fn fencing_create_error(text: &str) -> LockError {
+    LockError::config(format!(
+        "fencing=true needs the table dlock_fencing, which this user does not see and may not \
+         create; an administrator creates it and grants it: {FENCING_GRANTS} ({text})"
+    ))
 }
 
 pub(super) fn release_call(id: i32) -> Call {
@@ -179,6 +285,96 @@ mod tests {
         assert_eq!(
             call.params,
             vec![Param::OutNumber, Param::Number(7), Param::Number(5)]
+        );
+    }
+
+    #[test]
+    fn fenced_request_statement_and_parameters() {
+        let call = request_fenced_call(123, 4);
+        assert_eq!(
+            call.sql,
+            "DECLARE k INTEGER := :1; r INTEGER; t NUMBER; BEGIN \
+             r := DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.X_MODE, timeout => :2, \
+             release_on_commit => FALSE); \
+             IF r = 0 THEN BEGIN \
+             UPDATE dlock_fencing SET token = token + 1 WHERE id = k RETURNING token INTO t; \
+             IF SQL%ROWCOUNT = 0 THEN INSERT INTO dlock_fencing (id, token) VALUES (k, 1); t := 1; END IF; \
+             COMMIT; \
+             EXCEPTION WHEN OTHERS THEN ROLLBACK; r := DBMS_LOCK.RELEASE(id => k); RAISE; \
+             END; END IF; :3 := r; :4 := t; END;"
+        );
+        assert_eq!(
+            call.params,
+            vec![
+                Param::Number(123),
+                Param::Number(4),
+                Param::OutNumber,
+                Param::OutToken
+            ]
+        );
+        // Each placeholder appears once, in the order of its number (positional binds of a
+        // PL/SQL block go by unique name).
+        let positions: Vec<usize> = (1..=4)
+            .map(|n| {
+                let placeholder = format!(":{n}");
+                assert_eq!(call.sql.matches(&placeholder).count(), 1, "{placeholder}");
+                call.sql.find(&placeholder).unwrap()
+            })
+            .collect();
+        assert!(positions.windows(2).all(|w| w[0] < w[1]), "{positions:?}");
+        // The counter is touched only after a grant (0), and committed with the lock kept.
+        let granted = call.sql.find("IF r = 0 THEN").unwrap();
+        assert!(call.sql.find("UPDATE dlock_fencing").unwrap() > granted);
+        assert!(call.sql.contains("release_on_commit => FALSE"));
+    }
+
+    #[test]
+    fn fencing_table_statements() {
+        assert_eq!(
+            FENCING_TABLE_CHECK_SQL,
+            "SELECT COUNT(*) FROM dlock_fencing WHERE 1 = 0"
+        );
+        assert_eq!(
+            FENCING_UPDATE_CHECK_SQL,
+            "UPDATE dlock_fencing SET token = token WHERE 1 = 0"
+        );
+        assert_eq!(
+            FENCING_INSERT_CHECK_SQL,
+            "INSERT INTO dlock_fencing (id, token) SELECT 0, 0 FROM DUAL WHERE 1 = 0"
+        );
+        assert_eq!(
+            FENCING_TABLE_SQL,
+            "CREATE TABLE dlock_fencing (id NUMBER(10) PRIMARY KEY, token NUMBER(19) NOT NULL)"
+        );
+        let err = fencing_create_error("ORA-01031: insufficient privileges").to_string();
+        assert!(
+            err.contains("GRANT SELECT, INSERT, UPDATE ON <owner>.dlock_fencing TO <user>"),
+            "{err}"
+        );
+        assert!(err.contains("ORA-01031"), "{err}");
+        let err = fencing_privilege_error("ORA-01031").to_string();
+        assert!(
+            err.contains("all three of SELECT, INSERT and UPDATE"),
+            "{err}"
+        );
+        // Every id fits the counter's key column.
+        assert!(MAX_USER_ID < 10_i64.pow(10));
+    }
+
+    #[test]
+    fn fenced_results() {
+        assert_eq!(fenced_result(Some(0), Some(1)).unwrap(), Some(1));
+        assert_eq!(fenced_result(Some(0), Some(77)).unwrap(), Some(77));
+        assert_eq!(fenced_result(Some(1), None).unwrap(), None);
+        assert_eq!(fenced_result(Some(4), Some(3)).unwrap(), None);
+        for token in [None, Some(0), Some(-1)] {
+            let err = fenced_result(Some(0), token).unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.BackendError");
+            assert!(err.to_string().contains("given back"), "{err}");
+        }
+        assert_eq!(
+            fenced_result(Some(2), None).unwrap_err().db_code(),
+            Some("DBMS_LOCK 2")
         );
     }
 

@@ -20,7 +20,7 @@ url_keys! {
 }
 
 impl OwnKey for OracleOption {
-    const FENCING: bool = false;
+    const FENCING: bool = true;
 }
 
 /// Reads an `oracle://` URL; its options are checked by the caller.
@@ -76,6 +76,30 @@ mod tests {
     }
 
     #[test]
+    fn fencing_and_statement_timeout_from_the_url_and_the_builder() {
+        let b = OracleBackend::builder_from_url("oracle://u:p@h/svc").unwrap();
+        assert!(!b.options.fencing);
+        assert_eq!(b.options.statement_timeout, Duration::from_secs(10));
+        let b =
+            OracleBackend::builder_from_url("oracle://u:p@h/svc?fencing=on&statement_timeout=2s")
+                .unwrap();
+        assert!(b.options.fencing);
+        assert_eq!(b.options.statement_timeout, Duration::from_secs(2));
+        let b = OracleBackend::builder("u", "p", "//h/svc")
+            .fencing(true)
+            .statement_timeout(Duration::from_millis(500));
+        assert!(b.options.fencing);
+        assert_eq!(b.options.statement_timeout, Duration::from_millis(500));
+        let err = OracleBackend::builder_from_url("oracle://u:p@h/svc?statement_timeout=1ms")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("statement_timeout is 1ms, but it must be at least 10ms"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn url_errors_never_show_the_password() {
         for case in [
             "oracle://app:hunter2@db/x?bogus=1",
@@ -85,6 +109,10 @@ mod tests {
             "oracle://app:hunter2@db/x?connect_timeout=0",
             "oracle://app:hunter2@db/x?connect_timeout=10000000000000000s",
             "oracle://app:hunter2@db/x?keepalive=10000000000000000s",
+            "oracle://app:hunter2@db/x?statement_timeout=soon",
+            "oracle://app:hunter2@db/x?statement_timeout=1ms",
+            "oracle://app:hunter2@db/x?statement_timeout=10000000000000000s",
+            "oracle://app:hunter2@db/x?fencing=perhaps",
             "oracle://:hunter2@db/x",
             "oracle://app:hunter2@/x",
             "oracle://app:hunter2@db/x/y",

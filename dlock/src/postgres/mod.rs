@@ -79,8 +79,8 @@
 //! reports the loss once, as [`LockError::Lost`].
 //!
 //! A lock connection checks itself between statements; if the network is cut while one of its
-//! short statements (a try, an unlock) is in flight, that statement is given up after 10 s,
-//! and the connection's locks are reported lost then.
+//! short statements (a try, an unlock) is in flight, that statement is given up after
+//! `statement_timeout` (default 10 s), and the connection's locks are reported lost then.
 //!
 //! [`LockGuard::release`]: crate::LockGuard::release
 //!
@@ -141,6 +141,7 @@
 //! | `connections` | `4` | lock connections (1 to 64) |
 //! | `wait_connections` | `4` | connections for native waits (0 to 64) |
 //! | `connect_timeout` | `10s` | how long opening a connection may take |
+//! | `statement_timeout` | `10s` | the most one short statement (a try, a release) may take before its connection is dropped and its locks reported lost (10 ms to 365 days) |
 //!
 //! # Transaction-bound locks and PgBouncer
 //!

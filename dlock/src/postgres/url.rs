@@ -93,9 +93,32 @@ mod tests {
             "postgres://h/db?keepalive=1ms",
             "postgres://h/db?fencng=true",
             "postgres://h:notaport/db",
+            "postgres://h/db?statement_timeout=soon",
+            "postgres://h/db?statement_timeout=5ms",
+            "postgres://h/db?statement_timeout=10000000000000000s",
         ] {
             let err = PostgresBackend::builder_from_url(bad).unwrap_err();
             assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
         }
+    }
+
+    #[test]
+    fn statement_timeout_from_the_url_and_the_builder() {
+        let b = PostgresBackend::builder_from_url("postgres://h/db").unwrap();
+        assert_eq!(b.options.statement_timeout, Duration::from_secs(10));
+        let b =
+            PostgresBackend::builder_from_url("postgres://h/db?statement_timeout=1500ms").unwrap();
+        assert_eq!(b.options.statement_timeout, Duration::from_millis(1500));
+        // The driver never sees it (it would be taken for a server setting).
+        assert!(!format!("{:?}", b.target).contains("1500"));
+        let b = b.statement_timeout(Duration::from_secs(3));
+        assert_eq!(b.options.statement_timeout, Duration::from_secs(3));
+        let err = PostgresBackend::builder_from_url("postgres://h/db?statement_timeout=9ms")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("statement_timeout is 9ms, but it must be at least 10ms"),
+            "{err}"
+        );
     }
 }

@@ -55,11 +55,7 @@ impl<C: Connector> Lanes<C> {
         let mut first = Some(first);
         let mut lanes = Vec::with_capacity(settings.connections);
         for _ in 0..settings.connections {
-            lanes.push(Mutex::new(Lane::spawn(
-                &connector,
-                settings.keepalive,
-                first.take(),
-            )));
+            lanes.push(Mutex::new(Lane::spawn(&connector, &settings, first.take())));
         }
         Ok(Lanes {
             connector,
@@ -92,7 +88,7 @@ impl<C: Connector> Lanes<C> {
         let mut sender = lane.lock().unwrap_or_else(PoisonError::into_inner);
         if sender.is_closed() {
             Self::check_runtime()?;
-            *sender = Lane::spawn(&self.connector, self.settings.keepalive, None);
+            *sender = Lane::spawn(&self.connector, &self.settings, None);
         }
         Ok(sender.clone())
     }
@@ -223,6 +219,7 @@ impl<C: Connector> Lanes<C> {
             claim,
             deadline,
             keepalive: self.settings.keepalive,
+            statement_timeout: self.settings.statement_timeout,
             pool: Arc::clone(&self.waits),
             interrupter: self.lane()?,
             lost: lost.clone(),
@@ -262,6 +259,7 @@ impl<C: Connector> Debug for Lanes<C> {
             .field("connections", &self.lanes.len())
             .field("wait_connections", &self.settings.wait_connections)
             .field("keepalive", &self.settings.keepalive)
+            .field("statement_timeout", &self.settings.statement_timeout)
             .finish()
     }
 }
@@ -277,7 +275,48 @@ pub(super) fn lane_gone<C: Connector>() -> LockError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::session::model::{ModelSession, Server, model_lanes};
+    use crate::session::model::{ModelSession, Server, model_lanes, model_lanes_with, settings};
+
+    /// A lane statement that outlives `statement_timeout` is given up: the try answers
+    /// `Unavailable` at the bound (not at the old fixed 10 s), the lane's session is dropped,
+    /// and the locks it held are reported lost and freed on the server.
+    #[tokio::test]
+    async fn a_statement_outliving_statement_timeout_drops_the_session() {
+        let server = Arc::new(Server::default());
+        let mut lane_settings = settings(1, 0);
+        lane_settings.statement_timeout = Duration::from_millis(100);
+        let lanes = model_lanes_with(&server, lane_settings).await;
+        let held = lanes.try_acquire("a").await.unwrap().expect("free");
+        server
+            .hang
+            .lock()
+            .unwrap()
+            .insert(lanes.connector().resource("b"));
+        let started = Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(3), lanes.try_acquire("b"))
+            .await
+            .expect("the statement was not bounded by statement_timeout")
+            .unwrap_err();
+        assert!(started.elapsed() >= Duration::from_millis(100));
+        assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
+        assert!(err.to_string().contains("statement_timeout"), "{err}");
+        assert!(
+            held.lost.is_cancelled(),
+            "the lane's locks are reported lost"
+        );
+        assert!(
+            server.locks.lock().unwrap().is_empty(),
+            "the session, and its lock, were dropped"
+        );
+        server.hang.lock().unwrap().clear();
+        let again = lanes
+            .try_acquire("a")
+            .await
+            .unwrap()
+            .expect("a new session");
+        again.handle.release().await.unwrap();
+        held.handle.release().await.unwrap();
+    }
 
     /// Acquisitions of one backend (two providers on clones of it share its lanes) never both
     /// get a resource, although the one lane's session would let them re-enter.

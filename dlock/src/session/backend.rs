@@ -55,6 +55,30 @@ impl<E: Engine> SessionBuilder<E> {
         self
     }
 
+    /// The most one short statement may take (default 10 s, 10 ms to 365 days): a try or a
+    /// release on a lock connection (with the fencing token it issues), or a release on a
+    /// wait connection. A statement that outlives it is given up, its connection is dropped,
+    /// and every lock that connection held is reported lost (the server ends them with the
+    /// session). Native waits are not bounded by it: their timeout is the caller's. The same
+    /// on every engine; the URL option `statement_timeout` sets it too.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    ///
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn demo() -> Result<(), dlock::LockError> {
+    /// let backend = dlock::postgres::PostgresBackend::builder_from_url("postgres://app@db.internal/app")?
+    ///     .statement_timeout(Duration::from_secs(2))
+    ///     .open()
+    ///     .await?;
+    /// assert_eq!(backend.statement_timeout(), Duration::from_secs(2));
+    /// # Ok(()) }
+    /// ```
+    pub fn statement_timeout(mut self, statement_timeout: Duration) -> Self {
+        self.options.statement_timeout = statement_timeout;
+        self
+    }
+
     /// The number of lock connections, which hold the locks taken without waiting (default 4,
     /// 1 to 64).
     pub fn connections(mut self, connections: usize) -> Self {
@@ -139,6 +163,11 @@ impl<E: Engine> SessionBackend<E> {
     /// The liveness check cadence.
     pub fn keepalive(&self) -> Duration {
         self.options.keepalive
+    }
+
+    /// The bound of one short statement (see [`SessionBuilder::statement_timeout`]).
+    pub fn statement_timeout(&self) -> Duration {
+        self.options.statement_timeout
     }
 
     /// The open backend's connector.

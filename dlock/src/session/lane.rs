@@ -9,14 +9,11 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::acquire::lane_gone;
-use super::claims::Claim;
+use super::claims::{Claim, SETTLE_LIMIT};
+use super::options::LaneSettings;
 use super::traits::{Connector, Grant, InterruptOf, Session};
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
-
-/// The most a lock, unlock or interrupt statement on a lane may take before its connection
-/// is presumed dead (pings have [`Connector::PING_TIMEOUT`]).
-pub(super) const STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
 
 // Lanes.
 
@@ -56,6 +53,9 @@ pub(super) struct LaneLock<C: Connector> {
 pub(super) struct Lane<C: Connector> {
     connector: Arc<C>,
     keepalive: Duration,
+    /// The most a lock or unlock statement may take before the session is presumed dead
+    /// (`statement_timeout`; pings have [`Connector::PING_TIMEOUT`]).
+    statement_timeout: Duration,
     session: Option<C::Session>,
     held: HashMap<u64, LaneLock<C>>,
 }
@@ -65,13 +65,14 @@ impl<C: Connector> Lane<C> {
     /// needed) and returns its command channel.
     pub(super) fn spawn(
         connector: &Arc<C>,
-        keepalive: Duration,
+        settings: &LaneSettings,
         session: Option<C::Session>,
     ) -> mpsc::UnboundedSender<LaneCommand<C>> {
         let (tx, rx) = mpsc::unbounded_channel();
         let lane = Lane {
             connector: Arc::clone(connector),
-            keepalive,
+            keepalive: settings.keepalive,
+            statement_timeout: settings.statement_timeout,
             session,
             held: HashMap::new(),
         };
@@ -142,8 +143,10 @@ impl<C: Connector> Lane<C> {
             LaneCommand::Ping { reply } => {
                 let reused = self.session.is_some();
                 let mut outcome = self.ping().await;
-                // An idle session that died (a server restart) is replaced once, as for a try.
-                if outcome.is_err() && reused && self.held.is_empty() {
+                // A session that died (a server restart, a killed session) is replaced once:
+                // the ping answers for the store, and the locks of the dead session have just
+                // been reported lost.
+                if outcome.is_err() && reused {
                     outcome = self.ping().await;
                 }
                 let _ = reply.send(outcome);
@@ -183,38 +186,50 @@ impl<C: Connector> Lane<C> {
         self.session.as_mut().ok_or_else(lane_gone::<C>)
     }
 
-    /// One try. An idle session found dead (nothing held on it) is replaced once.
+    /// One try. A session found dead is replaced once (its locks have just been reported
+    /// lost), except after a statement that outlived `statement_timeout` on a session that held
+    /// locks: the server may still run that session, holding what it was granted, and a retry
+    /// would answer that the key is held (by the abandoned session) instead of the failure.
     async fn try_lock(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
         let reused = self.session.is_some();
+        // Known only before the try: a failure drains `held`.
+        let idle = self.held.is_empty();
         match self.try_once(resource).await {
-            Err(_) if reused && self.session.is_none() && self.held.is_empty() => {
-                self.try_once(resource).await
+            Err(failed) if reused && self.session.is_none() && (idle || !failed.timed_out) => {
+                self.try_once(resource).await.map_err(|failed| failed.error)
             }
-            other => other,
+            other => other.map_err(|failed| failed.error),
         }
     }
 
-    async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
+    async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, TryFailed> {
+        let bound = self.statement_timeout;
         let session = self.session().await?;
-        let outcome =
-            tokio::time::timeout(STATEMENT_TIMEOUT, session.lock(resource, Duration::ZERO)).await;
+        let outcome = tokio::time::timeout(bound, session.lock(resource, Duration::ZERO)).await;
         match outcome {
             Ok(Ok(granted)) => Ok(granted),
             Ok(Err(failure)) => {
                 if !failure.connection_ok {
                     self.die("the lock connection failed");
                 }
-                Err(failure.error)
+                Err(TryFailed {
+                    error: failure.error,
+                    timed_out: false,
+                })
             }
             Err(_) => {
                 self.die("the lock connection stopped answering");
-                Err(LockError::unavailable(
-                    C::NAME,
-                    format!(
-                        "the server did not answer a lock statement within {STATEMENT_TIMEOUT:?}"
+                Err(TryFailed {
+                    error: LockError::unavailable(
+                        C::NAME,
+                        format!(
+                            "the server did not answer a lock statement within {bound:?} \
+                             (statement_timeout); the connection was dropped"
+                        ),
+                        None,
                     ),
-                    None,
-                ))
+                    timed_out: true,
+                })
             }
         }
     }
@@ -227,7 +242,7 @@ impl<C: Connector> Lane<C> {
         let Some(session) = self.session.as_mut() else {
             return;
         };
-        match tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&lock.resource)).await {
+        match tokio::time::timeout(self.statement_timeout, session.unlock(&lock.resource)).await {
             Ok(Ok(())) => {}
             Ok(Err(failure)) if failure.connection_ok => {
                 tracing::warn!(backend = C::NAME, error = %failure.error, "releasing a lock failed; closing its connection");
@@ -239,12 +254,15 @@ impl<C: Connector> Lane<C> {
         }
     }
 
-    /// Runs an abandoned wait's interrupt request from this lane's session.
+    /// Runs an abandoned wait's interrupt request from this lane's session: its statements,
+    /// and watching the server until the wait has settled (which the engine bounds by
+    /// [`SETTLE_LIMIT`]).
     async fn interrupt(&mut self, request: InterruptOf<C>) {
+        let bound = self.statement_timeout.saturating_add(SETTLE_LIMIT);
         let Ok(session) = self.session().await else {
             return;
         };
-        match tokio::time::timeout(STATEMENT_TIMEOUT, session.run_interrupt(request)).await {
+        match tokio::time::timeout(bound, session.run_interrupt(request)).await {
             Ok(Ok(())) => {}
             Ok(Err(failure)) if failure.connection_ok => {
                 tracing::warn!(backend = C::NAME, error = %failure.error, "stopping an abandoned wait failed");
@@ -276,6 +294,22 @@ impl<C: Connector> Lane<C> {
             lock.lost.cancel();
         }
         self.session = None;
+    }
+}
+
+/// A failed try, and whether it failed by outliving `statement_timeout`.
+struct TryFailed {
+    error: LockError,
+    timed_out: bool,
+}
+
+impl From<LockError> for TryFailed {
+    /// A failure before any statement was sent (opening the session).
+    fn from(error: LockError) -> Self {
+        TryFailed {
+            error,
+            timed_out: false,
+        }
     }
 }
 

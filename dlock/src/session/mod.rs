@@ -4,8 +4,8 @@
 //! that dies.
 //!
 //! Every engine is one [`SessionBackend`], configured by one [`SessionBuilder`]: the options
-//! (`keepalive`, `connections`, `wait_connections`, `connect_timeout`, and `fencing` where
-//! the engine issues tokens) have one set of defaults, setters, URL names and checks. An engine
+//! (`keepalive`, `connections`, `wait_connections`, `connect_timeout`, `statement_timeout`,
+//! and `fencing`) have one set of defaults, setters, URL names and checks. An engine
 //! plugs in with a connector (opens sessions, maps keys to resources), a session (one server
 //! connection: lock, unlock, ping, interrupt) and a driver (its connect target, its URL, its
 //! first session). Nothing here knows SQL.
@@ -22,7 +22,8 @@
 //!
 //! - **Lanes** (`connections` of them) each own one session in one task. They run the tries
 //!   (a lock statement with a zero wait) and keep the locks so taken; statements run one at a
-//!   time per lane, never wait on the server, and are bounded by a statement timeout (10 s).
+//!   time per lane, never wait on the server, and are each bounded by `statement_timeout`
+//!   (default 10 s), as is the release of a lock a wait got.
 //! - **Waits** run on their own sessions (at most `wait_connections` at once), because a
 //!   server-side wait blocks its connection. A granted wait keeps its lock on that session
 //!   until release; the session then goes back to an idle list for the next wait. When every
@@ -70,8 +71,6 @@ pub(crate) use options::EngineKey;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use options::SessionKey;
 pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
-#[cfg(any(feature = "mssql", feature = "oracle"))]
-pub(crate) use traits::open_first;
 pub(crate) use traits::{Connector, Driver, Failure, Grant, Opened, Session};
 
 /// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a

@@ -18,6 +18,8 @@ use crate::backend::BoxFuture;
 #[derive(Debug, Default)]
 pub(super) struct Server {
     pub(super) locks: Mutex<HashMap<u64, (u64, u32)>>,
+    /// Resources whose lock statements never answer (a server that stopped responding).
+    pub(super) hang: Mutex<std::collections::HashSet<u64>>,
     next_session: AtomicU64,
 }
 
@@ -79,6 +81,9 @@ impl Session for ModelSession {
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
         Box::pin(async move {
+            if self.server.hang.lock().unwrap().contains(resource) {
+                std::future::pending::<()>().await;
+            }
             let deadline = Instant::now() + wait;
             loop {
                 if self.take(*resource) {
@@ -126,6 +131,7 @@ pub(super) fn settings(connections: usize, wait_connections: usize) -> LaneSetti
         connections,
         wait_connections,
         keepalive: Duration::from_secs(5),
+        statement_timeout: Duration::from_secs(10),
     }
 }
 
@@ -134,7 +140,11 @@ pub(super) async fn model_lanes(
     connections: usize,
     wait_connections: usize,
 ) -> Lanes<Model> {
+    model_lanes_with(server, settings(connections, wait_connections)).await
+}
+
+pub(super) async fn model_lanes_with(server: &Arc<Server>, settings: LaneSettings) -> Lanes<Model> {
     let model = Model(Arc::clone(server));
     let first = model.open().await.expect("a session");
-    Lanes::start(model, settings(connections, wait_connections), first).expect("lanes")
+    Lanes::start(model, settings, first).expect("lanes")
 }

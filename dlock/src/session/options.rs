@@ -11,16 +11,24 @@ use crate::options::{
 };
 use crate::time::{MAX_SETTING, check_setting};
 
-/// How many connections, and how often they are checked.
+/// How many connections, how often they are checked, and how long a short statement may take.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct LaneSettings {
     pub(crate) connections: usize,
     pub(crate) wait_connections: usize,
     pub(crate) keepalive: Duration,
+    pub(crate) statement_timeout: Duration,
 }
 
 /// The most lock or wait connections a backend may be configured with.
 pub(crate) const MAX_CONNECTIONS: usize = 64;
+
+/// The default [`statement_timeout`](SessionOptions::statement_timeout).
+pub(crate) const DEFAULT_STATEMENT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The shortest `statement_timeout`: below this, a healthy server's answer to a try on a
+/// loaded machine would be taken for a dead connection.
+pub(crate) const MIN_STATEMENT_TIMEOUT: Duration = Duration::from_millis(10);
 
 impl LaneSettings {
     /// Checks the settings, naming the option that is wrong.
@@ -29,6 +37,12 @@ impl LaneSettings {
             "keepalive",
             self.keepalive,
             Duration::from_millis(10),
+            MAX_SETTING,
+        )?;
+        check_setting(
+            "statement_timeout",
+            self.statement_timeout,
+            MIN_STATEMENT_TIMEOUT,
             MAX_SETTING,
         )?;
         check_count("connections", self.connections, 1..=MAX_CONNECTIONS)?;
@@ -49,6 +63,10 @@ pub struct SessionOptions {
     pub(crate) connections: usize,
     pub(crate) wait_connections: usize,
     pub(crate) keepalive: Duration,
+    /// The most one short statement on a lock connection (a try, a release, stopping an
+    /// abandoned wait) or a release on a wait connection may take before its connection is
+    /// presumed dead: the connection is dropped and the locks it held are reported lost.
+    pub(crate) statement_timeout: Duration,
 }
 
 impl Default for SessionOptions {
@@ -59,6 +77,7 @@ impl Default for SessionOptions {
             connections: 4,
             wait_connections: 4,
             keepalive: Duration::from_secs(5),
+            statement_timeout: DEFAULT_STATEMENT_TIMEOUT,
         }
     }
 }
@@ -71,6 +90,7 @@ impl SessionOptions {
             SessionKey::Fencing => self.fencing = parse_bool(name, value)?,
             SessionKey::Keepalive => self.keepalive = parse_duration(name, value)?,
             SessionKey::ConnectTimeout => self.connect_timeout = parse_duration(name, value)?,
+            SessionKey::StatementTimeout => self.statement_timeout = parse_duration(name, value)?,
             SessionKey::Connections => self.connections = parse_count(name, value)?,
             SessionKey::WaitConnections => self.wait_connections = parse_count(name, value)?,
         }
@@ -83,6 +103,7 @@ impl SessionOptions {
             connections: self.connections,
             wait_connections: self.wait_connections,
             keepalive: self.keepalive,
+            statement_timeout: self.statement_timeout,
         }
     }
 
@@ -107,6 +128,7 @@ url_keys! {
         Connections = "connections",
         WaitConnections = "wait_connections",
         ConnectTimeout = "connect_timeout",
+        StatementTimeout = "statement_timeout",
     }
 }
 
@@ -235,7 +257,7 @@ mod tests {
             .to_string();
         assert!(err.contains("unknown test URL option `fencing`"), "{err}");
         assert!(!Unfenced::names().contains(&"fencing"));
-        assert_eq!(Fenced::names().len(), 5);
+        assert_eq!(Fenced::names().len(), 6);
     }
 
     #[test]
@@ -248,7 +270,7 @@ mod tests {
         }
         let err = "Keepalive".parse::<Fenced>().unwrap_err().to_string();
         assert!(
-            err.ends_with("valid options are: fencing, keepalive, connections, wait_connections, connect_timeout"),
+            err.ends_with("valid options are: fencing, keepalive, connections, wait_connections, connect_timeout, statement_timeout"),
             "{err}"
         );
     }
@@ -256,7 +278,7 @@ mod tests {
     #[test]
     fn counts_and_durations() {
         let mut options = read_engine_query::<NoOwn<false>>(
-            "connections=+7+&wait_connections=0&keepalive=250ms&connect_timeout=3s",
+            "connections=+7+&wait_connections=0&keepalive=250ms&connect_timeout=3s&statement_timeout=1.5s",
             |key, _| match key {},
         )
         .unwrap();
@@ -264,6 +286,7 @@ mod tests {
         assert_eq!((options.connections, options.wait_connections), (7, 0));
         assert_eq!(options.keepalive, Duration::from_millis(250));
         assert_eq!(options.connect_timeout, Duration::from_secs(3));
+        assert_eq!(options.statement_timeout, Duration::from_millis(1500));
         options.check().unwrap();
         let err = options.set(SessionKey::Connections, "many").unwrap_err();
         assert!(err.to_string().contains("not a whole number"), "{err}");
@@ -276,5 +299,39 @@ mod tests {
             err.ends_with("wait_connections is 65, but it must be between 0 and 64"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn statement_timeout_default_and_bounds() {
+        let defaults = read_engine_query::<NoOwn<false>>("", |key, _| match key {}).unwrap();
+        assert_eq!(defaults.statement_timeout, Duration::from_secs(10));
+        assert_eq!(
+            defaults.settings().statement_timeout,
+            Duration::from_secs(10)
+        );
+        let mut options = defaults;
+        for (value, words) in [
+            ("9ms", "must be at least 10ms"),
+            ("0", "must be at least 10ms"),
+            ("10000000000000000s", "at most 365 days"),
+        ] {
+            options.set(SessionKey::StatementTimeout, value).unwrap();
+            let err = options.check().unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.Configuration");
+            assert!(err.to_string().contains(words), "{value}: {err}");
+            assert!(err.to_string().contains("statement_timeout"), "{err}");
+        }
+        let err = options
+            .set(SessionKey::StatementTimeout, "soon")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("statement_timeout") && err.contains("a duration"),
+            "{err}"
+        );
+        options.set(SessionKey::StatementTimeout, "10ms").unwrap();
+        options.check().unwrap();
+        options.set(SessionKey::StatementTimeout, "8760h").unwrap();
+        options.check().unwrap();
     }
 }

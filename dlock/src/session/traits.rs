@@ -124,8 +124,9 @@ pub trait Engine: Driver {}
 
 impl<T: Driver> Engine for T {}
 
-/// An engine that issues fencing tokens (PostgreSQL, MySQL): its builder has
-/// [`fencing`](super::SessionBuilder::fencing), and its URL the `fencing` option.
+/// An engine that issues fencing tokens (PostgreSQL, MySQL, SQL Server, Oracle: every one of
+/// them, opt-in): its builder has [`fencing`](super::SessionBuilder::fencing), and its URL the
+/// `fencing` option.
 pub trait Fencing: Engine {}
 
 /// What an engine gives the session engine, beside its [`Connector`] and [`Session`]: where it
@@ -163,10 +164,3 @@ pub(crate) type Opened<E> = Result<
     ),
     LockError,
 >;
-
-/// Opens the first session of `connector`: [`Driver::open`] for an engine that sets nothing up.
-#[cfg(any(feature = "mssql", feature = "oracle"))]
-pub(crate) async fn open_first<C: Connector>(connector: C) -> Result<(C, C::Session), LockError> {
-    let first = connector.open().await?;
-    Ok((connector, first))
-}

@@ -7,7 +7,7 @@ use tokio::sync::{Semaphore, mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::claims::Claim;
-use super::lane::{LaneCommand, STATEMENT_TIMEOUT};
+use super::lane::LaneCommand;
 use super::traits::{Connector, Failure, Grant, Session};
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
@@ -97,6 +97,8 @@ pub(super) struct WaitTask<C: Connector> {
     pub(super) claim: Claim<C::Resource>,
     pub(super) deadline: Option<Instant>,
     pub(super) keepalive: Duration,
+    /// The most giving the lock back may take before the session is dropped instead.
+    pub(super) statement_timeout: Duration,
     pub(super) pool: Arc<WaitPool<C::Session>>,
     /// The lane that runs this wait's interrupt request if it is abandoned.
     pub(super) interrupter: mpsc::UnboundedSender<LaneCommand<C>>,
@@ -239,7 +241,7 @@ impl<C: Connector> WaitTask<C> {
     /// frees the lock on the server) if that fails.
     async fn give_back(&self, mut session: C::Session) {
         if let Ok(Ok(())) =
-            tokio::time::timeout(STATEMENT_TIMEOUT, session.unlock(&self.resource)).await
+            tokio::time::timeout(self.statement_timeout, session.unlock(&self.resource)).await
         {
             self.put(session);
         }
