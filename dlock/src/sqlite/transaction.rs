@@ -34,7 +34,7 @@ pub(super) fn try_in_transaction(
 
 /// Locks `key` until `transaction` commits or rolls back, trying again with backoff for up to
 /// `timeout` (errors with [`LockError::Timeout`] then). Blocking: it sleeps between tries. See
-/// the [module docs](self#transaction-bound-locks) for what it can wait for.
+/// the [module docs](super#transaction-bound-locks) for what it can wait for.
 pub fn acquire_in_transaction(
     transaction: &Transaction<'_>,
     key: &str,
