@@ -24,10 +24,13 @@ struct Expect {
     release: &'static str,
     /// The renewal command: "set" (IFEQ) or "evalsha".
     extend: &'static str,
-    /// Errors the server answers while the backend finds its paths, once per connection: the
-    /// bare `DELEX` / `DELIFEQ` probes (unknown command, or wrong number of arguments where the
-    /// command exists) and a `SET .. IFEQ` that is a syntax error.
+    /// Errors the server answers while the backend finds its paths, once per connection: a
+    /// real `DELEX` / `DELIFEQ` the server does not know (unknown command), and a `SET .. IFEQ`
+    /// that is a syntax error. No bare-name probe is sent.
     probe_errors: u64,
+    /// Round trips of the first acquire + release on a new connection (the scripts already
+    /// loaded): the fenced acquisition, then each native delete tried until one is known.
+    first_cycle: u64,
 }
 
 fn expect(flavor: Flavor) -> Expect {
@@ -36,21 +39,25 @@ fn expect(flavor: Flavor) -> Expect {
             release: "evalsha",
             extend: "evalsha",
             probe_errors: 3,
+            first_cycle: 4,
         },
         Flavor::Valkey81 => Expect {
             release: "evalsha",
             extend: "set",
             probe_errors: 2,
+            first_cycle: 4,
         },
         Flavor::Valkey91 => Expect {
             release: "delifeq",
             extend: "set",
-            probe_errors: 2,
+            probe_errors: 1,
+            first_cycle: 3,
         },
         Flavor::Redis8 => Expect {
             release: "delex",
             extend: "set",
-            probe_errors: 1,
+            probe_errors: 0,
+            first_cycle: 2,
         },
     }
 }
@@ -184,8 +191,55 @@ async fn paths_taken(server: &RedisServer) {
     assert_eq!(
         probe_errors(server) - before_errors,
         e.probe_errors,
-        "unknown-command / syntax-error probes, once per connection"
+        "unknown-command / syntax-error answers, once per connection"
     );
+}
+
+/// What an acquire + release costs: on a new connection the real native deletes are tried
+/// in turn (no bare-name probe: one round trip fewer than probing on Redis 8.4+ and Valkey
+/// 9.0+), and every later cycle is two round trips on every flavour. Without fencing, so that
+/// the acquisition is a plain `SET` and the only script is the release's, whose `GET` and
+/// `DEL` (counted by the server like commands of their own) are left out.
+async fn commands_per_cycle(server: &RedisServer) {
+    // Loads the scripts, so that no NOSCRIPT + EVAL is counted below.
+    let warm = LockProvider::connect(&server.url("fencing=false"))
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let guard = warm.try_acquire(&unique_key("warm")).await.unwrap();
+        guard.release().await.unwrap();
+    }
+    let backend = RedisBackend::connect(&server.url("lease=10s&fencing=false"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend);
+    let key = unique_key("cycle");
+    let cycle = async || {
+        let before = server.commands_sent();
+        let guard = locks.try_acquire(&key).await.unwrap();
+        guard.release().await.unwrap();
+        let after = server.commands_sent();
+        let delta = |c: &str| after.calls(c) - before.calls(c);
+        let in_scripts = delta("get") + delta("del");
+        (
+            after.total() - before.total() - in_scripts,
+            delta("client|id"),
+        )
+    };
+    let (first, first_ids) = cycle().await;
+    let e = expect(server.flavor);
+    eprintln!(
+        "{:?}: first cycle {first} commands ({first_ids} CLIENT ID pipelined with another)",
+        server.flavor
+    );
+    assert_eq!(
+        first - first_ids,
+        e.first_cycle,
+        "first cycle's round trips"
+    );
+    for _ in 0..3 {
+        assert_eq!(cycle().await, (2, 0), "a later cycle");
+    }
 }
 
 /// A `SCRIPT FLUSH` costs one `EVAL` per script, and nothing else changes.
@@ -1386,6 +1440,12 @@ macro_rules! flavor_tests {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cycle_cost() {
+                let Some(server) = start() else { return };
+                commands_per_cycle(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread")]
             async fn noscript() {
                 let Some(server) = start() else { return };
                 noscript_recovery(&server).await;

@@ -136,6 +136,10 @@ pub(crate) struct Conn {
     /// made on, and those of commands that found the connection broken (the manager's
     /// reconnection may run there). At most [`MAX_WATCHES`], the newest.
     watches: Mutex<Vec<tokio_util::sync::DropGuard>>,
+    /// Set after an answer to a native command that the client could not read: from then on
+    /// the native deletes are probed by their bare names before the real call (see
+    /// [`Conn::native_delete`]).
+    probe_first: AtomicBool,
 }
 
 /// Sets a connection's `suspect` flag when dropped (see [`Conn::suspect_on_drop`]), unless
@@ -272,6 +276,72 @@ fn millis(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+/// A native conditional delete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Native {
+    /// `DELEX key IFEQ token`.
+    Delex,
+    /// `DELIFEQ key token`.
+    Delifeq,
+}
+
+impl Native {
+    fn name(self) -> &'static str {
+        match self {
+            Native::Delex => "DELEX",
+            Native::Delifeq => "DELIFEQ",
+        }
+    }
+
+    fn path(self) -> CommandPath {
+        match self {
+            Native::Delex => CommandPath::Delex,
+            Native::Delifeq => CommandPath::Delifeq,
+        }
+    }
+
+    fn known(self, caps: Caps) -> Support {
+        match self {
+            Native::Delex => caps.delex,
+            Native::Delifeq => caps.delifeq,
+        }
+    }
+
+    fn support(self, caps: &mut Caps) -> &mut Support {
+        match self {
+            Native::Delex => &mut caps.delex,
+            Native::Delifeq => &mut caps.delifeq,
+        }
+    }
+}
+
+/// How much of the arguments a server's "unknown command" answer quotes: Redis and Valkey
+/// append `'arg' ` for each argument, each cut (as C strings, at a NUL) to what is left of
+/// 128 bytes, until 128 are written.
+const QUOTED_ARGS: usize = 128;
+
+/// Whether the arguments a server would quote in its "unknown command" answer to a command
+/// with these arguments are valid UTF-8, so that the client can read that answer (it refuses
+/// an error line that is not). Conservative: every argument it might quote must be text in
+/// full, and the cut must fall between characters.
+fn quoted_args_are_text(args: &[&[u8]]) -> bool {
+    let mut quoted = Vec::with_capacity(QUOTED_ARGS + 8);
+    for arg in args {
+        if quoted.len() >= QUOTED_ARGS {
+            break;
+        }
+        if std::str::from_utf8(arg).is_err() {
+            return false;
+        }
+        let room = QUOTED_ARGS - quoted.len();
+        let shown = arg.split(|b| *b == 0).next().unwrap_or_default();
+        quoted.push(b'\'');
+        quoted.extend_from_slice(&shown[..shown.len().min(room)]);
+        quoted.extend_from_slice(b"' ");
+    }
+    std::str::from_utf8(&quoted).is_ok()
+}
+
 impl Conn {
     /// A connection on `manager`; with `rebuild`, the client and configuration it was made
     /// from, to replace it when needed.
@@ -292,6 +362,7 @@ impl Conn {
             suspect: Arc::new(AtomicBool::new(false)),
             reconnecting: AtomicBool::new(false),
             watches: Mutex::new(Vec::new()),
+            probe_first: AtomicBool::new(false),
         }
     }
 
@@ -517,72 +588,89 @@ impl Conn {
     }
 
     /// Whether the connection has the native delete `command` (`DELEX` or `DELIFEQ`), probed
-    /// once per connection by sending the bare command name: a server without it answers
-    /// "unknown command", one with it "wrong number of arguments", and neither touches a key
-    /// or needs a key permission. (The real call is not used as the probe: the server's
-    /// unknown-command error quotes the first arguments, a binary token or a key cut in the
-    /// middle of a character among them, and such a reply is not valid text to the client.)
-    async fn has_native_delete(&self, command: &'static str) -> Result<bool, RedisError> {
-        let caps = self.caps();
-        let known = if command == "DELEX" {
-            caps.delex
-        } else {
-            caps.delifeq
-        };
-        match known {
-            Support::Yes => return Ok(true),
-            Support::No => return Ok(false),
-            Support::Unknown => {}
-        }
-        let has = match self.query(&redis::cmd(command)).await {
+    /// by sending the bare command name: a server without it answers "unknown command", one
+    /// with it "wrong number of arguments", and neither touches a key or needs a key
+    /// permission. Used only when the real call could not be sent as its own probe (see
+    /// [`quoted_args_are_text`]), or after an answer that could not be read.
+    async fn probe_native_delete(&self, command: Native) -> Result<bool, RedisError> {
+        let generation = self.caps().generation;
+        let has = match self.query(&redis::cmd(command.name())).await {
             Ok(_) => true,
             Err(err) if is_unknown_command(&err) => false,
             Err(err) if is_arity_error(&err) => true,
             Err(err) => return Err(err),
         };
         let support = if has { Support::Yes } else { Support::No };
-        self.learn(caps.generation, |c| {
-            if command == "DELEX" {
-                c.delex = support;
-            } else {
-                c.delifeq = support;
-            }
-        });
+        self.learn(generation, |c| *command.support(c) = support);
         Ok(has)
     }
 
-    /// Deletes the lock if `token` owns it: `DELEX`, then `DELIFEQ`, then Lua, moving on only
-    /// when the server does not know a command.
+    /// One native conditional delete, sent as it is when the connection may have it: `None`
+    /// when the server does not know the command (which then did nothing), and the outcome
+    /// otherwise. The server's "unknown command" answer quotes the first arguments; when
+    /// those would not be valid text (a binary token, a key cut inside a character) the
+    /// client could not read that answer, so the bare name is probed first instead.
+    async fn native_delete(
+        &self,
+        command: Native,
+        key: &[u8],
+        token: &OwnerToken,
+    ) -> Result<Option<ReleaseOutcome>, RedisError> {
+        let caps = self.caps();
+        let known = command.known(caps);
+        if known == Support::No {
+            return Ok(None);
+        }
+        let mut cmd = redis::cmd(command.name());
+        let args: &[&[u8]] = match command {
+            Native::Delex => &[key, b"IFEQ", token.as_bytes()],
+            Native::Delifeq => &[key, token.as_bytes()],
+        };
+        for arg in args {
+            cmd.arg(*arg);
+        }
+        let probe_first = known == Support::Unknown
+            && (self.probe_first.load(Ordering::Relaxed) || !quoted_args_are_text(args));
+        if probe_first && !self.probe_native_delete(command).await? {
+            return Ok(None);
+        }
+        match self.query(&cmd).await {
+            Ok(reply) => {
+                self.learn(caps.generation, |c| *command.support(c) = Support::Yes);
+                Ok(Some(self.native_outcome(key, reply).await?))
+            }
+            Err(err) if is_unknown_command(&err) => {
+                if known == Support::Yes {
+                    // The server behind the connection changed since it answered: forget
+                    // everything learnt about the old one.
+                    self.forget();
+                } else {
+                    self.learn(caps.generation, |c| *command.support(c) = Support::No);
+                }
+                Ok(None)
+            }
+            Err(err) => {
+                if known == Support::Unknown && err.kind() == ErrorKind::Parse {
+                    // An answer the client could not read (an unknown-command error quoting
+                    // bytes that are not text, from a server that quotes differently): find
+                    // out with the bare names from now on. The connection is made again.
+                    self.probe_first.store(true, Ordering::Relaxed);
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Deletes the lock if `token` owns it: `DELEX`, then `DELIFEQ`, then Lua, each sent as
+    /// it is, moving on only when the server does not know a command.
     pub(crate) async fn release(
         &self,
         key: &[u8],
         token: &OwnerToken,
     ) -> Result<(ReleaseOutcome, CommandPath), RedisError> {
-        if self.has_native_delete("DELEX").await? {
-            let mut delex = redis::cmd("DELEX");
-            delex.arg(key).arg("IFEQ").arg(token.as_bytes());
-            match self.query(&delex).await {
-                Ok(reply) => {
-                    return Ok((self.native_outcome(key, reply).await?, CommandPath::Delex));
-                }
-                Err(err) if is_unknown_command(&err) => {
-                    // Unreachable on a connection that answered the probe, unless the server
-                    // behind it changed; the parse of such a reply may have failed instead,
-                    // which ends in an I/O error and a fresh probe.
-                    self.forget();
-                }
-                Err(err) => return Err(err),
-            }
-        }
-        if self.has_native_delete("DELIFEQ").await? {
-            let mut delifeq = redis::cmd("DELIFEQ");
-            delifeq.arg(key).arg(token.as_bytes());
-            match self.query(&delifeq).await {
-                Ok(reply) => {
-                    return Ok((self.native_outcome(key, reply).await?, CommandPath::Delifeq));
-                }
-                Err(err) if is_unknown_command(&err) => self.forget(),
-                Err(err) => return Err(err),
+        for command in [Native::Delex, Native::Delifeq] {
+            if let Some(outcome) = self.native_delete(command, key, token).await? {
+                return Ok((outcome, command.path()));
             }
         }
         let reply = self
@@ -827,6 +915,28 @@ mod tests {
         assert_eq!(refused_command("to run the 'x' commander"), Some("x"));
         assert_eq!(refused_command("to run the 'x' verb"), None);
         assert_eq!(refused_command("to run the 'x"), None);
+    }
+
+    #[test]
+    fn what_an_unknown_command_answer_quotes_must_be_text() {
+        assert!(quoted_args_are_text(&[b"dlock:{k}", b"IFEQ", b"0123abcd"]));
+        assert!(quoted_args_are_text(&["dlock:{é}".as_bytes(), b"tok"]));
+        assert!(!quoted_args_are_text(&[b"k", b"IFEQ", &[0xff, 0x00]]));
+        assert!(!quoted_args_are_text(&[&[0xc3], b"tok"]));
+        // A key of 128 bytes or more fills the quote: the token is never shown.
+        let long = vec![b'a'; 130];
+        assert!(quoted_args_are_text(&[&long, b"IFEQ", &[0xff]]));
+        // A cut inside a character is not text; at a character boundary it is.
+        let mut cut = vec![b'a'; 127];
+        cut.extend_from_slice("é".as_bytes());
+        assert!(!quoted_args_are_text(&[&cut, b"t"]));
+        let mut whole = vec![b'a'; 126];
+        whole.extend_from_slice("é".as_bytes());
+        assert!(quoted_args_are_text(&[&whole, &[0xff]]));
+        // The second argument's room is what the first left: `'k' ` is 4 bytes.
+        let mut second = vec![b'b'; 123];
+        second.extend_from_slice("é".as_bytes());
+        assert!(!quoted_args_are_text(&[b"k", &second]));
     }
 
     #[test]

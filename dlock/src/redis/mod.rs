@@ -18,17 +18,33 @@
 //! # Native commands first, per connection
 //!
 //! Which of the native commands the server has is found out by using them, never with `INFO`
-//! or `COMMAND` (which need permissions lock users rarely have). A release tries `DELEX`, then
-//! `DELIFEQ`, then the Lua script, and moves on **only** when the server answers that it does not
-//! know the command; renewal falls back to Lua only on `ERR syntax error` (how older servers
-//! answer `IFEQ`). Every other failure (a timeout, cancellation, a lost connection, `NOPERM`,
-//! anything else) is returned as it is: nothing is replayed on another path. What the
-//! connection lacks is remembered, so each later call takes the right path at once, and is
-//! forgotten whenever a command fails without an answer from the server (after which the
-//! connection manager reconnects, possibly to an upgraded or different server). When the
-//! backend is built on a connection manager the application also uses, a reconnection caused by
-//! the application's own commands goes unnoticed; that is harmless, because a native command the
-//! new server lacks still answers "unknown command" and is then skipped.
+//! or `COMMAND` (which need permissions lock users rarely have), and without a probe of its
+//! own: the real command is sent, and its answer says. A release sends `DELEX key IFEQ token`,
+//! then `DELIFEQ key token`, then the Lua script, and moves on **only** when the server
+//! answers that it does not know the command (an answer that also says it did nothing);
+//! renewal sends `SET key token IFEQ token PX ms` and falls back to Lua only on `ERR syntax
+//! error` (how older servers answer `IFEQ`). Every other failure (a timeout, cancellation, a
+//! lost connection, `NOPERM`, anything else) is returned as it is: nothing is replayed on
+//! another path. What the connection lacks is remembered, so each later call takes the right
+//! path at once, and is forgotten whenever a command fails without an answer from the server
+//! (after which the connection manager reconnects, possibly to an upgraded or different
+//! server). When the backend is built on a connection manager the application also uses, a
+//! reconnection caused by the application's own commands goes unnoticed; that is harmless,
+//! because a native command the new server lacks still answers "unknown command" and is then
+//! skipped.
+//!
+//! A server's "unknown command" answer quotes the command's first arguments (about 128
+//! bytes), which the client must read as text. The owner tokens dlock makes are text (hex
+//! digits); a token of the raw-token API that is not UTF-8, or a key cut inside a character
+//! at that length, would make the answer unreadable. For those calls the connection is asked
+//! first with the bare command name (`DELEX` alone: "unknown command" or "wrong number of
+//! arguments", which touches no key and needs no permission), once per connection, as for
+//! every call before this version.
+//!
+//! Round trips of the first release on a new connection: one on Redis 8.4+ (`DELEX`), two on
+//! Valkey 9.0+ (`DELEX` unknown, `DELIFEQ`), three on older servers (`DELEX`, `DELIFEQ`,
+//! `EVALSHA`); every later release takes one (plus an `EXISTS` when a native delete finds
+//! nothing to delete, to tell "already released" from "not owned").
 //!
 //! Scripts run with `EVALSHA`, and with `EVAL` once after a `NOSCRIPT` answer (a restart, a
 //! `SCRIPT FLUSH`, a failover to a replica that has not seen them). A user without `EVALSHA`/`EVAL`
@@ -85,8 +101,8 @@
 //! first](self#native-commands-first-per-connection)), so an ACL user needs exactly these, on
 //! the keys `~<prefix>{*` (the lock key `<prefix>{<key>}` and its counter
 //! `<prefix>{<key>}:fence`). Scripts run with the caller's permissions, so the commands they
-//! call are listed too. The probes of `DELEX` and `DELIFEQ` are the bare command names, which
-//! the server refuses for their arity before it checks the ACL: they need no permission.
+//! call are listed too. A native command the server does not know is refused before the ACL
+//! is checked, so finding out what the server has needs no permission of its own.
 //!
 //! | server | fencing on (default) | `fencing=false` |
 //! |---|---|---|

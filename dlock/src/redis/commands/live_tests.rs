@@ -765,3 +765,93 @@ async fn runtimes_watched_are_bounded_and_a_fresh_manager_ends_the_old_watches()
     conn.watch_runtime(true);
     assert_eq!(conn.watches.lock().unwrap().len(), 1);
 }
+
+/// `ERR` answers the server counted so far (`INFO errorstats`), and the calls of `command`
+/// (`INFO commandstats`, executed or refused for their arity).
+async fn err_count_and_calls(
+    admin: &mut redis::aio::MultiplexedConnection,
+    command: &str,
+) -> (u64, u64) {
+    let info = |section: &'static str| {
+        let mut admin = admin.clone();
+        async move {
+            redis::cmd("INFO")
+                .arg(section)
+                .query_async::<String>(&mut admin)
+                .await
+                .expect("INFO")
+        }
+    };
+    let errors = info("errorstats").await;
+    let errs = errors
+        .lines()
+        .find_map(|l| l.strip_prefix("errorstat_ERR:count="))
+        .map_or(0, |n| n.trim().parse().unwrap());
+    let stats = info("commandstats").await;
+    let field = |line: &str, name: &str| -> u64 {
+        line.split([':', ','])
+            .find_map(|f| f.strip_prefix(name))
+            .map_or(0, |n| n.trim().parse().unwrap())
+    };
+    let calls = stats
+        .lines()
+        .find(|l| l.starts_with(&format!("cmdstat_{command}:")))
+        .map_or(0, |l| field(l, "calls=") + field(l, "rejected_calls="));
+    (errs, calls)
+}
+
+/// The real command is its own probe: on Redis 8.4 the first release of a connection is one
+/// `DELEX`, with no error answered; on Redis 7 `DELEX` and `DELIFEQ` are each refused once as
+/// unknown (then remembered), and no bare name is sent.
+#[tokio::test]
+async fn the_real_command_is_its_own_probe() {
+    for (flavor, errors, delex_calls) in [(Flavor::Redis8, 0, 1), (Flavor::Redis7, 2, 0)] {
+        let Some(server) = Server::start(flavor) else {
+            continue;
+        };
+        let mut admin = server.admin().await;
+        let conn = server.conn("").await;
+        set_up_owners(&mut admin).await;
+        let before = err_count_and_calls(&mut admin, "delex").await;
+        conn.release(b"k", &token("a")).await.unwrap();
+        conn.release(b"k", &token("a")).await.unwrap();
+        let after = err_count_and_calls(&mut admin, "delex").await;
+        assert_eq!(after.0 - before.0, errors, "{flavor:?}: errors answered");
+        // Redis 8.4: two DELEX (and an EXISTS for the second, which found nothing).
+        assert_eq!(
+            after.1 - before.1,
+            2 * delex_calls,
+            "{flavor:?}: DELEX calls"
+        );
+        assert_eq!(conn.caps().generation, 0, "{flavor:?}");
+    }
+}
+
+/// A token that is not text would make the server's unknown-command answer unreadable to the
+/// client (and break the connection): such a release asks with the bare names first.
+#[tokio::test]
+async fn a_binary_token_probes_with_the_bare_names_first() {
+    let Some(server) = Server::start(Flavor::Redis7) else {
+        return;
+    };
+    let mut admin = server.admin().await;
+    let conn = server.conn("").await;
+    let binary = OwnerToken::from_bytes(vec![0xff, 0xfe, 0x00, 0x80]).unwrap();
+    let () = redis::cmd("SET")
+        .arg("k")
+        .arg(binary.as_bytes())
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        conn.release(b"k", &binary).await.unwrap(),
+        (ReleaseOutcome::Released, CommandPath::Lua)
+    );
+    assert_eq!(get(&mut admin, b"k").await, None);
+    // No failure without an answer: the connection was never broken.
+    assert_eq!(conn.caps().generation, 0);
+    assert_eq!(
+        support(conn.caps()),
+        (Support::No, Support::No, Support::Unknown)
+    );
+}
