@@ -242,6 +242,93 @@ async fn commands_per_cycle(server: &RedisServer) {
     }
 }
 
+/// `key_layout=plain`: the lock `k` is the key `prefix + k`, braces and all, and a client that
+/// is not dlock, taking that key with `SET NX PX` and giving it back with a compare-and-delete,
+/// excludes dlock and is excluded by it. The fencing counter is out of every lock's way.
+async fn plain_layout(server: &RedisServer) {
+    let backend = RedisBackend::connect(&server.url("key_layout=plain&prefix=app{1}:&lease=2s"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = format!("{}:{{order}}%", unique_key("interop"));
+    let raw_key = format!("app{{1}}:{key}");
+    assert_eq!(backend.storage_key(&key), raw_key.as_bytes());
+    let mut fence = raw_key.clone().into_bytes();
+    fence.extend_from_slice(b"\xff:fence");
+    assert_eq!(backend.fencing_key(&key), fence);
+    let mut other = admin(server).await;
+    let set_nx = |token: &'static str| {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&raw_key).arg(token).arg("NX").arg("PX").arg(10_000);
+        cmd
+    };
+    let release = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    );
+
+    // dlock holds it: the other client's SET NX finds it taken.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let first = guard.fencing_token().unwrap();
+    let taken: Option<String> = set_nx("other").query_async(&mut other).await.unwrap();
+    assert_eq!(
+        taken, None,
+        "the other client is excluded while dlock holds the lock"
+    );
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&raw_key)
+        .query_async(&mut other)
+        .await
+        .unwrap();
+    assert_eq!(value.len(), 32, "dlock's owner token, as text");
+    // Its compare-and-delete with its own token leaves dlock's lock alone.
+    let deleted: i64 = release
+        .key(&raw_key)
+        .arg("other")
+        .invoke_async(&mut other)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 0);
+    guard.release().await.unwrap();
+
+    // The other client holds it: dlock cannot take it, nor wait it out within a short timeout.
+    let taken: Option<String> = set_nx("other").query_async(&mut other).await.unwrap();
+    assert_eq!(taken.as_deref(), Some("OK"));
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(matches!(
+        locks.acquire(&key, Duration::from_millis(300)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    let deleted: i64 = release
+        .key(&raw_key)
+        .arg("other")
+        .invoke_async(&mut other)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+
+    // Free again: dlock takes it, with the next fencing token.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    assert!(guard.fencing_token().unwrap() > first);
+    // The lock named `key:fence` is not the counter: it is free.
+    let beside = locks.try_acquire(&format!("{key}:fence")).await.unwrap();
+    beside.release().await.unwrap();
+    guard.release().await.unwrap();
+
+    // The default layout of the same prefix is another key.
+    let tagged = RedisBackend::connect(&server.url("prefix=app:"))
+        .await
+        .unwrap();
+    assert_eq!(tagged.storage_key("k"), b"app:{k}");
+    assert!(
+        RedisBackend::connect(&server.url("prefix=app{1}:"))
+            .await
+            .is_err()
+    );
+}
+
 /// A `SCRIPT FLUSH` costs one `EVAL` per script, and nothing else changes.
 async fn noscript_recovery(server: &RedisServer) {
     let locks = LockProvider::connect(&server.url("lease=1s"))
@@ -1443,6 +1530,12 @@ macro_rules! flavor_tests {
             async fn cycle_cost() {
                 let Some(server) = start() else { return };
                 commands_per_cycle(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn plain_keys() {
+                let Some(server) = start() else { return };
+                plain_layout(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread")]

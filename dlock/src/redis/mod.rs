@@ -62,6 +62,37 @@
 //! distinct locks. Keys are byte strings to Redis: NUL, newlines and any length are fine.
 //! [`RedisBackend::storage_key`] gives the exact key. A prefix may not contain `{` or `}`.
 //!
+//! ## The plain layout, for other clients
+//!
+//! With `key_layout=plain` ([`RedisBuilder::key_layout`], [`KeyLayout::Plain`]) the lock `k`
+//! lives under `{prefix}k`, as it is: no hash tag, no escaping. A client that is not dlock
+//! and locks that same key with the same owner-token protocol (`SET key token NX PX ms` to
+//! take it; a compare-and-delete of its own token to give it back; a compare-and-`PEXPIRE`
+//! or `SET key token IFEQ token PX ms` to renew it) sees the same lock as dlock: each excludes
+//! the other. Such a client must make its tokens unique per acquisition, as dlock does (32
+//! random hex digits). What the plain layout gives up:
+//!
+//! - **Injectivity within the prefix is the caller's.** Nothing is escaped, so the name is
+//!   the key: two prefixes where one extends the other (`a:` and `a:b:`) share keys (the lock
+//!   `b:x` of the first is the lock `x` of the second), which the tagged layout's
+//!   `{`...`}` rules out.
+//! - **Cluster slots.** A key without a hash tag lands in the slot of the whole key, and its
+//!   fencing counter (another key) in another slot: the acquisition script, which touches
+//!   both, fails with `CROSSSLOT` on a Cluster. Put a hash tag in the lock names yourself
+//!   (`{order:42}`, braces and all: they are not escaped in this layout, and the prefix may
+//!   hold them too) or turn fencing off (`fencing=false`, a plain `SET NX PX`).
+//! - **Where the fencing counter lives.** Under `{prefix}k` + byte `0xFF` + `:fence`. The
+//!   tagged layout's `:fence` suffix would be the key of the lock named `k:fence` here (whose
+//!   acquisitions would then always find it taken); a lock name is UTF-8, where `0xFF`
+//!   never occurs, so no lock name can reach the counter. Tools show the byte as `\xff`. Other
+//!   clients never touch the counter; they get no fencing tokens, and a dlock acquisition of a
+//!   key another client holds does not bump it.
+//! - **ACL key pattern.** `~{prefix}*` (the tagged layout's `~{prefix}{*` does not match).
+//!
+//! Both layouts of one prefix are distinct keys (`p:{k}` and `p:k`): every process that shares
+//! a lock must use the same layout. Switching a running system from one to the other is a
+//! migration: locks held under the old layout are not seen by the new one.
+//!
 //! # URL
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
@@ -72,6 +103,7 @@
 //! |---|---|---|
 //! | `lease` | `30s` | lease of each lock (at least 100 ms, at most 365 days); renewed every `lease / 3` |
 //! | `prefix` | `dlock:` | prepended to every lock key |
+//! | `key_layout` | `tagged` | `plain`: the lock `k` is the key `{prefix}k`, for clients that are not dlock (see [Keys](self#the-plain-layout-for-other-clients)) |
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
 //! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
@@ -267,6 +299,7 @@ struct Shared {
     conn: Conn,
     lease: Duration,
     prefix: Vec<u8>,
+    layout: KeyLayout,
     fencing: bool,
     timeout: Duration,
     renewals: Arc<Renewals>,
@@ -290,6 +323,7 @@ pub struct RedisBuilder {
     source: Source,
     lease: Duration,
     prefix: String,
+    layout: KeyLayout,
     fencing: bool,
     timeout: Duration,
     /// CA certificates (PEM) that replace the system's roots for `rediss://`.
@@ -301,6 +335,7 @@ impl std::fmt::Debug for RedisBuilder {
         f.debug_struct("RedisBuilder")
             .field("lease", &self.lease)
             .field("prefix", &self.prefix)
+            .field("layout", &self.layout)
             .field("fencing", &self.fencing)
             .field("timeout", &self.timeout)
             .field("ca", &self.ca.as_ref().map(|_| "(PEM)"))
@@ -314,6 +349,7 @@ impl RedisBuilder {
             source,
             lease: DEFAULT_LEASE,
             prefix: DEFAULT_PREFIX.to_owned(),
+            layout: KeyLayout::Tagged,
             fencing: true,
             timeout: DEFAULT_TIMEOUT,
             ca: None,
@@ -345,9 +381,19 @@ impl RedisBuilder {
         self
     }
 
-    /// Prepended to every lock key (default `dlock:`); may not contain `{` or `}`.
+    /// Prepended to every lock key (default `dlock:`); may not contain `{` or `}` in the
+    /// default [`KeyLayout::Tagged`].
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// How a lock's name becomes its Redis key (default [`KeyLayout::Tagged`]; see
+    /// [Keys](self#keys)). [`KeyLayout::Plain`] stores the lock `k` under `prefix + k` as it
+    /// is, for clients that are not dlock and lock the same key with the same owner-token
+    /// protocol. The URL option is `key_layout=plain`.
+    pub fn key_layout(mut self, layout: KeyLayout) -> Self {
+        self.layout = layout;
         self
     }
 
@@ -375,9 +421,10 @@ impl RedisBuilder {
     pub async fn connect(self) -> Result<RedisBackend, LockError> {
         check_lease(self.lease)?;
         check_timeout(self.timeout)?;
-        if self.prefix.contains(['{', '}']) {
+        if self.layout == KeyLayout::Tagged && self.prefix.contains(['{', '}']) {
             return Err(LockError::config(
-                "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their Cluster hash tag",
+                "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their \
+                 Cluster hash tag (with `key_layout=plain` it may)",
             ));
         }
         let (manager, rebuild) = match self.source {
@@ -439,6 +486,7 @@ impl RedisBuilder {
                 conn,
                 lease: self.lease,
                 prefix: self.prefix.into_bytes(),
+                layout: self.layout,
                 fencing: self.fencing,
                 timeout: self.timeout,
                 renewals: Arc::default(),
@@ -498,9 +546,14 @@ impl RedisBackend {
         self.shared.lock_key(key)
     }
 
-    /// The Redis key of the fencing counter of the lock `key`.
+    /// The Redis key of the fencing counter of the lock `key` (see [Keys](self#keys)).
     pub fn fencing_key(&self, key: &str) -> Vec<u8> {
-        fence_key(&self.shared.lock_key(key))
+        fence_key(self.shared.layout, &self.shared.lock_key(key))
+    }
+
+    /// How lock names become Redis keys.
+    pub fn key_layout(&self) -> KeyLayout {
+        self.shared.layout
     }
 
     /// Takes the lock `key` under `token` for `lease` if it is free (`SET NX PX`): `Ok(true)`
@@ -647,6 +700,7 @@ impl std::fmt::Debug for RedisBackend {
         f.debug_struct("RedisBackend")
             .field("lease", &self.shared.lease)
             .field("prefix", &String::from_utf8_lossy(&self.shared.prefix))
+            .field("layout", &self.shared.layout)
             .field("fencing", &self.shared.fencing)
             .field("timeout", &self.shared.timeout)
             .field("connection", &self.shared.conn)
@@ -656,7 +710,10 @@ impl std::fmt::Debug for RedisBackend {
 
 impl Shared {
     fn lock_key(&self, key: &str) -> Vec<u8> {
-        storage_key(&self.prefix, key)
+        match self.layout {
+            KeyLayout::Tagged => storage_key(&self.prefix, key),
+            KeyLayout::Plain => [&self.prefix[..], key.as_bytes()].concat(),
+        }
     }
 
     /// Runs one operation under the command timeout.
@@ -728,10 +785,34 @@ fn storage_key(prefix: &[u8], key: &str) -> Vec<u8> {
     out
 }
 
-fn fence_key(lock_key: &[u8]) -> Vec<u8> {
+/// The fencing counter of the lock stored under `lock_key`: `lock_key:fence` when tagged
+/// (never a lock key: those end with `}`), `lock_key` + byte 0xFF + `:fence` when plain (never
+/// a lock key either: those are UTF-8, where 0xFF cannot occur).
+fn fence_key(layout: KeyLayout, lock_key: &[u8]) -> Vec<u8> {
     let mut key = lock_key.to_vec();
+    if layout == KeyLayout::Plain {
+        key.push(PLAIN_FENCE_MARK);
+    }
     key.extend_from_slice(b":fence");
     key
+}
+
+/// The byte between a plain lock key and `:fence` in its counter's key: not UTF-8, so no lock
+/// name can produce it.
+const PLAIN_FENCE_MARK: u8 = 0xff;
+
+/// How a lock's name becomes its Redis key; see [Keys](self#keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KeyLayout {
+    /// `prefix{name'}` (the default): the name, with `%`, `{` and `}` escaped, is the
+    /// key's Cluster hash tag, shared with its fencing counter `prefix{name'}:fence`. Distinct
+    /// names are always distinct keys.
+    #[default]
+    Tagged,
+    /// `prefix` + `name`, as it is: the key another client uses for the same lock name. The
+    /// fencing counter is `prefix` + `name` + byte 0xFF + `:fence`.
+    Plain,
 }
 
 /// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`] (365 days, whose
@@ -828,6 +909,7 @@ url_keys! {
         Timeout = "timeout",
         Protocol = "protocol",
         Ca = "ca",
+        KeyLayout = "key_layout",
     }
 }
 
@@ -839,6 +921,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut fencing = true;
     let mut timeout = DEFAULT_TIMEOUT;
     let mut ca = None;
+    let mut layout = KeyLayout::Tagged;
     let mut passed_on = Vec::new();
     read_query(parsed.query().unwrap_or(""), |key: RedisOption, value| {
         let name = key.as_ref();
@@ -848,6 +931,18 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
             RedisOption::Timeout => timeout = check_timeout(parse_duration(name, &value)?)?,
             RedisOption::Fencing => fencing = parse_bool(name, &value)?,
             RedisOption::Protocol => passed_on.push((name.to_owned(), value)),
+            RedisOption::KeyLayout => {
+                layout = match value.as_str() {
+                    "tagged" => KeyLayout::Tagged,
+                    "plain" => KeyLayout::Plain,
+                    other => {
+                        return Err(LockError::config(format!(
+                            "the redis option `key_layout` is `tagged` (the default) or \
+                             `plain`, not `{other}`"
+                        )));
+                    }
+                }
+            }
             RedisOption::Ca if !tls => {
                 return Err(LockError::config(
                     "the redis option `ca` needs a TLS connection: use a rediss:// URL",
@@ -877,6 +972,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut builder = RedisBackend::builder(client)
         .lease(lease)
         .prefix(prefix)
+        .key_layout(layout)
         .fencing(fencing)
         .timeout(timeout);
     if let Some(pem) = ca {
@@ -911,7 +1007,7 @@ impl LockBackend for RedisBackend {
             check_lease(lease)?;
             let token = OwnerToken::random()?;
             let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
-            let fence = shared.fencing.then(|| fence_key(&lock_key));
+            let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
             // From here until the answer is read, a drop (or a failure) may leave the lock
             // taken under our token: the cleanup deletes it again in the background.
             let mut cleanup = Cleanup {
@@ -1126,10 +1222,16 @@ mod tests {
         assert_eq!(b.prefix, "locks:");
         assert!(!b.fencing);
         assert_eq!(b.timeout, Duration::from_secs(1));
+        assert_eq!(b.layout, KeyLayout::Tagged);
+        let plain = parse_url("redis://h/?key_layout=plain&prefix=a{b}:").unwrap();
+        assert_eq!(plain.layout, KeyLayout::Plain);
+        let tagged = parse_url("redis://h/?key_layout=tagged").unwrap();
+        assert_eq!(tagged.layout, KeyLayout::Tagged);
         for bad in [
             "redis://h/?lease=soon",
             "redis://h/?colour=blue",
             "redis://h/?fencing=maybe",
+            "redis://h/?key_layout=flat",
             "redis://user:hunter2@[::1/",
         ] {
             let err = parse_url(bad).expect_err(bad);
@@ -1143,6 +1245,13 @@ mod tests {
         assert_eq!(storage_key(b"p:", "a{b}c%"), b"p:{a%7Bb%7Dc%25}".to_vec());
         assert_eq!(storage_key(b"", "}"), b"{%7D}".to_vec());
         assert_eq!(storage_key(b"", "%7D"), b"{%257D}".to_vec());
-        assert_eq!(fence_key(b"p:{k}"), b"p:{k}:fence".to_vec());
+        assert_eq!(
+            fence_key(KeyLayout::Tagged, b"p:{k}"),
+            b"p:{k}:fence".to_vec()
+        );
+        assert_eq!(
+            fence_key(KeyLayout::Plain, b"p:k"),
+            b"p:k\xff:fence".to_vec()
+        );
     }
 }
