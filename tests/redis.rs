@@ -329,6 +329,207 @@ async fn plain_layout(server: &RedisServer) {
     );
 }
 
+/// The ids of the server's client connections (`CLIENT LIST`).
+async fn client_ids(admin: &mut redis::aio::MultiplexedConnection) -> Vec<i64> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(admin)
+        .await
+        .unwrap();
+    list.lines()
+        .filter_map(|l| l.strip_prefix("id=")?.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// `CLIENT PAUSE ms WRITE`: write commands and scripts wait in the server (and keys do not
+/// expire meanwhile); reads and `CLIENT` commands run.
+async fn pause_writes(admin: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(20_000)
+        .arg("WRITE")
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
+/// Ends the pause. The commands it held run before the server reads the next command of any
+/// client, so what `admin` reads next is after them.
+async fn unpause(admin: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
+fn killed_id(reason: &str) -> i64 {
+    let (_, rest) = reason.split_once("CLIENT KILL ID ").expect(reason);
+    rest.split(')').next().unwrap().parse().expect(reason)
+}
+
+/// A release that times out while the server holds writes back: the connection that sent it
+/// is killed (a), the held-back delete never runs (b), the lock counts as lost, and the
+/// backend works on (c).
+async fn fenced_release(server: &RedisServer) {
+    let backend = RedisBackend::connect(&server.url("lease=30s&timeout=300ms"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("fence-release");
+    // A cycle first: the connection knows its paths and its CLIENT ID.
+    locks
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let storage = backend.storage_key(&key);
+    let mut admin = admin(server).await;
+    let token: Vec<u8> = redis::cmd("GET")
+        .arg(&storage)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let before = client_ids(&mut admin).await;
+    let kills = calls(server, "client|kill");
+    assert_eq!(backend.connection_fencing().killed, 0);
+
+    pause_writes(&mut admin).await;
+    let lost = guard.lost_token().clone();
+    let outcome = guard.release().await;
+    assert!(
+        matches!(outcome, Err(LockError::Lost { .. })),
+        "{outcome:?}"
+    );
+    assert!(lost.is_cancelled());
+    let fencing = backend.connection_fencing();
+    assert!(fencing.enabled);
+    assert_eq!((fencing.killed, fencing.not_fenced), (1, 0), "{fencing:?}");
+    // (a) One CLIENT KILL, of a connection that was there before and is gone now.
+    assert_eq!(calls(server, "client|kill"), kills + 1);
+    let after = client_ids(&mut admin).await;
+    let gone: Vec<_> = before.iter().filter(|id| !after.contains(id)).collect();
+    assert_eq!(gone.len(), 1, "{before:?} -> {after:?}");
+
+    // (b) The delete it sent, held back until now, never runs.
+    unpause(&mut admin).await;
+    let value: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(&storage)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        value,
+        Some(token),
+        "the held-back delete ran after the kill"
+    );
+
+    // (c) The backend works on: a new connection, the same paths.
+    let _: i64 = redis::cmd("DEL")
+        .arg(&storage)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let again = locks.try_acquire(&key).await.unwrap();
+    again.release().await.unwrap();
+    let other = locks.try_acquire(&unique_key("fence-after")).await.unwrap();
+    assert!(!other.is_lost());
+    other.release().await.unwrap();
+    assert_eq!(backend.connection_fencing().killed, 1);
+}
+
+/// An extension that times out, or whose future is dropped, while writes are held back: its
+/// connection is killed, and the longer lease it asked for never lands.
+async fn fenced_extension(server: &RedisServer) {
+    let backend = RedisBackend::connect(&server.url("lease=30s&timeout=300ms"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("fence-extend");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    guard.extend(Duration::from_secs(30)).await.unwrap();
+    let storage = backend.storage_key(&key);
+    let mut admin = admin(server).await;
+
+    // Timed out.
+    let kills = calls(server, "client|kill");
+    pause_writes(&mut admin).await;
+    let err = guard.extend(Duration::from_secs(600)).await.unwrap_err();
+    assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+    assert!(err.to_string().contains("was killed"), "{err}");
+    assert_eq!(backend.connection_fencing().killed, 1);
+    assert_eq!(calls(server, "client|kill"), kills + 1);
+    unpause(&mut admin).await;
+    let ttl = pttl(server, &storage);
+    assert!(
+        (0..=30_000).contains(&ttl),
+        "the held-back extension ran after the kill: {ttl} ms"
+    );
+    assert!(!guard.is_lost());
+
+    // Dropped midway (a caller's own timeout, shorter than the backend's).
+    guard.extend(Duration::from_secs(30)).await.unwrap();
+    pause_writes(&mut admin).await;
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        guard.extend(Duration::from_secs(600)),
+    )
+    .await;
+    assert!(dropped.is_err(), "{dropped:?}");
+    dlock_testkit::wait_until(
+        "the dropped extension is fenced",
+        Duration::from_secs(5),
+        async || backend.connection_fencing().killed == 2,
+    )
+    .await;
+    unpause(&mut admin).await;
+    let ttl = pttl(server, &storage);
+    assert!(
+        (0..=30_000).contains(&ttl),
+        "the dropped extension ran after the kill: {ttl} ms"
+    );
+
+    // The backend works on.
+    guard.extend(Duration::from_secs(40)).await.unwrap();
+    assert!(pttl(server, &storage) > 30_000);
+    guard.release().await.unwrap();
+    assert_eq!(backend.connection_fencing().not_fenced, 0);
+}
+
+/// A managed renewal that times out while writes are held back: its connection is killed,
+/// and the next renewal, on a new connection, keeps the lock.
+async fn fenced_renewal(server: &RedisServer) {
+    let lease = Duration::from_millis(1500);
+    let backend = RedisBackend::connect(&server.url("lease=1500ms&timeout=200ms"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("fence-renew");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let storage = backend.storage_key(&key);
+    assert!(
+        renewed(server, &storage, lease).await,
+        "renewed before the pause"
+    );
+    let mut admin = admin(server).await;
+    pause_writes(&mut admin).await;
+    dlock_testkit::wait_until("a renewal is fenced", lease, async || {
+        backend.connection_fencing().killed >= 1
+    })
+    .await;
+    unpause(&mut admin).await;
+    assert!(
+        renewed(server, &storage, lease).await,
+        "renewed after the kill"
+    );
+    assert!(!guard.is_lost());
+    guard.release().await.unwrap();
+    assert_eq!(backend.connection_fencing().not_fenced, 0);
+}
+
 /// A `SCRIPT FLUSH` costs one `EVAL` per script, and nothing else changes.
 async fn noscript_recovery(server: &RedisServer) {
     let locks = LockProvider::connect(&server.url("lease=1s"))
@@ -1536,6 +1737,24 @@ macro_rules! flavor_tests {
             async fn plain_keys() {
                 let Some(server) = start() else { return };
                 plain_layout(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_release() {
+                let Some(server) = start() else { return };
+                fenced_release(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_extension() {
+                let Some(server) = start() else { return };
+                fenced_extension(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_renewal() {
+                let Some(server) = start() else { return };
+                fenced_renewal(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread")]

@@ -1,7 +1,7 @@
 //! The commands behind a lock: native compare-and-set commands where the server has them, Lua
 //! scripts where it does not, and the per-connection memory of which is which.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -97,6 +97,32 @@ struct Caps {
     delex: Support,
     delifeq: Support,
     set_ifeq: Support,
+    /// The connection's `CLIENT ID`, once learnt (see [`Conn::fence_ticket`]).
+    client_id: Option<i64>,
+}
+
+impl Caps {
+    fn new(generation: u64) -> Caps {
+        Caps {
+            generation,
+            delex: Support::Unknown,
+            delifeq: Support::Unknown,
+            set_ifeq: Support::Unknown,
+            client_id: None,
+        }
+    }
+}
+
+/// What connection fencing has done on one backend (see [`Conn::kill_client`]).
+#[derive(Debug, Default)]
+pub(crate) struct FenceState {
+    /// Off for good: the user may not run `CLIENT ID` or `CLIENT KILL`, or the server does
+    /// not know them (warned once).
+    pub(crate) disabled: AtomicBool,
+    /// Connections killed.
+    pub(crate) killed: AtomicU64,
+    /// Commands with an unknown outcome whose connection could not be killed.
+    pub(crate) not_fenced: AtomicU64,
 }
 
 /// How a release or extension was carried out, for diagnostics.
@@ -140,6 +166,8 @@ pub(crate) struct Conn {
     /// the native deletes are probed by their bare names before the real call (see
     /// [`Conn::native_delete`]).
     probe_first: AtomicBool,
+    /// Connection fencing: whether it is on, and what it did.
+    pub(crate) fence: FenceState,
 }
 
 /// Sets a connection's `suspect` flag when dropped (see [`Conn::suspect_on_drop`]), unless
@@ -352,17 +380,13 @@ impl Conn {
         Conn {
             manager: Mutex::new(manager),
             rebuild,
-            caps: Mutex::new(Caps {
-                generation: 0,
-                delex: Support::Unknown,
-                delifeq: Support::Unknown,
-                set_ifeq: Support::Unknown,
-            }),
+            caps: Mutex::new(Caps::new(0)),
             scripts: Scripts::new(),
             suspect: Arc::new(AtomicBool::new(false)),
             reconnecting: AtomicBool::new(false),
             watches: Mutex::new(Vec::new()),
             probe_first: AtomicBool::new(false),
+            fence: FenceState::default(),
         }
     }
 
@@ -487,12 +511,7 @@ impl Conn {
     /// Forgets what the connection supports: it may be another one now.
     fn forget(&self) {
         let mut caps = self.caps.lock().unwrap_or_else(PoisonError::into_inner);
-        *caps = Caps {
-            generation: caps.generation.wrapping_add(1),
-            delex: Support::Unknown,
-            delifeq: Support::Unknown,
-            set_ifeq: Support::Unknown,
-        };
+        *caps = Caps::new(caps.generation.wrapping_add(1));
     }
 
     /// Sends one command. A failure that is not the server's answer forgets what the
@@ -502,14 +521,140 @@ impl Conn {
     /// A panic inside the driver (its reconnection polled after the runtime it began on shut
     /// down) is caught and answered as an I/O failure; the manager is replaced, so the next
     /// command connects again.
+    ///
+    /// While the connection's `CLIENT ID` is not known (a new connection) and fencing is on,
+    /// `CLIENT ID` goes ahead of the command in one pipeline: learnt with no round trip of its
+    /// own.
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         self.repair().await;
         self.watch_if_reconnecting();
         let mut manager = self.manager();
-        let outcome = unwind_to_error(cmd.query_async::<Value>(&mut manager)).await;
+        let caps = self.caps();
+        let outcome = if caps.client_id.is_none() && self.fencing_on() {
+            let mut pipe = redis::pipe();
+            pipe.cmd("CLIENT")
+                .arg("ID")
+                .add_command(cmd.clone())
+                .ignore_errors();
+            match unwind_to_error(pipe.query_async::<Vec<Value>>(&mut manager)).await {
+                Ok(replies) => {
+                    let mut replies = replies.into_iter();
+                    if let Some(id) = replies.next() {
+                        self.record_client_id(caps.generation, as_result(id));
+                    }
+                    match replies.next() {
+                        Some(reply) => as_result(reply),
+                        None => Err(unexpected("a pipeline", &Value::Nil)),
+                    }
+                }
+                Err(err) => Err(err),
+            }
+        } else {
+            unwind_to_error(cmd.query_async::<Value>(&mut manager)).await
+        };
         self.after_driver_panic(&outcome);
         self.forget_on_failure(&outcome);
         outcome
+    }
+
+    /// Whether uncertain commands are fenced: the backend can open another connection (it
+    /// was built from a client), and the user may run `CLIENT ID` and `CLIENT KILL`.
+    pub(crate) fn fencing_on(&self) -> bool {
+        self.rebuild.is_some() && !self.fence.disabled.load(Ordering::Relaxed)
+    }
+
+    /// Turns fencing off for good, saying why once.
+    fn disable_fencing(&self, why: &str) {
+        if !self.fence.disabled.swap(true, Ordering::SeqCst) {
+            tracing::warn!(
+                reason = why,
+                "redis connection fencing is off: a renewal or release whose outcome is unknown \
+                 (timed out or cancelled) can no longer be kept from landing later by killing \
+                 its connection; grant the Redis user `+client|id +client|kill` to have it"
+            );
+        }
+    }
+
+    /// Records the answer to `CLIENT ID` for the connection of `generation`.
+    fn record_client_id(&self, generation: u64, reply: Result<Value, RedisError>) {
+        match reply {
+            Ok(Value::Int(id)) => self.learn(generation, |c| c.client_id = Some(id)),
+            Err(err) => {
+                if err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) {
+                    self.disable_fencing("the Redis user may not run CLIENT ID");
+                } else if is_server_answer(&err) {
+                    self.disable_fencing("the server refused CLIENT ID");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The `CLIENT ID` of the connection the next command goes out on, when fencing is on;
+    /// asked with a round trip of its own only when the connection is new and this is its
+    /// first command (any other first command learns it in passing, see [`Conn::query`]).
+    /// `None` when fencing is off or the question failed: the command is then sent unfenced.
+    ///
+    /// Cancel safe, and nothing uncertain is left by a timeout here: the fenced command has
+    /// not been sent yet.
+    pub(crate) async fn fence_ticket(&self) -> Option<i64> {
+        if !self.fencing_on() {
+            return None;
+        }
+        let caps = self.caps();
+        if let Some(id) = caps.client_id {
+            return Some(id);
+        }
+        self.repair().await;
+        self.watch_if_reconnecting();
+        let mut manager = self.manager();
+        let mut ask = redis::cmd("CLIENT");
+        ask.arg("ID");
+        let outcome = unwind_to_error(ask.query_async::<Value>(&mut manager)).await;
+        self.after_driver_panic(&outcome);
+        self.forget_on_failure(&outcome);
+        self.record_client_id(caps.generation, outcome);
+        self.caps().client_id.filter(|_| self.fencing_on())
+    }
+
+    /// Kills the connection `id` from a connection of its own (opened for this, then closed),
+    /// so that a command it sent and whose outcome is unknown either ran already or never
+    /// will; then the manager is made again, so the next command connects anew. `Ok(true)`:
+    /// killed; `Ok(false)`: no such connection (closed already, or the id was stale). A user
+    /// who may not run `CLIENT KILL` turns fencing off (warned once).
+    pub(crate) async fn kill_client(&self, id: i64, timeout: Duration) -> Result<bool, RedisError> {
+        let Some((client, _)) = &self.rebuild else {
+            return Ok(false);
+        };
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout));
+        let killed = async {
+            let mut conn = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("ID")
+                .arg(id)
+                .query_async::<i64>(&mut conn)
+                .await
+        }
+        .await;
+        match killed {
+            Ok(n) => {
+                // The connection may be the manager's current one: make a new manager, so
+                // that no command meets the killed connection.
+                self.replace();
+                Ok(n > 0)
+            }
+            Err(err) => {
+                if err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) {
+                    self.disable_fencing("the Redis user may not run CLIENT KILL");
+                }
+                Err(err)
+            }
+        }
     }
 
     /// Replaces the manager after a panic inside it (it is poisoned for good).
@@ -778,6 +923,14 @@ fn first_queued_error(err: RedisError) -> RedisError {
     match first {
         Some(first) => RedisError::from(first),
         None => err,
+    }
+}
+
+/// A reply of a pipeline that ignores errors, with an error answer as the error it is.
+fn as_result(reply: Value) -> Result<Value, RedisError> {
+    match reply {
+        Value::ServerError(err) => Err(RedisError::from(err)),
+        reply => Ok(reply),
     }
 }
 

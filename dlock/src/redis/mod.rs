@@ -153,8 +153,13 @@
 //! reads ([`owner_token`](RedisBackend::owner_token),
 //! [`verify_still_held`](RedisBackend::verify_still_held),
 //! [`remaining_lease`](RedisBackend::remaining_lease)) also need `+get +pttl +multi +exec`;
+//! a guard's [`verify_still_held`](crate::LockGuard::verify_still_held) needs `+get`, and
+//! [`LockProvider::ping`](crate::LockProvider::ping) `+ping`;
 //! a database other than 0 in the URL needs `+select`. `PING`, which dlock sends to check a
 //! connection after a runtime shut down, may be refused: its answer is not needed.
+//!
+//! [Connection fencing](self#connection-fencing) also needs `+client|id +client|kill`; without
+//! them dlock warns once and goes on without fencing.
 //!
 //! A command the user may not run is a [`LockError::Backend`] with `db_code` `"NOPERM"` whose
 //! message names the command (on Redis 7.0, which does not say which command of a script it
@@ -234,6 +239,39 @@
 //! fencing tokens as a second line of defence with persistence and `WAIT`-free failover in mind,
 //! not as a guarantee across data loss.
 //!
+//! # Connection fencing
+//!
+//! A renewal, an [`extend`](crate::LockGuard::extend) or a guard's release that times out
+//! (the `timeout` option) or whose future is dropped after its command may have reached the
+//! server has an **unknown outcome**, and worse, the command may still run later: a server
+//! that stalled, a network that held it back. dlock then kills the connection that sent it,
+//! by its `CLIENT ID`, from a connection of its own (`CLIENT KILL ID n`): after that the
+//! command either ran before the kill or never will, and the backend connects anew for the
+//! next command. What follows:
+//!
+//! - **A release** with an unknown outcome answers [`LockError::Lost`] (the guard's lost token
+//!   fires): whether the delete ran, nobody can say; if it did not, the lock frees itself at
+//!   the end of its lease. A release whose future is dropped fires the lost token too.
+//! - **An extension** answers [`LockError::Unavailable`], saying the connection was killed:
+//!   it ran or never will; the renewals go on as before.
+//! - **A renewal** counts as failed and is tried again (on the new connection) until the
+//!   local deadline, as any failed renewal.
+//!
+//! The connection's `CLIENT ID` is learnt without a round trip of its own: `CLIENT ID` goes
+//! ahead of the first command of each connection, in one pipeline (only when that first
+//! command is itself a renewal, extension or release is it asked alone, before the command is
+//! sent). It is forgotten with everything else learnt about the connection.
+//!
+//! Each fence is logged (a `tracing` warning naming the operation and the client id) and
+//! counted in [`RedisBackend::connection_fencing`]. It needs the permissions
+//! `+client|id +client|kill`: a user refused either gets one warning, and from then on the
+//! backend does what it did without fencing (the timeout error is returned, and the command
+//! may land later). Fencing is also off for a backend built on a `ConnectionManager` the
+//! application passed in (dlock cannot open a connection of its own there). With
+//! `protocol=resp3` the connection manager may reconnect by itself while idle; a kill that
+//! then finds no client with the id it knew says so in the log ("not fenced"). Acquisitions
+//! need no fence: one that does not finish gives its lock back (see below).
+//!
 //! # Cancellation
 //!
 //! An acquisition dropped after its command may have reached the server (a timeout, a
@@ -244,6 +282,7 @@
 //! there, and such a lock frees itself when its lease runs out.
 
 mod commands;
+mod fence;
 mod renewals;
 mod token;
 
@@ -263,6 +302,8 @@ use crate::time::{MAX_SETTING, check_setting};
 
 use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
+pub use fence::ConnectionFencing;
+use fence::{Attempt, Fence, fenced};
 use renewals::Renewals;
 pub use token::OwnerToken;
 
@@ -554,6 +595,12 @@ impl RedisBackend {
     /// How lock names become Redis keys.
     pub fn key_layout(&self) -> KeyLayout {
         self.shared.layout
+    }
+
+    /// What [connection fencing](self#connection-fencing) has done so far: whether it is on,
+    /// how many connections it killed, how many uncertain commands it could not fence.
+    pub fn connection_fencing(&self) -> ConnectionFencing {
+        ConnectionFencing::of(&self.shared)
     }
 
     /// Takes the lock `key` under `token` for `lease` if it is free (`SET NX PX`): `Ok(true)`
@@ -1076,6 +1123,7 @@ impl LockBackend for RedisBackend {
                     lost.clone(),
                     Box::new(RedisHeld {
                         shared: Arc::clone(shared),
+                        name: Arc::from(request.key),
                         key: lock_key,
                         token,
                         lost,
@@ -1125,6 +1173,8 @@ impl Drop for Cleanup {
 
 struct RedisHeld {
     shared: Arc<Shared>,
+    /// The lock's name, as the caller gave it.
+    name: Arc<str>,
     key: Arc<[u8]>,
     token: OwnerToken,
     lost: CancellationToken,
@@ -1157,17 +1207,38 @@ impl HeldLock for RedisHeld {
     fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
         Box::pin(async move {
             self.shared.renewals.remove(self.renewal);
-            let (outcome, _) = self
-                .shared
-                .bounded(
-                    "releasing a lock",
-                    self.shared.conn.release(&self.key, &self.token),
-                )
-                .await?;
-            if outcome != ReleaseOutcome::Released {
-                self.lost.cancel();
+            let release = self.shared.conn.release(&self.key, &self.token);
+            let what = "releasing a lock";
+            match fenced(&self.shared, what, Some(self.lost.clone()), release).await {
+                Attempt::Done((outcome, _)) => {
+                    if outcome != ReleaseOutcome::Released {
+                        self.lost.cancel();
+                    }
+                    Ok(outcome)
+                }
+                Attempt::Failed(err)
+                | Attempt::Unknown {
+                    error: err,
+                    fence: Fence::NotFenced(_),
+                } => Err(err),
+                Attempt::Unknown {
+                    fence: Fence::Killed(id),
+                    ..
+                } => {
+                    // The delete ran before the kill or never will: which, nobody can say.
+                    self.lost.cancel();
+                    Err(LockError::Lost {
+                        key: Arc::clone(&self.name),
+                        reason: format!(
+                            "the release timed out after {:?} with its outcome unknown; the \
+                             connection that sent it was killed (CLIENT KILL ID {id}), so the \
+                             delete cannot run later. The lock counts as lost: if the delete \
+                             did not run, it frees itself when its lease runs out",
+                            self.shared.timeout
+                        ),
+                    })
+                }
             }
-            Ok(outcome)
         })
     }
 
@@ -1182,7 +1253,30 @@ impl LeaseControl for RedisHeld {
             check_lease(lease)?;
             let sent = Instant::now();
             let extend = self.shared.conn.extend(&self.key, &self.token, lease);
-            let (extended, _) = self.shared.bounded("extending a lock", extend).await?;
+            let extended = match fenced(&self.shared, "extending a lock", None, extend).await {
+                Attempt::Done((extended, _)) => extended,
+                Attempt::Failed(err)
+                | Attempt::Unknown {
+                    error: err,
+                    fence: Fence::NotFenced(_),
+                } => return Err(err),
+                Attempt::Unknown {
+                    fence: Fence::Killed(id),
+                    ..
+                } => {
+                    return Err(LockError::unavailable(
+                        NAME,
+                        format!(
+                            "extending a lock timed out after {:?} with its outcome unknown; \
+                             the connection that sent it was killed (CLIENT KILL ID {id}), so \
+                             the extension ran before or never will, and the lock is renewed \
+                             as before",
+                            self.shared.timeout
+                        ),
+                        None,
+                    ));
+                }
+            };
             if extended {
                 self.shared.renewals.extended(self.renewal, lease, sent);
             } else {
@@ -1194,9 +1288,13 @@ impl LeaseControl for RedisHeld {
 
     fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
         Box::pin(async move {
-            let read = self.shared.conn.owner_and_ttl(&self.key);
-            let (owner, _) = self.shared.bounded("reading a lock", read).await?;
-            let held = owner.as_deref() == Some(self.token.as_bytes());
+            // One `GET`: the owner is all that is asked (no transaction, so `+get` is the only
+            // permission it needs).
+            let mut get = redis::cmd("GET");
+            get.arg(&self.key[..]);
+            let read = self.shared.conn.query(&get);
+            let owner = self.shared.bounded("reading a lock", read).await?;
+            let held = matches!(&owner, redis::Value::BulkString(bytes) if bytes[..] == *self.token.as_bytes());
             if !held {
                 self.shared.renewals.lose(self.renewal);
             }
