@@ -855,3 +855,90 @@ async fn a_binary_token_probes_with_the_bare_names_first() {
         (Support::No, Support::No, Support::Unknown)
     );
 }
+
+/// The ids of the server's client connections.
+async fn client_ids(admin: &mut redis::aio::MultiplexedConnection) -> Vec<i64> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(admin)
+        .await
+        .unwrap();
+    list.lines()
+        .filter_map(|l| l.strip_prefix("id=")?.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// The connection's `CLIENT ID` rides along with its first command (no round trip of its
+/// own), is asked once, kills that very connection, and is learnt again on the next one.
+#[tokio::test]
+async fn the_client_id_comes_with_the_first_command_and_kills_that_connection() {
+    let Some(server) = Server::start(Flavor::Redis7) else {
+        return;
+    };
+    let mut admin = server.admin().await;
+    let conn = server.conn("").await;
+    assert!(conn.fencing_on());
+    assert_eq!(conn.caps().client_id, None);
+    let (_, ids_asked) = err_count_and_calls(&mut admin, "client|id").await;
+    conn.release(b"k", &token("a")).await.unwrap();
+    let id = conn
+        .caps()
+        .client_id
+        .expect("learnt with the first command");
+    assert!(client_ids(&mut admin).await.contains(&id));
+    conn.release(b"k", &token("a")).await.unwrap();
+    assert_eq!(conn.fence_ticket().await, Some(id));
+    assert_eq!(
+        err_count_and_calls(&mut admin, "client|id").await.1,
+        ids_asked + 1
+    );
+
+    assert!(conn.kill_client(id, Duration::from_secs(5)).await.unwrap());
+    assert!(!client_ids(&mut admin).await.contains(&id));
+    // A new manager, which connects for the next command and learns its id with it.
+    assert_eq!(conn.caps().client_id, None);
+    conn.release(b"k", &token("a")).await.unwrap();
+    let new_id = conn.caps().client_id.expect("learnt again");
+    assert_ne!(new_id, id);
+    // An id no connection has: nothing killed.
+    assert!(!conn.kill_client(id, Duration::from_secs(5)).await.unwrap());
+}
+
+/// A user who may not run `CLIENT ID` turns fencing off at its first command, which still
+/// gets its own answer; one who may not run `CLIENT KILL` at its first kill.
+#[tokio::test]
+async fn without_client_permissions_fencing_turns_itself_off() {
+    let Some(server) = Server::start(Flavor::Redis7) else {
+        return;
+    };
+    let user = server
+        .user("no_client", "+set +evalsha +eval +get +del +pexpire")
+        .await;
+    let conn = server.conn(&user).await;
+    assert!(conn.fencing_on());
+    assert_eq!(
+        conn.acquire(b"k", None, &token("a"), LEASE).await.unwrap(),
+        Some(None)
+    );
+    assert!(!conn.fencing_on());
+    assert_eq!(conn.fence_ticket().await, None);
+    assert_eq!(conn.caps().client_id, None);
+
+    let user = server
+        .user(
+            "no_kill",
+            "+set +evalsha +eval +get +del +pexpire +client|id",
+        )
+        .await;
+    let conn = server.conn(&user).await;
+    conn.release(b"k", &token("a")).await.unwrap();
+    let id = conn.fence_ticket().await.expect("may run CLIENT ID");
+    let err = conn
+        .kill_client(id, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+    assert!(!conn.fencing_on());
+    let mut admin = server.admin().await;
+    assert!(client_ids(&mut admin).await.contains(&id));
+}
