@@ -650,7 +650,11 @@ mod redis_acl {
             );
             let keys = tokio::task::block_in_place(|| {
                 rt.block_on(async {
-                    set_user(&server, "dlock_app", "app:", &commands(flavor, true)).await;
+                    // The provider's commands, and those of the suite's `ping` and the
+                    // guard's `verify_still_held`.
+                    let mut granted = commands(flavor, true);
+                    granted.extend(["ping", "get"]);
+                    set_user(&server, "dlock_app", "app:", &granted).await;
                     RedisBackend::connect(&server.url("prefix=app:")).await
                 })
             })
@@ -770,15 +774,22 @@ mod redis_acl {
         ReleaseOfAnother,
     }
 
-    /// The commands a step may run on `flavor` (with fencing): its own path and the bare
-    /// probes of the native deletes, nothing of another path. A failed acquisition also gives
-    /// back what it may have taken (a script that stopped at `INCR` has run its `SET`), by the
-    /// release path.
+    /// The commands a step may run on `flavor` (with fencing): its own path, the native deletes
+    /// tried before it, and the `CLIENT ID` that goes ahead of a new connection's first command
+    /// (for connection fencing; these users may not run it), nothing of another path. A failed
+    /// acquisition also gives back what it may have taken (a script that stopped at `INCR` has
+    /// run its `SET`), by the release path.
     fn path(flavor: Flavor, step: Step) -> Vec<&'static str> {
+        let mut path = path_of(flavor, step);
+        path.push("client|id");
+        path
+    }
+
+    fn path_of(flavor: Flavor, step: Step) -> Vec<&'static str> {
         match (step, flavor) {
             (Step::Acquire, _) => {
                 let mut path = vec!["evalsha", "eval", "set", "incr"];
-                path.extend(self::path(flavor, Step::Release));
+                path.extend(path_of(flavor, Step::Release));
                 path
             }
             (Step::Renew, Flavor::Redis7) => vec!["set", "evalsha", "eval", "get", "pexpire"],
@@ -967,6 +978,79 @@ mod redis_acl {
         }
     }
 
+    /// Connection fencing needs `+client|id +client|kill`. A user without `CLIENT ID` has it
+    /// off from its first command; one with `CLIENT ID` but not `CLIENT KILL` has it off at the
+    /// first kill. Either way an uncertain release does what it did without fencing: it answers
+    /// the timeout, and the delete held back in the server runs once the server goes on (what
+    /// fencing prevents, see `tests/redis.rs`).
+    async fn fencing_without_permission(flavor: Flavor) {
+        let Some(server) = server(flavor) else { return };
+        let mut conn = admin(&server).await;
+        for (user, extra) in [("no_client", &[][..]), ("no_kill", &["client|id"][..])] {
+            let mut granted = commands(flavor, true);
+            granted.extend(extra);
+            set_user(&server, user, "nf:", &granted).await;
+            let url = user_url(&server, user, "nf:", "lease=30s&timeout=300ms");
+            let backend = RedisBackend::connect(&url).await.expect("connect");
+            let locks = LockProvider::from_backend(backend.clone());
+            let key = dlock_testkit::unique_key("nf");
+            // A cycle first: the paths (and, if it may, the CLIENT ID) are known.
+            locks
+                .try_acquire(&key)
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+            let guard = locks.try_acquire(&key).await.unwrap();
+            assert_eq!(
+                backend.connection_fencing().enabled,
+                !extra.is_empty(),
+                "{flavor:?} {user}"
+            );
+            let storage = backend.storage_key(&key);
+            let () = redis::cmd("CLIENT")
+                .arg("PAUSE")
+                .arg(20_000)
+                .arg("WRITE")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            let outcome = guard.release().await;
+            assert!(
+                matches!(outcome, Err(LockError::Unavailable { .. })),
+                "{flavor:?} {user}: {outcome:?}"
+            );
+            let fencing = backend.connection_fencing();
+            assert_eq!(
+                (fencing.enabled, fencing.killed, fencing.not_fenced),
+                (false, 0, 1),
+                "{flavor:?} {user}"
+            );
+            let () = redis::cmd("CLIENT")
+                .arg("UNPAUSE")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            dlock_testkit::wait_until(
+                "the held-back delete runs",
+                Duration::from_secs(5),
+                async || {
+                    redis::cmd("EXISTS")
+                        .arg(&storage)
+                        .query_async::<i64>(&mut conn)
+                        .await
+                        .unwrap()
+                        == 0
+                },
+            )
+            .await;
+            // The backend works on, unfenced.
+            let again = locks.try_acquire(&key).await.unwrap();
+            again.release().await.unwrap();
+        }
+    }
+
     /// Two tenants of one server, each an ACL user limited to its own prefix: one cannot
     /// release, extend or read the other's lock through dlock (their namespaces are apart), nor
     /// through a backend pointed at the other's prefix, nor with raw commands; the lock and its
@@ -1128,6 +1212,11 @@ mod redis_acl {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn tenants_cannot_touch_each_others_locks() {
                     tenants($flavor).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn fencing_falls_back_without_client_permissions() {
+                    fencing_without_permission($flavor).await;
                 }
             }
         };

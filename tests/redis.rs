@@ -24,10 +24,13 @@ struct Expect {
     release: &'static str,
     /// The renewal command: "set" (IFEQ) or "evalsha".
     extend: &'static str,
-    /// Errors the server answers while the backend finds its paths, once per connection: the
-    /// bare `DELEX` / `DELIFEQ` probes (unknown command, or wrong number of arguments where the
-    /// command exists) and a `SET .. IFEQ` that is a syntax error.
+    /// Errors the server answers while the backend finds its paths, once per connection: a
+    /// real `DELEX` / `DELIFEQ` the server does not know (unknown command), and a `SET .. IFEQ`
+    /// that is a syntax error. No bare-name probe is sent.
     probe_errors: u64,
+    /// Round trips of the first acquire + release on a new connection (the scripts already
+    /// loaded): the fenced acquisition, then each native delete tried until one is known.
+    first_cycle: u64,
 }
 
 fn expect(flavor: Flavor) -> Expect {
@@ -36,21 +39,25 @@ fn expect(flavor: Flavor) -> Expect {
             release: "evalsha",
             extend: "evalsha",
             probe_errors: 3,
+            first_cycle: 4,
         },
         Flavor::Valkey81 => Expect {
             release: "evalsha",
             extend: "set",
             probe_errors: 2,
+            first_cycle: 4,
         },
         Flavor::Valkey91 => Expect {
             release: "delifeq",
             extend: "set",
-            probe_errors: 2,
+            probe_errors: 1,
+            first_cycle: 3,
         },
         Flavor::Redis8 => Expect {
             release: "delex",
             extend: "set",
-            probe_errors: 1,
+            probe_errors: 0,
+            first_cycle: 2,
         },
     }
 }
@@ -184,8 +191,344 @@ async fn paths_taken(server: &RedisServer) {
     assert_eq!(
         probe_errors(server) - before_errors,
         e.probe_errors,
-        "unknown-command / syntax-error probes, once per connection"
+        "unknown-command / syntax-error answers, once per connection"
     );
+}
+
+/// What an acquire + release costs: on a new connection the real native deletes are tried
+/// in turn (no bare-name probe: one round trip fewer than probing on Redis 8.4+ and Valkey
+/// 9.0+), and every later cycle is two round trips on every flavour. Without fencing, so that
+/// the acquisition is a plain `SET` and the only script is the release's, whose `GET` and
+/// `DEL` (counted by the server like commands of their own) are left out.
+async fn commands_per_cycle(server: &RedisServer) {
+    // Loads the scripts, so that no NOSCRIPT + EVAL is counted below.
+    let warm = LockProvider::connect(&server.url("fencing=false"))
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        let guard = warm.try_acquire(&unique_key("warm")).await.unwrap();
+        guard.release().await.unwrap();
+    }
+    let backend = RedisBackend::connect(&server.url("lease=10s&fencing=false"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend);
+    let key = unique_key("cycle");
+    let cycle = async || {
+        let before = server.commands_sent();
+        let guard = locks.try_acquire(&key).await.unwrap();
+        guard.release().await.unwrap();
+        let after = server.commands_sent();
+        let delta = |c: &str| after.calls(c) - before.calls(c);
+        let in_scripts = delta("get") + delta("del");
+        (
+            after.total() - before.total() - in_scripts,
+            delta("client|id"),
+        )
+    };
+    let (first, first_ids) = cycle().await;
+    let e = expect(server.flavor);
+    eprintln!(
+        "{:?}: first cycle {first} commands ({first_ids} CLIENT ID pipelined with another)",
+        server.flavor
+    );
+    assert_eq!(
+        first - first_ids,
+        e.first_cycle,
+        "first cycle's round trips"
+    );
+    for _ in 0..3 {
+        assert_eq!(cycle().await, (2, 0), "a later cycle");
+    }
+}
+
+/// `key_layout=plain`: the lock `k` is the key `prefix + k`, braces and all, and a client that
+/// is not dlock, taking that key with `SET NX PX` and giving it back with a compare-and-delete,
+/// excludes dlock and is excluded by it. The fencing counter is out of every lock's way.
+async fn plain_layout(server: &RedisServer) {
+    let backend = RedisBackend::connect(&server.url("key_layout=plain&prefix=app{1}:&lease=2s"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = format!("{}:{{order}}%", unique_key("interop"));
+    let raw_key = format!("app{{1}}:{key}");
+    assert_eq!(backend.storage_key(&key), raw_key.as_bytes());
+    let mut fence = raw_key.clone().into_bytes();
+    fence.extend_from_slice(b"\xff:fence");
+    assert_eq!(backend.fencing_key(&key), fence);
+    let mut other = admin(server).await;
+    let set_nx = |token: &'static str| {
+        let mut cmd = redis::cmd("SET");
+        cmd.arg(&raw_key).arg(token).arg("NX").arg("PX").arg(10_000);
+        cmd
+    };
+    let release = redis::Script::new(
+        "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+    );
+
+    // dlock holds it: the other client's SET NX finds it taken.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let first = guard.fencing_token().unwrap();
+    let taken: Option<String> = set_nx("other").query_async(&mut other).await.unwrap();
+    assert_eq!(
+        taken, None,
+        "the other client is excluded while dlock holds the lock"
+    );
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(&raw_key)
+        .query_async(&mut other)
+        .await
+        .unwrap();
+    assert_eq!(value.len(), 32, "dlock's owner token, as text");
+    // Its compare-and-delete with its own token leaves dlock's lock alone.
+    let deleted: i64 = release
+        .key(&raw_key)
+        .arg("other")
+        .invoke_async(&mut other)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 0);
+    guard.release().await.unwrap();
+
+    // The other client holds it: dlock cannot take it, nor wait it out within a short timeout.
+    let taken: Option<String> = set_nx("other").query_async(&mut other).await.unwrap();
+    assert_eq!(taken.as_deref(), Some("OK"));
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(matches!(
+        locks.acquire(&key, Duration::from_millis(300)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    let deleted: i64 = release
+        .key(&raw_key)
+        .arg("other")
+        .invoke_async(&mut other)
+        .await
+        .unwrap();
+    assert_eq!(deleted, 1);
+
+    // Free again: dlock takes it, with the next fencing token.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    assert!(guard.fencing_token().unwrap() > first);
+    // The lock named `key:fence` is not the counter: it is free.
+    let beside = locks.try_acquire(&format!("{key}:fence")).await.unwrap();
+    beside.release().await.unwrap();
+    guard.release().await.unwrap();
+
+    // The default layout of the same prefix is another key.
+    let tagged = RedisBackend::connect(&server.url("prefix=app:"))
+        .await
+        .unwrap();
+    assert_eq!(tagged.storage_key("k"), b"app:{k}");
+    assert!(
+        RedisBackend::connect(&server.url("prefix=app{1}:"))
+            .await
+            .is_err()
+    );
+}
+
+/// The ids of the server's client connections (`CLIENT LIST`).
+async fn client_ids(admin: &mut redis::aio::MultiplexedConnection) -> Vec<i64> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(admin)
+        .await
+        .unwrap();
+    list.lines()
+        .filter_map(|l| l.strip_prefix("id=")?.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// `CLIENT PAUSE ms WRITE`: write commands and scripts wait in the server (and keys do not
+/// expire meanwhile); reads and `CLIENT` commands run.
+async fn pause_writes(admin: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(20_000)
+        .arg("WRITE")
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
+/// Ends the pause. The commands it held run before the server reads the next command of any
+/// client, so what `admin` reads next is after them.
+async fn unpause(admin: &mut redis::aio::MultiplexedConnection) {
+    let () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
+fn killed_id(reason: &str) -> i64 {
+    let (_, rest) = reason.split_once("CLIENT KILL ID ").expect(reason);
+    rest.split(')').next().unwrap().parse().expect(reason)
+}
+
+/// A release that times out while the server holds writes back: the connection that sent it
+/// is killed (a), the held-back delete never runs (b), the lock counts as lost, and the
+/// backend works on (c).
+async fn fenced_release(server: &RedisServer) {
+    let backend = RedisBackend::connect(&server.url("lease=30s&timeout=300ms"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("fence-release");
+    // A cycle first: the connection knows its paths and its CLIENT ID.
+    locks
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let storage = backend.storage_key(&key);
+    let mut admin = admin(server).await;
+    let token: Vec<u8> = redis::cmd("GET")
+        .arg(&storage)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let before = client_ids(&mut admin).await;
+    let kills = calls(server, "client|kill");
+    assert_eq!(backend.connection_fencing().killed, 0);
+
+    pause_writes(&mut admin).await;
+    let lost = guard.lost_token().clone();
+    // `release_outcome` passes the backend's error on as it is (`release` says `Lost` too).
+    let outcome = guard.release_outcome().await;
+    let Err(LockError::Lost { reason, .. }) = outcome else {
+        panic!("{outcome:?}")
+    };
+    assert!(lost.is_cancelled());
+    let id = killed_id(&reason);
+    let fencing = backend.connection_fencing();
+    assert!(fencing.enabled);
+    assert_eq!((fencing.killed, fencing.not_fenced), (1, 0), "{fencing:?}");
+    // (a) One CLIENT KILL, of a connection that was there before and is gone now.
+    assert_eq!(calls(server, "client|kill"), kills + 1);
+    let after = client_ids(&mut admin).await;
+    let gone: Vec<_> = before.iter().filter(|id| !after.contains(id)).collect();
+    assert_eq!(gone, [&id], "{before:?} -> {after:?}: {reason}");
+
+    // (b) The delete it sent, held back until now, never runs.
+    unpause(&mut admin).await;
+    let value: Option<Vec<u8>> = redis::cmd("GET")
+        .arg(&storage)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        value,
+        Some(token),
+        "the held-back delete ran after the kill"
+    );
+
+    // (c) The backend works on: a new connection, the same paths.
+    let _: i64 = redis::cmd("DEL")
+        .arg(&storage)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let again = locks.try_acquire(&key).await.unwrap();
+    again.release().await.unwrap();
+    let other = locks.try_acquire(&unique_key("fence-after")).await.unwrap();
+    assert!(!other.is_lost());
+    other.release().await.unwrap();
+    assert_eq!(backend.connection_fencing().killed, 1);
+}
+
+/// An extension that times out, or whose future is dropped, while writes are held back: its
+/// connection is killed, and the longer lease it asked for never lands.
+async fn fenced_extension(server: &RedisServer) {
+    let backend = RedisBackend::connect(&server.url("lease=30s&timeout=300ms"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("fence-extend");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    guard.extend(Duration::from_secs(30)).await.unwrap();
+    let storage = backend.storage_key(&key);
+    let mut admin = admin(server).await;
+
+    // Timed out.
+    let kills = calls(server, "client|kill");
+    pause_writes(&mut admin).await;
+    let err = guard.extend(Duration::from_secs(600)).await.unwrap_err();
+    assert!(matches!(err, LockError::Unavailable { .. }), "{err:?}");
+    assert!(err.to_string().contains("was killed"), "{err}");
+    assert_eq!(backend.connection_fencing().killed, 1);
+    assert_eq!(calls(server, "client|kill"), kills + 1);
+    unpause(&mut admin).await;
+    let ttl = pttl(server, &storage);
+    assert!(
+        (0..=30_000).contains(&ttl),
+        "the held-back extension ran after the kill: {ttl} ms"
+    );
+    assert!(!guard.is_lost());
+
+    // Dropped midway (a caller's own timeout, shorter than the backend's).
+    guard.extend(Duration::from_secs(30)).await.unwrap();
+    pause_writes(&mut admin).await;
+    let dropped = tokio::time::timeout(
+        Duration::from_millis(100),
+        guard.extend(Duration::from_secs(600)),
+    )
+    .await;
+    assert!(dropped.is_err(), "{dropped:?}");
+    dlock_testkit::wait_until(
+        "the dropped extension is fenced",
+        Duration::from_secs(5),
+        async || backend.connection_fencing().killed == 2,
+    )
+    .await;
+    unpause(&mut admin).await;
+    let ttl = pttl(server, &storage);
+    assert!(
+        (0..=30_000).contains(&ttl),
+        "the dropped extension ran after the kill: {ttl} ms"
+    );
+
+    // The backend works on.
+    guard.extend(Duration::from_secs(40)).await.unwrap();
+    assert!(pttl(server, &storage) > 30_000);
+    guard.release().await.unwrap();
+    assert_eq!(backend.connection_fencing().not_fenced, 0);
+}
+
+/// A managed renewal that times out while writes are held back: its connection is killed,
+/// and the next renewal, on a new connection, keeps the lock.
+async fn fenced_renewal(server: &RedisServer) {
+    let lease = Duration::from_millis(1500);
+    let backend = RedisBackend::connect(&server.url("lease=1500ms&timeout=200ms"))
+        .await
+        .unwrap();
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("fence-renew");
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let storage = backend.storage_key(&key);
+    assert!(
+        renewed(server, &storage, lease).await,
+        "renewed before the pause"
+    );
+    let mut admin = admin(server).await;
+    pause_writes(&mut admin).await;
+    dlock_testkit::wait_until("a renewal is fenced", lease, async || {
+        backend.connection_fencing().killed >= 1
+    })
+    .await;
+    unpause(&mut admin).await;
+    assert!(
+        renewed(server, &storage, lease).await,
+        "renewed after the kill"
+    );
+    assert!(!guard.is_lost());
+    guard.release().await.unwrap();
+    assert_eq!(backend.connection_fencing().not_fenced, 0);
 }
 
 /// A `SCRIPT FLUSH` costs one `EVAL` per script, and nothing else changes.
@@ -1386,6 +1729,36 @@ macro_rules! flavor_tests {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn cycle_cost() {
+                let Some(server) = start() else { return };
+                commands_per_cycle(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn plain_keys() {
+                let Some(server) = start() else { return };
+                plain_layout(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_release() {
+                let Some(server) = start() else { return };
+                fenced_release(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_extension() {
+                let Some(server) = start() else { return };
+                fenced_extension(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fence_renewal() {
+                let Some(server) = start() else { return };
+                fenced_renewal(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread")]
             async fn noscript() {
                 let Some(server) = start() else { return };
                 noscript_recovery(&server).await;

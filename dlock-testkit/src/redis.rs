@@ -366,6 +366,38 @@ impl RedisServer {
             .collect()
     }
 
+    /// Every command the server was sent, read in one `INFO commandstats errorstats`: see
+    /// [`CommandsSent`].
+    pub fn commands_sent(&self) -> CommandsSent {
+        let text = self
+            .raw(&["INFO", "commandstats", "errorstats"])
+            .expect("INFO");
+        let mut sent = CommandsSent::default();
+        for line in text.lines() {
+            let Some((name, value)) = line.split_once(':') else {
+                continue;
+            };
+            let field = |f: &str| -> u64 {
+                value
+                    .split(',')
+                    .find_map(|kv| kv.strip_prefix(f))
+                    .and_then(|n| n.trim().parse().ok())
+                    .unwrap_or(0)
+            };
+            if let Some(command) = name.strip_prefix("cmdstat_") {
+                let counts = (
+                    field("calls="),
+                    field("rejected_calls="),
+                    field("failed_calls="),
+                );
+                sent.commands.insert(command.to_owned(), counts);
+            } else if name.starts_with("errorstat_") {
+                sent.errors += field("count=");
+            }
+        }
+        sent
+    }
+
     /// How often the server answered each error code (`INFO errorstats`).
     pub fn error_counts(&self) -> HashMap<String, u64> {
         self.info("errorstats")
@@ -390,6 +422,36 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("free port")
+}
+
+/// What a server was sent, from `INFO commandstats` and `INFO errorstats`.
+#[derive(Debug, Default, Clone)]
+pub struct CommandsSent {
+    /// Per command (lowercase, `client|id` for subcommands): calls (executed, failed ones
+    /// included), calls refused before running (arity, ACL), calls that failed.
+    pub commands: HashMap<String, (u64, u64, u64)>,
+    /// Every error answered.
+    pub errors: u64,
+}
+
+impl CommandsSent {
+    /// Calls of `command`, executed or refused.
+    pub fn calls(&self, command: &str) -> u64 {
+        self.commands.get(command).map_or(0, |c| c.0 + c.1)
+    }
+
+    /// Every command received, except `INFO`: executed and refused calls, plus the errors
+    /// not counted against any command (an unknown command's).
+    pub fn total(&self) -> u64 {
+        let (mut calls, mut failed) = (0, 0);
+        for (name, (c, rejected, f)) in &self.commands {
+            if name != "info" {
+                calls += c + rejected;
+            }
+            failed += f + rejected;
+        }
+        calls + self.errors.saturating_sub(failed)
+    }
 }
 
 /// A TCP proxy on loopback in front of a server that holds back what passes through it: each

@@ -1,7 +1,7 @@
 //! The commands behind a lock: native compare-and-set commands where the server has them, Lua
 //! scripts where it does not, and the per-connection memory of which is which.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -97,6 +97,32 @@ struct Caps {
     delex: Support,
     delifeq: Support,
     set_ifeq: Support,
+    /// The connection's `CLIENT ID`, once learnt (see [`Conn::fence_ticket`]).
+    client_id: Option<i64>,
+}
+
+impl Caps {
+    fn new(generation: u64) -> Caps {
+        Caps {
+            generation,
+            delex: Support::Unknown,
+            delifeq: Support::Unknown,
+            set_ifeq: Support::Unknown,
+            client_id: None,
+        }
+    }
+}
+
+/// What connection fencing has done on one backend (see [`Conn::kill_client`]).
+#[derive(Debug, Default)]
+pub(crate) struct FenceState {
+    /// Off for good: the user may not run `CLIENT ID` or `CLIENT KILL`, or the server does
+    /// not know them (warned once).
+    pub(crate) disabled: AtomicBool,
+    /// Connections killed.
+    pub(crate) killed: AtomicU64,
+    /// Commands with an unknown outcome whose connection could not be killed.
+    pub(crate) not_fenced: AtomicU64,
 }
 
 /// How a release or extension was carried out, for diagnostics.
@@ -136,6 +162,12 @@ pub(crate) struct Conn {
     /// made on, and those of commands that found the connection broken (the manager's
     /// reconnection may run there). At most [`MAX_WATCHES`], the newest.
     watches: Mutex<Vec<tokio_util::sync::DropGuard>>,
+    /// Set after an answer to a native command that the client could not read: from then on
+    /// the native deletes are probed by their bare names before the real call (see
+    /// [`Conn::native_delete`]).
+    probe_first: AtomicBool,
+    /// Connection fencing: whether it is on, and what it did.
+    pub(crate) fence: FenceState,
 }
 
 /// Sets a connection's `suspect` flag when dropped (see [`Conn::suspect_on_drop`]), unless
@@ -272,6 +304,72 @@ fn millis(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
+/// A native conditional delete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Native {
+    /// `DELEX key IFEQ token`.
+    Delex,
+    /// `DELIFEQ key token`.
+    Delifeq,
+}
+
+impl Native {
+    fn name(self) -> &'static str {
+        match self {
+            Native::Delex => "DELEX",
+            Native::Delifeq => "DELIFEQ",
+        }
+    }
+
+    fn path(self) -> CommandPath {
+        match self {
+            Native::Delex => CommandPath::Delex,
+            Native::Delifeq => CommandPath::Delifeq,
+        }
+    }
+
+    fn known(self, caps: Caps) -> Support {
+        match self {
+            Native::Delex => caps.delex,
+            Native::Delifeq => caps.delifeq,
+        }
+    }
+
+    fn support(self, caps: &mut Caps) -> &mut Support {
+        match self {
+            Native::Delex => &mut caps.delex,
+            Native::Delifeq => &mut caps.delifeq,
+        }
+    }
+}
+
+/// How much of the arguments a server's "unknown command" answer quotes: Redis and Valkey
+/// append `'arg' ` for each argument, each cut (as C strings, at a NUL) to what is left of
+/// 128 bytes, until 128 are written.
+const QUOTED_ARGS: usize = 128;
+
+/// Whether the arguments a server would quote in its "unknown command" answer to a command
+/// with these arguments are valid UTF-8, so that the client can read that answer (it refuses
+/// an error line that is not). Conservative: every argument it might quote must be text in
+/// full, and the cut must fall between characters.
+fn quoted_args_are_text(args: &[&[u8]]) -> bool {
+    let mut quoted = Vec::with_capacity(QUOTED_ARGS + 8);
+    for arg in args {
+        if quoted.len() >= QUOTED_ARGS {
+            break;
+        }
+        if std::str::from_utf8(arg).is_err() {
+            return false;
+        }
+        let room = QUOTED_ARGS - quoted.len();
+        let shown = arg.split(|b| *b == 0).next().unwrap_or_default();
+        quoted.push(b'\'');
+        quoted.extend_from_slice(&shown[..shown.len().min(room)]);
+        quoted.extend_from_slice(b"' ");
+    }
+    std::str::from_utf8(&quoted).is_ok()
+}
+
 impl Conn {
     /// A connection on `manager`; with `rebuild`, the client and configuration it was made
     /// from, to replace it when needed.
@@ -282,16 +380,13 @@ impl Conn {
         Conn {
             manager: Mutex::new(manager),
             rebuild,
-            caps: Mutex::new(Caps {
-                generation: 0,
-                delex: Support::Unknown,
-                delifeq: Support::Unknown,
-                set_ifeq: Support::Unknown,
-            }),
+            caps: Mutex::new(Caps::new(0)),
             scripts: Scripts::new(),
             suspect: Arc::new(AtomicBool::new(false)),
             reconnecting: AtomicBool::new(false),
             watches: Mutex::new(Vec::new()),
+            probe_first: AtomicBool::new(false),
+            fence: FenceState::default(),
         }
     }
 
@@ -416,12 +511,7 @@ impl Conn {
     /// Forgets what the connection supports: it may be another one now.
     fn forget(&self) {
         let mut caps = self.caps.lock().unwrap_or_else(PoisonError::into_inner);
-        *caps = Caps {
-            generation: caps.generation.wrapping_add(1),
-            delex: Support::Unknown,
-            delifeq: Support::Unknown,
-            set_ifeq: Support::Unknown,
-        };
+        *caps = Caps::new(caps.generation.wrapping_add(1));
     }
 
     /// Sends one command. A failure that is not the server's answer forgets what the
@@ -431,14 +521,140 @@ impl Conn {
     /// A panic inside the driver (its reconnection polled after the runtime it began on shut
     /// down) is caught and answered as an I/O failure; the manager is replaced, so the next
     /// command connects again.
+    ///
+    /// While the connection's `CLIENT ID` is not known (a new connection) and fencing is on,
+    /// `CLIENT ID` goes ahead of the command in one pipeline: learnt with no round trip of its
+    /// own.
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
         self.repair().await;
         self.watch_if_reconnecting();
         let mut manager = self.manager();
-        let outcome = unwind_to_error(cmd.query_async::<Value>(&mut manager)).await;
+        let caps = self.caps();
+        let outcome = if caps.client_id.is_none() && self.fencing_on() {
+            let mut pipe = redis::pipe();
+            pipe.cmd("CLIENT")
+                .arg("ID")
+                .add_command(cmd.clone())
+                .ignore_errors();
+            match unwind_to_error(pipe.query_async::<Vec<Value>>(&mut manager)).await {
+                Ok(replies) => {
+                    let mut replies = replies.into_iter();
+                    if let Some(id) = replies.next() {
+                        self.record_client_id(caps.generation, as_result(id));
+                    }
+                    match replies.next() {
+                        Some(reply) => as_result(reply),
+                        None => Err(unexpected("a pipeline", &Value::Nil)),
+                    }
+                }
+                Err(err) => Err(err),
+            }
+        } else {
+            unwind_to_error(cmd.query_async::<Value>(&mut manager)).await
+        };
         self.after_driver_panic(&outcome);
         self.forget_on_failure(&outcome);
         outcome
+    }
+
+    /// Whether uncertain commands are fenced: the backend can open another connection (it
+    /// was built from a client), and the user may run `CLIENT ID` and `CLIENT KILL`.
+    pub(crate) fn fencing_on(&self) -> bool {
+        self.rebuild.is_some() && !self.fence.disabled.load(Ordering::Relaxed)
+    }
+
+    /// Turns fencing off for good, saying why once.
+    fn disable_fencing(&self, why: &str) {
+        if !self.fence.disabled.swap(true, Ordering::SeqCst) {
+            tracing::warn!(
+                reason = why,
+                "redis connection fencing is off: a renewal or release whose outcome is unknown \
+                 (timed out or cancelled) can no longer be kept from landing later by killing \
+                 its connection; grant the Redis user `+client|id +client|kill` to have it"
+            );
+        }
+    }
+
+    /// Records the answer to `CLIENT ID` for the connection of `generation`.
+    fn record_client_id(&self, generation: u64, reply: Result<Value, RedisError>) {
+        match reply {
+            Ok(Value::Int(id)) => self.learn(generation, |c| c.client_id = Some(id)),
+            Err(err) => {
+                if err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) {
+                    self.disable_fencing("the Redis user may not run CLIENT ID");
+                } else if is_server_answer(&err) {
+                    self.disable_fencing("the server refused CLIENT ID");
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// The `CLIENT ID` of the connection the next command goes out on, when fencing is on;
+    /// asked with a round trip of its own only when the connection is new and this is its
+    /// first command (any other first command learns it in passing, see [`Conn::query`]).
+    /// `None` when fencing is off or the question failed: the command is then sent unfenced.
+    ///
+    /// Cancel safe, and nothing uncertain is left by a timeout here: the fenced command has
+    /// not been sent yet.
+    pub(crate) async fn fence_ticket(&self) -> Option<i64> {
+        if !self.fencing_on() {
+            return None;
+        }
+        let caps = self.caps();
+        if let Some(id) = caps.client_id {
+            return Some(id);
+        }
+        self.repair().await;
+        self.watch_if_reconnecting();
+        let mut manager = self.manager();
+        let mut ask = redis::cmd("CLIENT");
+        ask.arg("ID");
+        let outcome = unwind_to_error(ask.query_async::<Value>(&mut manager)).await;
+        self.after_driver_panic(&outcome);
+        self.forget_on_failure(&outcome);
+        self.record_client_id(caps.generation, outcome);
+        self.caps().client_id.filter(|_| self.fencing_on())
+    }
+
+    /// Kills the connection `id` from a connection of its own (opened for this, then closed),
+    /// so that a command it sent and whose outcome is unknown either ran already or never
+    /// will; then the manager is made again, so the next command connects anew. `Ok(true)`:
+    /// killed; `Ok(false)`: no such connection (closed already, or the id was stale). A user
+    /// who may not run `CLIENT KILL` turns fencing off (warned once).
+    pub(crate) async fn kill_client(&self, id: i64, timeout: Duration) -> Result<bool, RedisError> {
+        let Some((client, _)) = &self.rebuild else {
+            return Ok(false);
+        };
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(timeout))
+            .set_response_timeout(Some(timeout));
+        let killed = async {
+            let mut conn = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("ID")
+                .arg(id)
+                .query_async::<i64>(&mut conn)
+                .await
+        }
+        .await;
+        match killed {
+            Ok(n) => {
+                // The connection may be the manager's current one: make a new manager, so
+                // that no command meets the killed connection.
+                self.replace();
+                Ok(n > 0)
+            }
+            Err(err) => {
+                if err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) {
+                    self.disable_fencing("the Redis user may not run CLIENT KILL");
+                }
+                Err(err)
+            }
+        }
     }
 
     /// Replaces the manager after a panic inside it (it is poisoned for good).
@@ -517,72 +733,89 @@ impl Conn {
     }
 
     /// Whether the connection has the native delete `command` (`DELEX` or `DELIFEQ`), probed
-    /// once per connection by sending the bare command name: a server without it answers
-    /// "unknown command", one with it "wrong number of arguments", and neither touches a key
-    /// or needs a key permission. (The real call is not used as the probe: the server's
-    /// unknown-command error quotes the first arguments, a binary token or a key cut in the
-    /// middle of a character among them, and such a reply is not valid text to the client.)
-    async fn has_native_delete(&self, command: &'static str) -> Result<bool, RedisError> {
-        let caps = self.caps();
-        let known = if command == "DELEX" {
-            caps.delex
-        } else {
-            caps.delifeq
-        };
-        match known {
-            Support::Yes => return Ok(true),
-            Support::No => return Ok(false),
-            Support::Unknown => {}
-        }
-        let has = match self.query(&redis::cmd(command)).await {
+    /// by sending the bare command name: a server without it answers "unknown command", one
+    /// with it "wrong number of arguments", and neither touches a key or needs a key
+    /// permission. Used only when the real call could not be sent as its own probe (see
+    /// [`quoted_args_are_text`]), or after an answer that could not be read.
+    async fn probe_native_delete(&self, command: Native) -> Result<bool, RedisError> {
+        let generation = self.caps().generation;
+        let has = match self.query(&redis::cmd(command.name())).await {
             Ok(_) => true,
             Err(err) if is_unknown_command(&err) => false,
             Err(err) if is_arity_error(&err) => true,
             Err(err) => return Err(err),
         };
         let support = if has { Support::Yes } else { Support::No };
-        self.learn(caps.generation, |c| {
-            if command == "DELEX" {
-                c.delex = support;
-            } else {
-                c.delifeq = support;
-            }
-        });
+        self.learn(generation, |c| *command.support(c) = support);
         Ok(has)
     }
 
-    /// Deletes the lock if `token` owns it: `DELEX`, then `DELIFEQ`, then Lua, moving on only
-    /// when the server does not know a command.
+    /// One native conditional delete, sent as it is when the connection may have it: `None`
+    /// when the server does not know the command (which then did nothing), and the outcome
+    /// otherwise. The server's "unknown command" answer quotes the first arguments; when
+    /// those would not be valid text (a binary token, a key cut inside a character) the
+    /// client could not read that answer, so the bare name is probed first instead.
+    async fn native_delete(
+        &self,
+        command: Native,
+        key: &[u8],
+        token: &OwnerToken,
+    ) -> Result<Option<ReleaseOutcome>, RedisError> {
+        let caps = self.caps();
+        let known = command.known(caps);
+        if known == Support::No {
+            return Ok(None);
+        }
+        let mut cmd = redis::cmd(command.name());
+        let args: &[&[u8]] = match command {
+            Native::Delex => &[key, b"IFEQ", token.as_bytes()],
+            Native::Delifeq => &[key, token.as_bytes()],
+        };
+        for arg in args {
+            cmd.arg(*arg);
+        }
+        let probe_first = known == Support::Unknown
+            && (self.probe_first.load(Ordering::Relaxed) || !quoted_args_are_text(args));
+        if probe_first && !self.probe_native_delete(command).await? {
+            return Ok(None);
+        }
+        match self.query(&cmd).await {
+            Ok(reply) => {
+                self.learn(caps.generation, |c| *command.support(c) = Support::Yes);
+                Ok(Some(self.native_outcome(key, reply).await?))
+            }
+            Err(err) if is_unknown_command(&err) => {
+                if known == Support::Yes {
+                    // The server behind the connection changed since it answered: forget
+                    // everything learnt about the old one.
+                    self.forget();
+                } else {
+                    self.learn(caps.generation, |c| *command.support(c) = Support::No);
+                }
+                Ok(None)
+            }
+            Err(err) => {
+                if known == Support::Unknown && err.kind() == ErrorKind::Parse {
+                    // An answer the client could not read (an unknown-command error quoting
+                    // bytes that are not text, from a server that quotes differently): find
+                    // out with the bare names from now on. The connection is made again.
+                    self.probe_first.store(true, Ordering::Relaxed);
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// Deletes the lock if `token` owns it: `DELEX`, then `DELIFEQ`, then Lua, each sent as
+    /// it is, moving on only when the server does not know a command.
     pub(crate) async fn release(
         &self,
         key: &[u8],
         token: &OwnerToken,
     ) -> Result<(ReleaseOutcome, CommandPath), RedisError> {
-        if self.has_native_delete("DELEX").await? {
-            let mut delex = redis::cmd("DELEX");
-            delex.arg(key).arg("IFEQ").arg(token.as_bytes());
-            match self.query(&delex).await {
-                Ok(reply) => {
-                    return Ok((self.native_outcome(key, reply).await?, CommandPath::Delex));
-                }
-                Err(err) if is_unknown_command(&err) => {
-                    // Unreachable on a connection that answered the probe, unless the server
-                    // behind it changed; the parse of such a reply may have failed instead,
-                    // which ends in an I/O error and a fresh probe.
-                    self.forget();
-                }
-                Err(err) => return Err(err),
-            }
-        }
-        if self.has_native_delete("DELIFEQ").await? {
-            let mut delifeq = redis::cmd("DELIFEQ");
-            delifeq.arg(key).arg(token.as_bytes());
-            match self.query(&delifeq).await {
-                Ok(reply) => {
-                    return Ok((self.native_outcome(key, reply).await?, CommandPath::Delifeq));
-                }
-                Err(err) if is_unknown_command(&err) => self.forget(),
-                Err(err) => return Err(err),
+        for command in [Native::Delex, Native::Delifeq] {
+            if let Some(outcome) = self.native_delete(command, key, token).await? {
+                return Ok((outcome, command.path()));
             }
         }
         let reply = self
@@ -690,6 +923,14 @@ fn first_queued_error(err: RedisError) -> RedisError {
     match first {
         Some(first) => RedisError::from(first),
         None => err,
+    }
+}
+
+/// A reply of a pipeline that ignores errors, with an error answer as the error it is.
+fn as_result(reply: Value) -> Result<Value, RedisError> {
+    match reply {
+        Value::ServerError(err) => Err(RedisError::from(err)),
+        reply => Ok(reply),
     }
 }
 
@@ -827,6 +1068,28 @@ mod tests {
         assert_eq!(refused_command("to run the 'x' commander"), Some("x"));
         assert_eq!(refused_command("to run the 'x' verb"), None);
         assert_eq!(refused_command("to run the 'x"), None);
+    }
+
+    #[test]
+    fn what_an_unknown_command_answer_quotes_must_be_text() {
+        assert!(quoted_args_are_text(&[b"dlock:{k}", b"IFEQ", b"0123abcd"]));
+        assert!(quoted_args_are_text(&["dlock:{é}".as_bytes(), b"tok"]));
+        assert!(!quoted_args_are_text(&[b"k", b"IFEQ", &[0xff, 0x00]]));
+        assert!(!quoted_args_are_text(&[&[0xc3], b"tok"]));
+        // A key of 128 bytes or more fills the quote: the token is never shown.
+        let long = vec![b'a'; 130];
+        assert!(quoted_args_are_text(&[&long, b"IFEQ", &[0xff]]));
+        // A cut inside a character is not text; at a character boundary it is.
+        let mut cut = vec![b'a'; 127];
+        cut.extend_from_slice("é".as_bytes());
+        assert!(!quoted_args_are_text(&[&cut, b"t"]));
+        let mut whole = vec![b'a'; 126];
+        whole.extend_from_slice("é".as_bytes());
+        assert!(quoted_args_are_text(&[&whole, &[0xff]]));
+        // The second argument's room is what the first left: `'k' ` is 4 bytes.
+        let mut second = vec![b'b'; 123];
+        second.extend_from_slice("é".as_bytes());
+        assert!(!quoted_args_are_text(&[b"k", &second]));
     }
 
     #[test]

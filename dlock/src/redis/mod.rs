@@ -18,17 +18,33 @@
 //! # Native commands first, per connection
 //!
 //! Which of the native commands the server has is found out by using them, never with `INFO`
-//! or `COMMAND` (which need permissions lock users rarely have). A release tries `DELEX`, then
-//! `DELIFEQ`, then the Lua script, and moves on **only** when the server answers that it does not
-//! know the command; renewal falls back to Lua only on `ERR syntax error` (how older servers
-//! answer `IFEQ`). Every other failure (a timeout, cancellation, a lost connection, `NOPERM`,
-//! anything else) is returned as it is: nothing is replayed on another path. What the
-//! connection lacks is remembered, so each later call takes the right path at once, and is
-//! forgotten whenever a command fails without an answer from the server (after which the
-//! connection manager reconnects, possibly to an upgraded or different server). When the
-//! backend is built on a connection manager the application also uses, a reconnection caused by
-//! the application's own commands goes unnoticed; that is harmless, because a native command the
-//! new server lacks still answers "unknown command" and is then skipped.
+//! or `COMMAND` (which need permissions lock users rarely have), and without a probe of its
+//! own: the real command is sent, and its answer says. A release sends `DELEX key IFEQ token`,
+//! then `DELIFEQ key token`, then the Lua script, and moves on **only** when the server
+//! answers that it does not know the command (an answer that also says it did nothing);
+//! renewal sends `SET key token IFEQ token PX ms` and falls back to Lua only on `ERR syntax
+//! error` (how older servers answer `IFEQ`). Every other failure (a timeout, cancellation, a
+//! lost connection, `NOPERM`, anything else) is returned as it is: nothing is replayed on
+//! another path. What the connection lacks is remembered, so each later call takes the right
+//! path at once, and is forgotten whenever a command fails without an answer from the server
+//! (after which the connection manager reconnects, possibly to an upgraded or different
+//! server). When the backend is built on a connection manager the application also uses, a
+//! reconnection caused by the application's own commands goes unnoticed; that is harmless,
+//! because a native command the new server lacks still answers "unknown command" and is then
+//! skipped.
+//!
+//! A server's "unknown command" answer quotes the command's first arguments (about 128
+//! bytes), which the client must read as text. The owner tokens dlock makes are text (hex
+//! digits); a token of the raw-token API that is not UTF-8, or a key cut inside a character
+//! at that length, would make the answer unreadable. For those calls the connection is asked
+//! first with the bare command name (`DELEX` alone: "unknown command" or "wrong number of
+//! arguments", which touches no key and needs no permission), once per connection, as for
+//! every call before this version.
+//!
+//! Round trips of the first release on a new connection: one on Redis 8.4+ (`DELEX`), two on
+//! Valkey 9.0+ (`DELEX` unknown, `DELIFEQ`), three on older servers (`DELEX`, `DELIFEQ`,
+//! `EVALSHA`); every later release takes one (plus an `EXISTS` when a native delete finds
+//! nothing to delete, to tell "already released" from "not owned").
 //!
 //! Scripts run with `EVALSHA`, and with `EVAL` once after a `NOSCRIPT` answer (a restart, a
 //! `SCRIPT FLUSH`, a failover to a replica that has not seen them). A user without `EVALSHA`/`EVAL`
@@ -46,6 +62,37 @@
 //! distinct locks. Keys are byte strings to Redis: NUL, newlines and any length are fine.
 //! [`RedisBackend::storage_key`] gives the exact key. A prefix may not contain `{` or `}`.
 //!
+//! ## The plain layout, for other clients
+//!
+//! With `key_layout=plain` ([`RedisBuilder::key_layout`], [`KeyLayout::Plain`]) the lock `k`
+//! lives under `{prefix}k`, as it is: no hash tag, no escaping. A client that is not dlock
+//! and locks that same key with the same owner-token protocol (`SET key token NX PX ms` to
+//! take it; a compare-and-delete of its own token to give it back; a compare-and-`PEXPIRE`
+//! or `SET key token IFEQ token PX ms` to renew it) sees the same lock as dlock: each excludes
+//! the other. Such a client must make its tokens unique per acquisition, as dlock does (32
+//! random hex digits). What the plain layout gives up:
+//!
+//! - **Injectivity within the prefix is the caller's.** Nothing is escaped, so the name is
+//!   the key: two prefixes where one extends the other (`a:` and `a:b:`) share keys (the lock
+//!   `b:x` of the first is the lock `x` of the second), which the tagged layout's
+//!   `{`...`}` rules out.
+//! - **Cluster slots.** A key without a hash tag lands in the slot of the whole key, and its
+//!   fencing counter (another key) in another slot: the acquisition script, which touches
+//!   both, fails with `CROSSSLOT` on a Cluster. Put a hash tag in the lock names yourself
+//!   (`{order:42}`, braces and all: they are not escaped in this layout, and the prefix may
+//!   hold them too) or turn fencing off (`fencing=false`, a plain `SET NX PX`).
+//! - **Where the fencing counter lives.** Under `{prefix}k` + byte `0xFF` + `:fence`. The
+//!   tagged layout's `:fence` suffix would be the key of the lock named `k:fence` here (whose
+//!   acquisitions would then always find it taken); a lock name is UTF-8, where `0xFF`
+//!   never occurs, so no lock name can reach the counter. Tools show the byte as `\xff`. Other
+//!   clients never touch the counter; they get no fencing tokens, and a dlock acquisition of a
+//!   key another client holds does not bump it.
+//! - **ACL key pattern.** `~{prefix}*` (the tagged layout's `~{prefix}{*` does not match).
+//!
+//! Both layouts of one prefix are distinct keys (`p:{k}` and `p:k`): every process that shares
+//! a lock must use the same layout. Switching a running system from one to the other is a
+//! migration: locks held under the old layout are not seen by the new one.
+//!
 //! # URL
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
@@ -56,6 +103,7 @@
 //! |---|---|---|
 //! | `lease` | `30s` | lease of each lock (at least 100 ms, at most 365 days); renewed every `lease / 3` |
 //! | `prefix` | `dlock:` | prepended to every lock key |
+//! | `key_layout` | `tagged` | `plain`: the lock `k` is the key `{prefix}k`, for clients that are not dlock (see [Keys](self#the-plain-layout-for-other-clients)) |
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
 //! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
@@ -85,8 +133,8 @@
 //! first](self#native-commands-first-per-connection)), so an ACL user needs exactly these, on
 //! the keys `~<prefix>{*` (the lock key `<prefix>{<key>}` and its counter
 //! `<prefix>{<key>}:fence`). Scripts run with the caller's permissions, so the commands they
-//! call are listed too. The probes of `DELEX` and `DELIFEQ` are the bare command names, which
-//! the server refuses for their arity before it checks the ACL: they need no permission.
+//! call are listed too. A native command the server does not know is refused before the ACL
+//! is checked, so finding out what the server has needs no permission of its own.
 //!
 //! | server | fencing on (default) | `fencing=false` |
 //! |---|---|---|
@@ -105,8 +153,13 @@
 //! reads ([`owner_token`](RedisBackend::owner_token),
 //! [`verify_still_held`](RedisBackend::verify_still_held),
 //! [`remaining_lease`](RedisBackend::remaining_lease)) also need `+get +pttl +multi +exec`;
+//! a guard's [`verify_still_held`](crate::LockGuard::verify_still_held) needs `+get`, and
+//! [`LockProvider::ping`](crate::LockProvider::ping) `+ping`;
 //! a database other than 0 in the URL needs `+select`. `PING`, which dlock sends to check a
 //! connection after a runtime shut down, may be refused: its answer is not needed.
+//!
+//! [Connection fencing](self#connection-fencing) also needs `+client|id +client|kill`; without
+//! them dlock warns once and goes on without fencing.
 //!
 //! A command the user may not run is a [`LockError::Backend`] with `db_code` `"NOPERM"` whose
 //! message names the command (on Redis 7.0, which does not say which command of a script it
@@ -186,6 +239,39 @@
 //! fencing tokens as a second line of defence with persistence and `WAIT`-free failover in mind,
 //! not as a guarantee across data loss.
 //!
+//! # Connection fencing
+//!
+//! A renewal, an [`extend`](crate::LockGuard::extend) or a guard's release that times out
+//! (the `timeout` option) or whose future is dropped after its command may have reached the
+//! server has an **unknown outcome**, and worse, the command may still run later: a server
+//! that stalled, a network that held it back. dlock then kills the connection that sent it,
+//! by its `CLIENT ID`, from a connection of its own (`CLIENT KILL ID n`): after that the
+//! command either ran before the kill or never will, and the backend connects anew for the
+//! next command. What follows:
+//!
+//! - **A release** with an unknown outcome answers [`LockError::Lost`] (the guard's lost token
+//!   fires): whether the delete ran, nobody can say; if it did not, the lock frees itself at
+//!   the end of its lease. A release whose future is dropped fires the lost token too.
+//! - **An extension** answers [`LockError::Unavailable`], saying the connection was killed:
+//!   it ran or never will; the renewals go on as before.
+//! - **A renewal** counts as failed and is tried again (on the new connection) until the
+//!   local deadline, as any failed renewal.
+//!
+//! The connection's `CLIENT ID` is learnt without a round trip of its own: `CLIENT ID` goes
+//! ahead of the first command of each connection, in one pipeline (only when that first
+//! command is itself a renewal, extension or release is it asked alone, before the command is
+//! sent). It is forgotten with everything else learnt about the connection.
+//!
+//! Each fence is logged (a `tracing` warning naming the operation and the client id) and
+//! counted in [`RedisBackend::connection_fencing`]. It needs the permissions
+//! `+client|id +client|kill`: a user refused either gets one warning, and from then on the
+//! backend does what it did without fencing (the timeout error is returned, and the command
+//! may land later). Fencing is also off for a backend built on a `ConnectionManager` the
+//! application passed in (dlock cannot open a connection of its own there). With
+//! `protocol=resp3` the connection manager may reconnect by itself while idle; a kill that
+//! then finds no client with the id it knew says so in the log ("not fenced"). Acquisitions
+//! need no fence: one that does not finish gives its lock back (see below).
+//!
 //! # Cancellation
 //!
 //! An acquisition dropped after its command may have reached the server (a timeout, a
@@ -196,6 +282,7 @@
 //! there, and such a lock frees itself when its lease runs out.
 
 mod commands;
+mod fence;
 mod renewals;
 mod token;
 
@@ -215,6 +302,8 @@ use crate::time::{MAX_SETTING, check_setting};
 
 use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
+pub use fence::ConnectionFencing;
+use fence::{Attempt, Fence, fenced};
 use renewals::Renewals;
 pub use token::OwnerToken;
 
@@ -251,6 +340,7 @@ struct Shared {
     conn: Conn,
     lease: Duration,
     prefix: Vec<u8>,
+    layout: KeyLayout,
     fencing: bool,
     timeout: Duration,
     renewals: Arc<Renewals>,
@@ -274,6 +364,7 @@ pub struct RedisBuilder {
     source: Source,
     lease: Duration,
     prefix: String,
+    layout: KeyLayout,
     fencing: bool,
     timeout: Duration,
     /// CA certificates (PEM) that replace the system's roots for `rediss://`.
@@ -285,6 +376,7 @@ impl std::fmt::Debug for RedisBuilder {
         f.debug_struct("RedisBuilder")
             .field("lease", &self.lease)
             .field("prefix", &self.prefix)
+            .field("layout", &self.layout)
             .field("fencing", &self.fencing)
             .field("timeout", &self.timeout)
             .field("ca", &self.ca.as_ref().map(|_| "(PEM)"))
@@ -298,6 +390,7 @@ impl RedisBuilder {
             source,
             lease: DEFAULT_LEASE,
             prefix: DEFAULT_PREFIX.to_owned(),
+            layout: KeyLayout::Tagged,
             fencing: true,
             timeout: DEFAULT_TIMEOUT,
             ca: None,
@@ -329,9 +422,19 @@ impl RedisBuilder {
         self
     }
 
-    /// Prepended to every lock key (default `dlock:`); may not contain `{` or `}`.
+    /// Prepended to every lock key (default `dlock:`); may not contain `{` or `}` in the
+    /// default [`KeyLayout::Tagged`].
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         self.prefix = prefix.into();
+        self
+    }
+
+    /// How a lock's name becomes its Redis key (default [`KeyLayout::Tagged`]; see
+    /// [Keys](self#keys)). [`KeyLayout::Plain`] stores the lock `k` under `prefix + k` as it
+    /// is, for clients that are not dlock and lock the same key with the same owner-token
+    /// protocol. The URL option is `key_layout=plain`.
+    pub fn key_layout(mut self, layout: KeyLayout) -> Self {
+        self.layout = layout;
         self
     }
 
@@ -359,9 +462,10 @@ impl RedisBuilder {
     pub async fn connect(self) -> Result<RedisBackend, LockError> {
         check_lease(self.lease)?;
         check_timeout(self.timeout)?;
-        if self.prefix.contains(['{', '}']) {
+        if self.layout == KeyLayout::Tagged && self.prefix.contains(['{', '}']) {
             return Err(LockError::config(
-                "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their Cluster hash tag",
+                "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their \
+                 Cluster hash tag (with `key_layout=plain` it may)",
             ));
         }
         let (manager, rebuild) = match self.source {
@@ -423,6 +527,7 @@ impl RedisBuilder {
                 conn,
                 lease: self.lease,
                 prefix: self.prefix.into_bytes(),
+                layout: self.layout,
                 fencing: self.fencing,
                 timeout: self.timeout,
                 renewals: Arc::default(),
@@ -482,9 +587,20 @@ impl RedisBackend {
         self.shared.lock_key(key)
     }
 
-    /// The Redis key of the fencing counter of the lock `key`.
+    /// The Redis key of the fencing counter of the lock `key` (see [Keys](self#keys)).
     pub fn fencing_key(&self, key: &str) -> Vec<u8> {
-        fence_key(&self.shared.lock_key(key))
+        fence_key(self.shared.layout, &self.shared.lock_key(key))
+    }
+
+    /// How lock names become Redis keys.
+    pub fn key_layout(&self) -> KeyLayout {
+        self.shared.layout
+    }
+
+    /// What [connection fencing](self#connection-fencing) has done so far: whether it is on,
+    /// how many connections it killed, how many uncertain commands it could not fence.
+    pub fn connection_fencing(&self) -> ConnectionFencing {
+        ConnectionFencing::of(&self.shared)
     }
 
     /// Takes the lock `key` under `token` for `lease` if it is free (`SET NX PX`): `Ok(true)`
@@ -631,6 +747,7 @@ impl std::fmt::Debug for RedisBackend {
         f.debug_struct("RedisBackend")
             .field("lease", &self.shared.lease)
             .field("prefix", &String::from_utf8_lossy(&self.shared.prefix))
+            .field("layout", &self.shared.layout)
             .field("fencing", &self.shared.fencing)
             .field("timeout", &self.shared.timeout)
             .field("connection", &self.shared.conn)
@@ -640,7 +757,10 @@ impl std::fmt::Debug for RedisBackend {
 
 impl Shared {
     fn lock_key(&self, key: &str) -> Vec<u8> {
-        storage_key(&self.prefix, key)
+        match self.layout {
+            KeyLayout::Tagged => storage_key(&self.prefix, key),
+            KeyLayout::Plain => [&self.prefix[..], key.as_bytes()].concat(),
+        }
     }
 
     /// Runs one operation under the command timeout.
@@ -712,10 +832,34 @@ fn storage_key(prefix: &[u8], key: &str) -> Vec<u8> {
     out
 }
 
-fn fence_key(lock_key: &[u8]) -> Vec<u8> {
+/// The fencing counter of the lock stored under `lock_key`: `lock_key:fence` when tagged
+/// (never a lock key: those end with `}`), `lock_key` + byte 0xFF + `:fence` when plain (never
+/// a lock key either: those are UTF-8, where 0xFF cannot occur).
+fn fence_key(layout: KeyLayout, lock_key: &[u8]) -> Vec<u8> {
     let mut key = lock_key.to_vec();
+    if layout == KeyLayout::Plain {
+        key.push(PLAIN_FENCE_MARK);
+    }
     key.extend_from_slice(b":fence");
     key
+}
+
+/// The byte between a plain lock key and `:fence` in its counter's key: not UTF-8, so no lock
+/// name can produce it.
+const PLAIN_FENCE_MARK: u8 = 0xff;
+
+/// How a lock's name becomes its Redis key; see [Keys](self#keys).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum KeyLayout {
+    /// `prefix{name'}` (the default): the name, with `%`, `{` and `}` escaped, is the
+    /// key's Cluster hash tag, shared with its fencing counter `prefix{name'}:fence`. Distinct
+    /// names are always distinct keys.
+    #[default]
+    Tagged,
+    /// `prefix` + `name`, as it is: the key another client uses for the same lock name. The
+    /// fencing counter is `prefix` + `name` + byte 0xFF + `:fence`.
+    Plain,
 }
 
 /// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`] (365 days, whose
@@ -812,6 +956,7 @@ url_keys! {
         Timeout = "timeout",
         Protocol = "protocol",
         Ca = "ca",
+        KeyLayout = "key_layout",
     }
 }
 
@@ -823,6 +968,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut fencing = true;
     let mut timeout = DEFAULT_TIMEOUT;
     let mut ca = None;
+    let mut layout = KeyLayout::Tagged;
     let mut passed_on = Vec::new();
     read_query(parsed.query().unwrap_or(""), |key: RedisOption, value| {
         let name = key.as_ref();
@@ -832,6 +978,18 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
             RedisOption::Timeout => timeout = check_timeout(parse_duration(name, &value)?)?,
             RedisOption::Fencing => fencing = parse_bool(name, &value)?,
             RedisOption::Protocol => passed_on.push((name.to_owned(), value)),
+            RedisOption::KeyLayout => {
+                layout = match value.as_str() {
+                    "tagged" => KeyLayout::Tagged,
+                    "plain" => KeyLayout::Plain,
+                    other => {
+                        return Err(LockError::config(format!(
+                            "the redis option `key_layout` is `tagged` (the default) or \
+                             `plain`, not `{other}`"
+                        )));
+                    }
+                }
+            }
             RedisOption::Ca if !tls => {
                 return Err(LockError::config(
                     "the redis option `ca` needs a TLS connection: use a rediss:// URL",
@@ -861,6 +1019,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut builder = RedisBackend::builder(client)
         .lease(lease)
         .prefix(prefix)
+        .key_layout(layout)
         .fencing(fencing)
         .timeout(timeout);
     if let Some(pem) = ca {
@@ -895,7 +1054,7 @@ impl LockBackend for RedisBackend {
             check_lease(lease)?;
             let token = OwnerToken::random()?;
             let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
-            let fence = shared.fencing.then(|| fence_key(&lock_key));
+            let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
             // From here until the answer is read, a drop (or a failure) may leave the lock
             // taken under our token: the cleanup deletes it again in the background.
             let mut cleanup = Cleanup {
@@ -964,6 +1123,7 @@ impl LockBackend for RedisBackend {
                     lost.clone(),
                     Box::new(RedisHeld {
                         shared: Arc::clone(shared),
+                        name: Arc::from(request.key),
                         key: lock_key,
                         token,
                         lost,
@@ -1013,6 +1173,8 @@ impl Drop for Cleanup {
 
 struct RedisHeld {
     shared: Arc<Shared>,
+    /// The lock's name, as the caller gave it.
+    name: Arc<str>,
     key: Arc<[u8]>,
     token: OwnerToken,
     lost: CancellationToken,
@@ -1045,17 +1207,38 @@ impl HeldLock for RedisHeld {
     fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
         Box::pin(async move {
             self.shared.renewals.remove(self.renewal);
-            let (outcome, _) = self
-                .shared
-                .bounded(
-                    "releasing a lock",
-                    self.shared.conn.release(&self.key, &self.token),
-                )
-                .await?;
-            if outcome != ReleaseOutcome::Released {
-                self.lost.cancel();
+            let release = self.shared.conn.release(&self.key, &self.token);
+            let what = "releasing a lock";
+            match fenced(&self.shared, what, Some(self.lost.clone()), release).await {
+                Attempt::Done((outcome, _)) => {
+                    if outcome != ReleaseOutcome::Released {
+                        self.lost.cancel();
+                    }
+                    Ok(outcome)
+                }
+                Attempt::Failed(err)
+                | Attempt::Unknown {
+                    error: err,
+                    fence: Fence::NotFenced(_),
+                } => Err(err),
+                Attempt::Unknown {
+                    fence: Fence::Killed(id),
+                    ..
+                } => {
+                    // The delete ran before the kill or never will: which, nobody can say.
+                    self.lost.cancel();
+                    Err(LockError::Lost {
+                        key: Arc::clone(&self.name),
+                        reason: format!(
+                            "the release timed out after {:?} with its outcome unknown; the \
+                             connection that sent it was killed (CLIENT KILL ID {id}), so the \
+                             delete cannot run later. The lock counts as lost: if the delete \
+                             did not run, it frees itself when its lease runs out",
+                            self.shared.timeout
+                        ),
+                    })
+                }
             }
-            Ok(outcome)
         })
     }
 
@@ -1070,7 +1253,30 @@ impl LeaseControl for RedisHeld {
             check_lease(lease)?;
             let sent = Instant::now();
             let extend = self.shared.conn.extend(&self.key, &self.token, lease);
-            let (extended, _) = self.shared.bounded("extending a lock", extend).await?;
+            let extended = match fenced(&self.shared, "extending a lock", None, extend).await {
+                Attempt::Done((extended, _)) => extended,
+                Attempt::Failed(err)
+                | Attempt::Unknown {
+                    error: err,
+                    fence: Fence::NotFenced(_),
+                } => return Err(err),
+                Attempt::Unknown {
+                    fence: Fence::Killed(id),
+                    ..
+                } => {
+                    return Err(LockError::unavailable(
+                        NAME,
+                        format!(
+                            "extending a lock timed out after {:?} with its outcome unknown; \
+                             the connection that sent it was killed (CLIENT KILL ID {id}), so \
+                             the extension ran before or never will, and the lock is renewed \
+                             as before",
+                            self.shared.timeout
+                        ),
+                        None,
+                    ));
+                }
+            };
             if extended {
                 self.shared.renewals.extended(self.renewal, lease, sent);
             } else {
@@ -1082,9 +1288,13 @@ impl LeaseControl for RedisHeld {
 
     fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
         Box::pin(async move {
-            let read = self.shared.conn.owner_and_ttl(&self.key);
-            let (owner, _) = self.shared.bounded("reading a lock", read).await?;
-            let held = owner.as_deref() == Some(self.token.as_bytes());
+            // One `GET`: the owner is all that is asked (no transaction, so `+get` is the only
+            // permission it needs).
+            let mut get = redis::cmd("GET");
+            get.arg(&self.key[..]);
+            let read = self.shared.conn.query(&get);
+            let owner = self.shared.bounded("reading a lock", read).await?;
+            let held = matches!(&owner, redis::Value::BulkString(bytes) if bytes[..] == *self.token.as_bytes());
             if !held {
                 self.shared.renewals.lose(self.renewal);
             }
@@ -1110,10 +1320,16 @@ mod tests {
         assert_eq!(b.prefix, "locks:");
         assert!(!b.fencing);
         assert_eq!(b.timeout, Duration::from_secs(1));
+        assert_eq!(b.layout, KeyLayout::Tagged);
+        let plain = parse_url("redis://h/?key_layout=plain&prefix=a{b}:").unwrap();
+        assert_eq!(plain.layout, KeyLayout::Plain);
+        let tagged = parse_url("redis://h/?key_layout=tagged").unwrap();
+        assert_eq!(tagged.layout, KeyLayout::Tagged);
         for bad in [
             "redis://h/?lease=soon",
             "redis://h/?colour=blue",
             "redis://h/?fencing=maybe",
+            "redis://h/?key_layout=flat",
             "redis://user:hunter2@[::1/",
         ] {
             let err = parse_url(bad).expect_err(bad);
@@ -1127,6 +1343,13 @@ mod tests {
         assert_eq!(storage_key(b"p:", "a{b}c%"), b"p:{a%7Bb%7Dc%25}".to_vec());
         assert_eq!(storage_key(b"", "}"), b"{%7D}".to_vec());
         assert_eq!(storage_key(b"", "%7D"), b"{%257D}".to_vec());
-        assert_eq!(fence_key(b"p:{k}"), b"p:{k}:fence".to_vec());
+        assert_eq!(
+            fence_key(KeyLayout::Tagged, b"p:{k}"),
+            b"p:{k}:fence".to_vec()
+        );
+        assert_eq!(
+            fence_key(KeyLayout::Plain, b"p:k"),
+            b"p:k\xff:fence".to_vec()
+        );
     }
 }

@@ -273,9 +273,15 @@ async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, 
     // Taken before the command is sent: the server's new lease starts no earlier, so a late
     // answer never moves the deadline past what the server granted.
     let attempt = Instant::now();
-    let outcome = shared
-        .bounded("renewing a lock", shared.conn.extend(&key, &token, lease))
-        .await;
+    let extend = shared.conn.extend(&key, &token, lease);
+    // A renewal with an unknown outcome has its connection killed (when fencing is on): it
+    // cannot extend the lease later, after the holder was told the lock is lost.
+    let outcome = match super::fence::fenced(&shared, "renewing a lock", None, extend).await {
+        super::fence::Attempt::Done(done) => Ok(done),
+        super::fence::Attempt::Failed(err) | super::fence::Attempt::Unknown { error: err, .. } => {
+            Err(err)
+        }
+    };
     let renewals = &shared.renewals;
     let mut state = renewals.state();
     // Released, or declared lost at its deadline, while the renewal ran.

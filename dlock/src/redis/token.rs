@@ -8,7 +8,10 @@ use crate::LockError;
 /// The bytes that say who holds a Redis lock: the value stored under the lock's key.
 ///
 /// Acquisitions through a [`LockProvider`](crate::LockProvider) make a fresh token of 128 random
-/// bits from the operating system's generator each time ([`OwnerToken::random`]). Processes that
+/// bits from the operating system's generator each time ([`OwnerToken::random`]), written as 32
+/// lowercase hex digits: text, so that other clients and `redis-cli` show it as it is, and so
+/// that a server's answer quoting it is readable (see
+/// [Native commands first](super#native-commands-first-per-connection)). Processes that
 /// share one lock between them (one takes it, another renews or releases it) pass a token
 /// around and use the raw-token methods of [`RedisBackend`](super::RedisBackend).
 ///
@@ -31,7 +34,8 @@ use crate::LockError;
 pub struct OwnerToken(Arc<[u8]>);
 
 impl OwnerToken {
-    /// 16 random bytes from the operating system's cryptographically secure generator.
+    /// 16 random bytes from the operating system's cryptographically secure generator, as 32
+    /// lowercase hex digits (the token is those 32 ASCII bytes).
     pub fn random() -> Result<OwnerToken, LockError> {
         let mut bytes = [0u8; 16];
         getrandom::fill(&mut bytes).map_err(|err| {
@@ -42,7 +46,12 @@ impl OwnerToken {
                 None,
             )
         })?;
-        Ok(OwnerToken(Arc::from(&bytes[..])))
+        let mut text = Vec::with_capacity(32);
+        for byte in bytes {
+            text.push(HEX[usize::from(byte >> 4)]);
+            text.push(HEX[usize::from(byte & 0x0f)]);
+        }
+        Ok(OwnerToken(Arc::from(text)))
     }
 
     /// A token made of these exact bytes. Errors when they are empty.
@@ -92,6 +101,8 @@ impl OwnerToken {
         &self.0
     }
 }
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
 
 fn hex_value(digit: u8) -> Option<u8> {
     match digit {
@@ -143,7 +154,15 @@ mod tests {
             assert!(OwnerToken::from_hex(bad).is_err(), "{bad}");
         }
         assert!(OwnerToken::from_text("").is_err());
-        assert_eq!(OwnerToken::random().unwrap().as_bytes().len(), 16);
+        let random = OwnerToken::random().unwrap();
+        assert_eq!(random.as_bytes().len(), 32);
+        assert!(
+            random
+                .as_bytes()
+                .iter()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b)),
+            "{random:?}"
+        );
     }
 
     #[test]
@@ -185,6 +204,6 @@ mod tests {
         let a = OwnerToken::random().unwrap();
         let b = OwnerToken::random().unwrap();
         assert_ne!(a, b);
-        assert_ne!(a.as_bytes(), [0u8; 16]);
+        assert_ne!(a.as_bytes(), [b'0'; 32]);
     }
 }

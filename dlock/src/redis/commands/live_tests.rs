@@ -765,3 +765,180 @@ async fn runtimes_watched_are_bounded_and_a_fresh_manager_ends_the_old_watches()
     conn.watch_runtime(true);
     assert_eq!(conn.watches.lock().unwrap().len(), 1);
 }
+
+/// `ERR` answers the server counted so far (`INFO errorstats`), and the calls of `command`
+/// (`INFO commandstats`, executed or refused for their arity).
+async fn err_count_and_calls(
+    admin: &mut redis::aio::MultiplexedConnection,
+    command: &str,
+) -> (u64, u64) {
+    let info = |section: &'static str| {
+        let mut admin = admin.clone();
+        async move {
+            redis::cmd("INFO")
+                .arg(section)
+                .query_async::<String>(&mut admin)
+                .await
+                .expect("INFO")
+        }
+    };
+    let errors = info("errorstats").await;
+    let errs = errors
+        .lines()
+        .find_map(|l| l.strip_prefix("errorstat_ERR:count="))
+        .map_or(0, |n| n.trim().parse().unwrap());
+    let stats = info("commandstats").await;
+    let field = |line: &str, name: &str| -> u64 {
+        line.split([':', ','])
+            .find_map(|f| f.strip_prefix(name))
+            .map_or(0, |n| n.trim().parse().unwrap())
+    };
+    let calls = stats
+        .lines()
+        .find(|l| l.starts_with(&format!("cmdstat_{command}:")))
+        .map_or(0, |l| field(l, "calls=") + field(l, "rejected_calls="));
+    (errs, calls)
+}
+
+/// The real command is its own probe: on Redis 8.4 the first release of a connection is one
+/// `DELEX`, with no error answered; on Redis 7 `DELEX` and `DELIFEQ` are each refused once as
+/// unknown (then remembered), and no bare name is sent.
+#[tokio::test]
+async fn the_real_command_is_its_own_probe() {
+    for (flavor, errors, delex_calls) in [(Flavor::Redis8, 0, 1), (Flavor::Redis7, 2, 0)] {
+        let Some(server) = Server::start(flavor) else {
+            continue;
+        };
+        let mut admin = server.admin().await;
+        let conn = server.conn("").await;
+        set_up_owners(&mut admin).await;
+        let before = err_count_and_calls(&mut admin, "delex").await;
+        conn.release(b"k", &token("a")).await.unwrap();
+        conn.release(b"k", &token("a")).await.unwrap();
+        let after = err_count_and_calls(&mut admin, "delex").await;
+        assert_eq!(after.0 - before.0, errors, "{flavor:?}: errors answered");
+        // Redis 8.4: two DELEX (and an EXISTS for the second, which found nothing).
+        assert_eq!(
+            after.1 - before.1,
+            2 * delex_calls,
+            "{flavor:?}: DELEX calls"
+        );
+        assert_eq!(conn.caps().generation, 0, "{flavor:?}");
+    }
+}
+
+/// A token that is not text would make the server's unknown-command answer unreadable to the
+/// client (and break the connection): such a release asks with the bare names first.
+#[tokio::test]
+async fn a_binary_token_probes_with_the_bare_names_first() {
+    let Some(server) = Server::start(Flavor::Redis7) else {
+        return;
+    };
+    let mut admin = server.admin().await;
+    let conn = server.conn("").await;
+    let binary = OwnerToken::from_bytes(vec![0xff, 0xfe, 0x00, 0x80]).unwrap();
+    let () = redis::cmd("SET")
+        .arg("k")
+        .arg(binary.as_bytes())
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(
+        conn.release(b"k", &binary).await.unwrap(),
+        (ReleaseOutcome::Released, CommandPath::Lua)
+    );
+    assert_eq!(get(&mut admin, b"k").await, None);
+    // No failure without an answer: the connection was never broken.
+    assert_eq!(conn.caps().generation, 0);
+    assert_eq!(
+        support(conn.caps()),
+        (Support::No, Support::No, Support::Unknown)
+    );
+}
+
+/// The ids of the server's client connections.
+async fn client_ids(admin: &mut redis::aio::MultiplexedConnection) -> Vec<i64> {
+    let list: String = redis::cmd("CLIENT")
+        .arg("LIST")
+        .query_async(admin)
+        .await
+        .unwrap();
+    list.lines()
+        .filter_map(|l| l.strip_prefix("id=")?.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// The connection's `CLIENT ID` rides along with its first command (no round trip of its
+/// own), is asked once, kills that very connection, and is learnt again on the next one.
+#[tokio::test]
+async fn the_client_id_comes_with_the_first_command_and_kills_that_connection() {
+    let Some(server) = Server::start(Flavor::Redis7) else {
+        return;
+    };
+    let mut admin = server.admin().await;
+    let conn = server.conn("").await;
+    assert!(conn.fencing_on());
+    assert_eq!(conn.caps().client_id, None);
+    let (_, ids_asked) = err_count_and_calls(&mut admin, "client|id").await;
+    conn.release(b"k", &token("a")).await.unwrap();
+    let id = conn
+        .caps()
+        .client_id
+        .expect("learnt with the first command");
+    assert!(client_ids(&mut admin).await.contains(&id));
+    conn.release(b"k", &token("a")).await.unwrap();
+    assert_eq!(conn.fence_ticket().await, Some(id));
+    assert_eq!(
+        err_count_and_calls(&mut admin, "client|id").await.1,
+        ids_asked + 1
+    );
+
+    assert!(conn.kill_client(id, Duration::from_secs(5)).await.unwrap());
+    assert!(!client_ids(&mut admin).await.contains(&id));
+    // A new manager, which connects for the next command and learns its id with it.
+    assert_eq!(conn.caps().client_id, None);
+    conn.release(b"k", &token("a")).await.unwrap();
+    let new_id = conn.caps().client_id.expect("learnt again");
+    assert_ne!(new_id, id);
+    // An id no connection has: nothing killed.
+    assert!(!conn.kill_client(id, Duration::from_secs(5)).await.unwrap());
+}
+
+/// A user who may not run `CLIENT ID` turns fencing off at its first command, which still
+/// gets its own answer; one who may not run `CLIENT KILL` at its first kill.
+#[tokio::test]
+async fn without_client_permissions_fencing_turns_itself_off() {
+    let Some(server) = Server::start(Flavor::Redis7) else {
+        return;
+    };
+    let user = server
+        .user("no_client", "+set +evalsha +eval +get +del +pexpire")
+        .await;
+    let conn = server.conn(&user).await;
+    assert!(conn.fencing_on());
+    assert_eq!(
+        conn.acquire(b"k", None, &token("a"), LEASE).await.unwrap(),
+        Some(None)
+    );
+    assert!(!conn.fencing_on());
+    assert_eq!(conn.fence_ticket().await, None);
+    assert_eq!(conn.caps().client_id, None);
+
+    let user = server
+        .user(
+            "no_kill",
+            "+set +evalsha +eval +get +del +pexpire +client|id",
+        )
+        .await;
+    let conn = server.conn(&user).await;
+    conn.release(b"k", &token("a")).await.unwrap();
+    let id = conn.fence_ticket().await.expect("may run CLIENT ID");
+    let err = conn
+        .kill_client(id, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Some("NOPERM"), "{err}");
+    assert!(!conn.fencing_on());
+    let mut admin = server.admin().await;
+    assert!(client_ids(&mut admin).await.contains(&id));
+}

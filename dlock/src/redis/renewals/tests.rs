@@ -16,6 +16,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         conn: server.conn("").await,
         lease,
         prefix: b"t:".to_vec(),
+        layout: crate::redis::KeyLayout::Tagged,
         fencing: false,
         timeout,
         renewals: Arc::default(),
