@@ -225,6 +225,10 @@ impl Metrics {
                 lost.clone(),
             );
             async move {
+                // A short hold may be over before the watcher first looks: nothing to register.
+                if hold.state.load(Ordering::Acquire) == ENDED {
+                    return;
+                }
                 tokio::select! {
                     biased;
                     () = lost.cancelled() => metrics.lost(&hold, backend, &key),
