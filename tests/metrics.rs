@@ -212,7 +212,10 @@ async fn hold_is_recorded_on_drop_and_loss_counted_at_detection_once() {
 
     assert_eq!(
         recorder.points("distributed_lock.hold_duration"),
-        vec![(attributes("jobs:dropped"), 1), (attributes("jobs:lost"), 1)]
+        vec![
+            (attributes("jobs:dropped"), 1),
+            (attributes("jobs:lost"), 1)
+        ]
     );
     assert_eq!(
         recorder.points("distributed_lock.lost"),
@@ -314,13 +317,9 @@ async fn transaction_bound_acquisitions_and_holds_are_recorded() {
     let file = dir.path().join("tx.db");
     // A session lock that a transaction lock meets, taken by a provider that records elsewhere.
     let elsewhere = Recorder::new();
-    let locks = LockProvider::builder(
-        dlock::sqlite::SqliteBackend::open(&file)
-            .await
-            .unwrap(),
-    )
-    .meter(elsewhere.provider.meter("dlock"))
-    .build();
+    let locks = LockProvider::builder(dlock::sqlite::SqliteBackend::open(&file).await.unwrap())
+        .meter(elsewhere.provider.meter("dlock"))
+        .build();
     let (free, held) = (unique_key("tx"), unique_key("tx"));
     let session = locks.try_acquire(&held).await.unwrap();
     let recorder = global_recorder();

@@ -335,7 +335,9 @@ impl Drop for Shared {
 
 fn lock(state: &Mutex<WatchState>) -> std::sync::MutexGuard<'_, WatchState> {
     // Nothing panics while holding it; if something did, the state is still consistent.
-    state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The waker of one slot.
