@@ -1,6 +1,7 @@
 //! Metrics: exact counts and attributes for each outcome, recorded into an in-memory exporter.
 #![cfg(feature = "sqlite")]
 
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use dlock::{CancellationToken, LockError, LockProvider};
@@ -24,14 +25,24 @@ impl Recorder {
         Recorder { provider, exporter }
     }
 
-    /// (attributes sorted, value) of every data point of `name`: sums for counters, counts for
-    /// histograms.
+    /// (attributes sorted, value) of every data point of `name` in the meter `dlock`: sums for
+    /// counters, counts for histograms.
     fn points(&self, name: &str) -> Vec<(Vec<(String, String)>, u64)> {
+        self.points_in("dlock", name)
+    }
+
+    /// [`points`](Recorder::points) in the meter named `meter`.
+    fn points_in(&self, meter: &str, name: &str) -> Vec<(Vec<(String, String)>, u64)> {
         self.provider.force_flush().unwrap();
         let exported = self.exporter.get_finished_metrics().unwrap();
-        let last = exported.last().expect("something exported");
+        let Some(last) = exported.last() else {
+            return Vec::new();
+        };
         let mut points = Vec::new();
-        for scope in last.scope_metrics() {
+        for scope in last
+            .scope_metrics()
+            .filter(|scope| scope.scope().name() == meter)
+        {
             for metric in scope.metrics().filter(|m| m.name() == name) {
                 match metric.data() {
                     AggregatedMetrics::U64(MetricData::Sum(sum)) => {
@@ -53,6 +64,35 @@ impl Recorder {
     }
 }
 
+/// The recorder installed as the global meter provider, shared by the tests that need one
+/// (each looks at a meter or attributes of its own).
+fn global_recorder() -> &'static Recorder {
+    static GLOBAL: OnceLock<Recorder> = OnceLock::new();
+    GLOBAL.get_or_init(|| {
+        let recorder = Recorder::new();
+        opentelemetry::global::set_meter_provider(recorder.provider.clone());
+        recorder
+    })
+}
+
+/// Waits until `name`'s points in `meter` are `expected`, failing after 10 s.
+async fn until(
+    recorder: &Recorder,
+    meter: &str,
+    name: &str,
+    expected: Vec<(Vec<(String, String)>, u64)>,
+) {
+    let came = dlock_testkit::eventually(Duration::from_secs(10), || {
+        recorder.points_in(meter, name) == expected
+    })
+    .await;
+    assert!(
+        came,
+        "{name}: {:?}, expected {expected:?}",
+        recorder.points_in(meter, name)
+    );
+}
+
 fn attrs<'a>(kvs: impl Iterator<Item = &'a KeyValue>) -> Vec<(String, String)> {
     let mut v: Vec<_> = kvs
         .map(|kv| (kv.key.to_string(), kv.value.to_string()))
@@ -68,7 +108,7 @@ fn status(s: &str) -> Vec<(String, String)> {
     ]
 }
 
-async fn provider(dir: &tempfile::TempDir, recorder: &Recorder, prefix: bool) -> LockProvider {
+async fn provider(dir: &tempfile::TempDir, recorder: &Recorder, opt_in: bool) -> LockProvider {
     let backend = dlock::sqlite::SqliteBackend::builder(dir.path().join("m.db"))
         .lease(Duration::from_millis(600))
         .open()
@@ -76,7 +116,8 @@ async fn provider(dir: &tempfile::TempDir, recorder: &Recorder, prefix: bool) ->
         .unwrap();
     LockProvider::builder(backend)
         .meter(recorder.provider.meter("dlock"))
-        .metric_key_prefix(prefix)
+        .metric_key_prefix(opt_in)
+        .metric_resource_id(opt_in)
         .build()
 }
 
@@ -123,11 +164,21 @@ async fn every_outcome_is_counted_once_with_its_status() {
     assert!(recorder.points("distributed_lock.lost").is_empty());
 }
 
+/// With the opt-in attributes, every instrument carries the key's prefix and the key. A loss
+/// is counted when it is detected (here a renewal finds the row taken over), while the guard is
+/// still held, and not again when it is released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn hold_is_recorded_on_drop_and_loss_counted_once() {
+async fn hold_is_recorded_on_drop_and_loss_counted_at_detection_once() {
     let dir = tempfile::tempdir().unwrap();
     let recorder = Recorder::new();
     let locks = provider(&dir, &recorder, true).await;
+    let attributes = |key: &str| {
+        vec![
+            ("key_prefix".to_owned(), "jobs".to_owned()),
+            ("lock_type".to_owned(), "sqlite".to_owned()),
+            ("resource_id".to_owned(), key.to_owned()),
+        ]
+    };
 
     let dropped = locks.try_acquire("jobs:dropped").await.unwrap();
     drop(dropped);
@@ -142,17 +193,66 @@ async fn hold_is_recorded_on_drop_and_loss_counted_once() {
     tokio::time::timeout(Duration::from_secs(3), lost.lost_token().cancelled())
         .await
         .expect("lost detected");
+    // Counted now, with the guard still held (its hold is not recorded yet).
+    until(
+        &recorder,
+        "dlock",
+        "distributed_lock.lost",
+        vec![(attributes("jobs:lost"), 1)],
+    )
+    .await;
+    until(
+        &recorder,
+        "dlock",
+        "distributed_lock.hold_duration",
+        vec![(attributes("jobs:dropped"), 1)],
+    )
+    .await;
     assert!(matches!(lost.release().await, Err(LockError::Lost { .. })));
 
-    let jobs = vec![
-        ("key_prefix".to_owned(), "jobs".to_owned()),
-        ("lock_type".to_owned(), "sqlite".to_owned()),
-    ];
     assert_eq!(
         recorder.points("distributed_lock.hold_duration"),
-        vec![(jobs.clone(), 2)]
+        vec![
+            (attributes("jobs:dropped"), 1),
+            (attributes("jobs:lost"), 1)
+        ]
     );
-    assert_eq!(recorder.points("distributed_lock.lost"), vec![(jobs, 1)]);
+    assert_eq!(
+        recorder.points("distributed_lock.lost"),
+        vec![(attributes("jobs:lost"), 1)]
+    );
+    let acquired = |key: &str| {
+        let mut v = attributes(key);
+        v.push(("status".to_owned(), "acquired".to_owned()));
+        v
+    };
+    assert_eq!(
+        recorder.points("distributed_lock.acquisitions"),
+        vec![(acquired("jobs:dropped"), 1), (acquired("jobs:lost"), 1)]
+    );
+}
+
+/// A provider given a meter name records into the global meter provider's meter of that name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_meter_name_names_the_meter() {
+    let dir = tempfile::tempdir().unwrap();
+    let recorder = global_recorder();
+    let backend = dlock::sqlite::SqliteBackend::open(dir.path().join("m.db"))
+        .await
+        .unwrap();
+    let locks = LockProvider::builder(backend)
+        .meter_name("dlock.tests.named")
+        .build();
+    let guard = locks.try_acquire(&unique_key("m")).await.unwrap();
+    guard.release().await.unwrap();
+    assert_eq!(
+        recorder.points_in("dlock.tests.named", "distributed_lock.acquisitions"),
+        vec![(status("acquired"), 1)]
+    );
+    assert_eq!(
+        recorder.points_in("dlock.tests.named", "distributed_lock.hold_duration"),
+        vec![(vec![("lock_type".into(), "sqlite".into())], 1)]
+    );
 }
 
 /// A loss that only the release finds (the row was taken over between two renewals) is counted
@@ -208,23 +308,22 @@ async fn a_loss_found_by_the_release_is_counted() {
     );
 }
 
-/// Transaction-bound acquisitions are counted like a provider's, in the global meter
-/// provider's instruments (no provider is involved). The only test of this binary that takes
-/// transaction-bound locks, so the global provider set here is the one they record into.
+/// Transaction-bound acquisitions and holds are recorded like a provider's, in the global meter
+/// provider's meter `dlock` (no provider is involved). The only test of this binary that takes
+/// transaction-bound locks or records into that meter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn transaction_bound_acquisitions_are_counted() {
+async fn transaction_bound_acquisitions_and_holds_are_recorded() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("tx.db");
-    // A session lock that a transaction lock meets, taken by a provider made before the
-    // global meter provider is set (so its own acquisition is not counted there).
-    let locks = LockProvider::connect(&format!("sqlite://{}", file.display()))
-        .await
-        .unwrap();
+    // A session lock that a transaction lock meets, taken by a provider that records elsewhere.
+    let elsewhere = Recorder::new();
+    let locks = LockProvider::builder(dlock::sqlite::SqliteBackend::open(&file).await.unwrap())
+        .meter(elsewhere.provider.meter("dlock"))
+        .build();
     let (free, held) = (unique_key("tx"), unique_key("tx"));
     let session = locks.try_acquire(&held).await.unwrap();
-    let recorder = Recorder::new();
-    opentelemetry::global::set_meter_provider(recorder.provider.clone());
-    tokio::task::spawn_blocking(move || {
+    let recorder = global_recorder();
+    let lock = tokio::task::spawn_blocking(move || {
         let mut conn = rusqlite::Connection::open(&file).unwrap();
         let tx = conn.transaction().unwrap();
         let lock = dlock::sqlite::try_acquire_in_transaction(&tx, &free).unwrap(); // acquired
@@ -242,10 +341,20 @@ async fn transaction_bound_acquisitions_are_counted() {
         );
         let _ = dlock::sqlite::try_acquire_in_transaction(&tx, ""); // invalid key: not counted
         tx.commit().unwrap();
+        lock
     })
     .await
     .unwrap();
     session.release().await.unwrap();
+    // The hold is recorded when the last clone of the lock is dropped.
+    let clone = lock.clone();
+    drop(lock);
+    assert!(recorder.points("distributed_lock.hold_duration").is_empty());
+    drop(clone);
+    assert_eq!(
+        recorder.points("distributed_lock.hold_duration"),
+        vec![(vec![("lock_type".into(), "sqlite".into())], 1)]
+    );
     assert_eq!(
         recorder.points("distributed_lock.acquisitions"),
         vec![

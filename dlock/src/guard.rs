@@ -10,7 +10,7 @@ use tracing::Instrument;
 
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock, LeaseControl, LeaseDeadline, ReleaseOutcome};
-use crate::metrics::Metrics;
+use crate::metrics::{Hold, Metrics};
 use crate::table::Slot;
 
 /// A held lock. Dropping it releases the lock.
@@ -36,6 +36,8 @@ pub struct LockGuard {
     acquired_at: Instant,
     runtime: tokio::runtime::Handle,
     metrics: Arc<Metrics>,
+    /// The metrics' watch on the lost token, which counts the loss when it is detected.
+    hold: Arc<Hold>,
 }
 
 struct Held {
@@ -52,8 +54,11 @@ impl LockGuard {
         metrics: Arc<Metrics>,
         runtime: tokio::runtime::Handle,
     ) -> Self {
+        let key = Arc::clone(slot.key());
+        let hold = metrics.watch(&runtime, backend, &key, &acquired.lost);
         LockGuard {
-            key: Arc::clone(slot.key()),
+            key,
+            hold,
             fencing_token: acquired.fencing_token,
             lost: acquired.lost,
             lease_deadline: acquired.lease_deadline,
@@ -107,10 +112,17 @@ impl LockGuard {
                 backend = self.backend,
                 "the lock's lease ran out with no renewal confirmed (was the process paused?); it is presumed lost"
             );
-            self.lost.cancel();
+            self.mark_lost();
             return true;
         }
         false
+    }
+
+    /// Fires the lost token for a loss this guard found, and counts it now (the metrics'
+    /// watch would count it a moment later).
+    fn mark_lost(&self) {
+        self.lost.cancel();
+        self.metrics.lost(&self.hold, self.backend, &self.key);
     }
 
     /// Whether the lease's local deadline has passed (never for session locks). Read by
@@ -275,7 +287,7 @@ impl LockGuard {
         if control.extend(lease).await? {
             Ok(())
         } else {
-            self.lost.cancel();
+            self.mark_lost();
             Err(self.lost_error(
                 "the store no longer held the lock for this owner when it was extended",
             ))
@@ -298,7 +310,7 @@ impl LockGuard {
         }
         let held = control.verify_still_held().await?;
         if !held {
-            self.lost.cancel();
+            self.mark_lost();
         }
         Ok(held)
     }
@@ -349,10 +361,12 @@ impl Drop for Releasing {
 }
 
 /// The end of a hold, recorded when this is dropped: after the release has run, so that a
-/// loss the release itself finds (a row or key taken over) is counted too. Dropped unrun with
-/// a background release whose runtime is gone, it records then.
+/// loss the release itself finds (a row or key taken over) is counted too (the loss is counted
+/// once: at detection, or here). Dropped unrun with a background release whose runtime is
+/// gone, it records then.
 struct HoldEnd {
     metrics: Arc<Metrics>,
+    hold: Arc<Hold>,
     key: Arc<str>,
     backend: &'static str,
     held: std::time::Duration,
@@ -361,16 +375,11 @@ struct HoldEnd {
 
 impl Drop for HoldEnd {
     fn drop(&mut self) {
-        let lost = self.lost.is_cancelled();
-        if lost {
-            tracing::warn!(
-                key = &*self.key,
-                backend = self.backend,
-                "the lock was lost while held"
-            );
+        self.metrics.held(self.backend, &self.key, self.held);
+        if self.lost.is_cancelled() {
+            self.metrics.lost(&self.hold, self.backend, &self.key);
         }
-        self.metrics
-            .released(self.backend, &self.key, self.held, lost);
+        self.hold.end();
     }
 }
 
@@ -380,6 +389,7 @@ impl LockGuard {
     fn hold_end(&self) -> HoldEnd {
         HoldEnd {
             metrics: Arc::clone(&self.metrics),
+            hold: Arc::clone(&self.hold),
             key: Arc::clone(&self.key),
             backend: self.backend,
             held: self.acquired_at.elapsed(),
@@ -502,6 +512,98 @@ mod tests {
         assert!(!backend.is_held("a"));
         assert_eq!(locks.local_key_count(), 0);
         assert_eq!(holds_and_losses(&recorder), (1, 1));
+    }
+
+    fn lock_type() -> Vec<(String, String)> {
+        vec![("lock_type".to_owned(), "memory".to_owned())]
+    }
+
+    /// A loss is counted when the lost token fires (here cancelled as a backend would on a
+    /// dead connection), while the guard is still held, and not again at its release.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_loss_is_counted_when_it_is_detected_and_once() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let guard = locks.try_acquire("a").await.unwrap();
+        let other = locks.try_acquire("b").await.unwrap();
+        guard.lost_token().cancel();
+        recorder
+            .until("distributed_lock.lost", &[(lock_type(), 1)])
+            .await;
+        assert!(recorder.points("distributed_lock.hold_duration").is_empty());
+        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        other.release().await.unwrap();
+        assert_eq!(holds_and_losses(&recorder), (2, 1));
+    }
+
+    /// `is_lost` finding a lease's local deadline passed counts the loss at once.
+    #[tokio::test]
+    async fn a_lease_found_past_its_deadline_is_counted_at_once() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        backend.store().lease_deadline = Some(std::time::Instant::now());
+        let guard = locks.try_acquire("a").await.unwrap();
+        assert!(recorder.points("distributed_lock.lost").is_empty());
+        assert!(guard.is_lost());
+        assert!(guard.lost_token().is_cancelled());
+        assert_eq!(holds_and_losses(&recorder), (0, 1));
+        assert!(guard.is_lost());
+        let released = backend.released.clone();
+        let notified = released.notified();
+        drop(guard);
+        within(notified).await;
+        while locks.local_key_count() != 0 {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(holds_and_losses(&recorder), (1, 1));
+    }
+
+    /// With `metric_resource_id`, every instrument carries the key; without it (the other
+    /// tests), none does.
+    #[tokio::test]
+    async fn the_resource_id_is_an_attribute_when_asked_for() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = LockProvider::builder(backend.clone())
+            .meter(recorder.meter())
+            .metric_resource_id(true)
+            .build();
+        let guard = locks.try_acquire("jobs:a").await.unwrap();
+        let _ = locks.try_acquire("jobs:a").await.unwrap_err();
+        guard.lost_token().cancel();
+        let _ = guard.release().await;
+        let attributes = |status: Option<&str>| {
+            let mut v = vec![
+                ("lock_type".to_owned(), "memory".to_owned()),
+                ("resource_id".to_owned(), "jobs:a".to_owned()),
+            ];
+            if let Some(status) = status {
+                v.push(("status".to_owned(), status.to_owned()));
+            }
+            v
+        };
+        let acquisitions = vec![
+            (attributes(Some("acquired")), 1),
+            (attributes(Some("already_held")), 1),
+        ];
+        assert_eq!(
+            recorder.points("distributed_lock.acquisitions"),
+            acquisitions
+        );
+        assert_eq!(
+            recorder.points("distributed_lock.wait_duration"),
+            acquisitions
+        );
+        assert_eq!(
+            recorder.points("distributed_lock.hold_duration"),
+            vec![(attributes(None), 1)]
+        );
+        assert_eq!(
+            recorder.points("distributed_lock.lost"),
+            vec![(attributes(None), 1)]
+        );
     }
 
     #[tokio::test]

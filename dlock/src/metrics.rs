@@ -1,8 +1,10 @@
 //! OpenTelemetry instruments of a provider.
 //!
-//! Instruments come from the meter named `dlock`, by default from the global meter provider
-//! (a no-op until the application installs an SDK; install it before creating providers), or
-//! from a meter passed to [`ProviderBuilder::meter`](crate::ProviderBuilder::meter).
+//! Instruments come from the meter named `dlock` ([`DEFAULT_METER_NAME`]), by default from the
+//! global meter provider (a no-op until the application installs an SDK; install it before
+//! creating providers). [`ProviderBuilder::meter_name`](crate::ProviderBuilder::meter_name)
+//! names the meter otherwise, and [`ProviderBuilder::meter`](crate::ProviderBuilder::meter)
+//! takes a meter from any meter provider.
 //!
 //! | instrument | kind | unit | attributes |
 //! |---|---|---|---|
@@ -11,29 +13,106 @@
 //! | `distributed_lock.hold_duration` | histogram | `ms` | `lock_type` |
 //! | `distributed_lock.lost` | counter | `{lock}` | `lock_type` |
 //!
-//! `lock_type` is the backend's name. Keys are never attributes (their number is unbounded);
-//! with [`ProviderBuilder::metric_key_prefix`](crate::ProviderBuilder::metric_key_prefix) an
-//! attribute `key_prefix` carries the text before the key's first `:` (empty when there is none).
+//! `lock_type` is the backend's name. Two attributes are opt-in, on every instrument:
+//!
+//! - `key_prefix`, with [`ProviderBuilder::metric_key_prefix`](crate::ProviderBuilder::metric_key_prefix):
+//!   the text before the key's first `:` (empty when there is none).
+//! - `resource_id`, with [`ProviderBuilder::metric_resource_id`](crate::ProviderBuilder::metric_resource_id):
+//!   the whole key. **Every distinct key becomes its own time series** in every instrument, and
+//!   the SDK keeps each one for the life of the process: turn it on only when the keys are few
+//!   and fixed (a handful of job names), never for keys made from ids (`account:{id}`). The
+//!   SDK's cardinality limit (2,000 series per instrument by default) then folds the rest into
+//!   one overflow series, and the totals per key are lost.
+//!
+//! # When a loss is counted
+//!
+//! `distributed_lock.lost` counts a lock once, when its loss is detected: when its
+//! [lost token](crate::LockGuard::lost_token) fires (its connection died, a renewal failed or
+//! was refused, its lease's local deadline passed, including when
+//! [`LockGuard::is_lost`](crate::LockGuard::is_lost) finds it passed), or when the release finds
+//! it gone. A lost lock that is then released or dropped is not counted again. Each provider
+//! watches the lost tokens of its held locks from one background task (no task per lock), started
+//! on the Tokio runtime of its first acquisition.
+//!
+//! `distributed_lock.hold_duration` is recorded when the hold ends: the time from the
+//! acquisition to the start of the release (or the drop of the guard).
+//!
+//! # Transaction-bound locks
+//!
+//! [`TransactionLock`](crate::TransactionLock)s record `distributed_lock.acquisitions`,
+//! `distributed_lock.wait_duration` and `distributed_lock.hold_duration` with the same
+//! attributes (`lock_type`, `status`; no opt-in attributes), into the meter given to
+//! [`set_transaction_meter`], or else the global meter provider's meter named `dlock` as it is
+//! at the first transaction-bound acquisition. Their hold runs from the acquisition until the
+//! `TransactionLock` (its last clone) is dropped: keep it until the transaction commits or rolls
+//! back for the hold to measure the lock. Losses are not counted: the lock ends with the
+//! transaction, which dlock does not see.
+//!
+//! # Dashboards shared with .NET services
+//!
+//! The .NET distributed-lock library whose design dlock follows records the same four
+//! instruments, with the same names, units and `lock_type`/`status` values, under the meter
+//! named `EricksonLopez.DistributedLock` ([`DOTNET_METER_NAME`]). Give a provider that name to
+//! have both in one meter. That library also tags its points with the key as `resource_id`;
+//! [`metric_resource_id`](crate::ProviderBuilder::metric_resource_id) does the same here (mind
+//! the cardinality warning above):
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), dlock::LockError> {
+//! # let dir = tempfile::tempdir().unwrap();
+//! # let path = dir.path().join("locks.db");
+//! let backend = dlock::sqlite::SqliteBackend::open(&path).await?;
+//! let locks = dlock::LockProvider::builder(backend)
+//!     .meter_name(dlock::metrics::DOTNET_METER_NAME)
+//!     .build();
+//! // Transaction-bound locks too:
+//! dlock::metrics::set_transaction_meter(opentelemetry::global::meter(
+//!     dlock::metrics::DOTNET_METER_NAME,
+//! ));
+//! # let _ = locks; Ok(()) }
+//! ```
 
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
 
+/// The name of the meter providers record into unless told otherwise.
+pub const DEFAULT_METER_NAME: &str = "dlock";
+
+/// The meter name of the .NET distributed-lock library whose design dlock follows, for
+/// dashboards shared with .NET services (see [the module docs](self)).
+pub const DOTNET_METER_NAME: &str = "EricksonLopez.DistributedLock";
+
+/// The attributes a provider adds beyond `lock_type` and `status`.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct OptIn {
+    pub(crate) key_prefix: bool,
+    pub(crate) resource_id: bool,
+}
+
 /// The instruments one provider records into.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Metrics {
     acquisitions: Counter<u64>,
     wait: Histogram<f64>,
     hold: Histogram<f64>,
     lost: Counter<u64>,
-    key_prefix: bool,
+    opt_in: OptIn,
+    watcher: Watcher,
 }
 
 impl Metrics {
-    pub(crate) fn new(meter: &Meter, key_prefix: bool) -> Self {
+    pub(crate) fn new(meter: &Meter, opt_in: OptIn) -> Self {
         Metrics {
             acquisitions: meter
                 .u64_counter("distributed_lock.acquisitions")
@@ -52,11 +131,46 @@ impl Metrics {
                 .build(),
             lost: meter
                 .u64_counter("distributed_lock.lost")
-                .with_description("Locks lost while held")
+                .with_description("Locks lost while held, counted when the loss is detected")
                 .with_unit("{lock}")
                 .build(),
-            key_prefix,
+            opt_in,
+            watcher: Watcher::default(),
         }
+    }
+
+    /// Calls `f` with the attributes of one point: `lock_type`, `status` when given, and the
+    /// opt-in ones. Allocates only for the opt-in ones.
+    fn with_attributes(
+        &self,
+        backend: &'static str,
+        status: Option<&'static str>,
+        key: &str,
+        f: impl FnOnce(&[KeyValue]),
+    ) {
+        let lock_type = KeyValue::new("lock_type", backend);
+        let OptIn {
+            key_prefix,
+            resource_id,
+        } = self.opt_in;
+        if !key_prefix && !resource_id {
+            return match status {
+                Some(status) => f(&[lock_type, KeyValue::new("status", status)]),
+                None => f(&[lock_type]),
+            };
+        }
+        let mut attributes = Vec::with_capacity(4);
+        attributes.push(lock_type);
+        if let Some(status) = status {
+            attributes.push(KeyValue::new("status", status));
+        }
+        if key_prefix {
+            attributes.push(key_prefix_attribute(key));
+        }
+        if resource_id {
+            attributes.push(KeyValue::new("resource_id", key.to_owned()));
+        }
+        f(&attributes);
     }
 
     /// Records the outcome of one acquisition.
@@ -76,43 +190,304 @@ impl Metrics {
             Err(LockError::InvalidKey { .. }) => return,
             Err(_) => "error",
         };
-        if self.key_prefix {
-            let attributes = [
-                KeyValue::new("lock_type", backend),
-                KeyValue::new("status", status),
-                key_prefix(key),
-            ];
-            self.acquisitions.add(1, &attributes);
-            self.wait.record(millis(waited), &attributes);
-        } else {
-            let attributes = [
-                KeyValue::new("lock_type", backend),
-                KeyValue::new("status", status),
-            ];
-            self.acquisitions.add(1, &attributes);
-            self.wait.record(millis(waited), &attributes);
-        }
+        self.with_attributes(backend, Some(status), key, |attributes| {
+            self.acquisitions.add(1, attributes);
+            self.wait.record(millis(waited), attributes);
+        });
     }
 
-    /// Records the end of a hold: its duration, and the loss if the lock was lost.
-    pub(crate) fn released(&self, backend: &'static str, key: &str, held: Duration, lost: bool) {
-        if self.key_prefix {
-            let attributes = [KeyValue::new("lock_type", backend), key_prefix(key)];
-            self.hold.record(millis(held), &attributes);
-            if lost {
-                self.lost.add(1, &attributes);
+    /// Records the duration of a hold that ended.
+    pub(crate) fn held(&self, backend: &'static str, key: &str, held: Duration) {
+        self.with_attributes(backend, None, key, |attributes| {
+            self.hold.record(millis(held), attributes);
+        });
+    }
+
+    /// Starts watching the lost token of a lock just acquired: its loss is counted as soon as
+    /// the token fires, until [`Hold::end`]. `runtime` runs the provider's watcher task if it
+    /// has none yet.
+    pub(crate) fn watch(
+        self: &Arc<Self>,
+        runtime: &tokio::runtime::Handle,
+        backend: &'static str,
+        key: &Arc<str>,
+        lost: &CancellationToken,
+    ) -> Arc<Hold> {
+        let hold = Arc::new(Hold {
+            state: AtomicU8::new(HOLDING),
+            ended: Notify::new(),
+        });
+        let watch = {
+            let (metrics, hold, key, lost) = (
+                Arc::clone(self),
+                Arc::clone(&hold),
+                Arc::clone(key),
+                lost.clone(),
+            );
+            async move {
+                // A short hold may be over before the watcher first looks: nothing to register.
+                if hold.state.load(Ordering::Acquire) == ENDED {
+                    return;
+                }
+                tokio::select! {
+                    biased;
+                    () = lost.cancelled() => metrics.lost(&hold, backend, &key),
+                    () = hold.ended.notified() => {}
+                }
             }
-        } else {
-            let attributes = [KeyValue::new("lock_type", backend)];
-            self.hold.record(millis(held), &attributes);
-            if lost {
-                self.lost.add(1, &attributes);
+        };
+        self.watcher.watch(runtime, Box::pin(watch));
+        hold
+    }
+
+    /// Counts the loss of a held lock, unless it was counted already or its hold had ended.
+    pub(crate) fn lost(&self, hold: &Hold, backend: &'static str, key: &str) {
+        if hold
+            .state
+            .compare_exchange(HOLDING, COUNTED, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        tracing::warn!(key, backend, "the lock was lost while held");
+        self.with_attributes(backend, None, key, |attributes| {
+            self.lost.add(1, attributes);
+        });
+    }
+}
+
+const HOLDING: u8 = 0;
+const COUNTED: u8 = 1;
+const ENDED: u8 = 2;
+
+/// What the metrics know of one held lock: whether its loss was counted, and the signal that
+/// ends its watch.
+#[derive(Debug)]
+pub(crate) struct Hold {
+    state: AtomicU8,
+    ended: Notify,
+}
+
+impl Hold {
+    /// The hold is over: a loss not counted by now is not a loss of this hold. Ends the watch.
+    pub(crate) fn end(&self) {
+        let _ = self
+            .state
+            .compare_exchange(HOLDING, ENDED, Ordering::AcqRel, Ordering::Acquire);
+        self.ended.notify_one();
+    }
+}
+
+type Watch = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Runs the watches of one provider's held locks on one task: a small set of futures polled
+/// when their own waker fires (what `FuturesUnordered` does), so that watching a lock costs one
+/// boxed future, not a task.
+#[derive(Debug, Default)]
+struct Watcher {
+    shared: Arc<Shared>,
+}
+
+#[derive(Default)]
+struct Shared {
+    state: Mutex<WatchState>,
+}
+
+#[derive(Default)]
+struct WatchState {
+    /// The watches, by slot; `None` in a free slot or one being polled.
+    watches: Vec<Option<Watch>>,
+    /// One waker per slot, which marks the slot ready.
+    wakers: Vec<Waker>,
+    free: Vec<usize>,
+    ready: Vec<usize>,
+    /// The watcher task, when it waits for a slot to be ready.
+    task: Option<Waker>,
+    /// Whether a watcher task is alive (it dies with its runtime; the next watch starts one).
+    running: bool,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = lock(&self.state);
+        f.debug_struct("Watcher")
+            .field("slots", &state.watches.len())
+            .field("free", &state.free.len())
+            .field("running", &state.running)
+            .finish()
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // The watcher task ends when it finds the shared state gone.
+        let task = self
+            .state
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .task
+            .take();
+        if let Some(task) = task {
+            task.wake();
+        }
+    }
+}
+
+fn lock(state: &Mutex<WatchState>) -> std::sync::MutexGuard<'_, WatchState> {
+    // Nothing panics while holding it; if something did, the state is still consistent.
+    state
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The waker of one slot.
+struct SlotWaker {
+    shared: Weak<Shared>,
+    slot: usize,
+}
+
+impl Wake for SlotWaker {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(shared) = self.shared.upgrade() {
+            let task = {
+                let mut state = lock(&shared.state);
+                state.ready.push(self.slot);
+                state.task.take()
+            };
+            if let Some(task) = task {
+                task.wake();
             }
         }
     }
 }
 
-fn key_prefix(key: &str) -> KeyValue {
+/// Marks the watcher task gone when it is dropped (finished, or dropped with its runtime).
+struct Running(Weak<Shared>);
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(shared) = self.0.upgrade() {
+            let mut state = lock(&shared.state);
+            state.running = false;
+            state.task = None;
+        }
+    }
+}
+
+impl Watcher {
+    fn watch(&self, runtime: &tokio::runtime::Handle, watch: Watch) {
+        let (start, task) = {
+            let mut state = lock(&self.shared.state);
+            let slot = match state.free.pop() {
+                Some(slot) => {
+                    state.watches[slot] = Some(watch);
+                    slot
+                }
+                None => {
+                    let slot = state.watches.len();
+                    state.watches.push(Some(watch));
+                    let waker = Waker::from(Arc::new(SlotWaker {
+                        shared: Arc::downgrade(&self.shared),
+                        slot,
+                    }));
+                    state.wakers.push(waker);
+                    slot
+                }
+            };
+            state.ready.push(slot);
+            let start = !state.running;
+            state.running = true;
+            (start, state.task.take())
+        };
+        if start {
+            let running = Running(Arc::downgrade(&self.shared));
+            drop(runtime.spawn(run(running)));
+        } else if let Some(task) = task {
+            task.wake();
+        }
+    }
+}
+
+/// The watcher task: polls the ready watches until the provider and its locks are gone.
+async fn run(running: Running) {
+    std::future::poll_fn(|cx| {
+        let Some(shared) = running.0.upgrade() else {
+            return Poll::Ready(());
+        };
+        let ready = {
+            let mut state = lock(&shared.state);
+            if state.ready.is_empty() {
+                state.task = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            std::mem::take(&mut state.ready)
+        };
+        for slot in ready {
+            let taken = {
+                let mut state = lock(&shared.state);
+                state.watches[slot]
+                    .take()
+                    .map(|watch| (watch, state.wakers[slot].clone()))
+            };
+            // Already finished, or woken twice.
+            let Some((mut watch, waker)) = taken else {
+                continue;
+            };
+            // Polled without the lock: a watch that completes may wake slots, or drop the last
+            // handle on the provider's metrics.
+            let done = watch
+                .as_mut()
+                .poll(&mut Context::from_waker(&waker))
+                .is_ready();
+            let mut state = lock(&shared.state);
+            if done {
+                state.free.push(slot);
+                drop(state);
+                drop(watch);
+            } else {
+                state.watches[slot] = Some(watch);
+            }
+        }
+        // Let the runtime's other tasks run before the next batch.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+    .await;
+}
+
+/// The instruments transaction-bound locks record into: the meter given to
+/// [`set_transaction_meter`], or the global meter provider's meter named `dlock` at the first
+/// transaction-bound acquisition.
+static TRANSACTION_METRICS: OnceLock<Metrics> = OnceLock::new();
+
+/// Sets the meter that transaction-bound locks ([`TransactionLock`](crate::TransactionLock))
+/// record into, instead of the global meter provider's meter named `dlock`. Call it once, before
+/// the first transaction-bound acquisition; returns `false` (and changes nothing) when they
+/// already record into a meter.
+pub fn set_transaction_meter(meter: Meter) -> bool {
+    let mut set = false;
+    TRANSACTION_METRICS.get_or_init(|| {
+        set = true;
+        Metrics::new(&meter, OptIn::default())
+    });
+    set
+}
+
+/// The instruments of transaction-bound locks.
+pub(crate) fn transaction_metrics() -> &'static Metrics {
+    TRANSACTION_METRICS.get_or_init(|| {
+        Metrics::new(
+            &opentelemetry::global::meter(DEFAULT_METER_NAME),
+            OptIn::default(),
+        )
+    })
+}
+
+fn key_prefix_attribute(key: &str) -> KeyValue {
     // A key without `:` has no prefix: reporting the whole key would make the attribute unbounded.
     let prefix = key.split_once(':').map_or("", |(prefix, _)| prefix);
     KeyValue::new("key_prefix", prefix.to_owned())
@@ -120,4 +495,113 @@ fn key_prefix(key: &str) -> KeyValue {
 
 fn millis(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::{Metrics, OptIn};
+    use crate::testing::Recorder;
+
+    fn lost(n: u64) -> Vec<(Vec<(String, String)>, u64)> {
+        vec![(vec![("lock_type".to_owned(), "memory".to_owned())], n)]
+    }
+
+    /// (slots, free slots, watcher running).
+    fn slots(metrics: &Metrics) -> (usize, usize, bool) {
+        let state = super::lock(&metrics.watcher.shared.state);
+        (state.watches.len(), state.free.len(), state.running)
+    }
+
+    async fn until(condition: impl Fn() -> bool) {
+        let started = Instant::now();
+        while !condition() {
+            assert!(started.elapsed() < Duration::from_secs(10), "never came");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Ended watches give their slots back, and are reused: the watcher does not grow with the
+    /// number of locks taken one after another. An ended hold is not counted when its token
+    /// fires later; a loss is counted once, by whichever of the watch and the hold's end sees
+    /// it first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn watches_end_with_their_hold_and_their_slots_are_reused() {
+        let recorder = Recorder::new();
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
+        let runtime = tokio::runtime::Handle::current();
+        let key: Arc<str> = Arc::from("a");
+        let all_free = || {
+            let (slots, free, _) = slots(&metrics);
+            slots == free
+        };
+        for _ in 0..50 {
+            let token = CancellationToken::new();
+            let hold = metrics.watch(&runtime, "memory", &key, &token);
+            hold.end();
+            token.cancel();
+            until(all_free).await;
+        }
+        let (sequential, _, running) = slots(&metrics);
+        assert!(running);
+        assert!(sequential <= 2, "{sequential} slots for one lock at a time");
+
+        // A burst: many watches at once, all ended.
+        let token = CancellationToken::new();
+        let holds: Vec<_> = (0..300)
+            .map(|_| metrics.watch(&runtime, "memory", &key, &token))
+            .collect();
+        for hold in &holds {
+            hold.end();
+        }
+        token.cancel();
+        until(all_free).await;
+        assert!(recorder.points("distributed_lock.lost").is_empty());
+
+        let token = CancellationToken::new();
+        let hold = metrics.watch(&runtime, "memory", &key, &token);
+        token.cancel();
+        recorder.until("distributed_lock.lost", &lost(1)).await;
+        metrics.lost(&hold, "memory", &key);
+        hold.end();
+        until(all_free).await;
+        assert_eq!(recorder.points("distributed_lock.lost"), lost(1));
+    }
+
+    /// The watcher task dies with its runtime; the next watch starts another on its own
+    /// runtime, and losses are counted there.
+    #[test]
+    fn the_watcher_outlives_its_runtime() {
+        let recorder = Recorder::new();
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
+        let key: Arc<str> = Arc::from("a");
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let token = CancellationToken::new();
+        let hold = first.block_on(async {
+            let hold = metrics.watch(&tokio::runtime::Handle::current(), "memory", &key, &token);
+            tokio::task::yield_now().await;
+            hold
+        });
+        drop(first);
+        assert!(!slots(&metrics).2, "the watcher task went with its runtime");
+        hold.end();
+
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        second.block_on(async {
+            let token = CancellationToken::new();
+            let _hold = metrics.watch(&tokio::runtime::Handle::current(), "memory", &key, &token);
+            token.cancel();
+            recorder.until("distributed_lock.lost", &lost(1)).await;
+        });
+    }
 }

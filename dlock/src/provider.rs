@@ -1,5 +1,6 @@
 //! The provider: the entry point of the crate.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -12,7 +13,7 @@ use tracing::Instrument;
 use crate::backend::{Acquired, LockBackend, LockRequest};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, OptIn};
 use crate::table::{LocalTable, Slot};
 use crate::{Backoff, LockError, LockGuard};
 
@@ -136,7 +137,8 @@ impl LockProvider {
             renew: true,
             shutdown: None,
             meter: None,
-            metric_key_prefix: false,
+            meter_name: None,
+            metrics: OptIn::default(),
         }
     }
 
@@ -565,21 +567,59 @@ pub struct ProviderBuilder {
     renew: bool,
     shutdown: Option<CancellationToken>,
     meter: Option<Meter>,
-    metric_key_prefix: bool,
+    meter_name: Option<Cow<'static, str>>,
+    metrics: OptIn,
 }
 
 impl ProviderBuilder {
     /// The OpenTelemetry meter to record into, instead of the global provider's meter named
-    /// `dlock` (see the [`metrics` docs](crate::metrics) for the instruments).
+    /// `dlock` (see the [`metrics` docs](crate::metrics) for the instruments). It takes
+    /// precedence over [`meter_name`](ProviderBuilder::meter_name).
     pub fn meter(mut self, meter: Meter) -> Self {
         self.meter = Some(meter);
+        self
+    }
+
+    /// The name of the global meter provider's meter to record into (default `dlock`,
+    /// [`DEFAULT_METER_NAME`](crate::metrics::DEFAULT_METER_NAME)). Services that share
+    /// dashboards with .NET services using the distributed-lock library dlock follows give
+    /// it that library's meter name, `EricksonLopez.DistributedLock`
+    /// ([`DOTNET_METER_NAME`](crate::metrics::DOTNET_METER_NAME)):
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let backend = dlock::sqlite::SqliteBackend::open(dir.path().join("locks.db")).await?;
+    /// let locks = dlock::LockProvider::builder(backend)
+    ///     .meter_name("EricksonLopez.DistributedLock")
+    ///     .build();
+    /// # let _ = locks; Ok(()) }
+    /// ```
+    ///
+    /// The meter is taken from the global meter provider when the provider is built: install
+    /// the SDK before.
+    pub fn meter_name(mut self, name: impl Into<Cow<'static, str>>) -> Self {
+        self.meter_name = Some(name.into());
         self
     }
 
     /// Adds the attribute `key_prefix` (the key's text before its first `:`) to the metrics.
     /// Off by default; turn it on only when key prefixes are few (`jobs`, `account`, ...).
     pub fn metric_key_prefix(mut self, enabled: bool) -> Self {
-        self.metric_key_prefix = enabled;
+        self.metrics.key_prefix = enabled;
+        self
+    }
+
+    /// Adds the attribute `resource_id`, the whole key, to the metrics. Off by default.
+    ///
+    /// **Cardinality:** every distinct key becomes a time series of its own in every
+    /// instrument, kept for the life of the process. Turn it on only when the keys are few and
+    /// fixed (a handful of job names); keys made from ids (`account:{id}`) would grow the
+    /// metrics without bound, until the SDK's cardinality limit folds them into one overflow
+    /// series. [`metric_key_prefix`](ProviderBuilder::metric_key_prefix) is the bounded choice.
+    pub fn metric_resource_id(mut self, enabled: bool) -> Self {
+        self.metrics.resource_id = enabled;
         self
     }
 
@@ -617,10 +657,15 @@ impl ProviderBuilder {
 
     /// The provider.
     pub fn build(self) -> LockProvider {
-        let meter = self
-            .meter
-            .unwrap_or_else(|| opentelemetry::global::meter("dlock"));
-        let metrics = Arc::new(Metrics::new(&meter, self.metric_key_prefix));
+        let meter = self.meter.unwrap_or_else(|| {
+            let name = self
+                .meter_name
+                .unwrap_or(Cow::Borrowed(crate::metrics::DEFAULT_METER_NAME));
+            opentelemetry::global::meter_with_scope(
+                opentelemetry::InstrumentationScope::builder(name).build(),
+            )
+        });
+        let metrics = Arc::new(Metrics::new(&meter, self.metrics));
         LockProvider {
             inner: Arc::new(Inner {
                 backend: self.backend,

@@ -4,7 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::MeterProvider as _;
@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, HeldLock, LockBackend, LockRequest};
+use crate::backend::{Acquired, BoxFuture, HeldLock, LeaseDeadline, LockBackend, LockRequest};
 
 /// A forced answer to the next `try_acquire`.
 #[derive(Debug, Clone, Copy)]
@@ -41,6 +41,8 @@ pub(crate) struct Store {
     pub(crate) fail_release: bool,
     /// When set, a release waits for this to be notified before it frees the key.
     pub(crate) release_gate: Option<Arc<Notify>>,
+    /// When set, locks are granted with this local lease deadline.
+    pub(crate) lease_deadline: Option<Instant>,
 }
 
 /// The backend: clones share one store.
@@ -80,14 +82,18 @@ impl MemoryBackend {
         let token = store.next_token;
         store.held.insert(request.key.to_owned(), token);
         let lost = CancellationToken::new();
-        Ok(Some(Acquired::new(
+        let acquired = Acquired::new(
             Some(token),
             lost,
             Box::new(MemoryLock {
                 backend: self.clone(),
                 key: request.key.to_owned(),
             }),
-        )))
+        );
+        Ok(Some(match store.lease_deadline {
+            Some(at) => acquired.with_lease_deadline(LeaseDeadline::new(at)),
+            None => acquired,
+        }))
     }
 }
 
@@ -180,6 +186,19 @@ impl Recorder {
 
     pub(crate) fn meter(&self) -> opentelemetry::metrics::Meter {
         self.provider.meter("dlock")
+    }
+
+    /// Waits until `name`'s points are `expected`, failing (not hanging) after 10 s.
+    pub(crate) async fn until(&self, name: &str, expected: &[(Vec<(String, String)>, u64)]) {
+        let started = Instant::now();
+        while self.points(name) != expected {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "{name}: {:?}, expected {expected:?}",
+                self.points(name)
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
     }
 
     /// (sorted attributes, value) of every point of `name`: sums for counters, counts for

@@ -1,6 +1,7 @@
 //! Locks bound to the caller's transaction: one shape for every engine that has them.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 /// A lock held until the caller's transaction commits or rolls back.
 ///
@@ -15,14 +16,63 @@ use std::sync::Arc;
 /// `timeout_ms`, `transaction = true`, `outcome`) and is counted in
 /// `distributed_lock.acquisitions` and `distributed_lock.wait_duration` with the same
 /// attributes as a provider's acquisitions (see [`metrics`](crate::metrics)), in the instruments
-/// of the global meter provider as it is at the first transaction-bound acquisition (install the
-/// SDK before). Hold durations and losses are not recorded: the lock ends with the transaction,
-/// which dlock does not see.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// of the meter given to [`set_transaction_meter`](crate::metrics::set_transaction_meter), or
+/// else of the global meter provider as it is at the first transaction-bound acquisition
+/// (install the SDK before).
+///
+/// Its hold is recorded in `distributed_lock.hold_duration` when it is dropped (its last
+/// clone): the time from the acquisition to the drop. The engine holds the lock until the
+/// transaction ends, which dlock does not see, so keep the `TransactionLock` until the commit or
+/// rollback for the hold to measure the lock:
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let dir = tempfile::tempdir()?;
+/// let mut conn = rusqlite::Connection::open(dir.path().join("app.db"))?;
+/// let tx = conn.transaction()?;
+/// let lock = dlock::sqlite::try_acquire_in_transaction(&tx, "invoices:42")?;
+/// // ... the work under the lock ...
+/// tx.commit()?;
+/// drop(lock); // the hold ends here
+/// # Ok(()) }
+/// ```
+///
+/// Losses are not counted: a transaction-bound lock is not lost while its transaction lives.
+#[derive(Debug, Clone)]
 pub struct TransactionLock {
     key: Arc<str>,
     backend: &'static str,
     fencing_token: Option<u64>,
+    /// Records the hold when the last clone is dropped.
+    _hold: Arc<TransactionHold>,
+}
+
+impl PartialEq for TransactionLock {
+    fn eq(&self, other: &Self) -> bool {
+        self.key == other.key
+            && self.backend == other.backend
+            && self.fencing_token == other.fencing_token
+    }
+}
+
+impl Eq for TransactionLock {}
+
+/// The hold of a transaction-bound lock, recorded when it is dropped.
+#[derive(Debug)]
+struct TransactionHold {
+    key: Arc<str>,
+    backend: &'static str,
+    acquired_at: Instant,
+}
+
+impl Drop for TransactionHold {
+    fn drop(&mut self) {
+        crate::metrics::transaction_metrics().held(
+            self.backend,
+            &self.key,
+            self.acquired_at.elapsed(),
+        );
+    }
 }
 
 impl TransactionLock {
@@ -33,8 +83,14 @@ impl TransactionLock {
         feature = "oracle"
     ))]
     pub(crate) fn new(backend: &'static str, key: &str, fencing_token: Option<u64>) -> Self {
+        let key: Arc<str> = Arc::from(key);
         TransactionLock {
-            key: Arc::from(key),
+            _hold: Arc::new(TransactionHold {
+                key: Arc::clone(&key),
+                backend,
+                acquired_at: Instant::now(),
+            }),
+            key,
             backend,
             fencing_token,
         }
@@ -72,19 +128,11 @@ impl TransactionLock {
     feature = "oracle"
 ))]
 mod observing {
-    use std::sync::OnceLock;
     use std::time::{Duration, Instant};
 
     use super::TransactionLock;
     use crate::LockError;
-    use crate::metrics::Metrics;
-
-    /// The instruments transaction-bound acquisitions record into, from the global meter
-    /// provider at the first such acquisition.
-    fn metrics() -> &'static Metrics {
-        static METRICS: OnceLock<Metrics> = OnceLock::new();
-        METRICS.get_or_init(|| Metrics::new(&opentelemetry::global::meter("dlock"), false))
-    }
+    use crate::metrics::transaction_metrics as metrics;
 
     fn span(backend: &'static str, key: &str, timeout: Duration) -> tracing::Span {
         tracing::debug_span!(
