@@ -104,7 +104,7 @@ macro_rules! conformance_suite {
             exclusion_under_contention, lost_detection, acquisition_dropped_midway,
             cancellation_sweep, shared_backend_excludes, shared_backend_contention, ping_answers,
             lease_control, many_all_or_none, many_never_deadlock, run_exclusive_once,
-            leader_hands_over
+            leader_hands_over, semaphore_bounds_holders, semaphore_under_contention
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1338,4 +1338,109 @@ pub async fn leader_hands_over(h: &impl Harness) {
     }
     assert_eq!(overlaps.load(Ordering::SeqCst), 0, "two leaders at once");
     assert!(leading.lock().unwrap().is_empty());
+}
+
+/// A semaphore admits up to `max_count` holders across providers, refuses the next, admits
+/// again when one leaves, and lives apart from the lock of the same key.
+pub async fn semaphore_bounds_holders(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("sem");
+    let mut held = vec![
+        a.try_acquire_semaphore(&key, 3).await.expect("slot 1"),
+        b.try_acquire_semaphore(&key, 3).await.expect("slot 2"),
+        a.try_acquire_semaphore(&key, 3).await.expect("slot 3"),
+    ];
+    assert_held(a.try_acquire_semaphore(&key, 3).await);
+    assert_held(b.try_acquire_semaphore(&key, 3).await);
+    let timed = b
+        .acquire_semaphore(&key, 3, Duration::from_millis(200))
+        .await;
+    assert!(matches!(timed, Err(LockError::Timeout { .. })), "{timed:?}");
+    if h.fencing() {
+        assert!(held.iter().all(|guard| guard.fencing_token().is_some()));
+    }
+    // The lock of the same key is another thing.
+    a.try_acquire(&key)
+        .await
+        .expect("the lock `key` is free while its semaphore is full")
+        .release()
+        .await
+        .expect("release");
+    held.pop()
+        .expect("a guard")
+        .release()
+        .await
+        .expect("release");
+    let again = b
+        .acquire_semaphore(&key, 3, Duration::from_secs(5))
+        .await
+        .expect("a slot once one was released");
+    held.push(again);
+    for guard in held {
+        guard.release().await.expect("release");
+    }
+    assert!(matches!(
+        a.try_acquire_semaphore(&key, 0).await,
+        Err(LockError::Config { .. })
+    ));
+    assert!(matches!(
+        a.try_acquire(&format!("dlock\u{0}semaphore\u{0}0\u{0}{key}"))
+            .await,
+        Err(LockError::InvalidKey { .. })
+    ));
+}
+
+/// Tasks of three providers contend for a semaphore of two: never more than two inside at
+/// once; waits dropped at random points leave no slot behind.
+pub async fn semaphore_under_contention(h: &impl Harness) {
+    let key = unique_key("sem-contended");
+    let inside = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let provider = h.provider().await;
+        for _ in 0..3 {
+            let (provider, key, inside, most) =
+                (provider.clone(), key.clone(), inside.clone(), most.clone());
+            tasks.push(tokio::spawn(async move {
+                for _ in 0..4 {
+                    let guard = provider
+                        .acquire_semaphore(&key, 2, Duration::from_secs(30))
+                        .await
+                        .expect("a slot");
+                    let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    guard.release().await.expect("release");
+                }
+            }));
+        }
+    }
+    for task in tasks {
+        task.await.expect("a task panicked");
+    }
+    assert!(
+        most.load(Ordering::SeqCst) <= 2,
+        "more than two holders at once"
+    );
+    let a = h.provider().await;
+    for _ in 0..20 {
+        let wait = a.acquire_semaphore(&key, 2, Duration::from_secs(5));
+        let cut = Duration::from_micros(fastrand::u64(0..3000));
+        let _ = tokio::time::timeout(cut, wait).await;
+    }
+    let bound = h.abandon_bound().unwrap_or(Duration::from_secs(5));
+    let b = h.provider().await;
+    let first = b
+        .acquire_semaphore(&key, 2, bound)
+        .await
+        .expect("slot left free");
+    let second = b
+        .acquire_semaphore(&key, 2, bound)
+        .await
+        .expect("both slots left free");
+    first.release().await.expect("release");
+    second.release().await.expect("release");
 }

@@ -91,6 +91,7 @@ pub mod metrics;
 pub mod mysql;
 mod options;
 mod provider;
+mod semaphore;
 #[cfg(any(
     feature = "mssql",
     feature = "oracle",

@@ -67,9 +67,12 @@ struct Inner {
 
 /// The lease terms one acquisition asks for: `None` takes the provider's.
 #[derive(Debug, Clone, Copy, Default)]
-struct Terms {
-    lease: Option<Duration>,
-    renew: Option<bool>,
+pub(crate) struct Terms {
+    pub(crate) lease: Option<Duration>,
+    pub(crate) renew: Option<bool>,
+    /// An acquisition of this crate's own (a semaphore slot), whose key may use the reserved
+    /// prefix.
+    pub(crate) internal: bool,
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
@@ -284,6 +287,16 @@ impl LockProvider {
         }
     }
 
+    /// The provider's backoff, for waits that poll.
+    pub(crate) fn backoff(&self) -> Backoff {
+        self.inner.backoff
+    }
+
+    /// The provider's shutdown token, if it has one.
+    pub(crate) fn shutdown_token(&self) -> Option<&CancellationToken> {
+        self.inner.shutdown.as_ref()
+    }
+
     /// The backend's name (`"sqlite"`, `"postgres"`, ...).
     pub fn backend_name(&self) -> &'static str {
         self.inner.backend.name()
@@ -318,7 +331,7 @@ impl LockProvider {
         self.inner.table.len()
     }
 
-    async fn acquire_with(
+    pub(crate) async fn acquire_with(
         &self,
         key: &str,
         timeout: Duration,
@@ -369,6 +382,9 @@ impl LockProvider {
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
         validate_key(key)?;
+        if !terms.internal {
+            crate::key::refuse_reserved(key)?;
+        }
         let inner = &*self.inner;
         let shutdown = inner.shutdown.as_ref();
         let one_try = timeout.is_zero();
