@@ -428,3 +428,63 @@ async fn statement_timeouts_out_of_bounds_are_refused() {
     .expect_err("nothing listens");
     assert_eq!(err.code(), "DistributedLock.Unavailable", "{err}");
 }
+
+/// A lease store's renewal cadence (`renew_every`) out of its bounds is refused before
+/// anything is opened, from URLs and builders, and the bound itself is accepted.
+#[tokio::test]
+async fn renewal_cadences_out_of_bounds_are_refused() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let file = dir.path().join("locks.db");
+    for base in [
+        format!("sqlite://{}?", file.display()),
+        format!("redis://:{SECRET}@127.0.0.1:1/0?"),
+    ] {
+        for (value, words) in [
+            ("9ms", "is 9ms, but it must be at least 10ms"),
+            ("0", "is 0ns, but it must be at least 10ms"),
+            ("366d", "option `renew_every`"),
+            ("400 days", "option `renew_every`"),
+            ("8761h", "at most"),
+            ("soon", "option `renew_every` has the value `soon`"),
+        ] {
+            let url = format!("{base}renew_every={value}");
+            let err = LockProvider::connect(&url).await.expect_err(&url);
+            let text = err.to_string();
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {text}");
+            assert!(
+                text.contains(words) && text.contains("renew_every"),
+                "{url}: {text}"
+            );
+            assert!(!text.contains(SECRET), "{text}");
+        }
+    }
+    assert!(!file.exists(), "nothing was opened");
+    let short = Duration::from_millis(9);
+    let sqlite = dlock::sqlite::SqliteBackend::builder(&file)
+        .renew_every(short)
+        .open()
+        .await
+        .map(drop)
+        .expect_err("refused");
+    let redis = dlock::redis::RedisBackend::builder_from_url("redis://127.0.0.1:1/0")
+        .unwrap()
+        .renew_every(short)
+        .connect()
+        .await
+        .map(drop)
+        .expect_err("refused");
+    for err in [sqlite, redis] {
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+        assert!(err.to_string().contains("at least 10ms"), "{err}");
+    }
+    let locks = LockProvider::connect(&format!("sqlite://{}?renew_every=10ms", file.display()))
+        .await
+        .expect("the bound itself is accepted");
+    locks
+        .try_acquire("k")
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+}

@@ -677,6 +677,26 @@ async fn ping_follows_the_server(server: &mut RedisServer) {
     .await;
 }
 
+/// `renew_every` sets the renewal cadence: a 30 s lease renewed every 100 ms keeps the local
+/// deadline near four fifths of it (24 s) more than a second after the acquisition.
+async fn renewal_cadence(server: &RedisServer) {
+    let locks = LockProvider::connect(&server.url("lease=30s&renew_every=100ms"))
+        .await
+        .unwrap();
+    let guard = locks.try_acquire(&unique_key("cadence")).await.unwrap();
+    let taken = std::time::Instant::now();
+    dlock_testkit::wait_until(
+        "a renewal moved the deadline after the first second",
+        Duration::from_secs(5),
+        async || {
+            taken.elapsed() > Duration::from_millis(1200)
+                && guard.remaining_lease().unwrap() > Duration::from_millis(23_500)
+        },
+    )
+    .await;
+    guard.release().await.unwrap();
+}
+
 /// Locks with different leases on one backend are each renewed on their own schedule: one
 /// with a 30 s lease is taken first (the renewal driver then plans to look in 10 s), then one
 /// with a 300 ms lease, which must still be renewed every 100 ms and never lost; both stay
@@ -1780,6 +1800,12 @@ macro_rules! flavor_tests {
             async fn ping_follows() {
                 let Some(mut server) = start() else { return };
                 ping_follows_the_server(&mut server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn renew_every() {
+                let Some(server) = start() else { return };
+                renewal_cadence(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

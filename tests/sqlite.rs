@@ -269,6 +269,31 @@ async fn a_leader_that_loses_its_lock_contends_again_and_a_lost_job_is_reported(
     );
 }
 
+/// `renew_every` sets the renewal cadence: with a 30 s lease renewed every 100 ms, the lease
+/// the holder can count on stays near its four fifths (24 s) more than a second after the
+/// acquisition. Renewed every third of the lease (10 s, the default), it could not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn renew_every_sets_the_renewal_cadence() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "sqlite://{}/cadence.db?lease=30s&renew_every=100ms",
+        dir.path().display()
+    );
+    let locks = LockProvider::connect(&url).await.unwrap();
+    let guard = locks.try_acquire(&unique_key("cadence")).await.unwrap();
+    let taken = Instant::now();
+    dlock_testkit::wait_until(
+        "a renewal moved the deadline after the first second",
+        Duration::from_secs(5),
+        async || {
+            taken.elapsed() > Duration::from_millis(1200)
+                && guard.remaining_lease().unwrap() > Duration::from_millis(23_500)
+        },
+    )
+    .await;
+    guard.release().await.unwrap();
+}
+
 #[tokio::test]
 async fn fencing_tokens_survive_reopening_the_file() {
     let dir = tempfile::tempdir().unwrap();

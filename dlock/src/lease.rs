@@ -22,6 +22,30 @@ pub(crate) fn renew_every(lease: Duration) -> Duration {
     lease / 3
 }
 
+/// The renewal cadence of a lock of `lease`: `cadence` when the backend sets one, but never
+/// more than half the lease (so that retries still fit before the local deadline at four
+/// fifths), otherwise [`renew_every`].
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+pub(crate) fn every(lease: Duration, cadence: Option<Duration>) -> Duration {
+    match cadence {
+        Some(cadence) => cadence.min(lease / 2),
+        None => renew_every(lease),
+    }
+}
+
+/// Checks a configured renewal cadence: 10 ms to 365 days (it is also cut to half of each
+/// lock's lease, see [`every`]).
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+pub(crate) fn check_cadence(what: &str, cadence: Duration) -> Result<(), crate::LockError> {
+    crate::time::check_setting(
+        what,
+        cadence,
+        Duration::from_millis(10),
+        crate::time::MAX_SETTING,
+    )
+    .map(drop)
+}
+
 /// The part of a lease the holder counts on, from the moment the last confirmed renewal (or the
 /// acquisition) was sent: four fifths.
 #[cfg(any(feature = "sqlite", feature = "redis"))]
@@ -48,18 +72,22 @@ pub(crate) struct Term {
     /// Renewals were turned off (at acquisition, or later by the holder): the lock expires
     /// with its lease, and is presumed lost at its deadline.
     stopped: bool,
+    /// The backend's configured cadence, if any (see [`every`]).
+    cadence: Option<Duration>,
 }
 
 #[cfg(any(feature = "sqlite", feature = "redis"))]
 impl Term {
-    /// The term of a lock taken for `lease` with a command sent at `sent`.
-    pub(crate) fn new(lease: Duration, sent: Instant) -> Term {
+    /// The term of a lock taken for `lease` with a command sent at `sent`, renewed every
+    /// `cadence` when the backend sets one (see [`every`]).
+    pub(crate) fn new(lease: Duration, sent: Instant, cadence: Option<Duration>) -> Term {
         Term {
             lease,
-            next: later(sent, renew_every(lease)),
+            next: later(sent, every(lease, cadence)),
             deadline: LeaseDeadline::new(later(sent, safe_window(lease))),
             in_flight: false,
             stopped: false,
+            cadence,
         }
     }
 
@@ -105,7 +133,7 @@ impl Term {
     pub(crate) fn renewed(&mut self, sent: Instant) {
         self.in_flight = false;
         self.deadline.set(later(sent, safe_window(self.lease)));
-        self.next = later(sent, renew_every(self.lease));
+        self.next = later(sent, every(self.lease, self.cadence));
     }
 
     /// The renewal failed without an answer at `now`: tried again soon, up to the deadline.
@@ -217,7 +245,7 @@ mod tests {
     #[cfg(feature = "redis")]
     fn a_term_moves_with_its_renewals() {
         let sent = Instant::now();
-        let mut term = Term::new(3000 * MS, sent);
+        let mut term = Term::new(3000 * MS, sent, None);
         assert_eq!(term.lease(), 3000 * MS);
         assert_eq!(term.next(), sent + 1000 * MS);
         assert_eq!(term.deadline().at(), sent + 2400 * MS);
@@ -255,17 +283,30 @@ mod tests {
     #[test]
     fn a_stopped_term_waits_only_for_its_deadline_and_an_extension_sets_a_new_lease() {
         let sent = Instant::now();
-        let mut term = Term::new(3000 * MS, sent);
+        let mut term = Term::new(3000 * MS, sent, None);
         term.stop();
         assert!(!term.is_due(sent + 1000 * MS), "no renewal once stopped");
         assert_eq!(term.wake_at(), sent + 2400 * MS, "only the deadline");
         assert!(term.is_overdue(sent + 2400 * MS));
-        let mut term = Term::new(3000 * MS, sent);
+        let mut term = Term::new(3000 * MS, sent, None);
         let at = sent + 500 * MS;
         term.extended(30_000 * MS, at);
         assert_eq!(term.lease(), 30_000 * MS, "renewals ask for the new lease");
         assert_eq!(term.deadline().at(), at + 24_000 * MS);
         assert_eq!(term.next(), at + 10_000 * MS);
+    }
+
+    #[test]
+    fn a_configured_cadence_is_kept_up_to_half_the_lease() {
+        let sent = Instant::now();
+        let term = Term::new(3000 * MS, sent, Some(200 * MS));
+        assert_eq!(term.next(), sent + 200 * MS);
+        assert_eq!(
+            every(3000 * MS, Some(5000 * MS)),
+            1500 * MS,
+            "at most half the lease"
+        );
+        assert_eq!(every(3000 * MS, None), 1000 * MS);
     }
 
     #[test]

@@ -106,6 +106,7 @@
 //! | `key_layout` | `tagged` | `plain`: the lock `k` is the key `{prefix}k`, for clients that are not dlock (see [Keys](self#the-plain-layout-for-other-clients)) |
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
 //! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
+//! | `renew_every` | a third of each lock's lease | renewal cadence, 10 ms to 365 days; cut to half of a lock's lease when longer |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
 //! | `ca` | none | `rediss://` only: a PEM file of the CA certificates to trust **instead of** the system's roots (a private CA); read when the URL is parsed. The builder's [`RedisBuilder::ca_certificates`] takes the PEM itself |
 //!
@@ -343,6 +344,8 @@ struct Shared {
     layout: KeyLayout,
     fencing: bool,
     timeout: Duration,
+    /// The renewal cadence set by the application, if any.
+    renew_every: Option<Duration>,
     renewals: Arc<Renewals>,
 }
 
@@ -367,6 +370,7 @@ pub struct RedisBuilder {
     layout: KeyLayout,
     fencing: bool,
     timeout: Duration,
+    renew_every: Option<Duration>,
     /// CA certificates (PEM) that replace the system's roots for `rediss://`.
     ca: Option<Vec<u8>>,
 }
@@ -393,6 +397,7 @@ impl RedisBuilder {
             layout: KeyLayout::Tagged,
             fencing: true,
             timeout: DEFAULT_TIMEOUT,
+            renew_every: None,
             ca: None,
         }
     }
@@ -453,6 +458,16 @@ impl RedisBuilder {
         self
     }
 
+    /// How often held locks are renewed (default: every third of each lock's lease; 10 ms to
+    /// 365 days, checked by [`connect`](RedisBuilder::connect)). A cadence longer than half of
+    /// a lock's lease is cut to that half, so that failed renewals can still be retried before
+    /// the lock's local deadline. Shorter cadences cost more commands and find a lost lock
+    /// sooner.
+    pub fn renew_every(mut self, cadence: Duration) -> Self {
+        self.renew_every = Some(cadence);
+        self
+    }
+
     /// Connects (unless built on an existing manager) and makes the backend. A lease, timeout
     /// or prefix out of bounds is a [`LockError::Config`], before anything is sent.
     ///
@@ -462,6 +477,9 @@ impl RedisBuilder {
     pub async fn connect(self) -> Result<RedisBackend, LockError> {
         check_lease(self.lease)?;
         check_timeout(self.timeout)?;
+        if let Some(cadence) = self.renew_every {
+            crate::lease::check_cadence("the redis `renew_every`", cadence)?;
+        }
         if self.layout == KeyLayout::Tagged && self.prefix.contains(['{', '}']) {
             return Err(LockError::config(
                 "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their \
@@ -530,6 +548,7 @@ impl RedisBuilder {
                 layout: self.layout,
                 fencing: self.fencing,
                 timeout: self.timeout,
+                renew_every: self.renew_every,
                 renewals: Arc::default(),
             }),
         })
@@ -954,6 +973,7 @@ url_keys! {
         Prefix = "prefix",
         Fencing = "fencing",
         Timeout = "timeout",
+        RenewEvery = "renew_every",
         Protocol = "protocol",
         Ca = "ca",
         KeyLayout = "key_layout",
@@ -967,6 +987,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut prefix = DEFAULT_PREFIX.to_owned();
     let mut fencing = true;
     let mut timeout = DEFAULT_TIMEOUT;
+    let mut renew_every = None;
     let mut ca = None;
     let mut layout = KeyLayout::Tagged;
     let mut passed_on = Vec::new();
@@ -976,6 +997,11 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
             RedisOption::Lease => lease = check_lease(parse_duration(name, &value)?)?,
             RedisOption::Prefix => prefix = value,
             RedisOption::Timeout => timeout = check_timeout(parse_duration(name, &value)?)?,
+            RedisOption::RenewEvery => {
+                let cadence = parse_duration(name, &value)?;
+                crate::lease::check_cadence("the redis `renew_every`", cadence)?;
+                renew_every = Some(cadence);
+            }
             RedisOption::Fencing => fencing = parse_bool(name, &value)?,
             RedisOption::Protocol => passed_on.push((name.to_owned(), value)),
             RedisOption::KeyLayout => {
@@ -1022,6 +1048,9 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
         .key_layout(layout)
         .fencing(fencing)
         .timeout(timeout);
+    if let Some(cadence) = renew_every {
+        builder = builder.renew_every(cadence);
+    }
     if let Some(pem) = ca {
         builder = builder.ca_certificates(pem);
     }

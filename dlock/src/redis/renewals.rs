@@ -78,7 +78,7 @@ impl Renewals {
         renew: bool,
     ) -> Result<(u64, LeaseDeadline), LockError> {
         let renewals = &shared.renewals;
-        let mut term = Term::new(lease, sent);
+        let mut term = Term::new(lease, sent, shared.renew_every);
         if !renew {
             term.stop();
         }

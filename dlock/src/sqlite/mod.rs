@@ -66,6 +66,7 @@
 //! |---|---|---|
 //! | `lease` | `30s` | lease of each lock, 100 ms to 365 days; renewed every `lease / 3` |
 //! | `busy_timeout` | `5s` | how long one statement waits for another writer of the file, up to 365 days |
+//! | `renew_every` | a third of each lock's lease | renewal cadence, 10 ms to 365 days; cut to half of a lock's lease when longer |
 //!
 //! Values outside those bounds are refused with [`LockError::Config`] naming the bound, from
 //! the URL, the [builder](SqliteBuilder) and a lease asked for one acquisition alike.
@@ -226,6 +227,8 @@ struct Shared {
     wal: PathBuf,
     lease: Duration,
     busy_timeout: Duration,
+    /// The renewal cadence set by the application, if any.
+    renew_every: Option<Duration>,
     clock: &'static LeaseClock,
     commits: AtomicU64,
     renewer: Renewer,
@@ -322,6 +325,7 @@ pub struct SqliteBuilder {
     path: PathBuf,
     lease: Duration,
     busy_timeout: Duration,
+    renew_every: Option<Duration>,
 }
 
 impl SqliteBuilder {
@@ -336,6 +340,16 @@ impl SqliteBuilder {
     /// days, checked by [`open`](SqliteBuilder::open)).
     pub fn busy_timeout(mut self, busy_timeout: Duration) -> Self {
         self.busy_timeout = busy_timeout;
+        self
+    }
+
+    /// How often held locks are renewed (default: every third of each lock's lease; 10 ms to
+    /// 365 days, checked by [`open`](SqliteBuilder::open)). A cadence longer than half of a
+    /// lock's lease is cut to that half, so that failed renewals can still be retried before
+    /// the lock's local deadline. Shorter cadences cost more writes and find a lost lock
+    /// sooner.
+    pub fn renew_every(mut self, cadence: Duration) -> Self {
+        self.renew_every = Some(cadence);
         self
     }
 
@@ -371,6 +385,9 @@ impl SqliteBuilder {
             Duration::ZERO,
             MAX_SETTING,
         )?;
+        if let Some(cadence) = self.renew_every {
+            crate::lease::check_cadence("the SQLite renew_every", cadence)?;
+        }
         Ok(())
     }
 
@@ -414,6 +431,7 @@ impl SqliteBuilder {
                 wal: PathBuf::from(wal),
                 lease: self.lease,
                 busy_timeout: self.busy_timeout,
+                renew_every: self.renew_every,
                 clock,
                 commits: AtomicU64::new(0),
                 renewer: Renewer::new(background, clock, self.path.clone()),
@@ -436,6 +454,7 @@ impl SqliteBackend {
             path: path.into(),
             lease: DEFAULT_LEASE,
             busy_timeout: DEFAULT_BUSY_TIMEOUT,
+            renew_every: None,
         }
     }
 
@@ -555,7 +574,8 @@ impl LockBackend for SqliteBackend {
             };
             let name: Arc<[u8]> = Arc::from(name);
             let lost = CancellationToken::new();
-            let mut renewal = Renewal::new(Arc::clone(&name), owner, lease, lost.clone(), started);
+            let mut renewal = Renewal::new(Arc::clone(&name), owner, lease, lost.clone(), started)
+                .every(self.shared.renew_every, started);
             if !request.renew {
                 renewal = renewal.unrenewed();
             }

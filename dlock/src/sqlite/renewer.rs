@@ -62,9 +62,16 @@ impl Renewal {
             name,
             owner,
             lost: lost.drop_guard(),
-            term: Term::new(lease, written),
+            term: Term::new(lease, written, None),
             releasing: false,
         }
+    }
+
+    /// The same lock, renewed every `cadence` (at most half its lease) instead of every third
+    /// of its lease; `written` as for [`Renewal::new`].
+    pub(super) fn every(mut self, cadence: Option<Duration>, written: Instant) -> Renewal {
+        self.term = Term::new(self.term.lease(), written, cadence);
+        self
     }
 
     /// The same lock, never renewed: it expires with its lease.

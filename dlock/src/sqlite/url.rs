@@ -13,6 +13,7 @@ url_keys! {
     pub(super) enum SqliteOption for FORM {
         Lease = "lease",
         BusyTimeout = "busy_timeout",
+        RenewEvery = "renew_every",
     }
 }
 
@@ -35,6 +36,7 @@ pub(super) fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
         match key {
             SqliteOption::Lease => builder.lease = value,
             SqliteOption::BusyTimeout => builder.busy_timeout = value,
+            SqliteOption::RenewEvery => builder.renew_every = Some(value),
         }
         Ok(())
     })?;

@@ -19,6 +19,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         layout: crate::redis::KeyLayout::Tagged,
         fencing: false,
         timeout,
+        renew_every: None,
         renewals: Arc::default(),
     })
 }
