@@ -104,7 +104,8 @@ macro_rules! conformance_suite {
             exclusion_under_contention, lost_detection, acquisition_dropped_midway,
             cancellation_sweep, shared_backend_excludes, shared_backend_contention, ping_answers,
             lease_control, many_all_or_none, many_never_deadlock, run_exclusive_once,
-            leader_hands_over, semaphore_bounds_holders, semaphore_under_contention
+            leader_hands_over, semaphore_bounds_holders, semaphore_under_contention,
+            held_locks_are_listed
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1443,4 +1444,39 @@ pub async fn semaphore_under_contention(h: &impl Harness) {
         .expect("both slots left free");
     first.release().await.expect("release");
     second.release().await.expect("release");
+}
+
+/// `held_locks` lists what a provider holds, sorted by key, with each lock's fencing token,
+/// a lease where there is one, and a loss once it is known; a released lock leaves the list.
+pub async fn held_locks_are_listed(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let (first, second) = (unique_key("listed-a"), unique_key("listed-b"));
+    let before = std::time::SystemTime::now();
+    let guards = [
+        a.try_acquire(&second).await.expect("free key"),
+        a.try_acquire(&first).await.expect("free key"),
+    ];
+    assert!(b.held_locks().is_empty(), "another provider holds nothing");
+    let listed = a.held_locks();
+    let keys: Vec<&str> = listed.iter().map(|info| info.key.as_str()).collect();
+    assert_eq!(keys, [first.as_str(), second.as_str()]);
+    for (info, guard) in listed.iter().zip([&guards[1], &guards[0]]) {
+        assert_eq!(info.fencing_token, guard.fencing_token());
+        assert_eq!(
+            info.remaining_lease.is_some(),
+            guard.remaining_lease().is_some()
+        );
+        assert!(info.since >= before && !info.lost);
+    }
+    let [held_second, held_first] = guards;
+    h.break_lock(&held_first).await;
+    tokio::time::timeout(h.lost_within(), held_first.lost_token().cancelled())
+        .await
+        .expect("the loss is detected");
+    let listed = a.held_locks();
+    assert!(listed[0].lost, "{listed:?}");
+    assert!(!listed[1].lost, "{listed:?}");
+    drop(held_first.release().await);
+    held_second.release().await.expect("release");
+    assert!(a.held_locks().is_empty());
 }

@@ -56,6 +56,12 @@ impl LockGuard {
     ) -> Self {
         let key = Arc::clone(slot.key());
         let hold = metrics.watch(&runtime, backend, &key, &acquired.lost);
+        slot.show(crate::table::Shown {
+            since: std::time::SystemTime::now(),
+            fencing_token: acquired.fencing_token,
+            lease_deadline: acquired.lease_deadline.clone(),
+            lost: acquired.lost.clone(),
+        });
         LockGuard {
             key,
             hold,

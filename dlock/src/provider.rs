@@ -287,6 +287,11 @@ impl LockProvider {
         }
     }
 
+    /// The provider's in-process table.
+    pub(crate) fn table(&self) -> &LocalTable {
+        &self.inner.table
+    }
+
     /// The provider's backoff, for waits that poll.
     pub(crate) fn backoff(&self) -> Backoff {
         self.inner.backoff

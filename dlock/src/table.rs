@@ -22,6 +22,17 @@ type Entry = Arc<AsyncMutex<()>>;
 #[derive(Debug, Default)]
 pub(crate) struct LocalTable {
     entries: Mutex<HashMap<Arc<str>, Entry>>,
+    /// What is known of each key held now (one holder per key: the slot's), for inspection.
+    held: Mutex<HashMap<Arc<str>, Shown>>,
+}
+
+/// A held lock as [`LockProvider::held_locks`](crate::LockProvider::held_locks) shows it.
+#[derive(Debug, Clone)]
+pub(crate) struct Shown {
+    pub(crate) since: std::time::SystemTime,
+    pub(crate) fencing_token: Option<u64>,
+    pub(crate) lease_deadline: Option<crate::backend::LeaseDeadline>,
+    pub(crate) lost: tokio_util::sync::CancellationToken,
 }
 
 impl LocalTable {
@@ -33,6 +44,18 @@ impl LocalTable {
     /// Number of keys held or being acquired through this table.
     pub(crate) fn len(&self) -> usize {
         self.map().len()
+    }
+
+    fn held(&self) -> MutexGuard<'_, HashMap<Arc<str>, Shown>> {
+        self.held.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The keys held now, with what is known of them.
+    pub(crate) fn shown(&self) -> Vec<(Arc<str>, Shown)> {
+        self.held()
+            .iter()
+            .map(|(key, shown)| (Arc::clone(key), shown.clone()))
+            .collect()
     }
 
     /// Takes the slot of `key` if it is free. On contention returns the key as stored in the
@@ -114,6 +137,19 @@ pub(crate) struct Slot {
 impl Slot {
     pub(crate) fn key(&self) -> &Arc<str> {
         &self.entry.key
+    }
+
+    /// Records the lock this slot's holder got, until the slot is freed.
+    pub(crate) fn show(&self, shown: Shown) {
+        let key = Arc::clone(&self.entry.key);
+        self.entry.table.held().insert(key, shown);
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // Only this slot's holder can have recorded the key: one holder per key.
+        self.entry.table.held().remove(&*self.entry.key);
     }
 }
 

@@ -7,6 +7,7 @@
 //! | `POST /accounts/{id}/credit` `{"amount": n}` | `#[distributed_lock("account:{id}", timeout = 10, guard = lock)]` on the handler; writes with the guard's fencing token |
 //! | `GET /accounts/{id}` | none |
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
+//! | `GET /admin/locks` | none; the locks this instance holds now (`LockProvider::held_locks`), as JSON |
 //! | `GET /health` | none; asks the lock store (`LockProvider::ping`), 503 problem when it is down |
 //!
 //! Account ids are strings: the handlers take `Path<String>`, which is the percent-decoded
@@ -212,6 +213,7 @@ pub fn app(state: AppState) -> Router {
         .merge(jobs)
         .route("/accounts/{id}/credit", post(credit))
         .route("/accounts/{id}", get(account))
+        .route("/admin/locks", get(held_locks))
         .route(
             "/health",
             get(move |state: State<AppState>| health(state, debit_layer.waiting())),
@@ -330,6 +332,37 @@ async fn reconcile(State(state): State<AppState>) -> Result<Json<Reconciliation>
         accounts,
         mismatches,
     }))
+}
+
+/// One lock this instance holds, for `GET /admin/locks`.
+#[derive(Serialize)]
+struct HeldLockView {
+    key: String,
+    /// Milliseconds since the Unix epoch.
+    since_ms: u128,
+    fencing_token: Option<u64>,
+    /// For leased locks, how long the lease can still be counted on.
+    remaining_lease_ms: Option<u128>,
+    lost: bool,
+}
+
+/// The locks this instance holds now (read-only, from memory).
+async fn held_locks(State(state): State<AppState>) -> Json<Vec<HeldLockView>> {
+    let held = state
+        .locks
+        .held_locks()
+        .into_iter()
+        .map(|info| HeldLockView {
+            since_ms: info
+                .since
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |since| since.as_millis()),
+            remaining_lease_ms: info.remaining_lease.map(|left| left.as_millis()),
+            fencing_token: info.fencing_token,
+            lost: info.lost,
+            key: info.key,
+        });
+    Json(held.collect())
 }
 
 #[derive(Serialize)]

@@ -811,3 +811,49 @@ async fn replicas_started_at_the_same_moment_on_a_new_ledger_all_start() {
         assert_eq!(balance(&client, &a, "shared").await, 6);
     }
 }
+
+/// `GET /admin/locks` lists the locks the instance holds while a debit runs (key, fencing
+/// token, lease left), and nothing once it is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_route_lists_the_locks_held_now() {
+    let setup = Setup::new();
+    let app = setup.start(&[("DEBIT_WORK", "1s")]).await;
+    let client = reqwest::Client::new();
+    let admin = format!("{}/admin/locks", app.base);
+    let credit = format!("{}/accounts/acc-l/credit", app.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 5})).await.0,
+        200
+    );
+    let listed = |client: reqwest::Client, admin: String| async move {
+        client
+            .get(&admin)
+            .send()
+            .await
+            .expect("admin")
+            .json::<Value>()
+            .await
+            .expect("json")
+    };
+    assert_eq!(listed(client.clone(), admin.clone()).await, json!([]));
+    let debit = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{}/accounts/acc-l/debit", app.base));
+        async move { post_json(&client, &url, json!({"amount": 1})).await }
+    });
+    let mut seen = Value::Null;
+    dlock_testkit::wait_until(
+        "the debit's lock is listed",
+        Duration::from_secs(10),
+        async || {
+            seen = listed(client.clone(), admin.clone()).await;
+            seen.as_array().is_some_and(|held| !held.is_empty())
+        },
+    )
+    .await;
+    assert_eq!(seen[0]["key"], "account:acc-l", "{seen}");
+    assert!(seen[0]["fencing_token"].as_u64().is_some(), "{seen}");
+    assert!(seen[0]["remaining_lease_ms"].as_u64().is_some(), "{seen}");
+    assert_eq!(seen[0]["lost"], false, "{seen}");
+    assert_eq!(debit.await.expect("join").0, 200);
+    assert_eq!(listed(client.clone(), admin.clone()).await, json!([]));
+}

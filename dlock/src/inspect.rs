@@ -1,0 +1,76 @@
+//! Inspection: the locks a provider holds.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::LockProvider;
+
+/// One lock a provider holds, as [`LockProvider::held_locks`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockInfo {
+    /// The key (for a semaphore, its slot's name).
+    pub key: String,
+    /// When the lock was acquired, on the wall clock.
+    pub since: SystemTime,
+    /// Its fencing token, where the backend issues them.
+    pub fencing_token: Option<u64>,
+    /// For a leased lock (SQLite, Redis), how long it can still be counted on without another
+    /// confirmed renewal (see [`LockGuard::remaining_lease`](crate::LockGuard::remaining_lease));
+    /// `None` for session locks.
+    pub remaining_lease: Option<Duration>,
+    /// Whether the lock is known to be lost (its guard has not been released yet).
+    pub lost: bool,
+}
+
+impl LockProvider {
+    /// The locks this provider (and every provider made from it with
+    /// [`with_shutdown`](LockProvider::with_shutdown)) holds right now, sorted by key: from
+    /// the moment an acquisition hands out its guard until the guard's release has finished.
+    /// Read from memory, with no round trip; for an admin page or a debug endpoint.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let locks = dlock::LockProvider::connect(&url).await?;
+    /// let guard = locks.try_acquire("jobs:billing").await?;
+    /// let held = locks.held_locks();
+    /// assert_eq!(held.len(), 1);
+    /// assert_eq!(held[0].key, "jobs:billing");
+    /// assert_eq!(held[0].fencing_token, guard.fencing_token());
+    /// guard.release().await?;
+    /// assert!(locks.held_locks().is_empty());
+    /// # Ok(()) }
+    /// ```
+    pub fn held_locks(&self) -> Vec<LockInfo> {
+        let now = Instant::now();
+        let mut held: Vec<LockInfo> = self
+            .table()
+            .shown()
+            .into_iter()
+            .map(|(key, shown)| {
+                let lost = shown.lost.is_cancelled()
+                    || shown
+                        .lease_deadline
+                        .as_ref()
+                        .is_some_and(|deadline| deadline.at() <= now);
+                LockInfo {
+                    key: key.to_string(),
+                    since: shown.since,
+                    fencing_token: shown.fencing_token,
+                    remaining_lease: shown.lease_deadline.map(|deadline| {
+                        if lost {
+                            Duration::ZERO
+                        } else {
+                            deadline.at().saturating_duration_since(now)
+                        }
+                    }),
+                    lost,
+                }
+            })
+            .collect();
+        held.sort_by(|a, b| a.key.cmp(&b.key));
+        held
+    }
+}
