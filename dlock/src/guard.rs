@@ -166,9 +166,13 @@ impl LockGuard {
         let lost = self.lost.clone();
         let outcome = self.give_back().await;
         if lost.is_cancelled() {
-            return Err(LockError::Lost {
-                key,
-                reason: "ownership was lost before the release".to_owned(),
+            // The backend's own account of the loss, when it gave one, says more.
+            return Err(match outcome {
+                Err(err @ LockError::Lost { .. }) => err,
+                _ => LockError::Lost {
+                    key,
+                    reason: "ownership was lost before the release".to_owned(),
+                },
             });
         }
         match outcome? {
