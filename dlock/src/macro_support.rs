@@ -164,12 +164,14 @@ pub async fn until_any_lost<F: core::future::Future>(
     .await
 }
 
+/// What an `on_lost = cancel` function with `keys(...)` ends with: its guards and the body's
+/// output, `None` when the body was stopped by a loss.
+pub type StoppableRun<T, E> = Result<(Vec<LockGuard>, Option<Result<T, E>>), LockError>;
+
 /// [`finish_many`] for `on_lost = cancel`: a body stopped by the loss of any of its locks
 /// (`None`) ends the function with [`LockError::Lost`] (naming the lost key) at once; the
 /// guards are dropped, so their release runs in the background.
-pub async fn finish_many_unless_lost<T, E>(
-    run: Result<(Vec<LockGuard>, Option<Result<T, E>>), LockError>,
-) -> Result<T, E>
+pub async fn finish_many_unless_lost<T, E>(run: StoppableRun<T, E>) -> Result<T, E>
 where
     E: From<LockError>,
 {
