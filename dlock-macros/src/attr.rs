@@ -12,11 +12,16 @@ mod kw {
     syn::custom_keyword!(provider);
     syn::custom_keyword!(guard);
     syn::custom_keyword!(on_lost);
+    syn::custom_keyword!(keys);
+    syn::custom_keyword!(permits);
 }
 
 /// The options, as listed in error messages.
-const OPTIONS: &str = "`timeout = <seconds>`, `provider = <expr>`, `guard = <name>` and \
-                       `on_lost = cancel | finish`";
+const OPTIONS: &str = "`timeout = <seconds>`, `provider = <expr>`, `guard = <name>`, \
+                       `on_lost = cancel | finish` and `permits = <n>`";
+
+/// An example of `keys(...)`, for error messages.
+const KEYS_EXAMPLE: &str = "keys(\"account:{from}\", \"account:{to}\")";
 
 /// What the function does when its lock is lost while the body runs (`on_lost = ...`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,9 +52,102 @@ impl OnLost {
     }
 }
 
+/// What the attribute locks: one key template, or several in `keys(...)`.
+pub(crate) enum Keys {
+    /// `"account:{id}"`: one key.
+    One(Template),
+    /// `keys("account:{from}", "account:{to}")`: two or more keys, taken all or none.
+    Many(kw::keys, Vec<Template>),
+}
+
+impl Keys {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        if input.peek(kw::keys) {
+            let keyword: kw::keys = input.parse()?;
+            let content;
+            let parens = syn::parenthesized!(content in input);
+            let lits = content
+                .parse_terminated(|input| input.parse::<LitStr>(), Token![,])
+                .map_err(|err| {
+                    syn::Error::new(
+                        err.span(),
+                        format!(
+                            "`keys(...)` lists key templates, string literals such as \
+                             {KEYS_EXAMPLE}"
+                        ),
+                    )
+                })?;
+            match lits.len() {
+                0 => {
+                    return Err(syn::Error::new(
+                        parens.span.join(),
+                        format!(
+                            "`keys()` is empty: list the two or more key templates to take \
+                             together, such as {KEYS_EXAMPLE}"
+                        ),
+                    ));
+                }
+                1 => {
+                    return Err(syn::Error::new(
+                        parens.span.join(),
+                        "`keys(...)` takes two or more key templates, taken all or none; for \
+                         one key, give the template alone: #[distributed_lock(\"account:{id}\")]",
+                    ));
+                }
+                _ => {}
+            }
+            let mut templates: Vec<Template> = Vec::with_capacity(lits.len());
+            let mut errors: Option<syn::Error> = None;
+            for lit in &lits {
+                let result = Template::parse(lit).and_then(|template| {
+                    if templates.iter().any(|t| t.lit.value() == lit.value()) {
+                        Err(syn::Error::new(
+                            lit.span(),
+                            "this key template is already in `keys(...)`: each key is taken \
+                             once, give it once",
+                        ))
+                    } else {
+                        Ok(template)
+                    }
+                });
+                match result {
+                    Ok(template) => templates.push(template),
+                    Err(err) => match &mut errors {
+                        Some(errors) => errors.combine(err),
+                        None => errors = Some(err),
+                    },
+                }
+            }
+            return match errors {
+                Some(errors) => Err(errors),
+                None => Ok(Keys::Many(keyword, templates)),
+            };
+        }
+        let lit: LitStr = input.parse().map_err(|err| {
+            syn::Error::new(
+                err.span(),
+                format!(
+                    "the first argument of #[distributed_lock] is the key template, a string \
+                     literal such as \"account:{{account_id}}\", or several in {KEYS_EXAMPLE}"
+                ),
+            )
+        })?;
+        Ok(Keys::One(Template::parse(&lit)?))
+    }
+
+    /// The templates, in the order written.
+    pub(crate) fn templates(&self) -> &[Template] {
+        match self {
+            Keys::One(template) => std::slice::from_ref(template),
+            Keys::Many(_, templates) => templates,
+        }
+    }
+}
+
 /// The arguments of `#[distributed_lock("template", option = value, ...)]`.
 pub(crate) struct Args {
-    pub(crate) template: Template,
+    pub(crate) keys: Keys,
+    pub(crate) permits: Option<(kw::permits, u32)>,
     pub(crate) timeout: Option<Timeout>,
     pub(crate) provider: Option<(kw::provider, Expr)>,
     pub(crate) guard: Option<(kw::guard, Ident)>,
@@ -65,16 +163,10 @@ impl Parse for Args {
                  #[distributed_lock(\"account:{account_id}\", timeout = 10)]",
             ));
         }
-        let lit: LitStr = input.parse().map_err(|err| {
-            syn::Error::new(
-                err.span(),
-                "the first argument of #[distributed_lock] is the key template, a string \
-                 literal such as \"account:{account_id}\"",
-            )
-        })?;
-        let template = Template::parse(&lit)?;
+        let keys = Keys::parse(input)?;
         let mut args = Args {
-            template,
+            keys,
+            permits: None,
             timeout: None,
             provider: None,
             guard: None,
@@ -113,6 +205,31 @@ impl Parse for Args {
                 reject_duplicate(args.on_lost.is_some(), keyword.span, "on_lost")?;
                 input.parse::<Token![=]>()?;
                 args.on_lost = Some((keyword, OnLost::parse(input)?));
+            } else if lookahead.peek(kw::permits) {
+                let keyword: kw::permits = input.parse()?;
+                reject_duplicate(args.permits.is_some(), keyword.span, "permits")?;
+                input.parse::<Token![=]>()?;
+                args.permits = Some((keyword, parse_permits(input.parse()?)?));
+            } else if input.peek(kw::keys) {
+                let keyword: kw::keys = input.parse()?;
+                let message = match &args.keys {
+                    Keys::One(_) => format!(
+                        "a key template and `keys(...)` together: give either one template \
+                         (one key) or every template in `keys(...)` (several keys, taken all \
+                         or none), such as #[distributed_lock({KEYS_EXAMPLE}, timeout = 10)]"
+                    ),
+                    Keys::Many(..) => "duplicate option `keys`: give it once".to_owned(),
+                };
+                return Err(syn::Error::new(keyword.span, message));
+            } else if input.peek(LitStr) {
+                let lit: LitStr = input.parse()?;
+                return Err(syn::Error::new(
+                    lit.span(),
+                    format!(
+                        "a second key template: to take several keys all or none, list every \
+                         template in `keys(...)`, such as {KEYS_EXAMPLE}"
+                    ),
+                ));
             } else if input.peek(Ident::peek_any) {
                 let name = input.call(Ident::parse_any)?;
                 return Err(syn::Error::new(
@@ -126,7 +243,42 @@ impl Parse for Args {
                 ));
             }
         }
+        if let (Some((keyword, _)), Keys::Many(..)) = (&args.permits, &args.keys) {
+            return Err(syn::Error::new(
+                keyword.span,
+                "`permits` and `keys(...)` together: `permits = <n>` makes one key a \
+                 semaphore of n holders, `keys(...)` takes several exclusive locks; a function \
+                 can do one or the other",
+            ));
+        }
         Ok(args)
+    }
+}
+
+/// `permits = <n>`: a whole number of holders, from 1 to `u32::MAX`.
+fn parse_permits(value: Expr) -> syn::Result<u32> {
+    const HELP: &str = "`permits` is how many callers may hold the key at once, a whole number \
+                        such as `permits = 5`";
+    let bad = |message: String| Err(syn::Error::new(value.span(), message));
+    match &value {
+        Expr::Lit(ExprLit {
+            lit: Lit::Int(int), ..
+        }) if int.suffix().is_empty() => match int.base10_parse::<u64>() {
+            Ok(0) => bad(format!(
+                "`permits = 0` would let no caller in; {HELP} (1 is an ordinary lock)"
+            )),
+            Ok(n) => u32::try_from(n).or_else(|_| {
+                bad(format!(
+                    "`permits` is at most {} (u32::MAX); {HELP}",
+                    u32::MAX
+                ))
+            }),
+            Err(_) => bad(format!("`permits` is too large; {HELP}")),
+        },
+        Expr::Unary(ExprUnary {
+            op: UnOp::Neg(_), ..
+        }) => bad(format!("`permits` cannot be negative; {HELP}")),
+        _ => bad(HELP.to_owned()),
     }
 }
 

@@ -7,7 +7,7 @@ use syn::{Fields, FnArg, Ident, Index, Item, ItemFn, ItemStruct, Member, Pat, Re
 
 use dlock_template::{Placeholder, Segment};
 
-use crate::attr::{Args, OnLost, Template, Timeout};
+use crate::attr::{Args, Keys, OnLost, Template, Timeout};
 
 /// Entry point: the expansion, or the original item plus `compile_error!`s.
 pub(crate) fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -181,7 +181,31 @@ fn expand_struct(args: Args, command: ItemStruct) -> syn::Result<TokenStream> {
              guard `locks.acquire_for(&command)` returns (the only option here is `timeout`)",
         ));
     }
-    let span = args.template.lit.span();
+    if let Keys::Many(keyword, _) = &args.keys {
+        errors.push(syn::Error::new(
+            keyword.span,
+            "`keys(...)` is an option of functions: a command names one lock \
+             (`LockedCommand::lock_key`). To take several keys for a command, call \
+             `locks.acquire_many(&[..], timeout)`, or put the attribute on the function that \
+             runs the command",
+        ));
+    }
+    if let Some((keyword, _)) = &args.permits {
+        errors.push(syn::Error::new(
+            keyword.span,
+            "`permits` is an option of functions: `locks.acquire_for(&command)` takes an \
+             exclusive lock. For a semaphore, call `locks.acquire_semaphore(&command.lock_key(), \
+             n, command.lock_timeout())`, or put the attribute on the function that runs the \
+             command",
+        ));
+    }
+    let Some(template) = args.keys.templates().first() else {
+        return Err(syn::Error::new(
+            Span::call_site(),
+            "#[distributed_lock] needs a key template",
+        ));
+    };
+    let span = template.lit.span();
     let bindings: Vec<Binding> = match &command.fields {
         Fields::Named(fields) => fields
             .named
@@ -210,7 +234,7 @@ fn expand_struct(args: Args, command: ItemStruct) -> syn::Result<TokenStream> {
             .collect(),
         Fields::Unit => Vec::new(),
     };
-    let key = key_expr(&args.template, &bindings, "field", &mut errors);
+    let key = key_expr(template, &bindings, "field", &mut errors);
     errors.finish()?;
 
     let timeout = Timeout::tokens(args.timeout.as_ref());
@@ -337,7 +361,12 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
             }
         }
     }
-    let key = key_expr(&args.template, &bindings, "parameter", &mut errors);
+    let keys: Vec<TokenStream> = args
+        .keys
+        .templates()
+        .iter()
+        .map(|template| key_expr(template, &bindings, "parameter", &mut errors))
+        .collect();
 
     let provider = match (&args.provider, providers.as_slice()) {
         (Some((_, expr)), _) => Some(expr.clone()),
@@ -387,21 +416,29 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
     let output_var = internal("__dlock_output");
     let provider_var = internal("__dlock_provider");
     let error_var = internal("__dlock_error");
+    let many = matches!(args.keys, Keys::Many(..));
+    let guard_type = if many {
+        quote!([::dlock::__private::LockGuard])
+    } else {
+        quote!(::dlock::__private::LockGuard)
+    };
     let user_guard = args.guard.as_ref().map(|(_, name)| {
         quote! {
-            let #name: &::dlock::__private::LockGuard = &#guard_var;
+            let #name: &#guard_type = &#guard_var;
         }
     });
     // A provider of the wrong type is reported at the provider.
     let provider_ref = quote_spanned!(provider.span()=> &(#provider));
-    // `on_lost = cancel`: the body races the lost token, and `finish_unless_lost` turns a
-    // body stopped by the loss into `Err(Lost)`. One finishing function per mode, for both
-    // ends, so an error type without `From<LockError>` is reported once.
+    // `on_lost = cancel`: the body races the lost token(s), and the `..._unless_lost`
+    // finishing function turns a body stopped by the loss into `Err(Lost)`. One finishing
+    // function per mode, for both ends, so an error type without `From<LockError>` is
+    // reported once.
     let cancel = matches!(args.on_lost, Some((_, OnLost::Cancel)));
-    let finish_fn = if cancel {
-        quote_spanned!(return_span=> ::dlock::__private::finish_unless_lost)
-    } else {
-        quote_spanned!(return_span=> ::dlock::__private::finish)
+    let finish_fn = match (many, cancel) {
+        (false, true) => quote_spanned!(return_span=> ::dlock::__private::finish_unless_lost),
+        (false, false) => quote_spanned!(return_span=> ::dlock::__private::finish),
+        (true, true) => quote_spanned!(return_span=> ::dlock::__private::finish_many_unless_lost),
+        (true, false) => quote_spanned!(return_span=> ::dlock::__private::finish_many),
     };
     let fail = quote_spanned! {return_span=>
         #finish_fn(::core::result::Result::Err(#error_var)).await
@@ -410,17 +447,40 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
         #finish_fn(::core::result::Result::Ok((#guard_var, #output_var))).await
     };
     let block = &function.block;
-    let run_body = if cancel {
-        quote! { ::dlock::__private::until_lost(&#guard_var, async move #block).await }
-    } else {
-        quote! { async move #block.await }
+    let run_body = match (many, cancel) {
+        (false, true) => {
+            quote! { ::dlock::__private::until_lost(&#guard_var, async move #block).await }
+        }
+        (true, true) => {
+            quote! { ::dlock::__private::until_any_lost(&#guard_var, async move #block).await }
+        }
+        (_, false) => quote! { async move #block.await },
+    };
+    let (key_decl, acquire) = match (&args.keys, &args.permits) {
+        (Keys::Many(..), _) => {
+            let count = keys.len();
+            (
+                quote!(let #key_var: [::std::string::String; #count] = [#(#keys),*];),
+                quote!(::dlock::__private::acquire_many(#provider_var, &#key_var, #timeout)),
+            )
+        }
+        (Keys::One(_), Some((_, permits))) => (
+            quote!(let #key_var: ::std::string::String = #(#keys)*;),
+            quote!(::dlock::__private::acquire_semaphore(
+                #provider_var, &#key_var, #permits, #timeout
+            )),
+        ),
+        (Keys::One(_), None) => (
+            quote!(let #key_var: ::std::string::String = #(#keys)*;),
+            quote!(#provider_var.acquire(&#key_var, #timeout)),
+        ),
     };
     let body = quote! {
         {
-            let #key_var: ::std::string::String = #key;
+            #key_decl
             let #guard_var = {
                 let #provider_var: &::dlock::__private::LockProvider = #provider_ref;
-                match #provider_var.acquire(&#key_var, #timeout).await {
+                match #acquire.await {
                     ::core::result::Result::Ok(guard) => guard,
                     ::core::result::Result::Err(#error_var) => return #fail,
                 }

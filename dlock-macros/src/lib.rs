@@ -14,7 +14,9 @@ mod expand;
 ///
 /// ```text
 /// #[distributed_lock("<key template>", timeout = <seconds>, provider = <expr>, guard = <name>,
-///                   on_lost = cancel | finish)]
+///                   on_lost = cancel | finish, permits = <n>)]
+/// #[distributed_lock(keys("<template>", "<template>", ...), timeout = ..., provider = ...,
+///                   guard = ..., on_lost = ...)]
 /// ```
 ///
 /// # On an `async fn`
@@ -161,6 +163,44 @@ mod expand;
 /// }
 /// ```
 ///
+/// # Several keys: `keys(...)`
+///
+/// `keys("account:{from}", "account:{to}")` takes two or more keys **all or none**, through
+/// `LockProvider::acquire_many` (one try each when the timeout is 0): in a canonical order, so
+/// `transfer(a, b)` and `transfer(b, a)` running at once never wait on each other. A key that
+/// is held elsewhere fails the call (`AlreadyHeld`, or `Timeout` naming the missing key) and
+/// no key is kept. A key rendered twice (`transfer(a, a)`) is taken once. `guard = g` binds
+/// `g: &[dlock::LockGuard]`, one guard per distinct key in the order of `keys(...)`. Every
+/// lock is released after the body and the releases awaited; when the body returned `Ok`, a
+/// failed release is the function's error, `Lost` first. `on_lost = cancel` stops the body
+/// when any of the locks is lost.
+///
+/// ```
+/// # use dlock::{LockError, LockProvider, distributed_lock};
+/// #[distributed_lock(keys("account:{from}", "account:{to}"), timeout = 10, guard = held)]
+/// async fn transfer(locks: &LockProvider, from: u64, to: u64, amount: i64) -> Result<usize, LockError> {
+///     // Both accounts are locked here; `held[0]` is "account:{from}".
+///     Ok(held.len())
+/// }
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), LockError> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// # let locks = LockProvider::connect(&format!("sqlite://{}/l.db", dir.path().display())).await?;
+/// assert_eq!(transfer(&locks, 1, 2, 5).await?, 2);
+/// assert_eq!(transfer(&locks, 1, 1, 5).await?, 1);
+/// # Ok(()) }
+/// ```
+///
+/// # A semaphore: `permits = N`
+///
+/// `#[distributed_lock("exports:{tenant}", permits = 5, timeout = 10)]` lets up to 5 calls
+/// run at once for one tenant: it takes one of the 5 slots of the semaphore through
+/// `LockProvider::acquire_semaphore` (`try_acquire_semaphore` when the timeout is 0, so a
+/// full semaphore answers `AlreadyHeld`). Semaphore keys are their own namespace: the lock
+/// `"exports:acme"` is unrelated. `guard = g` binds the slot's `&LockGuard`, whose `key()` is
+/// the slot's internal name and whose fencing token increases per slot. `permits` and
+/// `keys(...)` do not combine.
+///
 /// # On a struct
 ///
 /// The struct gets an implementation of `dlock::LockedCommand`: `lock_key(&self)` fills the
@@ -197,8 +237,9 @@ mod expand;
 /// # Ok(()) }
 /// ```
 ///
-/// Tuple structs name their fields by position (`"job:{0}"`). `provider`, `guard` and
-/// `on_lost` are options of functions only.
+/// Tuple structs name their fields by position (`"job:{0}"`). `provider`, `guard`,
+/// `on_lost`, `permits` and `keys(...)` are options of functions only (`LockedCommand` names
+/// one exclusive lock).
 ///
 /// # The key template
 ///
@@ -228,6 +269,8 @@ mod expand;
 /// - `on_lost = cancel` or `on_lost = finish` (the default): whether a lost lock stops the
 ///   body at once or lets it run to its end; either way the function returns `Lost`
 ///   (functions only).
+/// - `permits = <n>`: a semaphore of `n` (1 to `u32::MAX`) holders instead of a lock
+///   (functions only, one key).
 ///
 /// # Compile errors
 ///
@@ -235,7 +278,9 @@ mod expand;
 /// code still compiles: an unknown placeholder (listing the parameters or fields), a function
 /// that is not `async`, a function without a provider, an unknown or repeated option, a bad
 /// timeout, a return type that is not a `Result`, an error type without `From<LockError>`, a
-/// malformed template.
+/// malformed template; a template beside `keys(...)`, an empty or one-key `keys()`, a
+/// template repeated in it, `permits` that is 0, not a whole number or combined with
+/// `keys(...)`, and either on a struct.
 #[proc_macro_attribute]
 pub fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::distributed_lock(args.into(), item.into()).into()

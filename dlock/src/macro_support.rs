@@ -72,3 +72,128 @@ where
         }
     }
 }
+
+/// Takes the keys of a `keys(...)` function, all or none, through
+/// [`LockProvider::acquire_many`] (one try each when `timeout` is zero). A key rendered twice
+/// (`transfer(a, a)` on `keys("account:{from}", "account:{to}")`) is taken once: the guards
+/// are one per distinct key, in the order the keys were first written.
+pub async fn acquire_many(
+    provider: &LockProvider,
+    keys: &[String],
+    timeout: Duration,
+) -> Result<Vec<LockGuard>, LockError> {
+    let mut distinct: Vec<&str> = Vec::with_capacity(keys.len());
+    for key in keys {
+        if !distinct.contains(&key.as_str()) {
+            distinct.push(key);
+        }
+    }
+    provider.acquire_many(&distinct, timeout).await
+}
+
+/// Takes one of the `permits` slots of the semaphore `key` (`permits = N`): one round of
+/// tries when `timeout` is zero, answering [`LockError::AlreadyHeld`] as a one-try lock does.
+pub async fn acquire_semaphore(
+    provider: &LockProvider,
+    key: &str,
+    permits: u32,
+    timeout: Duration,
+) -> Result<LockGuard, LockError> {
+    if timeout.is_zero() {
+        provider.try_acquire_semaphore(key, permits).await
+    } else {
+        provider.acquire_semaphore(key, permits, timeout).await
+    }
+}
+
+/// [`finish`] for several guards (`keys(...)`): every guard is released, and the releases
+/// awaited, whatever the body returned. When the body returned `Ok`, a failed release becomes
+/// the function's error, [`LockError::Lost`] first if any release reports it.
+pub async fn finish_many<T, E>(
+    run: Result<(Vec<LockGuard>, Result<T, E>), LockError>,
+) -> Result<T, E>
+where
+    E: From<LockError>,
+{
+    let (guards, output) = run.map_err(E::from)?;
+    let mut failures = Vec::new();
+    for guard in guards {
+        if let Err(err) = guard.release().await {
+            failures.push(err);
+        }
+    }
+    let first = failures
+        .iter()
+        .position(|err| matches!(err, LockError::Lost { .. }))
+        .unwrap_or(0);
+    let failure = (!failures.is_empty()).then(|| failures.swap_remove(first));
+    for other in &failures {
+        tracing::warn!(error = %other, "releasing another lock of the function also failed");
+    }
+    match (output, failure) {
+        (Ok(value), None) => Ok(value),
+        (Ok(_), Some(err)) => Err(E::from(err)),
+        (Err(err), None) => Err(err),
+        (Err(err), Some(release_err)) => {
+            tracing::warn!(error = %release_err, "releasing the locks of a function that failed also failed");
+            Err(err)
+        }
+    }
+}
+
+/// [`until_lost`] for several guards: `None` as soon as any of them is lost.
+pub async fn until_any_lost<F: core::future::Future>(
+    guards: &[LockGuard],
+    body: F,
+) -> Option<F::Output> {
+    let mut lost: Vec<_> = guards
+        .iter()
+        .map(|guard| Box::pin(guard.lost_token().cancelled()))
+        .collect();
+    let mut body = core::pin::pin!(body);
+    core::future::poll_fn(|cx| {
+        if guards.iter().any(LockGuard::is_lost)
+            || lost
+                .iter_mut()
+                .any(|lost| lost.as_mut().poll(cx).is_ready())
+        {
+            return core::task::Poll::Ready(None);
+        }
+        body.as_mut().poll(cx).map(Some)
+    })
+    .await
+}
+
+/// What an `on_lost = cancel` function with `keys(...)` ends with: its guards and the body's
+/// output, `None` when the body was stopped by a loss.
+pub type StoppableRun<T, E> = Result<(Vec<LockGuard>, Option<Result<T, E>>), LockError>;
+
+/// [`finish_many`] for `on_lost = cancel`: a body stopped by the loss of any of its locks
+/// (`None`) ends the function with [`LockError::Lost`] (naming the lost key) at once; the
+/// guards are dropped, so their release runs in the background.
+pub async fn finish_many_unless_lost<T, E>(run: StoppableRun<T, E>) -> Result<T, E>
+where
+    E: From<LockError>,
+{
+    let (guards, output) = run.map_err(E::from)?;
+    match output {
+        Some(output) => finish_many(Ok((guards, output))).await,
+        None => {
+            let lost = guards
+                .iter()
+                .find(|guard| guard.is_lost())
+                .or_else(|| guards.first())
+                .map_or_else(
+                    || std::sync::Arc::from(""),
+                    |guard| std::sync::Arc::from(guard.key()),
+                );
+            drop(guards);
+            Err(E::from(LockError::Lost {
+                key: lost,
+                reason: "ownership of one of the function's locks was lost while it ran; its \
+                         body was stopped (on_lost = cancel)"
+                    .to_owned(),
+            }))
+        }
+    }
+}
