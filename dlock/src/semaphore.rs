@@ -74,7 +74,9 @@ impl LockProvider {
     /// Takes one of the `max_count` slots of the semaphore `key`, waiting up to `timeout` for
     /// one to be free: every slot is tried (in a random order), then again after a pause of
     /// the provider's backoff, until the deadline. [`LockError::Timeout`] when it runs out;
-    /// `Duration::ZERO` is one round of tries, `Duration::MAX` waits without limit. See
+    /// `Duration::ZERO` is one round of tries (answered [`LockError::AlreadyHeld`], as
+    /// [`try_acquire_semaphore`](LockProvider::try_acquire_semaphore)), `Duration::MAX` waits
+    /// without limit. See
     /// [`try_acquire_semaphore`](LockProvider::try_acquire_semaphore) for what a slot is.
     ///
     /// # Cancel safety
@@ -87,6 +89,10 @@ impl LockProvider {
         max_count: u32,
         timeout: Duration,
     ) -> Result<LockGuard, LockError> {
+        if timeout.is_zero() {
+            // One round of tries, answered as a try is: `AlreadyHeld` when every slot is held.
+            return self.try_acquire_semaphore(key, max_count).await;
+        }
         check_semaphore(key, max_count)?;
         let deadline = crate::time::deadline(Instant::now(), timeout);
         let mut pauses = Pauses::new(self.backoff(), deadline);
