@@ -16,6 +16,12 @@
 //! Figures that are compared are measured in interleaved rounds (A, B, A, B, ...) and
 //! summarised by their medians, so that the machine's noise hits both sides alike. Prints a
 //! table and writes `benches/RESULTS.md` and `benches/results.svg`.
+//!
+//! Quick mode (`cargo bench --bench report -- --quick`, or `DLOCK_REPORT_QUICK=1`; CI runs it
+//! as `cargo test --workspace --all-features --bench report -- --quick`, on the tests' build)
+//! runs every section with tiny sizes and fails when a figure is missing, unless its server's
+//! binary is not installed. It writes its table under the target directory, never over the
+//! report.
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -28,7 +34,7 @@ mod output;
 mod peers;
 mod servers;
 
-use measure::{Contender, interleave, median};
+use measure::{Contender, interleave, median, quick, sized};
 use output::{Report, Row, Target};
 use peers::Peers;
 
@@ -44,8 +50,18 @@ fn main() {
     let started = Instant::now();
     let rt = runtime();
     let mut report = Report::new();
+    if quick() {
+        eprintln!("report: quick mode: tiny sizes, checks only that every figure is produced");
+    }
     // The peers build (first run) while the servers start.
-    let peers = RefCell::new(Peers::spawn());
+    let peers = RefCell::new(if quick() {
+        Peers::skip(PEERS_SKIPPED)
+    } else {
+        Peers::spawn("release")
+    });
+    if quick() {
+        eprintln!("report: {PEERS_SKIPPED}");
+    }
 
     eprintln!("report: starting servers");
     let servers = servers::Servers::start(&rt, &mut report);
@@ -72,7 +88,10 @@ fn main() {
          connection from a sqlx pool (no health check on acquire) for both statements; on \
          Redis and Valkey the raw commands are `SET NX PX` + Lua compare-and-delete, compared \
          with dlock `fencing=false` (the same commands); dlock's default (fencing tokens) is \
-         shown beside it. Peers are compared with the same dlock column; all but \
+         compared with a raw client doing the same work, one script of `SET NX PX` and \
+         `INCR` of a counter key then the Lua compare-and-delete, in the same rounds, and \
+         the server commands per cycle of both are counted (`INFO commandstats` around 50 \
+         cycles, commands run by scripts included). Peers are compared with the same dlock column; all but \
          `sqlx::postgres::PgAdvisoryLock` run in the `benches/peers` workspace, driven over a \
          pipe by this run.",
         "2: 16 tasks over 4 providers each take the key 4 times, in 3 rounds; a handover is the \
@@ -95,8 +114,45 @@ fn main() {
         "The run took {:.0} s.",
         started.elapsed().as_secs_f64()
     ));
+    let problems = quick()
+        .then(|| {
+            report.problems(&[
+                servers::S1,
+                servers::S2,
+                servers::S3,
+                servers::S4,
+                IN_PROCESS,
+                axum_layer::SECTION,
+                servers::S7,
+            ])
+        })
+        .unwrap_or_default();
     report.finish();
+    if quick() {
+        if !problems.is_empty() {
+            eprintln!(
+                "report --quick: FAILED: {} figure(s) not produced (a server that is not \
+                 installed is no failure):",
+                problems.len()
+            );
+            for p in &problems {
+                eprintln!("  {p}");
+            }
+            std::process::exit(1);
+        }
+        eprintln!(
+            "report --quick: every figure was produced ({:.0} s)",
+            started.elapsed().as_secs_f64()
+        );
+    }
 }
+
+/// Section 5's title.
+const IN_PROCESS: &str = "5. In-process";
+
+/// Why quick mode has no peers.
+const PEERS_SKIPPED: &str = "peers (section 7, other lock crates) skipped in quick mode: \
+    their workspace is a separate build of several minutes";
 
 /// Section 5: a contended `try_acquire` answered from the in-process table, and `lock_id`.
 fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
@@ -123,12 +179,12 @@ fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
     };
     let result = interleave(
         &mut [Contender::new("contended", &mut contended)],
-        9,
-        Duration::from_millis(40),
+        sized(9, 2),
+        sized(Duration::from_millis(40), Duration::from_millis(5)),
     );
     let ns = result[0].as_ref().map(|v| median(v)).unwrap_or(f64::NAN);
     report.add(Row::figure(
-        "5. In-process",
+        IN_PROCESS,
         "contended try_acquire (answered from the in-process table)",
         ns,
         "ns",
@@ -147,12 +203,12 @@ fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
         };
         let result = interleave(
             &mut [Contender::new("lock_id", &mut hash)],
-            9,
-            Duration::from_millis(20),
+            sized(9, 2),
+            sized(Duration::from_millis(20), Duration::from_millis(5)),
         );
         let ns = result[0].as_ref().map(|v| median(v)).unwrap_or(f64::NAN);
         report.add(Row::figure(
-            "5. In-process",
+            IN_PROCESS,
             &format!("lock_id, {len}-byte key"),
             ns,
             "ns",
