@@ -21,7 +21,7 @@
 //! as `cargo test --workspace --all-features --bench report -- --quick`, on the tests' build)
 //! runs every section with tiny sizes and fails when a figure is missing, unless its server's
 //! binary is not installed. It writes its table under the target directory, never over the
-//! report.
+//! report. It leaves the peers out (their build takes minutes), unless `DLOCK_REPORT_PEERS=1`.
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -54,14 +54,16 @@ fn main() {
         eprintln!("report: quick mode: tiny sizes, checks only that every figure is produced");
     }
     // The peers build (first run) while the servers start.
-    let peers = RefCell::new(if quick() {
-        Peers::skip(PEERS_SKIPPED)
-    } else {
-        Peers::spawn("release")
+    let with_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "1");
+    let peers = RefCell::new(match (quick(), with_peers) {
+        (false, _) => Peers::spawn("release"),
+        // Its cheapest build: the dev profile.
+        (true, true) => Peers::spawn("dev"),
+        (true, false) => {
+            eprintln!("report: {PEERS_SKIPPED}");
+            Peers::skip(PEERS_SKIPPED)
+        }
     });
-    if quick() {
-        eprintln!("report: {PEERS_SKIPPED}");
-    }
 
     eprintln!("report: starting servers");
     let servers = servers::Servers::start(&rt, &mut report);
@@ -152,7 +154,8 @@ const IN_PROCESS: &str = "5. In-process";
 
 /// Why quick mode has no peers.
 const PEERS_SKIPPED: &str = "peers (section 7, other lock crates) skipped in quick mode: \
-    their workspace is a separate build of several minutes";
+    their workspace is a separate build of several minutes (DLOCK_REPORT_PEERS=1 builds and \
+    runs them, in the dev profile)";
 
 /// Section 5: a contended `try_acquire` answered from the in-process table, and `lock_id`.
 fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
