@@ -116,19 +116,19 @@ fn main() {
         "The run took {:.0} s.",
         started.elapsed().as_secs_f64()
     ));
-    let problems = quick()
-        .then(|| {
-            report.problems(&[
-                servers::S1,
-                servers::S2,
-                servers::S3,
-                servers::S4,
-                IN_PROCESS,
-                axum_layer::SECTION,
-                servers::S7,
-            ])
-        })
-        .unwrap_or_default();
+    let problems = if quick() {
+        report.problems(&[
+            servers::S1,
+            servers::S2,
+            servers::S3,
+            servers::S4,
+            IN_PROCESS,
+            axum_layer::SECTION,
+            servers::S7,
+        ])
+    } else {
+        Vec::new()
+    };
     report.finish();
     if quick() {
         if !problems.is_empty() {
