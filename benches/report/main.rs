@@ -21,7 +21,8 @@
 //! as `cargo test --workspace --all-features --bench report -- --quick`, on the tests' build)
 //! runs every section with tiny sizes and fails when a figure is missing, unless its server's
 //! binary is not installed. It writes its table under the target directory, never over the
-//! report. It leaves the peers out (their build takes minutes), unless `DLOCK_REPORT_PEERS=1`.
+//! report. It builds the peers in the dev profile, the cheapest. `DLOCK_REPORT_PEERS=0` leaves
+//! the peers out of any run.
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -54,15 +55,15 @@ fn main() {
         eprintln!("report: quick mode: tiny sizes, checks only that every figure is produced");
     }
     // The peers build (first run) while the servers start.
-    let with_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "1");
-    let peers = RefCell::new(match (quick(), with_peers) {
-        (false, _) => Peers::spawn("release"),
-        // Its cheapest build: the dev profile.
-        (true, true) => Peers::spawn("dev"),
-        (true, false) => {
+    let without_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0");
+    let peers = RefCell::new(match (without_peers, quick()) {
+        (true, _) => {
             eprintln!("report: {PEERS_SKIPPED}");
             Peers::skip(PEERS_SKIPPED)
         }
+        (false, false) => Peers::spawn("release"),
+        // The cheapest build: the dev profile.
+        (false, true) => Peers::spawn("dev"),
     });
 
     eprintln!("report: starting servers");
@@ -152,10 +153,8 @@ fn main() {
 /// Section 5's title.
 const IN_PROCESS: &str = "5. In-process";
 
-/// Why quick mode has no peers.
-const PEERS_SKIPPED: &str = "peers (section 7, other lock crates) skipped in quick mode: \
-    their workspace is a separate build of several minutes (DLOCK_REPORT_PEERS=1 builds and \
-    runs them, in the dev profile)";
+/// Why a quick run has no peers.
+const PEERS_SKIPPED: &str = "peers (section 7, other lock crates) left out: DLOCK_REPORT_PEERS=0";
 
 /// Section 5: a contended `try_acquire` answered from the in-process table, and `lock_id`.
 fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
