@@ -13,25 +13,33 @@ use axum::routing::post;
 use dlock::LockProvider;
 use tokio::runtime::Runtime;
 
-use crate::measure::{Contender, interleave, median};
+use crate::measure::{Contender, interleave, median, sized};
 use crate::output::{Report, Row, Target};
 
-const SECTION: &str = "6. axum layer, requests/s (layer / by hand)";
-const CONCURRENCY: usize = 16;
-const ROUNDS: usize = 6;
-const ROUND: Duration = Duration::from_millis(700);
+pub const SECTION: &str = "6. axum layer, requests/s (layer / by hand)";
 
-/// Runs `ROUND` of load on `path` with `CONCURRENCY` clients; requests per second.
+/// Client tasks; interleaved rounds; the length of a round.
+fn concurrency() -> usize {
+    sized(16, 4)
+}
+fn rounds() -> usize {
+    sized(6, 2)
+}
+fn round() -> Duration {
+    sized(Duration::from_millis(700), Duration::from_millis(100))
+}
+
+/// Runs a round of load on `path` with [`concurrency`] clients; requests per second.
 async fn load(
     client: &reqwest::Client,
     base: &str,
     path: &str,
     next: &AtomicU64,
 ) -> Result<f64, String> {
-    let deadline = Instant::now() + ROUND;
+    let deadline = Instant::now() + round();
     let started = Instant::now();
     let done = Arc::new(AtomicU64::new(0));
-    let tasks: Vec<_> = (0..CONCURRENCY)
+    let tasks: Vec<_> = (0..concurrency())
         .map(|_| {
             let (client, done) = (client.clone(), done.clone());
             let prefix = format!("{base}/{path}");
@@ -95,7 +103,7 @@ fn measure(rt: &Runtime) -> Result<(f64, f64), String> {
     let server = rt.spawn(async move { axum::serve(listener, router).await });
     let base = format!("http://{addr}");
     let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(CONCURRENCY)
+        .pool_max_idle_per_host(concurrency())
         .build()
         .map_err(|e| e.to_string())?;
     let next = AtomicU64::new(0);
@@ -114,8 +122,8 @@ fn measure(rt: &Runtime) -> Result<(f64, f64), String> {
             Contender::new("layer", &mut layer),
             Contender::new("by hand", &mut manual),
         ],
-        ROUNDS,
-        ROUND,
+        rounds(),
+        round(),
     );
     server.abort();
     let mut rates = results.into_iter().map(|r| r.map(|v| 1e9 / median(&v)));

@@ -16,6 +16,13 @@
 //! Figures that are compared are measured in interleaved rounds (A, B, A, B, ...) and
 //! summarised by their medians, so that the machine's noise hits both sides alike. Prints a
 //! table and writes `benches/RESULTS.md` and `benches/results.svg`.
+//!
+//! Quick mode (`cargo bench --bench report -- --quick`, or `DLOCK_REPORT_QUICK=1`; CI runs it
+//! as `cargo test --workspace --all-features --bench report -- --quick`, on the tests' build)
+//! runs every section with tiny sizes and fails when a figure is missing, unless its server's
+//! binary is not installed. It writes its table under the target directory, never over the
+//! report. It builds the peers in the dev profile, the cheapest. `DLOCK_REPORT_PEERS=0` leaves
+//! the peers out of any run.
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -28,7 +35,7 @@ mod output;
 mod peers;
 mod servers;
 
-use measure::{Contender, interleave, median};
+use measure::{Contender, interleave, median, quick, sized};
 use output::{Report, Row, Target};
 use peers::Peers;
 
@@ -44,8 +51,20 @@ fn main() {
     let started = Instant::now();
     let rt = runtime();
     let mut report = Report::new();
+    if quick() {
+        eprintln!("report: quick mode: tiny sizes, checks only that every figure is produced");
+    }
     // The peers build (first run) while the servers start.
-    let peers = RefCell::new(Peers::spawn());
+    let without_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0");
+    let peers = RefCell::new(match (without_peers, quick()) {
+        (true, _) => {
+            eprintln!("report: {PEERS_SKIPPED}");
+            Peers::skip(PEERS_SKIPPED)
+        }
+        (false, false) => Peers::spawn("release"),
+        // The cheapest build: the dev profile.
+        (false, true) => Peers::spawn("dev"),
+    });
 
     eprintln!("report: starting servers");
     let servers = servers::Servers::start(&rt, &mut report);
@@ -72,7 +91,10 @@ fn main() {
          connection from a sqlx pool (no health check on acquire) for both statements; on \
          Redis and Valkey the raw commands are `SET NX PX` + Lua compare-and-delete, compared \
          with dlock `fencing=false` (the same commands); dlock's default (fencing tokens) is \
-         shown beside it. Peers are compared with the same dlock column; all but \
+         compared with a raw client doing the same work, one script of `SET NX PX` and \
+         `INCR` of a counter key then the Lua compare-and-delete, in the same rounds, and \
+         the server commands per cycle of both are counted (`INFO commandstats` around 50 \
+         cycles, commands run by scripts included). Peers are compared with the same dlock column; all but \
          `sqlx::postgres::PgAdvisoryLock` run in the `benches/peers` workspace, driven over a \
          pipe by this run.",
         "2: 16 tasks over 4 providers each take the key 4 times, in 3 rounds; a handover is the \
@@ -95,8 +117,44 @@ fn main() {
         "The run took {:.0} s.",
         started.elapsed().as_secs_f64()
     ));
+    let problems = if quick() {
+        report.problems(&[
+            servers::S1,
+            servers::S2,
+            servers::S3,
+            servers::S4,
+            IN_PROCESS,
+            axum_layer::SECTION,
+            servers::S7,
+        ])
+    } else {
+        Vec::new()
+    };
     report.finish();
+    if quick() {
+        if !problems.is_empty() {
+            eprintln!(
+                "report --quick: FAILED: {} figure(s) not produced (a server that is not \
+                 installed is no failure):",
+                problems.len()
+            );
+            for p in &problems {
+                eprintln!("  {p}");
+            }
+            std::process::exit(1);
+        }
+        eprintln!(
+            "report --quick: every figure was produced ({:.0} s)",
+            started.elapsed().as_secs_f64()
+        );
+    }
 }
+
+/// Section 5's title.
+const IN_PROCESS: &str = "5. In-process";
+
+/// Why a quick run has no peers.
+const PEERS_SKIPPED: &str = "peers (section 7, other lock crates) left out: DLOCK_REPORT_PEERS=0";
 
 /// Section 5: a contended `try_acquire` answered from the in-process table, and `lock_id`.
 fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
@@ -123,12 +181,12 @@ fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
     };
     let result = interleave(
         &mut [Contender::new("contended", &mut contended)],
-        9,
-        Duration::from_millis(40),
+        sized(9, 2),
+        sized(Duration::from_millis(40), Duration::from_millis(5)),
     );
     let ns = result[0].as_ref().map(|v| median(v)).unwrap_or(f64::NAN);
     report.add(Row::figure(
-        "5. In-process",
+        IN_PROCESS,
         "contended try_acquire (answered from the in-process table)",
         ns,
         "ns",
@@ -147,12 +205,12 @@ fn in_process(rt: &tokio::runtime::Runtime, report: &mut Report) {
         };
         let result = interleave(
             &mut [Contender::new("lock_id", &mut hash)],
-            9,
-            Duration::from_millis(20),
+            sized(9, 2),
+            sized(Duration::from_millis(20), Duration::from_millis(5)),
         );
         let ns = result[0].as_ref().map(|v| median(v)).unwrap_or(f64::NAN);
         report.add(Row::figure(
-            "5. In-process",
+            IN_PROCESS,
             &format!("lock_id, {len}-byte key"),
             ns,
             "ns",

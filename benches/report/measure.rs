@@ -1,7 +1,24 @@
 //! Interleaved timed rounds: each contender runs a batch in turn (A, B, C, A, B, C, ...), the
 //! order rotating every round, and the per-operation times of its batches are kept.
 
+use std::sync::OnceLock;
 use std::time::Duration;
+
+static QUICK: OnceLock<bool> = OnceLock::new();
+
+/// Quick mode (`-- --quick`, or `DLOCK_REPORT_QUICK=1`): every section with tiny sizes, to
+/// check that each figure is still produced; timings mean nothing then.
+pub fn quick() -> bool {
+    *QUICK.get_or_init(|| {
+        std::env::args().any(|a| a == "--quick")
+            || std::env::var("DLOCK_REPORT_QUICK").is_ok_and(|v| !v.is_empty() && v != "0")
+    })
+}
+
+/// `full` in a normal run, `tiny` in quick mode.
+pub fn sized<T>(full: T, tiny: T) -> T {
+    if quick() { tiny } else { full }
+}
 
 /// Runs `n` operations and says how long they took, or why it could not.
 pub type Batch<'a> = dyn FnMut(u64) -> Result<Duration, String> + 'a;

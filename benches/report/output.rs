@@ -62,6 +62,11 @@ pub struct Row {
     met: Option<bool>,
     /// For the chart: the ratio and its target.
     ratio: Option<(f64, Target)>,
+    /// A finite figure was produced.
+    measured: bool,
+    /// Not measured for a reason that is not a failure (the server's binary is not
+    /// installed, or quick mode leaves the part out).
+    excused: bool,
 }
 
 impl Row {
@@ -84,6 +89,8 @@ impl Row {
             target: target_text,
             met: target.met(value),
             ratio: None,
+            measured: value.is_finite(),
+            excused: false,
         }
     }
 
@@ -106,6 +113,8 @@ impl Row {
             target: target.show("×"),
             met: target.met(r),
             ratio: r.is_finite().then_some((r, target)),
+            measured: r.is_finite() && a.is_finite() && b.is_finite(),
+            excused: false,
         }
     }
 
@@ -118,6 +127,8 @@ impl Row {
             target: target.show("×"),
             met: target.met(r),
             ratio: r.is_finite().then_some((r, target)),
+            measured: r.is_finite(),
+            excused: false,
         }
     }
 
@@ -130,6 +141,8 @@ impl Row {
             target: "—".to_owned(),
             met: None,
             ratio: None,
+            measured: true,
+            excused: false,
         }
     }
 
@@ -144,7 +157,15 @@ impl Row {
             target: target.to_owned(),
             met: None,
             ratio: None,
+            measured: false,
+            excused: false,
         }
+    }
+
+    /// Marks a row not measured as no failure when `excused` (see [`Row::excused`]).
+    pub fn excused_if(mut self, excused: bool) -> Row {
+        self.excused = excused;
+        self
     }
 
     fn status(&self) -> &'static str {
@@ -215,12 +236,26 @@ impl Report {
         self.rows.push(row);
     }
 
-    /// Prints the table and writes the files.
+    /// Prints the table and writes the files: `benches/RESULTS.md` and `benches/results.svg`,
+    /// or in quick mode the same two under the target directory (`dlock-report-quick/`), so
+    /// that a quick run never replaces the published report.
     pub fn finish(mut self) {
         self.rows.sort_by(|a, b| a.section.cmp(&b.section));
         let markdown = self.markdown();
         println!("{markdown}");
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches");
+        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+        let dir = if crate::measure::quick() {
+            let dir = std::env::var_os("CARGO_TARGET_DIR")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| root.join("target"))
+                .join("dlock-report-quick");
+            if let Err(e) = std::fs::create_dir_all(&dir) {
+                eprintln!("could not create {}: {e}", dir.display());
+            }
+            dir
+        } else {
+            root.join("benches")
+        };
         let md = dir.join("RESULTS.md");
         let svg = dir.join("results.svg");
         if let Err(e) = std::fs::write(&md, &markdown) {
@@ -232,6 +267,29 @@ impl Report {
         println!("wrote {} and {}", md.display(), svg.display());
     }
 
+    /// Quick mode's check: every section has rows, and every row has its figure, unless it
+    /// is excused (a server not installed, a part quick mode leaves out). Timings and
+    /// targets are not checked. The problems, one a line; none when all is well.
+    pub fn problems(&self, sections: &[&str]) -> Vec<String> {
+        let mut problems = Vec::new();
+        for section in sections {
+            if !self.rows.iter().any(|r| r.section == *section) {
+                problems.push(format!("section \"{section}\" has no rows"));
+            }
+        }
+        for row in &self.rows {
+            if !row.measured && !row.excused {
+                let what = if row.figure.starts_with("not measured") {
+                    row.figure.clone()
+                } else {
+                    format!("no finite figure ({})", row.figure)
+                };
+                problems.push(format!("{} | {}: {what}", row.section, row.name));
+            }
+        }
+        problems
+    }
+
     fn markdown(&self) -> String {
         let mut out = String::new();
         out.push_str("# dlock benchmark report\n\n");
@@ -240,6 +298,14 @@ impl Report {
              `postgres mysql redis`; the servers are throwaway ones the run spawns on loopback). \
              Compared figures come from interleaved rounds (A, B, A, B, ...) and are medians.\n\n",
         );
+        if crate::measure::quick() {
+            out.push_str(
+                "**Quick run** (`-- --quick`): every section with tiny sizes, to check that \
+                 each figure is produced. Its figures mean nothing.\n\n",
+            );
+        }
+        out.push_str(HOW_TO_READ);
+        out.push_str("\n\n");
         out.push_str("![ratios against their targets](results.svg)\n\n");
         out.push_str("## Machine\n\n| | |\n|---|---|\n");
         for (k, v) in &self.env {
@@ -373,6 +439,19 @@ impl Report {
         s
     }
 }
+
+/// The report's opening paragraph for a newcomer.
+const HOW_TO_READ: &str = "**How to read this.** Each row is one measurement made by this run on \
+    the machine below. A ratio `A / B` compares two ways of doing the same work, run in \
+    alternating batches (A, B, A, B, ...) so that the machine's load hits both alike: below \
+    1.00× A took less time than B, above it more; the times in brackets are each side's median \
+    per operation. `dlock / raw` sets dlock beside the same statements or commands sent \
+    straight through the driver, so it is what dlock's layer costs; `peer / dlock` above 1.00× \
+    means the other crate is slower than dlock. The target column is the project's goal for \
+    the figure, and the last column says whether this run met it (`n/a`: not measured, and the \
+    figure says why). Absolute times follow the machine and its load: compare ratios between \
+    runs rather than times, and quote figures only from a run on a quiet machine. The notes \
+    at the end say how each section measures.";
 
 /// "1. Uncontended ..." → "1".
 fn short(section: &str) -> &str {

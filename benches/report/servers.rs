@@ -8,7 +8,7 @@ use dlock::LockProvider;
 use futures::StreamExt;
 use tokio::runtime::Runtime;
 
-use crate::measure::{Batch, Contender, interleave, median, quantile};
+use crate::measure::{Batch, Contender, interleave, median, quantile, sized};
 
 use crate::output::{Report, Row, Target, time};
 use crate::peers::Peers;
@@ -17,15 +17,19 @@ use dlock_testkit::mysql::{DbServer, Flavor as MyFlavor};
 use dlock_testkit::postgres::PgServer;
 use dlock_testkit::redis::{Flavor as RedisFlavor, RedisServer};
 
-const S1: &str = "1. Uncontended acquire + release against the raw driver";
-const S2: &str = "2. Handover, 16 waiters on one key across 4 providers";
-const S3: &str = "3. Server queries while 100 waiters wait for one held key (3 s)";
-const S4: &str = "4. Locks held at once per connection";
-const S7: &str = "7. Peers: uncontended acquire + release, peer / dlock";
+pub const S1: &str = "1. Uncontended acquire + release against the raw driver";
+pub const S2: &str = "2. Handover, 16 waiters on one key across 4 providers";
+pub const S3: &str = "3. Server queries while 100 waiters wait for one held key (3 s)";
+pub const S4: &str = "4. Locks held at once per connection";
+pub const S7: &str = "7. Peers: uncontended acquire + release, peer / dlock";
 
 /// Rounds and batch length of the interleaved comparisons.
-const ROUNDS: usize = 20;
-const BATCH: Duration = Duration::from_millis(40);
+fn rounds() -> usize {
+    sized(20, 2)
+}
+fn batch() -> Duration {
+    sized(Duration::from_millis(40), Duration::from_millis(5))
+}
 
 /// One store that dlock can use.
 enum Store {
@@ -41,7 +45,22 @@ struct Backend {
     store: Result<Store, String>,
 }
 
+/// Why a store is missing when its server's binary is not installed (no failure in quick mode).
+const NOT_INSTALLED: &str = "server binary not installed";
+
 impl Backend {
+    /// Whether the server's binary is missing here (as opposed to a server that failed).
+    fn missing(&self) -> bool {
+        self.store
+            .as_ref()
+            .is_err_and(|e| e.starts_with(NOT_INSTALLED) || e.starts_with("no server binary at"))
+    }
+
+    /// A row of this backend not measured, and why; no failure when its server is missing.
+    fn not_measured(&self, section: &str, name: &str, why: &str, target: &str) -> Row {
+        Row::not_measured(section, name, why, target).excused_if(self.missing())
+    }
+
     fn dlock_url(&self, options: &str) -> String {
         match self.store.as_ref().expect("running") {
             Store::Sqlite(dir) => {
@@ -74,7 +93,7 @@ pub struct Servers {
 fn caught<T>(f: impl FnOnce() -> Option<T> + std::panic::UnwindSafe) -> Result<T, String> {
     match std::panic::catch_unwind(f) {
         Ok(Some(t)) => Ok(t),
-        Ok(None) => Err("server binary not installed".to_owned()),
+        Ok(None) => Err(NOT_INSTALLED.to_owned()),
         Err(e) => Err(e
             .downcast_ref::<String>()
             .cloned()
@@ -88,7 +107,7 @@ impl Servers {
     pub fn start(rt: &Runtime, report: &mut Report) -> Servers {
         let redis = |flavor: RedisFlavor| {
             match flavor.binary() {
-                None => return Err("server binary not installed".to_owned()),
+                None => return Err(NOT_INSTALLED.to_owned()),
                 Some(path) if !path.is_file() => {
                     return Err(format!("no server binary at {}", path.display()));
                 }
@@ -207,14 +226,9 @@ pub fn uncontended_all(
         let store = match &b.store {
             Ok(s) => s,
             Err(e) => {
-                report.add(Row::not_measured(
-                    S1,
-                    &format!("{}: dlock / raw", b.label),
-                    e,
-                    "≤ 1.10×",
-                ));
+                report.add(b.not_measured(S1, &format!("{}: dlock / raw", b.label), e, "≤ 1.10×"));
                 for peer in peers_of(b.label) {
-                    report.add(Row::not_measured(
+                    report.add(b.not_measured(
                         S7,
                         &format!("{}: {peer} / dlock", b.label),
                         e,
@@ -235,7 +249,7 @@ pub fn uncontended_all(
         let locks = match rt.block_on(LockProvider::connect(&b.dlock_url(options))) {
             Ok(l) => l,
             Err(e) => {
-                report.add(Row::not_measured(
+                report.add(b.not_measured(
                     S1,
                     &format!("{}: dlock / raw", b.label),
                     &e.to_string(),
@@ -258,6 +272,8 @@ pub fn uncontended_all(
         };
         let raw_batch: Box<Batch<'_>>;
         let fenced_locks;
+        // Redis: the raw commands with a fencing token, the same work as dlock's default.
+        let mut raw_fenced: Option<Box<Batch<'_>>> = None;
         match store {
             Store::Sqlite(dir) => {
                 let path = dir.path().join("locks.db");
@@ -368,6 +384,22 @@ pub fn uncontended_all(
                     rt.block_on(LockProvider::connect(&b.dlock_url("")))
                         .expect("provider"),
                 );
+                let manager = rt
+                    .block_on(redis::aio::ConnectionManager::new(server.client()))
+                    .expect("connect");
+                let acquire = redis::Script::new(RAW_FENCED_ACQUIRE_LUA);
+                let release = redis::Script::new(raw::REDIS_RELEASE_LUA);
+                raw_fenced = Some(Box::new(move |n| {
+                    let (mut conn, acquire, release) =
+                        (manager.clone(), acquire.clone(), release.clone());
+                    on_worker(rt, async move {
+                        let t = Instant::now();
+                        for _ in 0..n {
+                            raw_redis_fenced(&mut conn, &acquire, &release).await?;
+                        }
+                        Ok(t.elapsed())
+                    })
+                }));
             }
         }
         let mut fenced = fenced_locks
@@ -381,8 +413,9 @@ pub fn uncontended_all(
             Contender::new("raw", &mut *raw_batch),
             Contender::new("dlock", &mut *dlock),
         ];
-        if let Some(f) = fenced.as_mut() {
+        if let (Some(f), Some(r)) = (fenced.as_mut(), raw_fenced.as_mut()) {
             contenders.push(Contender::new("dlock (fencing tokens)", &mut **f));
+            contenders.push(Contender::new("raw with fencing tokens", &mut **r));
         }
         let first_extra = contenders.len();
         let extra_names: Vec<&'static str> = extra.iter().map(|(n, _)| *n).collect();
@@ -392,7 +425,8 @@ pub fn uncontended_all(
         for (name, batch) in peer_names.iter().zip(peer_batches.iter_mut()) {
             contenders.push(Contender::new(name, &mut **batch));
         }
-        let results = interleave(&mut contenders, ROUNDS, BATCH);
+        let results = interleave(&mut contenders, rounds(), batch());
+        drop(contenders);
         // Per contender, its per-round samples (round-aligned: a contender that fails sits
         // out the rest, and is then reported as not measured).
         let med: Vec<Result<Vec<f64>, String>> = results;
@@ -409,23 +443,52 @@ pub fn uncontended_all(
                 ("raw", raw),
                 Target::AtMost(1.10),
             )),
-            (Err(e), _) | (_, Err(e)) => report.add(Row::not_measured(
-                S1,
-                &format!("{}: dlock / raw", b.label),
-                e,
-                "≤ 1.10×",
-            )),
+            (Err(e), _) | (_, Err(e)) => {
+                report.add(b.not_measured(S1, &format!("{}: dlock / raw", b.label), e, "≤ 1.10×"))
+            }
         }
-        if fenced.is_some()
-            && let (Ok(raw), Ok(f)) = (&med[0], &med[2])
+        if let (Some(f), Some(r), Store::Redis(server)) =
+            (fenced.as_mut(), raw_fenced.as_mut(), store)
         {
-            report.add(Row::ratio(
-                S1,
-                &format!("{}: dlock with fencing tokens (default) / raw", b.label),
-                ("dlock", f),
-                ("raw", raw),
-                Target::None,
-            ));
+            let name = format!(
+                "{}: dlock default (fencing tokens) / raw with fencing tokens",
+                b.label
+            );
+            match (&med[2], &med[3]) {
+                (Ok(d), Ok(raw)) => report.add(Row::ratio(
+                    S1,
+                    &name,
+                    ("dlock", d),
+                    ("raw", raw),
+                    Target::AtMost(1.10),
+                )),
+                (Err(e), _) | (_, Err(e)) => report.add(b.not_measured(S1, &name, e, "≤ 1.10×")),
+            }
+            if let (Ok(raw), Ok(d)) = (&med[0], &med[2]) {
+                report.add(Row::ratio(
+                    S1,
+                    &format!(
+                        "{}: dlock default (fencing tokens) / raw without tokens",
+                        b.label
+                    ),
+                    ("dlock", d),
+                    ("raw", raw),
+                    Target::None,
+                ));
+            }
+            let name = format!(
+                "{}: server commands per acquire + release, dlock default / raw with fencing",
+                b.label
+            );
+            match (
+                commands_per_cycle(server, &mut **f),
+                commands_per_cycle(server, &mut **r),
+            ) {
+                (Ok(d), Ok(raw)) => {
+                    report.add(Row::info(S1, &name, format!("{d} / {raw}")));
+                }
+                (Err(e), _) | (_, Err(e)) => report.add(b.not_measured(S1, &name, &e, "—")),
+            }
         }
         let names = extra_names.iter().chain(peer_names.iter());
         for (i, name) in names.enumerate() {
@@ -439,19 +502,89 @@ pub fn uncontended_all(
                     Target::AtLeast(1.0),
                 )),
                 (Err(e), _) | (_, Err(e)) => {
-                    report.add(Row::not_measured(S7, &row_name, e, "≥ 1.00×"))
+                    report.add(b.not_measured(S7, &row_name, e, "≥ 1.00×"))
                 }
             }
         }
+        let skipped = peers.borrow().skipped();
         for (name, why) in not_measured {
-            report.add(Row::not_measured(
-                S7,
-                &format!("{}: {name} / dlock", b.label),
-                &why,
-                "≥ 1.00×",
-            ));
+            report.add(
+                b.not_measured(S7, &format!("{}: {name} / dlock", b.label), &why, "≥ 1.00×")
+                    .excused_if(b.missing() || skipped),
+            );
         }
     }
+}
+
+/// Takes a Redis lock and bumps its fencing counter in one script, as dlock's default does:
+/// `KEYS[1]` lock, `KEYS[2]` counter; `ARGV[1]` token, `ARGV[2]` lease in ms.
+const RAW_FENCED_ACQUIRE_LUA: &str = "\
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+return false";
+
+/// Redis with fencing tokens, straight on the driver: the script above through `EVALSHA`,
+/// then the Lua compare-and-delete.
+async fn raw_redis_fenced(
+    conn: &mut redis::aio::ConnectionManager,
+    acquire: &redis::Script,
+    release: &redis::Script,
+) -> Result<(), String> {
+    let (key, token) = ("bench:raw-fenced", "token-0123456789");
+    let fencing: Option<i64> = acquire
+        .key(key)
+        .key("bench:raw-fenced:fence")
+        .arg(token)
+        .arg(30_000)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    fencing.ok_or("the key was not free")?;
+    let deleted: i64 = release
+        .key(key)
+        .arg(token)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    if deleted != 1 {
+        return Err("the release deleted nothing".to_owned());
+    }
+    Ok(())
+}
+
+/// The commands a batch's acquire + release runs on the server (commands that scripts run
+/// included), per cycle, from `INFO commandstats` around 50 cycles: "evalsha 2, set 1, ...".
+fn commands_per_cycle(server: &RedisServer, batch: &mut Batch<'_>) -> Result<String, String> {
+    const CYCLES: u64 = 50;
+    let before = server.command_calls();
+    batch(CYCLES)?;
+    let after = server.command_calls();
+    let mut counts: Vec<(String, u64)> = after
+        .into_iter()
+        .filter(|(name, _)| name != "info")
+        .map(|(name, n)| {
+            let was = before.get(&name).copied().unwrap_or(0);
+            (name, n.saturating_sub(was))
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    if counts.is_empty() {
+        return Err("the server counted no commands".to_owned());
+    }
+    counts.sort();
+    Ok(counts
+        .iter()
+        .map(|(name, n)| {
+            let per = *n as f64 / CYCLES as f64;
+            if per.fract() == 0.0 {
+                format!("{name} {per:.0}")
+            } else {
+                format!("{name} {per:.2}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", "))
 }
 
 /// Section 2: per backend, 16 waiters (4 per provider) each taking the key 4 times; the time
@@ -460,10 +593,13 @@ pub fn handover_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
     for b in &servers.backends {
         let name = format!("{}: release → next holder, median / p99", b.label);
         if let Err(e) = &b.store {
-            report.add(Row::not_measured(S2, &name, e, "—"));
+            report.add(b.not_measured(S2, &name, e, "—"));
             continue;
         }
         match rt.block_on(handover(&b.dlock_url(""))) {
+            Ok(samples) if samples.is_empty() => {
+                report.add(b.not_measured(S2, &name, "no handover seen", "—"))
+            }
             Ok(samples) => report.add(Row::info(
                 S2,
                 &name,
@@ -474,14 +610,16 @@ pub fn handover_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
                     samples.len()
                 ),
             )),
-            Err(e) => report.add(Row::not_measured(S2, &name, &e, "—")),
+            Err(e) => report.add(b.not_measured(S2, &name, &e, "—")),
         }
     }
 }
 
 async fn handover(url: &str) -> Result<Vec<f64>, String> {
+    let (n_providers, n_tasks, turns, rounds) =
+        (sized(4, 2), sized(16, 4), sized(4, 2), sized(3, 1));
     let mut providers = Vec::new();
-    for _ in 0..4 {
+    for _ in 0..n_providers {
         providers.push(
             LockProvider::connect(url)
                 .await
@@ -490,14 +628,14 @@ async fn handover(url: &str) -> Result<Vec<f64>, String> {
     }
     let key = "bench:handover";
     let mut samples = Vec::new();
-    for _round in 0..3 {
+    for _round in 0..rounds {
         // (acquired, release started) per critical section.
         let log = Arc::new(Mutex::new(Vec::new()));
-        let tasks: Vec<_> = (0..16)
+        let tasks: Vec<_> = (0..n_tasks)
             .map(|i| {
-                let (p, log) = (providers[i % 4].clone(), log.clone());
+                let (p, log) = (providers[i % n_providers].clone(), log.clone());
                 tokio::spawn(async move {
-                    for _ in 0..4 {
+                    for _ in 0..turns {
                         let g = p
                             .acquire(key, Duration::from_secs(60))
                             .await
@@ -634,7 +772,7 @@ pub fn herd_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
         }
         match rt.block_on(herd(b)) {
             Ok(rate) => report.add(Row::figure(S3, &name, rate, "/s", Target::AtMost(200.0))),
-            Err(e) => report.add(Row::not_measured(S3, &name, &e, "≤ 200 /s")),
+            Err(e) => report.add(b.not_measured(S3, &name, &e, "≤ 200 /s")),
         }
     }
 }
@@ -647,25 +785,30 @@ async fn herd(b: &Backend) -> Result<f64, String> {
         .await
         .map_err(|e| e.to_string())?;
     let guard = holder.try_acquire(key).await.map_err(|e| e.to_string())?;
+    let (n_providers, n_waiters) = (sized(10, 2), sized(100, 10));
     let mut providers = Vec::new();
-    for _ in 0..10 {
+    for _ in 0..n_providers {
         providers.push(
             LockProvider::connect(&url)
                 .await
                 .map_err(|e| e.to_string())?,
         );
     }
-    let waiters: Vec<_> = (0..100)
+    let waiters: Vec<_> = (0..n_waiters)
         .map(|i| {
-            let p = providers[i % 10].clone();
+            let p = providers[i % n_providers].clone();
             tokio::spawn(async move { p.acquire(key, Duration::from_secs(60)).await.is_ok() })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(sized(
+        Duration::from_millis(500),
+        Duration::from_millis(200),
+    ))
+    .await;
     counter.check(b).await?;
     let (before, per_count) = counter.queries(b).await?;
     let started = Instant::now();
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    tokio::time::sleep(sized(Duration::from_secs(3), Duration::from_millis(500))).await;
     let (after, _) = counter.queries(b).await?;
     let elapsed = started.elapsed().as_secs_f64();
     // Every waiter must still be waiting: one that gave up would make the server quiet.
@@ -674,7 +817,9 @@ async fn herd(b: &Backend) -> Result<f64, String> {
         w.abort();
     }
     if ended > 0 {
-        return Err(format!("{ended} of 100 waiters stopped waiting early"));
+        return Err(format!(
+            "{ended} of {n_waiters} waiters stopped waiting early"
+        ));
     }
     for w in waiters {
         let _ = w.await;
@@ -688,12 +833,12 @@ pub fn locks_per_connection_all(rt: &Runtime, servers: &Servers, report: &mut Re
     for b in &servers.backends {
         let n = match &b.store {
             Ok(Store::Sqlite(_)) => continue,
-            Ok(Store::Postgres(_)) => 10_000,
-            _ => 1_000,
+            Ok(Store::Postgres(_)) => sized(10_000, 64),
+            _ => sized(1_000, 64),
         };
         let name = format!("{}: {n} locks held by one provider", b.label);
         if let Err(e) = &b.store {
-            report.add(Row::not_measured(S4, &name, e, "—"));
+            report.add(b.not_measured(S4, &name, e, "—"));
             continue;
         }
         match rt.block_on(locks_per_connection(b, n)) {
@@ -705,7 +850,7 @@ pub fn locks_per_connection_all(rt: &Runtime, servers: &Servers, report: &mut Re
                     n as f64 / conns.max(1) as f64
                 ),
             )),
-            Err(e) => report.add(Row::not_measured(S4, &name, &e, "—")),
+            Err(e) => report.add(b.not_measured(S4, &name, &e, "—")),
         }
     }
 }
