@@ -44,11 +44,24 @@ const ALLOWED_FORMATS: &[(&str, &str)] = &[
     // The one statement built by formatting: MySQL takes no bound parameter in `KILL`, and its
     // only input is the `u64` connection id the server itself reported.
     ("mysql/statements.rs", "KILL CONNECTION {id}"),
-    // An error message that tells the user which GRANT a DBA has to run; never executed.
+    // Error messages, never executed: which GRANT a DBA has to run, or that a Redis
+    // connection was ended with CLIENT KILL (a Redis command sent with bound arguments).
     (
         "oracle/session.rs",
         "{what}: the user may not call DBMS_LOCK",
     ),
+    (
+        "mssql/statements.rs",
+        "fencing=true: this user lacks a privilege",
+    ),
+    (
+        "oracle/statements.rs",
+        "fencing=true: this user lacks a privilege",
+    ),
+    ("redis/mod.rs", "the release timed out after"),
+    ("redis/mod.rs", "extending a lock timed out after"),
+    ("redis/fence.rs", "CLIENT KILL ID {id} failed"),
+    ("redis/fence.rs", "CLIENT KILL ID {id} timed out"),
 ];
 
 /// The string literal that starts at `text` (just after its opening quote), with escapes
@@ -280,6 +293,20 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
         "sqlx::AssertSqlSafe(kill)",
         "mysql/session.rs",
         "let kill = kill_sql(id);",
+    ),
+    // SQL Server's fencing table statement is a `Call`, as below.
+    (
+        "mssql/session.rs",
+        "create.sql",
+        "mssql/statements.rs",
+        "    pub(crate) sql: &'static str,",
+    ),
+    // Oracle's two privilege probes of the fencing table, both constants.
+    (
+        "oracle/session.rs",
+        "check",
+        "oracle/session.rs",
+        "for check in [FENCING_UPDATE_CHECK_SQL, FENCING_INSERT_CHECK_SQL] {",
     ),
     // `Call::sql` is a `&'static str`, set from constants in each backend's statements (and
     // the library leaks no String into a `&'static str`, checked below).
@@ -856,7 +883,9 @@ mod secrecy {
             assert!(logged.contains(key), "the logs were captured");
             let everything = [logged, metrics, self.texts.join("\n")];
             for token in tokens {
-                assert_eq!(token.len(), 16, "a 128-bit token: {token:?}");
+                // 128 random bits: raw bytes (SQLite), or 32 hex characters (Redis).
+                let hex = token.len() == 32 && token.iter().all(u8::is_ascii_hexdigit);
+                assert!(token.len() == 16 || hex, "a 128-bit token: {token:?}");
                 let lower: String = token.iter().map(|b| format!("{b:02x}")).collect();
                 let mut forms = vec![
                     lower.clone(),
@@ -867,6 +896,7 @@ mod secrecy {
                 ];
                 if let Ok(text) = std::str::from_utf8(token) {
                     forms.push(text.to_owned());
+                    forms.push(text.to_uppercase());
                 }
                 for form in forms {
                     for (what, text) in ["logs", "metrics", "errors and Debug"]

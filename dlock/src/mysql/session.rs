@@ -218,12 +218,16 @@ impl Session for MySqlSession {
         })
     }
 
-    /// Ends session `kill.id` (an abandoned wait), and waits until it no longer holds
-    /// `kill.name`.
-    fn run_interrupt(&mut self, kill: MySqlKill) -> BoxFuture<'_, Result<(), Failure>> {
+    /// Ends session `target.id` (an abandoned wait), and waits until it no longer holds
+    /// `target.name`.
+    fn run_interrupt(&mut self, target: MySqlKill) -> BoxFuture<'_, Result<(), Failure>> {
         Box::pin(settle::<MySql>("ending an abandoned wait", async move {
-            let killed = sqlx::query(sqlx::AssertSqlSafe(kill_sql(kill.id)));
-            match killed.execute(&mut self.conn).await {
+            let MySqlKill { id, name } = target;
+            let kill = kill_sql(id);
+            match sqlx::query(sqlx::AssertSqlSafe(kill))
+                .execute(&mut self.conn)
+                .await
+            {
                 Ok(_) => {}
                 // No such session: it has ended.
                 Err(err) if error_number(&err) == Some(1094) => return Ok(()),
@@ -231,8 +235,8 @@ impl Session for MySqlSession {
             }
             let mut pauses = settle_pauses();
             loop {
-                let holder = sqlx::query_scalar::<_, Option<u64>>(HOLDER_SQL).bind(&*kill.name);
-                if holder.fetch_one(&mut self.conn).await? != Some(kill.id) {
+                let holder = sqlx::query_scalar::<_, Option<u64>>(HOLDER_SQL).bind(&*name);
+                if holder.fetch_one(&mut self.conn).await? != Some(id) {
                     return Ok(());
                 }
                 tokio::time::sleep(pauses.next_pause().unwrap_or_default()).await;
