@@ -24,9 +24,9 @@ impl LockProvider {
     /// - **`at_least_for`** keeps the lock held after a quick run until that long after it
     ///   started, so replicas whose clocks or schedules differ a little do not run the job
     ///   again for the same tick. The rest of the hold runs in the background: this returns as
-    ///   soon as `f` does. On lease backends the lease is cut to what is left of
-    ///   `at_least_for`, so it also holds if this process exits; a session lock ends with its
-    ///   session.
+    ///   soon as `f` does. On lease backends the lease is set to a little more than what is
+    ///   left of `at_least_for` (a quarter more, and 50 ms), so it also holds if this process
+    ///   exits; a session lock ends with its session.
     ///
     /// Returns `Ok(Some(output))` when `f` ran, `Ok(None)` when the job was skipped, and
     /// [`LockError::Lost`] when the lock was lost while `f` ran (another replica may have run
@@ -100,9 +100,15 @@ impl LockProvider {
         }
         if guard.remaining_lease().is_some() {
             // The store keeps the lock for the rest of `at_least_for` even if this process
-            // ends now; the hold below only releases it on time. A rest shorter than the
-            // backend's shortest lease keeps the lease the lock has (at most `at_most_for`).
-            match guard.extend(rest).await {
+            // ends now; the hold below releases it on time. The lease is a quarter longer than
+            // the rest, and 50 ms more: the local deadline (four fifths of it) then comes after
+            // the hold's release, and store clocks that count in cached milliseconds cannot end
+            // it early. Never past `at_most_for`. A lease shorter than the backend's shortest
+            // keeps the lease the lock has.
+            let lease = (rest + rest / 4 + Duration::from_millis(50))
+                .min(at_most_for.saturating_sub(started.elapsed()))
+                .max(rest);
+            match guard.extend(lease).await {
                 Ok(()) | Err(LockError::Config { .. }) => {}
                 Err(err) => {
                     tracing::warn!(key, error = %err, "the job ran, but its lock could not be kept for at_least_for");
