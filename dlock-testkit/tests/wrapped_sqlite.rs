@@ -45,6 +45,10 @@ impl LockBackend for Counted {
         self.tries.fetch_add(1, Ordering::Relaxed);
         self.inner.acquire_wait(request, timeout)
     }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        self.inner.ping()
+    }
 }
 
 struct CountedHarness {
