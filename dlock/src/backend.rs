@@ -206,7 +206,8 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
     }
 
     /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a
-    /// read of the lock table). The default answers [`LockError::Unsupported`].
+    /// read of the lock table). The default answers [`LockError::Unsupported`]: a backend
+    /// that wraps another one forwards it (the conformance suite asks every backend for it).
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         let name = self.name();
         Box::pin(async move {

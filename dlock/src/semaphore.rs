@@ -106,15 +106,14 @@ impl LockProvider {
                     timeout,
                 });
             };
-            if self
-                .shutdown_token()
-                .is_some_and(|token| token.is_cancelled())
-            {
-                return Err(LockError::Canceled {
-                    key: Arc::from(key),
-                });
+            // The provider's shutdown ends the pause; the next round then answers `Canceled`.
+            match self.shutdown_token() {
+                Some(shutdown) => tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    () = shutdown.cancelled() => {}
+                },
+                None => tokio::time::sleep(pause).await,
             }
-            tokio::time::sleep(pause).await;
         }
     }
 
@@ -173,5 +172,36 @@ mod tests {
         }
         assert!(crate::key::refuse_reserved("x").is_ok());
         assert!(crate::key::refuse_reserved("dlock:x").is_ok());
+    }
+
+    #[tokio::test]
+    async fn the_providers_shutdown_ends_a_semaphore_wait_during_its_pause() {
+        use crate::testing::MemoryBackend;
+        let backend = MemoryBackend::default();
+        backend.hold_elsewhere(&slot_name("s", 0));
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let locks = LockProvider::builder(backend.clone())
+            .backoff(
+                crate::Backoff::new(Duration::from_secs(5), Duration::from_secs(5), 0.0).unwrap(),
+            )
+            .cancel_on(&shutdown)
+            .build();
+        let wait = tokio::spawn(async move {
+            locks
+                .acquire_semaphore("s", 1, Duration::from_secs(60))
+                .await
+        });
+        while backend.store().tries == 0 {
+            tokio::task::yield_now().await;
+        }
+        shutdown.cancel();
+        let answer = tokio::time::timeout(Duration::from_secs(2), wait)
+            .await
+            .expect("the wait ends before its 5 s pause does")
+            .expect("join");
+        assert!(
+            matches!(answer, Err(LockError::Canceled { .. })),
+            "{answer:?}"
+        );
     }
 }
