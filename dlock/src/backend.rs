@@ -32,6 +32,12 @@ pub struct LockRequest<'a> {
     /// not, the lock expires with its lease, and its lost token fires at its local deadline.
     /// Session-based backends ignore it.
     pub renew: bool,
+    /// A read lock: shared with other read locks of the key, excluding its exclusive locks
+    /// (and excluded by them). Asked only of a backend whose
+    /// [`shared_locks`](LockBackend::shared_locks) answers `Ok`; such a backend may see
+    /// several shared requests of one key from one provider at the same time, and must let
+    /// them share.
+    pub shared: bool,
 }
 
 impl<'a> LockRequest<'a> {
@@ -41,6 +47,7 @@ impl<'a> LockRequest<'a> {
             key,
             lease: None,
             renew: true,
+            shared: false,
         }
     }
 
@@ -53,6 +60,12 @@ impl<'a> LockRequest<'a> {
     /// The same request, renewed while held (`true`) or left to expire with its lease.
     pub fn with_renewal(mut self, renew: bool) -> Self {
         self.renew = renew;
+        self
+    }
+
+    /// The same request, for a read (shared) lock when `shared` is true.
+    pub fn with_shared(mut self, shared: bool) -> Self {
+        self.shared = shared;
         self
     }
 }
@@ -203,6 +216,18 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
                 "this backend has no blocking wait; the provider polls it instead",
             ))
         })
+    }
+
+    /// Whether this backend grants read (shared) locks, [`LockRequest::shared`]: `Ok(())` when
+    /// it does, or the [`LockError::Unsupported`] that the provider answers read-lock requests
+    /// with, saying why. The default answers `Unsupported`: a backend that ignored
+    /// [`LockRequest::shared`] would hand readers exclusive locks, so it must opt in.
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Err(LockError::unsupported(
+            self.name(),
+            "read locks",
+            "this backend has no shared lock mode",
+        ))
     }
 
     /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a

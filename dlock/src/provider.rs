@@ -73,6 +73,17 @@ pub(crate) struct Terms {
     /// An acquisition of this crate's own (a semaphore slot), whose key may use the reserved
     /// prefix.
     pub(crate) internal: bool,
+    /// A read (shared) lock.
+    pub(crate) shared: bool,
+}
+
+impl Terms {
+    pub(crate) fn read() -> Self {
+        Terms {
+            shared: true,
+            ..Terms::default()
+        }
+    }
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
@@ -177,6 +188,59 @@ impl LockProvider {
     /// [`cancel_on`](LockBuilder::cancel_on) to end a wait with [`LockError::Canceled`].
     pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockGuard, LockError> {
         self.acquire_with(key, timeout, None, Terms::default(), None)
+            .await
+    }
+
+    /// One attempt to take a read lock on `key`, without waiting.
+    ///
+    /// Read locks share the key space of [`try_acquire`](LockProvider::try_acquire): any
+    /// number of readers hold a key together, while an exclusive lock of the key excludes them
+    /// all and is excluded by each of them. Readers of one provider share the key with no
+    /// extra round trip through the in-process table, but each holds its own share in the
+    /// store. Contention (a writer holds the key, or, in this process, a writer is waiting for
+    /// it) is [`LockError::AlreadyHeld`]. Backends without a shared lock mode answer
+    /// [`LockError::Unsupported`] (see the crate docs for which have one).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let locks = dlock::LockProvider::connect(&url).await?;
+    /// let first = locks.try_acquire_read("prices").await?;
+    /// let second = locks.try_acquire_read("prices").await?;
+    /// assert!(matches!(
+    ///     locks.try_acquire("prices").await,
+    ///     Err(dlock::LockError::AlreadyHeld { .. })
+    /// ));
+    /// first.release().await?;
+    /// second.release().await?;
+    /// locks.try_acquire("prices").await?.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: if the future is dropped, no lock is left held.
+    pub async fn try_acquire_read(&self, key: &str) -> Result<LockGuard, LockError> {
+        self.acquire_with(key, Duration::ZERO, None, Terms::read(), None)
+            .await
+    }
+
+    /// Takes a read lock on `key`, waiting up to `timeout` for writers to leave: readers share
+    /// the key, writers exclude them (see [`try_acquire_read`](LockProvider::try_acquire_read)).
+    ///
+    /// Writers are not starved by a steady stream of readers: in this process a waiting writer
+    /// holds back readers that come after it, and each backend's store does the same across
+    /// processes (the backend docs say how). Timeouts, backoff and cancellation work as in
+    /// [`acquire`](LockProvider::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: if the future is dropped while waiting, the wait ends and no lock is left
+    /// held.
+    pub async fn acquire_read(&self, key: &str, timeout: Duration) -> Result<LockGuard, LockError> {
+        self.acquire_with(key, timeout, None, Terms::read(), None)
             .await
     }
 
@@ -401,14 +465,17 @@ impl LockProvider {
             });
         }
 
-        let slot = match inner.table.try_slot(key) {
+        if terms.shared {
+            inner.backend.shared_locks()?;
+        }
+        let slot = match inner.table.try_slot(key, terms.shared) {
             Ok(slot) => slot,
             Err(stored) if one_try => return Err(LockError::AlreadyHeld { key: stored }),
             Err(stored) => tokio::select! {
                 biased;
                 () = cancelled(cancel, shutdown) => return Err(LockError::Canceled { key: stored }),
                 () = sleep_until(deadline) => return Err(LockError::Timeout { key: stored, timeout }),
-                slot = inner.table.wait_slot(key) => slot,
+                slot = inner.table.wait_slot(key, terms.shared) => slot,
             },
         };
 
@@ -420,7 +487,8 @@ impl LockProvider {
         })?;
         let request = LockRequest::new(key)
             .with_lease(terms.lease.or(inner.lease))
-            .with_renewal(terms.renew.unwrap_or(inner.renew));
+            .with_renewal(terms.renew.unwrap_or(inner.renew))
+            .with_shared(terms.shared);
         let backend = &*inner.backend;
         let attempt = async {
             if one_try {
@@ -742,6 +810,13 @@ impl<'a> LockBuilder<'a> {
     /// The backoff for this acquisition, instead of the provider's.
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = Some(backoff);
+        self
+    }
+
+    /// Takes a read lock, shared with other readers of the key, instead of an exclusive one
+    /// (see [`LockProvider::try_acquire_read`]).
+    pub fn read(mut self) -> Self {
+        self.terms.shared = true;
         self
     }
 
