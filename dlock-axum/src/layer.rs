@@ -64,7 +64,10 @@ use crate::service::LockService;
 ///
 ///    Empty keys and keys longer than [`max_key_len`](LockLayer::max_key_len) are answered
 ///    with 400, whichever way they were made;
-/// 2. takes the lock, waiting up to [`timeout`](LockLayer::timeout) (zero, the default: one try);
+/// 2. takes the lock, waiting up to [`timeout`](LockLayer::timeout) (zero, the default: one try):
+///    an exclusive lock, or with [`read`](LockLayer::read) a read lock shared with other
+///    readers of the key, or with [`permits`](LockLayer::permits) one of the slots of a
+///    semaphore;
 /// 3. runs the handler while holding it, with a [`HeldLock`](crate::HeldLock) in the request's
 ///    extensions (the key, the fencing token and the lost token, for the handler to extract).
 ///    If the lock is lost meanwhile, by default the handler's future is dropped and the client
@@ -95,6 +98,16 @@ pub(crate) struct Shared<K> {
     pub(crate) retry_after: Duration,
     pub(crate) cancel: Option<CancellationToken>,
     pub(crate) on_lost: OnLost,
+    pub(crate) mode: Mode,
+}
+
+/// What the layer takes for a request: an exclusive lock (the default), a read lock, or a
+/// semaphore slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Exclusive,
+    Read,
+    Permits(u32),
 }
 
 /// What [`LockLayer`] does with a handler whose lock is lost while it runs, set with
@@ -352,6 +365,7 @@ impl<K: MakeLockKey> LockLayer<K> {
                 retry_after: LockRejection::DEFAULT_RETRY_AFTER,
                 cancel: None,
                 on_lost: OnLost::Cancel,
+                mode: Mode::Exclusive,
             },
         }
     }
@@ -427,6 +441,48 @@ impl<K: MakeLockKey> LockLayer<K> {
         self.update(|s| s.on_lost = on_lost)
     }
 
+    /// Takes a read lock for each request instead of an exclusive one: requests on one key run
+    /// together, while a route (of this service or any other) that takes the key exclusively
+    /// excludes them and is excluded by them. See [`LockProvider::try_acquire_read`]; a
+    /// backend without a shared lock mode answers every request with the `Unsupported`
+    /// problem (500).
+    ///
+    /// ```
+    /// use axum::{Router, extract::Path, routing::{get, put}};
+    /// use dlock_axum::LockLayer;
+    ///
+    /// async fn show(Path(id): Path<u64>) -> String { format!("price list {id}") }
+    /// async fn replace(Path(id): Path<u64>) -> String { format!("replaced {id}") }
+    ///
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// let key = |Path(id): Path<u64>| format!("prices:{id}");
+    /// let app: Router = Router::new()
+    ///     .route("/prices/{id}", get(show))
+    ///     .route_layer(LockLayer::with_extractor(locks.clone(), key).read())
+    ///     .merge(
+    ///         Router::new()
+    ///             .route("/prices/{id}", put(replace))
+    ///             .route_layer(LockLayer::with_extractor(locks, key)),
+    ///     );
+    /// # let _ = app; }
+    /// ```
+    ///
+    /// [`LockProvider::try_acquire_read`]: dlock::LockProvider::try_acquire_read
+    pub fn read(self) -> Self {
+        self.update(|s| s.mode = Mode::Read)
+    }
+
+    /// Lets up to `permits` requests of one key run at once: each takes a slot of the
+    /// semaphore named by the key (see [`LockProvider::acquire_semaphore`]; semaphore keys
+    /// are their own namespace). When every slot is held the request is answered as for a
+    /// held lock (409, or 408 after the timeout). Zero permits answers every request with
+    /// the configuration problem (500).
+    ///
+    /// [`LockProvider::acquire_semaphore`]: dlock::LockProvider::acquire_semaphore
+    pub fn permits(self, permits: u32) -> Self {
+        self.update(|s| s.mode = Mode::Permits(permits))
+    }
+
     /// How many requests wait for a lock right now, when [`max_waiting`](Self::max_waiting)
     /// is set (otherwise 0).
     pub fn waiting(&self) -> usize {
@@ -456,6 +512,7 @@ impl<K> Clone for Shared<K> {
             retry_after: self.retry_after,
             cancel: self.cancel.clone(),
             on_lost: self.on_lost,
+            mode: self.mode,
         }
     }
 }
@@ -485,6 +542,7 @@ impl<K: fmt::Debug> Shared<K> {
             .field("retry_after", &self.retry_after)
             .field("cancel", &self.cancel.is_some())
             .field("on_lost", &self.on_lost)
+            .field("mode", &self.mode)
             .finish()
     }
 }

@@ -5,6 +5,7 @@ use std::future::poll_fn;
 use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
 use dlock::{LockError, LockGuard};
@@ -14,7 +15,7 @@ use tower_service::Service;
 use crate::future::ResponseFuture;
 use crate::held::HeldLock;
 use crate::key::{KeyRejection, MakeLockKey, PathKey};
-use crate::layer::{OnLost, Shared};
+use crate::layer::{Mode, OnLost, Shared};
 use crate::rejection::LockRejection;
 
 /// The service [`LockLayer`](crate::LockLayer) wraps around a route: see the layer for what it
@@ -195,12 +196,8 @@ where
 
 /// Takes the lock within the layer's timeout and waiter limit.
 async fn acquire<K>(shared: &Shared<K>, key: &str) -> Result<LockGuard, LockRejection> {
-    let mut builder = shared.provider.lock(key);
-    if let Some(token) = &shared.cancel {
-        builder = builder.cancel_on(token);
-    }
     if shared.timeout.is_zero() {
-        return Ok(builder.try_acquire().await?);
+        return Ok(take(shared, key, Duration::ZERO).await?);
     }
     let permit = match &shared.waiters {
         None => None,
@@ -208,7 +205,7 @@ async fn acquire<K>(shared: &Shared<K>, key: &str) -> Result<LockGuard, LockReje
             Ok(permit) => Some(permit),
             // Full: no waiting for this one, but a free lock is still taken.
             Err(_) => {
-                return match builder.try_acquire().await {
+                return match take(shared, key, Duration::ZERO).await {
                     Ok(guard) => Ok(guard),
                     Err(LockError::AlreadyHeld { .. }) => Err(LockRejection::too_many_waiters()),
                     Err(err) => Err(err.into()),
@@ -216,7 +213,35 @@ async fn acquire<K>(shared: &Shared<K>, key: &str) -> Result<LockGuard, LockReje
             }
         },
     };
-    let result = builder.timeout(shared.timeout).acquire().await;
+    let result = take(shared, key, shared.timeout).await;
     drop(permit);
     Ok(result?)
+}
+
+/// Takes what the layer's mode asks for: one try when `timeout` is zero.
+async fn take<K>(shared: &Shared<K>, key: &str, timeout: Duration) -> Result<LockGuard, LockError> {
+    let provider = &shared.provider;
+    if let Mode::Permits(permits) = shared.mode {
+        let slot = provider.acquire_semaphore(key, permits, timeout);
+        return match &shared.cancel {
+            None => slot.await,
+            Some(token) => tokio::select! {
+                biased;
+                () = token.cancelled() => Err(LockError::Canceled { key: Arc::from(key) }),
+                slot = slot => slot,
+            },
+        };
+    }
+    let mut builder = provider.lock(key);
+    if shared.mode == Mode::Read {
+        builder = builder.read();
+    }
+    if let Some(token) = &shared.cancel {
+        builder = builder.cancel_on(token);
+    }
+    if timeout.is_zero() {
+        builder.try_acquire().await
+    } else {
+        builder.timeout(timeout).acquire().await
+    }
 }

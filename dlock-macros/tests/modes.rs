@@ -477,7 +477,10 @@ async fn readers_run_together_and_a_writer_waits_for_them() {
     let inside = Arc::new(AtomicUsize::new(0));
     let all_in = Arc::new(Notify::new());
     let readers = 4;
-    let held = a.try_acquire_read("report:q3").await.expect("a reader holds the key");
+    let held = a
+        .try_acquire_read("report:q3")
+        .await
+        .expect("a reader holds the key");
     // A writer (timeout 0: one try) is refused while a reader holds the key.
     assert!(matches!(
         write_report(&b, "q3").await,
@@ -492,8 +495,12 @@ async fn readers_run_together_and_a_writer_waits_for_them() {
         }));
     }
     for task in tasks {
-        task.await.expect("task").expect("every reader got in while the others were in");
+        task.await
+            .expect("task")
+            .expect("every reader got in while the others were in");
     }
     held.release().await.expect("release");
-    write_report(&b, "q3").await.expect("free once the readers left");
+    write_report(&b, "q3")
+        .await
+        .expect("free once the readers left");
 }
