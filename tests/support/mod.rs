@@ -51,6 +51,31 @@ pub fn run_exclusion(
     acquisitions: usize,
     fencing: Fencing,
 ) -> String {
+    run_mix(
+        url,
+        prefix,
+        processes,
+        tasks,
+        keys,
+        acquisitions,
+        fencing,
+        "exclusive",
+    )
+}
+
+/// [`run_exclusion`] with sections that take what `mix` says (`exclusive`, `rw`,
+/// `semaphore:N` or `many`; see the worker's docs for each one's invariants).
+#[allow(clippy::too_many_arguments)]
+pub fn run_mix(
+    url: &str,
+    prefix: &str,
+    processes: usize,
+    tasks: usize,
+    keys: usize,
+    acquisitions: usize,
+    fencing: Fencing,
+    mix: &str,
+) -> String {
     let fencing = match fencing {
         Fencing::Every => "every",
         Fencing::None => "none",
@@ -62,6 +87,7 @@ pub fn run_exclusion(
         .args(["--keys", &keys.to_string()])
         .args(["--acquisitions", &acquisitions.to_string()])
         .args(["--fencing", fencing])
+        .args(["--mix", mix])
         .stderr(Stdio::piped())
         .output()
         .expect("run the exclusion checker");
