@@ -11,7 +11,7 @@ use http::request::Parts;
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
-use crate::key::{ExtractorKey, KeyFn, MakeLockKey, PathKey};
+use crate::key::{ExtractorKey, ExtractorKeys, KeyFn, MakeLockKeys, PathKey};
 use crate::rejection::LockRejection;
 use crate::service::LockService;
 
@@ -348,7 +348,50 @@ where
     }
 }
 
-impl<K: MakeLockKey> LockLayer<K> {
+impl<F, E> LockLayer<ExtractorKeys<F, E>>
+where
+    F: Fn(E) -> Vec<String> + Send + Sync + 'static,
+    E: FromRequestParts<()> + 'static,
+{
+    /// A layer locking **several keys** made from an axum extractor, all or none: the
+    /// transfer between two accounts, `#[distributed_lock(keys(...))]` for a route.
+    ///
+    /// The keys are taken in a canonical order whatever order the closure gives them in, so
+    /// two requests locking the same accounts in opposite directions never deadlock; a key
+    /// that appears twice is taken once, and no keys at all run the handler without a lock.
+    /// A held key is answered as for one key (409, or 408 after the timeout), and no key is
+    /// left held. The handler's [`HeldLock`](crate::HeldLock) lists every key
+    /// ([`keys`](crate::HeldLock::keys)), and counts as lost when any of its locks is lost.
+    /// Only exclusive locks are taken this way: with [`read`](LockLayer::read) or
+    /// [`permits`](LockLayer::permits), a request for two or more keys is answered with the
+    /// configuration problem (500).
+    ///
+    /// ```
+    /// use axum::{Router, extract::Path, routing::post};
+    /// use dlock_axum::{HeldLock, LockLayer};
+    ///
+    /// async fn transfer(Path((from, to)): Path<(u64, u64)>, lock: HeldLock) -> String {
+    ///     let keys: Vec<&str> = lock.keys().collect();
+    ///     format!("{from} -> {to} under {keys:?}")
+    /// }
+    ///
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// let app: Router = Router::new()
+    ///     .route("/transfers/{from}/{to}", post(transfer))
+    ///     .route_layer(LockLayer::with_extractor_many(
+    ///         locks,
+    ///         |Path((from, to)): Path<(u64, u64)>| {
+    ///             vec![format!("account:{from}"), format!("account:{to}")]
+    ///         },
+    ///     ));
+    /// # let _ = app; }
+    /// ```
+    pub fn with_extractor_many(provider: LockProvider, key_fn: F) -> Self {
+        Self::with_make_key(provider, ExtractorKeys::new((), key_fn))
+    }
+}
+
+impl<K: MakeLockKeys> LockLayer<K> {
     /// The default longest key, in bytes: 1024.
     pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
 
@@ -547,7 +590,7 @@ impl<K: fmt::Debug> Shared<K> {
     }
 }
 
-impl<S, K: MakeLockKey> Layer<S> for LockLayer<K> {
+impl<S, K: MakeLockKeys> Layer<S> for LockLayer<K> {
     type Service = LockService<S, K>;
 
     fn layer(&self, inner: S) -> Self::Service {

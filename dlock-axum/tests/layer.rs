@@ -1606,3 +1606,104 @@ async fn permits_mode_lets_n_requests_in_and_answers_the_next_with_409() {
         500
     );
 }
+
+/// The layer of the transfer routes: two account keys from the path.
+type TransferLayer =
+    LockLayer<dlock_axum::ExtractorKeys<fn(Path<(u64, u64)>) -> Vec<String>, Path<(u64, u64)>>>;
+
+fn transfer_app(layer: TransferLayer) -> Router {
+    Router::new()
+        .route(
+            "/transfers/{from}/{to}",
+            post(|lock: HeldLock| async move {
+                let keys: Vec<&str> = lock.keys().collect();
+                let fenced = lock.fencing_tokens().all(|token| token.is_some());
+                format!("{} {fenced}", keys.join(","))
+            }),
+        )
+        .route_layer(layer)
+}
+
+fn transfer_keys(Path((from, to)): Path<(u64, u64)>) -> Vec<String> {
+    vec![format!("account:{from}"), format!("account:{to}")]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_keys_are_taken_all_or_none_and_listed_for_the_handler() {
+    let store = Store::new();
+    let layer = LockLayer::with_extractor_many(
+        store.provider().await,
+        transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+    );
+    let server = serve(transfer_app(layer)).await;
+    // Both keys, in canonical order whatever the direction.
+    for (from, to) in [(1, 2), (2, 1)] {
+        let answer = post_to(&format!("{}/transfers/{from}/{to}", server.base)).await;
+        assert_eq!(
+            (answer.status, answer.body),
+            (200, json!("account:1,account:2 true"))
+        );
+    }
+    // The same account twice is one key.
+    let answer = post_to(&format!("{}/transfers/3/3", server.base)).await;
+    assert_eq!((answer.status, answer.body), (200, json!("account:3 true")));
+    // Another replica holds one of the two: 409, and the other key is not left held.
+    let other = store.provider().await;
+    let held = other.try_acquire("account:2").await.expect("hold");
+    let answer = post_to(&format!("{}/transfers/1/2", server.base)).await;
+    assert_eq!(answer.status, 409);
+    other
+        .try_acquire("account:1")
+        .await
+        .expect("the free key was not kept")
+        .release()
+        .await
+        .expect("release");
+    held.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_transfers_at_once_never_deadlock() {
+    let store = Store::new();
+    let layer = LockLayer::with_extractor_many(
+        store.provider().await,
+        transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+    )
+    .timeout(Duration::from_secs(30));
+    let server = serve(transfer_app(layer)).await;
+    let requests: Vec<_> = (0..40)
+        .map(|n| {
+            let url = if n % 2 == 0 {
+                format!("{}/transfers/7/8", server.base)
+            } else {
+                format!("{}/transfers/8/7", server.base)
+            };
+            tokio::spawn(async move { post_to(&url).await.status })
+        })
+        .collect();
+    for request in requests {
+        assert_eq!(request.await.expect("request"), 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_keys_in_read_or_permits_mode_are_a_configuration_problem() {
+    let store = Store::new();
+    for layer in [
+        LockLayer::with_extractor_many(
+            store.provider().await,
+            transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+        )
+        .permits(2),
+        LockLayer::with_extractor_many(
+            store.provider().await,
+            transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+        )
+        .read(),
+    ] {
+        let server = serve(transfer_app(layer)).await;
+        let answer = post_to(&format!("{}/transfers/1/2", server.base)).await;
+        assert_eq!(answer.status, 500);
+        assert_eq!(answer.body["code"], json!("DistributedLock.Configuration"));
+    }
+}
