@@ -87,7 +87,7 @@ impl Terms {
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
-pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://)";
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redlock://";
 
 impl LockProvider {
     /// Connects to the lock store named by `url`; the scheme picks the backend.
@@ -100,6 +100,7 @@ impl LockProvider {
     /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
+    /// | `redlock://host:port,host:port,host:port` | [Redlock](crate::redis::RedlockBackend) over independent Redis / Valkey nodes | `redis` |
     ///
     /// Each backend documents its own query options (for example `?lease=30s`). Their values
     /// are read the same way everywhere: durations as [`parse_duration`](crate::parse_duration)
@@ -128,6 +129,7 @@ impl LockProvider {
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
             "redis" | "rediss" => connect_redis(url).await,
+            "redlock" => connect_redlock(url).await,
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
                 crate::options::shown(&scheme)
@@ -615,6 +617,7 @@ connectors! {
     connect_mssql => "mssql", "SQL Server", crate::mssql::MssqlBackend;
     connect_oracle => "oracle", "Oracle", crate::oracle::OracleBackend;
     connect_redis => "redis", "Redis", crate::redis::RedisBackend;
+    connect_redlock => "redis", "Redlock (Redis)", crate::redis::RedlockBackend;
 }
 
 // Unused only in a build with every backend.

@@ -284,6 +284,7 @@
 
 mod commands;
 mod fence;
+mod redlock;
 mod renewals;
 mod token;
 
@@ -305,6 +306,7 @@ use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
 pub use fence::ConnectionFencing;
 use fence::{Attempt, Fence, fenced};
+pub use redlock::RedlockBackend;
 use renewals::Renewals;
 pub use token::OwnerToken;
 
