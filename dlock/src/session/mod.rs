@@ -71,7 +71,7 @@ pub(crate) use options::EngineKey;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use options::SessionKey;
 pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
-pub(crate) use traits::{Connector, Driver, Failure, Grant, Opened, Session};
+pub(crate) use traits::{Connector, Driver, Failure, Grant, Mode, Opened, Session};
 
 /// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a
 /// zero timeout), [`LockError::Timeout`] for a wait.
