@@ -392,3 +392,26 @@ pub(super) fn no_shared_locks() -> LockError {
          use the exclusive lock, or PostgreSQL, SQL Server or Oracle for read locks",
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The answer to a read lock says why there is none, and what to use instead.
+    #[test]
+    fn read_locks_are_unsupported_with_the_reason() {
+        match no_shared_locks() {
+            LockError::Unsupported {
+                backend,
+                operation,
+                message,
+            } => {
+                assert_eq!(backend, NAME);
+                assert_eq!(operation, "read locks");
+                assert!(message.contains("GET_LOCK has no shared mode"), "{message}");
+                assert!(message.contains("PostgreSQL"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
