@@ -210,9 +210,9 @@ impl Session for PgSession {
     }
 
     fn unlock<'a>(&'a mut self, id: &'a i64, mode: Mode) -> BoxFuture<'a, Result<(), Failure>> {
-        let unlock = mode_sql(mode).unlock;
+        let sql = mode_sql(mode);
         Box::pin(async move {
-            sqlx::query_scalar::<_, bool>(unlock)
+            sqlx::query_scalar::<_, bool>(sql.unlock)
                 .bind(*id)
                 .fetch_one(&mut self.conn)
                 .await
