@@ -96,7 +96,7 @@
 //!
 //! None: [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
 //! [`acquire_read`](crate::LockProvider::acquire_read) answer
-//! [`LockError::Unsupported`](crate::LockError::Unsupported). `GET_LOCK` has one mode (a user
+//! [`LockError::Unsupported`]. `GET_LOCK` has one mode (a user
 //! lock is held by one session at a time), and a sound reader-writer lock built on it would
 //! need extra tables or sessions per key. Use the exclusive lock, or PostgreSQL, SQL Server or
 //! Oracle for read locks.
