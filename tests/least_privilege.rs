@@ -224,6 +224,11 @@ mod postgres {
             self.fencing
         }
 
+        /// Read locks in the engine's shared mode (pg_advisory_lock_shared, with no privilege beyond CONNECT).
+        fn read_locks(&self) -> bool {
+            true
+        }
+
         async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
             let backend = dlock::postgres::PostgresBackend::connect(&self.url("&connections=1"))
                 .await
