@@ -69,6 +69,10 @@ impl dlock_testkit::Harness for SqliteHarness {
         true
     }
 
+    fn read_locks(&self) -> bool {
+        true
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let backend = dlock::sqlite::SqliteBackend::connect(&self.url())
             .await
