@@ -120,6 +120,10 @@ impl dlock_testkit::Harness for RedisHarness {
         true
     }
 
+    fn read_locks(&self) -> bool {
+        true
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let backend = dlock::redis::RedisBackend::connect(&self.url())
             .await

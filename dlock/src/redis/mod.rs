@@ -284,6 +284,7 @@
 
 mod commands;
 mod fence;
+mod read;
 mod renewals;
 mod token;
 
@@ -347,6 +348,8 @@ struct Shared {
     /// The renewal cadence set by the application, if any.
     renew_every: Option<Duration>,
     renewals: Arc<Renewals>,
+    /// Where this backend's waiting writers left intents (see [Read locks](self#read-locks)).
+    intents: read::Intents,
 }
 
 impl Drop for Shared {
@@ -550,6 +553,7 @@ impl RedisBuilder {
                 timeout: self.timeout,
                 renew_every: self.renew_every,
                 renewals: Arc::default(),
+                intents: read::Intents::default(),
             }),
         })
     }
@@ -1062,6 +1066,12 @@ impl LockBackend for RedisBackend {
         NAME
     }
 
+    /// Read locks are readers' shares of the key under leases of their own (see
+    /// [Read locks](self#read-locks)).
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Ok(())
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
             let cmd = redis::cmd("PING");
@@ -1079,6 +1089,9 @@ impl LockBackend for RedisBackend {
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
         Box::pin(async move {
             let shared = &self.shared;
+            if request.shared {
+                return read::try_acquire(shared, request).await;
+            }
             let lease = request.lease.unwrap_or(shared.lease);
             check_lease(lease)?;
             let token = OwnerToken::random()?;
@@ -1103,6 +1116,9 @@ impl LockBackend for RedisBackend {
                 .await?;
             let Some(fencing_token) = taken else {
                 cleanup.armed = false;
+                if let Some(pause) = request.poll_pause {
+                    read::writer_waits(shared, &lock_key, pause).await;
+                }
                 return Ok(None);
             };
             // The lease began when the server ran the command, at some moment after `sent`:
@@ -1127,6 +1143,7 @@ impl LockBackend for RedisBackend {
                 });
             }
             cleanup.armed = false;
+            read::writer_got(shared, &lock_key).await;
             let lost = CancellationToken::new();
             let (renewal, deadline) = match Renewals::register(
                 shared,
@@ -1157,6 +1174,7 @@ impl LockBackend for RedisBackend {
                         token,
                         lost,
                         renewal,
+                        read: false,
                     }),
                 )
                 .with_lease_deadline(deadline),
@@ -1209,6 +1227,8 @@ struct RedisHeld {
     lost: CancellationToken,
     /// Its entry in the backend's renewals.
     renewal: u64,
+    /// A reader's share (see [Read locks](self#read-locks)).
+    read: bool,
 }
 
 impl Drop for RedisHeld {
@@ -1236,7 +1256,13 @@ impl HeldLock for RedisHeld {
     fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
         Box::pin(async move {
             self.shared.renewals.remove(self.renewal);
-            let release = self.shared.conn.release(&self.key, &self.token);
+            let release = async {
+                if self.read {
+                    read::release(&self.shared, &self.key, &self.token).await
+                } else {
+                    self.shared.conn.release(&self.key, &self.token).await
+                }
+            };
             let what = "releasing a lock";
             match fenced(&self.shared, what, Some(self.lost.clone()), release).await {
                 Attempt::Done((outcome, _)) => {
@@ -1281,7 +1307,13 @@ impl LeaseControl for RedisHeld {
         Box::pin(async move {
             check_lease(lease)?;
             let sent = Instant::now();
-            let extend = self.shared.conn.extend(&self.key, &self.token, lease);
+            let extend = async {
+                if self.read {
+                    read::extend(&self.shared, &self.key, &self.token, lease).await
+                } else {
+                    self.shared.conn.extend(&self.key, &self.token, lease).await
+                }
+            };
             let extended = match fenced(&self.shared, "extending a lock", None, extend).await {
                 Attempt::Done((extended, _)) => extended,
                 Attempt::Failed(err)
@@ -1317,6 +1349,14 @@ impl LeaseControl for RedisHeld {
 
     fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
         Box::pin(async move {
+            if self.read {
+                let verify = read::verify(&self.shared, &self.key, &self.token);
+                let held = self.shared.bounded("reading a read lock", verify).await?;
+                if !held {
+                    self.shared.renewals.lose(self.renewal);
+                }
+                return Ok(held);
+            }
             // One `GET`: the owner is all that is asked (no transaction, so `+get` is the only
             // permission it needs).
             let mut get = redis::cmd("GET");
