@@ -93,6 +93,44 @@
 //! a lock must use the same layout. Switching a running system from one to the other is a
 //! migration: locks held under the old layout are not seen by the new one.
 //!
+//! # Read locks
+//!
+//! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
+//! [`acquire_read`](crate::LockProvider::acquire_read) take a share of the key. Each reader
+//! holds a lease of its own under an owner token of its own: a member of the sorted set
+//! `<lock key>:readers` scored by its lease end in the server's milliseconds (`TIME`),
+//! renewed, extended, verified and released like a lock (from the same renewal task, on the
+//! same schedule, with the same local deadline and connection fencing), and lost the same way:
+//! a renewal that finds its share gone or expired fires its lost token (an expired share is
+//! never revived: a writer may have held the key meanwhile). While readers hold a key, **the
+//! lock key itself holds the empty string**, which no owner token can be, with the latest
+//! reader's lease as its time to live; the set lives as long. So every exclusive acquisition
+//! (`SET key token NX PX`, the fenced script, earlier versions of dlock, other clients of the
+//! [plain layout](self#the-plain-layout-for-other-clients)) finds the key held while any
+//! reader's lease lasts, on every server and path, with no change to its command; and a reader
+//! finds any non-empty value a writer. Each operation is one Lua script (keys only through
+//! `KEYS`: the lock key, the readers' set, the writer's intent and the fencing counter, all
+//! under the lock's hash tag in the tagged layout, so they share a Cluster slot); each drops
+//! the expired readers and sets the lock key's and the set's time to live to the latest lease
+//! left, or deletes both when no reader is left. A reader that dies (even by SIGKILL) stops
+//! counting when its lease ends. A reader's fencing token is an `INCR` of the key's counter, the
+//! one locks use: a writer's token is above every earlier reader's and writer's.
+//!
+//! **Writers are not starved.** A writer that waits (an
+//! [`acquire`](crate::LockProvider::acquire) with a timeout, which polls) and finds readers
+//! holding the key sets `<lock key>:writer` (one script), with a time to live of twice its
+//! longest pause between polls (100 ms to 5 s; 1.25 s with the default backoff), renewed by each
+//! poll. While it lasts, new readers are refused (contention, as if the writer held the key);
+//! readers already in keep their shares until they release them, after which the writer gets
+//! the key. The writer deletes the intent once it has the key (`DEL`), and a writer that gives
+//! up leaves one that lapses within that time. A single
+//! [`try_acquire`](crate::LockProvider::try_acquire) leaves none, nor does a user the server
+//! refuses the script (asked once per backend; its writers then have no preference).
+//!
+//! With `key_layout=plain` the set and the intent are `<lock key>` + byte 0xFF + `:readers` /
+//! `:writer`, as the fencing counter. Read locks need the permissions of
+//! [Permissions](self#permissions) on every server.
+//!
 //! # URL
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
@@ -161,6 +199,11 @@
 //!
 //! [Connection fencing](self#connection-fencing) also needs `+client|id +client|kill`; without
 //! them dlock warns once and goes on without fencing.
+//!
+//! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
+//! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
+//! +pexpire +del` (and `+incr` with fencing); a waiting writer's intent needs `+evalsha +eval
+//! +get +set`, and clearing it `+del`.
 //!
 //! A command the user may not run is a [`LockError::Backend`] with `db_code` `"NOPERM"` whose
 //! message names the command (on Redis 7.0, which does not say which command of a script it
