@@ -109,15 +109,13 @@ impl Shared {
         let end = now.saturating_add(millis(lease));
         let boot = clock.boot();
         let fenced = self.fencing.attached();
-        let statement = if fenced {
-            READ_ACQUIRE_FENCED_SQL
+        let mut acquire = if fenced {
+            tx.prepare_cached(READ_ACQUIRE_FENCED_SQL)?
         } else {
-            READ_ACQUIRE_SQL
+            tx.prepare_cached(READ_ACQUIRE_SQL)?
         };
-        let token = returning_one(
-            &mut tx.prepare_cached(statement)?,
-            params![name, end, now, boot],
-        )?;
+        let token = returning_one(&mut acquire, params![name, end, now, boot])?;
+        drop(acquire);
         // Dropping the transaction rolls it back.
         let Some(token) = token else {
             return Ok(ReadOnce::Held);
