@@ -86,6 +86,11 @@ impl dlock_testkit::Harness for Nodes {
         true
     }
 
+    fn read_locks(&self) -> bool {
+        // The nodes' own read locks, on a quorum.
+        true
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let backend = RedlockBackend::connect(&self.url()).await.expect("connect");
         (0..count)

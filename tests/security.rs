@@ -1237,6 +1237,10 @@ fn lua_scripts_take_keys_through_keys() {
         for (at, _) in text.match_indices("redis.call(") {
             calls += 1;
             let arguments = &text[at + "redis.call(".len()..];
+            // The server's clock: no key at all.
+            if arguments.starts_with("'TIME')") {
+                continue;
+            }
             let key = arguments.split(',').nth(1).unwrap_or("").trim();
             assert!(
                 key.starts_with("KEYS["),

@@ -38,6 +38,13 @@ pub struct LockRequest<'a> {
     /// several shared requests of one key from one provider at the same time, and must let
     /// them share.
     pub shared: bool,
+    /// Set on each try of a wait that the provider polls (a backend without native waits,
+    /// asked to wait): the longest pause the provider may take before its next try (the
+    /// backoff's longest pause with its jitter, cut to what is left of the timeout). `None`
+    /// for a single try. A lease backend with read locks uses it on an exclusive request to
+    /// hold new readers back while the writer waits, for a few such pauses after its last try
+    /// (see the backend's docs).
+    pub poll_pause: Option<Duration>,
 }
 
 impl<'a> LockRequest<'a> {
@@ -48,6 +55,7 @@ impl<'a> LockRequest<'a> {
             lease: None,
             renew: true,
             shared: false,
+            poll_pause: None,
         }
     }
 
@@ -66,6 +74,13 @@ impl<'a> LockRequest<'a> {
     /// The same request, for a read (shared) lock when `shared` is true.
     pub fn with_shared(mut self, shared: bool) -> Self {
         self.shared = shared;
+        self
+    }
+
+    /// The same request, as a try of a polled wait whose next pause is at most `pause`
+    /// (see [`poll_pause`](LockRequest::poll_pause)).
+    pub fn with_poll_pause(mut self, pause: Option<Duration>) -> Self {
+        self.poll_pause = pause;
         self
     }
 }

@@ -551,7 +551,13 @@ async fn poll(
     backoff: &Backoff,
 ) -> Result<Acquired, LockError> {
     let mut pauses = Pauses::new(*backoff, deadline);
+    // The longest pause the backoff takes, jitter included.
+    let longest = backoff.max().mul_f64(1.0 + backoff.jitter());
     loop {
+        let left = deadline.map_or(longest, |deadline| {
+            deadline.saturating_duration_since(Instant::now())
+        });
+        let request = request.with_poll_pause(Some(longest.min(left)));
         match backend.try_acquire(request).await {
             Ok(Some(acquired)) => return Ok(acquired),
             Ok(None) => {}

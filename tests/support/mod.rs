@@ -112,8 +112,17 @@ pub struct Holder {
 impl Holder {
     /// Starts a holder and waits until it reports that it holds the lock.
     pub fn start(url: &str, key: &str) -> Holder {
+        Holder::start_as("hold", url, key)
+    }
+
+    /// Starts a holder of a read lock on `key`, as [`Holder::start`].
+    pub fn start_read(url: &str, key: &str) -> Holder {
+        Holder::start_as("hold-read", url, key)
+    }
+
+    fn start_as(mode: &str, url: &str, key: &str) -> Holder {
         let mut child = Command::new(worker_bin())
-            .args(["hold", url, key])
+            .args([mode, url, key])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -80,7 +80,8 @@ fn main() -> ExitCode {
                 })
             })
         }
-        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key))),
+        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, false))),
+        ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, true))),
         ["take", url, key, timeout_ms] => timeout_ms
             .parse()
             .map_err(|e| format!("timeout: {e}"))
@@ -99,7 +100,7 @@ fn main() -> ExitCode {
                   [--keys K] [--acquisitions A] [--fencing every|none] \
                   [--mix exclusive|rw|semaphore:N|many] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG [MIX] \
-                  | verify LOG SECTIONS [--fencing every|none] | hold URL KEY \
+                  | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
                   | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
@@ -682,14 +683,18 @@ async fn section() {
     }
 }
 
-async fn hold(url: &str, key: &str) -> Result<(), String> {
+/// Holds `key` (a read lock when `read`) until killed, saying `held TOKEN`, then `lost UNIX_MS`
+/// if the lock is lost.
+async fn hold(url: &str, key: &str, read: bool) -> Result<(), String> {
     let locks = dlock::LockProvider::connect(url)
         .await
         .map_err(|e| e.to_string())?;
-    let guard = locks
-        .acquire(key, ACQUIRE_TIMEOUT)
-        .await
-        .map_err(|e| e.to_string())?;
+    let guard = if read {
+        locks.acquire_read(key, ACQUIRE_TIMEOUT).await
+    } else {
+        locks.acquire(key, ACQUIRE_TIMEOUT).await
+    }
+    .map_err(|e| e.to_string())?;
     println!(
         "held {}",
         guard
