@@ -1552,8 +1552,16 @@ async fn read_mode_lets_requests_share_a_key_and_excludes_writers() {
         assert_eq!((answer.status, answer.body), (200, json!("done")));
     }
     reader.release().await.expect("release");
-    // And another replica's writer keeps the readers out.
+    // And another replica's writer keeps the readers out (a layer without a timeout: 409).
+    let trying = serve(holding_app(
+        LockLayer::new(store.provider().await, "account:{account_id}").read(),
+        Arc::new(AtomicUsize::new(0)),
+        go.subscribe(),
+    ))
+    .await;
+    let url = format!("{}/accounts/9/debit", trying.base);
     assert_eq!(status_while_held(&store, "account:9", &url).await, 409);
+    assert_eq!(post_to(&url).await.status, 200);
     let free = writer
         .try_acquire("account:9")
         .await
