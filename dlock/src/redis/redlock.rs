@@ -1,52 +1,4 @@
-//! Redlock: one lock on a majority of independent Redis or Valkey nodes.
-//!
-//! A lock is held when it was taken, under one owner token per node, on a **quorum** (more
-//! than half) of N independent servers, within a time short enough that the leases still run
-//! long after it. Each node's lock is an ordinary lock of the [single-node backend](super)
-//! (same keys, scripts, renewal and lost detection), so a node is any Redis 7+, Redis 8.4+ or
-//! Valkey server, and a lock taken through `redlock://a,b,c` is the same Redis key on each of
-//! them as one taken through `redis://a` with the same options.
-//!
-//! | step | what happens |
-//! |---|---|
-//! | acquire | the lock is asked of every node at once, each with a timeout of a fifth of the lease (at least 50 ms; each command is also bounded by the `timeout` option). It counts when a quorum granted it and the lease left, **validity = lease − elapsed − drift** (drift: 1 % of the lease + 2 ms, for clocks that run at different rates), is at least half the lease; otherwise what was granted is given back at once, and the attempt answers "held" (or [`LockError::Unavailable`] when too few nodes answered at all). The provider retries with backoff and jitter. |
-//! | fencing | each granted node `INCR`s the key's counter as the single-node backend does; the lock's token is the **largest** of them, and before the lock counts every granted node's counter is raised to it (a compare-and-set script), on a quorum at least. Any two quorums share a node, whose counter only grows, so the next holder's token is larger. |
-//! | hold | every node renews its own lease; the lock is lost when fewer than a quorum of node locks are still held, or when the quorum's local deadline (the quorum-th latest node deadline, less the drift) passes without renewals moving it. |
-//! | release | every node is released at once; a release that a quorum confirmed succeeds. |
-//!
-//! # URL
-//!
-//! `redlock://[user[:password]@]host:port,host:port,host:port[/db][?options]`: the nodes,
-//! with one set of credentials, database and options for all of them. The options are those of
-//! `redis://` (`lease`, `prefix`, `key_layout`, `fencing`, `timeout`, `renew_every`,
-//! `protocol`). Use an odd number of nodes, three or five: the quorum of N is N / 2 + 1, so
-//! three nodes survive the loss of one, five the loss of two. Nodes that cannot be reached when
-//! the backend is made are connected later, at first use, as long as a quorum answered.
-//! [`RedlockBackend::from_nodes`] takes backends the application built itself.
-//!
-//! # Where the guarantee ends
-//!
-//! Redlock trades consensus for speed, and its safety rests on timing:
-//!
-//! - **Process pauses.** A holder paused (a stopped process, a long collection, a suspended
-//!   VM) past its validity may resume believing it holds the lock while another holder has it.
-//!   The local deadline makes [`LockGuard::is_lost`](crate::LockGuard::is_lost) say so as soon
-//!   as it runs again, but a write already on its way cannot be recalled.
-//! - **Clocks.** Leases expire on each server's clock. A server whose clock jumps forward
-//!   (an operator, a bad NTP step) expires a lease early, which can let a second holder in.
-//!   Redis measures key expiry with its monotonic clock since 7.0, which removes wall-clock
-//!   steps but not a server that is restarted.
-//! - **Restarts without persistence.** A node that restarts with an empty data set forgets
-//!   the locks and counters it held: a second holder may then reach a quorum, and tokens may
-//!   go back. Run the nodes with `appendfsync always`, or keep a restarted node out for at
-//!   least one lease (Redlock's "delayed restart").
-//! - **Asynchronous replicas.** Each node must be a single independent server, not a replica
-//!   set with failover: a failover loses writes.
-//!
-//! This is why fencing tokens remain the defence: the store the lock protects refuses a
-//! token lower than one it has seen, so a holder that lost its lock without knowing it cannot
-//! undo a later holder's work. When exclusion must survive the loss of any one machine with
-//! no timing assumptions, use a consensus store (etcd).
+//! Redlock: one lock on a majority of independent Redis or Valkey nodes (see [`RedlockBackend`]).
 
 use std::fmt;
 use std::future::poll_fn;
@@ -74,9 +26,58 @@ local t = tonumber(ARGV[1])
 if c < t then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1";
 
-/// The Redlock backend: a quorum of independent Redis or Valkey nodes. Made through
-/// [`LockProvider::connect`](crate::LockProvider::connect) with a `redlock://` URL, or with
-/// [`RedlockBackend::from_nodes`]; see the [module docs](self).
+/// Redlock: one lock on a majority of independent Redis or Valkey nodes.
+///
+/// A lock is held when it was taken, under one owner token per node, on a **quorum** (more
+/// than half) of N independent servers, within a time short enough that the leases still run
+/// long after it. Each node's lock is an ordinary lock of the [single-node backend](super::RedisBackend)
+/// (same keys, scripts, renewal and lost detection), so a node is any Redis 7+, Redis 8.4+ or
+/// Valkey server, and a lock taken through `redlock://a,b,c` is the same Redis key on each of
+/// them as one taken through `redis://a` with the same options.
+///
+/// | step | what happens |
+/// |---|---|
+/// | acquire | the lock is asked of every node at once, each with a timeout of a fifth of the lease (at least 50 ms; each command is also bounded by the `timeout` option). It counts when a quorum granted it and the lease left, **validity = lease − elapsed − drift** (drift: 1 % of the lease + 2 ms, for clocks that run at different rates), is at least half the lease; otherwise what was granted is given back at once, and the attempt answers "held" (or [`LockError::Unavailable`] when too few nodes answered at all). The provider retries with backoff and jitter. |
+/// | fencing | each granted node `INCR`s the key's counter as the single-node backend does; the lock's token is the **largest** of them, and before the lock counts every granted node's counter is raised to it (a compare-and-set script), on a quorum at least. Any two quorums share a node, whose counter only grows, so the next holder's token is larger. |
+/// | hold | every node renews its own lease; the lock is lost when fewer than a quorum of node locks are still held, or when the quorum's local deadline (the quorum-th latest node deadline, less the drift) passes without renewals moving it. |
+/// | release | every node is released at once; a release that a quorum confirmed succeeds. |
+///
+/// # URL
+///
+/// `redlock://[user[:password]@]host:port,host:port,host:port[/db][?options]`: the nodes,
+/// with one set of credentials, database and options for all of them. The options are those of
+/// `redis://` (`lease`, `prefix`, `key_layout`, `fencing`, `timeout`, `renew_every`,
+/// `protocol`). Use an odd number of nodes, three or five: the quorum of N is N / 2 + 1, so
+/// three nodes survive the loss of one, five the loss of two. Nodes that cannot be reached when
+/// the backend is made are connected later, at first use, as long as a quorum answered.
+/// [`RedlockBackend::from_nodes`] takes backends the application built itself.
+///
+/// # Where the guarantee ends
+///
+/// Redlock trades consensus for speed, and its safety rests on timing:
+///
+/// - **Process pauses.** A holder paused (a stopped process, a long collection, a suspended
+///   VM) past its validity may resume believing it holds the lock while another holder has it.
+///   The local deadline makes [`LockGuard::is_lost`](crate::LockGuard::is_lost) say so as soon
+///   as it runs again, but a write already on its way cannot be recalled.
+/// - **Clocks.** Leases expire on each server's clock. A server whose clock jumps forward
+///   (an operator, a bad NTP step) expires a lease early, which can let a second holder in.
+///   Redis measures key expiry with its monotonic clock since 7.0, which removes wall-clock
+///   steps but not a server that is restarted.
+/// - **Restarts without persistence.** A node that restarts with an empty data set forgets
+///   the locks and counters it held: a second holder may then reach a quorum, and tokens may
+///   go back. Run the nodes with `appendfsync always`, or keep a restarted node out for at
+///   least one lease (Redlock's "delayed restart").
+/// - **Asynchronous replicas.** Each node must be a single independent server, not a replica
+///   set with failover: a failover loses writes.
+///
+/// This is why fencing tokens remain the defence: the store the lock protects refuses a
+/// token lower than one it has seen, so a holder that lost its lock without knowing it cannot
+/// undo a later holder's work. When exclusion must survive the loss of any one machine with
+/// no timing assumptions, use a consensus store (etcd).
+///
+/// Made through [`LockProvider::connect`](crate::LockProvider::connect) with a `redlock://`
+/// URL, or with [`RedlockBackend::from_nodes`].
 #[derive(Clone)]
 pub struct RedlockBackend {
     shared: Arc<Shared>,
@@ -131,7 +132,7 @@ impl fmt::Debug for RedlockBackend {
 }
 
 impl RedlockBackend {
-    /// Connects to the nodes named by a `redlock://` URL (see the [module docs](self#url)).
+    /// Connects to the nodes named by a `redlock://` URL (see [URL](RedlockBackend#url)).
     /// Fails when fewer than a quorum of nodes could be reached; the others are connected at
     /// first use.
     ///
