@@ -110,6 +110,8 @@ mod time;
 mod tls;
 mod transaction;
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(feature = "mssql")]
 pub mod mssql;
 #[cfg(feature = "oracle")]

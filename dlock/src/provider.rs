@@ -76,7 +76,7 @@ pub(crate) struct Terms {
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
-pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://)";
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), etcd://";
 
 impl LockProvider {
     /// Connects to the lock store named by `url`; the scheme picks the backend.
@@ -89,6 +89,7 @@ impl LockProvider {
     /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
+    /// | `etcd://host:port[,host:port...]` | [etcd](crate::etcd) | `etcd` |
     ///
     /// Each backend documents its own query options (for example `?lease=30s`). Their values
     /// are read the same way everywhere: durations as [`parse_duration`](crate::parse_duration)
@@ -117,6 +118,7 @@ impl LockProvider {
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
             "redis" | "rediss" => connect_redis(url).await,
+            "etcd" => connect_etcd(url).await,
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
                 crate::options::shown(&scheme)
@@ -547,6 +549,7 @@ connectors! {
     connect_mssql => "mssql", "SQL Server", crate::mssql::MssqlBackend;
     connect_oracle => "oracle", "Oracle", crate::oracle::OracleBackend;
     connect_redis => "redis", "Redis", crate::redis::RedisBackend;
+    connect_etcd => "etcd", "etcd", crate::etcd::EtcdBackend;
 }
 
 // Unused only in a build with every backend.
@@ -557,7 +560,8 @@ connectors! {
         feature = "mysql",
         feature = "mssql",
         feature = "oracle",
-        feature = "redis"
+        feature = "redis",
+        feature = "etcd"
     ),
     allow(dead_code)
 )]
