@@ -200,19 +200,22 @@ fn pause(entry: &Entry) -> Duration {
 
 /// Renews the lease if a renewal is due.
 async fn renew(entry: &Entry, renewer: &mut Option<Renewer>) -> Renewal {
-    let (lease_id, deadline) = {
+    let (lease_id, lease, deadline) = {
         let mut state = entry.state();
         let now = Instant::now();
         if !state.term.is_due(now) {
             return Renewal::Kept;
         }
         state.term.start();
-        (state.lease_id, state.term.deadline())
+        (state.lease_id, state.term.lease(), state.term.deadline())
     };
     let sent = Instant::now();
+    // A keep-alive stuck on a leader that died is given up on soon enough for the retries
+    // to reach the new one before the deadline.
     let limit = entry
         .shared
         .timeout
+        .min(lease / 5)
         .min(deadline.at().saturating_duration_since(sent));
     let answer = tokio::time::timeout(limit, keep_alive(entry, renewer, lease_id)).await;
     let mut state = entry.state();

@@ -17,7 +17,10 @@
 //! ```
 //!
 //! where `name'` is the lock's name with `%` written `%25` and `/` written `%2F` (so that no
-//! name's queue lies inside another's), and the prefix is `dlock/` by default. The key's
+//! name's queue lies inside another's), and the prefix is `dlock/` by default. A `name'`
+//! longer than 256 bytes becomes its first 64 bytes, `%#` and the SHA-256 of the name in hex
+//! (which no shorter `name'` can be, as it holds `%` only in `%25` and `%2F`):
+//! [`EtcdBackend::queue_prefix`] gives the exact prefix. The key's
 //! **create revision** is its place in the queue: the holder is the key with the smallest
 //! one. `etcdctl lock <prefix><name'>` takes the same lock (it follows the same protocol).
 //!
@@ -380,18 +383,41 @@ impl std::fmt::Debug for EtcdBackend {
     }
 }
 
+/// How long a lock's name may be in its key, encoded, before it is shortened.
+const LONG_NAME: usize = 256;
+
+/// How much of a long name's encoding its shortened form keeps, before the hash.
+const KEPT_OF_LONG_NAME: usize = 64;
+
 /// `<prefix><key'>/`, where `key'` is `key` with `%` and `/` percent-encoded: no `/` is left in
-/// `key'`, so the queues of distinct keys never nest, and the mapping is injective.
+/// `key'`, so the queues of distinct keys never nest, and the mapping is injective. A `key'`
+/// longer than [`LONG_NAME`] bytes is shortened to its first [`KEPT_OF_LONG_NAME`] bytes (at
+/// a character boundary), `%#` and the SHA-256 of `key` in hex: a short `key'` never holds
+/// `%#` (its only `%` start `%25` and `%2F`), so a shortened name is never a short one.
 fn queue_prefix(prefix: &[u8], key: &str) -> Vec<u8> {
-    let mut out = Vec::with_capacity(prefix.len() + key.len() + 1);
-    out.extend_from_slice(prefix);
-    for byte in key.bytes() {
-        match byte {
-            b'%' => out.extend_from_slice(b"%25"),
-            b'/' => out.extend_from_slice(b"%2F"),
-            other => out.push(other),
+    let mut name = String::with_capacity(key.len());
+    for c in key.chars() {
+        match c {
+            '%' => name.push_str("%25"),
+            '/' => name.push_str("%2F"),
+            other => name.push(other),
         }
     }
+    if name.len() > LONG_NAME {
+        use sha2::Digest;
+        let mut cut = KEPT_OF_LONG_NAME;
+        while !name.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        name.truncate(cut);
+        name.push_str("%#");
+        for byte in sha2::Sha256::digest(key.as_bytes()) {
+            name.push_str(&format!("{byte:02x}"));
+        }
+    }
+    let mut out = Vec::with_capacity(prefix.len() + name.len() + 1);
+    out.extend_from_slice(prefix);
+    out.extend_from_slice(name.as_bytes());
     out.push(b'/');
     out
 }
@@ -420,7 +446,10 @@ impl Shared {
     /// Sends a request (made anew by `request` for each attempt) until it is answered: a
     /// failure that may pass (no leader during an election, a member that went away, a
     /// request that timed out) is tried again after a pause, until `timeout` has passed
-    /// since the first attempt. Only requests that may safely run twice are sent this way.
+    /// since the first attempt. Each attempt gets a third of `timeout` at most: a write
+    /// that a follower forwarded to a leader that then died waits for the server's own
+    /// timeout, while a new leader may have been elected long before. Only requests that
+    /// may safely run twice are sent this way.
     async fn retrying<T, F, Fut>(&self, what: &str, mut request: F) -> Result<T, LockError>
     where
         F: FnMut() -> Fut,
@@ -430,12 +459,13 @@ impl Shared {
         let mut pause = Duration::from_millis(20);
         loop {
             let remaining = self.timeout.saturating_sub(started.elapsed());
-            let failure = match tokio::time::timeout(remaining, request()).await {
+            let attempt = remaining.min(self.timeout / 3);
+            let failure = match tokio::time::timeout(attempt, request()).await {
                 Ok(Ok(answer)) => return Ok(answer),
                 Ok(Err(err)) => etcd_error(what, err),
                 Err(_) => LockError::unavailable(
                     NAME,
-                    format!("{what} timed out after {:?}", self.timeout),
+                    format!("{what} was not answered within {:?}", self.timeout),
                     None,
                 ),
             };
@@ -1194,6 +1224,13 @@ mod tests {
         assert_eq!(queue_prefix(b"p/", "a/b%c"), b"p/a%2Fb%25c/".to_vec());
         assert_eq!(queue_prefix(b"", "%2F"), b"%252F/".to_vec());
         assert_ne!(queue_prefix(b"p/", "a/b"), queue_prefix(b"p/", "a%2Fb"));
+        let long = "é".repeat(200);
+        let short = queue_prefix(b"p/", &long);
+        assert_eq!(short.len(), 2 + 64 + 2 + 64 + 1, "{}", String::from_utf8_lossy(&short));
+        assert!(short.starts_with(format!("p/{}%#", "é".repeat(32)).as_bytes()));
+        assert_ne!(short, queue_prefix(b"p/", &format!("{long}x")));
+        let edge = "x".repeat(LONG_NAME);
+        assert_eq!(queue_prefix(b"", &edge), format!("{edge}/").into_bytes());
         let key = entry_key(b"p/k/", 0x1f);
         assert_eq!(key, b"p/k/1f".to_vec());
         assert_eq!(queue_of(&key), b"p/k/".to_vec());
