@@ -31,9 +31,7 @@ impl EtcdHarness {
         let cluster = tokio::task::spawn_blocking(move || EtcdCluster::start(members))
             .await
             .expect("start etcd")?;
-        let backend = EtcdBackend::connect(&url(&cluster))
-            .await
-            .expect("connect");
+        let backend = EtcdBackend::connect(&url(&cluster)).await.expect("connect");
         Some(EtcdHarness { cluster, backend })
     }
 
@@ -136,7 +134,10 @@ async fn fencing_tokens_increase_across_providers() {
                     .expect("acquire");
                 let token = guard.fencing_token().expect("a fencing token");
                 let (_, revision, _) = holder(&backend, &key).await;
-                assert_eq!(token, revision as u64, "the token is the key's create revision");
+                assert_eq!(
+                    token, revision as u64,
+                    "the token is the key's create revision"
+                );
                 order.lock().unwrap().push(token);
                 guard.release().await.expect("release");
             }
@@ -181,9 +182,11 @@ async fn waiters_are_served_in_arrival_order() {
         // Queued (its key is in the store) before the next one starts.
         let backend = h.backend.clone();
         let key = key.clone();
-        dlock_testkit::wait_until("the waiter has queued", Duration::from_secs(5), async || {
-            queue(&backend, &key).await.len() == i + 2
-        })
+        dlock_testkit::wait_until(
+            "the waiter has queued",
+            Duration::from_secs(5),
+            async || queue(&backend, &key).await.len() == i + 2,
+        )
         .await;
     }
     // A try never jumps the queue, from a provider that holds nothing.
@@ -197,7 +200,10 @@ async fn waiters_are_served_in_arrival_order() {
         waiter.await.expect("waiter");
     }
     assert_eq!(*served.lock().unwrap(), vec![0, 1, 2, 3, 4]);
-    assert!(queue(&h.backend, &key).await.is_empty(), "no key left behind");
+    assert!(
+        queue(&h.backend, &key).await.is_empty(),
+        "no key left behind"
+    );
 }
 
 /// A holder whose key is deleted hears of it at once; its release answers that it no longer
@@ -258,9 +264,11 @@ async fn revoked_lease_is_a_loss() {
         .revoke(lease)
         .await
         .expect("revoke");
+    let revoked = Instant::now();
     tokio::time::timeout(Duration::from_secs(2), guard.lost_token().cancelled())
         .await
         .expect("the lost token fires when the lease is revoked");
+    eprintln!("revoked lease noticed in {:?}", revoked.elapsed());
     assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
     let b = dlock_testkit::Harness::provider(&h).await;
     b.try_acquire(&key)
@@ -289,6 +297,7 @@ async fn dead_server_is_a_loss_at_the_local_deadline() {
         .await
         .expect("the lost token fires at the local deadline");
     let noticed = killed.elapsed();
+    eprintln!("server killed: lost after {noticed:?}, with {left:?} of the lease left");
     assert!(
         noticed <= left + Duration::from_millis(200),
         "lost {noticed:?} after the kill, with {left:?} of the lease left"
@@ -323,9 +332,11 @@ async fn dropped_acquisitions_leave_no_key() {
         };
         let backend = h.backend.clone();
         let k = key.clone();
-        dlock_testkit::wait_until("the waiter has queued", Duration::from_secs(5), async || {
-            queue(&backend, &k).await.len() == 2
-        })
+        dlock_testkit::wait_until(
+            "the waiter has queued",
+            Duration::from_secs(5),
+            async || queue(&backend, &k).await.len() == 2,
+        )
         .await;
         waiting.abort();
         assert!(waiting.await.is_err(), "round {round}: aborted");

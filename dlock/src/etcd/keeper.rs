@@ -265,7 +265,12 @@ async fn keep_alive(
         };
     }
     // Opening the stream sends the first keep-alive and reads its answer.
-    let (keeper, stream) = entry.shared.client.lease_client().keep_alive(lease_id).await?;
+    let (keeper, stream) = entry
+        .shared
+        .client
+        .lease_client()
+        .keep_alive(lease_id)
+        .await?;
     *renewer = Some(Renewer {
         lease_id,
         keeper,

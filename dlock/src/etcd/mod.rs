@@ -129,11 +129,11 @@ mod keeper;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use etcd_client;
 use etcd_client::{
     Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
     TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
 };
-pub use etcd_client;
 
 use crate::LockError;
 use crate::backend::{
@@ -271,9 +271,10 @@ impl EtcdBuilder {
                 if let Some((name, password)) = user {
                     options = options.with_user(name, password);
                 }
-                let connecting = io.run(async move {
-                    etcd_client::Client::connect(endpoints, Some(options)).await
-                });
+                let connecting =
+                    io.run(
+                        async move { etcd_client::Client::connect(endpoints, Some(options)).await },
+                    );
                 match tokio::time::timeout(self.connect_timeout, connecting).await {
                     Ok(Some(Ok(client))) => client,
                     Ok(Some(Err(err))) => return Err(etcd_error("connecting", err)),
@@ -642,7 +643,11 @@ impl EtcdBackend {
                 TxnOp::get(key.clone(), None),
             )
         };
-        let put = TxnOp::put(key.clone(), [], Some(PutOptions::new().with_lease(lease_id)));
+        let put = TxnOp::put(
+            key.clone(),
+            [],
+            Some(PutOptions::new().with_lease(lease_id)),
+        );
         let txn = Txn::new()
             .when([condition])
             .and_then([put])
@@ -652,7 +657,8 @@ impl EtcdBackend {
             answer.header().map(|h| h.revision())
         } else {
             // Ours only if an earlier attempt put it.
-            let mine = first_kv(&answer).filter(|kv| kv.key() == key.as_slice() && kv.lease() == lease_id);
+            let mine =
+                first_kv(&answer).filter(|kv| kv.key() == key.as_slice() && kv.lease() == lease_id);
             match mine {
                 Some(kv) => Some(kv.create_revision()),
                 None => return Ok(None),
@@ -907,7 +913,10 @@ impl HeldLock for EtcdHeld {
             drop(self.keeper.take());
             let entry = &self.entry;
             let shared = &entry.shared;
-            let head = GetOptions::new().with_prefix().with_limit(1).with_keys_only();
+            let head = GetOptions::new()
+                .with_prefix()
+                .with_limit(1)
+                .with_keys_only();
             let queue = queue_of(&entry.key);
             let txn = Txn::new()
                 .when([Compare::create_revision(
@@ -924,7 +933,9 @@ impl HeldLock for EtcdHeld {
                 Err(err) => {
                     // The lease goes anyway (and with it the key, if the delete did not run).
                     let revoker = Arc::clone(shared);
-                    shared.io.spawn(async move { revoker.revoke(lease_id).await });
+                    shared
+                        .io
+                        .spawn(async move { revoker.revoke(lease_id).await });
                     return Err(err);
                 }
             };
@@ -940,7 +951,9 @@ impl HeldLock for EtcdHeld {
                 ReleaseOutcome::AlreadyReleased
             };
             let revoker = Arc::clone(shared);
-            shared.io.spawn(async move { revoker.revoke(lease_id).await });
+            shared
+                .io
+                .spawn(async move { revoker.revoke(lease_id).await });
             if outcome != ReleaseOutcome::Released {
                 entry.lost.cancel();
             }
@@ -1213,7 +1226,7 @@ mod tests {
             "etcd://:hunter2@h",
             "redis://h",
         ] {
-            let err = parse_url(bad).err().expect(bad);
+            let err = parse_url(bad).expect_err(bad);
             assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
             assert!(!err.to_string().contains("hunter2"), "{err}");
         }
@@ -1226,7 +1239,12 @@ mod tests {
         assert_ne!(queue_prefix(b"p/", "a/b"), queue_prefix(b"p/", "a%2Fb"));
         let long = "é".repeat(200);
         let short = queue_prefix(b"p/", &long);
-        assert_eq!(short.len(), 2 + 64 + 2 + 64 + 1, "{}", String::from_utf8_lossy(&short));
+        assert_eq!(
+            short.len(),
+            2 + 64 + 2 + 64 + 1,
+            "{}",
+            String::from_utf8_lossy(&short)
+        );
         assert!(short.starts_with(format!("p/{}%#", "é".repeat(32)).as_bytes()));
         assert_ne!(short, queue_prefix(b"p/", &format!("{long}x")));
         let edge = "x".repeat(LONG_NAME);
