@@ -227,7 +227,7 @@ impl std::fmt::Debug for LeaseDeadline {
     }
 }
 
-#[cfg(all(test, any(feature = "sqlite", feature = "redis")))]
+#[cfg(all(test, any(feature = "sqlite", feature = "redis", feature = "etcd")))]
 mod tests {
     use super::*;
 
@@ -244,7 +244,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg(feature = "redis")]
+    #[cfg(any(feature = "redis", feature = "etcd"))]
     fn a_term_moves_with_its_renewals() {
         let sent = Instant::now();
         let mut term = Term::new(3000 * MS, sent, None);

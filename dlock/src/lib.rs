@@ -56,7 +56,7 @@
 //! | SQL Server (`dlock::mssql`) | `mssql` | native (`sp_getapplock`) | keepalive per connection | opt-in (counter table) |
 //! | Oracle (`dlock::oracle`) | `oracle` | native (`DBMS_LOCK.REQUEST`) | keepalive per session | opt-in (counter table) |
 //! | [Redis / Valkey](redis) | `redis` | polling with backoff | lease renewal, local deadline | built in (optional) |
-//! | [etcd](etcd) | `etcd` | native, FIFO (a watch of the key ahead) | lease keep-alive, local deadline, watch of the key | built in (create revision) |
+//! | [etcd] | `etcd` | native, FIFO (a watch of the key ahead) | lease keep-alive, local deadline, watch of the key | built in (create revision) |
 //!
 //! SQLite, PostgreSQL, MariaDB, MySQL, Redis, Valkey and etcd are verified against real
 //! servers in CI; SQL Server and Oracle are not (their servers cannot run there): their statements,

@@ -37,7 +37,8 @@ struct State {
 
 impl Entry {
     /// The entry of `key`, created at `revision` on `lease_id` (granted for `lease` with a
-    /// request sent at `sent`); renewed unless `renew` is false.
+    /// request sent at `sent`); renewed every `cadence` (a third of the lease when `None`)
+    /// unless `renew` is false.
     pub(super) fn new(
         shared: Arc<Shared>,
         key: Vec<u8>,
@@ -47,7 +48,7 @@ impl Entry {
         sent: Instant,
         renew: bool,
     ) -> Arc<Entry> {
-        let mut term = Term::new(lease, sent, None);
+        let mut term = Term::new(lease, sent, shared.renew_every);
         if !renew {
             term.stop();
         }

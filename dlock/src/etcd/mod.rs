@@ -87,6 +87,7 @@
 //! | `prefix` | `dlock/` | prepended to every lock's key; end it with `/` |
 //! | `timeout` | `5s` | limit for each request (above zero, at most 365 days) |
 //! | `connect_timeout` | `5s` | limit for connecting (above zero, at most 365 days) |
+//! | `renew_every` | a third of each lock's lease | keep-alive cadence, 10 ms to 365 days; cut to half of a lock's lease when longer |
 //!
 //! The connection is plain gRPC (no TLS). With a user name, etcd's authentication is used:
 //! the user needs read and write permission on the prefix's range.
@@ -166,6 +167,8 @@ struct Shared {
     lease: Duration,
     prefix: Vec<u8>,
     timeout: Duration,
+    /// The renewal cadence set by the application, if any.
+    renew_every: Option<Duration>,
     /// Declared last: the I/O thread ends after everything else of the backend is dropped.
     io: Io,
 }
@@ -186,6 +189,7 @@ pub struct EtcdBuilder {
     prefix: String,
     timeout: Duration,
     connect_timeout: Duration,
+    renew_every: Option<Duration>,
 }
 
 impl std::fmt::Debug for EtcdBuilder {
@@ -200,6 +204,7 @@ impl std::fmt::Debug for EtcdBuilder {
             .field("prefix", &self.prefix)
             .field("timeout", &self.timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("renew_every", &self.renew_every)
             .finish_non_exhaustive()
     }
 }
@@ -212,6 +217,7 @@ impl EtcdBuilder {
             prefix: DEFAULT_PREFIX.to_owned(),
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_TIMEOUT,
+            renew_every: None,
         }
     }
 
@@ -246,6 +252,15 @@ impl EtcdBuilder {
         self
     }
 
+    /// How often held locks' leases are kept alive (default: every third of each lock's
+    /// lease; 10 ms to 365 days, checked by [`connect`](EtcdBuilder::connect)). A cadence
+    /// longer than half of a lock's lease is cut to that half, so that failed keep-alives can
+    /// still be retried before the lock's local deadline.
+    pub fn renew_every(mut self, cadence: Duration) -> Self {
+        self.renew_every = Some(cadence);
+        self
+    }
+
     /// Connects (unless built on a client), checks that the cluster answers (a linearizable
     /// read of one key, so a cluster without a quorum fails here), and makes the backend.
     /// A lease or timeout out of bounds is a [`LockError::Config`], before anything is sent.
@@ -257,6 +272,9 @@ impl EtcdBuilder {
         check_lease(self.lease)?;
         check_timeout("the etcd `timeout`", self.timeout)?;
         check_timeout("the etcd `connect_timeout`", self.connect_timeout)?;
+        if let Some(cadence) = self.renew_every {
+            crate::lease::check_cadence("the etcd `renew_every`", cadence)?;
+        }
         let io = Io::start()?;
         let client = match self.source {
             Source::Client(client) => *client,
@@ -301,6 +319,7 @@ impl EtcdBuilder {
                 lease: self.lease,
                 prefix: self.prefix.into_bytes(),
                 timeout: self.timeout,
+                renew_every: self.renew_every,
                 io,
             }),
         };
@@ -1104,6 +1123,7 @@ url_keys! {
         Prefix = "prefix",
         Timeout = "timeout",
         ConnectTimeout = "connect_timeout",
+        RenewEvery = "renew_every",
     }
 }
 
@@ -1152,6 +1172,11 @@ fn parse_url(url: &str) -> Result<EtcdBuilder, LockError> {
                 builder.connect_timeout =
                     check_timeout("the etcd `connect_timeout`", parse_duration(name, &value)?)?;
             }
+            EtcdOption::RenewEvery => {
+                let cadence = parse_duration(name, &value)?;
+                crate::lease::check_cadence("the etcd `renew_every`", cadence)?;
+                builder.renew_every = Some(cadence);
+            }
         }
         Ok(())
     })?;
@@ -1195,7 +1220,7 @@ mod tests {
     fn urls() {
         crate::options::assert_keys::<EtcdOption, _>(parse_url("etcd://h/?bogus=1"));
         let b = parse_url(
-            "etcd://127.0.0.1:1,[::1]:2,host?lease=2s&prefix=locks/&timeout=1s&connect_timeout=3s",
+            "etcd://127.0.0.1:1,[::1]:2,host?lease=2s&prefix=locks/&timeout=1s&connect_timeout=3s&renew_every=250ms",
         )
         .unwrap();
         assert_eq!(
@@ -1206,6 +1231,7 @@ mod tests {
         assert_eq!(b.prefix, "locks/");
         assert_eq!(b.timeout, Duration::from_secs(1));
         assert_eq!(b.connect_timeout, Duration::from_secs(3));
+        assert_eq!(b.renew_every, Some(Duration::from_millis(250)));
         let b = parse_url("ETCD://u%40x:p%3Aw@h:7/").unwrap();
         let (hosts, user) = endpoints(&b);
         assert_eq!(hosts, ["http://h:7"]);
@@ -1216,6 +1242,7 @@ mod tests {
             "etcd://h/?lease=soon",
             "etcd://h/?lease=10ms",
             "etcd://h/?timeout=0s",
+            "etcd://h/?renew_every=1ms",
             "etcd://h/?colour=blue",
             "etcd://h1,,h2",
             "etcd://",
