@@ -224,6 +224,11 @@ mod postgres {
             self.fencing
         }
 
+        /// Read locks in the engine's shared mode (pg_advisory_lock_shared, with no privilege beyond CONNECT).
+        fn read_locks(&self) -> bool {
+            true
+        }
+
         async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
             let backend = dlock::postgres::PostgresBackend::connect(&self.url("&connections=1"))
                 .await
@@ -540,6 +545,25 @@ mod redis_acl {
     /// `GET` and `PTTL` in a `MULTI` / `EXEC`.
     pub(crate) const RAW_READS: [&str; 4] = ["get", "pttl", "multi", "exec"];
 
+    /// What read locks add, on every flavour (their scripts' commands; `incr` with fencing):
+    /// what the README grants for them.
+    pub(crate) const READ_LOCKS: [&str; 14] = [
+        "evalsha",
+        "eval",
+        "get",
+        "set",
+        "exists",
+        "time",
+        "zadd",
+        "zscore",
+        "zrem",
+        "zremrangebyscore",
+        "zrange",
+        "pexpire",
+        "del",
+        "incr",
+    ];
+
     /// The commands dlock's provider runs on `flavor`: what the README grants, in its order.
     pub(crate) fn commands(flavor: Flavor, fencing: bool) -> Vec<&'static str> {
         let mut commands = vec!["set"];
@@ -654,6 +678,12 @@ mod redis_acl {
                     // guard's `verify_still_held`.
                     let mut granted = commands(flavor, true);
                     granted.extend(["ping", "get"]);
+                    // And those of read locks.
+                    for command in READ_LOCKS {
+                        if !granted.contains(&command) {
+                            granted.push(command);
+                        }
+                    }
                     set_user(&server, "dlock_app", "app:", &granted).await;
                     RedisBackend::connect(&server.url("prefix=app:")).await
                 })
@@ -690,6 +720,10 @@ mod redis_acl {
         }
 
         fn fencing(&self) -> bool {
+            true
+        }
+
+        fn read_locks(&self) -> bool {
             true
         }
 
@@ -1267,6 +1301,17 @@ fn readme_gives_the_tested_grants() {
             if !readme.contains(&format!("`{words}`")) {
                 missing.push(format!("{flavor:?} fencing={fencing}: `{words}`"));
             }
+        }
+    }
+    #[cfg(feature = "redis")]
+    {
+        let words = redis_acl::READ_LOCKS
+            .iter()
+            .map(|c| format!("+{c}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        if !readme.contains(&format!("`{words}`")) {
+            missing.push(format!("read locks: `{words}`"));
         }
     }
     assert!(

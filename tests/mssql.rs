@@ -138,6 +138,11 @@ impl dlock_testkit::Harness for MssqlHarness {
         self.fencing
     }
 
+    /// Read locks in the engine's shared mode (sp_getapplock @LockMode = 'Shared').
+    fn read_locks(&self) -> bool {
+        true
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let url = format!("{}&connections=1", self.url());
         let backend = dlock::mssql::MssqlBackend::connect(&url)

@@ -127,6 +127,11 @@ impl dlock_testkit::Harness for OracleHarness {
         self.fencing
     }
 
+    /// Read locks in the engine's shared mode (DBMS_LOCK S_MODE).
+    fn read_locks(&self) -> bool {
+        true
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let sep = if self.url().contains('?') { '&' } else { '?' };
         let url = format!("{}{sep}connections=1", self.url());

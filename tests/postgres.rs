@@ -83,6 +83,11 @@ impl dlock_testkit::Harness for PgHarness {
         self.fencing
     }
 
+    /// Read locks in the engine's shared mode (pg_advisory_lock_shared).
+    fn read_locks(&self) -> bool {
+        true
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let url = self.server.url(&format!("{}&connections=1", self.options));
         let backend = PostgresBackend::connect(&url).await.expect("connect");
@@ -821,4 +826,250 @@ async fn a_statement_outliving_statement_timeout_drops_its_connection() {
     again.release().await.expect("release");
     let again = locks.try_acquire(&held_key).await.expect("free again");
     again.release().await.expect("release");
+}
+
+/// The advisory locks of `key` on the server, as (pid, mode, granted).
+async fn advisory_locks(conn: &mut PgConnection, key: &str) -> Vec<(i32, String, bool)> {
+    sqlx::query_as(
+        "SELECT pid, mode, granted FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+         AND ((classid::bigint << 32) | objid::bigint) = $1",
+    )
+    .bind(lock_id(key))
+    .fetch_all(conn)
+    .await
+    .expect("query pg_locks")
+}
+
+fn assert_held(got: Result<LockGuard, LockError>) {
+    match got {
+        Err(LockError::AlreadyHeld { .. }) => {}
+        other => panic!("expected AlreadyHeld, got {other:?}"),
+    }
+}
+
+/// One backend with one lock connection, so every try runs on the same server session, which
+/// PostgreSQL would let take an advisory lock it holds shared in exclusive mode too (and the
+/// reverse). Readers and writers of providers on clones of it must still exclude each other,
+/// both ways, tried and waited; the readers hold one shared lock on the server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_and_a_writer_on_one_lane_session_exclude_each_other() {
+    let server = PgServer::shared();
+    let backend = PostgresBackend::connect(&server.url("connections=1&wait_connections=2"))
+        .await
+        .unwrap();
+    let (reader, writer) = (
+        LockProvider::from_backend(backend.clone()),
+        LockProvider::from_backend(backend.clone()),
+    );
+    let mut conn = admin(server).await;
+    for round in 0..20 {
+        let key = unique_key("one-lane-rw");
+        let r = reader.try_acquire_read(&key).await.unwrap();
+        let locks = advisory_locks(&mut conn, &key).await;
+        assert_eq!(locks.len(), 1, "{locks:?}");
+        assert_eq!(locks[0].1, "ShareLock", "{locks:?}");
+        assert_held(writer.try_acquire(&key).await);
+        match writer.acquire(&key, Duration::from_millis(100)).await {
+            Err(LockError::Timeout { .. }) => {}
+            other => panic!("round {round}: a writer waited beside a reader and got {other:?}"),
+        }
+        assert_eq!(
+            advisory_locks(&mut conn, &key).await,
+            locks,
+            "no exclusive lock taken"
+        );
+        r.release().await.unwrap();
+        assert!(advisory_locks(&mut conn, &key).await.is_empty());
+        // And the other way round.
+        let w = writer.try_acquire(&key).await.unwrap();
+        assert_held(reader.try_acquire_read(&key).await);
+        match reader.acquire_read(&key, Duration::from_millis(100)).await {
+            Err(LockError::Timeout { .. }) => {}
+            other => panic!("round {round}: a reader waited beside a writer and got {other:?}"),
+        }
+        let locks = advisory_locks(&mut conn, &key).await;
+        assert_eq!(locks.len(), 1, "{locks:?}");
+        assert_eq!(locks[0].1, "ExclusiveLock", "{locks:?}");
+        w.release().await.unwrap();
+        assert!(advisory_locks(&mut conn, &key).await.is_empty());
+    }
+}
+
+/// Many readers of one key through one backend with one lock connection all hold it at once
+/// (from one provider and from providers on clones); the server sees one shared lock, which
+/// stays until the last of them leaves, and no writer gets in before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_readers_on_one_lock_connection_hold_together() {
+    let server = PgServer::shared();
+    let backend = PostgresBackend::connect(&server.url("connections=1&wait_connections=0"))
+        .await
+        .unwrap();
+    let providers: Vec<LockProvider> = (0..4)
+        .map(|_| LockProvider::from_backend(backend.clone()))
+        .collect();
+    let writer = LockProvider::connect(&server.url("")).await.unwrap();
+    let mut conn = admin(server).await;
+    let key = unique_key("many-readers");
+    let mut readers = Vec::new();
+    for n in 0..40 {
+        readers.push(providers[n % 4].try_acquire_read(&key).await.unwrap());
+    }
+    let locks = advisory_locks(&mut conn, &key).await;
+    assert_eq!(locks.len(), 1, "one session, one shared lock: {locks:?}");
+    assert_eq!(locks[0].1, "ShareLock");
+    let last = readers.pop().unwrap();
+    for (n, r) in readers.into_iter().enumerate() {
+        r.release().await.unwrap();
+        if n % 10 == 0 {
+            assert_held(writer.try_acquire(&key).await);
+            assert_held(providers[0].try_acquire(&key).await);
+        }
+    }
+    assert_eq!(
+        advisory_locks(&mut conn, &key).await,
+        locks,
+        "held for the last reader"
+    );
+    assert_held(writer.try_acquire(&key).await);
+    last.release().await.unwrap();
+    assert!(advisory_locks(&mut conn, &key).await.is_empty());
+    writer
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
+
+/// PostgreSQL queues a new request behind a waiter it conflicts with: while a writer waits
+/// for a key readers hold, a reader's `pg_try_advisory_lock_shared` answers false (a raw
+/// statement shows it, and so does `try_acquire_read`), and a reader's wait queues behind
+/// the writer, which gets the key as soon as the readers before it have left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_writer_holds_back_later_readers() {
+    let server = PgServer::shared();
+    let (first, late, w) = (
+        LockProvider::connect(&server.url("")).await.unwrap(),
+        LockProvider::connect(&server.url("")).await.unwrap(),
+        LockProvider::connect(&server.url("")).await.unwrap(),
+    );
+    let mut conn = admin(server).await;
+    let mut raw = admin(server).await;
+    let key = unique_key("writer-first");
+    let r = first.try_acquire_read(&key).await.unwrap();
+    // Without a waiting writer, a new reader shares at once.
+    let shared: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
+        .bind(lock_id(&key))
+        .fetch_one(&mut raw)
+        .await
+        .unwrap();
+    assert!(shared);
+    let _: bool = sqlx::query_scalar("SELECT pg_advisory_unlock_shared($1)")
+        .bind(lock_id(&key))
+        .fetch_one(&mut raw)
+        .await
+        .unwrap();
+    let writer = {
+        let (w, key) = (w.clone(), key.clone());
+        tokio::spawn(async move { w.acquire(&key, Duration::from_secs(30)).await })
+    };
+    dlock_testkit::wait_until(
+        "the writer is queued on the server",
+        Duration::from_secs(5),
+        async || waiting_for(&mut conn, &key).await == 1,
+    )
+    .await;
+    let shared: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
+        .bind(lock_id(&key))
+        .fetch_one(&mut raw)
+        .await
+        .unwrap();
+    assert!(!shared, "the server let a reader pass a queued writer");
+    assert_held(late.try_acquire_read(&key).await);
+    let reader = {
+        let (late, key) = (late.clone(), key.clone());
+        tokio::spawn(async move { late.acquire_read(&key, Duration::from_secs(30)).await })
+    };
+    dlock_testkit::wait_until(
+        "the late reader is queued behind the writer",
+        Duration::from_secs(5),
+        async || waiting_for(&mut conn, &key).await == 2,
+    )
+    .await;
+    r.release().await.unwrap();
+    let g = tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("the writer gets the key once the first reader left")
+        .unwrap()
+        .unwrap();
+    assert!(
+        !reader.is_finished(),
+        "the late reader got in beside the writer"
+    );
+    let locks = advisory_locks(&mut conn, &key).await;
+    assert!(
+        locks
+            .iter()
+            .any(|(_, mode, granted)| *granted && mode == "ExclusiveLock"),
+        "{locks:?}"
+    );
+    g.release().await.unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .expect("the late reader follows the writer")
+        .unwrap()
+        .unwrap();
+    r.release().await.unwrap();
+    assert!(advisory_locks(&mut conn, &key).await.is_empty());
+}
+
+/// Shared waits dropped midway (at random points while the key is held exclusively, and at
+/// its release) leave no shared lock and no waiter on the server: afterwards pg_locks shows
+/// nothing for the key and a writer elsewhere takes it with one try.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_shared_waits_leave_no_shared_lock() {
+    let server = PgServer::shared();
+    let readers = LockProvider::connect(&server.url("wait_connections=4"))
+        .await
+        .unwrap();
+    let writer = LockProvider::connect(&server.url("")).await.unwrap();
+    let mut conn = admin(server).await;
+    for round in 0..20u64 {
+        let key = unique_key("dropped-shared-wait");
+        let held = writer.try_acquire(&key).await.unwrap();
+        let mut waits = Vec::new();
+        for n in 0..3u64 {
+            let (readers, key) = (readers.clone(), key.clone());
+            let budget = Duration::from_millis(20 + (round * 7 + n * 13) % 60);
+            waits.push(tokio::spawn(async move {
+                tokio::time::timeout(budget, readers.acquire_read(&key, Duration::from_secs(30)))
+                    .await
+            }));
+        }
+        // Release while some waits are still queued and others have been dropped.
+        tokio::time::sleep(Duration::from_millis(20 + round * 3 % 50)).await;
+        held.release().await.unwrap();
+        for wait in waits {
+            if let Ok(Ok(guard)) = wait.await.unwrap() {
+                guard.release().await.unwrap();
+            }
+        }
+        dlock_testkit::wait_until(
+            "no advisory lock of the key is left on the server",
+            Duration::from_secs(5),
+            async || advisory_locks(&mut conn, &key).await.is_empty(),
+        )
+        .await;
+        writer
+            .try_acquire(&key)
+            .await
+            .unwrap_or_else(|e| panic!("round {round}: {e}"))
+            .release()
+            .await
+            .unwrap();
+    }
+    assert!(
+        dlock_testkit::eventually(Duration::from_secs(5), || readers.local_key_count() == 0).await
+    );
 }

@@ -120,6 +120,10 @@ impl dlock_testkit::Harness for RedisHarness {
         true
     }
 
+    fn read_locks(&self) -> bool {
+        true
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let backend = dlock::redis::RedisBackend::connect(&self.url())
             .await
@@ -1717,6 +1721,339 @@ async fn existing_manager(server: &RedisServer) {
     ));
 }
 
+// Read locks: each reader's own lease, and what breaks it.
+
+/// `<storage key>` + `suffix` (tagged layout).
+fn companion(backend: &RedisBackend, key: &str, suffix: &str) -> Vec<u8> {
+    let mut storage = backend.storage_key(key);
+    storage.extend_from_slice(suffix.as_bytes());
+    storage
+}
+
+/// A reader whose renewals stopped keeps a writer out only until its lease ends, and hears
+/// that it lost its share; the set and the lock key go with it.
+async fn read_expired(server: &RedisServer) {
+    let url = server.url("lease=1s");
+    let (a, b) = (eager_provider(&url).await, eager_provider(&url).await);
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let key = unique_key("rw-expired");
+    let reader = a.try_acquire_read(&key).await.unwrap();
+    let taken = Instant::now();
+    reader.stop_renewal().unwrap();
+    assert!(matches!(
+        b.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    let writer = b.acquire(&key, Duration::from_secs(10)).await.unwrap();
+    let waited = taken.elapsed();
+    assert!(
+        waited >= Duration::from_millis(800),
+        "a writer got in after {waited:?}, inside the reader's 1 s lease"
+    );
+    assert!(
+        waited <= Duration::from_secs(3),
+        "the expired reader kept the writer out {waited:?}"
+    );
+    assert!(!exists(server, &companion(&backend, &key, ":readers")));
+    assert!(reader.is_lost());
+    assert!(!reader.verify_still_held().await.unwrap());
+    assert!(matches!(
+        reader.release().await,
+        Err(LockError::Lost { .. })
+    ));
+    writer.release().await.unwrap();
+}
+
+/// A reader's share taken away (its member removed) is reported lost by the next renewal, the
+/// other reader keeps its share; a key taken over by another owner loses them all.
+async fn read_stolen(server: &RedisServer) {
+    let url = server.url("lease=1s");
+    let a = LockProvider::connect(&url).await.unwrap();
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let key = unique_key("rw-stolen");
+    let first = a.try_acquire_read(&key).await.unwrap();
+    let second = a.try_acquire_read(&key).await.unwrap();
+    let readers = companion(&backend, &key, ":readers");
+    let mut conn = admin(server).await;
+    let members: Vec<Vec<u8>> = redis::cmd("ZRANGE")
+        .arg(&readers)
+        .arg(0)
+        .arg(-1)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(members.len(), 2, "one member per reader");
+    let value: Vec<u8> = redis::cmd("GET")
+        .arg(backend.storage_key(&key))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(value.is_empty(), "readers hold the key by the empty value");
+    assert_eq!(backend.owner_token(&key).await.unwrap(), None);
+    let removed: i64 = redis::cmd("ZREM")
+        .arg(&readers)
+        .arg(&members[0])
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(removed, 1);
+    let which = tokio::time::timeout(Duration::from_secs(2), async {
+        tokio::select! {
+            () = first.lost_token().cancelled() => 0,
+            () = second.lost_token().cancelled() => 1,
+        }
+    })
+    .await
+    .expect("the renewal finds the share gone");
+    let (lost, kept) = if which == 0 {
+        (first, second)
+    } else {
+        (second, first)
+    };
+    assert!(!kept.is_lost());
+    assert!(kept.verify_still_held().await.unwrap());
+    assert!(matches!(lost.release().await, Err(LockError::Lost { .. })));
+    // Another owner takes the key over: the share left is lost too.
+    let set: Option<String> = redis::cmd("SET")
+        .arg(backend.storage_key(&key))
+        .arg("someone-else")
+        .arg("XX")
+        .arg("KEEPTTL")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(set.as_deref(), Some("OK"));
+    tokio::time::timeout(Duration::from_secs(2), kept.lost_token().cancelled())
+        .await
+        .expect("a key taken over loses its readers");
+    assert_eq!(
+        kept.release_outcome().await.unwrap(),
+        ReleaseOutcome::NotOwned
+    );
+}
+
+/// A reader process SIGKILLed frees the key when its lease ends; the writer's token is above
+/// the reader's.
+async fn read_killed(server: &RedisServer) {
+    let url = server.url("lease=1s");
+    let key = unique_key("rw-killed");
+    let holder = support::Holder::start_read(&url, &key);
+    let first = holder.fencing_token.expect("redis issues tokens");
+    let locks = eager_provider(&url).await;
+    locks
+        .try_acquire_read(&key)
+        .await
+        .expect("a reader shares with the child")
+        .release()
+        .await
+        .unwrap();
+    assert!(matches!(
+        locks.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    holder.kill();
+    let killed_at = Instant::now();
+    let guard = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("the lease of a killed reader runs out");
+    let free_after = killed_at.elapsed();
+    assert!(
+        free_after >= Duration::from_millis(550),
+        "free {free_after:?} after the kill, inside the reader's lease"
+    );
+    assert!(
+        free_after <= Duration::from_secs(3),
+        "the killed reader kept the key {free_after:?}"
+    );
+    assert!(guard.fencing_token().unwrap() > first);
+    guard.release().await.unwrap();
+}
+
+/// Every exclusive path fails while readers hold the key (the fenced script, a plain `SET NX`
+/// with `fencing=false`, another client's `SET NX` in the plain layout), and readers are
+/// refused while another client of the plain layout holds the key.
+async fn read_excludes_every_writer(server: &RedisServer) {
+    for layout in ["tagged", "plain"] {
+        let options = format!("key_layout={layout}&prefix=rw{{1}}:&lease=2s");
+        let options = if layout == "tagged" {
+            "prefix=rw1:&lease=2s".to_owned()
+        } else {
+            options
+        };
+        let fenced = LockProvider::connect(&server.url(&options)).await.unwrap();
+        let unfenced = LockProvider::connect(&server.url(&format!("{options}&fencing=false")))
+            .await
+            .unwrap();
+        let backend = RedisBackend::connect(&server.url(&options)).await.unwrap();
+        let key = unique_key("rw-every");
+        let raw_key = backend.storage_key(&key);
+        if layout == "plain" {
+            let mut readers = raw_key.clone();
+            readers.extend_from_slice(b"\xff:readers");
+            let reader = fenced.try_acquire_read(&key).await.unwrap();
+            let found: i64 = redis::cmd("EXISTS")
+                .arg(&readers)
+                .query_async(&mut admin(server).await)
+                .await
+                .unwrap();
+            assert_eq!(found, 1, "{layout}: the readers' set");
+            reader.release().await.unwrap();
+        }
+        let reader = unfenced.try_acquire_read(&key).await.unwrap();
+        assert_eq!(reader.fencing_token(), None, "no tokens with fencing=false");
+        for writer in [&fenced, &unfenced] {
+            assert!(
+                matches!(
+                    writer.try_acquire(&key).await,
+                    Err(LockError::AlreadyHeld { .. })
+                ),
+                "{layout}: an exclusive acquisition got a key readers hold"
+            );
+        }
+        let mut other = admin(server).await;
+        let taken: Option<String> = redis::cmd("SET")
+            .arg(&raw_key)
+            .arg("other")
+            .arg("NX")
+            .arg("PX")
+            .arg(10_000)
+            .query_async(&mut other)
+            .await
+            .unwrap();
+        assert_eq!(
+            taken, None,
+            "{layout}: another client's SET NX got a key readers hold"
+        );
+        reader.release().await.unwrap();
+        let found: i64 = redis::cmd("EXISTS")
+            .arg(&raw_key)
+            .query_async(&mut other)
+            .await
+            .unwrap();
+        assert_eq!(found, 0, "{layout}: the last reader frees the key");
+        // Another client holds it: readers are refused, and get it once it is gone.
+        let taken: Option<String> = redis::cmd("SET")
+            .arg(&raw_key)
+            .arg("other")
+            .arg("NX")
+            .arg("PX")
+            .arg(10_000)
+            .query_async(&mut other)
+            .await
+            .unwrap();
+        assert_eq!(taken.as_deref(), Some("OK"));
+        assert!(matches!(
+            fenced.try_acquire_read(&key).await,
+            Err(LockError::AlreadyHeld { .. })
+        ));
+        let () = redis::cmd("DEL")
+            .arg(&raw_key)
+            .query_async(&mut other)
+            .await
+            .unwrap();
+        fenced
+            .try_acquire_read(&key)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+}
+
+/// Tokens of one key increase across readers and writers.
+async fn read_fencing(server: &RedisServer) {
+    let url = server.url("lease=2s");
+    let (a, b) = (
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+    );
+    let key = unique_key("rw-fence");
+    let mut last = 0;
+    for _ in 0..3 {
+        let w = a.try_acquire(&key).await.unwrap();
+        let t = w.fencing_token().unwrap();
+        assert!(t > last, "writer {t} after {last}");
+        w.release().await.unwrap();
+        let r1 = a.try_acquire_read(&key).await.unwrap();
+        let r2 = b.try_acquire_read(&key).await.unwrap();
+        let (t1, t2) = (r1.fencing_token().unwrap(), r2.fencing_token().unwrap());
+        assert!(t1 > t && t2 > t1, "readers {t1}, {t2} after writer {t}");
+        r1.release().await.unwrap();
+        r2.release().await.unwrap();
+        last = t2;
+    }
+}
+
+/// A waiting writer holds back readers that come after it while the reader in keeps its share,
+/// clears its intent once it holds the key, and a writer that gave up stops holding readers
+/// back soon after.
+async fn read_intent(server: &RedisServer) {
+    let url = server.url("lease=2s");
+    let (a, b, w) = (
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+    );
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let key = unique_key("rw-intent");
+    let intent = companion(&backend, &key, ":writer");
+    let first = a.try_acquire_read(&key).await.unwrap();
+    assert!(matches!(
+        w.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(!exists(server, &intent), "a single try leaves no intent");
+    let writer = {
+        let (w, key) = (w.clone(), key.clone());
+        tokio::spawn(async move { w.acquire(&key, Duration::from_secs(20)).await })
+    };
+    dlock_testkit::wait_until(
+        "the writer leaves its intent",
+        Duration::from_secs(5),
+        async || exists(server, &intent),
+    )
+    .await;
+    assert!(matches!(
+        b.try_acquire_read(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(
+        first.verify_still_held().await.unwrap(),
+        "the reader in keeps its share"
+    );
+    first.release().await.unwrap();
+    let held = tokio::time::timeout(Duration::from_secs(5), writer)
+        .await
+        .expect("the writer gets the key once the reader in leaves")
+        .unwrap()
+        .unwrap();
+    assert!(
+        !exists(server, &intent),
+        "cleared once the writer holds the key"
+    );
+    held.release().await.unwrap();
+
+    let reader = a.try_acquire_read(&key).await.unwrap();
+    assert!(matches!(
+        w.acquire(&key, Duration::from_millis(300)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    let gave_up = Instant::now();
+    let again = b
+        .acquire_read(&key, Duration::from_secs(10))
+        .await
+        .expect("readers get in again after a writer gave up");
+    assert!(
+        gave_up.elapsed() < Duration::from_secs(5),
+        "a writer that gave up held readers back {:?}",
+        gave_up.elapsed()
+    );
+    again.release().await.unwrap();
+    reader.release().await.unwrap();
+}
+
 fn fastrand_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -1752,6 +2089,42 @@ macro_rules! flavor_tests {
             async fn cycle_cost() {
                 let Some(server) = start() else { return };
                 commands_per_cycle(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn read_lease_expired() {
+                let Some(server) = start() else { return };
+                read_expired(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn read_share_stolen() {
+                let Some(server) = start() else { return };
+                read_stolen(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn read_holder_killed() {
+                let Some(server) = start() else { return };
+                read_killed(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn read_excludes_writers() {
+                let Some(server) = start() else { return };
+                read_excludes_every_writer(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn read_fencing_order() {
+                let Some(server) = start() else { return };
+                read_fencing(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn read_writer_intent() {
+                let Some(server) = start() else { return };
+                read_intent(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

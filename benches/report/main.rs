@@ -11,7 +11,8 @@
 //! 5. contended in-process `try_acquire` and `lock_id`;
 //! 6. the axum layer's requests/s against the same route locking by hand;
 //! 7. other lock crates on the same servers (`sqlx::postgres::PgAdvisoryLock` here, the rest
-//!    through the `benches/peers` workspace, run with `cargo run`).
+//!    through the `benches/peers` workspace, run with `cargo run`);
+//! 8. semaphore slots and read locks against the raw driver, and a reader-heavy load.
 //!
 //! Figures that are compared are measured in interleaved rounds (A, B, A, B, ...) and
 //! summarised by their medians, so that the machine's noise hits both sides alike. Prints a
@@ -33,6 +34,7 @@ mod axum_layer;
 mod measure;
 mod output;
 mod peers;
+mod primitives;
 mod servers;
 
 use measure::{Contender, interleave, median, quick, sized};
@@ -81,6 +83,8 @@ fn main() {
     in_process(&rt, &mut report);
     eprintln!("report: 6 axum layer");
     axum_layer::run(&rt, &mut report);
+    eprintln!("report: 8 semaphores and read locks");
+    primitives::run(&rt, &servers, &mut report);
 
     drop(peers);
     for note in [
@@ -110,6 +114,13 @@ fn main() {
          then less before.",
         "6: 16 client tasks (reqwest) against an in-process axum server on loopback, 6 \
          interleaved rounds of 0.7 s per route, a new key per request.",
+        "8: as 1, on one key each: a semaphore of 5 permits (dlock tries its slots in a random \
+         order; the raw side takes and frees one random slot's lock with the driver's \
+         statements, on Redis with `fencing=false` on both sides); a read lock against \
+         `pg_try_advisory_lock_shared` + `pg_advisory_unlock_shared`, or, where a read lock \
+         is dlock's own script or statement, beside dlock's exclusive lock. The reader-heavy \
+         load: 16 tasks over 2 providers on one key, each holding the lock 0.2 ms, nine reads \
+         to one write, against exclusive locks only; medians of 3 runs of 0.7 s each.",
     ] {
         report.note(note.to_owned());
     }
@@ -126,6 +137,7 @@ fn main() {
             IN_PROCESS,
             axum_layer::SECTION,
             servers::S7,
+            primitives::S8,
         ])
     } else {
         Vec::new()

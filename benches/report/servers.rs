@@ -24,15 +24,15 @@ pub const S4: &str = "4. Locks held at once per connection";
 pub const S7: &str = "7. Peers: uncontended acquire + release, peer / dlock";
 
 /// Rounds and batch length of the interleaved comparisons.
-fn rounds() -> usize {
+pub(crate) fn rounds() -> usize {
     sized(20, 2)
 }
-fn batch() -> Duration {
+pub(crate) fn batch() -> Duration {
     sized(Duration::from_millis(40), Duration::from_millis(5))
 }
 
 /// One store that dlock can use.
-enum Store {
+pub(crate) enum Store {
     Sqlite(tempfile::TempDir),
     Postgres(PgServer),
     My(DbServer),
@@ -40,9 +40,9 @@ enum Store {
 }
 
 /// A backend under test, or why it cannot be.
-struct Backend {
-    label: &'static str,
-    store: Result<Store, String>,
+pub(crate) struct Backend {
+    pub(crate) label: &'static str,
+    pub(crate) store: Result<Store, String>,
 }
 
 /// Why a store is missing when its server's binary is not installed (no failure in quick mode).
@@ -50,18 +50,18 @@ const NOT_INSTALLED: &str = "server binary not installed";
 
 impl Backend {
     /// Whether the server's binary is missing here (as opposed to a server that failed).
-    fn missing(&self) -> bool {
+    pub(crate) fn missing(&self) -> bool {
         self.store
             .as_ref()
             .is_err_and(|e| e.starts_with(NOT_INSTALLED) || e.starts_with("no server binary at"))
     }
 
     /// A row of this backend not measured, and why; no failure when its server is missing.
-    fn not_measured(&self, section: &str, name: &str, why: &str, target: &str) -> Row {
+    pub(crate) fn not_measured(&self, section: &str, name: &str, why: &str, target: &str) -> Row {
         Row::not_measured(section, name, why, target).excused_if(self.missing())
     }
 
-    fn dlock_url(&self, options: &str) -> String {
+    pub(crate) fn dlock_url(&self, options: &str) -> String {
         match self.store.as_ref().expect("running") {
             Store::Sqlite(dir) => {
                 let mut url = format!("sqlite://{}/locks.db", dir.path().display());
@@ -78,7 +78,7 @@ impl Backend {
     }
 
     /// The URL plain drivers (and the peers) use.
-    fn driver_url(&self) -> String {
+    pub(crate) fn driver_url(&self) -> String {
         match self.store.as_ref().expect("running") {
             Store::My(s) => s.url("").replacen("mariadb://", "mysql://", 1),
             _ => self.dlock_url(""),
@@ -87,7 +87,7 @@ impl Backend {
 }
 
 pub struct Servers {
-    backends: Vec<Backend>,
+    pub(crate) backends: Vec<Backend>,
 }
 
 fn caught<T>(f: impl FnOnce() -> Option<T> + std::panic::UnwindSafe) -> Result<T, String> {
@@ -180,7 +180,7 @@ impl Servers {
 /// Runs a timed loop as a task on the runtime's worker threads, where a service's code runs.
 /// (`block_on` alone would drive it on this thread, outside the runtime, and every wake-up
 /// from a worker would cross threads: a cost real callers do not pay.)
-fn on_worker(
+pub(crate) fn on_worker(
     rt: &Runtime,
     timed: impl std::future::Future<Output = Result<Duration, String>> + Send + 'static,
 ) -> Result<Duration, String> {

@@ -63,34 +63,53 @@ pub const NO_LOCK_LAYER_CODE: &str = "DistributedLock.NoLockLayer";
 /// does not fire for an ordinary release.
 #[derive(Clone)]
 pub struct HeldLock {
-    key: Arc<str>,
-    fencing_token: Option<u64>,
+    /// Every lock of the request, in the order they were taken (one, unless the layer was
+    /// made with `with_extractor_many`).
+    locks: Arc<[(Arc<str>, Option<u64>)]>,
     lost: CancellationToken,
 }
 
 impl HeldLock {
-    pub(crate) fn new(guard: &LockGuard) -> Self {
+    /// The locks of `guards` (at least one), lost when `lost` is cancelled.
+    pub(crate) fn new(guards: &[LockGuard], lost: CancellationToken) -> Self {
         HeldLock {
-            key: Arc::from(guard.key()),
-            fencing_token: guard.fencing_token(),
-            lost: guard.lost_token().clone(),
+            locks: guards
+                .iter()
+                .map(|guard| (Arc::from(guard.key()), guard.fencing_token()))
+                .collect(),
+            lost,
         }
     }
 
-    /// The key of the lock, as the layer made it from the request.
+    /// Every key the layer took for this request, in the order they were taken (their
+    /// canonical order): one, unless the layer was made with
+    /// [`with_extractor_many`](crate::LockLayer::with_extractor_many).
+    pub fn keys(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        self.locks.iter().map(|(key, _)| &**key)
+    }
+
+    /// The fencing token of each lock, in the order of [`keys`](HeldLock::keys).
+    pub fn fencing_tokens(&self) -> impl ExactSizeIterator<Item = Option<u64>> + '_ {
+        self.locks.iter().map(|(_, token)| *token)
+    }
+
+    /// The key of the lock, as the layer made it from the request (with several keys, the
+    /// first of [`keys`](HeldLock::keys)).
     pub fn key(&self) -> &str {
-        &self.key
+        &self.locks[0].0
     }
 
     /// The lock's fencing token: strictly greater than the token of every earlier holder of
     /// the key, `None` when the backend issues none (see
-    /// [`LockGuard::fencing_token`](dlock::LockGuard::fencing_token)).
+    /// [`LockGuard::fencing_token`](dlock::LockGuard::fencing_token)). With several keys, the
+    /// first key's; see [`fencing_tokens`](HeldLock::fencing_tokens).
     pub fn fencing_token(&self) -> Option<u64> {
-        self.fencing_token
+        self.locks[0].1
     }
 
     /// The token cancelled when ownership of the lock is lost (see
-    /// [`LockGuard::lost_token`](dlock::LockGuard::lost_token)).
+    /// [`LockGuard::lost_token`](dlock::LockGuard::lost_token)); with several keys, when
+    /// ownership of any of them is.
     pub fn lost_token(&self) -> &CancellationToken {
         &self.lost
     }
@@ -109,8 +128,7 @@ impl HeldLock {
 impl fmt::Debug for HeldLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HeldLock")
-            .field("key", &self.key)
-            .field("fencing_token", &self.fencing_token)
+            .field("locks", &self.locks)
             .field("lost", &self.lost.is_cancelled())
             .finish()
     }

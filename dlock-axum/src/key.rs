@@ -31,6 +31,29 @@ pub trait MakeLockKey: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<String>, KeyRejection>> + Send;
 }
 
+/// Makes the lock keys for a request: what [`LockLayer`](crate::LockLayer) asks of its key
+/// strategy. Every [`MakeLockKey`] is one (it makes one key, or none); [`ExtractorKeys`] makes
+/// several, which the layer takes all or none.
+pub trait MakeLockKeys: Send + Sync + 'static {
+    /// The keys for this request: empty runs the handler without a lock; two or more are
+    /// taken all or none, in a canonical order (see
+    /// [`LockProvider::acquire_many`](dlock::LockProvider::acquire_many)).
+    ///
+    /// # Cancel safety
+    ///
+    /// The layer drops this future when the client goes away; no lock is held while it runs.
+    fn make_keys(
+        &self,
+        parts: &mut Parts,
+    ) -> impl Future<Output = Result<Vec<String>, KeyRejection>> + Send;
+}
+
+impl<K: MakeLockKey> MakeLockKeys for K {
+    async fn make_keys(&self, parts: &mut Parts) -> Result<Vec<String>, KeyRejection> {
+        Ok(self.make_key(parts).await?.into_iter().collect())
+    }
+}
+
 /// Why a [`MakeLockKey`] made no key for a request. The layer answers it at once: the handler
 /// is not called and no lock is taken.
 #[derive(Debug)]
@@ -243,6 +266,58 @@ where
         let mut copy = parts.clone();
         match E::from_request_parts(&mut copy, &self.state).await {
             Ok(value) => Ok(Some((self.key_fn)(value))),
+            Err(rejection) => Err(KeyRejection::Response(rejection.into_response())),
+        }
+    }
+}
+
+/// A key strategy making **several keys** from an axum extractor, taken all or none: the
+/// transfer between two accounts. Made by
+/// [`LockLayer::with_extractor_many`](crate::LockLayer::with_extractor_many); it extracts as
+/// [`ExtractorKey`] does, and its closure returns the keys.
+pub struct ExtractorKeys<F, E, S = ()> {
+    key_fn: F,
+    state: S,
+    extractor: PhantomData<fn() -> E>,
+}
+
+impl<F, E, S> ExtractorKeys<F, E, S> {
+    /// A strategy extracting `E` with `state` as the router state and making the keys with
+    /// `key_fn`.
+    pub fn new(state: S, key_fn: F) -> Self {
+        ExtractorKeys {
+            key_fn,
+            state,
+            extractor: PhantomData,
+        }
+    }
+}
+
+impl<F: Clone, E, S: Clone> Clone for ExtractorKeys<F, E, S> {
+    fn clone(&self) -> Self {
+        ExtractorKeys::new(self.state.clone(), self.key_fn.clone())
+    }
+}
+
+impl<F, E, S> fmt::Debug for ExtractorKeys<F, E, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExtractorKeys")
+            .field("extractor", &std::any::type_name::<E>())
+            .field("state", &std::any::type_name::<S>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<F, E, S> MakeLockKeys for ExtractorKeys<F, E, S>
+where
+    F: Fn(E) -> Vec<String> + Send + Sync + 'static,
+    E: FromRequestParts<S> + 'static,
+    S: Send + Sync + 'static,
+{
+    async fn make_keys(&self, parts: &mut Parts) -> Result<Vec<String>, KeyRejection> {
+        let mut copy = parts.clone();
+        match E::from_request_parts(&mut copy, &self.state).await {
+            Ok(value) => Ok((self.key_fn)(value)),
             Err(rejection) => Err(KeyRejection::Response(rejection.into_response())),
         }
     }

@@ -11,7 +11,7 @@ use http::request::Parts;
 use tokio::sync::Semaphore;
 use tower_layer::Layer;
 
-use crate::key::{ExtractorKey, KeyFn, MakeLockKey, PathKey};
+use crate::key::{ExtractorKey, ExtractorKeys, KeyFn, MakeLockKeys, PathKey};
 use crate::rejection::LockRejection;
 use crate::service::LockService;
 
@@ -64,7 +64,10 @@ use crate::service::LockService;
 ///
 ///    Empty keys and keys longer than [`max_key_len`](LockLayer::max_key_len) are answered
 ///    with 400, whichever way they were made;
-/// 2. takes the lock, waiting up to [`timeout`](LockLayer::timeout) (zero, the default: one try);
+/// 2. takes the lock, waiting up to [`timeout`](LockLayer::timeout) (zero, the default: one try):
+///    an exclusive lock, or with [`read`](LockLayer::read) a read lock shared with other
+///    readers of the key, or with [`permits`](LockLayer::permits) one of the slots of a
+///    semaphore;
 /// 3. runs the handler while holding it, with a [`HeldLock`](crate::HeldLock) in the request's
 ///    extensions (the key, the fencing token and the lost token, for the handler to extract).
 ///    If the lock is lost meanwhile, by default the handler's future is dropped and the client
@@ -95,6 +98,16 @@ pub(crate) struct Shared<K> {
     pub(crate) retry_after: Duration,
     pub(crate) cancel: Option<CancellationToken>,
     pub(crate) on_lost: OnLost,
+    pub(crate) mode: Mode,
+}
+
+/// What the layer takes for a request: an exclusive lock (the default), a read lock, or a
+/// semaphore slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Exclusive,
+    Read,
+    Permits(u32),
 }
 
 /// What [`LockLayer`] does with a handler whose lock is lost while it runs, set with
@@ -335,7 +348,50 @@ where
     }
 }
 
-impl<K: MakeLockKey> LockLayer<K> {
+impl<F, E> LockLayer<ExtractorKeys<F, E>>
+where
+    F: Fn(E) -> Vec<String> + Send + Sync + 'static,
+    E: FromRequestParts<()> + 'static,
+{
+    /// A layer locking **several keys** made from an axum extractor, all or none: the
+    /// transfer between two accounts, `#[distributed_lock(keys(...))]` for a route.
+    ///
+    /// The keys are taken in a canonical order whatever order the closure gives them in, so
+    /// two requests locking the same accounts in opposite directions never deadlock; a key
+    /// that appears twice is taken once, and no keys at all run the handler without a lock.
+    /// A held key is answered as for one key (409, or 408 after the timeout), and no key is
+    /// left held. The handler's [`HeldLock`](crate::HeldLock) lists every key
+    /// ([`keys`](crate::HeldLock::keys)), and counts as lost when any of its locks is lost.
+    /// Only exclusive locks are taken this way: with [`read`](LockLayer::read) or
+    /// [`permits`](LockLayer::permits), a request for two or more keys is answered with the
+    /// configuration problem (500).
+    ///
+    /// ```
+    /// use axum::{Router, extract::Path, routing::post};
+    /// use dlock_axum::{HeldLock, LockLayer};
+    ///
+    /// async fn transfer(Path((from, to)): Path<(u64, u64)>, lock: HeldLock) -> String {
+    ///     let keys: Vec<&str> = lock.keys().collect();
+    ///     format!("{from} -> {to} under {keys:?}")
+    /// }
+    ///
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// let app: Router = Router::new()
+    ///     .route("/transfers/{from}/{to}", post(transfer))
+    ///     .route_layer(LockLayer::with_extractor_many(
+    ///         locks,
+    ///         |Path((from, to)): Path<(u64, u64)>| {
+    ///             vec![format!("account:{from}"), format!("account:{to}")]
+    ///         },
+    ///     ));
+    /// # let _ = app; }
+    /// ```
+    pub fn with_extractor_many(provider: LockProvider, key_fn: F) -> Self {
+        Self::with_make_key(provider, ExtractorKeys::new((), key_fn))
+    }
+}
+
+impl<K: MakeLockKeys> LockLayer<K> {
     /// The default longest key, in bytes: 1024.
     pub const DEFAULT_MAX_KEY_LEN: usize = 1024;
 
@@ -352,6 +408,7 @@ impl<K: MakeLockKey> LockLayer<K> {
                 retry_after: LockRejection::DEFAULT_RETRY_AFTER,
                 cancel: None,
                 on_lost: OnLost::Cancel,
+                mode: Mode::Exclusive,
             },
         }
     }
@@ -427,6 +484,48 @@ impl<K: MakeLockKey> LockLayer<K> {
         self.update(|s| s.on_lost = on_lost)
     }
 
+    /// Takes a read lock for each request instead of an exclusive one: requests on one key run
+    /// together, while a route (of this service or any other) that takes the key exclusively
+    /// excludes them and is excluded by them. See [`LockProvider::try_acquire_read`]; a
+    /// backend without a shared lock mode answers every request with the `Unsupported`
+    /// problem (500).
+    ///
+    /// ```
+    /// use axum::{Router, extract::Path, routing::{get, put}};
+    /// use dlock_axum::LockLayer;
+    ///
+    /// async fn show(Path(id): Path<u64>) -> String { format!("price list {id}") }
+    /// async fn replace(Path(id): Path<u64>) -> String { format!("replaced {id}") }
+    ///
+    /// # fn demo(locks: dlock::LockProvider) {
+    /// let key = |Path(id): Path<u64>| format!("prices:{id}");
+    /// let app: Router = Router::new()
+    ///     .route("/prices/{id}", get(show))
+    ///     .route_layer(LockLayer::with_extractor(locks.clone(), key).read())
+    ///     .merge(
+    ///         Router::new()
+    ///             .route("/prices/{id}", put(replace))
+    ///             .route_layer(LockLayer::with_extractor(locks, key)),
+    ///     );
+    /// # let _ = app; }
+    /// ```
+    ///
+    /// [`LockProvider::try_acquire_read`]: dlock::LockProvider::try_acquire_read
+    pub fn read(self) -> Self {
+        self.update(|s| s.mode = Mode::Read)
+    }
+
+    /// Lets up to `permits` requests of one key run at once: each takes a slot of the
+    /// semaphore named by the key (see [`LockProvider::acquire_semaphore`]; semaphore keys
+    /// are their own namespace). When every slot is held the request is answered as for a
+    /// held lock (409, or 408 after the timeout). Zero permits answers every request with
+    /// the configuration problem (500).
+    ///
+    /// [`LockProvider::acquire_semaphore`]: dlock::LockProvider::acquire_semaphore
+    pub fn permits(self, permits: u32) -> Self {
+        self.update(|s| s.mode = Mode::Permits(permits))
+    }
+
     /// How many requests wait for a lock right now, when [`max_waiting`](Self::max_waiting)
     /// is set (otherwise 0).
     pub fn waiting(&self) -> usize {
@@ -456,6 +555,7 @@ impl<K> Clone for Shared<K> {
             retry_after: self.retry_after,
             cancel: self.cancel.clone(),
             on_lost: self.on_lost,
+            mode: self.mode,
         }
     }
 }
@@ -485,11 +585,12 @@ impl<K: fmt::Debug> Shared<K> {
             .field("retry_after", &self.retry_after)
             .field("cancel", &self.cancel.is_some())
             .field("on_lost", &self.on_lost)
+            .field("mode", &self.mode)
             .finish()
     }
 }
 
-impl<S, K: MakeLockKey> Layer<S> for LockLayer<K> {
+impl<S, K: MakeLockKeys> Layer<S> for LockLayer<K> {
     type Service = LockService<S, K>;
 
     fn layer(&self, inner: S) -> Self::Service {

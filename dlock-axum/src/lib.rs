@@ -62,6 +62,7 @@
 //! | [`HeldLock`], [`NoLockLayer`] | the extractor that gives the handler the lock's key, fencing token and lost token; its rejection on a route without the layer |
 //! | [`LockService`], [`ResponseFuture`](future::ResponseFuture) | what it wraps around each route; the future owns the lock guard |
 //! | [`MakeLockKey`], [`ExtractorKey`], [`PathKey`], [`KeyFn`], [`KeyRejection`] | how a request becomes a key: an extractor and a closure, a template over the path's text, or a closure over the request head |
+//! | [`MakeLockKeys`], [`ExtractorKeys`] | several keys for a request, taken all or none |
 //! | [`LockRejection`] | lock errors as `application/problem+json`, also for handlers that lock by hand |
 //! | [`problem_instance`] | middleware that gives handler-returned lock problems their `instance` |
 #![forbid(unsafe_code)]
@@ -77,7 +78,9 @@ mod service;
 
 pub use held::{HeldLock, NO_LOCK_LAYER_CODE, NoLockLayer};
 pub use instance::problem_instance;
-pub use key::{ExtractorKey, KeyFn, KeyRejection, MakeLockKey, PathKey};
+pub use key::{
+    ExtractorKey, ExtractorKeys, KeyFn, KeyRejection, MakeLockKey, MakeLockKeys, PathKey,
+};
 pub use layer::{LockLayer, OnLost};
 pub use rejection::{LockRejection, PROBLEM_TYPE_PREFIX, ProblemCode, TOO_MANY_WAITERS_CODE};
 pub use service::LockService;

@@ -5,16 +5,17 @@ use std::future::poll_fn;
 use std::pin::pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
-use dlock::{LockError, LockGuard};
+use dlock::{CancellationToken, LockError, LockGuard};
 use http::Request;
 use tower_service::Service;
 
 use crate::future::ResponseFuture;
 use crate::held::HeldLock;
-use crate::key::{KeyRejection, MakeLockKey, PathKey};
-use crate::layer::{OnLost, Shared};
+use crate::key::{KeyRejection, MakeLockKeys, PathKey};
+use crate::layer::{Mode, OnLost, Shared};
 use crate::rejection::LockRejection;
 
 /// The service [`LockLayer`](crate::LockLayer) wraps around a route: see the layer for what it
@@ -68,7 +69,7 @@ where
     S::Response: IntoResponse,
     S::Future: Send + 'static,
     S::Error: Send + 'static,
-    K: MakeLockKey,
+    K: MakeLockKeys,
     B: Send + 'static,
 {
     type Response = Response;
@@ -95,7 +96,7 @@ async fn handle<S, K, B>(
 where
     S: Service<Request<B>>,
     S::Response: IntoResponse,
-    K: MakeLockKey,
+    K: MakeLockKeys,
 {
     let (mut parts, body) = request.into_parts();
     let instance = parts.uri.path().to_owned();
@@ -106,16 +107,18 @@ where
             .into_response())
     };
 
-    let key = match shared.make_key.make_key(&mut parts).await {
-        Ok(Some(key)) => key,
-        Ok(None) => {
+    let mut keys = match shared.make_key.make_keys(&mut parts).await {
+        Ok(keys) if keys.is_empty() => {
             let response = inner.call(Request::from_parts(parts, body)).await?;
             return Ok(response.into_response());
         }
+        Ok(keys) => keys,
         Err(KeyRejection::Lock(err)) => return reject(err.into()),
         Err(KeyRejection::Response(response)) => return Ok(response),
     };
-    if key.len() > shared.max_key_len {
+    keys.sort_unstable();
+    keys.dedup();
+    if let Some(key) = keys.iter().find(|key| key.len() > shared.max_key_len) {
         return reject(
             LockError::InvalidKey {
                 reason: format!(
@@ -128,25 +131,41 @@ where
         );
     }
 
-    let guard = match acquire(&shared, &key).await {
-        Ok(guard) => guard,
+    let guards = match acquire(&shared, &keys).await {
+        Ok(guards) => guards,
         Err(rejection) => return reject(rejection),
     };
 
-    parts.extensions.insert(HeldLock::new(&guard));
+    // One lock: the handler's lost token is the guard's own. Several: a token of the request's,
+    // cancelled below as soon as any of them is lost.
+    let lost = match guards.as_slice() {
+        [guard] => guard.lost_token().clone(),
+        _ => CancellationToken::new(),
+    };
+    parts
+        .extensions
+        .insert(HeldLock::new(&guards, lost.clone()));
     let cancel_on_loss = shared.on_lost == OnLost::Cancel;
-    let lost = guard.lost_token().clone();
-    // In a block of its own: the handler's future is dropped at its end, before the guard.
+    // In a block of its own: the handler's future is dropped at its end, before the guards.
     let outcome = {
-        let mut lost_signal = pin!(lost.cancelled());
+        let mut signals: Vec<_> = guards
+            .iter()
+            .map(|guard| Box::pin(guard.lost_token().cancelled()))
+            .collect();
         let mut call = pin!(inner.call(Request::from_parts(parts, body)));
         poll_fn(|cx| {
             // `is_lost` also compares the clock with a leased lock's deadline, and cancels
             // the lost token when it has passed: the handler's `HeldLock` sees what the
-            // guard knows.
-            let lost = guard.is_lost();
-            if cancel_on_loss && (lost || lost_signal.as_mut().poll(cx).is_ready()) {
-                return Poll::Ready(None);
+            // guards know.
+            let lost_now = guards.iter().any(LockGuard::is_lost)
+                | signals.iter_mut().fold(false, |any, signal| {
+                    signal.as_mut().poll(cx).is_ready() | any
+                });
+            if lost_now {
+                lost.cancel();
+                if cancel_on_loss {
+                    return Poll::Ready(None);
+                }
             }
             call.as_mut()
                 .poll(cx)
@@ -157,8 +176,13 @@ where
     match outcome {
         // The handler's future was dropped mid-way, at the end of the block above.
         None => {
-            let key = guard.key().into();
-            drop(guard);
+            let key = guards
+                .iter()
+                .find(|guard| guard.is_lost())
+                .unwrap_or(&guards[0])
+                .key()
+                .into();
+            drop(guards);
             reject(
                 LockError::Lost {
                     key,
@@ -169,23 +193,25 @@ where
         }
         Some(result) => {
             let response = result?;
-            match guard.release().await {
-                Ok(()) => {}
-                // `OnLost::Continue`: the handler saw the loss through its `HeldLock` and
-                // answered as it saw fit.
-                Err(err @ LockError::Lost { .. }) => {
-                    tracing::warn!(
-                        error = %err,
-                        "the request's lock was lost while the handler ran on (OnLost::Continue); \
-                         its response is sent as it is"
-                    );
-                }
-                Err(err) => {
-                    tracing::warn!(
-                        error = &err as &(dyn std::error::Error + 'static),
-                        "releasing the request's lock failed; the store frees it when its lease \
-                         or session ends"
-                    );
+            for guard in guards {
+                match guard.release().await {
+                    Ok(()) => {}
+                    // `OnLost::Continue`: the handler saw the loss through its `HeldLock` and
+                    // answered as it saw fit.
+                    Err(err @ LockError::Lost { .. }) => {
+                        tracing::warn!(
+                            error = %err,
+                            "the request's lock was lost while the handler ran on \
+                             (OnLost::Continue); its response is sent as it is"
+                        );
+                    }
+                    Err(err) => {
+                        tracing::warn!(
+                            error = &err as &(dyn std::error::Error + 'static),
+                            "releasing the request's lock failed; the store frees it when its \
+                             lease or session ends"
+                        );
+                    }
                 }
             }
             Ok(response)
@@ -193,30 +219,83 @@ where
     }
 }
 
-/// Takes the lock within the layer's timeout and waiter limit.
-async fn acquire<K>(shared: &Shared<K>, key: &str) -> Result<LockGuard, LockRejection> {
-    let mut builder = shared.provider.lock(key);
-    if let Some(token) = &shared.cancel {
-        builder = builder.cancel_on(token);
+/// Takes the locks within the layer's timeout and waiter limit: `keys` (sorted, distinct, at
+/// least one) all or none.
+async fn acquire<K>(shared: &Shared<K>, keys: &[String]) -> Result<Vec<LockGuard>, LockRejection> {
+    if keys.len() > 1 && shared.mode != Mode::Exclusive {
+        return Err(LockError::config(
+            "this layer makes several keys for a request, and takes several keys only as \
+             exclusive locks: remove `read()` or `permits(..)`, or make one key",
+        )
+        .into());
     }
     if shared.timeout.is_zero() {
-        return Ok(builder.try_acquire().await?);
+        return Ok(take(shared, keys, Duration::ZERO).await?);
     }
     let permit = match &shared.waiters {
         None => None,
         Some(waiters) => match Arc::clone(waiters).try_acquire_owned() {
             Ok(permit) => Some(permit),
-            // Full: no waiting for this one, but a free lock is still taken.
+            // Full: no waiting for this one, but free locks are still taken.
             Err(_) => {
-                return match builder.try_acquire().await {
-                    Ok(guard) => Ok(guard),
+                return match take(shared, keys, Duration::ZERO).await {
+                    Ok(guards) => Ok(guards),
                     Err(LockError::AlreadyHeld { .. }) => Err(LockRejection::too_many_waiters()),
                     Err(err) => Err(err.into()),
                 };
             }
         },
     };
-    let result = builder.timeout(shared.timeout).acquire().await;
+    let result = take(shared, keys, shared.timeout).await;
     drop(permit);
     Ok(result?)
+}
+
+/// Takes what the layer's mode asks for: one try when `timeout` is zero.
+async fn take<K>(
+    shared: &Shared<K>,
+    keys: &[String],
+    timeout: Duration,
+) -> Result<Vec<LockGuard>, LockError> {
+    let provider = &shared.provider;
+    let key = match keys {
+        [key] => key,
+        _ => {
+            let keys: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let many = provider.acquire_many(&keys, timeout);
+            return match &shared.cancel {
+                None => many.await,
+                Some(token) => tokio::select! {
+                    biased;
+                    () = token.cancelled() => Err(LockError::Canceled { key: Arc::from(keys[0]) }),
+                    many = many => many,
+                },
+            };
+        }
+    };
+    if let Mode::Permits(permits) = shared.mode {
+        let slot = provider.acquire_semaphore(key, permits, timeout);
+        return match &shared.cancel {
+            None => slot.await,
+            Some(token) => tokio::select! {
+                biased;
+                () = token.cancelled() => Err(LockError::Canceled { key: Arc::from(key.as_str()) }),
+                slot = slot => slot,
+            },
+        }
+        .map(|guard| vec![guard]);
+    }
+    let mut builder = provider.lock(key);
+    if shared.mode == Mode::Read {
+        builder = builder.read();
+    }
+    if let Some(token) = &shared.cancel {
+        builder = builder.cancel_on(token);
+    }
+    if timeout.is_zero() {
+        builder.try_acquire().await
+    } else {
+        builder.timeout(timeout).acquire().await
+    }
+    .map(|guard| vec![guard])
 }

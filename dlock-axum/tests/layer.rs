@@ -1489,3 +1489,221 @@ async fn a_held_lock_without_a_layer_is_a_500_problem_and_optional_where_asked()
     let answer = post_to(&format!("{}/maybe/x", server.base)).await;
     assert_eq!((answer.status, answer.body), (200, json!("maybe:x")));
 }
+
+/// An app whose handler counts itself in `inside`, then stays until `go` turns true.
+fn holding_app(
+    layer: LockLayer,
+    inside: Arc<AtomicUsize>,
+    go: tokio::sync::watch::Receiver<bool>,
+) -> Router {
+    Router::new()
+        .route(
+            "/accounts/{account_id}/debit",
+            post(move || {
+                let (inside, mut go) = (Arc::clone(&inside), go.clone());
+                async move {
+                    inside.fetch_add(1, Ordering::SeqCst);
+                    let released =
+                        tokio::time::timeout(Duration::from_secs(20), go.wait_for(|go| *go)).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    if released.is_ok() { "done" } else { "stalled" }
+                }
+            }),
+        )
+        .route_layer(layer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_mode_lets_requests_share_a_key_and_excludes_writers() {
+    let store = Store::new();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let (go, wait) = tokio::sync::watch::channel(false);
+    let layer = LockLayer::new(store.provider().await, "account:{account_id}")
+        .read()
+        .timeout(Duration::from_secs(10));
+    let server = serve(holding_app(layer, Arc::clone(&inside), wait)).await;
+    let url = format!("{}/accounts/9/debit", server.base);
+    // Another replica's reader does not keep them out.
+    let reader = store
+        .provider()
+        .await
+        .try_acquire_read("account:9")
+        .await
+        .expect("read");
+    let requests: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post_to(&url).await })
+        })
+        .collect();
+    eventually("three readers are in the handler together", || {
+        inside.load(Ordering::SeqCst) == 3
+    })
+    .await;
+    // A writer of the key is refused meanwhile.
+    let writer = store.provider().await;
+    assert!(matches!(
+        writer.try_acquire("account:9").await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    go.send(true).expect("handlers wait");
+    for request in requests {
+        let answer = request.await.expect("request");
+        assert_eq!((answer.status, answer.body), (200, json!("done")));
+    }
+    reader.release().await.expect("release");
+    // And another replica's writer keeps the readers out.
+    assert_eq!(status_while_held(&store, "account:9", &url).await, 409);
+    let free = writer
+        .try_acquire("account:9")
+        .await
+        .expect("free once the readers left");
+    free.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn permits_mode_lets_n_requests_in_and_answers_the_next_with_409() {
+    let store = Store::new();
+    let inside = Arc::new(AtomicUsize::new(0));
+    let (go, wait) = tokio::sync::watch::channel(false);
+    let layer = LockLayer::new(store.provider().await, "account:{account_id}").permits(2);
+    let server = serve(holding_app(layer, Arc::clone(&inside), wait)).await;
+    let url = format!("{}/accounts/5/debit", server.base);
+    let requests: Vec<_> = (0..2)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post_to(&url).await })
+        })
+        .collect();
+    eventually("both requests are in the handler", || {
+        inside.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    // A third request of the key finds both slots held, and so does another replica.
+    let third = post_to(&url).await;
+    assert_eq!(third.status, 409);
+    let other = store.provider().await;
+    let full = other.try_acquire_semaphore("account:5", 2).await;
+    assert!(
+        matches!(full, Err(LockError::AlreadyHeld { .. })),
+        "{full:?}"
+    );
+    go.send(true).expect("handlers wait");
+    for request in requests {
+        let answer = request.await.expect("request");
+        assert_eq!((answer.status, answer.body), (200, json!("done")));
+    }
+    // Semaphore keys are their own namespace: an exclusive lock of the key does not block it.
+    assert_eq!(status_while_held(&store, "account:5", &url).await, 200);
+    let zero = serve(
+        counting_app(LockLayer::new(store.provider().await, "account:{account_id}").permits(0)).0,
+    )
+    .await;
+    assert_eq!(
+        post_to(&format!("{}/accounts/5/debit", zero.base))
+            .await
+            .status,
+        500
+    );
+}
+
+/// The layer of the transfer routes: two account keys from the path.
+type TransferLayer =
+    LockLayer<dlock_axum::ExtractorKeys<fn(Path<(u64, u64)>) -> Vec<String>, Path<(u64, u64)>>>;
+
+fn transfer_app(layer: TransferLayer) -> Router {
+    Router::new()
+        .route(
+            "/transfers/{from}/{to}",
+            post(|lock: HeldLock| async move {
+                let keys: Vec<&str> = lock.keys().collect();
+                let fenced = lock.fencing_tokens().all(|token| token.is_some());
+                format!("{} {fenced}", keys.join(","))
+            }),
+        )
+        .route_layer(layer)
+}
+
+fn transfer_keys(Path((from, to)): Path<(u64, u64)>) -> Vec<String> {
+    vec![format!("account:{from}"), format!("account:{to}")]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_keys_are_taken_all_or_none_and_listed_for_the_handler() {
+    let store = Store::new();
+    let layer = LockLayer::with_extractor_many(
+        store.provider().await,
+        transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+    );
+    let server = serve(transfer_app(layer)).await;
+    // Both keys, in canonical order whatever the direction.
+    for (from, to) in [(1, 2), (2, 1)] {
+        let answer = post_to(&format!("{}/transfers/{from}/{to}", server.base)).await;
+        assert_eq!(
+            (answer.status, answer.body),
+            (200, json!("account:1,account:2 true"))
+        );
+    }
+    // The same account twice is one key.
+    let answer = post_to(&format!("{}/transfers/3/3", server.base)).await;
+    assert_eq!((answer.status, answer.body), (200, json!("account:3 true")));
+    // Another replica holds one of the two: 409, and the other key is not left held.
+    let other = store.provider().await;
+    let held = other.try_acquire("account:2").await.expect("hold");
+    let answer = post_to(&format!("{}/transfers/1/2", server.base)).await;
+    assert_eq!(answer.status, 409);
+    other
+        .try_acquire("account:1")
+        .await
+        .expect("the free key was not kept")
+        .release()
+        .await
+        .expect("release");
+    held.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opposite_transfers_at_once_never_deadlock() {
+    let store = Store::new();
+    let layer = LockLayer::with_extractor_many(
+        store.provider().await,
+        transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+    )
+    .timeout(Duration::from_secs(30));
+    let server = serve(transfer_app(layer)).await;
+    let requests: Vec<_> = (0..40)
+        .map(|n| {
+            let url = if n % 2 == 0 {
+                format!("{}/transfers/7/8", server.base)
+            } else {
+                format!("{}/transfers/8/7", server.base)
+            };
+            tokio::spawn(async move { post_to(&url).await.status })
+        })
+        .collect();
+    for request in requests {
+        assert_eq!(request.await.expect("request"), 200);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_keys_in_read_or_permits_mode_are_a_configuration_problem() {
+    let store = Store::new();
+    for layer in [
+        LockLayer::with_extractor_many(
+            store.provider().await,
+            transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+        )
+        .permits(2),
+        LockLayer::with_extractor_many(
+            store.provider().await,
+            transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+        )
+        .read(),
+    ] {
+        let server = serve(transfer_app(layer)).await;
+        let answer = post_to(&format!("{}/transfers/1/2", server.base)).await;
+        assert_eq!(answer.status, 500);
+        assert_eq!(answer.body["code"], json!("DistributedLock.Configuration"));
+    }
+}

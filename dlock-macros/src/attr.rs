@@ -14,11 +14,12 @@ mod kw {
     syn::custom_keyword!(on_lost);
     syn::custom_keyword!(keys);
     syn::custom_keyword!(permits);
+    syn::custom_keyword!(mode);
 }
 
 /// The options, as listed in error messages.
 const OPTIONS: &str = "`timeout = <seconds>`, `provider = <expr>`, `guard = <name>`, \
-                       `on_lost = cancel | finish` and `permits = <n>`";
+                       `on_lost = cancel | finish`, `permits = <n>` and `mode = read | write`";
 
 /// An example of `keys(...)`, for error messages.
 const KEYS_EXAMPLE: &str = "keys(\"account:{from}\", \"account:{to}\")";
@@ -47,6 +48,36 @@ impl OnLost {
             other => Err(syn::Error::new(
                 value.span(),
                 format!("unknown `on_lost` value `{other}`; {HELP}"),
+            )),
+        }
+    }
+}
+
+/// Whether the lock is shared with other readers (`mode = read`) or exclusive (`mode = write`,
+/// the default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// A read lock, shared with other readers of the key.
+    Read,
+    /// An exclusive lock (the default).
+    Write,
+}
+
+impl Mode {
+    fn parse(input: ParseStream<'_>) -> syn::Result<Self> {
+        const HELP: &str = "`mode` is `read` (a read lock, shared with other readers of the \
+                            key and excluded by writers) or `write` (the default: an exclusive \
+                            lock)";
+        if !input.peek(Ident::peek_any) {
+            return Err(syn::Error::new(input.span(), HELP));
+        }
+        let value = input.call(Ident::parse_any)?;
+        match value.to_string().as_str() {
+            "read" => Ok(Mode::Read),
+            "write" => Ok(Mode::Write),
+            other => Err(syn::Error::new(
+                value.span(),
+                format!("unknown `mode` value `{other}`; {HELP}"),
             )),
         }
     }
@@ -152,6 +183,7 @@ pub(crate) struct Args {
     pub(crate) provider: Option<(kw::provider, Expr)>,
     pub(crate) guard: Option<(kw::guard, Ident)>,
     pub(crate) on_lost: Option<(kw::on_lost, OnLost)>,
+    pub(crate) mode: Option<(kw::mode, Mode)>,
 }
 
 impl Parse for Args {
@@ -171,6 +203,7 @@ impl Parse for Args {
             provider: None,
             guard: None,
             on_lost: None,
+            mode: None,
         };
         while !input.is_empty() {
             input.parse::<Token![,]>()?;
@@ -205,6 +238,11 @@ impl Parse for Args {
                 reject_duplicate(args.on_lost.is_some(), keyword.span, "on_lost")?;
                 input.parse::<Token![=]>()?;
                 args.on_lost = Some((keyword, OnLost::parse(input)?));
+            } else if lookahead.peek(kw::mode) {
+                let keyword: kw::mode = input.parse()?;
+                reject_duplicate(args.mode.is_some(), keyword.span, "mode")?;
+                input.parse::<Token![=]>()?;
+                args.mode = Some((keyword, Mode::parse(input)?));
             } else if lookahead.peek(kw::permits) {
                 let keyword: kw::permits = input.parse()?;
                 reject_duplicate(args.permits.is_some(), keyword.span, "permits")?;
@@ -250,6 +288,23 @@ impl Parse for Args {
                  semaphore of n holders, `keys(...)` takes several exclusive locks; a function \
                  can do one or the other",
             ));
+        }
+        if let Some((keyword, Mode::Read)) = &args.mode {
+            if args.permits.is_some() {
+                return Err(syn::Error::new(
+                    keyword.span,
+                    "`mode = read` and `permits` together: a semaphore's holders are all \
+                     alike, it has no readers and writers; give one or the other",
+                ));
+            }
+            if let Keys::Many(..) = &args.keys {
+                return Err(syn::Error::new(
+                    keyword.span,
+                    "`mode = read` and `keys(...)` together: several keys are taken as \
+                     exclusive locks, all or none; take one key in read mode, or several \
+                     exclusively",
+                ));
+            }
         }
         Ok(args)
     }

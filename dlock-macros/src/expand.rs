@@ -7,7 +7,7 @@ use syn::{Fields, FnArg, Ident, Index, Item, ItemFn, ItemStruct, Member, Pat, Re
 
 use dlock_template::{Placeholder, Segment};
 
-use crate::attr::{Args, Keys, OnLost, Template, Timeout};
+use crate::attr::{Args, Keys, Mode, OnLost, Template, Timeout};
 
 /// Entry point: the expansion, or the original item plus `compile_error!`s.
 pub(crate) fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
@@ -188,6 +188,15 @@ fn expand_struct(args: Args, command: ItemStruct) -> syn::Result<TokenStream> {
              (`LockedCommand::lock_key`). To take several keys for a command, call \
              `locks.acquire_many(&[..], timeout)`, or put the attribute on the function that \
              runs the command",
+        ));
+    }
+    if let Some((keyword, _)) = &args.mode {
+        errors.push(syn::Error::new(
+            keyword.span,
+            "`mode` is an option of functions: `locks.acquire_for(&command)` takes an \
+             exclusive lock. For a read lock, call `locks.acquire_read(&command.lock_key(), \
+             command.lock_timeout())`, or put the attribute on the function that runs the \
+             command",
         ));
     }
     if let Some((keyword, _)) = &args.permits {
@@ -469,6 +478,10 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
             quote!(::dlock::__private::acquire_semaphore(
                 #provider_var, &#key_var, #permits, #timeout
             )),
+        ),
+        (Keys::One(_), None) if matches!(args.mode, Some((_, Mode::Read))) => (
+            quote!(let #key_var: ::std::string::String = #(#keys)*;),
+            quote!(#provider_var.acquire_read(&#key_var, #timeout)),
         ),
         (Keys::One(_), None) => (
             quote!(let #key_var: ::std::string::String = #(#keys)*;),

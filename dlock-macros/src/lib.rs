@@ -14,7 +14,7 @@ mod expand;
 ///
 /// ```text
 /// #[distributed_lock("<key template>", timeout = <seconds>, provider = <expr>, guard = <name>,
-///                   on_lost = cancel | finish, permits = <n>)]
+///                   on_lost = cancel | finish, permits = <n>, mode = read | write)]
 /// #[distributed_lock(keys("<template>", "<template>", ...), timeout = ..., provider = ...,
 ///                   guard = ..., on_lost = ...)]
 /// ```
@@ -201,6 +201,39 @@ mod expand;
 /// the slot's internal name and whose fencing token increases per slot. `permits` and
 /// `keys(...)` do not combine.
 ///
+/// # A read lock: `mode = read`
+///
+/// `#[distributed_lock("prices:{region}", mode = read, timeout = 5)]` takes a read lock through
+/// `LockProvider::acquire_read` (`try_acquire_read` when the timeout is 0): any number of
+/// callers read at once, while a function with the default `mode = write` on the same key
+/// excludes them all and is excluded by each. Backends without a shared lock mode answer
+/// `LockError::Unsupported`. `mode = read` does not combine with `permits` or `keys(...)`.
+///
+/// ```
+/// use dlock::{LockError, LockProvider, distributed_lock};
+///
+/// #[distributed_lock("prices:{region}", mode = read, timeout = 5)]
+/// async fn quote(locks: &LockProvider, region: &str) -> Result<u64, LockError> {
+///     Ok(42)
+/// }
+///
+/// #[distributed_lock("prices:{region}", mode = write, timeout = 5)]
+/// async fn reprice(locks: &LockProvider, region: &str) -> Result<(), LockError> {
+///     Ok(())
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), LockError> {
+/// # let dir = tempfile::tempdir().unwrap();
+/// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+/// # let locks = LockProvider::connect(&url).await?;
+/// let held = locks.try_acquire_read("prices:eu").await?;
+/// assert_eq!(quote(&locks, "eu").await?, 42); // readers share
+/// held.release().await?;
+/// reprice(&locks, "eu").await?;
+/// # Ok(()) }
+/// ```
+///
 /// # On a struct
 ///
 /// The struct gets an implementation of `dlock::LockedCommand`: `lock_key(&self)` fills the
@@ -238,7 +271,7 @@ mod expand;
 /// ```
 ///
 /// Tuple structs name their fields by position (`"job:{0}"`). `provider`, `guard`,
-/// `on_lost`, `permits` and `keys(...)` are options of functions only (`LockedCommand` names
+/// `on_lost`, `permits`, `mode` and `keys(...)` are options of functions only (`LockedCommand` names
 /// one exclusive lock).
 ///
 /// # The key template
@@ -271,6 +304,8 @@ mod expand;
 ///   (functions only).
 /// - `permits = <n>`: a semaphore of `n` (1 to `u32::MAX`) holders instead of a lock
 ///   (functions only, one key).
+/// - `mode = read` or `mode = write` (the default): a read lock shared with other readers,
+///   or an exclusive lock (functions only, one key, not with `permits`).
 ///
 /// # Compile errors
 ///
@@ -280,7 +315,8 @@ mod expand;
 /// timeout, a return type that is not a `Result`, an error type without `From<LockError>`, a
 /// malformed template; a template beside `keys(...)`, an empty or one-key `keys()`, a
 /// template repeated in it, `permits` that is 0, not a whole number or combined with
-/// `keys(...)`, and either on a struct.
+/// `keys(...)`, an unknown `mode` or `mode = read` combined with `permits` or `keys(...)`,
+/// and any of these on a struct.
 #[proc_macro_attribute]
 pub fn distributed_lock(args: TokenStream, item: TokenStream) -> TokenStream {
     expand::distributed_lock(args.into(), item.into()).into()

@@ -1,5 +1,5 @@
-//! `keys(...)` (several keys, all or none) and `permits = N` (a semaphore) at run time, on
-//! SQLite.
+//! `keys(...)` (several keys, all or none), `permits = N` (a semaphore) and `mode = read` (a
+//! shared lock) at run time, on SQLite.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -442,4 +442,65 @@ async fn a_lock_lost_while_the_body_ran_is_the_functions_error() {
         matches!(result, Err(AppError::Lock(LockError::Lost { .. }))),
         "{result:?}"
     );
+}
+
+#[distributed_lock("report:{name}", mode = read, timeout = 10)]
+async fn read_report(
+    locks: &LockProvider,
+    name: &str,
+    inside: &AtomicUsize,
+    all_in: &Notify,
+    readers: usize,
+) -> Result<(), AppError> {
+    // Every reader waits inside until all of them are: they only get there together.
+    if inside.fetch_add(1, Ordering::SeqCst) + 1 == readers {
+        all_in.notify_waiters();
+    } else {
+        let notified = all_in.notified();
+        if inside.load(Ordering::SeqCst) < readers {
+            tokio::time::timeout(Duration::from_secs(20), notified)
+                .await
+                .map_err(|_| AppError::Stalled)?;
+        }
+    }
+    Ok(())
+}
+
+#[distributed_lock("report:{name}", mode = write)]
+async fn write_report(locks: &LockProvider, name: &str) -> Result<(), AppError> {
+    Ok(())
+}
+
+#[tokio::test]
+async fn readers_run_together_and_a_writer_waits_for_them() {
+    let (_dir, a, b) = two_providers().await;
+    let inside = Arc::new(AtomicUsize::new(0));
+    let all_in = Arc::new(Notify::new());
+    let readers = 4;
+    let held = a
+        .try_acquire_read("report:q3")
+        .await
+        .expect("a reader holds the key");
+    // A writer (timeout 0: one try) is refused while a reader holds the key.
+    assert!(matches!(
+        write_report(&b, "q3").await,
+        Err(AppError::Lock(LockError::AlreadyHeld { .. }))
+    ));
+    let mut tasks = Vec::new();
+    for n in 0..readers {
+        let locks = if n % 2 == 0 { a.clone() } else { b.clone() };
+        let (inside, all_in) = (Arc::clone(&inside), Arc::clone(&all_in));
+        tasks.push(tokio::spawn(async move {
+            read_report(&locks, "q3", &inside, &all_in, readers).await
+        }));
+    }
+    for task in tasks {
+        task.await
+            .expect("task")
+            .expect("every reader got in while the others were in");
+    }
+    held.release().await.expect("release");
+    write_report(&b, "q3")
+        .await
+        .expect("free once the readers left");
 }

@@ -48,6 +48,12 @@ pub trait Harness: Send + Sync + 'static {
     /// lock connection, where the backend has that setting) but each has its own in-process
     /// table. Exclusion must hold between them as between processes.
     fn shared_providers(&self, count: usize) -> impl Future<Output = Vec<LockProvider>> + Send;
+
+    /// Whether the backend grants read (shared) locks. When not, the read-lock cases check
+    /// that every read-lock call answers [`LockError::Unsupported`] and leaves nothing behind.
+    fn read_locks(&self) -> bool {
+        false
+    }
 }
 
 /// Generates one test per conformance case for the harness that `$make` (an async expression)
@@ -105,7 +111,8 @@ macro_rules! conformance_suite {
             cancellation_sweep, shared_backend_excludes, shared_backend_contention, ping_answers,
             lease_control, many_all_or_none, many_never_deadlock, run_exclusive_once,
             leader_hands_over, semaphore_bounds_holders, semaphore_under_contention,
-            held_locks_are_listed
+            held_locks_are_listed, read_locks_share, read_write_exclusion,
+            writer_not_starved, read_shared_backend, read_cancellation_sweep
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1479,4 +1486,387 @@ pub async fn held_locks_are_listed(h: &impl Harness) {
     drop(held_first.release().await);
     held_second.release().await.expect("release");
     assert!(a.held_locks().is_empty());
+}
+
+/// Answers whether the case goes on: for a backend without read locks, checks that each
+/// read-lock call answers `Unsupported` with no lock left behind, and ends the case.
+async fn read_locks_or_unsupported(h: &impl Harness) -> bool {
+    if h.read_locks() {
+        return true;
+    }
+    let a = h.provider().await;
+    let key = unique_key("no-read");
+    for got in [
+        a.try_acquire_read(&key).await,
+        a.acquire_read(&key, Duration::from_millis(100)).await,
+        a.lock(&key).read().try_acquire().await,
+    ] {
+        match got {
+            Err(LockError::Unsupported { operation, .. }) => assert_eq!(operation, "read locks"),
+            other => {
+                panic!("expected Unsupported from a backend without read locks, got {other:?}")
+            }
+        }
+    }
+    assert_eq!(
+        a.local_key_count(),
+        0,
+        "a refused read lock left a table entry"
+    );
+    let guard = h
+        .provider()
+        .await
+        .try_acquire(&key)
+        .await
+        .expect("a refused read lock leaves the key free");
+    guard.release().await.expect("release");
+    false
+}
+
+/// Readers share a key, across providers and within one; a writer is excluded while any
+/// reader holds it, and readers while a writer does; each side gets the key once the other
+/// has let go. A backend without read locks answers `Unsupported` instead.
+pub async fn read_locks_share(h: &impl Harness) {
+    if !read_locks_or_unsupported(h).await {
+        return;
+    }
+    let (a, b, c) = (h.provider().await, h.provider().await, h.provider().await);
+    let key = unique_key("rw");
+    let r1 = a.try_acquire_read(&key).await.expect("first reader");
+    let r2 = a
+        .try_acquire_read(&key)
+        .await
+        .expect("a second reader in one provider");
+    let r3 = b
+        .acquire_read(&key, Duration::from_secs(5))
+        .await
+        .expect("a reader in another provider");
+    assert_eq!(a.held_locks().iter().filter(|l| l.shared).count(), 2);
+    // Writers are excluded, from every provider, tried and waited.
+    assert_held(a.try_acquire(&key).await);
+    assert_held(c.try_acquire(&key).await);
+    match c.acquire(&key, Duration::from_millis(200)).await {
+        Err(LockError::Timeout { .. }) => {}
+        got => panic!("a writer waited while readers held the key and got {got:?}"),
+    }
+    r1.release().await.expect("release");
+    r2.release().await.expect("release");
+    // One reader left: still no writer.
+    assert_held(c.try_acquire(&key).await);
+    let writer = {
+        let (c, key) = (c.clone(), key.clone());
+        tokio::spawn(async move { c.acquire(&key, Duration::from_secs(30)).await })
+    };
+    assert!(
+        !crate::eventually(Duration::from_millis(200), || writer.is_finished()).await,
+        "a writer got a key a reader holds"
+    );
+    r3.release().await.expect("release");
+    let w = tokio::time::timeout(Duration::from_secs(10), writer)
+        .await
+        .expect("the writer gets the key once the last reader leaves")
+        .expect("join")
+        .expect("acquire");
+    // While the writer holds it, readers are excluded everywhere.
+    assert_held(a.try_acquire_read(&key).await);
+    assert_held(c.try_acquire_read(&key).await);
+    match b.acquire_read(&key, Duration::from_millis(200)).await {
+        Err(LockError::Timeout { .. }) => {}
+        got => panic!("a reader waited while a writer held the key and got {got:?}"),
+    }
+    let reader = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move { b.acquire_read(&key, Duration::from_secs(30)).await })
+    };
+    assert!(
+        !crate::eventually(Duration::from_millis(200), || reader.is_finished()).await,
+        "a reader got a key a writer holds"
+    );
+    w.release().await.expect("release");
+    let r = tokio::time::timeout(Duration::from_secs(10), reader)
+        .await
+        .expect("the reader gets the key once the writer leaves")
+        .expect("join")
+        .expect("acquire_read");
+    // Readers and writers of other keys are unaffected.
+    let other = c
+        .try_acquire(&unique_key("rw-other"))
+        .await
+        .expect("other key");
+    other.release().await.expect("release");
+    r.release().await.expect("release");
+    let last = a.try_acquire(&key).await.expect("free once everyone left");
+    last.release().await.expect("release");
+    assert_eq!(a.local_key_count(), 0);
+}
+
+/// Readers and writers on several providers hammering one key: a writer never overlaps
+/// anyone, readers do overlap, and a fenced backend gives every writer a token larger than
+/// every token handed out before its section.
+pub async fn read_write_exclusion(h: &impl Harness) {
+    if !read_locks_or_unsupported(h).await {
+        return;
+    }
+    let key = unique_key("rw-hot");
+    // Readers inside (count) and whether a writer is inside.
+    let readers = Arc::new(AtomicUsize::new(0));
+    let writer = Arc::new(AtomicBool::new(false));
+    let most_readers = Arc::new(AtomicUsize::new(0));
+    let writes = Arc::new(AtomicUsize::new(0));
+    let highest = Arc::new(std::sync::Mutex::new(None::<u64>));
+    let fencing = h.fencing();
+    let mut tasks = Vec::new();
+    for n in 0..3 {
+        let provider = h.provider().await;
+        for t in 0..4 {
+            let (p, key, readers, writer, most_readers, writes, highest) = (
+                provider.clone(),
+                key.clone(),
+                readers.clone(),
+                writer.clone(),
+                most_readers.clone(),
+                writes.clone(),
+                highest.clone(),
+            );
+            // One writer task per provider, three readers.
+            let writes_here = t == 0;
+            tasks.push(tokio::spawn(async move {
+                for round in 0..8 {
+                    if writes_here {
+                        let g = p
+                            .acquire(&key, Duration::from_secs(60))
+                            .await
+                            .expect("write");
+                        assert!(!writer.swap(true, Ordering::SeqCst), "two writers at once");
+                        assert_eq!(readers.load(Ordering::SeqCst), 0, "a writer among readers");
+                        if fencing {
+                            let token = g.fencing_token().expect("a fenced backend gave no token");
+                            let mut highest = highest.lock().unwrap();
+                            if let Some(before) = *highest {
+                                assert!(token > before, "writer token {token} after {before}");
+                            }
+                            *highest = Some(token);
+                        }
+                        tokio::task::yield_now().await;
+                        assert_eq!(readers.load(Ordering::SeqCst), 0, "a reader came in");
+                        writer.store(false, Ordering::SeqCst);
+                        writes.fetch_add(1, Ordering::SeqCst);
+                        g.release().await.expect("release");
+                    } else {
+                        let g = p
+                            .acquire_read(&key, Duration::from_secs(60))
+                            .await
+                            .expect("read");
+                        assert!(!writer.load(Ordering::SeqCst), "a reader among a writer");
+                        let now = readers.fetch_add(1, Ordering::SeqCst) + 1;
+                        most_readers.fetch_max(now, Ordering::SeqCst);
+                        if fencing {
+                            let token = g.fencing_token().expect("a fenced backend gave no token");
+                            let mut highest = highest.lock().unwrap();
+                            *highest = Some(highest.map_or(token, |h| h.max(token)));
+                        }
+                        // Hold long enough for other readers to join.
+                        tokio::time::sleep(Duration::from_millis(2 + (n + round) as u64 % 3)).await;
+                        assert!(!writer.load(Ordering::SeqCst), "a writer came in");
+                        readers.fetch_sub(1, Ordering::SeqCst);
+                        g.release().await.expect("release");
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(writes.load(Ordering::SeqCst), 3 * 8);
+    assert!(
+        most_readers.load(Ordering::SeqCst) > 1,
+        "readers never shared the key"
+    );
+}
+
+/// A writer gets the key within a bound while readers on two other providers keep it read
+/// without a gap (each new reader arrives before the previous one leaves): readers that
+/// arrive after a waiting writer wait behind it.
+pub async fn writer_not_starved(h: &impl Harness) {
+    if !read_locks_or_unsupported(h).await {
+        return;
+    }
+    let key = unique_key("rw-starve");
+    let (a, b, w) = (h.provider().await, h.provider().await, h.provider().await);
+    let stop = CancellationToken::new();
+    let first = a.try_acquire_read(&key).await.expect("first reader");
+    let mut readers = Vec::new();
+    for p in [a.clone(), b.clone()] {
+        let (key, stop) = (key.clone(), stop.clone());
+        readers.push(tokio::spawn(async move {
+            // Overlapping readers: take a new share, then let the older one go. A reader
+            // that cannot get a new share soon (a writer is queued ahead of it) lets its old
+            // one go anyway, as any reader ends its read in bounded time.
+            let mut held: Option<LockGuard> = None;
+            while !stop.is_cancelled() {
+                match p
+                    .lock(&key)
+                    .read()
+                    .timeout(Duration::from_millis(30))
+                    .cancel_on(&stop)
+                    .acquire()
+                    .await
+                {
+                    Ok(g) => {
+                        if let Some(old) = held.replace(g) {
+                            old.release().await.expect("release");
+                        }
+                    }
+                    Err(LockError::Timeout { .. }) => {
+                        if let Some(old) = held.take() {
+                            old.release().await.expect("release");
+                        }
+                    }
+                    Err(LockError::Canceled { .. }) => break,
+                    Err(e) => panic!("reader: {e}"),
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            if let Some(g) = held {
+                g.release().await.expect("release");
+            }
+        }));
+    }
+    // The stream of readers is under way once both providers hold a share.
+    crate::wait_until(
+        "both reader providers hold a share",
+        Duration::from_secs(10),
+        async || a.held_locks().len() >= 2 && !b.held_locks().is_empty(),
+    )
+    .await;
+    first.release().await.expect("release");
+    let started = Instant::now();
+    let got = w.acquire(&key, Duration::from_secs(20)).await;
+    let waited = started.elapsed();
+    stop.cancel();
+    let g = got.expect("the writer got the key while readers kept arriving");
+    assert!(
+        waited < Duration::from_secs(10),
+        "the writer waited {waited:?} behind a stream of readers"
+    );
+    g.release().await.expect("release");
+    for r in readers {
+        r.await.expect("reader task");
+    }
+}
+
+/// Providers on clones of one backend: their readers share the key, and a writer on another
+/// clone is excluded until the last of them leaves (a server session re-entering its own lock
+/// must not let the writer in).
+pub async fn read_shared_backend(h: &impl Harness) {
+    if !read_locks_or_unsupported(h).await {
+        return;
+    }
+    let providers = h.shared_providers(3).await;
+    let key = unique_key("rw-shared");
+    let r0 = providers[0].try_acquire_read(&key).await.expect("reader");
+    let r1 = providers[1]
+        .try_acquire_read(&key)
+        .await
+        .expect("reader on a clone");
+    assert_held(providers[2].try_acquire(&key).await);
+    r0.release().await.expect("release");
+    assert_held(providers[2].try_acquire(&key).await);
+    r1.release().await.expect("release");
+    let w = providers[2]
+        .try_acquire(&key)
+        .await
+        .expect("free after readers");
+    assert_held(providers[0].try_acquire_read(&key).await);
+    assert_held(providers[1].try_acquire_read(&key).await);
+    w.release().await.expect("release");
+    // And the other way round: a writer on a clone excludes readers of the clone it is on.
+    let w = providers[0].try_acquire(&key).await.expect("free");
+    assert_held(providers[1].try_acquire_read(&key).await);
+    w.release().await.expect("release");
+    let r = providers[1]
+        .try_acquire_read(&key)
+        .await
+        .expect("free again");
+    r.release().await.expect("release");
+}
+
+/// Read acquisitions and releases dropped at random points, mixed with writers: afterwards a
+/// writer on another provider gets every key within the backend's bound.
+pub async fn read_cancellation_sweep(h: &impl Harness) {
+    if !read_locks_or_unsupported(h).await {
+        return;
+    }
+    let (a, b) = (h.provider().await, h.provider().await);
+    let keys: Vec<String> = (0..4).map(|i| unique_key(&format!("rsweep{i}"))).collect();
+    let seed = fastrand::u64(..);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let mut tasks = tokio::task::JoinSet::new();
+    for round in 0..SWEEP_ROUNDS / 4 {
+        while tasks.len() >= 16 {
+            if let Some(Err(err)) = tasks.join_next().await {
+                assert!(
+                    err.is_cancelled(),
+                    "a sweep task failed (seed {seed}): {err}"
+                );
+            }
+        }
+        let key = keys[round % keys.len()].clone();
+        let locks = a.clone();
+        let budget = Duration::from_micros(rng.u64(0..3_000));
+        let mode = rng.u8(0..4);
+        let handle = tasks.spawn(async move {
+            match mode {
+                0 => {
+                    let _ = tokio::time::timeout(
+                        budget,
+                        locks.acquire_read(&key, Duration::from_secs(5)),
+                    )
+                    .await;
+                }
+                1 => {
+                    let _ = tokio::time::timeout(budget, locks.try_acquire_read(&key)).await;
+                }
+                2 => {
+                    if let Ok(guard) = locks.acquire_read(&key, budget).await {
+                        let _ = tokio::time::timeout(budget / 2, guard.release()).await;
+                    }
+                }
+                _ => {
+                    if let Ok(guard) = locks.acquire(&key, budget).await {
+                        tokio::time::sleep(budget).await;
+                        drop(guard);
+                    }
+                }
+            }
+        });
+        if rng.bool() {
+            let after = Duration::from_micros(rng.u64(0..3_000));
+            tokio::spawn(async move {
+                tokio::time::sleep(after).await;
+                handle.abort();
+            });
+        }
+    }
+    while let Some(done) = tasks.join_next().await {
+        if let Err(err) = done {
+            assert!(
+                err.is_cancelled(),
+                "a sweep task failed (seed {seed}): {err}"
+            );
+        }
+    }
+    let bound = h.abandon_bound().unwrap_or(Duration::from_secs(30));
+    for key in &keys {
+        let guard = b
+            .acquire(key, bound)
+            .await
+            .unwrap_or_else(|e| panic!("{key} stranded after the read sweep (seed {seed}): {e}"));
+        guard.release().await.expect("release");
+    }
+    assert!(
+        crate::eventually(Duration::from_secs(5), || a.local_key_count() == 0).await,
+        "abandoned read acquisitions leave the table (seed {seed})"
+    );
 }

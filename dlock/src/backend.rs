@@ -32,6 +32,19 @@ pub struct LockRequest<'a> {
     /// not, the lock expires with its lease, and its lost token fires at its local deadline.
     /// Session-based backends ignore it.
     pub renew: bool,
+    /// A read lock: shared with other read locks of the key, excluding its exclusive locks
+    /// (and excluded by them). Asked only of a backend whose
+    /// [`shared_locks`](LockBackend::shared_locks) answers `Ok`; such a backend may see
+    /// several shared requests of one key from one provider at the same time, and must let
+    /// them share.
+    pub shared: bool,
+    /// Set on each try of a wait that the provider polls (a backend without native waits,
+    /// asked to wait): the longest pause the provider may take before its next try (the
+    /// backoff's longest pause with its jitter, cut to what is left of the timeout). `None`
+    /// for a single try. A lease backend with read locks uses it on an exclusive request to
+    /// hold new readers back while the writer waits, for a few such pauses after its last try
+    /// (see the backend's docs).
+    pub poll_pause: Option<Duration>,
 }
 
 impl<'a> LockRequest<'a> {
@@ -41,6 +54,8 @@ impl<'a> LockRequest<'a> {
             key,
             lease: None,
             renew: true,
+            shared: false,
+            poll_pause: None,
         }
     }
 
@@ -53,6 +68,19 @@ impl<'a> LockRequest<'a> {
     /// The same request, renewed while held (`true`) or left to expire with its lease.
     pub fn with_renewal(mut self, renew: bool) -> Self {
         self.renew = renew;
+        self
+    }
+
+    /// The same request, for a read (shared) lock when `shared` is true.
+    pub fn with_shared(mut self, shared: bool) -> Self {
+        self.shared = shared;
+        self
+    }
+
+    /// The same request, as a try of a polled wait whose next pause is at most `pause`
+    /// (see [`poll_pause`](LockRequest::poll_pause)).
+    pub fn with_poll_pause(mut self, pause: Option<Duration>) -> Self {
+        self.poll_pause = pause;
         self
     }
 }
@@ -203,6 +231,18 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
                 "this backend has no blocking wait; the provider polls it instead",
             ))
         })
+    }
+
+    /// Whether this backend grants read (shared) locks, [`LockRequest::shared`]: `Ok(())` when
+    /// it does, or the [`LockError::Unsupported`] that the provider answers read-lock requests
+    /// with, saying why. The default answers `Unsupported`: a backend that ignored
+    /// [`LockRequest::shared`] would hand readers exclusive locks, so it must opt in.
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Err(LockError::unsupported(
+            self.name(),
+            "read locks",
+            "this backend has no shared lock mode",
+        ))
     }
 
     /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a

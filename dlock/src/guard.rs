@@ -61,6 +61,7 @@ impl LockGuard {
             fencing_token: acquired.fencing_token,
             lease_deadline: acquired.lease_deadline.clone(),
             lost: acquired.lost.clone(),
+            shared: slot.is_shared(),
         });
         LockGuard {
             key,

@@ -20,11 +20,14 @@ pub struct LockInfo {
     pub remaining_lease: Option<Duration>,
     /// Whether the lock is known to be lost (its guard has not been released yet).
     pub lost: bool,
+    /// Whether it is a read lock, shared with other readers of the key.
+    pub shared: bool,
 }
 
 impl LockProvider {
     /// The locks this provider (and every provider made from it with
-    /// [`with_shutdown`](LockProvider::with_shutdown)) holds right now, sorted by key: from
+    /// [`with_shutdown`](LockProvider::with_shutdown)) holds right now, sorted by key (a key read
+    /// by several tasks shows once for each, oldest first): from
     /// the moment an acquisition hands out its guard until the guard's release has finished.
     /// Read from memory, with no round trip; for an admin page or a debug endpoint.
     ///
@@ -67,10 +70,11 @@ impl LockProvider {
                         }
                     }),
                     lost,
+                    shared: shown.shared,
                 }
             })
             .collect();
-        held.sort_by(|a, b| a.key.cmp(&b.key));
+        held.sort_by(|a, b| (&a.key, a.since).cmp(&(&b.key, b.since)));
         held
     }
 }

@@ -61,6 +61,23 @@ pub(crate) fn retry_after(lease: Duration) -> Duration {
     (lease / 20).max(Duration::from_millis(10))
 }
 
+/// The shortest and longest a waiting writer's intent holds new readers back after the
+/// writer's last try (see [`writer_intent`]).
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+pub(crate) const INTENT_BOUNDS: (Duration, Duration) =
+    (Duration::from_millis(100), Duration::from_secs(5));
+
+/// How long a waiting writer's intent, left by a try of its polled wait, holds back readers
+/// that come after it: twice the longest pause before the writer's next try (so the intent
+/// outlives the pause, and lapses soon after a writer that gave up), within
+/// [`INTENT_BOUNDS`].
+#[cfg(any(feature = "sqlite", feature = "redis"))]
+pub(crate) fn writer_intent(pause: Duration) -> Duration {
+    pause
+        .saturating_mul(2)
+        .clamp(INTENT_BOUNDS.0, INTENT_BOUNDS.1)
+}
+
 /// One held lock's place in the schedule: when its next renewal is due, its local deadline,
 /// and whether a renewal is in flight.
 #[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
@@ -232,6 +249,13 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn writer_intents_outlive_two_pauses_within_bounds() {
+        assert_eq!(writer_intent(625 * MS), 1250 * MS);
+        assert_eq!(writer_intent(Duration::ZERO), INTENT_BOUNDS.0);
+        assert_eq!(writer_intent(Duration::MAX), INTENT_BOUNDS.1);
+    }
 
     #[test]
     fn the_schedule() {

@@ -73,10 +73,21 @@ pub(crate) struct Terms {
     /// An acquisition of this crate's own (a semaphore slot), whose key may use the reserved
     /// prefix.
     pub(crate) internal: bool,
+    /// A read (shared) lock.
+    pub(crate) shared: bool,
+}
+
+impl Terms {
+    pub(crate) fn read() -> Self {
+        Terms {
+            shared: true,
+            ..Terms::default()
+        }
+    }
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
-pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), etcd://";
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redlock://, etcd://";
 
 impl LockProvider {
     /// Connects to the lock store named by `url`; the scheme picks the backend.
@@ -89,6 +100,7 @@ impl LockProvider {
     /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
+    /// | `redlock://host:port,host:port,host:port` | [Redlock](crate::redis::RedlockBackend) over independent Redis / Valkey nodes | `redis` |
     /// | `etcd://host:port[,host:port...]` | [etcd](crate::etcd) | `etcd` |
     ///
     /// Each backend documents its own query options (for example `?lease=30s`). Their values
@@ -118,6 +130,7 @@ impl LockProvider {
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
             "redis" | "rediss" => connect_redis(url).await,
+            "redlock" => connect_redlock(url).await,
             "etcd" => connect_etcd(url).await,
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
@@ -179,6 +192,59 @@ impl LockProvider {
     /// [`cancel_on`](LockBuilder::cancel_on) to end a wait with [`LockError::Canceled`].
     pub async fn acquire(&self, key: &str, timeout: Duration) -> Result<LockGuard, LockError> {
         self.acquire_with(key, timeout, None, Terms::default(), None)
+            .await
+    }
+
+    /// One attempt to take a read lock on `key`, without waiting.
+    ///
+    /// Read locks share the key space of [`try_acquire`](LockProvider::try_acquire): any
+    /// number of readers hold a key together, while an exclusive lock of the key excludes them
+    /// all and is excluded by each of them. Readers of one provider share the key with no
+    /// extra round trip through the in-process table, but each holds its own share in the
+    /// store. Contention (a writer holds the key, or, in this process, a writer is waiting for
+    /// it) is [`LockError::AlreadyHeld`]. Backends without a shared lock mode answer
+    /// [`LockError::Unsupported`] (see the crate docs for which have one).
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let locks = dlock::LockProvider::connect(&url).await?;
+    /// let first = locks.try_acquire_read("prices").await?;
+    /// let second = locks.try_acquire_read("prices").await?;
+    /// assert!(matches!(
+    ///     locks.try_acquire("prices").await,
+    ///     Err(dlock::LockError::AlreadyHeld { .. })
+    /// ));
+    /// first.release().await?;
+    /// second.release().await?;
+    /// locks.try_acquire("prices").await?.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: if the future is dropped, no lock is left held.
+    pub async fn try_acquire_read(&self, key: &str) -> Result<LockGuard, LockError> {
+        self.acquire_with(key, Duration::ZERO, None, Terms::read(), None)
+            .await
+    }
+
+    /// Takes a read lock on `key`, waiting up to `timeout` for writers to leave: readers share
+    /// the key, writers exclude them (see [`try_acquire_read`](LockProvider::try_acquire_read)).
+    ///
+    /// Writers are not starved by a steady stream of readers: in this process a waiting writer
+    /// holds back readers that come after it, and each backend's store does the same across
+    /// processes (the backend docs say how). Timeouts, backoff and cancellation work as in
+    /// [`acquire`](LockProvider::acquire).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: if the future is dropped while waiting, the wait ends and no lock is left
+    /// held.
+    pub async fn acquire_read(&self, key: &str, timeout: Duration) -> Result<LockGuard, LockError> {
+        self.acquire_with(key, timeout, None, Terms::read(), None)
             .await
     }
 
@@ -403,14 +469,17 @@ impl LockProvider {
             });
         }
 
-        let slot = match inner.table.try_slot(key) {
+        if terms.shared {
+            inner.backend.shared_locks()?;
+        }
+        let slot = match inner.table.try_slot(key, terms.shared) {
             Ok(slot) => slot,
             Err(stored) if one_try => return Err(LockError::AlreadyHeld { key: stored }),
             Err(stored) => tokio::select! {
                 biased;
                 () = cancelled(cancel, shutdown) => return Err(LockError::Canceled { key: stored }),
                 () = sleep_until(deadline) => return Err(LockError::Timeout { key: stored, timeout }),
-                slot = inner.table.wait_slot(key) => slot,
+                slot = inner.table.wait_slot(key, terms.shared) => slot,
             },
         };
 
@@ -422,7 +491,8 @@ impl LockProvider {
         })?;
         let request = LockRequest::new(key)
             .with_lease(terms.lease.or(inner.lease))
-            .with_renewal(terms.renew.unwrap_or(inner.renew));
+            .with_renewal(terms.renew.unwrap_or(inner.renew))
+            .with_shared(terms.shared);
         let backend = &*inner.backend;
         let attempt = async {
             if one_try {
@@ -483,7 +553,13 @@ async fn poll(
     backoff: &Backoff,
 ) -> Result<Acquired, LockError> {
     let mut pauses = Pauses::new(*backoff, deadline);
+    // The longest pause the backoff takes, jitter included.
+    let longest = backoff.max().mul_f64(1.0 + backoff.jitter());
     loop {
+        let left = deadline.map_or(longest, |deadline| {
+            deadline.saturating_duration_since(Instant::now())
+        });
+        let request = request.with_poll_pause(Some(longest.min(left)));
         match backend.try_acquire(request).await {
             Ok(Some(acquired)) => return Ok(acquired),
             Ok(None) => {}
@@ -549,6 +625,7 @@ connectors! {
     connect_mssql => "mssql", "SQL Server", crate::mssql::MssqlBackend;
     connect_oracle => "oracle", "Oracle", crate::oracle::OracleBackend;
     connect_redis => "redis", "Redis", crate::redis::RedisBackend;
+    connect_redlock => "redis", "Redlock (Redis)", crate::redis::RedlockBackend;
     connect_etcd => "etcd", "etcd", crate::etcd::EtcdBackend;
 }
 
@@ -746,6 +823,13 @@ impl<'a> LockBuilder<'a> {
     /// The backoff for this acquisition, instead of the provider's.
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.backoff = Some(backoff);
+        self
+    }
+
+    /// Takes a read lock, shared with other readers of the key, instead of an exclusive one
+    /// (see [`LockProvider::try_acquire_read`]).
+    pub fn read(mut self) -> Self {
+        self.terms.shared = true;
         self
     }
 

@@ -1,29 +1,37 @@
 //! The in-process table: the keys one provider holds or is acquiring.
 //!
-//! Every key in use has one slot, an async mutex. A task must own the slot before it talks to
-//! the lock store about that key, and keeps it for as long as it holds the lock. So:
+//! Every key in use has one slot, a fair async reader-writer lock. A task must own the slot
+//! (exclusively for a lock, shared for a read lock) before it talks to the lock store about that
+//! key, and keeps it for as long as it holds the lock. So:
 //! - a contending `try_acquire` for a key held here fails on the slot with no I/O and no
 //!   allocation (the error reuses the key stored in the table);
 //! - local waiters queue on the slot in FIFO order and are woken by the local release, and only
 //!   the one at the head talks to the store;
-//! - a backend never sees two acquisitions of one key from one provider at the same time.
+//! - a backend never sees two acquisitions of one key from one provider at the same time,
+//!   except shared (read) ones, which it must let share;
+//! - a writer waiting here holds back readers that come after it (the queue is fair), so a
+//!   steady stream of local readers cannot starve a local writer.
 //!
 //! Providers made from clones of one backend have separate tables; backends whose sessions
 //! re-enter their own locks (PostgreSQL, MySQL, SQL Server, Oracle) keep them apart with claims
 //! of their own, shared by every clone (see `lanes.rs`).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
+use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
-type Entry = Arc<AsyncMutex<()>>;
+type Entry = Arc<RwLock<()>>;
 
 #[derive(Debug, Default)]
 pub(crate) struct LocalTable {
     entries: Mutex<HashMap<Arc<str>, Entry>>,
-    /// What is known of each key held now (one holder per key: the slot's), for inspection.
-    held: Mutex<HashMap<Arc<str>, Shown>>,
+    /// What is known of each lock held now, by slot (a key has one holder, or several readers),
+    /// for inspection.
+    held: Mutex<HashMap<u64, (Arc<str>, Shown)>>,
+    /// Numbers the slots, for `held`.
+    next: AtomicU64,
 }
 
 /// A held lock as [`LockProvider::held_locks`](crate::LockProvider::held_locks) shows it.
@@ -33,6 +41,8 @@ pub(crate) struct Shown {
     pub(crate) fencing_token: Option<u64>,
     pub(crate) lease_deadline: Option<crate::backend::LeaseDeadline>,
     pub(crate) lost: tokio_util::sync::CancellationToken,
+    /// A read (shared) lock.
+    pub(crate) shared: bool,
 }
 
 impl LocalTable {
@@ -46,62 +56,59 @@ impl LocalTable {
         self.map().len()
     }
 
-    fn held(&self) -> MutexGuard<'_, HashMap<Arc<str>, Shown>> {
+    fn held(&self) -> MutexGuard<'_, HashMap<u64, (Arc<str>, Shown)>> {
         self.held.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The keys held now, with what is known of them.
+    /// The locks held now, with what is known of them.
     pub(crate) fn shown(&self) -> Vec<(Arc<str>, Shown)> {
-        self.held()
-            .iter()
-            .map(|(key, shown)| (Arc::clone(key), shown.clone()))
-            .collect()
+        self.held().values().cloned().collect()
     }
 
-    /// Takes the slot of `key` if it is free. On contention returns the key as stored in the
-    /// table, without allocating.
-    pub(crate) fn try_slot(self: &Arc<Self>, key: &str) -> Result<Slot, Arc<str>> {
+    fn slot(self: &Arc<Self>, guard: Guard, key: Arc<str>) -> Slot {
+        Slot {
+            guard,
+            id: self.next.fetch_add(1, Ordering::Relaxed),
+            entry: EntryRef {
+                table: Arc::clone(self),
+                key,
+            },
+        }
+    }
+
+    /// Takes the slot of `key` if it is free (for a shared slot: held by readers only, with no
+    /// writer waiting). On contention returns the key as stored in the table, without
+    /// allocating.
+    pub(crate) fn try_slot(self: &Arc<Self>, key: &str, shared: bool) -> Result<Slot, Arc<str>> {
         let mut map = self.map();
         if let Some((stored, entry)) = map.get_key_value(key) {
-            return match Arc::clone(entry).try_lock_owned() {
-                Ok(guard) => Ok(Slot {
-                    _guard: guard,
-                    entry: EntryRef {
-                        table: Arc::clone(self),
-                        key: Arc::clone(stored),
-                    },
-                }),
-                Err(_) => Err(Arc::clone(stored)),
+            return match Guard::try_take(entry, shared) {
+                Some(guard) => Ok(self.slot(guard, Arc::clone(stored))),
+                None => Err(Arc::clone(stored)),
             };
         }
         let stored: Arc<str> = Arc::from(key);
-        let entry: Entry = Arc::new(AsyncMutex::new(()));
-        let Ok(guard) = Arc::clone(&entry).try_lock_owned() else {
-            // A mutex nobody else has seen is always free; answer contention rather than panic.
+        let entry: Entry = Arc::new(RwLock::new(()));
+        let Some(guard) = Guard::try_take(&entry, shared) else {
+            // A lock nobody else has seen is always free; answer contention rather than panic.
             return Err(stored);
         };
         map.insert(Arc::clone(&stored), entry);
-        Ok(Slot {
-            _guard: guard,
-            entry: EntryRef {
-                table: Arc::clone(self),
-                key: stored,
-            },
-        })
+        Ok(self.slot(guard, stored))
     }
 
     /// Waits for the slot of `key`, queueing behind the local holder and earlier waiters.
     ///
     /// Cancel safe: dropping the future leaves the queue and forgets the entry if nobody else
     /// uses it.
-    pub(crate) async fn wait_slot(self: &Arc<Self>, key: &str) -> Slot {
+    pub(crate) async fn wait_slot(self: &Arc<Self>, key: &str, shared: bool) -> Slot {
         let (entry_ref, entry) = {
             let mut map = self.map();
             let (stored, entry) = match map.get_key_value(key) {
                 Some((stored, entry)) => (Arc::clone(stored), Arc::clone(entry)),
                 None => {
                     let stored: Arc<str> = Arc::from(key);
-                    let entry: Entry = Arc::new(AsyncMutex::new(()));
+                    let entry: Entry = Arc::new(RwLock::new(()));
                     map.insert(Arc::clone(&stored), Arc::clone(&entry));
                     (stored, entry)
                 }
@@ -116,10 +123,32 @@ impl LocalTable {
         };
         // `entry_ref` lives across the await: if this future is dropped while queued, its drop
         // removes the entry when no one else refers to it.
-        let guard = entry.lock_owned().await;
+        let guard = if shared {
+            Guard::Read(entry.read_owned().await)
+        } else {
+            Guard::Write(entry.write_owned().await)
+        };
         Slot {
-            _guard: guard,
+            guard,
+            id: self.next.fetch_add(1, Ordering::Relaxed),
             entry: entry_ref,
+        }
+    }
+}
+
+/// A held slot: the whole key, or a share of it.
+#[derive(Debug)]
+enum Guard {
+    Write(#[allow(dead_code)] OwnedRwLockWriteGuard<()>),
+    Read(#[allow(dead_code)] OwnedRwLockReadGuard<()>),
+}
+
+impl Guard {
+    fn try_take(entry: &Entry, shared: bool) -> Option<Guard> {
+        if shared {
+            Arc::clone(entry).try_read_owned().ok().map(Guard::Read)
+        } else {
+            Arc::clone(entry).try_write_owned().ok().map(Guard::Write)
         }
     }
 }
@@ -128,9 +157,10 @@ impl LocalTable {
 /// if nobody else is holding or waiting for it.
 #[derive(Debug)]
 pub(crate) struct Slot {
-    // Field order matters: the mutex guard is dropped (waking the next waiter) before the
+    // Field order matters: the lock guard is dropped (waking the next waiter) before the
     // entry reference checks whether the entry can go.
-    _guard: OwnedMutexGuard<()>,
+    guard: Guard,
+    id: u64,
     entry: EntryRef,
 }
 
@@ -139,17 +169,21 @@ impl Slot {
         &self.entry.key
     }
 
+    /// Whether this is a share of the key (a read lock's slot).
+    pub(crate) fn is_shared(&self) -> bool {
+        matches!(self.guard, Guard::Read(_))
+    }
+
     /// Records the lock this slot's holder got, until the slot is freed.
     pub(crate) fn show(&self, shown: Shown) {
         let key = Arc::clone(&self.entry.key);
-        self.entry.table.held().insert(key, shown);
+        self.entry.table.held().insert(self.id, (key, shown));
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        // Only this slot's holder can have recorded the key: one holder per key.
-        self.entry.table.held().remove(&*self.entry.key);
+        self.entry.table.held().remove(&self.id);
     }
 }
 
@@ -181,9 +215,9 @@ mod tests {
     #[tokio::test]
     async fn contention_and_cleanup() {
         let table = Arc::new(LocalTable::default());
-        let slot = table.try_slot("a").unwrap();
+        let slot = table.try_slot("a", false).unwrap();
         assert_eq!(&**slot.key(), "a");
-        let err = table.try_slot("a").unwrap_err();
+        let err = table.try_slot("a", false).unwrap_err();
         assert!(Arc::ptr_eq(&err, slot.key()));
         assert_eq!(table.len(), 1);
         drop(slot);
@@ -193,28 +227,54 @@ mod tests {
     #[tokio::test]
     async fn waiters_queue_and_canceled_waits_clean_up() {
         let table = Arc::new(LocalTable::default());
-        let slot = table.try_slot("k").unwrap();
+        let slot = table.try_slot("k", false).unwrap();
         let waiter = {
             let table = Arc::clone(&table);
             tokio::spawn(async move {
-                let s = table.wait_slot("k").await;
+                let s = table.wait_slot("k", false).await;
                 drop(s);
             })
         };
         // A waiter that gives up must not leave anything behind.
-        let canceled = tokio::time::timeout(Duration::from_millis(10), table.wait_slot("k")).await;
+        let canceled =
+            tokio::time::timeout(Duration::from_millis(10), table.wait_slot("k", false)).await;
         assert!(canceled.is_err());
         drop(slot);
         waiter.await.unwrap();
         assert_eq!(table.len(), 0);
 
         let gone = tokio::time::timeout(Duration::from_millis(1), async {
-            let held = table.try_slot("x").unwrap();
-            let _never = table.wait_slot("x").await;
+            let held = table.try_slot("x", false).unwrap();
+            let _never = table.wait_slot("x", false).await;
             drop(held);
         })
         .await;
         assert!(gone.is_err());
+        assert_eq!(table.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn readers_share_and_a_waiting_writer_holds_back_later_readers() {
+        let table = Arc::new(LocalTable::default());
+        let first = table.try_slot("r", true).unwrap();
+        let second = table.try_slot("r", true).unwrap();
+        assert!(table.try_slot("r", false).is_err());
+        let writer = {
+            let table = Arc::clone(&table);
+            tokio::spawn(async move { table.wait_slot("r", false).await })
+        };
+        // Once the writer has queued, a new reader no longer gets in.
+        while table.try_slot("r", true).is_ok() {
+            tokio::task::yield_now().await;
+        }
+        drop(first);
+        assert!(!writer.is_finished());
+        drop(second);
+        let written = writer.await.unwrap();
+        assert!(table.try_slot("r", true).is_err());
+        drop(written);
+        let reader = table.try_slot("r", true).unwrap();
+        drop(reader);
         assert_eq!(table.len(), 0);
     }
 }

@@ -51,6 +51,31 @@ pub fn run_exclusion(
     acquisitions: usize,
     fencing: Fencing,
 ) -> String {
+    run_mix(
+        url,
+        prefix,
+        processes,
+        tasks,
+        keys,
+        acquisitions,
+        fencing,
+        "exclusive",
+    )
+}
+
+/// [`run_exclusion`] with sections that take what `mix` says (`exclusive`, `rw`,
+/// `semaphore:N` or `many`; see the worker's docs for each one's invariants).
+#[allow(clippy::too_many_arguments)]
+pub fn run_mix(
+    url: &str,
+    prefix: &str,
+    processes: usize,
+    tasks: usize,
+    keys: usize,
+    acquisitions: usize,
+    fencing: Fencing,
+    mix: &str,
+) -> String {
     let fencing = match fencing {
         Fencing::Every => "every",
         Fencing::None => "none",
@@ -62,6 +87,7 @@ pub fn run_exclusion(
         .args(["--keys", &keys.to_string()])
         .args(["--acquisitions", &acquisitions.to_string()])
         .args(["--fencing", fencing])
+        .args(["--mix", mix])
         .stderr(Stdio::piped())
         .output()
         .expect("run the exclusion checker");
@@ -86,8 +112,17 @@ pub struct Holder {
 impl Holder {
     /// Starts a holder and waits until it reports that it holds the lock.
     pub fn start(url: &str, key: &str) -> Holder {
+        Holder::start_as("hold", url, key)
+    }
+
+    /// Starts a holder of a read lock on `key`, as [`Holder::start`].
+    pub fn start_read(url: &str, key: &str) -> Holder {
+        Holder::start_as("hold-read", url, key)
+    }
+
+    fn start_as(mode: &str, url: &str, key: &str) -> Holder {
         let mut child = Command::new(worker_bin())
-            .args(["hold", url, key])
+            .args([mode, url, key])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -64,6 +64,10 @@
 //! [`verify_still_held`](crate::LockGuard::verify_still_held) reads the key;
 //! [`stop_renewal`](crate::LockGuard::stop_renewal) stops the keep-alives.
 //!
+//! Read locks ([`try_acquire_read`](crate::LockProvider::try_acquire_read),
+//! [`acquire_read`](crate::LockProvider::acquire_read)) answer
+//! [`LockError::Unsupported`]: this backend has no shared mode yet.
+//!
 //! # Failover
 //!
 //! Leases and keys are replicated state: a new leader keeps every lease (etcd extends them

@@ -85,6 +85,25 @@
 //! Every process that locks a key must use the same table. Transaction-bound locks issue no
 //! token.
 //!
+//! # Read locks
+//!
+//! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
+//! [`acquire_read`](crate::LockProvider::acquire_read) take the key's application lock with
+//! `sp_getapplock @LockMode = 'Shared'` (given back with `sp_releaseapplock`, as the exclusive
+//! lock): readers share the key and exclude its exclusive lock, and the other way round. The
+//! readers of one backend that land on one lock connection share its one shared lock, which is
+//! given back when the last of them leaves; a read try goes to a lock connection that does not
+//! hold the key yet while there is one, so the server answers it. With fencing, a read lock
+//! takes its token from the key's counter in the same batch, so a writer's token exceeds every
+//! token issued before it.
+//!
+//! **Writers are not starved:** SQL Server grants lock requests of a resource in the order
+//! they arrive, so a reader that asks while a writer waits queues behind the writer (a try
+//! answers [`LockError::AlreadyHeld`]), and the writer gets the key once the readers before it
+//! have left. In one backend, a waiting writer also holds back later readers of the same
+//! backend. This ordering is the server's; it has not been checked against a live server
+//! here (see the crate README). Transaction-bound locks have no read form.
+//!
 //! # URL
 //!
 //! `mssql://user:password@host:port/database` (or `sqlserver://`; port 1433 by default). User

@@ -13,14 +13,14 @@ use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
 use super::statements::{
     ALREADY_EXISTS_ERROR, CREATE_DENIED_ERRORS, Call, Grant as AppLock, MAX_WAIT, NAME,
-    NOT_HELD_ERROR, Owner, Param, fenced_result, fencing_create_error, fencing_privilege_error,
-    fencing_table_call, fencing_table_check_call, getapplock_call, getapplock_fenced_call,
-    getapplock_result, keepalive_call, lock_timeout_ms, releaseapplock_call, releaseapplock_result,
-    resource_name, server_error,
+    NOT_HELD_ERROR, Param, fenced_result, fencing_create_error, fencing_privilege_error,
+    fencing_table_call, fencing_table_check_call, getapplock_fenced_call, getapplock_result,
+    getapplock_session_call, keepalive_call, lock_timeout_ms, releaseapplock_call,
+    releaseapplock_result, resource_name, server_error,
 };
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant, Session};
+use crate::session::{Connector, Failure, Grant, Mode, Session};
 
 /// A connection opened by the backend.
 pub(crate) type MssqlClient = Client<Compat<TcpStream>>;
@@ -270,6 +270,11 @@ impl Connector for MssqlConnector {
         }
     }
 
+    /// `sp_getapplock @LockMode = 'Shared'`.
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Ok(())
+    }
+
     fn open(&self) -> BoxFuture<'_, Result<MssqlSession, LockError>> {
         Box::pin(async move {
             let client = open_client(&self.config, self.connect_timeout).await?;
@@ -295,9 +300,10 @@ impl MssqlSession {
     async fn lock_fenced(
         &mut self,
         resource: &Resource,
+        mode: Mode,
         wait: Duration,
     ) -> Result<Option<Grant>, Failure> {
-        let call = getapplock_fenced_call(&resource.name, lock_timeout_ms(wait));
+        let call = getapplock_fenced_call(&resource.name, mode, lock_timeout_ms(wait));
         let (code, token) = match run_fenced(&mut self.client, &call).await {
             Ok(answer) => answer,
             Err(err) => {
@@ -336,13 +342,14 @@ impl Session for MssqlSession {
     fn lock<'a>(
         &'a mut self,
         resource: &'a Resource,
+        mode: Mode,
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
         Box::pin(async move {
             if self.fencing {
-                return self.lock_fenced(resource, wait).await;
+                return self.lock_fenced(resource, mode, wait).await;
             }
-            let call = getapplock_call(&resource.name, Owner::Session, lock_timeout_ms(wait));
+            let call = getapplock_session_call(&resource.name, mode, lock_timeout_ms(wait));
             let code = run_scalar(&mut self.client, &call)
                 .await
                 .map_err(|err| failure("taking a lock", err))?;
@@ -354,7 +361,12 @@ impl Session for MssqlSession {
         })
     }
 
-    fn unlock<'a>(&'a mut self, resource: &'a Resource) -> BoxFuture<'a, Result<(), Failure>> {
+    /// `sp_releaseapplock` gives back a lock of either mode.
+    fn unlock<'a>(
+        &'a mut self,
+        resource: &'a Resource,
+        _mode: Mode,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
         Box::pin(async move {
             let call = releaseapplock_call(&resource.name);
             match run_scalar(&mut self.client, &call).await {
@@ -385,7 +397,7 @@ mod tests {
         use std::borrow::Cow;
         use tiberius::ColumnData;
 
-        let call = getapplock_call("dlock:ab", Owner::Session, 250);
+        let call = getapplock_session_call("dlock:ab", Mode::Shared, 250);
         let sent: Vec<ColumnData<'_>> = call.params.iter().map(|p| bind(p).to_sql()).collect();
         assert_eq!(
             sent,
@@ -394,7 +406,7 @@ mod tests {
                 ColumnData::I32(Some(250)),
             ]
         );
-        let call = getapplock_fenced_call("dlock:ef", 0);
+        let call = getapplock_fenced_call("dlock:ef", Mode::Shared, 0);
         let sent: Vec<ColumnData<'_>> = call.params.iter().map(|p| bind(p).to_sql()).collect();
         assert_eq!(
             sent,

@@ -9,6 +9,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 use crate::LockError;
+use crate::session::Mode;
 
 pub(crate) const NAME: &str = "mssql";
 
@@ -28,6 +29,12 @@ EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = '
 @LockTimeout = @P2, @DbPrincipal = 'public'; \
 SELECT @r;";
 
+/// The `sp_getapplock` call in shared mode (a read lock) with `@LockOwner = 'Session'`.
+pub(crate) const GETAPPLOCK_SESSION_SHARED_SQL: &str = "DECLARE @r int; \
+EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Shared', @LockOwner = 'Session', \
+@LockTimeout = @P2, @DbPrincipal = 'public'; \
+SELECT @r;";
+
 /// The `sp_getapplock` call with `@LockOwner = 'Transaction'`.
 pub(crate) const GETAPPLOCK_TRANSACTION_SQL: &str = "DECLARE @r int; \
 EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Transaction', \
@@ -44,6 +51,25 @@ SELECT @r;";
 /// restarts.
 pub(crate) const GETAPPLOCK_FENCED_SQL: &str = "DECLARE @r int, @t bigint; \
 EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Exclusive', @LockOwner = 'Session', \
+@LockTimeout = @P2, @DbPrincipal = 'public'; \
+IF @r >= 0 \
+BEGIN \
+BEGIN TRY \
+EXEC sp_executesql N'UPDATE dlock_fencing SET @t = token = token + 1 WHERE resource = @n; \
+IF @@ROWCOUNT = 0 BEGIN INSERT INTO dlock_fencing (resource, token) VALUES (@n, 1); SET @t = 1; END', \
+N'@n nvarchar(255), @t bigint OUTPUT', @n = @P1, @t = @t OUTPUT; \
+END TRY \
+BEGIN CATCH \
+EXEC sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+THROW; \
+END CATCH; \
+END; \
+SELECT @r, @t;";
+
+/// [`GETAPPLOCK_FENCED_SQL`] in shared mode (a read lock): the token comes from the same
+/// counter as the exclusive lock's, so a writer's token exceeds every reader's before it.
+pub(crate) const GETAPPLOCK_FENCED_SHARED_SQL: &str = "DECLARE @r int, @t bigint; \
+EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Shared', @LockOwner = 'Session', \
 @LockTimeout = @P2, @DbPrincipal = 'public'; \
 IF @r >= 0 \
 BEGIN \
@@ -166,11 +192,26 @@ pub(crate) fn getapplock_call(resource: &str, owner: Owner, timeout_ms: i32) -> 
     }
 }
 
-/// The fenced `sp_getapplock` call for a session lock on `resource`: the lock and, if it is
-/// granted, its next fencing token ([`GETAPPLOCK_FENCED_SQL`]).
-pub(crate) fn getapplock_fenced_call(resource: &str, timeout_ms: i32) -> Call {
+/// The `sp_getapplock` call for a session lock on `resource` in `mode`.
+pub(crate) fn getapplock_session_call(resource: &str, mode: Mode, timeout_ms: i32) -> Call {
+    match mode {
+        Mode::Exclusive => getapplock_call(resource, Owner::Session, timeout_ms),
+        Mode::Shared => Call {
+            sql: GETAPPLOCK_SESSION_SHARED_SQL,
+            params: vec![Param::NVarChar(resource.to_owned()), Param::Int(timeout_ms)],
+        },
+    }
+}
+
+/// The fenced `sp_getapplock` call for a session lock on `resource` in `mode`: the lock and,
+/// if it is granted, its next fencing token ([`GETAPPLOCK_FENCED_SQL`],
+/// [`GETAPPLOCK_FENCED_SHARED_SQL`]).
+pub(crate) fn getapplock_fenced_call(resource: &str, mode: Mode, timeout_ms: i32) -> Call {
     Call {
-        sql: GETAPPLOCK_FENCED_SQL,
+        sql: match mode {
+            Mode::Exclusive => GETAPPLOCK_FENCED_SQL,
+            Mode::Shared => GETAPPLOCK_FENCED_SHARED_SQL,
+        },
         params: vec![Param::NVarChar(resource.to_owned()), Param::Int(timeout_ms)],
     }
 }
@@ -363,6 +404,57 @@ mod tests {
     }
 
     #[test]
+    fn shared_session_getapplock_statement_and_parameters() {
+        let call = getapplock_session_call("dlock:ab", Mode::Shared, 250);
+        assert_eq!(
+            call.sql,
+            "DECLARE @r int; EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Shared', \
+             @LockOwner = 'Session', @LockTimeout = @P2, @DbPrincipal = 'public'; SELECT @r;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::NVarChar("dlock:ab".into()), Param::Int(250)]
+        );
+        assert_eq!(
+            getapplock_session_call("dlock:ab", Mode::Exclusive, 250),
+            getapplock_call("dlock:ab", Owner::Session, 250)
+        );
+    }
+
+    #[test]
+    fn shared_fenced_getapplock_statement_and_parameters() {
+        let call = getapplock_fenced_call("dlock:ab", Mode::Shared, 0);
+        assert_eq!(
+            call.sql,
+            "DECLARE @r int, @t bigint; \
+             EXEC @r = sp_getapplock @Resource = @P1, @LockMode = 'Shared', \
+             @LockOwner = 'Session', @LockTimeout = @P2, @DbPrincipal = 'public'; \
+             IF @r >= 0 \
+             BEGIN \
+             BEGIN TRY \
+             EXEC sp_executesql N'UPDATE dlock_fencing SET @t = token = token + 1 WHERE resource = @n; \
+             IF @@ROWCOUNT = 0 BEGIN INSERT INTO dlock_fencing (resource, token) VALUES (@n, 1); \
+             SET @t = 1; END', N'@n nvarchar(255), @t bigint OUTPUT', @n = @P1, @t = @t OUTPUT; \
+             END TRY \
+             BEGIN CATCH \
+             EXEC sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+             THROW; \
+             END CATCH; \
+             END; \
+             SELECT @r, @t;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::NVarChar("dlock:ab".into()), Param::Int(0)]
+        );
+        // The same counter (and the same table row) as the exclusive lock's.
+        assert_eq!(
+            call.sql.replace("'Shared'", "'Exclusive'"),
+            getapplock_fenced_call("dlock:ab", Mode::Exclusive, 0).sql
+        );
+    }
+
+    #[test]
     fn transaction_getapplock_statement_and_parameters() {
         let call = getapplock_call("dlock:cd", Owner::Transaction, 2500);
         assert_eq!(
@@ -391,7 +483,7 @@ mod tests {
 
     #[test]
     fn fenced_getapplock_statement_and_parameters() {
-        let call = getapplock_fenced_call("dlock:ab", 1500);
+        let call = getapplock_fenced_call("dlock:ab", Mode::Exclusive, 1500);
         assert_eq!(
             call.sql,
             "DECLARE @r int, @t bigint; \
@@ -419,7 +511,7 @@ mod tests {
         // key only ever travels as the bound resource name.
         assert!(call.sql.contains("IF @r >= 0 BEGIN BEGIN TRY"));
         let key = "'; DROP TABLE dlock_fencing; --";
-        let call = getapplock_fenced_call(&resource_name(key), 0);
+        let call = getapplock_fenced_call(&resource_name(key), Mode::Exclusive, 0);
         assert!(!call.sql.contains("DROP"));
         assert_eq!(call.params[0], Param::NVarChar(resource_name(key)));
         // The counter's key column holds every resource name.

@@ -92,6 +92,15 @@
 //! whose answer carries the new value. Tokens increase strictly for each key across holders,
 //! processes and server restarts. Fencing needs a database in the URL.
 //!
+//! # Read locks
+//!
+//! None: [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
+//! [`acquire_read`](crate::LockProvider::acquire_read) answer
+//! [`LockError::Unsupported`]. `GET_LOCK` has one mode (a user
+//! lock is held by one session at a time), and a sound reader-writer lock built on it would
+//! need extra tables or sessions per key. Use the exclusive lock, or PostgreSQL, SQL Server or
+//! Oracle for read locks.
+//!
 //! # Permissions
 //!
 //! `GET_LOCK`, `RELEASE_LOCK`, `IS_USED_LOCK` and `CONNECTION_ID()` need no privilege, and

@@ -11,7 +11,7 @@ use super::MySql;
 use super::statements::*;
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant, Session};
+use crate::session::{Connector, Failure, Grant, Mode, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, driver_error, failure, ping, settle, settle_pauses,
 };
@@ -99,6 +99,10 @@ impl Connector for MySqlConnector {
         Arc::from(server_lock_name(key))
     }
 
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Err(no_shared_locks())
+    }
+
     fn open(&self) -> BoxFuture<'_, Result<MySqlSession, LockError>> {
         Box::pin(async move {
             let (conn, id, _) = open_connection(&self.options, self.connect_timeout).await?;
@@ -170,9 +174,14 @@ impl Session for MySqlSession {
     fn lock<'a>(
         &'a mut self,
         name: &'a Arc<str>,
+        mode: Mode,
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
         Box::pin(async move {
+            if mode.is_shared() {
+                // Never asked: `shared_locks` answers `Unsupported` first.
+                return Err(Failure::statement(no_shared_locks()));
+            }
             let what = if wait.is_zero() {
                 "taking a lock"
             } else {
@@ -196,7 +205,11 @@ impl Session for MySqlSession {
         })
     }
 
-    fn unlock<'a>(&'a mut self, name: &'a Arc<str>) -> BoxFuture<'a, Result<(), Failure>> {
+    fn unlock<'a>(
+        &'a mut self,
+        name: &'a Arc<str>,
+        _mode: Mode,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
         Box::pin(async move {
             sqlx::query(RELEASE_SQL)
                 .bind(&**name)
@@ -367,4 +380,38 @@ impl SqlxErrors for MySql {
 fn number(db: &dyn DatabaseError) -> Option<u16> {
     db.try_downcast_ref::<MySqlDatabaseError>()
         .map(MySqlDatabaseError::number)
+}
+
+/// Why MySQL and MariaDB have no read locks: the server's user locks have one mode.
+pub(super) fn no_shared_locks() -> LockError {
+    LockError::unsupported(
+        NAME,
+        "read locks",
+        "GET_LOCK has no shared mode (a user lock is held by one session at a time), and a \
+         sound reader-writer lock on top of it would need extra tables or sessions per key; \
+         use the exclusive lock, or PostgreSQL, SQL Server or Oracle for read locks",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The answer to a read lock says why there is none, and what to use instead.
+    #[test]
+    fn read_locks_are_unsupported_with_the_reason() {
+        match no_shared_locks() {
+            LockError::Unsupported {
+                backend,
+                operation,
+                message,
+            } => {
+                assert_eq!(backend, NAME);
+                assert_eq!(operation, "read locks");
+                assert!(message.contains("GET_LOCK has no shared mode"), "{message}");
+                assert!(message.contains("PostgreSQL"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }

@@ -100,6 +100,26 @@
 //! them. Every process that locks a key must use the same table. Transaction-bound locks issue
 //! no token.
 //!
+//! # Read locks
+//!
+//! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
+//! [`acquire_read`](crate::LockProvider::acquire_read) request the key's lock id with
+//! `DBMS_LOCK.REQUEST(lockmode => DBMS_LOCK.S_MODE)` (given back with `DBMS_LOCK.RELEASE`, as
+//! the exclusive lock): readers share the key and exclude its exclusive lock (`X_MODE`), and
+//! the other way round. A session that holds a lock id answers "already own" (4) to a second
+//! request of it, so the readers of one backend that land on one lock connection share its
+//! one shared lock, given back when the last of them leaves; a read try goes to a lock
+//! connection that does not hold the key yet while there is one. With fencing, a read lock
+//! takes its token from the key's counter in the same block, so a writer's token exceeds every
+//! token issued before it.
+//!
+//! **Writers are not starved:** Oracle queues the waiters of a lock in the order they arrive,
+//! and a request that conflicts with a waiter ahead of it waits behind it, so readers that ask
+//! while a writer waits follow the writer. In one backend, a waiting writer also holds back
+//! later readers of the same backend. This ordering is the server's; it has not been checked
+//! against a live server here (see the crate README). Transaction-bound locks have no read
+//! form.
+//!
 //! # URL
 //!
 //! `oracle://user:password@host:port/service_name` (port 1521 by default; user and password

@@ -7,7 +7,7 @@ use std::time::Duration;
 use super::statements::*;
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant as LaneGrant, Session};
+use crate::session::{Connector, Failure, Grant as LaneGrant, Mode, Session};
 
 /// Which kind of failure an Oracle error is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -250,6 +250,11 @@ impl Connector for OracleConnector {
         }
     }
 
+    /// `DBMS_LOCK.REQUEST` with `lockmode => DBMS_LOCK.S_MODE`.
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Ok(())
+    }
+
     fn open(&self) -> BoxFuture<'_, Result<OracleSession, LockError>> {
         let OracleTarget {
             user,
@@ -310,9 +315,10 @@ impl OracleSession {
     async fn lock_fenced(
         &mut self,
         resource: &OracleResource,
+        mode: Mode,
         wait: Duration,
     ) -> Result<Option<LaneGrant>, Failure> {
-        let call = request_fenced_call(resource.id, timeout_secs(wait));
+        let call = request_fenced_call(resource.id, mode, timeout_secs(wait));
         let outs = match self
             .blocking("taking a lock", move |conn| run_outs(conn, &call))
             .await
@@ -372,12 +378,13 @@ impl Session for OracleSession {
     fn lock<'a>(
         &'a mut self,
         resource: &'a OracleResource,
+        mode: Mode,
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<LaneGrant>, Failure>> {
-        let call = request_call(resource.id, Scope::Session, timeout_secs(wait));
+        let call = session_request_call(resource.id, mode, timeout_secs(wait));
         Box::pin(async move {
             if self.fencing {
-                return self.lock_fenced(resource, wait).await;
+                return self.lock_fenced(resource, mode, wait).await;
             }
             let code = self
                 .blocking("taking a lock", move |conn| run_call(conn, &call))
@@ -393,9 +400,11 @@ impl Session for OracleSession {
         })
     }
 
+    /// `DBMS_LOCK.RELEASE` gives back a lock of either mode.
     fn unlock<'a>(
         &'a mut self,
         resource: &'a OracleResource,
+        _mode: Mode,
     ) -> BoxFuture<'a, Result<(), Failure>> {
         let call = release_call(resource.id);
         Box::pin(async move {

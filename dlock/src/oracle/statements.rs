@@ -4,6 +4,7 @@
 use std::time::Duration;
 
 use crate::LockError;
+use crate::session::Mode;
 
 /// The backend's name.
 pub(super) const NAME: &str = "oracle";
@@ -17,6 +18,10 @@ pub(super) const MAX_USER_ID: i64 = 1_073_741_823;
 /// `DBMS_LOCK.REQUEST` in exclusive mode, held by the session.
 pub(super) const REQUEST_SESSION_SQL: &str = "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, \
 lockmode => DBMS_LOCK.X_MODE, timeout => :3, release_on_commit => FALSE); END;";
+
+/// `DBMS_LOCK.REQUEST` in shared mode (`S_MODE`, 4: a read lock), held by the session.
+pub(super) const REQUEST_SESSION_SHARED_SQL: &str = "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, \
+lockmode => DBMS_LOCK.S_MODE, timeout => :3, release_on_commit => FALSE); END;";
 
 /// `DBMS_LOCK.REQUEST` in exclusive mode, released at commit or rollback.
 pub(super) const REQUEST_TRANSACTION_SQL: &str = "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, \
@@ -33,6 +38,26 @@ lockmode => DBMS_LOCK.X_MODE, timeout => :3, release_on_commit => TRUE); END;";
 pub(super) const REQUEST_FENCED_SQL: &str = "DECLARE k INTEGER := :1; r INTEGER; t NUMBER; \
 BEGIN \
 r := DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.X_MODE, timeout => :2, release_on_commit => FALSE); \
+IF r = 0 THEN \
+BEGIN \
+UPDATE dlock_fencing SET token = token + 1 WHERE id = k RETURNING token INTO t; \
+IF SQL%ROWCOUNT = 0 THEN INSERT INTO dlock_fencing (id, token) VALUES (k, 1); t := 1; END IF; \
+COMMIT; \
+EXCEPTION WHEN OTHERS THEN \
+ROLLBACK; \
+r := DBMS_LOCK.RELEASE(id => k); \
+RAISE; \
+END; \
+END IF; \
+:3 := r; \
+:4 := t; \
+END;";
+
+/// [`REQUEST_FENCED_SQL`] in shared mode (`S_MODE`, a read lock): the token comes from the
+/// same counter as the exclusive lock's, so a writer's token exceeds every reader's before it.
+pub(super) const REQUEST_FENCED_SHARED_SQL: &str = "DECLARE k INTEGER := :1; r INTEGER; t NUMBER; \
+BEGIN \
+r := DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.S_MODE, timeout => :2, release_on_commit => FALSE); \
 IF r = 0 THEN \
 BEGIN \
 UPDATE dlock_fencing SET token = token + 1 WHERE id = k RETURNING token INTO t; \
@@ -143,10 +168,29 @@ pub(super) fn request_call(id: i32, scope: Scope, timeout_secs: i64) -> Call {
     }
 }
 
-/// The fenced `DBMS_LOCK.REQUEST` of a session lock ([`REQUEST_FENCED_SQL`]).
-pub(super) fn request_fenced_call(id: i32, timeout_secs: i64) -> Call {
+/// The `DBMS_LOCK.REQUEST` of a session lock in `mode`.
+pub(super) fn session_request_call(id: i32, mode: Mode, timeout_secs: i64) -> Call {
+    match mode {
+        Mode::Exclusive => request_call(id, Scope::Session, timeout_secs),
+        Mode::Shared => Call {
+            sql: REQUEST_SESSION_SHARED_SQL,
+            params: vec![
+                Param::OutNumber,
+                Param::Number(i64::from(id)),
+                Param::Number(timeout_secs),
+            ],
+        },
+    }
+}
+
+/// The fenced `DBMS_LOCK.REQUEST` of a session lock in `mode` ([`REQUEST_FENCED_SQL`],
+/// [`REQUEST_FENCED_SHARED_SQL`]).
+pub(super) fn request_fenced_call(id: i32, mode: Mode, timeout_secs: i64) -> Call {
     Call {
-        sql: REQUEST_FENCED_SQL,
+        sql: match mode {
+            Mode::Exclusive => REQUEST_FENCED_SQL,
+            Mode::Shared => REQUEST_FENCED_SHARED_SQL,
+        },
         params: vec![
             Param::Number(i64::from(id)),
             Param::Number(timeout_secs),
@@ -290,7 +334,7 @@ mod tests {
 
     #[test]
     fn fenced_request_statement_and_parameters() {
-        let call = request_fenced_call(123, 4);
+        let call = request_fenced_call(123, Mode::Exclusive, 4);
         assert_eq!(
             call.sql,
             "DECLARE k INTEGER := :1; r INTEGER; t NUMBER; BEGIN \
@@ -326,6 +370,51 @@ mod tests {
         let granted = call.sql.find("IF r = 0 THEN").unwrap();
         assert!(call.sql.find("UPDATE dlock_fencing").unwrap() > granted);
         assert!(call.sql.contains("release_on_commit => FALSE"));
+    }
+
+    #[test]
+    fn shared_request_statements_and_parameters() {
+        let call = session_request_call(123, Mode::Shared, 0);
+        assert_eq!(
+            call.sql,
+            "BEGIN :1 := DBMS_LOCK.REQUEST(id => :2, lockmode => DBMS_LOCK.S_MODE, \
+             timeout => :3, release_on_commit => FALSE); END;"
+        );
+        assert_eq!(
+            call.params,
+            vec![Param::OutNumber, Param::Number(123), Param::Number(0)]
+        );
+        assert_eq!(
+            session_request_call(123, Mode::Exclusive, 3),
+            request_call(123, Scope::Session, 3)
+        );
+        let call = request_fenced_call(9, Mode::Shared, 2);
+        assert_eq!(
+            call.sql,
+            "DECLARE k INTEGER := :1; r INTEGER; t NUMBER; BEGIN \
+             r := DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.S_MODE, timeout => :2, \
+             release_on_commit => FALSE); \
+             IF r = 0 THEN BEGIN \
+             UPDATE dlock_fencing SET token = token + 1 WHERE id = k RETURNING token INTO t; \
+             IF SQL%ROWCOUNT = 0 THEN INSERT INTO dlock_fencing (id, token) VALUES (k, 1); t := 1; END IF; \
+             COMMIT; \
+             EXCEPTION WHEN OTHERS THEN ROLLBACK; r := DBMS_LOCK.RELEASE(id => k); RAISE; \
+             END; END IF; :3 := r; :4 := t; END;"
+        );
+        assert_eq!(
+            call.params,
+            vec![
+                Param::Number(9),
+                Param::Number(2),
+                Param::OutNumber,
+                Param::OutToken
+            ]
+        );
+        // The same counter as the exclusive lock's; only the mode differs.
+        assert_eq!(
+            call.sql.replace("S_MODE", "X_MODE"),
+            request_fenced_call(9, Mode::Exclusive, 2).sql
+        );
     }
 
     #[test]

@@ -92,6 +92,40 @@
 //! costs one round trip either way. Tokens increase strictly for each key across holders,
 //! processes and server restarts (the row is an ordinary committed row).
 //!
+//! # Read locks
+//!
+//! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
+//! [`acquire_read`](crate::LockProvider::acquire_read) take the key's advisory lock in
+//! PostgreSQL's shared mode (`pg_try_advisory_lock_shared`, `pg_advisory_lock_shared` under
+//! `lock_timeout`, `pg_advisory_unlock_shared`): readers share the key, across processes too,
+//! and exclude its exclusive lock (and the other way round). Any client that takes the same id
+//! with the same functions takes part.
+//!
+//! The readers of one backend that land on one lock connection share that connection's one
+//! shared lock: the server sees it once, and it is given back when the last of them leaves. A
+//! read try goes to a lock connection that does not hold the key shared yet while there is
+//! one, so the server answers it. The claims keep a reader and a writer of one backend apart
+//! although they may share a connection (a session holding the shared lock would be granted
+//! the exclusive one too, and the reverse).
+//!
+//! **Writers are not starved.** PostgreSQL queues a request behind any waiter it conflicts
+//! with: while a writer waits for a key that readers hold, a new reader's wait queues behind
+//! the writer, and a new reader's try answers [`LockError::AlreadyHeld`] even though only
+//! readers hold the key (`tests/postgres.rs` pins the server's answer). The writer gets the key
+//! as soon as the readers before it have left. In one backend, a waiting writer also holds
+//! back later readers of the same backend before they reach the server, and in one provider
+//! the in-process table does. The one reader that passes a queued writer is one that joins a
+//! shared lock its lock connection already holds (every lock connection holds the key: more
+//! readers of one key at once than `connections`); it ends its read in its own time, and the
+//! writer follows the readers who were there first.
+//!
+//! With fencing, a read lock taken on the server increments the key's counter as the
+//! exclusive lock does, so a writer's token exceeds every token issued before it; readers that
+//! join a connection's shared lock get that lock's token.
+//!
+//! Transaction-bound locks have no read form: [`try_acquire_in_transaction`] and
+//! [`acquire_in_transaction`] take the exclusive lock.
+//!
 //! # Permissions
 //!
 //! Advisory locks need no privilege beyond `CONNECT` on the database (the functions

@@ -9,7 +9,7 @@ use sqlx::{Connection, Row};
 use super::Postgres;
 use super::statements::*;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant, Session};
+use crate::session::{Connector, Failure, Grant, Mode, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, db_code, driver_error, is_connection_error, ping, settle,
     settle_pauses,
@@ -70,6 +70,11 @@ impl Connector for PgConnector {
         lock_id(key)
     }
 
+    /// `pg_advisory_lock_shared` and friends.
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Ok(())
+    }
+
     fn open(&self) -> BoxFuture<'_, Result<PgSession, LockError>> {
         Box::pin(self.open_session())
     }
@@ -93,9 +98,9 @@ pub struct PgCancel {
 
 impl PgSession {
     /// One try; the fencing token is issued in the same statement.
-    async fn try_lock(&mut self, id: i64) -> Result<Option<Grant>, sqlx::Error> {
+    async fn try_lock(&mut self, id: i64, sql: ModeSql) -> Result<Option<Grant>, sqlx::Error> {
         if self.fencing {
-            let row = sqlx::query(TRY_FENCED_SQL)
+            let row = sqlx::query(sql.try_fenced)
                 .bind(id)
                 .fetch_one(&mut self.conn)
                 .await?;
@@ -105,7 +110,7 @@ impl PgSession {
                 token: token.and_then(|t| u64::try_from(t).ok()),
             }))
         } else {
-            let got: bool = sqlx::query_scalar(TRY_SQL)
+            let got: bool = sqlx::query_scalar(sql.try_lock)
                 .bind(id)
                 .fetch_one(&mut self.conn)
                 .await?;
@@ -115,19 +120,24 @@ impl PgSession {
 
     /// A native wait under `lock_timeout`. If the timeout (or a cancel) fires at the moment
     /// the lock is granted, `pg_locks` decides.
-    async fn wait_lock(&mut self, id: i64, wait: Duration) -> Result<Option<Grant>, sqlx::Error> {
+    async fn wait_lock(
+        &mut self,
+        id: i64,
+        sql: ModeSql,
+        wait: Duration,
+    ) -> Result<Option<Grant>, sqlx::Error> {
         sqlx::query(SET_LOCK_TIMEOUT_SQL)
             .bind(lock_timeout_setting(wait))
             .execute(&mut self.conn)
             .await?;
         let waited = if self.fencing {
-            sqlx::query_scalar::<_, i64>(WAIT_FENCED_SQL)
+            sqlx::query_scalar::<_, i64>(sql.wait_fenced)
                 .bind(id)
                 .fetch_one(&mut self.conn)
                 .await
                 .map(|token| u64::try_from(token).ok())
         } else {
-            sqlx::query(WAIT_SQL)
+            sqlx::query(sql.wait)
                 .bind(id)
                 .execute(&mut self.conn)
                 .await
@@ -166,13 +176,15 @@ impl Session for PgSession {
     fn lock<'a>(
         &'a mut self,
         id: &'a i64,
+        mode: Mode,
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
+        let sql = mode_sql(mode);
         Box::pin(async move {
             let (what, outcome) = if wait.is_zero() {
-                ("taking a lock", self.try_lock(*id).await)
+                ("taking a lock", self.try_lock(*id, sql).await)
             } else {
-                ("waiting for a lock", self.wait_lock(*id, wait).await)
+                ("waiting for a lock", self.wait_lock(*id, sql, wait).await)
             };
             match outcome {
                 Ok(grant) => Ok(grant),
@@ -180,9 +192,10 @@ impl Session for PgSession {
                     // The statement failed (say, the fencing table is missing) after the lock
                     // may have been taken: give it back. The unlock cannot end another
                     // acquisition's hold on this session: the backend's claims admit one
-                    // acquisition per lock id at a time, however many providers share it.
+                    // exclusive acquisition per lock id at a time, however many providers
+                    // share it, and a session is never asked for a shared lock it holds.
                     let error = driver_error::<Postgres>(what, err);
-                    match sqlx::query(UNLOCK_SQL)
+                    match sqlx::query(sql.unlock)
                         .bind(*id)
                         .execute(&mut self.conn)
                         .await
@@ -196,9 +209,10 @@ impl Session for PgSession {
         })
     }
 
-    fn unlock<'a>(&'a mut self, id: &'a i64) -> BoxFuture<'a, Result<(), Failure>> {
+    fn unlock<'a>(&'a mut self, id: &'a i64, mode: Mode) -> BoxFuture<'a, Result<(), Failure>> {
+        let sql = mode_sql(mode);
         Box::pin(async move {
-            sqlx::query_scalar::<_, bool>(UNLOCK_SQL)
+            sqlx::query_scalar::<_, bool>(sql.unlock)
                 .bind(*id)
                 .fetch_one(&mut self.conn)
                 .await

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::session::Mode;
+
 /// The backend's name.
 pub(super) const NAME: &str = "postgres";
 
@@ -34,6 +36,57 @@ pub(super) const FENCE_SQL: &str = "INSERT INTO dlock_fencing (id, token) VALUES
     ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token";
 
 pub(super) const UNLOCK_SQL: &str = "SELECT pg_advisory_unlock($1)";
+
+/// `$1` lock id. One try for the shared lock. Returns whether it was taken.
+pub(super) const TRY_SHARED_SQL: &str = "SELECT pg_try_advisory_lock_shared($1)";
+
+/// `$1` lock id. Takes the shared lock and, only if it was taken, increments the lock's
+/// fencing counter (the exclusive lock's) in the same statement.
+pub(super) const TRY_SHARED_FENCED_SQL: &str = "WITH l AS (SELECT pg_try_advisory_lock_shared($1) AS got), \
+    f AS (INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM l WHERE l.got \
+          ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token) \
+    SELECT l.got, (SELECT token FROM f) FROM l";
+
+/// `$1` lock id. Waits for the shared lock (under the session's `lock_timeout`).
+pub(super) const WAIT_SHARED_SQL: &str = "SELECT pg_advisory_lock_shared($1)";
+
+/// `$1` lock id. Waits for the shared lock, then increments the fencing counter in the same
+/// statement.
+pub(super) const WAIT_SHARED_FENCED_SQL: &str = "WITH l AS (SELECT pg_advisory_lock_shared($1)) \
+    INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM l \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token";
+
+pub(super) const UNLOCK_SHARED_SQL: &str = "SELECT pg_advisory_unlock_shared($1)";
+
+/// The statements of one lock mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ModeSql {
+    pub(super) try_lock: &'static str,
+    pub(super) try_fenced: &'static str,
+    pub(super) wait: &'static str,
+    pub(super) wait_fenced: &'static str,
+    pub(super) unlock: &'static str,
+}
+
+/// The statements of `mode`: `pg_advisory_lock` and friends, or their `_shared` forms.
+pub(super) fn mode_sql(mode: Mode) -> ModeSql {
+    match mode {
+        Mode::Exclusive => ModeSql {
+            try_lock: TRY_SQL,
+            try_fenced: TRY_FENCED_SQL,
+            wait: WAIT_SQL,
+            wait_fenced: WAIT_FENCED_SQL,
+            unlock: UNLOCK_SQL,
+        },
+        Mode::Shared => ModeSql {
+            try_lock: TRY_SHARED_SQL,
+            try_fenced: TRY_SHARED_FENCED_SQL,
+            wait: WAIT_SHARED_SQL,
+            wait_fenced: WAIT_SHARED_FENCED_SQL,
+            unlock: UNLOCK_SHARED_SQL,
+        },
+    }
+}
 
 /// `$1` lock id. Whether this session holds the lock (session or transaction level).
 pub(super) const HELD_SQL: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' \
@@ -114,6 +167,26 @@ pub(super) fn lock_timeout_setting(timeout: Duration) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The shared statements are the exclusive ones with the `_shared` functions, nothing else.
+    #[test]
+    fn shared_statements_mirror_the_exclusive_ones() {
+        let (x, s) = (mode_sql(Mode::Exclusive), mode_sql(Mode::Shared));
+        for (exclusive, shared) in [
+            (x.try_lock, s.try_lock),
+            (x.try_fenced, s.try_fenced),
+            (x.wait, s.wait),
+            (x.wait_fenced, s.wait_fenced),
+        ] {
+            assert_eq!(
+                exclusive.replace("advisory_lock(", "advisory_lock_shared("),
+                shared
+            );
+        }
+        assert_eq!(x.unlock.replace("unlock(", "unlock_shared("), s.unlock);
+        assert_eq!(s.try_lock, "SELECT pg_try_advisory_lock_shared($1)");
+        assert_eq!(s.unlock, "SELECT pg_advisory_unlock_shared($1)");
+    }
 
     #[test]
     fn lock_timeouts() {

@@ -93,6 +93,44 @@
 //! a lock must use the same layout. Switching a running system from one to the other is a
 //! migration: locks held under the old layout are not seen by the new one.
 //!
+//! # Read locks
+//!
+//! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
+//! [`acquire_read`](crate::LockProvider::acquire_read) take a share of the key. Each reader
+//! holds a lease of its own under an owner token of its own: a member of the sorted set
+//! `<lock key>:readers` scored by its lease end in the server's milliseconds (`TIME`),
+//! renewed, extended, verified and released like a lock (from the same renewal task, on the
+//! same schedule, with the same local deadline and connection fencing), and lost the same way:
+//! a renewal that finds its share gone or expired fires its lost token (an expired share is
+//! never revived: a writer may have held the key meanwhile). While readers hold a key, **the
+//! lock key itself holds the empty string**, which no owner token can be, with the latest
+//! reader's lease as its time to live; the set lives as long. So every exclusive acquisition
+//! (`SET key token NX PX`, the fenced script, earlier versions of dlock, other clients of the
+//! [plain layout](self#the-plain-layout-for-other-clients)) finds the key held while any
+//! reader's lease lasts, on every server and path, with no change to its command; and a reader
+//! finds any non-empty value a writer. Each operation is one Lua script (keys only through
+//! `KEYS`: the lock key, the readers' set, the writer's intent and the fencing counter, all
+//! under the lock's hash tag in the tagged layout, so they share a Cluster slot); each drops
+//! the expired readers and sets the lock key's and the set's time to live to the latest lease
+//! left, or deletes both when no reader is left. A reader that dies (even by SIGKILL) stops
+//! counting when its lease ends. A reader's fencing token is an `INCR` of the key's counter, the
+//! one locks use: a writer's token is above every earlier reader's and writer's.
+//!
+//! **Writers are not starved.** A writer that waits (an
+//! [`acquire`](crate::LockProvider::acquire) with a timeout, which polls) and finds readers
+//! holding the key sets `<lock key>:writer` (one script), with a time to live of twice its
+//! longest pause between polls (100 ms to 5 s; 1.25 s with the default backoff), renewed by each
+//! poll. While it lasts, new readers are refused (contention, as if the writer held the key);
+//! readers already in keep their shares until they release them, after which the writer gets
+//! the key. The writer deletes the intent once it has the key (`DEL`), and a writer that gives
+//! up leaves one that lapses within that time. A single
+//! [`try_acquire`](crate::LockProvider::try_acquire) leaves none, nor does a user the server
+//! refuses the script (asked once per backend; its writers then have no preference).
+//!
+//! With `key_layout=plain` the set and the intent are `<lock key>` + byte 0xFF + `:readers` /
+//! `:writer`, as the fencing counter. Read locks need the permissions of
+//! [Permissions](self#permissions) on every server.
+//!
 //! # URL
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
@@ -161,6 +199,11 @@
 //!
 //! [Connection fencing](self#connection-fencing) also needs `+client|id +client|kill`; without
 //! them dlock warns once and goes on without fencing.
+//!
+//! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
+//! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
+//! +pexpire +del` (and `+incr` with fencing); a waiting writer's intent needs `+evalsha +eval
+//! +get +set`, and clearing it `+del`.
 //!
 //! A command the user may not run is a [`LockError::Backend`] with `db_code` `"NOPERM"` whose
 //! message names the command (on Redis 7.0, which does not say which command of a script it
@@ -284,6 +327,8 @@
 
 mod commands;
 mod fence;
+mod read;
+mod redlock;
 mod renewals;
 mod token;
 
@@ -305,6 +350,7 @@ use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
 pub use fence::ConnectionFencing;
 use fence::{Attempt, Fence, fenced};
+pub use redlock::RedlockBackend;
 use renewals::Renewals;
 pub use token::OwnerToken;
 
@@ -347,6 +393,8 @@ struct Shared {
     /// The renewal cadence set by the application, if any.
     renew_every: Option<Duration>,
     renewals: Arc<Renewals>,
+    /// Where this backend's waiting writers left intents (see [Read locks](self#read-locks)).
+    intents: read::Intents,
 }
 
 impl Drop for Shared {
@@ -550,6 +598,7 @@ impl RedisBuilder {
                 timeout: self.timeout,
                 renew_every: self.renew_every,
                 renewals: Arc::default(),
+                intents: read::Intents::default(),
             }),
         })
     }
@@ -1062,6 +1111,12 @@ impl LockBackend for RedisBackend {
         NAME
     }
 
+    /// Read locks are readers' shares of the key under leases of their own (see
+    /// [Read locks](self#read-locks)).
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Ok(())
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
             let cmd = redis::cmd("PING");
@@ -1079,6 +1134,9 @@ impl LockBackend for RedisBackend {
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
         Box::pin(async move {
             let shared = &self.shared;
+            if request.shared {
+                return read::try_acquire(shared, request).await;
+            }
             let lease = request.lease.unwrap_or(shared.lease);
             check_lease(lease)?;
             let token = OwnerToken::random()?;
@@ -1103,6 +1161,9 @@ impl LockBackend for RedisBackend {
                 .await?;
             let Some(fencing_token) = taken else {
                 cleanup.armed = false;
+                if let Some(pause) = request.poll_pause {
+                    read::writer_waits(shared, &lock_key, pause).await;
+                }
                 return Ok(None);
             };
             // The lease began when the server ran the command, at some moment after `sent`:
@@ -1127,6 +1188,7 @@ impl LockBackend for RedisBackend {
                 });
             }
             cleanup.armed = false;
+            read::writer_got(shared, &lock_key).await;
             let lost = CancellationToken::new();
             let (renewal, deadline) = match Renewals::register(
                 shared,
@@ -1157,6 +1219,7 @@ impl LockBackend for RedisBackend {
                         token,
                         lost,
                         renewal,
+                        read: false,
                     }),
                 )
                 .with_lease_deadline(deadline),
@@ -1209,6 +1272,8 @@ struct RedisHeld {
     lost: CancellationToken,
     /// Its entry in the backend's renewals.
     renewal: u64,
+    /// A reader's share (see [Read locks](self#read-locks)).
+    read: bool,
 }
 
 impl Drop for RedisHeld {
@@ -1236,7 +1301,13 @@ impl HeldLock for RedisHeld {
     fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
         Box::pin(async move {
             self.shared.renewals.remove(self.renewal);
-            let release = self.shared.conn.release(&self.key, &self.token);
+            let release = async {
+                if self.read {
+                    read::release(&self.shared, &self.key, &self.token).await
+                } else {
+                    self.shared.conn.release(&self.key, &self.token).await
+                }
+            };
             let what = "releasing a lock";
             match fenced(&self.shared, what, Some(self.lost.clone()), release).await {
                 Attempt::Done((outcome, _)) => {
@@ -1281,7 +1352,13 @@ impl LeaseControl for RedisHeld {
         Box::pin(async move {
             check_lease(lease)?;
             let sent = Instant::now();
-            let extend = self.shared.conn.extend(&self.key, &self.token, lease);
+            let extend = async {
+                if self.read {
+                    read::extend(&self.shared, &self.key, &self.token, lease).await
+                } else {
+                    self.shared.conn.extend(&self.key, &self.token, lease).await
+                }
+            };
             let extended = match fenced(&self.shared, "extending a lock", None, extend).await {
                 Attempt::Done((extended, _)) => extended,
                 Attempt::Failed(err)
@@ -1317,6 +1394,14 @@ impl LeaseControl for RedisHeld {
 
     fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
         Box::pin(async move {
+            if self.read {
+                let verify = read::verify(&self.shared, &self.key, &self.token);
+                let held = self.shared.bounded("reading a read lock", verify).await?;
+                if !held {
+                    self.shared.renewals.lose(self.renewal);
+                }
+                return Ok(held);
+            }
             // One `GET`: the owner is all that is asked (no transaction, so `+get` is the only
             // permission it needs).
             let mut get = redis::cmd("GET");

@@ -58,6 +58,8 @@ struct Entry {
     /// hears of the loss before the driver runs again.
     term: Term,
     lost: CancellationToken,
+    /// A reader's share: renewed by the read script (see `read.rs`).
+    read: bool,
 }
 
 impl Renewals {
@@ -77,6 +79,33 @@ impl Renewals {
         lost: CancellationToken,
         renew: bool,
     ) -> Result<(u64, LeaseDeadline), LockError> {
+        Self::register_as(shared, key, token, lease, sent, lost, renew, false)
+    }
+
+    /// [`Renewals::register`] for a reader's share of a lock.
+    pub(super) fn register_read(
+        shared: &Arc<Shared>,
+        key: Arc<[u8]>,
+        token: OwnerToken,
+        lease: Duration,
+        sent: Instant,
+        lost: CancellationToken,
+        renew: bool,
+    ) -> Result<(u64, LeaseDeadline), LockError> {
+        Self::register_as(shared, key, token, lease, sent, lost, renew, true)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn register_as(
+        shared: &Arc<Shared>,
+        key: Arc<[u8]>,
+        token: OwnerToken,
+        lease: Duration,
+        sent: Instant,
+        lost: CancellationToken,
+        renew: bool,
+        read: bool,
+    ) -> Result<(u64, LeaseDeadline), LockError> {
         let renewals = &shared.renewals;
         let mut term = Term::new(lease, sent, shared.renew_every);
         if !renew {
@@ -88,6 +117,7 @@ impl Renewals {
             token,
             term,
             lost,
+            read,
         };
         // The entry goes in only while a driver runs (under the lock its stop takes too), so
         // no entry is ever left without a driver that renews it or declares it lost. Two
@@ -241,6 +271,7 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
                         Arc::clone(&entry.key),
                         entry.token.clone(),
                         entry.term.lease(),
+                        entry.read,
                     ));
                 }
             }
@@ -256,8 +287,8 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
             state.planned = Some(planned);
             planned
         };
-        for (id, key, token, lease) in due {
-            tokio::spawn(renew(Arc::clone(&backend), id, key, token, lease));
+        for (id, key, token, lease, read) in due {
+            tokio::spawn(renew(Arc::clone(&backend), id, key, token, lease, read));
         }
         let renewals = Arc::clone(&backend.renewals);
         drop(backend);
@@ -269,11 +300,24 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
 }
 
 /// One renewal of entry `id`; updates the entry with the outcome.
-async fn renew(shared: Arc<Shared>, id: u64, key: Arc<[u8]>, token: OwnerToken, lease: Duration) {
+async fn renew(
+    shared: Arc<Shared>,
+    id: u64,
+    key: Arc<[u8]>,
+    token: OwnerToken,
+    lease: Duration,
+    read: bool,
+) {
     // Taken before the command is sent: the server's new lease starts no earlier, so a late
     // answer never moves the deadline past what the server granted.
     let attempt = Instant::now();
-    let extend = shared.conn.extend(&key, &token, lease);
+    let extend = async {
+        if read {
+            super::read::extend(&shared, &key, &token, lease).await
+        } else {
+            shared.conn.extend(&key, &token, lease).await
+        }
+    };
     // A renewal with an unknown outcome has its connection killed (when fencing is on): it
     // cannot extend the lease later, after the holder was told the lock is lost.
     let outcome = match super::fence::fenced(&shared, "renewing a lock", None, extend).await {

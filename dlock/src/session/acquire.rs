@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::claims::{Claim, Claims, Until};
 use super::lane::{Lane, LaneCommand, LaneHeld};
 use super::options::LaneSettings;
-use super::traits::Connector;
+use super::traits::{Connector, Mode};
 use super::wait::{WaitHeld, WaitPool, WaitTask};
 use crate::backend::Acquired;
 use crate::backoff::Pauses;
@@ -76,15 +76,41 @@ impl<C: Connector> Lanes<C> {
         &self.connector
     }
 
-    /// The next lane's command channel. A lane whose task has stopped (the runtime it ran on
-    /// was dropped; its locks were reported lost then) is started again on this runtime.
+    /// The next lane's command channel.
     fn lane(&self) -> Result<mpsc::UnboundedSender<LaneCommand<C>>, LockError> {
         let n = self.next_lane.fetch_add(1, Ordering::Relaxed);
+        self.lane_at(n % self.lanes.len().max(1))
+    }
+
+    /// The lane to try `resource` in `mode` on, and its index: the next lane, except that a
+    /// shared try goes to a lane that holds no shared lock of the resource yet, if there is
+    /// one. On such a lane the try reaches the server, which answers it behind a writer that
+    /// waits there (a lane that holds the resource already grants another share itself).
+    fn lane_for(
+        &self,
+        resource: &C::Resource,
+        mode: Mode,
+    ) -> Result<(usize, mpsc::UnboundedSender<LaneCommand<C>>), LockError> {
+        let count = self.lanes.len().max(1);
+        let n = self.next_lane.fetch_add(1, Ordering::Relaxed);
+        let mut index = n % count;
+        if mode.is_shared() {
+            let busy = self.claims.lanes_of(resource);
+            if let Some(free) = (0..count)
+                .map(|k| (index + k) % count)
+                .find(|i| !busy.contains(i))
+            {
+                index = free;
+            }
+        }
+        Ok((index, self.lane_at(index)?))
+    }
+
+    /// Lane `index`'s command channel. A lane whose task has stopped (the runtime it ran on
+    /// was dropped; its locks were reported lost then) is started again on this runtime.
+    fn lane_at(&self, index: usize) -> Result<mpsc::UnboundedSender<LaneCommand<C>>, LockError> {
         // Never empty (the settings are checked), but answer an error rather than panic.
-        let lane = self
-            .lanes
-            .get(n % self.lanes.len().max(1))
-            .ok_or_else(lane_gone::<C>)?;
+        let lane = self.lanes.get(index).ok_or_else(lane_gone::<C>)?;
         let mut sender = lane.lock().unwrap_or_else(PoisonError::into_inner);
         if sender.is_closed() {
             Self::check_runtime()?;
@@ -103,25 +129,35 @@ impl<C: Connector> Lanes<C> {
     }
 
     /// One try on a lane.
-    pub(crate) async fn try_acquire(&self, key: &str) -> Result<Option<Acquired>, LockError> {
+    pub(crate) async fn try_acquire(
+        &self,
+        key: &str,
+        mode: Mode,
+    ) -> Result<Option<Acquired>, LockError> {
         let resource = self.connector.resource(key);
-        self.try_resource(resource).await
+        self.try_resource(resource, mode).await
     }
 
-    async fn try_resource(&self, resource: C::Resource) -> Result<Option<Acquired>, LockError> {
-        let Some(claim) = self.claims.claim(&resource, Until::Try).await else {
+    async fn try_resource(
+        &self,
+        resource: C::Resource,
+        mode: Mode,
+    ) -> Result<Option<Acquired>, LockError> {
+        let Some(claim) = self.claims.claim(&resource, mode, Until::Try).await else {
             return Ok(None);
         };
-        self.try_claimed(resource, claim).await
+        self.try_claimed(resource, mode, claim).await
     }
 
     /// One try on a lane for a resource this acquisition has claimed.
     async fn try_claimed(
         &self,
         resource: C::Resource,
+        mode: Mode,
         claim: Claim<C::Resource>,
     ) -> Result<Option<Acquired>, LockError> {
-        let lane = self.lane()?;
+        let (index, lane) = self.lane_for(&resource, mode)?;
+        claim.on_lane(index);
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
@@ -129,6 +165,7 @@ impl<C: Connector> Lanes<C> {
         let abandoned = claim.abandon_guard();
         lane.send(LaneCommand::Try {
             resource,
+            mode,
             claim,
             handle,
             lost: lost.clone(),
@@ -153,6 +190,7 @@ impl<C: Connector> Lanes<C> {
     async fn poll_lanes(
         &self,
         resource: C::Resource,
+        mode: Mode,
         deadline: Option<Instant>,
     ) -> Result<Option<Acquired>, LockError> {
         let mut pauses = Pauses::new(Backoff::default(), deadline);
@@ -161,12 +199,12 @@ impl<C: Connector> Lanes<C> {
             // without asking the server.
             let Some(claim) = self
                 .claims
-                .claim(&resource, Until::Deadline(deadline))
+                .claim(&resource, mode, Until::Deadline(deadline))
                 .await
             else {
                 return Ok(None);
             };
-            if let Some(acquired) = self.try_claimed(resource.clone(), claim).await? {
+            if let Some(acquired) = self.try_claimed(resource.clone(), mode, claim).await? {
                 return Ok(Some(acquired));
             }
             let Some(pause) = pauses.next_pause() else {
@@ -181,12 +219,13 @@ impl<C: Connector> Lanes<C> {
     pub(crate) async fn acquire_wait(
         &self,
         key: &str,
+        mode: Mode,
         timeout: Duration,
     ) -> Result<Option<Acquired>, LockError> {
         let deadline = crate::time::deadline(Instant::now(), timeout);
         let resource = self.connector.resource(key);
         // A free key is taken on a lane, like a try.
-        if let Some(acquired) = self.try_resource(resource.clone()).await? {
+        if let Some(acquired) = self.try_resource(resource.clone(), mode).await? {
             return Ok(Some(acquired));
         }
         let remaining = deadline.map_or(Duration::MAX, |d| {
@@ -196,11 +235,13 @@ impl<C: Connector> Lanes<C> {
             return Ok(None);
         }
         // Another acquisition of this backend (through this provider or another provider on a
-        // clone of the backend) may hold the resource: wait for it to let go here, since the
-        // server would let a shared session in, and could not queue this wait behind it.
+        // clone of the backend) may hold the resource in a conflicting mode: wait for it to
+        // let go here, since the server would let a shared session in, and could not queue
+        // this wait behind it. (Readers share their claims, and each waits on its own wait
+        // session, where the server queues it.)
         let Some(claim) = self
             .claims
-            .claim(&resource, Until::Deadline(deadline))
+            .claim(&resource, mode, Until::Deadline(deadline))
             .await
         else {
             return Ok(None);
@@ -208,7 +249,7 @@ impl<C: Connector> Lanes<C> {
         let Ok(permit) = Arc::clone(&self.waits.permits).try_acquire_owned() else {
             // Every wait session is busy: poll the lanes instead.
             drop(claim);
-            return self.poll_lanes(resource, deadline).await;
+            return self.poll_lanes(resource, mode, deadline).await;
         };
         let lost = CancellationToken::new();
         let (reply, answer) = oneshot::channel();
@@ -216,6 +257,7 @@ impl<C: Connector> Lanes<C> {
         let task = WaitTask {
             connector: Arc::clone(&self.connector),
             resource,
+            mode,
             claim,
             deadline,
             keepalive: self.settings.keepalive,
@@ -249,6 +291,28 @@ impl<C: Connector> Lanes<C> {
                 }),
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+impl<C: Connector> Lanes<C> {
+    /// An exclusive try (tests).
+    pub(super) async fn try_acquire_x(&self, key: &str) -> Result<Option<Acquired>, LockError> {
+        self.try_acquire(key, Mode::Exclusive).await
+    }
+
+    /// A shared try (tests).
+    pub(super) async fn try_acquire_s(&self, key: &str) -> Result<Option<Acquired>, LockError> {
+        self.try_acquire(key, Mode::Shared).await
+    }
+
+    /// An exclusive wait (tests).
+    pub(super) async fn acquire_wait_x(
+        &self,
+        key: &str,
+        timeout: Duration,
+    ) -> Result<Option<Acquired>, LockError> {
+        self.acquire_wait(key, Mode::Exclusive, timeout).await
     }
 }
 
@@ -286,14 +350,14 @@ mod tests {
         let mut lane_settings = settings(1, 0);
         lane_settings.statement_timeout = Duration::from_millis(100);
         let lanes = model_lanes_with(&server, lane_settings).await;
-        let held = lanes.try_acquire("a").await.unwrap().expect("free");
+        let held = lanes.try_acquire_x("a").await.unwrap().expect("free");
         server
             .hang
             .lock()
             .unwrap()
             .insert(lanes.connector().resource("b"));
         let started = Instant::now();
-        let err = tokio::time::timeout(Duration::from_secs(3), lanes.try_acquire("b"))
+        let err = tokio::time::timeout(Duration::from_secs(3), lanes.try_acquire_x("b"))
             .await
             .expect("the statement was not bounded by statement_timeout")
             .unwrap_err();
@@ -310,7 +374,7 @@ mod tests {
         );
         server.hang.lock().unwrap().clear();
         let again = lanes
-            .try_acquire("a")
+            .try_acquire_x("a")
             .await
             .unwrap()
             .expect("a new session");
@@ -324,15 +388,15 @@ mod tests {
     async fn one_backend_never_grants_a_resource_twice_on_a_shared_session() {
         let server = Arc::new(Server::default());
         let lanes = model_lanes(&server, 1, 1).await;
-        let first = lanes.try_acquire("k").await.unwrap().expect("free");
+        let first = lanes.try_acquire_x("k").await.unwrap().expect("free");
         assert!(
-            lanes.try_acquire("k").await.unwrap().is_none(),
+            lanes.try_acquire_x("k").await.unwrap().is_none(),
             "a second try on the same session was granted"
         );
         let started = Instant::now();
         assert!(
             lanes
-                .acquire_wait("k", Duration::from_millis(60))
+                .acquire_wait_x("k", Duration::from_millis(60))
                 .await
                 .unwrap()
                 .is_none(),
@@ -343,7 +407,7 @@ mod tests {
         let lanes = Arc::new(lanes);
         let waiter = tokio::spawn({
             let lanes = Arc::clone(&lanes);
-            async move { lanes.acquire_wait("k", Duration::from_secs(10)).await }
+            async move { lanes.acquire_wait_x("k", Duration::from_secs(10)).await }
         });
         tokio::time::sleep(Duration::from_millis(30)).await;
         assert!(!waiter.is_finished());
@@ -373,7 +437,7 @@ mod tests {
             assert!(blocker.take(lanes.connector().resource("k")));
             let waiting = tokio::spawn({
                 let lanes = Arc::clone(&lanes);
-                async move { lanes.acquire_wait("k", Duration::from_secs(10)).await }
+                async move { lanes.acquire_wait_x("k", Duration::from_secs(10)).await }
             });
             while !lanes.claims.is_claimed(&lanes.connector().resource("k")) {
                 tokio::task::yield_now().await;
@@ -385,7 +449,7 @@ mod tests {
                 .unwrap()
                 .expect("granted to the wait");
             held.handle.release().await.unwrap();
-            let again = lanes.try_acquire("k").await.unwrap();
+            let again = lanes.try_acquire_x("k").await.unwrap();
             let again =
                 again.unwrap_or_else(|| panic!("round {round}: still claimed after the release"));
             again.handle.release().await.unwrap();
@@ -401,7 +465,7 @@ mod tests {
         let lanes = first.block_on(model_lanes(&server, 1, 1));
         let second = tokio::runtime::Runtime::new().unwrap();
         let held = second
-            .block_on(lanes.try_acquire("k"))
+            .block_on(lanes.try_acquire_x("k"))
             .unwrap()
             .expect("free");
         assert!(!held.lost.is_cancelled());
@@ -412,7 +476,7 @@ mod tests {
             "the session, and its lock, ended with the lane"
         );
         second.block_on(async {
-            let again = lanes.try_acquire("k").await.unwrap().expect("a new lane");
+            let again = lanes.try_acquire_x("k").await.unwrap().expect("a new lane");
             assert!(!again.lost.is_cancelled());
             again.handle.release().await.unwrap();
             // The lost lock's release reports nothing of its own.
@@ -435,7 +499,7 @@ mod tests {
         assert!(blocker.take(lanes.connector().resource("k")));
         let waiting = first.spawn({
             let lanes = Arc::clone(&lanes);
-            async move { lanes.acquire_wait("k", Duration::from_secs(10)).await }
+            async move { lanes.acquire_wait_x("k", Duration::from_secs(10)).await }
         });
         std::thread::sleep(Duration::from_millis(30));
         drop(blocker);
@@ -448,5 +512,148 @@ mod tests {
         drop(first);
         assert!(held.lost.is_cancelled(), "the wait task's runtime is gone");
         assert!(server.locks.lock().unwrap().is_empty());
+    }
+
+    /// Readers and writers on one lane session (connections=1, as a model server would let
+    /// the session re-enter in any mode): readers share, hold the server's shared lock once,
+    /// and a writer is kept out, tried or waiting, until the last reader has let go.
+    #[tokio::test]
+    async fn readers_and_a_writer_on_one_lane_session_exclude_each_other() {
+        let server = Arc::new(Server::default());
+        let lanes = Arc::new(model_lanes(&server, 1, 1).await);
+        let id = lanes.connector().resource("k");
+        let mut readers = Vec::new();
+        for _ in 0..5 {
+            readers.push(
+                lanes
+                    .try_acquire_s("k")
+                    .await
+                    .unwrap()
+                    .expect("readers share"),
+            );
+        }
+        assert_eq!(
+            ModelSession::holders(&server, id),
+            1,
+            "one session holds it"
+        );
+        assert_eq!(
+            server.locks.lock().unwrap()[&id]
+                .owners
+                .values()
+                .sum::<u32>(),
+            1
+        );
+        assert!(server.locks.lock().unwrap()[&id].shared);
+        assert!(
+            lanes.try_acquire_x("k").await.unwrap().is_none(),
+            "a writer re-entered the readers' session"
+        );
+        let writer = tokio::spawn({
+            let lanes = Arc::clone(&lanes);
+            async move { lanes.acquire_wait_x("k", Duration::from_secs(10)).await }
+        });
+        while !lanes.claims.writer_waits(&id) {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            lanes.try_acquire_s("k").await.unwrap().is_none(),
+            "a reader went ahead of the waiting writer"
+        );
+        let last = readers.pop().unwrap();
+        for reader in readers {
+            reader.handle.release().await.unwrap();
+            assert!(!writer.is_finished(), "the writer got in beside a reader");
+            assert!(
+                server.locks.lock().unwrap().contains_key(&id),
+                "the shared lock went while readers held it"
+            );
+        }
+        last.handle.release().await.unwrap();
+        let w = writer
+            .await
+            .unwrap()
+            .unwrap()
+            .expect("the writer follows the readers");
+        assert!(!server.locks.lock().unwrap()[&id].shared);
+        assert!(
+            lanes.try_acquire_s("k").await.unwrap().is_none(),
+            "a reader beside a writer"
+        );
+        w.handle.release().await.unwrap();
+        assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
+        assert!(lanes.claims.is_empty(), "no claim left");
+    }
+
+    /// A shared try goes to a lane that does not hold the resource yet, while there is one,
+    /// so that the server sees it; and the lanes' shared locks end with their last reader.
+    #[tokio::test]
+    async fn shared_tries_spread_over_the_lanes() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 3, 0).await;
+        let id = lanes.connector().resource("k");
+        let mut readers = Vec::new();
+        for n in 1..=3 {
+            readers.push(lanes.try_acquire_s("k").await.unwrap().expect("share"));
+            assert_eq!(
+                ModelSession::holders(&server, id),
+                n,
+                "on a lane of its own"
+            );
+        }
+        readers.push(lanes.try_acquire_s("k").await.unwrap().expect("share"));
+        assert_eq!(
+            ModelSession::holders(&server, id),
+            3,
+            "every lane holds it: joined"
+        );
+        for reader in readers {
+            reader.handle.release().await.unwrap();
+        }
+        assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
+    }
+
+    /// Readers that wait natively each wait on a wait session, and get the key together once
+    /// another session's writer lets go; a writer on another session is kept out meanwhile.
+    #[tokio::test]
+    async fn waiting_readers_share_once_a_writer_elsewhere_leaves() {
+        let server = Arc::new(Server::default());
+        let lanes = Arc::new(model_lanes(&server, 1, 4).await);
+        let id = lanes.connector().resource("k");
+        let blocker = ModelSession {
+            server: Arc::clone(&server),
+            id: u64::MAX,
+        };
+        assert!(blocker.take(id));
+        let mut waiting = Vec::new();
+        for _ in 0..3 {
+            let lanes = Arc::clone(&lanes);
+            waiting.push(tokio::spawn(async move {
+                lanes
+                    .acquire_wait("k", Mode::Shared, Duration::from_secs(10))
+                    .await
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(
+            waiting.iter().all(|w| !w.is_finished()),
+            "a reader beside a writer"
+        );
+        drop(blocker);
+        let mut readers = Vec::new();
+        for w in waiting {
+            readers.push(w.await.unwrap().unwrap().expect("granted"));
+        }
+        assert!(ModelSession::holders(&server, id) >= 1);
+        let other = ModelSession {
+            server: Arc::clone(&server),
+            id: u64::MAX - 1,
+        };
+        assert!(!other.take(id), "a writer elsewhere beside the readers");
+        for reader in readers {
+            reader.handle.release().await.unwrap();
+        }
+        assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
+        assert!(other.take(id));
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::acquire::Lanes;
 use super::options::SessionOptions;
-use super::traits::{Engine, Fencing};
+use super::traits::{Connector, Engine, Fencing, Mode};
 use crate::LockError;
 use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
 
@@ -206,7 +206,7 @@ impl<E: Engine> fmt::Debug for SessionBackend<E> {
 
 impl<E: Engine> LockBackend for SessionBackend<E> {
     fn name(&self) -> &'static str {
-        <E::Connector as super::Connector>::NAME
+        <E::Connector as Connector>::NAME
     }
 
     fn supports_native_wait(&self) -> bool {
@@ -217,7 +217,10 @@ impl<E: Engine> LockBackend for SessionBackend<E> {
         &'a self,
         request: LockRequest<'a>,
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.try_acquire(request.key))
+        Box::pin(
+            self.lanes
+                .try_acquire(request.key, Mode::of(request.shared)),
+        )
     }
 
     fn acquire_wait<'a>(
@@ -225,7 +228,14 @@ impl<E: Engine> LockBackend for SessionBackend<E> {
         request: LockRequest<'a>,
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
-        Box::pin(self.lanes.acquire_wait(request.key, timeout))
+        let mode = Mode::of(request.shared);
+        Box::pin(self.lanes.acquire_wait(request.key, mode, timeout))
+    }
+
+    /// Read locks in the engine's own shared mode (PostgreSQL, SQL Server, Oracle); MySQL and
+    /// MariaDB answer `Unsupported` (see the engine's module docs).
+    fn shared_locks(&self) -> Result<(), LockError> {
+        self.lanes.connector().shared_locks()
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {

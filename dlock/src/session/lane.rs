@@ -11,16 +11,19 @@ use tokio_util::sync::CancellationToken;
 use super::acquire::lane_gone;
 use super::claims::{Claim, SETTLE_LIMIT};
 use super::options::LaneSettings;
-use super::traits::{Connector, Grant, InterruptOf, Session};
+use super::traits::{Connector, Grant, InterruptOf, Mode, Session};
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
 
 // Lanes.
 
 pub(super) enum LaneCommand<C: Connector> {
-    /// One try; on success the lock is pinned to this lane under `handle`.
+    /// One try; on success the lock is pinned to this lane under `handle`. A shared try of
+    /// a resource this lane holds shared already is granted without asking the server (the
+    /// session holds the resource once, however many read locks share it).
     Try {
         resource: C::Resource,
+        mode: Mode,
         claim: Claim<C::Resource>,
         handle: u64,
         lost: CancellationToken,
@@ -45,6 +48,7 @@ pub(super) enum LaneCommand<C: Connector> {
 /// A lock a lane holds.
 pub(super) struct LaneLock<C: Connector> {
     resource: C::Resource,
+    mode: Mode,
     lost: CancellationToken,
     /// Dropped after the lock is given back (or its session is gone).
     _claim: Claim<C::Resource>,
@@ -58,6 +62,16 @@ pub(super) struct Lane<C: Connector> {
     statement_timeout: Duration,
     session: Option<C::Session>,
     held: HashMap<u64, LaneLock<C>>,
+    /// The resources the session holds shared: how many read locks share each, and the
+    /// fencing token the server issued with the shared lock.
+    shares: HashMap<C::Resource, Share>,
+}
+
+/// A shared lock of a lane's session, and the read locks that share it.
+#[derive(Debug, Clone, Copy)]
+struct Share {
+    count: usize,
+    grant: Grant,
 }
 
 impl<C: Connector> Lane<C> {
@@ -75,6 +89,7 @@ impl<C: Connector> Lane<C> {
             statement_timeout: settings.statement_timeout,
             session,
             held: HashMap::new(),
+            shares: HashMap::new(),
         };
         tokio::spawn(lane.run(rx));
         tx
@@ -102,6 +117,7 @@ impl<C: Connector> Lane<C> {
         match command {
             LaneCommand::Try {
                 resource,
+                mode,
                 claim,
                 handle,
                 lost,
@@ -110,12 +126,36 @@ impl<C: Connector> Lane<C> {
                 if reply.is_closed() {
                     return;
                 }
-                match self.try_lock(&resource).await {
+                let joined = match self.shares.get_mut(&resource) {
+                    Some(share) if mode.is_shared() && self.session.is_some() => {
+                        share.count += 1;
+                        Some(share.grant)
+                    }
+                    _ => None,
+                };
+                let outcome = match joined {
+                    Some(grant) => Ok(Some(grant)),
+                    None => {
+                        let tried = self.try_lock(&resource, mode).await;
+                        if let (Ok(Some(grant)), Mode::Shared) = (&tried, mode) {
+                            self.shares.insert(
+                                resource.clone(),
+                                Share {
+                                    count: 1,
+                                    grant: *grant,
+                                },
+                            );
+                        }
+                        tried
+                    }
+                };
+                match outcome {
                     Ok(Some(grant)) => {
                         self.held.insert(
                             handle,
                             LaneLock {
                                 resource,
+                                mode,
                                 lost,
                                 _claim: claim,
                             },
@@ -190,22 +230,32 @@ impl<C: Connector> Lane<C> {
     /// lost), except after a statement that outlived `statement_timeout` on a session that held
     /// locks: the server may still run that session, holding what it was granted, and a retry
     /// would answer that the key is held (by the abandoned session) instead of the failure.
-    async fn try_lock(&mut self, resource: &C::Resource) -> Result<Option<Grant>, LockError> {
+    async fn try_lock(
+        &mut self,
+        resource: &C::Resource,
+        mode: Mode,
+    ) -> Result<Option<Grant>, LockError> {
         let reused = self.session.is_some();
         // Known only before the try: a failure drains `held`.
         let idle = self.held.is_empty();
-        match self.try_once(resource).await {
-            Err(failed) if reused && self.session.is_none() && (idle || !failed.timed_out) => {
-                self.try_once(resource).await.map_err(|failed| failed.error)
-            }
+        match self.try_once(resource, mode).await {
+            Err(failed) if reused && self.session.is_none() && (idle || !failed.timed_out) => self
+                .try_once(resource, mode)
+                .await
+                .map_err(|failed| failed.error),
             other => other.map_err(|failed| failed.error),
         }
     }
 
-    async fn try_once(&mut self, resource: &C::Resource) -> Result<Option<Grant>, TryFailed> {
+    async fn try_once(
+        &mut self,
+        resource: &C::Resource,
+        mode: Mode,
+    ) -> Result<Option<Grant>, TryFailed> {
         let bound = self.statement_timeout;
         let session = self.session().await?;
-        let outcome = tokio::time::timeout(bound, session.lock(resource, Duration::ZERO)).await;
+        let outcome =
+            tokio::time::timeout(bound, session.lock(resource, mode, Duration::ZERO)).await;
         match outcome {
             Ok(Ok(granted)) => Ok(granted),
             Ok(Err(failure)) => {
@@ -239,10 +289,21 @@ impl<C: Connector> Lane<C> {
         let Some(lock) = self.held.remove(&handle) else {
             return;
         };
+        if lock.mode.is_shared()
+            && let Some(share) = self.shares.get_mut(&lock.resource)
+        {
+            share.count = share.count.saturating_sub(1);
+            if share.count > 0 {
+                // Other read locks still share the session's shared lock.
+                return;
+            }
+            self.shares.remove(&lock.resource);
+        }
         let Some(session) = self.session.as_mut() else {
             return;
         };
-        match tokio::time::timeout(self.statement_timeout, session.unlock(&lock.resource)).await {
+        let unlock = session.unlock(&lock.resource, lock.mode);
+        match tokio::time::timeout(self.statement_timeout, unlock).await {
             Ok(Ok(())) => {}
             Ok(Err(failure)) if failure.connection_ok => {
                 tracing::warn!(backend = C::NAME, error = %failure.error, "releasing a lock failed; closing its connection");
@@ -293,6 +354,7 @@ impl<C: Connector> Lane<C> {
         for (_, lock) in self.held.drain() {
             lock.lost.cancel();
         }
+        self.shares.clear();
         self.session = None;
     }
 }

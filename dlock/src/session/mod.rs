@@ -44,6 +44,16 @@
 //!   built on clones of one backend would both be granted a key on a shared lane. A waiting
 //!   acquisition whose resource another acquisition of the backend holds waits for that claim
 //!   to end (no server round trips), then for the server.
+//! - **Read locks** use the engine's shared mode. Shared claims of a resource share it with
+//!   each other, an exclusive claim excludes every claim and is excluded by them, so a
+//!   session that the server would let re-enter in the other mode (shared, then exclusive)
+//!   never is. An exclusive acquisition that waits for a claimed resource holds back later
+//!   shared claims of it, so the readers of one backend cannot starve one of its writers. A
+//!   lane holds a resource shared at most once: further readers that land on it join that
+//!   hold (the last to leave gives it back), and a shared try goes to a lane that does not
+//!   hold the resource yet while there is one, so the server answers it behind any writer
+//!   queued there. Shared waits run on wait sessions of their own, where the server queues
+//!   them. MySQL and MariaDB have no shared mode, and answer `Unsupported`.
 //! - Every task that keeps locks alive (a lane, a wait task) cancels the lost token of each
 //!   lock it keeps when it stops for any reason, its runtime being dropped included: its
 //!   session, and with it the locks, end with it. A lane found stopped is started again on the
@@ -71,7 +81,7 @@ pub(crate) use options::EngineKey;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use options::SessionKey;
 pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
-pub(crate) use traits::{Connector, Driver, Failure, Grant, Opened, Session};
+pub(crate) use traits::{Connector, Driver, Failure, Grant, Mode, Opened, Session};
 
 /// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a
 /// zero timeout), [`LockError::Timeout`] for a wait.

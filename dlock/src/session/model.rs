@@ -7,20 +7,28 @@ use std::time::{Duration, Instant};
 
 use super::acquire::Lanes;
 use super::options::LaneSettings;
-use super::traits::{Connector, Failure, Grant, Session};
+use super::traits::{Connector, Failure, Grant, Mode, Session};
 use crate::LockError;
 use crate::backend::BoxFuture;
 
 /// An in-memory lock server with the semantics the session engines share: a session may
-/// take a lock it holds again (counted, as PostgreSQL, MySQL and SQL Server count it), and
-/// a session's locks end when the session does. It stands in for SQL Server and Oracle,
+/// take a lock it holds again (counted, as PostgreSQL, MySQL and SQL Server count it), in
+/// either mode, shared locks of several sessions share a resource, and a session's locks
+/// end when the session does. It stands in for SQL Server and Oracle,
 /// which cannot run here, to pin what the lane machinery must do for every engine.
 #[derive(Debug, Default)]
 pub(super) struct Server {
-    pub(super) locks: Mutex<HashMap<u64, (u64, u32)>>,
+    pub(super) locks: Mutex<HashMap<u64, Held>>,
     /// Resources whose lock statements never answer (a server that stopped responding).
     pub(super) hang: Mutex<std::collections::HashSet<u64>>,
     next_session: AtomicU64,
+}
+
+/// A held resource: its mode, and the sessions that hold it with their counts.
+#[derive(Debug, Default)]
+pub(super) struct Held {
+    pub(super) shared: bool,
+    pub(super) owners: HashMap<u64, u32>,
 }
 
 #[derive(Debug)]
@@ -45,6 +53,10 @@ impl Connector for Model {
         crate::lock_id(key) as u64
     }
 
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Ok(())
+    }
+
     fn open(&self) -> BoxFuture<'_, Result<ModelSession, LockError>> {
         let server = Arc::clone(&self.0);
         Box::pin(async move {
@@ -56,18 +68,35 @@ impl Connector for Model {
 
 impl ModelSession {
     pub(super) fn take(&self, resource: u64) -> bool {
+        self.take_mode(resource, Mode::Exclusive)
+    }
+
+    /// Takes `resource` in `mode` if no other session holds it in a conflicting mode; a
+    /// session's own locks never conflict with it (the re-entry the claims guard against).
+    pub(super) fn take_mode(&self, resource: u64, mode: Mode) -> bool {
         let mut locks = self.server.locks.lock().unwrap();
-        match locks.get_mut(&resource) {
-            None => {
-                locks.insert(resource, (self.id, 1));
-                true
-            }
-            Some((owner, count)) if *owner == self.id => {
-                *count += 1;
-                true
-            }
-            Some(_) => false,
+        let held = locks.entry(resource).or_default();
+        let others = held.owners.keys().any(|owner| *owner != self.id);
+        if others && !(mode.is_shared() && held.shared) {
+            return false;
         }
+        if held.owners.is_empty() {
+            held.shared = mode.is_shared();
+        } else if !mode.is_shared() {
+            held.shared = false;
+        }
+        *held.owners.entry(self.id).or_insert(0) += 1;
+        true
+    }
+
+    /// How many sessions hold `resource` (tests).
+    pub(super) fn holders(server: &Server, resource: u64) -> usize {
+        server
+            .locks
+            .lock()
+            .unwrap()
+            .get(&resource)
+            .map_or(0, |held| held.owners.len())
     }
 }
 
@@ -78,6 +107,7 @@ impl Session for ModelSession {
     fn lock<'a>(
         &'a mut self,
         resource: &'a u64,
+        mode: Mode,
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
         Box::pin(async move {
@@ -86,7 +116,7 @@ impl Session for ModelSession {
             }
             let deadline = Instant::now() + wait;
             loop {
-                if self.take(*resource) {
+                if self.take_mode(*resource, mode) {
                     return Ok(Some(Grant::PLAIN));
                 }
                 if Instant::now() >= deadline {
@@ -97,13 +127,20 @@ impl Session for ModelSession {
         })
     }
 
-    fn unlock<'a>(&'a mut self, resource: &'a u64) -> BoxFuture<'a, Result<(), Failure>> {
+    fn unlock<'a>(
+        &'a mut self,
+        resource: &'a u64,
+        _mode: Mode,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
         let mut locks = self.server.locks.lock().unwrap();
-        if let Some((owner, count)) = locks.get_mut(resource)
-            && *owner == self.id
+        if let Some(held) = locks.get_mut(resource)
+            && let Some(count) = held.owners.get_mut(&self.id)
         {
             *count -= 1;
             if *count == 0 {
+                held.owners.remove(&self.id);
+            }
+            if held.owners.is_empty() {
                 locks.remove(resource);
             }
         }
@@ -118,11 +155,11 @@ impl Session for ModelSession {
 impl Drop for ModelSession {
     fn drop(&mut self) {
         let id = self.id;
-        self.server
-            .locks
-            .lock()
-            .unwrap()
-            .retain(|_, (owner, _)| *owner != id);
+        let mut locks = self.server.locks.lock().unwrap();
+        for held in locks.values_mut() {
+            held.owners.remove(&id);
+        }
+        locks.retain(|_, held| !held.owners.is_empty());
     }
 }
 

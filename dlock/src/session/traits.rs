@@ -46,6 +46,33 @@ impl Grant {
     pub(crate) const PLAIN: Grant = Grant { token: None };
 }
 
+/// The mode of a lock statement: the exclusive lock, or a read lock that shares the resource
+/// with other read locks of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Mode {
+    /// Excludes every other lock of the resource.
+    Exclusive,
+    /// Shares the resource with other shared locks, excludes (and is excluded by) the
+    /// exclusive lock.
+    Shared,
+}
+
+impl Mode {
+    /// The mode of a request: shared for a read lock.
+    pub(crate) fn of(shared: bool) -> Mode {
+        if shared {
+            Mode::Shared
+        } else {
+            Mode::Exclusive
+        }
+    }
+
+    /// Whether this is the shared mode.
+    pub(crate) fn is_shared(self) -> bool {
+        self == Mode::Shared
+    }
+}
+
 /// Opens sessions and names resources for one backend. Its `Debug` output shows where it
 /// connects (never a password).
 pub trait Connector: Debug + Send + Sync + 'static {
@@ -72,6 +99,10 @@ pub trait Connector: Debug + Send + Sync + 'static {
     /// The resource that `key` locks.
     fn resource(&self, key: &str) -> Self::Resource;
 
+    /// Whether the engine takes shared locks ([`Mode::Shared`]): `Ok(())`, or the
+    /// `Unsupported` error that says why not (the answer of `LockBackend::shared_locks`).
+    fn shared_locks(&self) -> Result<(), LockError>;
+
     /// Opens a session (bounded by the backend's connect timeout).
     fn open(&self) -> BoxFuture<'_, Result<Self::Session, LockError>>;
 }
@@ -84,18 +115,26 @@ pub trait Session: Send + 'static {
     /// [`Session::interrupt`]); `Infallible` for drivers that stop statements themselves.
     type Interrupt: Send + 'static;
 
-    /// Asks for `resource`, waiting up to `wait` on the server (`Duration::ZERO` is one try):
-    /// `Ok(Some(grant))` when granted, `Ok(None)` when it stayed held elsewhere. A statement
-    /// that fails after the lock may have been taken gives it back before it answers.
+    /// Asks for `resource` in `mode`, waiting up to `wait` on the server (`Duration::ZERO`
+    /// is one try): `Ok(Some(grant))` when granted, `Ok(None)` when it stayed held elsewhere.
+    /// A statement that fails after the lock may have been taken gives it back before it
+    /// answers. The engine never asks a session for a resource it holds already (in any
+    /// mode): the claims and the lanes' shared holds see to that. `Mode::Shared` is asked
+    /// only of an engine whose [`Connector::shared_locks`] answers `Ok`.
     fn lock<'a>(
         &'a mut self,
         resource: &'a Self::Resource,
+        mode: Mode,
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>>;
 
-    /// Gives `resource` back. A resource the session no longer holds is not an error.
-    fn unlock<'a>(&'a mut self, resource: &'a Self::Resource)
-    -> BoxFuture<'a, Result<(), Failure>>;
+    /// Gives back `resource`, held in `mode`. A resource the session no longer holds is not
+    /// an error.
+    fn unlock<'a>(
+        &'a mut self,
+        resource: &'a Self::Resource,
+        mode: Mode,
+    ) -> BoxFuture<'a, Result<(), Failure>>;
 
     /// A liveness check.
     fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>>;

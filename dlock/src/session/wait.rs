@@ -8,7 +8,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::claims::Claim;
 use super::lane::LaneCommand;
-use super::traits::{Connector, Failure, Grant, Session};
+use super::traits::{Connector, Failure, Grant, Mode, Session};
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
 
@@ -93,6 +93,7 @@ type WaitReply = oneshot::Sender<Result<Option<(Grant, ReleaseSender)>, LockErro
 pub(super) struct WaitTask<C: Connector> {
     pub(super) connector: Arc<C>,
     pub(super) resource: C::Resource,
+    pub(super) mode: Mode,
     /// Held until the task ends, after the lock is given back or the session dropped.
     pub(super) claim: Claim<C::Resource>,
     pub(super) deadline: Option<Instant>,
@@ -151,7 +152,7 @@ impl<C: Connector> WaitTask<C> {
                 pause = (pause * 2).min(TAIL_PAUSE_MAX);
             }
             let step = {
-                let statement = session.lock(&self.resource, whole);
+                let statement = session.lock(&self.resource, self.mode, whole);
                 tokio::select! {
                     result = statement => match result {
                         Ok(Some(grant)) => Step::Granted(grant),
@@ -240,8 +241,11 @@ impl<C: Connector> WaitTask<C> {
     /// Gives the lock back and returns the session to the pool; drops the session (which
     /// frees the lock on the server) if that fails.
     async fn give_back(&self, mut session: C::Session) {
-        if let Ok(Ok(())) =
-            tokio::time::timeout(self.statement_timeout, session.unlock(&self.resource)).await
+        if let Ok(Ok(())) = tokio::time::timeout(
+            self.statement_timeout,
+            session.unlock(&self.resource, self.mode),
+        )
+        .await
         {
             self.put(session);
         }

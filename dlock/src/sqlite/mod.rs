@@ -58,6 +58,35 @@
 //! the counter. A power loss (not a process crash) may roll back the last acquisitions and
 //! their tokens (`synchronous=NORMAL`).
 //!
+//! # Read locks
+//!
+//! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
+//! [`acquire_read`](crate::LockProvider::acquire_read) take a share of the key. Each reader
+//! holds a lease of its own under an owner token of its own, in the table
+//! `__distributed_lock_readers` (`name`, `owner`, `lease_end`, `boot`), renewed, extended,
+//! verified and released like a lock's, and lost the same way (a renewal that finds its lease
+//! run out or its row gone fires its lost token: an expired share is never revived, since a
+//! writer may have held the key meanwhile). While readers hold a key, its row in
+//! `__distributed_locks` is held by the empty owner `x''` (no acquisition's token is empty)
+//! until the latest of their lease ends; every statement that changes a reader also sets that
+//! row from the live readers, in the same transaction. So an exclusive acquisition finds the
+//! key held while any reader's lease lasts, with its statement unchanged: processes of an
+//! earlier version of this crate, and transaction-bound locks, are excluded by readers too,
+//! and exclude them. A reader that dies (even by SIGKILL) stops counting when its lease ends;
+//! the expired readers of a key are removed by the next read acquisition of the key, in its
+//! transaction. A reader's fencing token comes from the key's counter, the one locks use: a
+//! writer's token is above every earlier reader's and writer's.
+//!
+//! **Writers are not starved.** A writer that waits (an [`acquire`](crate::LockProvider::acquire)
+//! with a timeout, which polls) and finds readers holding the key leaves an *intent* in
+//! `__distributed_lock_intents`, renewed by each of its polls and lasting twice its longest
+//! pause between polls (100 ms to 5 s; 1.25 s with the default backoff). While an intent
+//! lasts, new readers are refused (contention, as if the writer held the key); readers already
+//! in keep their shares until they release them, after which the writer gets the key. The
+//! writer clears the intent once it has the key, and a writer that gives up leaves one that
+//! lapses within that time. A single [`try_acquire`](crate::LockProvider::try_acquire) leaves
+//! none.
+//!
 //! # URL
 //!
 //! `sqlite://relative/path.db` or `sqlite:///absolute/path.db`, with options:
@@ -126,6 +155,7 @@
 
 mod clock;
 mod file;
+mod read;
 mod renewer;
 mod statements;
 mod transaction;
@@ -142,6 +172,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::clock::LeaseClock;
 use self::file::*;
+use self::read::renew_reader;
 use self::renewer::{Renewal, Renewer};
 use self::statements::*;
 pub use self::transaction::{acquire_in_transaction, try_acquire_in_transaction};
@@ -238,6 +269,8 @@ struct Shared {
     owners: Mutex<Owners>,
     /// The `-fencing` file, once it exists.
     fencing: Fencing,
+    /// Keys this backend left a waiting writer's intent on (see `read.rs`).
+    intents: Mutex<std::collections::HashSet<Box<[u8]>>>,
 }
 
 /// The `-fencing` file of a backend's lock file, attached to the inline connection once it
@@ -436,6 +469,7 @@ impl SqliteBuilder {
                 commits: AtomicU64::new(0),
                 renewer: Renewer::new(background, clock, self.path.clone()),
                 held_recently: Mutex::new(HashMap::new()),
+                intents: Mutex::new(std::collections::HashSet::new()),
                 fencing,
                 owners: Mutex::new(Owners {
                     bytes: [0; 16 * OWNERS_PER_FETCH],
@@ -508,6 +542,12 @@ impl LockBackend for SqliteBackend {
         NAME
     }
 
+    /// Read locks are shares of the key held under leases of their own (see
+    /// [Read locks](self#read-locks)).
+    fn shared_locks(&self) -> Result<(), LockError> {
+        Ok(())
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
             let read =
@@ -533,21 +573,35 @@ impl LockBackend for SqliteBackend {
             self.shared.renewer.ensure_running()?;
             let owner = self.shared.new_owner()?;
             let name = request.key.as_bytes();
-            let (started, fencing, fenced) = match self.shared.take_row(name, &owner, lease).await {
+            let take = if request.shared {
+                self.shared.take_read(name, &owner, lease).await
+            } else {
+                self.shared.take_row(name, &owner, lease).await
+            };
+            let (started, fencing, fenced) = match take {
                 Ok(Take::Taken {
                     started,
                     fencing,
                     fenced,
                 }) => (started, fencing, fenced),
-                Ok(Take::Held) => return Ok(None),
+                Ok(Take::Held) => {
+                    if let (false, Some(pause)) = (request.shared, request.poll_pause) {
+                        self.shared.writer_waits(name, pause).await;
+                    }
+                    return Ok(None);
+                }
                 // Another writer kept the file for the whole busy timeout: contention.
                 Err(Busy::Timeout) => return Ok(None),
                 Err(Busy::Failed(err)) => return Err(err),
             };
             self.shared.count_commit();
-            // The row is ours from here on: a failure must give it back.
+            if !request.shared {
+                self.shared.writer_got(name).await;
+            }
+            // The row (or the reader's share) is ours from here on: a failure must give it
+            // back. A reader's token is final (see `read_once`).
             let fencing = match fencing {
-                Ok(token) if !fenced && self.shared.fencing.may_exist() => {
+                Ok(token) if !request.shared && !fenced && self.shared.fencing.may_exist() => {
                     self.shared.raise_token(name, &owner, token).await
                 }
                 Ok(token) => Ok(token),
@@ -556,7 +610,7 @@ impl LockBackend for SqliteBackend {
             let token = match fencing.map(u64::try_from) {
                 Ok(Ok(token)) => token,
                 Ok(Err(_)) => {
-                    self.shared.give_back(name, &owner).await;
+                    self.shared.give_back(name, &owner, request.shared).await;
                     return Err(LockError::backend(
                         NAME,
                         format!(
@@ -568,7 +622,7 @@ impl LockBackend for SqliteBackend {
                     ));
                 }
                 Err(err) => {
-                    self.shared.give_back(name, &owner).await;
+                    self.shared.give_back(name, &owner, request.shared).await;
                     return Err(err);
                 }
             };
@@ -579,12 +633,15 @@ impl LockBackend for SqliteBackend {
             if !request.renew {
                 renewal = renewal.unrenewed();
             }
+            if request.shared {
+                renewal = renewal.shared();
+            }
             let deadline = renewal.deadline();
             let registered = self.shared.renewer.register(renewal);
             let id = match registered {
                 Ok(id) => id,
                 Err(err) => {
-                    self.shared.give_back(&name, &owner).await;
+                    self.shared.give_back(&name, &owner, request.shared).await;
                     return Err(err);
                 }
             };
@@ -598,6 +655,7 @@ impl LockBackend for SqliteBackend {
                         key: Arc::from(request.key),
                         owner,
                         lost,
+                        read: request.shared,
                     }),
                 )
                 .with_lease_deadline(deadline),
@@ -612,6 +670,8 @@ struct SqliteHeld {
     key: Arc<str>,
     owner: [u8; 16],
     lost: CancellationToken,
+    /// A reader's share (see `read.rs`).
+    read: bool,
 }
 
 impl std::fmt::Debug for SqliteHeld {
@@ -649,6 +709,31 @@ impl HeldLock for SqliteHeld {
             // Renewed until the row is free: a release that waits for the file must not let
             // the lease run out meanwhile.
             self.shared.renewer.releasing(self.id);
+            if self.read {
+                let outcome = self
+                    .shared
+                    .release_read(self.key.as_bytes(), &self.owner)
+                    .await;
+                self.shared.renewer.unregister(self.id);
+                return match outcome {
+                    Ok(outcome) => {
+                        self.shared.count_commit();
+                        if outcome != ReleaseOutcome::Released {
+                            tracing::warn!(
+                                backend = NAME,
+                                key = &*self.key,
+                                "the release found the read lock's lease run out; it was lost"
+                            );
+                            self.lost.cancel();
+                        }
+                        Ok(outcome)
+                    }
+                    Err(busy) => Err(self.shared.busy_error(
+                        "releasing a read lock (it frees itself when its lease runs out)",
+                        busy,
+                    )),
+                };
+            }
             let outcome = self
                 .shared
                 .with_busy_retry("releasing a lock", RELEASE_PAUSES, |conn| {
@@ -703,18 +788,24 @@ impl LeaseControl for SqliteHeld {
             check_lease(lease)?;
             let sent = Instant::now();
             let clock = self.shared.clock;
-            let changed = self
-                .shared
-                .with_busy_retry("extending a lease", RELEASE_PAUSES, |conn| {
-                    let lease_end = clock.now_ms().saturating_add(millis(lease));
-                    conn.prepare_cached(RENEW_SQL)?.execute(params![
-                        self.key.as_bytes(),
-                        &self.owner[..],
-                        lease_end
-                    ])
-                })
-                .await
-                .map_err(|busy| self.shared.busy_error("extending a lease", busy))?;
+            let changed = if self.read {
+                self.shared
+                    .extend_read(self.key.as_bytes(), &self.owner, lease)
+                    .await
+                    .map(usize::from)
+            } else {
+                self.shared
+                    .with_busy_retry("extending a lease", RELEASE_PAUSES, |conn| {
+                        let lease_end = clock.now_ms().saturating_add(millis(lease));
+                        conn.prepare_cached(RENEW_SQL)?.execute(params![
+                            self.key.as_bytes(),
+                            &self.owner[..],
+                            lease_end
+                        ])
+                    })
+                    .await
+            }
+            .map_err(|busy| self.shared.busy_error("extending a lease", busy))?;
             if changed == 1 {
                 self.shared.count_commit();
                 self.shared.renewer.extended(self.id, lease, sent);
@@ -729,6 +820,17 @@ impl LeaseControl for SqliteHeld {
     fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
         Box::pin(async move {
             let clock = self.shared.clock;
+            if self.read {
+                let held = self
+                    .shared
+                    .verify_read(self.key.as_bytes(), &self.owner)
+                    .await
+                    .map_err(|busy| self.shared.busy_error("verifying a lock", busy))?;
+                if !held {
+                    self.shared.renewer.lose(self.id);
+                }
+                return Ok(held);
+            }
             let held = self
                 .shared
                 .with_busy_retry("verifying a lock", RELEASE_PAUSES, |conn| {
@@ -1047,7 +1149,16 @@ impl Shared {
 
     /// Frees a row this backend has just written but cannot hand out; best effort (if it
     /// fails, the row's lease ends it).
-    async fn give_back(&self, name: &[u8], owner: &[u8; 16]) {
+    async fn give_back(&self, name: &[u8], owner: &[u8; 16], read: bool) {
+        if read {
+            if self.release_read(name, owner).await.is_err() {
+                tracing::warn!(
+                    backend = NAME,
+                    "a read lock taken but not handed out could not be given back; it frees itself when its lease ends"
+                );
+            }
+            return;
+        }
         let outcome = self
             .with_busy_retry("giving a lock back", RELEASE_PAUSES, |conn| {
                 conn.prepare_cached(RELEASE_SQL)?

@@ -20,7 +20,7 @@ use rusqlite::{Connection, TransactionBehavior, params};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::clock::LeaseClock;
-use super::{NAME, RENEW_SQL, is_busy, millis, sqlite_error};
+use super::{NAME, RENEW_SQL, is_busy, millis, renew_reader, sqlite_error};
 use crate::LockError;
 use crate::lease::{LeaseDeadline, Term};
 use crate::time::later;
@@ -47,6 +47,8 @@ pub(super) struct Renewal {
     /// Being released: still renewed, but a renewal that finds the row free or taken leaves
     /// the verdict to the release.
     releasing: bool,
+    /// A reader's share: renewed in the readers' table (see `read.rs`).
+    read: bool,
 }
 
 impl Renewal {
@@ -64,6 +66,7 @@ impl Renewal {
             lost: lost.drop_guard(),
             term: Term::new(lease, written, None),
             releasing: false,
+            read: false,
         }
     }
 
@@ -71,6 +74,12 @@ impl Renewal {
     /// of its lease; `written` as for [`Renewal::new`].
     pub(super) fn every(mut self, cadence: Option<Duration>, written: Instant) -> Renewal {
         self.term = Term::new(self.term.lease(), written, cadence);
+        self
+    }
+
+    /// The same lock, as a reader's share of its key.
+    pub(super) fn shared(mut self) -> Renewal {
+        self.read = true;
         self
     }
 
@@ -307,8 +316,8 @@ impl Drop for Exit<'_> {
     }
 }
 
-/// A renewal to run: lock id, name, owner, lease.
-type Due = (u64, Arc<[u8]>, [u8; 16], Duration);
+/// A renewal to run: lock id, name, owner, lease, whether it is a reader's share.
+type Due = (u64, Arc<[u8]>, [u8; 16], Duration, bool);
 
 fn run(state: &State) {
     let _exit = Exit(state);
@@ -328,7 +337,7 @@ fn run(state: &State) {
             .renewals
             .iter()
             .filter(|(_, r)| r.term.is_due(now))
-            .map(|(id, r)| (*id, Arc::clone(&r.name), r.owner, r.term.lease()))
+            .map(|(id, r)| (*id, Arc::clone(&r.name), r.owner, r.term.lease(), r.read))
             .collect();
         if !due.is_empty() {
             drop(registry);
@@ -431,7 +440,11 @@ fn renew_once(
     let mut still_held = Vec::with_capacity(due.len());
     {
         let mut statement = tx.prepare_cached(RENEW_SQL)?;
-        for (_, name, owner, lease) in due {
+        for (_, name, owner, lease, read) in due {
+            if *read {
+                still_held.push(renew_reader(&tx, clock, name, owner, *lease)?);
+                continue;
+            }
             let changed = statement.execute(params![
                 &name[..],
                 &owner[..],

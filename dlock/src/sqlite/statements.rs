@@ -6,6 +6,18 @@ pub(super) const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS __distributed_locks 
     lease_end INTEGER NOT NULL DEFAULT 0, \
     fencing INTEGER NOT NULL DEFAULT 0, \
     boot BLOB\
+) WITHOUT ROWID; \
+CREATE TABLE IF NOT EXISTS __distributed_lock_readers (\
+    name BLOB NOT NULL, \
+    owner BLOB NOT NULL, \
+    lease_end INTEGER NOT NULL, \
+    boot BLOB, \
+    PRIMARY KEY (name, owner)\
+) WITHOUT ROWID; \
+CREATE TABLE IF NOT EXISTS __distributed_lock_intents (\
+    name BLOB NOT NULL PRIMARY KEY, \
+    until INTEGER NOT NULL, \
+    boot BLOB\
 ) WITHOUT ROWID";
 
 /// Counts the column of the earlier, wall-clock table (1 when the table must be converted).
@@ -110,3 +122,103 @@ pub(super) const PING_SQL: &str = "SELECT count(*) FROM main.__distributed_locks
 /// boot.
 pub(super) const VERIFY_SQL: &str = "SELECT count(*) FROM main.__distributed_locks \
     WHERE name = ?1 AND owner = ?2 AND boot = ?4 AND lease_end > ?3";
+
+// Read locks. While readers hold a key, its row in the lock table is held by the empty owner
+// `x''` (which no acquisition's 128-bit token can equal) until the latest of their lease ends:
+// every exclusive acquisition, of this version or an earlier one, finds it held. Each reader
+// has a row of its own in `__distributed_lock_readers`, and every statement that changes a
+// reader's row also sets the lock row from the readers' rows (`READERS_SYNC_SQL`), in one
+// transaction.
+
+/// A reader's share of row `?1`: taken when the row is free, expired or held by readers, and
+/// no writer waits for it. `?2` the reader's lease end, `?3` now (lease clock), `?4` boot.
+/// The row's lease end becomes the later of its readers' (an expired row's is replaced).
+/// Returns the new fencing token (the row's counter, shared with exclusive locks), or no row
+/// when a writer holds the key or waits for it.
+pub(super) const READ_ACQUIRE_SQL: &str = "INSERT INTO main.__distributed_locks (name, owner, lease_end, fencing, boot) \
+    VALUES (?1, x'', ?2, 1, ?4) \
+    ON CONFLICT (name) DO UPDATE SET owner = x'', \
+    lease_end = CASE WHEN __distributed_locks.owner = x'' AND __distributed_locks.boot IS excluded.boot \
+    AND __distributed_locks.lease_end > ?3 \
+    THEN max(__distributed_locks.lease_end, excluded.lease_end) ELSE excluded.lease_end END, \
+    boot = excluded.boot, fencing = __distributed_locks.fencing + 1 \
+    WHERE (__distributed_locks.owner IS NULL OR __distributed_locks.owner = x'' \
+    OR __distributed_locks.boot IS NOT excluded.boot OR __distributed_locks.lease_end <= ?3) \
+    AND NOT EXISTS (SELECT 1 FROM main.__distributed_lock_intents \
+    WHERE name = ?1 AND boot IS ?4 AND until > ?3) \
+    RETURNING fencing";
+
+/// [`READ_ACQUIRE_SQL`] with the `-fencing` file attached (see [`ACQUIRE_FENCED_SQL`]).
+pub(super) const READ_ACQUIRE_FENCED_SQL: &str = "INSERT INTO main.__distributed_locks (name, owner, lease_end, fencing, boot) \
+    VALUES (?1, x'', ?2, 1 + coalesce((SELECT fencing FROM dlock_fencing.__distributed_lock_fencing \
+    WHERE name = ?1), 0), ?4) \
+    ON CONFLICT (name) DO UPDATE SET owner = x'', \
+    lease_end = CASE WHEN __distributed_locks.owner = x'' AND __distributed_locks.boot IS excluded.boot \
+    AND __distributed_locks.lease_end > ?3 \
+    THEN max(__distributed_locks.lease_end, excluded.lease_end) ELSE excluded.lease_end END, \
+    boot = excluded.boot, fencing = max(__distributed_locks.fencing + 1, excluded.fencing) \
+    WHERE (__distributed_locks.owner IS NULL OR __distributed_locks.owner = x'' \
+    OR __distributed_locks.boot IS NOT excluded.boot OR __distributed_locks.lease_end <= ?3) \
+    AND NOT EXISTS (SELECT 1 FROM main.__distributed_lock_intents \
+    WHERE name = ?1 AND boot IS ?4 AND until > ?3) \
+    RETURNING fencing";
+
+/// Removes the expired readers of `?1` (`?2` now, `?3` boot), in the transaction of a read
+/// acquisition.
+pub(super) const READERS_CLEAN_SQL: &str = "DELETE FROM main.__distributed_lock_readers \
+    WHERE name = ?1 AND (boot IS NOT ?3 OR lease_end <= ?2)";
+
+/// Records reader `?2` of `?1` until `?3` (boot `?4`).
+pub(super) const READER_INSERT_SQL: &str = "INSERT INTO main.__distributed_lock_readers \
+    (name, owner, lease_end, boot) VALUES (?1, ?2, ?3, ?4)";
+
+/// Sets the lease end of reader `?2` of `?1` to `?3` if its lease is live (`?4` now, `?5`
+/// boot): an expired reader may have let a writer in, so it is never revived.
+pub(super) const READER_RENEW_SQL: &str = "UPDATE main.__distributed_lock_readers SET lease_end = ?3 \
+    WHERE name = ?1 AND owner = ?2 AND boot IS ?5 AND lease_end > ?4";
+
+/// Sets the lock row of `?1`, while readers hold it, from its live readers (`?2` now, `?3`
+/// boot): the latest lease end, or free when none is left.
+pub(super) const READERS_SYNC_SQL: &str = "UPDATE main.__distributed_locks SET \
+    lease_end = coalesce((SELECT max(lease_end) FROM main.__distributed_lock_readers \
+    WHERE name = ?1 AND boot IS ?3 AND lease_end > ?2), 0), \
+    owner = CASE WHEN EXISTS (SELECT 1 FROM main.__distributed_lock_readers \
+    WHERE name = ?1 AND boot IS ?3 AND lease_end > ?2) THEN x'' END \
+    WHERE name = ?1 AND owner = x''";
+
+/// Removes reader `?2` of `?1`; returns whether its lease was live (`?3` now, `?4` boot), or
+/// no row when it was gone.
+pub(super) const READER_RELEASE_SQL: &str = "DELETE FROM main.__distributed_lock_readers \
+    WHERE name = ?1 AND owner = ?2 \
+    RETURNING boot IS ?4 AND lease_end > ?3";
+
+/// Whether reader `?2` of `?1` holds a live lease: `?3` now, `?4` boot.
+pub(super) const READER_VERIFY_SQL: &str = "SELECT count(*) FROM main.__distributed_lock_readers \
+    WHERE name = ?1 AND owner = ?2 AND boot = ?4 AND lease_end > ?3";
+
+/// Whether a writer holds `?1` under a live lease: `?2` now, `?3` boot.
+pub(super) const WRITER_PEEK_SQL: &str = "SELECT 1 FROM main.__distributed_locks \
+    WHERE name = ?1 AND owner IS NOT NULL AND owner <> x'' AND boot = ?3 AND lease_end > ?2";
+
+/// Whether a reader could not take `?1` now: a writer holds it, or one waits for it (`?2`
+/// now, `?3` boot).
+pub(super) const READ_BLOCKED_SQL: &str = "SELECT 1 FROM main.__distributed_locks \
+    WHERE name = ?1 AND owner IS NOT NULL AND owner <> x'' AND boot = ?3 AND lease_end > ?2 \
+    UNION ALL SELECT 1 FROM main.__distributed_lock_intents \
+    WHERE name = ?1 AND boot IS ?3 AND until > ?2";
+
+/// Whether readers hold `?1`: `?2` now, `?3` boot.
+pub(super) const READERS_HOLD_SQL: &str = "SELECT 1 FROM main.__distributed_locks \
+    WHERE name = ?1 AND owner = x'' AND boot = ?3 AND lease_end > ?2";
+
+/// A waiting writer's intent on `?1`, until `?2` (boot `?3`): readers that come later wait.
+/// Kept at the later of the intents of several waiting writers.
+pub(super) const INTENT_SQL: &str = "INSERT INTO main.__distributed_lock_intents (name, until, boot) \
+    VALUES (?1, ?2, ?3) \
+    ON CONFLICT (name) DO UPDATE SET until = CASE WHEN __distributed_lock_intents.boot IS excluded.boot \
+    THEN max(__distributed_lock_intents.until, excluded.until) ELSE excluded.until END, \
+    boot = excluded.boot";
+
+/// Removes the intent on `?1`, once a writer got the key.
+pub(super) const INTENT_CLEAR_SQL: &str =
+    "DELETE FROM main.__distributed_lock_intents WHERE name = ?1";

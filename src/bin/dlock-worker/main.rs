@@ -1,18 +1,32 @@
 //! Child processes for the multi-process tests, and the exclusion checker.
 //!
 //! `dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] [--keys K]
-//! [--acquisitions A] [--fencing every|none] [--soak]` runs N worker processes of M tasks each
+//! [--acquisitions A] [--fencing every|none] [--mix MIX] [--soak]` runs N worker processes of M tasks each
 //! that together take A locks on K hot keys (`PREFIX:0` .. `PREFIX:K-1`; with one key, `PREFIX`
 //! itself), then checks the sections log they wrote. It prints one `ok ...` summary line and
 //! exits 0, or names the first violation and exits 1. `--soak` means 8 processes × 16 tasks ×
 //! 8 keys and 1,000,000 acquisitions, for runs outside CI.
 //!
-//! `dlock-worker storm URL PREFIX KEYS TASKS ACQUISITIONS LOG` is one such worker process:
+//! `dlock-worker storm URL PREFIX KEYS TASKS ACQUISITIONS LOG [MIX]` is one such worker process:
 //! each critical section appends `enter KEY HOLDER TOKEN` and then `exit KEY HOLDER` to LOG,
 //! opened in append mode, so every line lands whole and in the order the writes happened.
 //! The checker reads that interleaving: per key, an `enter` while another holder is inside is
-//! an overlap, and fencing tokens (where issued) must strictly increase. `--fencing every`
-//! says the backend issues tokens: a section without one is a violation (otherwise tokens that
+//! an overlap, and fencing tokens (where issued) must strictly increase.
+//!
+//! MIX (`--mix`) picks what the sections take, each with its own invariant:
+//! - `exclusive` (the default): one lock per section, as above;
+//! - `rw`: three sections in four are read locks (`read KEY HOLDER TOKEN` .. `unread KEY
+//!   HOLDER`), the rest exclusive: no writer overlaps any other holder, readers do share (a run
+//!   in which readers never overlapped fails, as it proves nothing), a writer's token exceeds
+//!   every token seen before on its key, and a reader's exceeds the last writer's;
+//! - `semaphore:N`: each section holds one of the N slots of a semaphore (`slot KEY SLOT
+//!   HOLDER TOKEN` .. `unslot KEY SLOT HOLDER`): at most N holders per key, one per slot, and
+//!   tokens strictly increasing per slot;
+//! - `many`: each section holds two distinct keys at once through `acquire_many` (`enter-set
+//!   HOLDER KEY TOKEN KEY TOKEN` .. `exit-set HOLDER KEY KEY`): no key of a set overlaps any
+//!   other holder of it, and tokens increase per key. (Needs at least 2 keys.)
+//!
+//! `--fencing every` says the backend issues tokens: a section without one is a violation (otherwise tokens that
 //! went missing would leave "strictly increasing" true of nothing). `--fencing none` says it
 //! issues none: a section with one is a violation. Without the option, a log must be
 //! consistent: every section fenced, or none.
@@ -54,10 +68,20 @@ fn main() -> ExitCode {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let outcome = match args.as_slice() {
         ["exclusion", url, prefix, rest @ ..] => exclusion(url, prefix, rest),
-        ["storm", url, prefix, keys, tasks, acquisitions, log] => {
-            runtime().and_then(|rt| rt.block_on(storm(url, prefix, keys, tasks, acquisitions, log)))
+        ["storm", url, prefix, keys, tasks, acquisitions, log, mix @ ..] => {
+            let mix = match mix {
+                [] => Ok(Mix::Exclusive),
+                [mix] => Mix::parse(mix),
+                _ => Err("storm takes one MIX at most".to_owned()),
+            };
+            mix.and_then(|mix| {
+                runtime().and_then(|rt| {
+                    rt.block_on(storm(url, prefix, keys, tasks, acquisitions, log, mix))
+                })
+            })
         }
-        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key))),
+        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, false))),
+        ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, true))),
         ["take", url, key, timeout_ms] => timeout_ms
             .parse()
             .map_err(|e| format!("timeout: {e}"))
@@ -73,9 +97,10 @@ fn main() -> ExitCode {
             .map(|summary| println!("ok sections={} fenced={}", summary.sections, summary.fenced)),
         _ => Err(
             "usage: dlock-worker exclusion URL PREFIX [--processes N] [--tasks M] \
-                  [--keys K] [--acquisitions A] [--fencing every|none] [--soak] \
-                  | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG \
-                  | verify LOG SECTIONS [--fencing every|none] | hold URL KEY \
+                  [--keys K] [--acquisitions A] [--fencing every|none] \
+                  [--mix exclusive|rw|semaphore:N|many] [--soak] \
+                  | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG [MIX] \
+                  | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
                   | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
@@ -128,6 +153,44 @@ impl Fencing {
     }
 }
 
+/// What the sections of a run take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mix {
+    /// One exclusive lock each.
+    Exclusive,
+    /// Read locks mostly, exclusive locks otherwise.
+    ReadWrite,
+    /// A slot of a semaphore of this many.
+    Semaphore(u32),
+    /// Two keys at once, all or none.
+    Many,
+}
+
+impl Mix {
+    fn parse(value: &str) -> Result<Mix, String> {
+        match value {
+            "exclusive" => Ok(Mix::Exclusive),
+            "rw" => Ok(Mix::ReadWrite),
+            "many" => Ok(Mix::Many),
+            other => match other.strip_prefix("semaphore:").map(str::parse::<u32>) {
+                Some(Ok(n)) if n > 0 => Ok(Mix::Semaphore(n)),
+                _ => Err(format!(
+                    "--mix takes exclusive, rw, semaphore:N (N at least 1) or many, not `{other}`"
+                )),
+            },
+        }
+    }
+
+    fn arg(self) -> String {
+        match self {
+            Mix::Exclusive => "exclusive".to_owned(),
+            Mix::ReadWrite => "rw".to_owned(),
+            Mix::Semaphore(n) => format!("semaphore:{n}"),
+            Mix::Many => "many".to_owned(),
+        }
+    }
+}
+
 /// The settings of one exclusion run.
 struct Run {
     processes: usize,
@@ -135,6 +198,7 @@ struct Run {
     keys: usize,
     acquisitions: usize,
     fencing: Fencing,
+    mix: Mix,
 }
 
 impl Run {
@@ -145,6 +209,7 @@ impl Run {
             keys: 4,
             acquisitions: 20_000,
             fencing: Fencing::Consistent,
+            mix: Mix::Exclusive,
         };
         let mut rest = rest.iter();
         while let Some(flag) = rest.next() {
@@ -155,12 +220,17 @@ impl Run {
                     keys: 8,
                     acquisitions: 1_000_000,
                     fencing: run.fencing,
+                    mix: run.mix,
                 };
                 continue;
             }
             let value = rest.next().ok_or_else(|| format!("{flag} needs a value"))?;
             if *flag == "--fencing" {
                 run.fencing = Fencing::parse(value)?;
+                continue;
+            }
+            if *flag == "--mix" {
+                run.mix = Mix::parse(value)?;
                 continue;
             }
             let value = value.parse::<usize>().map_err(|e| format!("{flag}: {e}"))?;
@@ -174,6 +244,9 @@ impl Run {
                 "--acquisitions" => run.acquisitions = value,
                 _ => return Err(format!("unknown option {flag}")),
             }
+        }
+        if run.mix == Mix::Many && run.keys < 2 {
+            return Err("--mix many needs --keys 2 or more".to_owned());
         }
         Ok(run)
     }
@@ -197,6 +270,7 @@ fn exclusion(url: &str, prefix: &str, rest: &[&str]) -> Result<(), String> {
                 .args([url, prefix])
                 .args([run.keys, run.tasks, share].map(|n| n.to_string()))
                 .arg(&log)
+                .arg(run.mix.arg())
                 .stdout(Stdio::null())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -219,13 +293,21 @@ fn exclusion(url: &str, prefix: &str, rest: &[&str]) -> Result<(), String> {
         return Err(format!("workers failed: {}", failures.join("; ")));
     }
     let summary = verdict?;
+    if run.mix == Mix::ReadWrite && summary.most_shared < 2 {
+        return Err(format!(
+            "readers never shared a key in {} sections: the run shows nothing of read locks",
+            summary.sections
+        ));
+    }
     println!(
-        "ok sections={} keys={} processes={} tasks={} fenced={} seconds={:.2} per_second={:.0}",
+        "ok sections={} keys={} processes={} tasks={} fenced={} shared={} mix={} seconds={:.2} per_second={:.0}",
         summary.sections,
         run.keys,
         run.processes,
         run.tasks,
         summary.fenced,
+        summary.most_shared,
+        run.mix.arg(),
         elapsed.as_secs_f64(),
         summary.sections as f64 / elapsed.as_secs_f64().max(1e-9),
     );
@@ -237,83 +319,159 @@ struct Summary {
     sections: usize,
     /// Sections that carried a fencing token.
     fenced: usize,
+    /// The most holders one key had at once (readers, or a semaphore's slot holders).
+    most_shared: usize,
 }
 
-/// Per key: who is inside, and the last fencing token seen.
+/// Per key (or semaphore slot): who is inside, and the tokens seen.
 #[derive(Default)]
 struct KeyState {
+    /// The exclusive holder.
     inside: Option<String>,
+    /// Readers, or a semaphore's slot holders.
+    sharing: std::collections::HashSet<String>,
+    /// A semaphore's size, once a slot of it was seen.
+    permits: Option<u32>,
+    /// The last exclusive holder's token.
     last_token: Option<u64>,
+    /// The highest token seen on the key, readers' included.
+    highest: Option<u64>,
 }
 
 /// Reads a sections log and reports the first overlap, non-increasing, missing or unexpected
-/// fencing token, unmatched exit or missing section.
+/// fencing token, unmatched exit or missing section (the line kinds are in the module docs).
 fn check(log: &Path, expected: usize, fencing: Fencing) -> Result<Summary, String> {
     let text = std::fs::read_to_string(log).map_err(|e| format!("{}: {e}", log.display()))?;
-    let mut keys: HashMap<&str, KeyState> = HashMap::new();
+    let mut keys: HashMap<String, KeyState> = HashMap::new();
     let mut summary = Summary {
         sections: 0,
         fenced: 0,
+        most_shared: 0,
     };
     for (n, line) in text.lines().enumerate() {
         let n = n + 1;
-        match line.split(' ').collect::<Vec<_>>().as_slice() {
-            ["enter", key, holder, token] => {
-                let state = keys.entry(key).or_default();
-                if let Some(other) = &state.inside {
-                    return Err(format!(
-                        "line {n}: {holder} entered {key} while {other} was inside"
-                    ));
-                }
-                state.inside = Some((*holder).to_owned());
-                let token = match *token {
-                    "-" => None,
-                    text => Some(
-                        text.parse::<u64>()
-                            .map_err(|_| format!("line {n}: malformed `{line}`"))?,
-                    ),
-                };
-                match (token, fencing) {
-                    (None, Fencing::Every) => {
-                        return Err(format!(
-                            "line {n}: {holder} entered {key} without a fencing token, but the \
-                             backend issues them"
-                        ));
-                    }
-                    (Some(token), Fencing::None) => {
-                        return Err(format!(
-                            "line {n}: {holder} entered {key} with fencing token {token}, but \
-                             the backend issues none"
-                        ));
-                    }
-                    _ => {}
-                }
-                if let Some(token) = token {
-                    if let Some(last) = state.last_token.filter(|last| token <= *last) {
-                        return Err(format!(
-                            "line {n}: fencing token {token} on {key} after {last}"
-                        ));
-                    }
-                    state.last_token = Some(token);
-                    summary.fenced += 1;
-                }
+        let words: Vec<&str> = line.split(' ').collect();
+        let malformed = || format!("line {n}: malformed `{line}`");
+        let token = |text: &str| match text {
+            "-" => Ok(None),
+            text => text.parse::<u64>().map(Some).map_err(|_| malformed()),
+        };
+        // Every kind of entry carries one token per key it takes; check their presence once.
+        let fenced = |holder: &str, key: &str, token: Option<u64>| match (token, fencing) {
+            (None, Fencing::Every) => Err(format!(
+                "line {n}: {holder} entered {key} without a fencing token, but the backend \
+                 issues them"
+            )),
+            (Some(token), Fencing::None) => Err(format!(
+                "line {n}: {holder} entered {key} with fencing token {token}, but the backend \
+                 issues none"
+            )),
+            _ => Ok(()),
+        };
+        match words.as_slice() {
+            ["enter", key, holder, t] => {
+                let t = token(t)?;
+                fenced(holder, key, t)?;
+                enter(&mut keys, n, key, holder, t)?;
+                summary.fenced += usize::from(t.is_some());
             }
             ["exit", key, holder] => {
-                let state = keys.entry(key).or_default();
-                if state.inside.as_deref() != Some(*holder) {
-                    return Err(format!("line {n}: {holder} left {key} without entering"));
-                }
-                state.inside = None;
+                exit(&mut keys, n, key, holder)?;
                 summary.sections += 1;
             }
-            _ => return Err(format!("line {n}: malformed `{line}`")),
+            ["enter-set", holder, rest @ ..] if !rest.is_empty() && rest.len() % 2 == 0 => {
+                let mut all = true;
+                for pair in rest.chunks(2) {
+                    let t = token(pair[1])?;
+                    fenced(holder, pair[0], t)?;
+                    enter(&mut keys, n, pair[0], holder, t)?;
+                    all &= t.is_some();
+                }
+                summary.fenced += usize::from(all);
+            }
+            ["exit-set", holder, rest @ ..] if !rest.is_empty() => {
+                for key in rest {
+                    exit(&mut keys, n, key, holder)?;
+                }
+                summary.sections += 1;
+            }
+            ["read", key, holder, t] => {
+                let t = token(t)?;
+                fenced(holder, key, t)?;
+                let state = keys.entry((*key).to_owned()).or_default();
+                if let Some(writer) = &state.inside {
+                    return Err(format!(
+                        "line {n}: reader {holder} entered {key} while writer {writer} was inside"
+                    ));
+                }
+                if let (Some(t), Some(last)) = (t, state.last_token)
+                    && t <= last
+                {
+                    return Err(format!(
+                        "line {n}: reader's fencing token {t} on {key} after writer's {last}"
+                    ));
+                }
+                if let Some(t) = t {
+                    state.highest = Some(state.highest.map_or(t, |h| h.max(t)));
+                }
+                if !state.sharing.insert((*holder).to_owned()) {
+                    return Err(format!("line {n}: {holder} read {key} twice at once"));
+                }
+                summary.most_shared = summary.most_shared.max(state.sharing.len());
+                summary.fenced += usize::from(t.is_some());
+            }
+            ["unread", key, holder] => {
+                let state = keys.entry((*key).to_owned()).or_default();
+                if !state.sharing.remove(*holder) {
+                    return Err(format!(
+                        "line {n}: {holder} stopped reading {key} without reading it"
+                    ));
+                }
+                summary.sections += 1;
+            }
+            ["slot", key, slot, holder, t, permits] => {
+                let t = token(t)?;
+                fenced(holder, key, t)?;
+                let permits = permits.parse::<u32>().map_err(|_| malformed())?;
+                let state = keys.entry(format!("semaphore {key}")).or_default();
+                if state.permits.is_some_and(|p| p != permits) {
+                    return Err(format!("line {n}: semaphore {key} used with two sizes"));
+                }
+                state.permits = Some(permits);
+                state.sharing.insert((*holder).to_owned());
+                if state.sharing.len() > permits as usize {
+                    return Err(format!(
+                        "line {n}: {holder} made {} holders of semaphore {key}, of at most {permits}",
+                        state.sharing.len()
+                    ));
+                }
+                summary.most_shared = summary.most_shared.max(state.sharing.len());
+                // Each slot is a lock of its own: exclusive, with increasing tokens.
+                enter(&mut keys, n, &format!("slot {slot}"), holder, t)?;
+                summary.fenced += usize::from(t.is_some());
+            }
+            ["unslot", key, slot, holder] => {
+                let state = keys.entry(format!("semaphore {key}")).or_default();
+                if !state.sharing.remove(*holder) {
+                    return Err(format!(
+                        "line {n}: {holder} left semaphore {key} without entering"
+                    ));
+                }
+                exit(&mut keys, n, &format!("slot {slot}"), holder)?;
+                summary.sections += 1;
+            }
+            _ => return Err(malformed()),
         }
     }
-    if let Some((key, state)) = keys.iter().find(|(_, s)| s.inside.is_some()) {
-        return Err(format!(
-            "the log ends with {} inside {key}",
-            state.inside.as_deref().unwrap_or("?")
-        ));
+    for (key, state) in &keys {
+        if let Some(holder) = state.inside.as_deref().or(state
+            .sharing
+            .iter()
+            .next()
+            .map(String::as_str))
+        {
+            return Err(format!("the log ends with {holder} inside {key}"));
+        }
     }
     if summary.sections != expected {
         return Err(format!(
@@ -331,6 +489,53 @@ fn check(log: &Path, expected: usize, fencing: Fencing) -> Result<Summary, Strin
     Ok(summary)
 }
 
+/// An exclusive holder enters `key`: nobody may be inside, readers included, and its token
+/// must exceed every token seen on the key.
+fn enter(
+    keys: &mut HashMap<String, KeyState>,
+    n: usize,
+    key: &str,
+    holder: &str,
+    token: Option<u64>,
+) -> Result<(), String> {
+    let state = keys.entry(key.to_owned()).or_default();
+    if let Some(other) = &state.inside {
+        return Err(format!(
+            "line {n}: {holder} entered {key} while {other} was inside"
+        ));
+    }
+    if let Some(reader) = state.sharing.iter().next() {
+        return Err(format!(
+            "line {n}: writer {holder} entered {key} while reader {reader} was inside"
+        ));
+    }
+    state.inside = Some(holder.to_owned());
+    if let Some(token) = token {
+        if let Some(last) = state.highest.filter(|last| token <= *last) {
+            return Err(format!(
+                "line {n}: fencing token {token} on {key} after {last}"
+            ));
+        }
+        state.last_token = Some(token);
+        state.highest = Some(token);
+    }
+    Ok(())
+}
+
+fn exit(
+    keys: &mut HashMap<String, KeyState>,
+    n: usize,
+    key: &str,
+    holder: &str,
+) -> Result<(), String> {
+    let state = keys.entry(key.to_owned()).or_default();
+    if state.inside.as_deref() != Some(holder) {
+        return Err(format!("line {n}: {holder} left {key} without entering"));
+    }
+    state.inside = None;
+    Ok(())
+}
+
 /// One worker process: `tasks` tasks share one provider and take `acquisitions` locks in all.
 async fn storm(
     url: &str,
@@ -339,6 +544,7 @@ async fn storm(
     tasks: &str,
     acquisitions: &str,
     log: &str,
+    mix: Mix,
 ) -> Result<(), String> {
     let parse = |what: &str, value: &str| {
         value
@@ -379,29 +585,85 @@ async fn storm(
         let (locks, names, file) = (locks.clone(), Arc::clone(&names), Arc::clone(&file));
         set.spawn(async move {
             let holder = format!("{pid}.{task}");
+            let write = |line: String| {
+                (&*file)
+                    .write_all(line.as_bytes())
+                    .map_err(|e| e.to_string())
+            };
+            let token_of = |guard: &dlock::LockGuard| {
+                guard
+                    .fencing_token()
+                    .map_or_else(|| "-".to_owned(), |t| t.to_string())
+            };
             for _ in 0..share {
                 let key = &names[fastrand::usize(..names.len())];
-                let guard = locks
-                    .acquire(key, ACQUIRE_TIMEOUT)
-                    .await
-                    .map_err(|e| format!("{holder} acquiring {key}: {e}"))?;
-                let token = guard
-                    .fencing_token()
-                    .map_or_else(|| "-".to_owned(), |t| t.to_string());
-                (&*file)
-                    .write_all(format!("enter {key} {holder} {token}\n").as_bytes())
-                    .map_err(|e| e.to_string())?;
-                let until = Instant::now() + SECTION;
-                while Instant::now() < until {
-                    tokio::task::yield_now().await;
+                let failed = |e: dlock::LockError| format!("{holder} acquiring {key}: {e}");
+                let released = |e: dlock::LockError| format!("{holder} releasing {key}: {e}");
+                match mix {
+                    Mix::Exclusive => {
+                        let guard = locks.acquire(key, ACQUIRE_TIMEOUT).await.map_err(failed)?;
+                        write(format!("enter {key} {holder} {}\n", token_of(&guard)))?;
+                        section().await;
+                        write(format!("exit {key} {holder}\n"))?;
+                        guard.release().await.map_err(released)?;
+                    }
+                    Mix::ReadWrite if fastrand::u8(..4) != 0 => {
+                        let guard = locks
+                            .acquire_read(key, ACQUIRE_TIMEOUT)
+                            .await
+                            .map_err(failed)?;
+                        write(format!("read {key} {holder} {}\n", token_of(&guard)))?;
+                        section().await;
+                        write(format!("unread {key} {holder}\n"))?;
+                        guard.release().await.map_err(released)?;
+                    }
+                    Mix::ReadWrite => {
+                        let guard = locks.acquire(key, ACQUIRE_TIMEOUT).await.map_err(failed)?;
+                        write(format!("enter {key} {holder} {}\n", token_of(&guard)))?;
+                        section().await;
+                        write(format!("exit {key} {holder}\n"))?;
+                        guard.release().await.map_err(released)?;
+                    }
+                    Mix::Semaphore(permits) => {
+                        let guard = locks
+                            .acquire_semaphore(key, permits, ACQUIRE_TIMEOUT)
+                            .await
+                            .map_err(failed)?;
+                        // The slot's internal name holds NUL bytes; log a printable form.
+                        let slot = guard
+                            .key()
+                            .replace(|c: char| c.is_control() || c == ' ', "_");
+                        write(format!(
+                            "slot {key} {slot} {holder} {} {permits}\n",
+                            token_of(&guard)
+                        ))?;
+                        section().await;
+                        write(format!("unslot {key} {slot} {holder}\n"))?;
+                        guard.release().await.map_err(released)?;
+                    }
+                    Mix::Many => {
+                        let other = loop {
+                            let other = &names[fastrand::usize(..names.len())];
+                            if other != key {
+                                break other;
+                            }
+                        };
+                        let guards = locks
+                            .acquire_many(&[key.as_str(), other.as_str()], ACQUIRE_TIMEOUT)
+                            .await
+                            .map_err(failed)?;
+                        let taken: Vec<String> = guards
+                            .iter()
+                            .map(|g| format!("{} {}", g.key(), token_of(g)))
+                            .collect();
+                        write(format!("enter-set {holder} {}\n", taken.join(" ")))?;
+                        section().await;
+                        write(format!("exit-set {holder} {key} {other}\n"))?;
+                        for guard in guards {
+                            guard.release().await.map_err(released)?;
+                        }
+                    }
                 }
-                (&*file)
-                    .write_all(format!("exit {key} {holder}\n").as_bytes())
-                    .map_err(|e| e.to_string())?;
-                guard
-                    .release()
-                    .await
-                    .map_err(|e| format!("{holder} releasing {key}: {e}"))?;
             }
             Ok::<(), String>(())
         });
@@ -412,14 +674,27 @@ async fn storm(
     Ok(())
 }
 
-async fn hold(url: &str, key: &str) -> Result<(), String> {
+/// A critical section: yields all along, so that a second holder (if exclusion were broken)
+/// has every chance to write its entry in between.
+async fn section() {
+    let until = Instant::now() + SECTION;
+    while Instant::now() < until {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Holds `key` (a read lock when `read`) until killed, saying `held TOKEN`, then `lost UNIX_MS`
+/// if the lock is lost.
+async fn hold(url: &str, key: &str, read: bool) -> Result<(), String> {
     let locks = dlock::LockProvider::connect(url)
         .await
         .map_err(|e| e.to_string())?;
-    let guard = locks
-        .acquire(key, ACQUIRE_TIMEOUT)
-        .await
-        .map_err(|e| e.to_string())?;
+    let guard = if read {
+        locks.acquire_read(key, ACQUIRE_TIMEOUT).await
+    } else {
+        locks.acquire(key, ACQUIRE_TIMEOUT).await
+    }
+    .map_err(|e| e.to_string())?;
     println!(
         "held {}",
         guard

@@ -1,4 +1,4 @@
-// keys(...) and permits = N compile with the other options.
+// keys(...), permits = N and mode = read | write compile with the other options.
 use dlock::{LockError, LockGuard, LockProvider, distributed_lock};
 
 #[distributed_lock(keys("account:{from}", "account:{to}"), timeout = 10, guard = locks_held, on_lost = cancel)]
@@ -18,6 +18,17 @@ async fn export(locks: &LockProvider, tenant: &str) -> Result<Option<u64>, LockE
     Ok(slot.fencing_token())
 }
 
+#[distributed_lock("prices:{region}", mode = read, timeout = 5, guard = share, on_lost = cancel)]
+async fn quote(locks: &LockProvider, region: &str) -> Result<String, LockError> {
+    let share: &LockGuard = share;
+    Ok(share.key().to_owned())
+}
+
+#[distributed_lock("prices:{region}", mode = write)]
+async fn reprice(locks: &LockProvider, region: &str) -> Result<(), LockError> {
+    Ok(())
+}
+
 fn main() {
-    let _ = (transfer, three, export);
+    let _ = (transfer, three, export, quote, reprice);
 }

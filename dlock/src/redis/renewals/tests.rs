@@ -21,6 +21,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         timeout,
         renew_every: None,
         renewals: Arc::default(),
+        intents: Default::default(),
     })
 }
 

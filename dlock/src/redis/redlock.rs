@@ -1,0 +1,852 @@
+//! Redlock: one lock on a majority of independent Redis or Valkey nodes.
+//!
+//! A lock is held when it was taken, under one owner token per node, on a **quorum** (more
+//! than half) of N independent servers, within a time short enough that the leases still run
+//! long after it. Each node's lock is an ordinary lock of the [single-node backend](super)
+//! (same keys, scripts, renewal and lost detection), so a node is any Redis 7+, Redis 8.4+ or
+//! Valkey server, and a lock taken through `redlock://a,b,c` is the same Redis key on each of
+//! them as one taken through `redis://a` with the same options.
+//!
+//! | step | what happens |
+//! |---|---|
+//! | acquire | the lock is asked of every node at once, each with a timeout of a fifth of the lease (at least 50 ms; each command is also bounded by the `timeout` option). It counts when a quorum granted it and the lease left, **validity = lease − elapsed − drift** (drift: 1 % of the lease + 2 ms, for clocks that run at different rates), is at least half the lease; otherwise what was granted is given back at once, and the attempt answers "held" (or [`LockError::Unavailable`] when too few nodes answered at all). The provider retries with backoff and jitter. |
+//! | fencing | each granted node `INCR`s the key's counter as the single-node backend does; the lock's token is the **largest** of them, and before the lock counts every granted node's counter is raised to it (a compare-and-set script), on a quorum at least. Any two quorums share a node, whose counter only grows, so the next holder's token is larger. |
+//! | hold | every node renews its own lease; the lock is lost when fewer than a quorum of node locks are still held, or when the quorum's local deadline (the quorum-th latest node deadline, less the drift) passes without renewals moving it. |
+//! | release | every node is released at once; a release that a quorum confirmed succeeds. |
+//!
+//! # URL
+//!
+//! `redlock://[user[:password]@]host:port,host:port,host:port[/db][?options]`: the nodes,
+//! with one set of credentials, database and options for all of them. The options are those of
+//! `redis://` (`lease`, `prefix`, `key_layout`, `fencing`, `timeout`, `renew_every`,
+//! `protocol`). Use an odd number of nodes, three or five: the quorum of N is N / 2 + 1, so
+//! three nodes survive the loss of one, five the loss of two. Nodes that cannot be reached when
+//! the backend is made are connected later, at first use, as long as a quorum answered.
+//! [`RedlockBackend::from_nodes`] takes backends the application built itself.
+//!
+//! # Where the guarantee ends
+//!
+//! Redlock trades consensus for speed, and its safety rests on timing:
+//!
+//! - **Process pauses.** A holder paused (a stopped process, a long collection, a suspended
+//!   VM) past its validity may resume believing it holds the lock while another holder has it.
+//!   The local deadline makes [`LockGuard::is_lost`](crate::LockGuard::is_lost) say so as soon
+//!   as it runs again, but a write already on its way cannot be recalled.
+//! - **Clocks.** Leases expire on each server's clock. A server whose clock jumps forward
+//!   (an operator, a bad NTP step) expires a lease early, which can let a second holder in.
+//!   Redis measures key expiry with its monotonic clock since 7.0, which removes wall-clock
+//!   steps but not a server that is restarted.
+//! - **Restarts without persistence.** A node that restarts with an empty data set forgets
+//!   the locks and counters it held: a second holder may then reach a quorum, and tokens may
+//!   go back. Run the nodes with `appendfsync always`, or keep a restarted node out for at
+//!   least one lease (Redlock's "delayed restart").
+//! - **Asynchronous replicas.** Each node must be a single independent server, not a replica
+//!   set with failover: a failover loses writes.
+//!
+//! This is why fencing tokens remain the defence: the store the lock protects refuses a
+//! token lower than one it has seen, so a holder that lost its lock without knowing it cannot
+//! undo a later holder's work. When exclusion must survive the loss of any one machine with
+//! no timing assumptions, use a consensus store (etcd).
+
+use std::fmt;
+use std::future::poll_fn;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+use super::commands::Script;
+use super::{RedisBackend, check_lease};
+use crate::LockError;
+use crate::backend::{
+    Acquired, BoxFuture, HeldLock, LeaseControl, LeaseDeadline, LockBackend, LockRequest,
+    ReleaseOutcome,
+};
+
+const NAME: &str = "redlock";
+
+/// Raises a fencing counter to at least `ARGV[1]`: `KEYS[1]` the counter.
+const RAISE_LUA: &str = "\
+local c = tonumber(redis.call('GET', KEYS[1]) or '0')
+local t = tonumber(ARGV[1])
+if c < t then redis.call('SET', KEYS[1], ARGV[1]) end
+return 1";
+
+/// The Redlock backend: a quorum of independent Redis or Valkey nodes. Made through
+/// [`LockProvider::connect`](crate::LockProvider::connect) with a `redlock://` URL, or with
+/// [`RedlockBackend::from_nodes`]; see the [module docs](self).
+#[derive(Clone)]
+pub struct RedlockBackend {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    nodes: Vec<Node>,
+    quorum: usize,
+    lease: Duration,
+    fencing: bool,
+    raise: Script,
+}
+
+/// One node: connected, or to be connected at first use.
+struct Node {
+    /// The node's `redis://` URL (may hold a password: never shown).
+    url: Option<String>,
+    backend: OnceCell<RedisBackend>,
+}
+
+impl Node {
+    async fn get(&self) -> Result<&RedisBackend, LockError> {
+        self.backend
+            .get_or_try_init(|| async {
+                match &self.url {
+                    Some(url) => RedisBackend::connect(url).await,
+                    None => Err(LockError::unavailable(NAME, "node not connected", None)),
+                }
+            })
+            .await
+    }
+}
+
+impl fmt::Debug for RedlockBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockBackend")
+            .field("nodes", &self.shared.nodes.len())
+            .field(
+                "connected",
+                &self
+                    .shared
+                    .nodes
+                    .iter()
+                    .filter(|n| n.backend.initialized())
+                    .count(),
+            )
+            .field("quorum", &self.shared.quorum)
+            .field("lease", &self.shared.lease)
+            .field("fencing", &self.shared.fencing)
+            .finish()
+    }
+}
+
+impl RedlockBackend {
+    /// Connects to the nodes named by a `redlock://` URL (see the [module docs](self#url)).
+    /// Fails when fewer than a quorum of nodes could be reached; the others are connected at
+    /// first use.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future closes the connections it was opening.
+    pub async fn connect(url: &str) -> Result<RedlockBackend, LockError> {
+        let urls = node_urls(url)?;
+        // Checks every node's options before connecting anywhere.
+        for url in &urls {
+            let _checked = RedisBackend::builder_from_url(url)?;
+        }
+        let nodes: Vec<Node> = urls
+            .into_iter()
+            .map(|url| Node {
+                url: Some(url),
+                backend: OnceCell::new(),
+            })
+            .collect();
+        let connected = join(
+            nodes
+                .iter()
+                .map(|node| Box::pin(node.get()) as BoxFuture<'_, _>),
+        )
+        .await
+        .into_iter()
+        .filter(Result::is_ok)
+        .count();
+        let quorum = nodes.len() / 2 + 1;
+        if connected < quorum {
+            return Err(LockError::unavailable(
+                NAME,
+                format!(
+                    "only {connected} of the {} nodes could be reached, fewer than the quorum of \
+                     {quorum}",
+                    nodes.len()
+                ),
+                None,
+            ));
+        }
+        let first = nodes
+            .iter()
+            .find_map(|node| node.backend.get())
+            .ok_or_else(|| LockError::unavailable(NAME, "no node could be reached", None))?;
+        let (lease, fencing) = (first.lease(), first.fencing());
+        Ok(RedlockBackend::with_nodes(nodes, lease, fencing))
+    }
+
+    /// A backend on nodes the application connected itself (one [`RedisBackend`] per
+    /// independent server; its options, notably the prefix and the key layout, must be the
+    /// same on every node). The lease and fencing are the first node's.
+    pub fn from_nodes(nodes: Vec<RedisBackend>) -> Result<RedlockBackend, LockError> {
+        let Some(first) = nodes.first() else {
+            return Err(LockError::config(
+                "a redlock backend needs at least one node",
+            ));
+        };
+        let (lease, fencing) = (first.lease(), first.fencing());
+        if nodes.iter().any(|n| n.fencing() != fencing) {
+            return Err(LockError::config(
+                "the redlock nodes disagree on fencing: turn it on (or off) on every node",
+            ));
+        }
+        let nodes = nodes
+            .into_iter()
+            .map(|backend| Node {
+                url: None,
+                backend: OnceCell::new_with(Some(backend)),
+            })
+            .collect();
+        Ok(RedlockBackend::with_nodes(nodes, lease, fencing))
+    }
+
+    fn with_nodes(nodes: Vec<Node>, lease: Duration, fencing: bool) -> RedlockBackend {
+        let quorum = nodes.len() / 2 + 1;
+        RedlockBackend {
+            shared: Arc::new(Shared {
+                nodes,
+                quorum,
+                lease,
+                fencing,
+                raise: Script::new(RAISE_LUA, &["get", "set"]),
+            }),
+        }
+    }
+
+    /// How many nodes must grant a lock: more than half of them.
+    pub fn quorum(&self) -> usize {
+        self.shared.quorum
+    }
+
+    /// How many nodes there are.
+    pub fn nodes(&self) -> usize {
+        self.shared.nodes.len()
+    }
+}
+
+/// The allowance for clocks that run at different rates: 1 % of the lease, plus 2 ms.
+fn drift(lease: Duration) -> Duration {
+    lease / 100 + Duration::from_millis(2)
+}
+
+/// How long one node may take to answer an acquisition: a fifth of the lease, at least 50 ms.
+fn node_wait(lease: Duration) -> Duration {
+    (lease / 5).max(Duration::from_millis(50))
+}
+
+/// Splits a `redlock://` URL into one `redis://` URL per node.
+fn node_urls(url: &str) -> Result<Vec<String>, LockError> {
+    let rest = url
+        .split_once("://")
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("redlock"))
+        .map(|(_, rest)| rest)
+        .ok_or_else(|| LockError::config("a redlock URL starts with `redlock://`"))?;
+    let (main, query) = match rest.split_once('?') {
+        Some((main, query)) => (main, Some(query)),
+        None => (rest, None),
+    };
+    let (main, path) = match main.find('/') {
+        Some(at) => main.split_at(at),
+        None => (main, ""),
+    };
+    let (userinfo, hosts) = match main.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts),
+        None => (None, main),
+    };
+    let hosts: Vec<&str> = hosts.split(',').map(str::trim).collect();
+    if hosts.iter().any(|h| h.is_empty()) {
+        return Err(LockError::config(
+            "a redlock URL lists its nodes as host:port,host:port,...; one of them is empty",
+        ));
+    }
+    for (i, host) in hosts.iter().enumerate() {
+        if hosts[..i].iter().any(|h| h.eq_ignore_ascii_case(host)) {
+            return Err(LockError::config(format!(
+                "the redlock node `{}` is listed twice; each node must be an independent server",
+                crate::options::shown(host)
+            )));
+        }
+    }
+    Ok(hosts
+        .iter()
+        .map(|host| {
+            let mut node = String::from("redis://");
+            if let Some(userinfo) = userinfo {
+                node.push_str(userinfo);
+                node.push('@');
+            }
+            node.push_str(host);
+            node.push_str(path);
+            if let Some(query) = query {
+                node.push('?');
+                node.push_str(query);
+            }
+            node
+        })
+        .collect())
+}
+
+/// Runs `futures` at once and gives their outputs in order.
+async fn join<'a, T>(futures: impl IntoIterator<Item = BoxFuture<'a, T>>) -> Vec<T> {
+    let mut pending: Vec<Option<BoxFuture<'a, T>>> = futures.into_iter().map(Some).collect();
+    let mut done: Vec<Option<T>> = pending.iter().map(|_| None).collect();
+    poll_fn(|cx| {
+        let mut waiting = false;
+        for (slot, out) in pending.iter_mut().zip(done.iter_mut()) {
+            if let Some(future) = slot {
+                match future.as_mut().poll(cx) {
+                    Poll::Ready(value) => {
+                        *out = Some(value);
+                        *slot = None;
+                    }
+                    Poll::Pending => waiting = true,
+                }
+            }
+        }
+        if waiting {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    done.into_iter().flatten().collect()
+}
+
+/// Why a node gave no answer to an acquisition.
+enum Failure {
+    /// It did not answer in time.
+    Slow,
+    /// It answered with an error, or could not be reached.
+    Failed(LockError),
+}
+
+/// A node lock taken during an acquisition: given back in the background if dropped before
+/// the acquisition hands it over (the acquisition was dropped, or failed to reach a quorum).
+struct Taken {
+    node: usize,
+    acquired: Option<Acquired>,
+}
+
+impl Taken {
+    fn into_inner(mut self) -> Option<Acquired> {
+        self.acquired.take()
+    }
+}
+
+impl Drop for Taken {
+    fn drop(&mut self) {
+        if let Some(acquired) = self.acquired.take() {
+            let release = acquired.handle.release();
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(release);
+                }
+                // Without a runtime the node lock's lease frees it.
+                Err(_) => drop(release),
+            }
+        }
+    }
+}
+
+impl LockBackend for RedlockBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn shared_locks(&self) -> Result<(), LockError> {
+        // Read locks are the nodes' own: there when every connected node has them.
+        match self.shared.nodes.iter().find_map(|n| n.backend.get()) {
+            Some(node) => node.shared_locks().map_err(|err| match err {
+                LockError::Unsupported {
+                    operation, message, ..
+                } => LockError::unsupported(NAME, operation, message),
+                other => other,
+            }),
+            None => Err(LockError::unavailable(NAME, "no node is connected", None)),
+        }
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(async move {
+            let shared = &*self.shared;
+            let answers: Vec<Result<(), LockError>> = join(shared.nodes.iter().map(|node| {
+                Box::pin(async move { node.get().await?.ping().await }) as BoxFuture<'_, _>
+            }))
+            .await;
+            let up = answers.iter().filter(|a| a.is_ok()).count();
+            if up >= shared.quorum {
+                return Ok(());
+            }
+            let first = answers.into_iter().find_map(Result::err);
+            Err(LockError::unavailable(
+                NAME,
+                format!(
+                    "{up} of {} nodes answered, fewer than the quorum of {}{}",
+                    shared.nodes.len(),
+                    shared.quorum,
+                    first
+                        .map(|e| format!(" (first failure: {e})"))
+                        .unwrap_or_default()
+                ),
+                None,
+            ))
+        })
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            let shared = &*self.shared;
+            let lease = request.lease.unwrap_or(shared.lease);
+            check_lease(lease)?;
+            let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+                LockError::config("dlock runs on Tokio: acquire locks from within a Tokio runtime")
+            })?;
+            let started = Instant::now();
+            let wait = node_wait(lease);
+            let answers = join(shared.nodes.iter().enumerate().map(|(i, node)| {
+                Box::pin(async move {
+                    let attempt = async {
+                        let backend = node.get().await?;
+                        let taken = match backend.try_acquire(request).await {
+                            // A connection found broken is opened again by the next
+                            // command (a node that restarted): one more try, within the wait.
+                            Err(LockError::Unavailable { .. }) => {
+                                backend.try_acquire(request).await?
+                            }
+                            other => other?,
+                        };
+                        Ok::<_, LockError>(taken.map(|acquired| Taken {
+                            node: i,
+                            acquired: Some(acquired),
+                        }))
+                    };
+                    match tokio::time::timeout(wait, attempt).await {
+                        Ok(answer) => answer.map_err(Failure::Failed),
+                        Err(_) => Err(Failure::Slow),
+                    }
+                }) as BoxFuture<'_, _>
+            }))
+            .await;
+            let mut taken = Vec::new();
+            let mut failures = Vec::new();
+            let (mut refused, mut slow) = (0, 0);
+            for answer in answers {
+                match answer {
+                    Ok(Some(t)) => taken.push(t),
+                    Ok(None) => refused += 1,
+                    Err(Failure::Slow) => {
+                        slow += 1;
+                        failures.push(LockError::unavailable(
+                            NAME,
+                            format!("a node did not answer within {wait:?}"),
+                            None,
+                        ));
+                    }
+                    Err(Failure::Failed(err)) => failures.push(err),
+                }
+            }
+            if taken.len() < shared.quorum {
+                // `taken` is given back as it drops.
+                if refused + taken.len() < shared.quorum
+                    && refused + taken.len() + slow >= shared.quorum
+                {
+                    // Nodes that may be up, only slow to answer (a loaded server, a node
+                    // reconnecting after a restart): a wait tries again, as after a late
+                    // answer of a single node.
+                    return Err(LockError::Lost {
+                        key: Arc::from(request.key),
+                        reason: format!(
+                            "{slow} nodes did not answer within {wait:?}, too many to reach the \
+                             quorum of {}; the node locks taken were given back",
+                            shared.quorum
+                        ),
+                    });
+                }
+                if refused + taken.len() < shared.quorum {
+                    let first = failures.into_iter().next();
+                    return Err(LockError::unavailable(
+                        NAME,
+                        format!(
+                            "only {} of {} nodes answered ({slow} too slowly), fewer than the \
+                             quorum of {}{}",
+                            refused + taken.len(),
+                            shared.nodes.len(),
+                            shared.quorum,
+                            first
+                                .map(|e| format!(" (first failure: {e})"))
+                                .unwrap_or_default()
+                        ),
+                        None,
+                    ));
+                }
+                return Ok(None);
+            }
+            let fencing_token = if shared.fencing {
+                match self.raise_fences(request.key, &taken).await {
+                    Some(token) => Some(token),
+                    // Too few counters could be raised: the token would not be safe.
+                    None => return Ok(None),
+                }
+            } else {
+                None
+            };
+            let elapsed = started.elapsed();
+            let validity = lease.saturating_sub(elapsed).saturating_sub(drift(lease));
+            if validity < lease / 2 {
+                tracing::warn!(
+                    took_ms = elapsed.as_millis() as u64,
+                    lease_ms = lease.as_millis() as u64,
+                    "a redlock quorum was reached too late to count on its leases; giving it back"
+                );
+                return Err(LockError::Lost {
+                    key: Arc::from(request.key),
+                    reason: format!(
+                        "the quorum took {elapsed:?}, leaving less than half of the {lease:?} \
+                         lease; the node locks were given back"
+                    ),
+                });
+            }
+            let nodes: Vec<NodeLock> = taken
+                .into_iter()
+                .filter_map(|t| {
+                    let node = t.node;
+                    t.into_inner().map(|acquired| NodeLock { node, acquired })
+                })
+                .collect();
+            let lost = CancellationToken::new();
+            let deadline = LeaseDeadline::new(quorum_deadline(&nodes, shared.quorum, lease));
+            let done = CancellationToken::new();
+            runtime.spawn(watch(
+                nodes
+                    .iter()
+                    .map(|n| (n.acquired.lost.clone(), n.acquired.lease_deadline.clone()))
+                    .collect(),
+                shared.quorum,
+                lease,
+                lost.clone(),
+                deadline.clone(),
+                done.clone(),
+            ));
+            let held = RedlockHeld {
+                key: Arc::from(request.key),
+                nodes: nodes
+                    .into_iter()
+                    .map(|n| (n.node, n.acquired.handle))
+                    .collect(),
+                quorum: shared.quorum,
+                lease,
+                lost: lost.clone(),
+                deadline: deadline.clone(),
+                done,
+            };
+            Ok(Some(
+                Acquired::new(fencing_token, lost, Box::new(held)).with_lease_deadline(deadline),
+            ))
+        })
+    }
+}
+
+impl RedlockBackend {
+    /// The lock's fencing token, the largest of the granted nodes' tokens, once the counter of
+    /// a quorum of nodes is at least that large; `None` when too few could be raised.
+    async fn raise_fences(&self, key: &str, taken: &[Taken]) -> Option<u64> {
+        let shared = &*self.shared;
+        let tokens: Vec<u64> = taken
+            .iter()
+            .filter_map(|t| t.acquired.as_ref()?.fencing_token)
+            .collect();
+        let token = tokens.iter().copied().max()?;
+        let text = token.to_string();
+        let raised: Vec<Option<redis::Value>> = join(taken.iter().map(|t| {
+            let (node, text) = (&shared.nodes[t.node], &text);
+            Box::pin(async move {
+                let backend = node.backend.get()?;
+                let counter = backend.fencing_key(key);
+                let (keys, args) = ([counter.as_slice()], [text.as_bytes()]);
+                let raise = backend.shared.conn.eval(&shared.raise, &keys, &args);
+                backend
+                    .shared
+                    .bounded("raising a fencing counter", raise)
+                    .await
+                    .ok()
+            }) as BoxFuture<'_, _>
+        }))
+        .await;
+        let raised = raised.iter().filter(|r| r.is_some()).count();
+        (raised >= shared.quorum).then_some(token)
+    }
+}
+
+/// A node's lock, once the quorum counted.
+struct NodeLock {
+    node: usize,
+    acquired: Acquired,
+}
+
+/// When the lock stops being safe to count on: the `quorum`-th latest of the node locks'
+/// local deadlines, less the drift (node locks without one count as lasting the lease).
+fn quorum_deadline(nodes: &[NodeLock], quorum: usize, lease: Duration) -> Instant {
+    let now = Instant::now();
+    let deadlines: Vec<Instant> = nodes
+        .iter()
+        .map(|n| {
+            n.acquired
+                .lease_deadline
+                .as_ref()
+                .map_or(now + lease, LeaseDeadline::at)
+        })
+        .collect();
+    nth_latest(deadlines, quorum).map_or(now, |at| at.checked_sub(drift(lease)).unwrap_or(now))
+}
+
+/// The `n`-th latest of `times` (1 is the latest), if there are that many.
+fn nth_latest(mut times: Vec<Instant>, n: usize) -> Option<Instant> {
+    times.sort_unstable_by(|a, b| b.cmp(a));
+    n.checked_sub(1).and_then(|i| times.get(i).copied())
+}
+
+/// Follows the node locks of one Redlock lock until it is released: moves its deadline with
+/// their renewals, and cancels `lost` once fewer than `quorum` of them are held.
+async fn watch(
+    nodes: Vec<(CancellationToken, Option<LeaseDeadline>)>,
+    quorum: usize,
+    lease: Duration,
+    lost: CancellationToken,
+    deadline: LeaseDeadline,
+    done: CancellationToken,
+) {
+    let tick = (lease / 20).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    loop {
+        let now = Instant::now();
+        let alive: Vec<Instant> = nodes
+            .iter()
+            .filter(|(lost, _)| !lost.is_cancelled())
+            .map(|(_, d)| d.as_ref().map_or(now + lease, LeaseDeadline::at))
+            .filter(|at| *at > now)
+            .collect();
+        match nth_latest(alive, quorum) {
+            Some(at) => deadline.set(at.checked_sub(drift(lease)).unwrap_or(now)),
+            None => {
+                lost.cancel();
+                return;
+            }
+        }
+        tokio::select! {
+            () = done.cancelled() => return,
+            () = lost.cancelled() => return,
+            () = tokio::time::sleep(tick) => {}
+        }
+    }
+}
+
+/// A Redlock lock: its node locks.
+struct RedlockHeld {
+    key: Arc<str>,
+    nodes: Vec<(usize, Box<dyn HeldLock>)>,
+    quorum: usize,
+    lease: Duration,
+    lost: CancellationToken,
+    deadline: LeaseDeadline,
+    /// Ends the watcher.
+    done: CancellationToken,
+}
+
+impl fmt::Debug for RedlockHeld {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedlockHeld")
+            .field("key", &self.key)
+            .field(
+                "nodes",
+                &self.nodes.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field("quorum", &self.quorum)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RedlockHeld {
+    fn drop(&mut self) {
+        self.done.cancel();
+    }
+}
+
+impl RedlockHeld {
+    /// Counts the node operations that answered `Ok(true)`; the lock counts as lost when fewer
+    /// than a quorum did.
+    async fn quorum_of<'a>(
+        &'a self,
+        op: impl Fn(&'a dyn LeaseControl) -> BoxFuture<'a, Result<bool, LockError>>,
+    ) -> Result<bool, LockError> {
+        let answers = join(
+            self.nodes
+                .iter()
+                .map(|(_, handle)| match handle.lease_control() {
+                    Some(control) => op(control),
+                    None => Box::pin(async { Ok(false) }) as BoxFuture<'_, _>,
+                }),
+        )
+        .await;
+        let yes = answers.iter().filter(|a| matches!(a, Ok(true))).count();
+        if yes >= self.quorum {
+            return Ok(true);
+        }
+        let answered = answers.iter().filter(|a| a.is_ok()).count();
+        if answered >= self.quorum || answers.iter().all(Result::is_ok) {
+            self.lost.cancel();
+            return Ok(false);
+        }
+        Err(answers
+            .into_iter()
+            .find_map(Result::err)
+            .unwrap_or_else(|| LockError::unavailable(NAME, "too few nodes answered", None)))
+    }
+}
+
+impl LeaseControl for RedlockHeld {
+    fn extend(&self, lease: Duration) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            let sent = Instant::now();
+            let held = self.quorum_of(|control| control.extend(lease)).await?;
+            if held {
+                let at = sent + crate::lease::safe_window(lease);
+                self.deadline
+                    .set(at.checked_sub(drift(lease)).unwrap_or(sent));
+            }
+            Ok(held)
+        })
+    }
+
+    fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(self.quorum_of(|control| control.verify_still_held()))
+    }
+
+    fn stop_renewal(&self) {
+        for (_, handle) in &self.nodes {
+            if let Some(control) = handle.lease_control() {
+                control.stop_renewal();
+            }
+        }
+    }
+}
+
+impl HeldLock for RedlockHeld {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let (key, quorum, total, lease) = (
+            Arc::clone(&self.key),
+            self.quorum,
+            self.nodes.len(),
+            self.lease,
+        );
+        let outcome = self.release_outcome();
+        Box::pin(async move {
+            match outcome.await? {
+                ReleaseOutcome::Released => Ok(()),
+                _ => Err(LockError::Lost {
+                    key,
+                    reason: format!(
+                        "fewer than the quorum of {quorum} of the {total} node locks were still \
+                         held at release (lease {lease:?})"
+                    ),
+                }),
+            }
+        })
+    }
+
+    fn release_outcome(
+        mut self: Box<Self>,
+    ) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
+        self.done.cancel();
+        let nodes = std::mem::take(&mut self.nodes);
+        let (quorum, lost) = (self.quorum, self.lost.clone());
+        Box::pin(async move {
+            let answers = join(
+                nodes
+                    .into_iter()
+                    .map(|(_, handle)| handle.release_outcome()),
+            )
+            .await;
+            let count = |outcome: ReleaseOutcome| {
+                answers
+                    .iter()
+                    .filter(|a| matches!(a, Ok(o) if *o == outcome))
+                    .count()
+            };
+            if count(ReleaseOutcome::Released) >= quorum {
+                return Ok(ReleaseOutcome::Released);
+            }
+            lost.cancel();
+            let not_owned = count(ReleaseOutcome::NotOwned) > 0;
+            let answered = answers.iter().filter(|a| a.is_ok()).count();
+            if answered < quorum
+                && let Some(err) = answers.into_iter().find_map(Result::err)
+            {
+                return Err(err);
+            }
+            Ok(if not_owned {
+                ReleaseOutcome::NotOwned
+            } else {
+                ReleaseOutcome::AlreadyReleased
+            })
+        })
+    }
+
+    fn lease_control(&self) -> Option<&dyn LeaseControl> {
+        Some(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_split_into_nodes_with_shared_credentials_and_options() {
+        let nodes =
+            node_urls("redlock://u:p%40ss@a:1,b:2, c:3/2?lease=10s&prefix=x:").expect("valid");
+        assert_eq!(
+            nodes,
+            [
+                "redis://u:p%40ss@a:1/2?lease=10s&prefix=x:",
+                "redis://u:p%40ss@b:2/2?lease=10s&prefix=x:",
+                "redis://u:p%40ss@c:3/2?lease=10s&prefix=x:",
+            ]
+        );
+        assert_eq!(node_urls("REDLOCK://a:1").expect("valid"), ["redis://a:1"]);
+        for bad in [
+            "redis://a:1",
+            "redlock://a:1,,b:2",
+            "redlock://a:1,A:1",
+            "redlock://",
+        ] {
+            assert!(
+                matches!(node_urls(bad), Err(LockError::Config { .. })),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_quorum_deadline_is_the_quorum_th_latest() {
+        let now = Instant::now();
+        let at = |ms| now + Duration::from_millis(ms);
+        assert_eq!(nth_latest(vec![at(1), at(5), at(3)], 2), Some(at(3)));
+        assert_eq!(nth_latest(vec![at(1), at(5), at(3)], 1), Some(at(5)));
+        assert_eq!(nth_latest(vec![at(1)], 2), None);
+        assert_eq!(nth_latest(vec![at(1)], 0), None);
+        assert_eq!(drift(Duration::from_secs(10)), Duration::from_millis(102));
+        assert_eq!(
+            node_wait(Duration::from_millis(100)),
+            Duration::from_millis(50)
+        );
+        assert_eq!(node_wait(Duration::from_secs(30)), Duration::from_secs(6));
+    }
+}

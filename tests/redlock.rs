@@ -1,0 +1,252 @@
+//! Redlock over three real Redis 7 servers: the conformance suite, the exclusion checker across
+//! processes, and what happens when nodes are stopped and started again.
+#![cfg(feature = "redis")]
+
+mod support;
+
+use std::time::Duration;
+
+use dlock::redis::{RedisBackend, RedlockBackend};
+use dlock::{LockError, LockGuard, LockProvider};
+use dlock_testkit::redis::{Flavor, RedisServer};
+use dlock_testkit::unique_key;
+use support::{Fencing, run_exclusion};
+
+const LEASE: Duration = Duration::from_secs(1);
+
+struct Nodes {
+    servers: Vec<RedisServer>,
+}
+
+impl Nodes {
+    fn start() -> Option<Nodes> {
+        let mut servers = Vec::new();
+        for _ in 0..3 {
+            servers.push(RedisServer::start(Flavor::Redis7)?);
+        }
+        Some(Nodes { servers })
+    }
+
+    fn url(&self) -> String {
+        let hosts: Vec<String> = self
+            .servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect();
+        format!(
+            "redlock://{}/?lease={}ms",
+            hosts.join(","),
+            LEASE.as_millis()
+        )
+    }
+
+    /// A single-node backend on node `i`, with the options of the Redlock URL.
+    async fn node(&self, i: usize) -> RedisBackend {
+        RedisBackend::connect(&self.servers[i].url(&format!("lease={}ms", LEASE.as_millis())))
+            .await
+            .expect("connect")
+    }
+}
+
+impl dlock_testkit::Harness for Nodes {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.url()).await.expect("connect")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        // Another owner takes the key over on two of the three nodes: a quorum lost.
+        for i in 0..2 {
+            let node = self.node(i).await;
+            let mut conn = self.servers[i]
+                .client()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            let set: Option<String> = redis::cmd("SET")
+                .arg(node.storage_key(guard.key()))
+                .arg("someone-else")
+                .arg("XX")
+                .arg("KEEPTTL")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(set.as_deref(), Some("OK"));
+        }
+    }
+
+    fn lost_within(&self) -> Duration {
+        LEASE / 3 + Duration::from_secs(1)
+    }
+
+    fn retake_within(&self) -> Duration {
+        LEASE + Duration::from_secs(1)
+    }
+
+    fn fencing(&self) -> bool {
+        true
+    }
+
+    fn read_locks(&self) -> bool {
+        // The nodes' own read locks, on a quorum.
+        true
+    }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let backend = RedlockBackend::connect(&self.url()).await.expect("connect");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
+}
+
+dlock_testkit::conformance_suite!(optional async {
+    let nodes = tokio::task::block_in_place(Nodes::start);
+    if nodes.is_none() {
+        eprintln!("skipped: redis-server is not installed");
+    }
+    nodes
+});
+
+fn nodes() -> Option<Nodes> {
+    let nodes = Nodes::start();
+    if nodes.is_none() {
+        eprintln!("skipped: redis-server is not installed");
+    }
+    nodes
+}
+
+/// 4 processes × 8 tasks on 4 hot keys: no overlap, tokens strictly increasing.
+#[test]
+fn exclusion_across_processes() {
+    let Some(nodes) = nodes() else { return };
+    let summary = run_exclusion(
+        &nodes.url(),
+        &unique_key("redlock"),
+        4,
+        8,
+        4,
+        4_000,
+        Fencing::Every,
+    );
+    assert!(summary.starts_with("ok sections=4000 "), "{summary}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_node_down_still_locks_two_down_do_not() {
+    let Some(mut nodes) = nodes() else { return };
+    let locks = LockProvider::connect(&nodes.url()).await.expect("connect");
+    let key = unique_key("quorum");
+    nodes.servers[2].stop();
+    let guard = locks
+        .try_acquire(&key)
+        .await
+        .expect("a quorum of two is up");
+    let other = LockProvider::connect(&nodes.url())
+        .await
+        .expect("connect with one node down");
+    assert!(matches!(
+        other.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    guard.release().await.expect("release on the quorum");
+    nodes.servers[1].stop();
+    // A node that is gone answers with an error, or not in time (its connection retrying):
+    // either way one node of three cannot lock.
+    match locks.try_acquire(&key).await {
+        Err(LockError::Unavailable { .. } | LockError::Lost { .. }) => {}
+        other => panic!("one node of three cannot lock: {other:?}"),
+    }
+    match locks.acquire(&key, Duration::from_millis(600)).await {
+        Err(LockError::Timeout { .. } | LockError::Unavailable { .. }) => {}
+        other => panic!("a wait on one node of three cannot lock: {other:?}"),
+    }
+    // A backend cannot even be made on one node of three.
+    match RedlockBackend::connect(&nodes.url()).await {
+        Err(LockError::Unavailable { .. }) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // Back up: locks again, through the same provider.
+    nodes.servers[1].restart();
+    nodes.servers[2].restart();
+    let again = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("the nodes are back");
+    again.release().await.expect("release");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_holder_loses_its_lock_when_a_quorum_of_nodes_goes_down() {
+    let Some(mut nodes) = nodes() else { return };
+    let locks = LockProvider::connect(&nodes.url()).await.expect("connect");
+    let key = unique_key("lost");
+    let guard = locks.try_acquire(&key).await.expect("free");
+    // One node down: the lock still holds on the other two.
+    nodes.servers[0].stop();
+    tokio::time::sleep(LEASE * 2).await;
+    assert!(!guard.is_lost(), "two of three nodes still hold the lock");
+    assert!(guard.verify_still_held().await.expect("a quorum answers"));
+    // A second node down: fewer than a quorum, so the lock is lost within the lease.
+    nodes.servers[1].stop();
+    tokio::time::timeout(LEASE * 3, guard.lost_token().cancelled())
+        .await
+        .expect("the lost token fires");
+    assert!(matches!(
+        guard.release().await,
+        Err(LockError::Lost { .. }) | Err(LockError::Unavailable { .. })
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_increase_across_quorums_that_differ() {
+    let Some(mut nodes) = nodes() else { return };
+    let locks = LockProvider::connect(&nodes.url()).await.expect("connect");
+    let key = unique_key("fence");
+    let mut last = 0;
+    // Each round takes the lock on a different pair of nodes: any two pairs share one.
+    for round in 0..9 {
+        let down = round % 3;
+        nodes.servers[down].stop();
+        let guard = locks
+            .acquire(&key, Duration::from_secs(10))
+            .await
+            .expect("a quorum is up");
+        let token = guard.fencing_token().expect("fenced");
+        assert!(token > last, "round {round}: token {token} after {last}");
+        last = token;
+        guard.release().await.expect("release");
+        // The node comes back empty, as after a restart without persistence. The next
+        // round's pair still holds a node of this round's pair, whose counter was raised to
+        // this round's token: the next token is larger all the same.
+        nodes.servers[down].restart();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn urls_and_node_sets_are_checked() {
+    for bad in ["redlock://", "redlock://a:1,,b:2", "redlock://a:1,a:1"] {
+        match LockProvider::connect(bad).await {
+            Err(LockError::Config { .. }) => {}
+            other => panic!("{bad}: expected Config, got {other:?}"),
+        }
+    }
+    assert!(matches!(
+        RedlockBackend::from_nodes(Vec::new()),
+        Err(LockError::Config { .. })
+    ));
+    let Some(nodes) = nodes() else { return };
+    let backend = RedlockBackend::from_nodes(vec![
+        nodes.node(0).await,
+        nodes.node(1).await,
+        nodes.node(2).await,
+    ])
+    .expect("three nodes");
+    assert_eq!((backend.nodes(), backend.quorum()), (3, 2));
+    let locks = LockProvider::from_backend(backend);
+    locks.ping().await.expect("a quorum answers");
+    let guard = locks
+        .try_acquire(&unique_key("from-nodes"))
+        .await
+        .expect("free");
+    guard.release().await.expect("release");
+}
