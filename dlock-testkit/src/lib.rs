@@ -28,19 +28,22 @@
 //!
 //! With the matching feature, the modules `postgres`, `mysql` (MariaDB and MySQL) and `redis`
 //! (Redis and Valkey) start servers from their installed binaries in temp dirs on free loopback
-//! ports, or inside a network namespace of [`netns`] ([`Placement`]); `tls` makes certificate
+//! ports, or inside a network namespace of [`netns`] ([`Placement`]), and `etcd` single
+//! servers and clusters of several members on loopback; `tls` makes certificate
 //! authorities and server certificates for them. The free functions here ([`unique_key`],
 //! [`wait_until`], [`eventually`], [`runtime`], [`foreign_panics`]) serve every test.
 //!
 //! # Features
 //!
-//! `sqlite`, `postgres`, `mysql`, `redis`, `mssql` and `oracle` turn on dlock's backend of that
-//! name; `postgres`, `mysql` and `redis` also the throwaway servers of that name, and with any
-//! of them `tls`.
+//! `sqlite`, `postgres`, `mysql`, `redis`, `etcd`, `mssql` and `oracle` turn on dlock's backend
+//! of that name; `postgres`, `mysql`, `redis` and `etcd` also the throwaway servers of that
+//! name, and with any of the first three `tls`.
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod conformance;
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 pub mod netns;

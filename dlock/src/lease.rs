@@ -8,7 +8,8 @@
 //! store could let anyone else take it. A renewal that fails without an answer is tried again
 //! after a twentieth of the lease ([`retry_after`]); one that finds the lock gone or taken means
 //! the lock is lost at once. How the renewals are sent is the backend's: SQLite renews every due
-//! lock in one transaction on a thread, Redis sends one command per lock from a task.
+//! lock in one transaction on a thread, Redis sends one command per lock from a task, etcd one
+//! keep-alive per lock's lease from a task of its own.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,7 +18,7 @@ use std::time::{Duration, Instant};
 use crate::time::later;
 
 /// How often a lock is renewed: every third of its lease.
-#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 pub(crate) fn renew_every(lease: Duration) -> Duration {
     lease / 3
 }
@@ -25,7 +26,7 @@ pub(crate) fn renew_every(lease: Duration) -> Duration {
 /// The renewal cadence of a lock of `lease`: `cadence` when the backend sets one, but never
 /// more than half the lease (so that retries still fit before the local deadline at four
 /// fifths), otherwise [`renew_every`].
-#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 pub(crate) fn every(lease: Duration, cadence: Option<Duration>) -> Duration {
     match cadence {
         Some(cadence) => cadence.min(lease / 2),
@@ -35,7 +36,7 @@ pub(crate) fn every(lease: Duration, cadence: Option<Duration>) -> Duration {
 
 /// Checks a configured renewal cadence: 10 ms to 365 days (it is also cut to half of each
 /// lock's lease, see [`every`]).
-#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 pub(crate) fn check_cadence(what: &str, cadence: Duration) -> Result<(), crate::LockError> {
     crate::time::check_setting(
         what,
@@ -48,14 +49,14 @@ pub(crate) fn check_cadence(what: &str, cadence: Duration) -> Result<(), crate::
 
 /// The part of a lease the holder counts on, from the moment the last confirmed renewal (or the
 /// acquisition) was sent: four fifths.
-#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 pub(crate) fn safe_window(lease: Duration) -> Duration {
     lease - lease / 5
 }
 
 /// The pause before a renewal that failed without an answer is tried again: a twentieth of the
 /// lease, at least 10 ms.
-#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 pub(crate) fn retry_after(lease: Duration) -> Duration {
     (lease / 20).max(Duration::from_millis(10))
 }
@@ -79,7 +80,7 @@ pub(crate) fn writer_intent(pause: Duration) -> Duration {
 
 /// One held lock's place in the schedule: when its next renewal is due, its local deadline,
 /// and whether a renewal is in flight.
-#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 #[derive(Debug)]
 pub(crate) struct Term {
     lease: Duration,
@@ -93,7 +94,7 @@ pub(crate) struct Term {
     cadence: Option<Duration>,
 }
 
-#[cfg(any(feature = "sqlite", feature = "redis"))]
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 impl Term {
     /// The term of a lock taken for `lease` with a command sent at `sent`, renewed every
     /// `cadence` when the backend sets one (see [`every`]).
@@ -140,8 +141,9 @@ impl Term {
         self.deadline.at() <= now
     }
 
-    /// A renewal has started (Redis; SQLite renews every due lock at once, on its thread).
-    #[cfg(feature = "redis")]
+    /// A renewal has started (Redis, etcd; SQLite renews every due lock at once, on its
+    /// thread).
+    #[cfg(any(feature = "redis", feature = "etcd"))]
     pub(crate) fn start(&mut self) {
         self.in_flight = true;
     }
@@ -242,7 +244,7 @@ impl std::fmt::Debug for LeaseDeadline {
     }
 }
 
-#[cfg(all(test, any(feature = "sqlite", feature = "redis")))]
+#[cfg(all(test, any(feature = "sqlite", feature = "redis", feature = "etcd")))]
 mod tests {
     use super::*;
 
@@ -266,7 +268,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg(feature = "redis")]
+    #[cfg(any(feature = "redis", feature = "etcd"))]
     fn a_term_moves_with_its_renewals() {
         let sent = Instant::now();
         let mut term = Term::new(3000 * MS, sent, None);

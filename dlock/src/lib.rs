@@ -3,7 +3,7 @@
 //! Services run as many replicas; billing runs, webhook handlers, ledger updates and cron jobs
 //! must run on exactly one of them at a time. `dlock` puts mutual exclusion on a store the
 //! replicas already share: a SQLite file (the embedded default, for processes on one machine),
-//! PostgreSQL, MySQL/MariaDB, SQL Server, Oracle and Redis/Valkey.
+//! PostgreSQL, MySQL/MariaDB, SQL Server, Oracle, Redis/Valkey and etcd.
 //!
 //! ```
 //! use std::time::Duration;
@@ -56,9 +56,10 @@
 //! | SQL Server (`dlock::mssql`) | `mssql` | native (`sp_getapplock`) | keepalive per connection | opt-in (counter table) |
 //! | Oracle (`dlock::oracle`) | `oracle` | native (`DBMS_LOCK.REQUEST`) | keepalive per session | opt-in (counter table) |
 //! | [Redis / Valkey](redis) | `redis` | polling with backoff | lease renewal, local deadline | built in (optional) |
+//! | [etcd] | `etcd` | native, FIFO (a watch of the key ahead) | lease keep-alive, local deadline, watch of the key | built in (create revision) |
 //!
-//! SQLite, PostgreSQL, MariaDB, MySQL, Redis and Valkey are verified against real servers in
-//! CI; SQL Server and Oracle are not (their servers cannot run there): their statements,
+//! SQLite, PostgreSQL, MariaDB, MySQL, Redis, Valkey and etcd are verified against real
+//! servers in CI; SQL Server and Oracle are not (their servers cannot run there): their statements,
 //! parameters and return-code mappings are pinned by unit tests, and their conformance suites
 //! run when `DLOCK_MSSQL_URL` / `DLOCK_ORACLE_URL` are set.
 //!
@@ -110,6 +111,8 @@ mod time;
 mod tls;
 mod transaction;
 
+#[cfg(feature = "etcd")]
+pub mod etcd;
 #[cfg(feature = "mssql")]
 pub mod mssql;
 #[cfg(feature = "oracle")]

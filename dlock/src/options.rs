@@ -20,7 +20,8 @@
         feature = "mysql",
         feature = "mssql",
         feature = "oracle",
-        feature = "redis"
+        feature = "redis",
+        feature = "etcd"
     )),
     allow(dead_code, unused_imports, unused_macros)
 )]
@@ -250,7 +251,7 @@ pub(crate) fn read_query<K: ConfigKey>(
     Ok(())
 }
 
-#[cfg(any(feature = "mssql", feature = "oracle"))]
+#[cfg(any(feature = "mssql", feature = "oracle", feature = "etcd"))]
 /// Percent-decodes `text` (`+` stays `+`, a `%` not followed by two hex digits stays as it
 /// is); `None` when the result is not UTF-8.
 pub(crate) fn percent_decode(text: &str) -> Option<String> {
@@ -303,7 +304,12 @@ impl UrlForm {
         ))
     }
 
-    #[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+    #[cfg(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "etcd"
+    ))]
     /// Splits `url` after its scheme (one of the form's, in any case) and at its query: what
     /// follows `scheme:` up to the query, and the query without `?` (empty when there is none).
     pub(crate) fn split<'a>(&self, url: &'a str) -> Result<(&'a str, &'a str), LockError> {

@@ -87,7 +87,7 @@ impl Terms {
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
-pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redlock://";
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redlock://, etcd://";
 
 impl LockProvider {
     /// Connects to the lock store named by `url`; the scheme picks the backend.
@@ -101,6 +101,7 @@ impl LockProvider {
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
     /// | `redlock://host:port,host:port,host:port` | [Redlock](crate::redis::RedlockBackend) over independent Redis / Valkey nodes | `redis` |
+    /// | `etcd://host:port[,host:port...]` | [etcd](crate::etcd) | `etcd` |
     ///
     /// Each backend documents its own query options (for example `?lease=30s`). Their values
     /// are read the same way everywhere: durations as [`parse_duration`](crate::parse_duration)
@@ -130,6 +131,7 @@ impl LockProvider {
             "oracle" => connect_oracle(url).await,
             "redis" | "rediss" => connect_redis(url).await,
             "redlock" => connect_redlock(url).await,
+            "etcd" => connect_etcd(url).await,
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",
                 crate::options::shown(&scheme)
@@ -624,6 +626,7 @@ connectors! {
     connect_oracle => "oracle", "Oracle", crate::oracle::OracleBackend;
     connect_redis => "redis", "Redis", crate::redis::RedisBackend;
     connect_redlock => "redis", "Redlock (Redis)", crate::redis::RedlockBackend;
+    connect_etcd => "etcd", "etcd", crate::etcd::EtcdBackend;
 }
 
 // Unused only in a build with every backend.
@@ -634,7 +637,8 @@ connectors! {
         feature = "mysql",
         feature = "mssql",
         feature = "oracle",
-        feature = "redis"
+        feature = "redis",
+        feature = "etcd"
     ),
     allow(dead_code)
 )]

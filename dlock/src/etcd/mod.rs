@@ -1,0 +1,1295 @@
+//! etcd v3: locks on a consensus store, with FIFO waits and fencing tokens from revisions.
+//!
+//! etcd replicates every write through Raft to a majority of its members before it answers,
+//! so a lock taken here survives the loss of any minority of the cluster: a leader that
+//! crashes, a member cut off by the network, a machine that reboots. This is the backend to
+//! choose when exclusion must hold through the loss of any one machine (with three members
+//! or more).
+//!
+//! # How a lock is kept
+//!
+//! Each acquisition grants an etcd **lease** (its TTL is the lock's lease, rounded up to
+//! whole seconds, at least the server's minimum) and puts a key of its own in the lock's
+//! queue, attached to that lease:
+//!
+//! ```text
+//! <prefix><name'>/<lease id, in hex>
+//! ```
+//!
+//! where `name'` is the lock's name with `%` written `%25` and `/` written `%2F` (so that no
+//! name's queue lies inside another's), and the prefix is `dlock/` by default. A `name'`
+//! longer than 256 bytes becomes its first 64 bytes, `%#` and the SHA-256 of the name in hex
+//! (which no shorter `name'` can be, as it holds `%` only in `%25` and `%2F`):
+//! [`EtcdBackend::queue_prefix`] gives the exact prefix. The key's
+//! **create revision** is its place in the queue: the holder is the key with the smallest
+//! one. `etcdctl lock <prefix><name'>` takes the same lock (it follows the same protocol).
+//!
+//! | step | requests |
+//! |---|---|
+//! | try | `LeaseGrant`, then one transaction: *if no key exists under `<prefix><name'>/`, put ours* |
+//! | wait | `LeaseGrant`; a transaction that puts our key; a transaction that reads the key just ahead of ours (if ours still exists); a watch of that key's delete; again, until none is ahead |
+//! | renew | `LeaseKeepAlive` on a stream per lease, on the lease engine's schedule (every third of the lease) |
+//! | release | one transaction: *if our key is still ours, delete it*; then `LeaseRevoke` in the background |
+//!
+//! A try never jumps the queue: it takes the lock only when nobody holds or waits for it. A
+//! wait is **FIFO** and needs no polling: each waiter watches only the key ahead of its own
+//! (no thundering herd), and when that key goes it checks again (the one ahead may have given
+//! up rather than been served).
+//!
+//! # Fencing tokens
+//!
+//! The fencing token is the holder's key's create revision: etcd's revision counter is one
+//! for the whole cluster and only ever grows, so successive holders of a lock get strictly
+//! increasing tokens, with no write of their own and across leader changes.
+//!
+//! # Lost locks
+//!
+//! One task per held lock renews its lease and watches its key. The lost token fires when
+//!
+//! - a keep-alive answers that the lease is gone (it expired: TTL 0, or it was revoked),
+//! - the key is deleted (by an operator, `etcdctl del`, or the lease's expiry),
+//! - or no keep-alive has been confirmed for four fifths of the lease, measured from before
+//!   the last confirmed one was sent (the *local deadline*, the same rule as every lease
+//!   backend): the holder then hears of the loss at least a fifth of a lease before etcd can
+//!   let anyone else in.
+//!
+//! Once lost, the lease is revoked (best effort), so that the next in line need not wait for
+//! it to expire. A release that finds its key gone answers
+//! [`AlreadyReleased`](crate::ReleaseOutcome::AlreadyReleased) (or
+//! [`NotOwned`](crate::ReleaseOutcome::NotOwned) when another key now heads the queue), and
+//! the guard reports the loss.
+//!
+//! [`extend`](crate::LockGuard::extend) grants a lease of the new length and moves the key to
+//! it in one transaction (only if the key is still ours), then revokes the old lease;
+//! [`verify_still_held`](crate::LockGuard::verify_still_held) reads the key;
+//! [`stop_renewal`](crate::LockGuard::stop_renewal) stops the keep-alives.
+//!
+//! Read locks ([`try_acquire_read`](crate::LockProvider::try_acquire_read),
+//! [`acquire_read`](crate::LockProvider::acquire_read)) answer
+//! [`LockError::Unsupported`]: this backend has no shared mode yet.
+//!
+//! # Failover
+//!
+//! Leases and keys are replicated state: a new leader keeps every lease (etcd extends them
+//! by an election timeout on a leader change), so a leader crash does not lose a lock. While
+//! there is no leader (an election: about a second with etcd's defaults), requests fail or
+//! wait; a holder whose keep-alives fail until its local deadline is told the lock is lost,
+//! never silently kept. Requests carry etcd's *require leader* flag, so a member cut off from
+//! the majority refuses them at once instead of answering from a stale state, and the client
+//! moves on to the other endpoints of the URL. A minority that is cut off can never grant or
+//! keep a lease: that is what Raft guarantees.
+//!
+//! # URL
+//!
+//! `etcd://[user:password@]host[:port][,host[:port]...][?options]` (port 2379 by default;
+//! IPv6 addresses in brackets). Name every member, so the client can move on when one is
+//! down. Options:
+//!
+//! | option | default | meaning |
+//! |---|---|---|
+//! | `lease` | `30s` | lease of each lock (at least 100 ms, at most 365 days); the etcd lease's TTL is this, rounded up to whole seconds |
+//! | `prefix` | `dlock/` | prepended to every lock's key; end it with `/` |
+//! | `timeout` | `5s` | limit for each request (above zero, at most 365 days) |
+//! | `connect_timeout` | `5s` | limit for connecting (above zero, at most 365 days) |
+//! | `renew_every` | a third of each lock's lease | keep-alive cadence, 10 ms to 365 days; cut to half of a lock's lease when longer |
+//!
+//! The connection is plain gRPC (no TLS). With a user name, etcd's authentication is used:
+//! the user needs read and write permission on the prefix's range.
+//! [`EtcdBackend::builder`] builds one on an [`etcd_client::Client`] the application already
+//! has (the crate is re-exported as [`dlock::etcd::etcd_client`](self::etcd_client)).
+//!
+//! # Threads and runtimes
+//!
+//! Each backend runs a thread of its own with a single-threaded Tokio runtime: the client's
+//! connections (when dlock connected), and every lock's keep-alives and watch run there, so
+//! a lock outlives the runtime that took it, and any runtime may use the backend. The thread
+//! ends when the backend and every lock taken through it are gone. A client passed to
+//! [`EtcdBackend::builder`] keeps running on the runtime that made it: keep that runtime
+//! alive.
+//!
+//! # Cancellation
+//!
+//! An acquisition dropped midway (a timeout, a cancellation) revokes its lease in the
+//! background, which deletes its key: no key is left in the queue. If even that fails (the
+//! cluster is unreachable), the lease expires on its own after its TTL. A dropped guard
+//! releases in the background.
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), dlock::LockError> {
+//! use std::time::Duration;
+//! let locks = dlock::LockProvider::connect(
+//!     "etcd://10.0.0.1:2379,10.0.0.2:2379,10.0.0.3:2379?lease=15s",
+//! )
+//! .await?;
+//! let guard = locks.acquire("invoices:42", Duration::from_secs(10)).await?;
+//! let token = guard.fencing_token(); // the key's create revision
+//! guard.release().await?;
+//! # let _ = token;
+//! # Ok(()) }
+//! ```
+
+mod io;
+mod keeper;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub use etcd_client;
+use etcd_client::{
+    Compare, CompareOp, ConnectOptions, GetOptions, PutOptions, SortOrder, SortTarget, Txn, TxnOp,
+    TxnOpResponse, TxnResponse, WatchFilterType, WatchOptions,
+};
+
+use crate::LockError;
+use crate::backend::{
+    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
+};
+use crate::lease::{retry_after, safe_window};
+use crate::options::{UrlForm, parse_duration, percent_decode, read_query, url_keys};
+use crate::time::{MAX_SETTING, check_setting};
+
+use io::Io;
+use keeper::{Entry, Keeper};
+
+const NAME: &str = "etcd";
+const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+const MIN_LEASE: Duration = Duration::from_millis(100);
+const DEFAULT_PREFIX: &str = "dlock/";
+const DEFAULT_PORT: u16 = 2379;
+
+/// The etcd v3 backend. Usually made through
+/// [`LockProvider::connect`](crate::LockProvider::connect) with an `etcd://` URL; see the
+/// [module docs](self).
+#[derive(Clone)]
+pub struct EtcdBackend {
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    client: etcd_client::Client,
+    lease: Duration,
+    prefix: Vec<u8>,
+    timeout: Duration,
+    /// The renewal cadence set by the application, if any.
+    renew_every: Option<Duration>,
+    /// Declared last: the I/O thread ends after everything else of the backend is dropped.
+    io: Io,
+}
+
+enum Source {
+    Endpoints {
+        endpoints: Vec<String>,
+        user: Option<(String, String)>,
+    },
+    Client(Box<etcd_client::Client>),
+}
+
+/// Builds an [`EtcdBackend`] with options.
+#[must_use]
+pub struct EtcdBuilder {
+    source: Source,
+    lease: Duration,
+    prefix: String,
+    timeout: Duration,
+    connect_timeout: Duration,
+    renew_every: Option<Duration>,
+}
+
+impl std::fmt::Debug for EtcdBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let endpoints = match &self.source {
+            Source::Endpoints { endpoints, .. } => endpoints.join(","),
+            Source::Client(_) => "(a client)".to_owned(),
+        };
+        f.debug_struct("EtcdBuilder")
+            .field("endpoints", &endpoints)
+            .field("lease", &self.lease)
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("renew_every", &self.renew_every)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EtcdBuilder {
+    fn on(source: Source) -> EtcdBuilder {
+        EtcdBuilder {
+            source,
+            lease: DEFAULT_LEASE,
+            prefix: DEFAULT_PREFIX.to_owned(),
+            timeout: DEFAULT_TIMEOUT,
+            connect_timeout: DEFAULT_TIMEOUT,
+            renew_every: None,
+        }
+    }
+
+    /// The lease of each lock (default 30 s, at least 100 ms, at most 365 days), renewed
+    /// every third of it. The etcd lease's TTL is this rounded up to whole seconds (and at
+    /// least the server's minimum TTL); the holder counts on four fifths of what was asked.
+    /// Checked by [`connect`](EtcdBuilder::connect).
+    pub fn lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// Prepended to every lock's key (default `dlock/`). End it with `/`: the prefixes `a`
+    /// and `ab` would otherwise share keys.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// Limit for each request (default 5 s; above zero, at most 365 days). Checked by
+    /// [`connect`](EtcdBuilder::connect).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Limit for connecting (default 5 s; above zero, at most 365 days): the first request,
+    /// which checks that the cluster answers, must be answered within it. Checked by
+    /// [`connect`](EtcdBuilder::connect).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How often held locks' leases are kept alive (default: every third of each lock's
+    /// lease; 10 ms to 365 days, checked by [`connect`](EtcdBuilder::connect)). A cadence
+    /// longer than half of a lock's lease is cut to that half, so that failed keep-alives can
+    /// still be retried before the lock's local deadline.
+    pub fn renew_every(mut self, cadence: Duration) -> Self {
+        self.renew_every = Some(cadence);
+        self
+    }
+
+    /// Connects (unless built on a client), checks that the cluster answers (a linearizable
+    /// read of one key, so a cluster without a quorum fails here), and makes the backend.
+    /// A lease or timeout out of bounds is a [`LockError::Config`], before anything is sent.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropping the future drops the connection it was opening.
+    pub async fn connect(self) -> Result<EtcdBackend, LockError> {
+        check_lease(self.lease)?;
+        check_timeout("the etcd `timeout`", self.timeout)?;
+        check_timeout("the etcd `connect_timeout`", self.connect_timeout)?;
+        if let Some(cadence) = self.renew_every {
+            crate::lease::check_cadence("the etcd `renew_every`", cadence)?;
+        }
+        let io = Io::start()?;
+        let client = match self.source {
+            Source::Client(client) => *client,
+            Source::Endpoints { endpoints, user } => {
+                // HTTP/2 pings find a silent connection within a timeout or two, and the
+                // client moves on to another endpoint.
+                let mut options = ConnectOptions::new()
+                    .with_require_leader(true)
+                    .with_connect_timeout(self.connect_timeout)
+                    .with_keep_alive(self.timeout, self.timeout)
+                    .with_keep_alive_while_idle(true);
+                if let Some((name, password)) = user {
+                    options = options.with_user(name, password);
+                }
+                let connecting =
+                    io.run(
+                        async move { etcd_client::Client::connect(endpoints, Some(options)).await },
+                    );
+                match tokio::time::timeout(self.connect_timeout, connecting).await {
+                    Ok(Some(Ok(client))) => client,
+                    Ok(Some(Err(err))) => return Err(etcd_error("connecting", err)),
+                    Ok(None) => {
+                        return Err(LockError::unavailable(
+                            NAME,
+                            "connecting: the etcd I/O thread stopped",
+                            None,
+                        ));
+                    }
+                    Err(_) => {
+                        return Err(LockError::unavailable(
+                            NAME,
+                            format!("connecting timed out after {:?}", self.connect_timeout),
+                            None,
+                        ));
+                    }
+                }
+            }
+        };
+        let backend = EtcdBackend {
+            shared: Arc::new(Shared {
+                client,
+                lease: self.lease,
+                prefix: self.prefix.into_bytes(),
+                timeout: self.timeout,
+                renew_every: self.renew_every,
+                io,
+            }),
+        };
+        let check = backend.shared.check("connecting");
+        match tokio::time::timeout(self.connect_timeout, check).await {
+            Ok(outcome) => outcome?,
+            Err(_) => {
+                return Err(LockError::unavailable(
+                    NAME,
+                    format!(
+                        "connecting: the cluster did not answer within {:?} (is a majority of \
+                         its members up?)",
+                        self.connect_timeout
+                    ),
+                    None,
+                ));
+            }
+        }
+        Ok(backend)
+    }
+}
+
+impl EtcdBackend {
+    /// A builder on a client the application already has. The client's requests run on the
+    /// runtime that made it: keep that runtime alive as long as the backend.
+    pub fn builder(client: etcd_client::Client) -> EtcdBuilder {
+        EtcdBuilder::on(Source::Client(Box::new(client)))
+    }
+
+    /// A builder on these endpoints (`host:port` or `http://host:port`), without
+    /// authentication.
+    pub fn builder_on_endpoints<E: Into<String>>(
+        endpoints: impl IntoIterator<Item = E>,
+    ) -> EtcdBuilder {
+        EtcdBuilder::on(Source::Endpoints {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            user: None,
+        })
+    }
+
+    /// Parses an `etcd://` URL with the options of the [module docs](self) into a builder,
+    /// without connecting.
+    pub fn builder_from_url(url: &str) -> Result<EtcdBuilder, LockError> {
+        parse_url(url)
+    }
+
+    /// Connects to the cluster named by an `etcd://` URL (see the [module docs](self)).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`EtcdBuilder::connect`].
+    pub async fn connect(url: &str) -> Result<EtcdBackend, LockError> {
+        parse_url(url)?.connect().await
+    }
+
+    /// The default lease.
+    pub fn lease(&self) -> Duration {
+        self.shared.lease
+    }
+
+    /// The client the backend sends its requests with.
+    pub fn client(&self) -> &etcd_client::Client {
+        &self.shared.client
+    }
+
+    /// The prefix under which the lock `key` queues its holders' and waiters' keys
+    /// (`<prefix><key'>/`, see [How a lock is kept](self#how-a-lock-is-kept)): the key with
+    /// the smallest create revision under it holds the lock.
+    pub fn queue_prefix(&self, key: &str) -> Vec<u8> {
+        queue_prefix(&self.shared.prefix, key)
+    }
+}
+
+impl std::fmt::Debug for EtcdBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdBackend")
+            .field("lease", &self.shared.lease)
+            .field("prefix", &String::from_utf8_lossy(&self.shared.prefix))
+            .field("timeout", &self.shared.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How long a lock's name may be in its key, encoded, before it is shortened.
+const LONG_NAME: usize = 256;
+
+/// How much of a long name's encoding its shortened form keeps, before the hash.
+const KEPT_OF_LONG_NAME: usize = 64;
+
+/// `<prefix><key'>/`, where `key'` is `key` with `%` and `/` percent-encoded: no `/` is left in
+/// `key'`, so the queues of distinct keys never nest, and the mapping is injective. A `key'`
+/// longer than [`LONG_NAME`] bytes is shortened to its first [`KEPT_OF_LONG_NAME`] bytes (at
+/// a character boundary), `%#` and the SHA-256 of `key` in hex: a short `key'` never holds
+/// `%#` (its only `%` start `%25` and `%2F`), so a shortened name is never a short one.
+fn queue_prefix(prefix: &[u8], key: &str) -> Vec<u8> {
+    let mut name = String::with_capacity(key.len());
+    for c in key.chars() {
+        match c {
+            '%' => name.push_str("%25"),
+            '/' => name.push_str("%2F"),
+            other => name.push(other),
+        }
+    }
+    if name.len() > LONG_NAME {
+        use sha2::Digest;
+        let mut cut = KEPT_OF_LONG_NAME;
+        while !name.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        name.truncate(cut);
+        name.push_str("%#");
+        for byte in sha2::Sha256::digest(key.as_bytes()) {
+            name.push_str(&format!("{byte:02x}"));
+        }
+    }
+    let mut out = Vec::with_capacity(prefix.len() + name.len() + 1);
+    out.extend_from_slice(prefix);
+    out.extend_from_slice(name.as_bytes());
+    out.push(b'/');
+    out
+}
+
+/// The key of the queue entry on `lease_id`: the queue prefix, then the lease id in hex (as
+/// etcd's own lock recipe names it).
+fn entry_key(queue: &[u8], lease_id: i64) -> Vec<u8> {
+    let mut key = queue.to_vec();
+    key.extend_from_slice(format!("{lease_id:x}").as_bytes());
+    key
+}
+
+/// The TTL of the etcd lease for a lock of `lease`: whole seconds, rounded up.
+fn ttl_seconds(lease: Duration) -> i64 {
+    let seconds = lease.as_secs() + u64::from(lease.subsec_nanos() > 0);
+    i64::try_from(seconds.max(1)).unwrap_or(i64::MAX)
+}
+
+/// The longest an acquisition may take, from before its lease was granted, for the lock to
+/// be handed out: half the safe window, 40% of the lease, as on Redis.
+fn answer_window(lease: Duration) -> Duration {
+    safe_window(lease) / 2
+}
+
+impl Shared {
+    /// Sends a request (made anew by `request` for each attempt) until it is answered: a
+    /// failure that may pass (no leader during an election, a member that went away, a
+    /// request that timed out) is tried again after a pause, until `timeout` has passed
+    /// since the first attempt. Each attempt gets a third of `timeout` at most: a write
+    /// that a follower forwarded to a leader that then died waits for the server's own
+    /// timeout, while a new leader may have been elected long before. Only requests that
+    /// may safely run twice are sent this way.
+    async fn retrying<T, F, Fut>(&self, what: &str, mut request: F) -> Result<T, LockError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, etcd_client::Error>>,
+    {
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let remaining = self.timeout.saturating_sub(started.elapsed());
+            let attempt = remaining.min(self.timeout / 3);
+            let failure = match tokio::time::timeout(attempt, request()).await {
+                Ok(Ok(answer)) => return Ok(answer),
+                Ok(Err(err)) => etcd_error(what, err),
+                Err(_) => LockError::unavailable(
+                    NAME,
+                    format!("{what} was not answered within {:?}", self.timeout),
+                    None,
+                ),
+            };
+            if !failure.is_retryable() || started.elapsed() + pause >= self.timeout {
+                return Err(failure);
+            }
+            tracing::debug!(error = %failure, "an etcd request failed; trying again");
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    /// One linearizable read of the prefix's own key: the cluster has a leader and a quorum.
+    async fn check(&self, what: &str) -> Result<(), LockError> {
+        let options = GetOptions::new().with_count_only();
+        let mut client = self.client.kv_client();
+        let read = client.get(self.prefix.clone(), Some(options));
+        match tokio::time::timeout(self.timeout, read).await {
+            Ok(outcome) => outcome.map(drop).map_err(|err| etcd_error(what, err)),
+            Err(_) => Err(LockError::unavailable(
+                NAME,
+                format!("{what} timed out after {:?}", self.timeout),
+                None,
+            )),
+        }
+    }
+
+    async fn grant(&self, lease: Duration) -> Result<i64, LockError> {
+        let ttl = ttl_seconds(lease);
+        let granted = self
+            .retrying("granting a lease", || {
+                let mut client = self.client.lease_client();
+                async move { client.grant(ttl, None).await }
+            })
+            .await?;
+        if !granted.error().is_empty() || granted.id() == 0 {
+            return Err(LockError::backend(
+                NAME,
+                format!("granting a lease: the server answered {}", granted.error()),
+                None,
+                None,
+            ));
+        }
+        Ok(granted.id())
+    }
+
+    /// Revokes `lease_id` (deleting any key on it), ignoring failures: the lease expires
+    /// anyway.
+    async fn revoke(&self, lease_id: i64) {
+        let revoked = self
+            .retrying("revoking a lease", || {
+                let mut client = self.client.lease_client();
+                async move { client.revoke(lease_id).await }
+            })
+            .await;
+        if let Err(err) = revoked {
+            tracing::debug!(error = %err, "an etcd lease could not be revoked; it expires with its TTL");
+        }
+    }
+
+    /// Whether `lease_id` still exists.
+    async fn lease_alive(&self, lease_id: i64) -> Result<bool, LockError> {
+        let answer = self
+            .retrying("reading a lease", || {
+                let mut client = self.client.lease_client();
+                async move { client.time_to_live(lease_id, None).await }
+            })
+            .await?;
+        Ok(answer.ttl() > 0)
+    }
+
+    /// Runs a transaction (whose comparisons make it safe to run twice), retrying as
+    /// [`retrying`](Shared::retrying) does; also says how many attempts were sent.
+    async fn txn(&self, what: &str, txn: Txn) -> Result<(TxnResponse, u32), LockError> {
+        let mut attempts = 0;
+        let answer = self
+            .retrying(what, || {
+                attempts += 1;
+                let (mut client, txn) = (self.client.kv_client(), txn.clone());
+                async move { client.txn(txn).await }
+            })
+            .await?;
+        Ok((answer, attempts))
+    }
+}
+
+/// Revokes a lease granted for an acquisition that did not finish, in the background.
+struct Claim {
+    shared: Arc<Shared>,
+    lease_id: i64,
+    armed: bool,
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        if self.armed {
+            let (shared, lease_id) = (Arc::clone(&self.shared), self.lease_id);
+            self.shared
+                .io
+                .spawn(async move { shared.revoke(lease_id).await });
+        }
+    }
+}
+
+/// A queue entry with its keeper running, and the lease to revoke if it is abandoned.
+struct Queued {
+    entry: Arc<Entry>,
+    keeper: Keeper,
+    claim: Claim,
+}
+
+impl Queued {
+    fn into_acquired(mut self, name: &str) -> Acquired {
+        self.claim.armed = false;
+        let entry = Arc::clone(&self.entry);
+        let deadline = entry.deadline();
+        Acquired::new(
+            u64::try_from(entry.revision).ok(),
+            entry.lost.clone(),
+            Box::new(EtcdHeld {
+                name: Arc::from(name),
+                entry: self.entry,
+                keeper: Some(self.keeper),
+            }),
+        )
+        .with_lease_deadline(deadline)
+    }
+}
+
+/// What a waiter found when it looked at the queue.
+enum Turn {
+    /// Its key heads the queue: the lock is its.
+    Mine,
+    /// The timeout ran out.
+    TimedOut,
+    /// Its key or lease is gone: it queues again.
+    Lost,
+}
+
+impl EtcdBackend {
+    /// Grants a lease and puts the entry's key, on the condition `when`; `None` when the
+    /// condition failed (the lease is then revoked in the background).
+    async fn enqueue(
+        &self,
+        queue: &[u8],
+        lease: Duration,
+        renew: bool,
+        only_if_free: bool,
+    ) -> Result<Option<(Queued, Instant)>, LockError> {
+        let shared = &self.shared;
+        let sent = Instant::now();
+        let lease_id = shared.grant(lease).await?;
+        let claim = Claim {
+            shared: Arc::clone(shared),
+            lease_id,
+            armed: true,
+        };
+        let key = entry_key(queue, lease_id);
+        // Safe to send twice: an attempt whose answer was lost may have put the key, which
+        // the second finds (the head of the queue, or the key itself) on our lease.
+        let (condition, otherwise) = if only_if_free {
+            // Every key under the queue prefix has create revision 0: there is none.
+            let head = GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend)
+                .with_limit(1);
+            (
+                Compare::create_revision(queue.to_vec(), CompareOp::Equal, 0).with_prefix(),
+                TxnOp::get(queue.to_vec(), Some(head)),
+            )
+        } else {
+            (
+                Compare::create_revision(key.clone(), CompareOp::Equal, 0),
+                TxnOp::get(key.clone(), None),
+            )
+        };
+        let put = TxnOp::put(
+            key.clone(),
+            [],
+            Some(PutOptions::new().with_lease(lease_id)),
+        );
+        let txn = Txn::new()
+            .when([condition])
+            .and_then([put])
+            .or_else([otherwise]);
+        let (answer, _) = shared.txn("queueing for a lock", txn).await?;
+        let revision = if answer.succeeded() {
+            answer.header().map(|h| h.revision())
+        } else {
+            // Ours only if an earlier attempt put it.
+            let mine =
+                first_kv(&answer).filter(|kv| kv.key() == key.as_slice() && kv.lease() == lease_id);
+            match mine {
+                Some(kv) => Some(kv.create_revision()),
+                None => return Ok(None),
+            }
+        };
+        let Some(revision) = revision else {
+            return Err(LockError::backend(
+                NAME,
+                "queueing for a lock: the server's answer had no header",
+                None,
+                None,
+            ));
+        };
+        let entry = Entry::new(
+            Arc::clone(shared),
+            key,
+            revision,
+            lease_id,
+            lease,
+            sent,
+            renew,
+        );
+        let keeper = entry.keep();
+        Ok(Some((
+            Queued {
+                entry,
+                keeper,
+                claim,
+            },
+            sent,
+        )))
+    }
+
+    /// Waits until `queued` heads its queue, its key is lost, or `deadline` passes.
+    async fn wait_turn(
+        &self,
+        queue: &[u8],
+        queued: &Queued,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Result<Turn, LockError> {
+        let shared = &self.shared;
+        let entry = &queued.entry;
+        let expire = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(expire);
+        loop {
+            if !entry.is_live() {
+                return Ok(Turn::Lost);
+            }
+            // If our key is still ours: the key just ahead of it.
+            let ahead = GetOptions::new()
+                .with_prefix()
+                .with_max_create_revision(entry.revision - 1)
+                .with_sort(SortTarget::Create, SortOrder::Descend)
+                .with_limit(1)
+                .with_keys_only();
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    entry.key.clone(),
+                    CompareOp::Equal,
+                    entry.revision,
+                )])
+                .and_then([TxnOp::get(queue.to_vec(), Some(ahead))]);
+            let looked = tokio::select! {
+                biased;
+                () = entry.lost.cancelled() => return Ok(Turn::Lost),
+                () = &mut expire => return Ok(Turn::TimedOut),
+                answer = shared.txn("waiting for a lock", txn) => answer.map(|(answer, _)| answer),
+            };
+            let answer = match looked {
+                Ok(answer) => answer,
+                Err(err) if err.is_retryable() => {
+                    // The cluster may be electing a leader: the keeper keeps our lease, or
+                    // reports it lost, meanwhile.
+                    tracing::debug!(error = %err, "an etcd wait could not read its queue; retrying");
+                    tokio::select! {
+                        biased;
+                        () = entry.lost.cancelled() => return Ok(Turn::Lost),
+                        () = &mut expire => return Ok(Turn::TimedOut),
+                        () = tokio::time::sleep(retry_after(shared.lease)) => continue,
+                    }
+                }
+                Err(err) => return Err(err),
+            };
+            if !answer.succeeded() {
+                return Ok(Turn::Lost);
+            }
+            let store_revision = answer.header().map_or(entry.revision, |h| h.revision());
+            let Some(predecessor) = first_kv(&answer).map(|kv| kv.key().to_vec()) else {
+                return Ok(if entry.is_live() {
+                    Turn::Mine
+                } else {
+                    Turn::Lost
+                });
+            };
+            // Wait for its delete, from just after the read.
+            let watched = async {
+                let options = WatchOptions::new()
+                    .with_start_revision(store_revision + 1)
+                    .with_filters([WatchFilterType::NoPut]);
+                let mut stream = shared
+                    .client
+                    .watch_client()
+                    .watch(predecessor, Some(options))
+                    .await?;
+                while let Some(answer) = stream.message().await? {
+                    let deleted = answer
+                        .events()
+                        .iter()
+                        .any(|event| event.event_type() == etcd_client::EventType::Delete);
+                    if deleted || answer.canceled() || answer.compact_revision() > 0 {
+                        break;
+                    }
+                }
+                Ok::<(), etcd_client::Error>(())
+            };
+            tokio::select! {
+                biased;
+                () = entry.lost.cancelled() => return Ok(Turn::Lost),
+                () = &mut expire => return Ok(Turn::TimedOut),
+                outcome = watched => {
+                    if let Err(err) = outcome {
+                        tracing::debug!(error = %err, "an etcd wait's watch failed; looking again");
+                        tokio::select! {
+                            biased;
+                            () = entry.lost.cancelled() => return Ok(Turn::Lost),
+                            () = &mut expire => return Ok(Turn::TimedOut),
+                            () = tokio::time::sleep(retry_after(shared.lease)) => {}
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl LockBackend for EtcdBackend {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn supports_native_wait(&self) -> bool {
+        true
+    }
+
+    fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
+        Box::pin(self.shared.check("checking the cluster"))
+    }
+
+    fn try_acquire<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            let lease = request.lease.unwrap_or(self.shared.lease);
+            check_lease(lease)?;
+            let queue = self.queue_prefix(request.key);
+            let Some((queued, sent)) = self.enqueue(&queue, lease, request.renew, true).await?
+            else {
+                return Ok(None);
+            };
+            // The lease began when the server granted it, at some moment after `sent`: an
+            // answer that comes late leaves too little of it to count on. Such a lock is
+            // given back (the claim revokes the lease) and reported lost.
+            let took = sent.elapsed();
+            let window = answer_window(lease);
+            if took > window {
+                tracing::warn!(
+                    took_ms = took.as_millis() as u64,
+                    lease_ms = lease.as_millis() as u64,
+                    "an etcd lock was taken, but the answers came too late to count on its lease; giving it back"
+                );
+                return Err(LockError::Lost {
+                    key: Arc::from(request.key),
+                    reason: format!(
+                        "the cluster's answers took {took:?}, more than {window:?} (40% of the \
+                         {lease:?} lease), so the lease could run out before its first renewal; \
+                         the lock was given back (use a longer lease for a cluster this slow)"
+                    ),
+                });
+            }
+            Ok(Some(queued.into_acquired(request.key)))
+        })
+    }
+
+    fn acquire_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        Box::pin(async move {
+            let lease = request.lease.unwrap_or(self.shared.lease);
+            check_lease(lease)?;
+            let deadline = tokio::time::Instant::now().checked_add(timeout);
+            let queue = self.queue_prefix(request.key);
+            loop {
+                let Some((queued, _)) = self.enqueue(&queue, lease, request.renew, false).await?
+                else {
+                    // A key of the same name exists (a lease id reused after an extension
+                    // moved an older key off it): queue again on a new lease.
+                    continue;
+                };
+                match self.wait_turn(&queue, &queued, deadline).await? {
+                    Turn::Mine => return Ok(Some(queued.into_acquired(request.key))),
+                    Turn::TimedOut => return Ok(None),
+                    Turn::Lost => {
+                        // Our key or lease went while we waited: queue again at the back
+                        // (the claim revokes the old lease), unless the time is up.
+                        if deadline.is_some_and(|at| tokio::time::Instant::now() >= at) {
+                            return Ok(None);
+                        }
+                    }
+                }
+            }
+        })
+    }
+}
+
+/// A held etcd lock.
+struct EtcdHeld {
+    /// The lock's name, as the caller gave it.
+    name: Arc<str>,
+    entry: Arc<Entry>,
+    /// Its keeper, stopped when the lock is released or this handle dropped.
+    keeper: Option<Keeper>,
+}
+
+impl std::fmt::Debug for EtcdHeld {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdHeld")
+            .field("name", &self.name)
+            .field("key", &String::from_utf8_lossy(&self.entry.key))
+            .field("revision", &self.entry.revision)
+            .finish_non_exhaustive()
+    }
+}
+
+impl HeldLock for EtcdHeld {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        let released = self.release_outcome();
+        Box::pin(async move { released.await.map(drop) })
+    }
+
+    fn release_outcome(
+        mut self: Box<Self>,
+    ) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
+        Box::pin(async move {
+            drop(self.keeper.take());
+            let entry = &self.entry;
+            let shared = &entry.shared;
+            let head = GetOptions::new()
+                .with_prefix()
+                .with_limit(1)
+                .with_keys_only();
+            let queue = queue_of(&entry.key);
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    entry.key.clone(),
+                    CompareOp::Equal,
+                    entry.revision,
+                )])
+                .and_then([TxnOp::delete(entry.key.clone(), None)])
+                .or_else([TxnOp::get(queue, Some(head))]);
+            let answer = shared.txn("releasing a lock", txn).await;
+            let lease_id = entry.lease_id();
+            let (answer, attempts) = match answer {
+                Ok(answered) => answered,
+                Err(err) => {
+                    // The lease goes anyway (and with it the key, if the delete did not run).
+                    let revoker = Arc::clone(shared);
+                    shared
+                        .io
+                        .spawn(async move { revoker.revoke(lease_id).await });
+                    return Err(err);
+                }
+            };
+            let outcome = if answer.succeeded() {
+                ReleaseOutcome::Released
+            } else if attempts > 1 && shared.lease_alive(lease_id).await.unwrap_or(false) {
+                // An attempt whose answer was lost deleted it: the key cannot have expired
+                // while its lease lives.
+                ReleaseOutcome::Released
+            } else if first_kv(&answer).is_some() {
+                ReleaseOutcome::NotOwned
+            } else {
+                ReleaseOutcome::AlreadyReleased
+            };
+            let revoker = Arc::clone(shared);
+            shared
+                .io
+                .spawn(async move { revoker.revoke(lease_id).await });
+            if outcome != ReleaseOutcome::Released {
+                entry.lost.cancel();
+            }
+            Ok(outcome)
+        })
+    }
+
+    fn lease_control(&self) -> Option<&dyn LeaseControl> {
+        Some(self)
+    }
+}
+
+/// The first key-value pair of the first read in a transaction's answer.
+fn first_kv(answer: &TxnResponse) -> Option<etcd_client::KeyValue> {
+    answer.op_responses().into_iter().find_map(|op| match op {
+        TxnOpResponse::Get(get) => get.kvs().first().cloned(),
+        _ => None,
+    })
+}
+
+/// The queue prefix of an entry's key: up to and including its last `/`.
+fn queue_of(key: &[u8]) -> Vec<u8> {
+    let end = key.iter().rposition(|&b| b == b'/').map_or(0, |at| at + 1);
+    key[..end].to_vec()
+}
+
+impl LeaseControl for EtcdHeld {
+    fn extend(&self, lease: Duration) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            check_lease(lease)?;
+            let entry = &self.entry;
+            let shared = &entry.shared;
+            let sent = Instant::now();
+            let lease_id = shared.grant(lease).await?;
+            let mut claim = Claim {
+                shared: Arc::clone(shared),
+                lease_id,
+                armed: true,
+            };
+            // Moves the key (value kept) to the new lease, if it is still ours.
+            let txn = Txn::new()
+                .when([Compare::create_revision(
+                    entry.key.clone(),
+                    CompareOp::Equal,
+                    entry.revision,
+                )])
+                .and_then([TxnOp::put(
+                    entry.key.clone(),
+                    [],
+                    Some(PutOptions::new().with_lease(lease_id).with_ignore_value()),
+                )]);
+            let (answer, _) = shared.txn("extending a lock", txn).await?;
+            if !answer.succeeded() {
+                entry.lost.cancel();
+                return Ok(false);
+            }
+            claim.armed = false;
+            let old = entry.moved(lease_id, lease, sent);
+            let revoker = Arc::clone(shared);
+            shared.io.spawn(async move { revoker.revoke(old).await });
+            Ok(true)
+        })
+    }
+
+    fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            let entry = &self.entry;
+            let answer = entry
+                .shared
+                .retrying("reading a lock", || {
+                    let mut client = entry.shared.client.kv_client();
+                    let options = GetOptions::new().with_keys_only();
+                    let key = entry.key.clone();
+                    async move { client.get(key, Some(options)).await }
+                })
+                .await?;
+            let held = answer
+                .kvs()
+                .first()
+                .is_some_and(|kv| kv.create_revision() == entry.revision);
+            if !held {
+                entry.lost.cancel();
+            }
+            Ok(held)
+        })
+    }
+
+    fn stop_renewal(&self) {
+        self.entry.stop_renewal();
+    }
+}
+
+/// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`].
+fn check_lease(lease: Duration) -> Result<Duration, LockError> {
+    check_setting("the etcd `lease`", lease, MIN_LEASE, MAX_SETTING)
+}
+
+/// A timeout is above zero and at most [`MAX_SETTING`].
+fn check_timeout(what: &str, timeout: Duration) -> Result<Duration, LockError> {
+    check_setting(what, timeout, Duration::from_nanos(1), MAX_SETTING)
+}
+
+/// Maps a client error to a [`LockError`], saying what was being done.
+fn etcd_error(what: &str, err: etcd_client::Error) -> LockError {
+    use etcd_client::Error;
+    use tonic::Code;
+    match &err {
+        Error::GRpcStatus(status) => {
+            let code = status.code();
+            let message = format!("{what}: the server answered {code:?}: {}", status.message());
+            match code {
+                Code::Unauthenticated => LockError::config(format!(
+                    "{message} (check the user name and password of the etcd URL)"
+                )),
+                Code::PermissionDenied
+                | Code::InvalidArgument
+                | Code::FailedPrecondition
+                | Code::OutOfRange
+                | Code::AlreadyExists
+                | Code::NotFound
+                | Code::ResourceExhausted
+                | Code::Unimplemented => LockError::backend(
+                    NAME,
+                    message,
+                    Some(format!("{code:?}")),
+                    Some(Box::new(err)),
+                ),
+                _ => LockError::unavailable(NAME, message, Some(Box::new(err))),
+            }
+        }
+        Error::InvalidArgs(_) | Error::InvalidUri(_) => {
+            LockError::config(format!("{what}: the etcd endpoints are not valid ({err})"))
+        }
+        _ => LockError::unavailable(NAME, format!("{what}: {err}"), Some(Box::new(err))),
+    }
+}
+
+const FORM: UrlForm = UrlForm {
+    backend: "etcd",
+    schemes: &["etcd"],
+    example: "etcd://host1:2379,host2:2379,host3:2379?lease=30s",
+};
+
+url_keys! {
+    /// The etcd URL options.
+    enum EtcdOption for FORM {
+        Lease = "lease",
+        Prefix = "prefix",
+        Timeout = "timeout",
+        ConnectTimeout = "connect_timeout",
+        RenewEvery = "renew_every",
+    }
+}
+
+fn parse_url(url: &str) -> Result<EtcdBuilder, LockError> {
+    let (rest, query) = FORM.split(url)?;
+    let Some(authority) = rest.strip_prefix("//") else {
+        return Err(FORM.error("has no hosts after the scheme"));
+    };
+    let authority = authority.strip_suffix('/').unwrap_or(authority);
+    if authority.contains('/') {
+        return Err(FORM.error("has a path; it names hosts only"));
+    }
+    let (user, hosts) = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => {
+            let (name, password) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+            let decode = |text: &str, what: &str| {
+                percent_decode(text).ok_or_else(|| {
+                    FORM.error(format_args!(
+                        "has a {what} that is not percent-encoded UTF-8"
+                    ))
+                })
+            };
+            let name = decode(name, "user name")?;
+            if name.is_empty() {
+                return Err(FORM.error("has a password but no user name"));
+            }
+            (Some((name, decode(password, "password")?)), hosts)
+        }
+        None => (None, authority),
+    };
+    let mut endpoints = Vec::new();
+    for host in hosts.split(',') {
+        endpoints.push(endpoint(host)?);
+    }
+    let mut builder = EtcdBuilder::on(Source::Endpoints { endpoints, user });
+    read_query(query, |key: EtcdOption, value| {
+        let name = key.as_ref();
+        match key {
+            EtcdOption::Lease => builder.lease = check_lease(parse_duration(name, &value)?)?,
+            EtcdOption::Prefix => builder.prefix = value,
+            EtcdOption::Timeout => {
+                builder.timeout =
+                    check_timeout("the etcd `timeout`", parse_duration(name, &value)?)?;
+            }
+            EtcdOption::ConnectTimeout => {
+                builder.connect_timeout =
+                    check_timeout("the etcd `connect_timeout`", parse_duration(name, &value)?)?;
+            }
+            EtcdOption::RenewEvery => {
+                let cadence = parse_duration(name, &value)?;
+                crate::lease::check_cadence("the etcd `renew_every`", cadence)?;
+                builder.renew_every = Some(cadence);
+            }
+        }
+        Ok(())
+    })?;
+    Ok(builder)
+}
+
+/// `host[:port]` as the client's endpoint `http://host:port`.
+fn endpoint(host: &str) -> Result<String, LockError> {
+    if host.is_empty() {
+        return Err(FORM.error("has an empty host (hosts are separated by single commas)"));
+    }
+    let parsed = url::Url::parse(&format!("http://{host}"))
+        .ok()
+        .filter(|parsed| parsed.path() == "/" && parsed.query().is_none())
+        .filter(|parsed| parsed.username().is_empty() && parsed.password().is_none());
+    let Some(parsed) = parsed else {
+        return Err(FORM.error(format_args!(
+            "has a host that is not `host` or `host:port` (`{}`)",
+            crate::options::shown(host)
+        )));
+    };
+    let Some(name) = parsed.host_str().filter(|name| !name.is_empty()) else {
+        return Err(FORM.error("has an empty host"));
+    };
+    let port = parsed.port().unwrap_or(DEFAULT_PORT);
+    Ok(format!("http://{name}:{port}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoints(builder: &EtcdBuilder) -> (&[String], Option<&(String, String)>) {
+        match &builder.source {
+            Source::Endpoints { endpoints, user } => (endpoints, user.as_ref()),
+            Source::Client(_) => panic!("a client"),
+        }
+    }
+
+    #[test]
+    fn urls() {
+        crate::options::assert_keys::<EtcdOption, _>(parse_url("etcd://h/?bogus=1"));
+        let b = parse_url(
+            "etcd://127.0.0.1:1,[::1]:2,host?lease=2s&prefix=locks/&timeout=1s&connect_timeout=3s&renew_every=250ms",
+        )
+        .unwrap();
+        assert_eq!(
+            endpoints(&b).0,
+            ["http://127.0.0.1:1", "http://[::1]:2", "http://host:2379"]
+        );
+        assert_eq!(b.lease, Duration::from_secs(2));
+        assert_eq!(b.prefix, "locks/");
+        assert_eq!(b.timeout, Duration::from_secs(1));
+        assert_eq!(b.connect_timeout, Duration::from_secs(3));
+        assert_eq!(b.renew_every, Some(Duration::from_millis(250)));
+        let b = parse_url("ETCD://u%40x:p%3Aw@h:7/").unwrap();
+        let (hosts, user) = endpoints(&b);
+        assert_eq!(hosts, ["http://h:7"]);
+        assert_eq!(user, Some(&("u@x".to_owned(), "p:w".to_owned())));
+        assert_eq!(b.lease, DEFAULT_LEASE);
+        assert_eq!(b.prefix, DEFAULT_PREFIX);
+        for bad in [
+            "etcd://h/?lease=soon",
+            "etcd://h/?lease=10ms",
+            "etcd://h/?timeout=0s",
+            "etcd://h/?renew_every=1ms",
+            "etcd://h/?colour=blue",
+            "etcd://h1,,h2",
+            "etcd://",
+            "etcd:h",
+            "etcd://h/path",
+            "etcd://h:99999",
+            "etcd://user:hunter2@h:x",
+            "etcd://:hunter2@h",
+            "redis://h",
+        ] {
+            let err = parse_url(bad).expect_err(bad);
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+        }
+    }
+
+    #[test]
+    fn queues_never_nest() {
+        assert_eq!(queue_prefix(b"p/", "a/b%c"), b"p/a%2Fb%25c/".to_vec());
+        assert_eq!(queue_prefix(b"", "%2F"), b"%252F/".to_vec());
+        assert_ne!(queue_prefix(b"p/", "a/b"), queue_prefix(b"p/", "a%2Fb"));
+        let long = "é".repeat(200);
+        let short = queue_prefix(b"p/", &long);
+        assert_eq!(
+            short.len(),
+            2 + 64 + 2 + 64 + 1,
+            "{}",
+            String::from_utf8_lossy(&short)
+        );
+        assert!(short.starts_with(format!("p/{}%#", "é".repeat(32)).as_bytes()));
+        assert_ne!(short, queue_prefix(b"p/", &format!("{long}x")));
+        let edge = "x".repeat(LONG_NAME);
+        assert_eq!(queue_prefix(b"", &edge), format!("{edge}/").into_bytes());
+        let key = entry_key(b"p/k/", 0x1f);
+        assert_eq!(key, b"p/k/1f".to_vec());
+        assert_eq!(queue_of(&key), b"p/k/".to_vec());
+    }
+
+    #[test]
+    fn ttls_round_up() {
+        assert_eq!(ttl_seconds(Duration::from_millis(100)), 1);
+        assert_eq!(ttl_seconds(Duration::from_secs(2)), 2);
+        assert_eq!(ttl_seconds(Duration::from_millis(2001)), 3);
+        assert_eq!(ttl_seconds(MAX_SETTING), 365 * 86_400);
+    }
+}

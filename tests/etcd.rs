@@ -1,0 +1,415 @@
+//! The etcd backend on real etcd servers: the conformance suite on a single server, the
+//! queue's promises (FIFO waits, fencing tokens from create revisions, no key left by an
+//! abandoned acquisition), loss by a deleted key, a revoked lease and a dead server, and on a
+//! three-member cluster the exclusion checker across processes while the leader is killed.
+#![cfg(feature = "etcd")]
+
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock::etcd::EtcdBackend;
+use dlock::etcd::etcd_client::{self, GetOptions};
+use dlock::{LockError, LockGuard, LockProvider, ReleaseOutcome};
+use dlock_testkit::etcd::EtcdCluster;
+use dlock_testkit::unique_key;
+
+const LEASE: Duration = Duration::from_secs(3);
+
+struct EtcdHarness {
+    cluster: EtcdCluster,
+    backend: EtcdBackend,
+}
+
+impl EtcdHarness {
+    async fn start() -> Option<EtcdHarness> {
+        EtcdHarness::on(1).await
+    }
+
+    async fn on(members: usize) -> Option<EtcdHarness> {
+        let cluster = tokio::task::spawn_blocking(move || EtcdCluster::start(members))
+            .await
+            .expect("start etcd")?;
+        let backend = EtcdBackend::connect(&url(&cluster)).await.expect("connect");
+        Some(EtcdHarness { cluster, backend })
+    }
+
+    fn url(&self) -> String {
+        url(&self.cluster)
+    }
+}
+
+fn url(cluster: &EtcdCluster) -> String {
+    cluster.url(&format!("lease={}ms", LEASE.as_millis()))
+}
+
+/// The keys queued for `key`, in queue order: (key, create revision, lease).
+async fn queue(backend: &EtcdBackend, key: &str) -> Vec<(Vec<u8>, i64, i64)> {
+    let options = GetOptions::new().with_prefix().with_sort(
+        etcd_client::SortTarget::Create,
+        etcd_client::SortOrder::Ascend,
+    );
+    let answer = backend
+        .client()
+        .kv_client()
+        .get(backend.queue_prefix(key), Some(options))
+        .await
+        .expect("read the queue");
+    answer
+        .kvs()
+        .iter()
+        .map(|kv| (kv.key().to_vec(), kv.create_revision(), kv.lease()))
+        .collect()
+}
+
+/// The key that holds `key` (the head of its queue).
+async fn holder(backend: &EtcdBackend, key: &str) -> (Vec<u8>, i64, i64) {
+    queue(backend, key)
+        .await
+        .into_iter()
+        .next()
+        .expect("the lock has a holder")
+}
+
+impl dlock_testkit::Harness for EtcdHarness {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.url()).await.expect("connect")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        // An operator deletes the holder's key.
+        let (key, _, _) = holder(&self.backend, guard.key()).await;
+        let deleted = self
+            .backend
+            .client()
+            .kv_client()
+            .delete(key, None)
+            .await
+            .expect("delete");
+        assert_eq!(deleted.deleted(), 1);
+    }
+
+    fn lost_within(&self) -> Duration {
+        // The holder's watch sees the delete.
+        Duration::from_secs(2)
+    }
+
+    fn fencing(&self) -> bool {
+        true
+    }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let backend = EtcdBackend::connect(&self.url()).await.expect("connect");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
+}
+
+mod conformance {
+    use super::*;
+
+    dlock_testkit::conformance_suite!(optional EtcdHarness::start());
+}
+
+/// Successive holders from several providers (processes) get strictly increasing tokens, each
+/// the create revision of the holder's key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_tokens_increase_across_providers() {
+    let Some(h) = EtcdHarness::start().await else {
+        return;
+    };
+    let key = unique_key("fence");
+    let order = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let provider = dlock_testkit::Harness::provider(&h).await;
+        let (key, order, backend) = (key.clone(), Arc::clone(&order), h.backend.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..10 {
+                let guard = provider
+                    .acquire(&key, Duration::from_secs(20))
+                    .await
+                    .expect("acquire");
+                let token = guard.fencing_token().expect("a fencing token");
+                let (_, revision, _) = holder(&backend, &key).await;
+                assert_eq!(
+                    token, revision as u64,
+                    "the token is the key's create revision"
+                );
+                order.lock().unwrap().push(token);
+                guard.release().await.expect("release");
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.expect("task");
+    }
+    let order = order.lock().unwrap();
+    assert_eq!(order.len(), 30);
+    assert!(
+        order.windows(2).all(|w| w[0] < w[1]),
+        "tokens in holding order: {order:?}"
+    );
+}
+
+/// Waiters from separate providers are served in the order they queued, and each one's
+/// queue key is the one right after its predecessor's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_served_in_arrival_order() {
+    let Some(h) = EtcdHarness::start().await else {
+        return;
+    };
+    let key = unique_key("fifo");
+    let first = dlock_testkit::Harness::provider(&h).await;
+    let held = first.try_acquire(&key).await.expect("free key");
+    let served = Arc::new(Mutex::new(Vec::new()));
+    let mut waiters = Vec::new();
+    for i in 0..5 {
+        let provider = dlock_testkit::Harness::provider(&h).await;
+        let (k, served) = (key.clone(), Arc::clone(&served));
+        waiters.push(tokio::spawn(async move {
+            let guard = provider
+                .acquire(&k, Duration::from_secs(30))
+                .await
+                .expect("served");
+            served.lock().unwrap().push(i);
+            // Held briefly, so that a waiter served out of turn would show.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            guard.release().await.expect("release");
+        }));
+        // Queued (its key is in the store) before the next one starts.
+        let backend = h.backend.clone();
+        let key = key.clone();
+        dlock_testkit::wait_until(
+            "the waiter has queued",
+            Duration::from_secs(5),
+            async || queue(&backend, &key).await.len() == i + 2,
+        )
+        .await;
+    }
+    // A try never jumps the queue, from a provider that holds nothing.
+    let outsider = dlock_testkit::Harness::provider(&h).await;
+    assert!(matches!(
+        outsider.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    held.release().await.expect("release");
+    for waiter in waiters {
+        waiter.await.expect("waiter");
+    }
+    assert_eq!(*served.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+    assert!(
+        queue(&h.backend, &key).await.is_empty(),
+        "no key left behind"
+    );
+}
+
+/// A holder whose key is deleted hears of it at once; its release answers that it no longer
+/// held the lock (`NotOwned` once someone else holds it, `AlreadyReleased` when nobody does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleted_key_is_a_loss_and_release_says_so() {
+    let Some(h) = EtcdHarness::start().await else {
+        return;
+    };
+    let (a, b) = (
+        dlock_testkit::Harness::provider(&h).await,
+        dlock_testkit::Harness::provider(&h).await,
+    );
+    for taken_over in [true, false] {
+        let key = unique_key("deleted");
+        let guard = a.try_acquire(&key).await.expect("free key");
+        let deleted = Instant::now();
+        dlock_testkit::Harness::break_lock(&h, &guard).await;
+        tokio::time::timeout(Duration::from_secs(2), guard.lost_token().cancelled())
+            .await
+            .expect("the lost token fires when the key is deleted");
+        eprintln!("deleted key noticed in {:?}", deleted.elapsed());
+        let next = if taken_over {
+            Some(b.try_acquire(&key).await.expect("the key is free again"))
+        } else {
+            None
+        };
+        let outcome = guard.release_outcome().await.expect("release");
+        let expected = if taken_over {
+            ReleaseOutcome::NotOwned
+        } else {
+            ReleaseOutcome::AlreadyReleased
+        };
+        assert_eq!(outcome, expected);
+        if let Some(next) = next {
+            assert!(!next.is_lost(), "the new holder is untouched");
+            assert_eq!(queue(&h.backend, &key).await.len(), 1);
+            next.release().await.expect("release");
+        }
+        assert!(queue(&h.backend, &key).await.is_empty());
+    }
+}
+
+/// A revoked lease (what an expiry does) is a loss: the keep-alive answers TTL 0 and the key
+/// is gone; the release reports the loss and the key is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoked_lease_is_a_loss() {
+    let Some(h) = EtcdHarness::start().await else {
+        return;
+    };
+    let a = dlock_testkit::Harness::provider(&h).await;
+    let key = unique_key("revoked");
+    let guard = a.try_acquire(&key).await.expect("free key");
+    let (_, _, lease) = holder(&h.backend, &key).await;
+    h.backend
+        .client()
+        .lease_client()
+        .revoke(lease)
+        .await
+        .expect("revoke");
+    let revoked = Instant::now();
+    tokio::time::timeout(Duration::from_secs(2), guard.lost_token().cancelled())
+        .await
+        .expect("the lost token fires when the lease is revoked");
+    eprintln!("revoked lease noticed in {:?}", revoked.elapsed());
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    let b = dlock_testkit::Harness::provider(&h).await;
+    b.try_acquire(&key)
+        .await
+        .expect("free again")
+        .release()
+        .await
+        .expect("release");
+}
+
+/// A server that dies is a loss at the local deadline (four fifths of the lease after the
+/// last confirmed keep-alive was sent), never a lock silently kept; once it is back, the
+/// release reports the loss and the key is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_server_is_a_loss_at_the_local_deadline() {
+    let Some(mut h) = EtcdHarness::start().await else {
+        return;
+    };
+    let a = dlock_testkit::Harness::provider(&h).await;
+    let key = unique_key("dead");
+    let guard = a.try_acquire(&key).await.expect("free key");
+    let left = guard.remaining_lease().expect("a leased lock");
+    let killed = Instant::now();
+    h.cluster.kill(0);
+    tokio::time::timeout(LEASE, guard.lost_token().cancelled())
+        .await
+        .expect("the lost token fires at the local deadline");
+    let noticed = killed.elapsed();
+    eprintln!("server killed: lost after {noticed:?}, with {left:?} of the lease left");
+    assert!(
+        noticed <= left + Duration::from_millis(200),
+        "lost {noticed:?} after the kill, with {left:?} of the lease left"
+    );
+    h.cluster.restart(0);
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    let b = dlock_testkit::Harness::provider(&h).await;
+    b.acquire(&key, LEASE * 2)
+        .await
+        .expect("free again")
+        .release()
+        .await
+        .expect("release");
+}
+
+/// Acquisitions dropped while they wait take their keys out of the queue (the lease is
+/// revoked in the background): the holder's key is all that is left, and once it is
+/// released, nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_acquisitions_leave_no_key() {
+    let Some(h) = EtcdHarness::start().await else {
+        return;
+    };
+    let key = unique_key("dropped");
+    let a = dlock_testkit::Harness::provider(&h).await;
+    let held = a.try_acquire(&key).await.expect("free key");
+    let b = dlock_testkit::Harness::provider(&h).await;
+    for round in 0..5 {
+        let waiting = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, Duration::from_secs(30)).await })
+        };
+        let backend = h.backend.clone();
+        let k = key.clone();
+        dlock_testkit::wait_until(
+            "the waiter has queued",
+            Duration::from_secs(5),
+            async || queue(&backend, &k).await.len() == 2,
+        )
+        .await;
+        waiting.abort();
+        assert!(waiting.await.is_err(), "round {round}: aborted");
+        dlock_testkit::wait_until(
+            "the abandoned key is gone",
+            Duration::from_secs(2),
+            async || queue(&backend, &k).await.len() == 1,
+        )
+        .await;
+    }
+    // Timeouts at every point of an acquisition, from the grant to the watch.
+    for i in 0..30u64 {
+        let budget = Duration::from_micros(i * 300);
+        let _ = tokio::time::timeout(budget, b.acquire(&key, Duration::from_secs(5))).await;
+    }
+    let backend = h.backend.clone();
+    dlock_testkit::wait_until(
+        "only the holder's key is left",
+        Duration::from_secs(2),
+        async || queue(&backend, &key).await.len() == 1,
+    )
+    .await;
+    held.release().await.expect("release");
+    assert!(queue(&h.backend, &key).await.is_empty());
+}
+
+/// On a three-member cluster, the exclusion checker runs across worker processes while the
+/// leader is killed and then restarted: no two sections overlap, tokens strictly increase,
+/// every acquisition succeeds. A lock held through the failover stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_keeps_exclusion_when_the_leader_dies() {
+    let Some(mut h) = EtcdHarness::on(3).await else {
+        return;
+    };
+    let url = h.cluster.url("lease=3s&timeout=3s");
+    let key = unique_key("failover");
+    // A lock held across the failover.
+    let a = LockProvider::connect(&url).await.expect("connect");
+    let through = a.try_acquire(&unique_key("through")).await.expect("free");
+    let run = {
+        let (url, key) = (url.clone(), key.clone());
+        std::thread::spawn(move || {
+            support::run_exclusion(&url, &key, 3, 2, 1, 150, support::Fencing::Every)
+        })
+    };
+    // Kill the leader once the run is under way.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let leader = h.cluster.leader().expect("a leader");
+    let killed = Instant::now();
+    h.cluster.kill(leader);
+    let mut new_leader = None;
+    while killed.elapsed() < Duration::from_secs(10) {
+        new_leader = h.cluster.leader();
+        if new_leader.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!(
+        "leader {leader} killed; member {new_leader:?} leads after {:?}",
+        killed.elapsed()
+    );
+    assert!(new_leader.is_some_and(|l| l != leader));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    h.cluster.restart(leader);
+    let summary = tokio::task::spawn_blocking(move || run.join().expect("checker"))
+        .await
+        .expect("join");
+    assert!(summary.starts_with("ok "), "{summary}");
+    assert!(
+        !through.is_lost(),
+        "a lock held through the failover is kept"
+    );
+    assert!(through.verify_still_held().await.expect("verify"));
+    through.release().await.expect("release");
+}
