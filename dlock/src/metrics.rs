@@ -213,9 +213,13 @@ impl Metrics {
         key: &Arc<str>,
         lost: &CancellationToken,
     ) -> Arc<Hold> {
+        let (slot, id) = self.watcher.reserve();
         let hold = Arc::new(Hold {
             state: AtomicU8::new(HOLDING),
             ended: Notify::new(),
+            watcher: Arc::downgrade(&self.watcher.shared),
+            slot,
+            id,
         });
         let watch = {
             let (metrics, hold, key, lost) = (
@@ -236,7 +240,7 @@ impl Metrics {
                 }
             }
         };
-        self.watcher.watch(runtime, Box::pin(watch));
+        self.watcher.watch(runtime, slot, id, Box::pin(watch));
         hold
     }
 
@@ -260,22 +264,46 @@ const HOLDING: u8 = 0;
 const COUNTED: u8 = 1;
 const ENDED: u8 = 2;
 
-/// What the metrics know of one held lock: whether its loss was counted, and the signal that
-/// ends its watch.
+/// What the metrics know of one held lock: whether its loss was counted, and how its watch
+/// ends.
 #[derive(Debug)]
 pub(crate) struct Hold {
     state: AtomicU8,
+    /// Ends a watch that is being polled when the hold ends.
     ended: Notify,
+    /// Where its watch is: the watcher, its slot and its number there.
+    watcher: Weak<Shared>,
+    slot: usize,
+    id: u64,
 }
 
 impl Hold {
-    /// The hold is over: a loss not counted by now is not a loss of this hold. Ends the watch.
+    /// The hold is over: a loss not counted by now is not a loss of this hold. Ends the watch:
+    /// a watch that waits is dropped here, with no wake-up of the watcher task; one that is
+    /// being polled right now is told through `ended`.
     pub(crate) fn end(&self) {
         let _ = self
             .state
             .compare_exchange(HOLDING, ENDED, Ordering::AcqRel, Ordering::Acquire);
-        self.ended.notify_one();
+        let removed = self
+            .watcher
+            .upgrade()
+            .and_then(|shared| shared.remove(self.slot, self.id));
+        match removed {
+            // Dropped outside the watcher's lock.
+            Some(Removed::Watch(watch)) => drop(watch),
+            Some(Removed::Gone) => {}
+            None => self.ended.notify_one(),
+        }
     }
+}
+
+/// What [`Shared::remove`] found of a watch.
+enum Removed {
+    /// It was waiting, and is taken out.
+    Watch(Watch),
+    /// It finished already.
+    Gone,
 }
 
 type Watch = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -295,8 +323,10 @@ struct Shared {
 
 #[derive(Default)]
 struct WatchState {
-    /// The watches, by slot; `None` in a free slot or one being polled.
-    watches: Vec<Option<Watch>>,
+    /// The watches, by slot.
+    watches: Vec<Entry>,
+    /// The number of the next watch (slots are reused; a hold finds its own watch by number).
+    next_id: u64,
     /// One waker per slot, which marks the slot ready.
     wakers: Vec<Waker>,
     free: Vec<usize>,
@@ -305,6 +335,37 @@ struct WatchState {
     task: Option<Waker>,
     /// Whether a watcher task is alive (it dies with its runtime; the next watch starts one).
     running: bool,
+}
+
+/// What one slot of the watcher holds.
+enum Entry {
+    /// Nothing (its index is in `free`).
+    Free,
+    /// A watch, with its number, waiting for its waker.
+    Waiting(Watch, u64),
+    /// The watch with this number is being polled, by the watcher task or once by
+    /// [`Watcher::watch`]; `woken`: its waker fired meanwhile and the task passed it over.
+    Polled { id: u64, woken: bool },
+}
+
+impl Shared {
+    /// Takes out the watch numbered `id` in `slot` if it waits (`Removed::Watch`); `None`
+    /// when it is being polled.
+    fn remove(&self, slot: usize, id: u64) -> Option<Removed> {
+        let mut state = lock(&self.state);
+        match state.watches.get(slot) {
+            Some(Entry::Waiting(_, n)) if *n == id => {}
+            Some(Entry::Polled { id: n, .. }) if *n == id => return None,
+            // Finished, and the slot freed (maybe reused by another watch since).
+            _ => return Some(Removed::Gone),
+        }
+        let Entry::Waiting(watch, _) = std::mem::replace(&mut state.watches[slot], Entry::Free)
+        else {
+            return Some(Removed::Gone);
+        };
+        state.free.push(slot);
+        Some(Removed::Watch(watch))
+    }
 }
 
 impl std::fmt::Debug for Shared {
@@ -379,34 +440,67 @@ impl Drop for Running {
 }
 
 impl Watcher {
-    fn watch(&self, runtime: &tokio::runtime::Handle, watch: Watch) {
-        let (start, task) = {
+    /// A slot for a new watch, and the watch's number; marked as being polled until
+    /// [`Watcher::watch`] puts the watch in.
+    fn reserve(&self) -> (usize, u64) {
+        let mut state = lock(&self.shared.state);
+        let id = state.next_id;
+        state.next_id = state.next_id.wrapping_add(1);
+        let entry = Entry::Polled { id, woken: false };
+        let slot = match state.free.pop() {
+            Some(slot) => {
+                state.watches[slot] = entry;
+                slot
+            }
+            None => {
+                let slot = state.watches.len();
+                state.watches.push(entry);
+                let waker = Waker::from(Arc::new(SlotWaker {
+                    shared: Arc::downgrade(&self.shared),
+                    slot,
+                }));
+                state.wakers.push(waker);
+                slot
+            }
+        };
+        (slot, id)
+    }
+
+    /// Starts watch `id` in its reserved `slot`: polls it once here, so that it waits on its
+    /// waker without a wake-up of the watcher task (which is started on `runtime` if none
+    /// runs), and leaves it to the task.
+    fn watch(&self, runtime: &tokio::runtime::Handle, slot: usize, id: u64, mut watch: Watch) {
+        let (start, waker) = {
             let mut state = lock(&self.shared.state);
-            let slot = match state.free.pop() {
-                Some(slot) => {
-                    state.watches[slot] = Some(watch);
-                    slot
-                }
-                None => {
-                    let slot = state.watches.len();
-                    state.watches.push(Some(watch));
-                    let waker = Waker::from(Arc::new(SlotWaker {
-                        shared: Arc::downgrade(&self.shared),
-                        slot,
-                    }));
-                    state.wakers.push(waker);
-                    slot
-                }
-            };
-            state.ready.push(slot);
             let start = !state.running;
             state.running = true;
-            (start, state.task.take())
+            (start, state.wakers[slot].clone())
         };
         if start {
             let running = Running(Arc::downgrade(&self.shared));
             drop(runtime.spawn(run(running)));
-        } else if let Some(task) = task {
+        }
+        let done = watch
+            .as_mut()
+            .poll(&mut Context::from_waker(&waker))
+            .is_ready();
+        let task = {
+            let mut state = lock(&self.shared.state);
+            let woken = matches!(state.watches[slot], Entry::Polled { woken: true, .. });
+            if done {
+                state.watches[slot] = Entry::Free;
+                state.free.push(slot);
+                None
+            } else {
+                state.watches[slot] = Entry::Waiting(watch, id);
+                // Woken while polled here, and passed over by the task: it looks again.
+                woken.then(|| {
+                    state.ready.push(slot);
+                    state.task.take()
+                })
+            }
+        };
+        if let Some(Some(task)) = task {
             task.wake();
         }
     }
@@ -429,12 +523,22 @@ async fn run(running: Running) {
         for slot in ready {
             let taken = {
                 let mut state = lock(&shared.state);
-                state.watches[slot]
-                    .take()
-                    .map(|watch| (watch, state.wakers[slot].clone()))
+                let entry = std::mem::replace(&mut state.watches[slot], Entry::Free);
+                match entry {
+                    Entry::Waiting(watch, id) => {
+                        state.watches[slot] = Entry::Polled { id, woken: false };
+                        Some((watch, id, state.wakers[slot].clone()))
+                    }
+                    // Being polled by `Watcher::watch`, which looks again when it is done.
+                    Entry::Polled { id, .. } => {
+                        state.watches[slot] = Entry::Polled { id, woken: true };
+                        None
+                    }
+                    // Already finished, or woken twice.
+                    Entry::Free => None,
+                }
             };
-            // Already finished, or woken twice.
-            let Some((mut watch, waker)) = taken else {
+            let Some((mut watch, id, waker)) = taken else {
                 continue;
             };
             // Polled without the lock: a watch that completes may wake slots, or drop the last
@@ -445,11 +549,13 @@ async fn run(running: Running) {
                 .is_ready();
             let mut state = lock(&shared.state);
             if done {
+                state.watches[slot] = Entry::Free;
                 state.free.push(slot);
                 drop(state);
                 drop(watch);
             } else {
-                state.watches[slot] = Some(watch);
+                // Woken meanwhile: the slot is in `ready` again, and looked at next time.
+                state.watches[slot] = Entry::Waiting(watch, id);
             }
         }
         // Let the runtime's other tasks run before the next batch.
@@ -570,6 +676,46 @@ mod tests {
         hold.end();
         until(all_free).await;
         assert_eq!(recorder.points("distributed_lock.lost"), lost(1));
+    }
+
+    /// A watch costs the watcher task no wake-up in a plain acquire and release: it is polled
+    /// once where it starts, and a hold that ends takes it out at once (here the task never
+    /// runs in between). A loss is still counted through the task, and a token that fired
+    /// before the watch began is counted where it starts.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_hold_that_ends_takes_its_watch_out_at_once() {
+        let recorder = Recorder::new();
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
+        let runtime = tokio::runtime::Handle::current();
+        let key: Arc<str> = Arc::from("a");
+        for _ in 0..10 {
+            let token = CancellationToken::new();
+            let hold = metrics.watch(&runtime, "memory", &key, &token);
+            assert_eq!(slots(&metrics), (1, 0, true));
+            hold.end();
+            hold.end();
+            assert_eq!(slots(&metrics), (1, 1, true));
+            token.cancel();
+        }
+        // Ended twice, late, after its slot went to another watch: the other stays.
+        let first = metrics.watch(&runtime, "memory", &key, &CancellationToken::new());
+        first.end();
+        let token = CancellationToken::new();
+        let second = metrics.watch(&runtime, "memory", &key, &token);
+        first.end();
+        assert_eq!(slots(&metrics), (1, 0, true));
+        token.cancel();
+        recorder.until("distributed_lock.lost", &lost(1)).await;
+        second.end();
+        assert_eq!(slots(&metrics).1, 1);
+
+        let fired = CancellationToken::new();
+        fired.cancel();
+        let hold = metrics.watch(&runtime, "memory", &key, &fired);
+        assert_eq!(recorder.points("distributed_lock.lost"), lost(2));
+        hold.end();
+        assert_eq!(slots(&metrics).1, 1);
+        assert_eq!(recorder.points("distributed_lock.lost"), lost(2));
     }
 
     /// The watcher task dies with its runtime; the next watch starts another on its own

@@ -461,8 +461,13 @@ impl LockProvider {
         let inner = &*self.inner;
         let shutdown = inner.shutdown.as_ref();
         let one_try = timeout.is_zero();
-        // `None` when the timeout is too long to represent: wait without limit.
-        let deadline = crate::time::deadline(Instant::now(), timeout);
+        // `None` when the timeout is too long to represent: wait without limit. A single try
+        // waits for nothing, and reads no clock for it.
+        let deadline = if one_try {
+            None
+        } else {
+            crate::time::deadline(Instant::now(), timeout)
+        };
         if is_cancelled(cancel, shutdown) {
             return Err(LockError::Canceled {
                 key: Arc::from(key),

@@ -300,6 +300,21 @@ fn is_driver_panic(err: &RedisError) -> bool {
     err.kind() == ErrorKind::Io && err.detail() == Some(DRIVER_PANIC)
 }
 
+/// `EVALSHA sha n keys... args...` (or `EVAL code ...`), its buffers sized up front: built
+/// argument by argument from empty ones, they grew several times per command.
+fn script_command(name: &str, script: &str, keys: &[&[u8]], args: &[&[u8]]) -> Cmd {
+    let count = 3 + keys.len() + args.len();
+    let data =
+        name.len() + script.len() + 20 + keys.iter().chain(args).map(|a| a.len()).sum::<usize>();
+    let mut cmd = Cmd::with_capacity(count, data);
+    cmd.arg(name)
+        .arg(script)
+        .arg(keys.len())
+        .arg(keys)
+        .arg(args);
+    cmd
+}
+
 fn millis(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
@@ -676,12 +691,10 @@ impl Conn {
         keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<Value, RedisError> {
-        let mut evalsha = redis::cmd("EVALSHA");
-        evalsha.arg(&script.sha).arg(keys.len()).arg(keys).arg(args);
+        let evalsha: Cmd = script_command("EVALSHA", &script.sha, keys, args);
         let outcome = match self.query(&evalsha).await {
             Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                let mut eval = redis::cmd("EVAL");
-                eval.arg(script.code).arg(keys.len()).arg(keys).arg(args);
+                let eval: Cmd = script_command("EVAL", script.code, keys, args);
                 self.query(&eval).await
             }
             other => other,
@@ -766,11 +779,13 @@ impl Conn {
         if known == Support::No {
             return Ok(None);
         }
-        let mut cmd = redis::cmd(command.name());
         let args: &[&[u8]] = match command {
             Native::Delex => &[key, b"IFEQ", token.as_bytes()],
             Native::Delifeq => &[key, token.as_bytes()],
         };
+        let size = command.name().len() + args.iter().map(|a| a.len()).sum::<usize>();
+        let mut cmd: Cmd = Cmd::with_capacity(args.len() + 1, size);
+        cmd.arg(command.name());
         for arg in args {
             cmd.arg(*arg);
         }

@@ -6,7 +6,7 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use redis::RedisError;
 use tokio_util::sync::CancellationToken;
@@ -51,9 +51,10 @@ pub(super) async fn fenced<T>(
     lost_on_cancel: Option<CancellationToken>,
     op: impl Future<Output = Result<T, RedisError>>,
 ) -> Attempt<T> {
-    let started = Instant::now();
+    // One deadline for both steps (one clock read).
+    let deadline = tokio::time::Instant::now() + shared.timeout;
     // Nothing is sent yet: a timeout here leaves nothing uncertain.
-    let ticket = match tokio::time::timeout(shared.timeout, shared.conn.fence_ticket()).await {
+    let ticket = match tokio::time::timeout_at(deadline, shared.conn.fence_ticket()).await {
         Ok(ticket) => ticket,
         Err(_) => return Attempt::Failed(timed_out(what, shared.timeout)),
     };
@@ -64,8 +65,7 @@ pub(super) async fn fenced<T>(
         lost: lost_on_cancel,
         armed: true,
     };
-    let left = shared.timeout.saturating_sub(started.elapsed());
-    let outcome = tokio::time::timeout(left, op).await;
+    let outcome = tokio::time::timeout_at(deadline, op).await;
     in_flight.armed = false;
     match outcome {
         Ok(Ok(value)) => Attempt::Done(value),

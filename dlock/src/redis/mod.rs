@@ -1,8 +1,8 @@
 //! Redis and Valkey: leases under owner tokens.
 //!
-//! A lock is one string key whose value is the holder's **owner token** (128 random bits from
-//! the operating system's generator, fresh for every acquisition) and whose time to live is the
-//! holder's **lease**. The guard renews the lease in the background every third of it; the lock
+//! A lock is one string key whose value is the holder's **owner token** (128 unpredictable bits
+//! from a cryptographically secure generator seeded by the operating system, fresh for every
+//! acquisition; see [`OwnerToken::random`]) and whose time to live is the holder's **lease**. The guard renews the lease in the background every third of it; the lock
 //! of a process that dies frees itself when its lease runs out.
 //!
 //! | step | command |
