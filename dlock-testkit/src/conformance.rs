@@ -112,7 +112,8 @@ macro_rules! conformance_suite {
             lease_control, many_all_or_none, many_never_deadlock, run_exclusive_once,
             leader_hands_over, semaphore_bounds_holders, semaphore_under_contention,
             held_locks_are_listed, read_locks_share, read_write_exclusion,
-            writer_not_starved, read_shared_backend, read_cancellation_sweep
+            writer_not_starved, read_shared_backend, read_cancellation_sweep,
+            store_locks_list_holders
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1869,4 +1870,64 @@ pub async fn read_cancellation_sweep(h: &impl Harness) {
         crate::eventually(Duration::from_secs(5), || a.local_key_count() == 0).await,
         "abandoned read acquisitions leave the table (seed {seed})"
     );
+}
+
+/// Store inspection, where the backend has it: a lock held by one provider is listed by
+/// another (by key where the store keeps keys), readers are counted, and a released lock is no
+/// longer listed. A backend without it answers `Unsupported`.
+pub async fn store_locks_list_holders(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    match b.store_locks().await {
+        Err(LockError::Unsupported { operation, .. }) => {
+            assert_eq!(operation, "store inspection");
+            return;
+        }
+        Err(e) => panic!("store_locks: {e}"),
+        Ok(_) => {}
+    }
+    let key = unique_key("listed");
+    let guard = a.try_acquire(&key).await.expect("free");
+    let mine = a.store_locks().await.expect("store_locks");
+    let entry = mine
+        .iter()
+        .find(|l| l.key.as_deref() == Some(key.as_str()))
+        .unwrap_or_else(|| panic!("the holder does not see its own lock {key} in {mine:?}"))
+        .clone();
+    assert!(entry.held_here, "{entry:?}");
+    assert_eq!(entry.readers, 0);
+    let theirs = b.store_locks().await.expect("store_locks");
+    let seen = theirs
+        .iter()
+        .find(|l| l.resource == entry.resource)
+        .unwrap_or_else(|| panic!("another provider does not see {key}"));
+    assert!(!seen.held_here);
+    if let Some(k) = &seen.key {
+        assert_eq!(k, &key);
+    }
+    if let (Some(listed), Some(token)) = (seen.fencing_token, guard.fencing_token()) {
+        assert_eq!(listed, token, "the listed token is the holder's");
+    }
+    if let Some(left) = seen.remaining_lease {
+        assert!(left > Duration::ZERO);
+    }
+    guard.release().await.expect("release");
+    let after = b.store_locks().await.expect("store_locks");
+    assert!(
+        after.iter().all(|l| l.resource != entry.resource),
+        "a released lock is still listed: {after:?}"
+    );
+    if h.read_locks() {
+        let r1 = a.try_acquire_read(&key).await.expect("reader");
+        let r2 = b.try_acquire_read(&key).await.expect("reader");
+        let listed = a.store_locks().await.expect("store_locks");
+        let read = listed
+            .iter()
+            .find(|l| l.resource == entry.resource)
+            .unwrap_or_else(|| panic!("a key readers hold is not listed: {listed:?}"));
+        assert_eq!(read.readers, 2, "{read:?}");
+        r1.release().await.expect("release");
+        r2.release().await.expect("release");
+        let after = b.store_locks().await.expect("store_locks");
+        assert!(after.iter().all(|l| l.resource != entry.resource));
+    }
 }

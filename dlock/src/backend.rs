@@ -140,6 +140,65 @@ pub enum ReleaseOutcome {
     NotOwned,
 }
 
+/// A lock held in the store by any process, as
+/// [`LockProvider::store_locks`](crate::LockProvider::store_locks) shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoreLock {
+    /// The lock's key: read from the store where it keeps keys (SQLite, Redis); where it keeps
+    /// only a number (PostgreSQL's advisory lock id), the key when the caller knows it (a key
+    /// held through this provider), else `None`.
+    pub key: Option<String>,
+    /// What the store calls it: the row's name, the Redis key, the advisory lock id.
+    pub resource: String,
+    /// How many readers share it; 0 for an exclusive lock.
+    pub readers: u32,
+    /// Its latest fencing token, where the store keeps one beside the lock.
+    pub fencing_token: Option<u64>,
+    /// How long its lease still runs, by the store's reckoning, for a leased lock.
+    pub remaining_lease: Option<Duration>,
+    /// Whether this provider holds it (filled in by the provider).
+    pub held_here: bool,
+}
+
+impl StoreLock {
+    /// A lock the store calls `resource`, exclusive, with nothing else known of it.
+    pub fn new(resource: impl Into<String>) -> Self {
+        StoreLock {
+            key: None,
+            resource: resource.into(),
+            readers: 0,
+            fencing_token: None,
+            remaining_lease: None,
+            held_here: false,
+        }
+    }
+
+    /// The same lock, with its key.
+    pub fn with_key(mut self, key: Option<String>) -> Self {
+        self.key = key;
+        self
+    }
+
+    /// The same lock, shared by `readers` readers (0: exclusive).
+    pub fn with_readers(mut self, readers: u32) -> Self {
+        self.readers = readers;
+        self
+    }
+
+    /// The same lock, with its latest fencing token.
+    pub fn with_fencing_token(mut self, token: Option<u64>) -> Self {
+        self.fencing_token = token;
+        self
+    }
+
+    /// The same lock, with the time its lease still runs.
+    pub fn with_remaining_lease(mut self, remaining: Option<Duration>) -> Self {
+        self.remaining_lease = remaining;
+        self
+    }
+}
+
 /// Handle-level control of a leased lock (SQLite, Redis): see
 /// [`HeldLock::lease_control`].
 pub trait LeaseControl: Send + Sync {
@@ -243,6 +302,25 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
             "read locks",
             "this backend has no shared lock mode",
         ))
+    }
+
+    /// The locks held in the store right now, by any process, where the store can list them
+    /// (for an admin page). `known` are keys the caller knows (those it holds): a store that
+    /// keeps only a number per lock names those by their key. The default answers
+    /// [`LockError::Unsupported`].
+    fn store_locks<'a>(
+        &'a self,
+        known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<StoreLock>, LockError>> {
+        let _ = known;
+        let name = self.name();
+        Box::pin(async move {
+            Err(LockError::unsupported(
+                name,
+                "store inspection",
+                "this backend cannot list the locks in its store",
+            ))
+        })
     }
 
     /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::LockProvider;
+use crate::{LockError, LockProvider, StoreLock};
 
 /// One lock a provider holds, as [`LockProvider::held_locks`] shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,5 +76,43 @@ impl LockProvider {
             .collect();
         held.sort_by(|a, b| (&a.key, a.since).cmp(&(&b.key, b.since)));
         held
+    }
+
+    /// The locks held in the store right now **by any process**, where the backend can list
+    /// them: SQLite (its tables), Redis (a `SCAN` of the prefix; it walks the whole keyspace,
+    /// so keep it to admin use), PostgreSQL (`pg_locks`: advisory locks carry only a number,
+    /// so a lock is named by its key when this provider holds it, and is otherwise listed by
+    /// its id). Other backends answer [`LockError::Unsupported`]. Sorted by resource; each
+    /// says whether this provider is the one holding it.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let here = dlock::LockProvider::connect(&url).await?;
+    /// let elsewhere = dlock::LockProvider::connect(&url).await?;
+    /// let guard = elsewhere.try_acquire("jobs:billing").await?;
+    /// let locks = here.store_locks().await?;
+    /// assert_eq!(locks.len(), 1);
+    /// assert_eq!(locks[0].key.as_deref(), Some("jobs:billing"));
+    /// assert!(!locks[0].held_here);
+    /// guard.release().await?;
+    /// assert!(here.store_locks().await?.is_empty());
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    pub async fn store_locks(&self) -> Result<Vec<StoreLock>, LockError> {
+        let shown = self.table().shown();
+        let known: Vec<&str> = shown.iter().map(|(key, _)| &**key).collect();
+        let mut locks = self.backend().store_locks(&known).await?;
+        for lock in &mut locks {
+            lock.held_here = lock.key.as_deref().is_some_and(|key| known.contains(&key));
+        }
+        locks.sort_by(|a, b| a.resource.cmp(&b.resource));
+        Ok(locks)
     }
 }

@@ -128,7 +128,7 @@ pub mod sqlite;
 #[path = "macro_support.rs"]
 pub mod __private;
 
-pub use backend::ReleaseOutcome;
+pub use backend::{ReleaseOutcome, StoreLock};
 pub use backoff::Backoff;
 pub use error::{BoxError, LockError};
 pub use guard::LockGuard;

@@ -360,6 +360,11 @@ impl LockProvider {
         &self.inner.table
     }
 
+    /// The provider's backend.
+    pub(crate) fn backend(&self) -> &dyn LockBackend {
+        &*self.inner.backend
+    }
+
     /// The provider's backoff, for waits that poll.
     pub(crate) fn backoff(&self) -> Backoff {
         self.inner.backoff

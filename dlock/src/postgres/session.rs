@@ -8,7 +8,7 @@ use sqlx::{Connection, Row};
 
 use super::Postgres;
 use super::statements::*;
-use crate::backend::BoxFuture;
+use crate::backend::{BoxFuture, StoreLock};
 use crate::session::{Connector, Failure, Grant, Mode, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, db_code, driver_error, is_connection_error, ping, settle,
@@ -77,6 +77,37 @@ impl Connector for PgConnector {
 
     fn open(&self) -> BoxFuture<'_, Result<PgSession, LockError>> {
         Box::pin(self.open_session())
+    }
+
+    /// `pg_locks`, on a connection of its own: advisory locks carry only their id, so a lock
+    /// is named by its key when it is one of `known`'s, and by its id otherwise.
+    fn store_locks<'a>(
+        &'a self,
+        known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<StoreLock>, LockError>> {
+        Box::pin(async move {
+            let mut conn = open_connection(&self.options, self.connect_timeout).await?;
+            let rows: Vec<(i64, String, i64)> = sqlx::query_as(STORE_LOCKS_SQL)
+                .fetch_all(&mut conn)
+                .await
+                .map_err(|e| driver_error::<Postgres>("listing the locks", e))?;
+            let _ = conn.close().await;
+            let keys: std::collections::HashMap<i64, &str> =
+                known.iter().map(|key| (lock_id(key), *key)).collect();
+            Ok(rows
+                .into_iter()
+                .map(|(id, mode, holders)| {
+                    let readers = if mode == "ShareLock" {
+                        u32::try_from(holders).unwrap_or(u32::MAX)
+                    } else {
+                        0
+                    };
+                    StoreLock::new(id.to_string())
+                        .with_key(keys.get(&id).map(|key| (*key).to_owned()))
+                        .with_readers(readers)
+                })
+                .collect())
+        })
     }
 }
 

@@ -327,6 +327,7 @@
 
 mod commands;
 mod fence;
+mod inspect;
 mod read;
 mod redlock;
 mod renewals;
@@ -1115,6 +1116,14 @@ impl LockBackend for RedisBackend {
     /// [Read locks](self#read-locks)).
     fn shared_locks(&self) -> Result<(), LockError> {
         Ok(())
+    }
+
+    /// The locks under the prefix, found with `SCAN` (which walks the whole keyspace).
+    fn store_locks<'a>(
+        &'a self,
+        _known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreLock>, LockError>> {
+        Box::pin(inspect::store_locks(&self.shared))
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {

@@ -232,6 +232,14 @@ impl<E: Engine> LockBackend for SessionBackend<E> {
         Box::pin(self.lanes.acquire_wait(request.key, mode, timeout))
     }
 
+    /// Where the engine can list the server's locks (PostgreSQL's `pg_locks`).
+    fn store_locks<'a>(
+        &'a self,
+        known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreLock>, LockError>> {
+        self.lanes.connector().store_locks(known)
+    }
+
     /// Read locks in the engine's own shared mode (PostgreSQL, SQL Server, Oracle); MySQL and
     /// MariaDB answer `Unsupported` (see the engine's module docs).
     fn shared_locks(&self) -> Result<(), LockError> {

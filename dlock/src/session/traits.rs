@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::options::SessionOptions;
 use crate::LockError;
-use crate::backend::BoxFuture;
+use crate::backend::{BoxFuture, StoreLock};
 
 /// A failed statement: the error, and whether the session is still usable afterwards (a
 /// server-side error such as a permission problem leaves it usable; an I/O error does not).
@@ -105,6 +105,22 @@ pub trait Connector: Debug + Send + Sync + 'static {
 
     /// Opens a session (bounded by the backend's connect timeout).
     fn open(&self) -> BoxFuture<'_, Result<Self::Session, LockError>>;
+
+    /// The locks held on the server now, by any session (`LockBackend::store_locks`); `known`
+    /// names those whose resource is one of these keys'. The default answers `Unsupported`.
+    fn store_locks<'a>(
+        &'a self,
+        known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<StoreLock>, LockError>> {
+        let _ = known;
+        Box::pin(async {
+            Err(LockError::unsupported(
+                Self::NAME,
+                "store inspection",
+                "this backend cannot list the locks on its server",
+            ))
+        })
+    }
 }
 
 /// One server connection whose session owns the locks it takes.

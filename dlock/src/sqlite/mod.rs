@@ -179,6 +179,7 @@ pub use self::transaction::{acquire_in_transaction, try_acquire_in_transaction};
 use self::url::*;
 use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
+    StoreLock,
 };
 use crate::backoff::Pauses;
 use crate::key::validate_key;
@@ -559,6 +560,53 @@ impl LockBackend for SqliteBackend {
             read.await
                 .map(drop)
                 .map_err(|busy| self.shared.busy_error("checking the lock file", busy))
+        })
+    }
+
+    /// The held rows of the lock table, with their readers.
+    fn store_locks<'a>(
+        &'a self,
+        _known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<StoreLock>, LockError>> {
+        Box::pin(async move {
+            let clock = self.shared.clock;
+            let read = self
+                .shared
+                .with_busy_retry("listing the locks", RELEASE_PAUSES, |conn| {
+                    let (now, boot) = (clock.now_ms(), clock.boot());
+                    let mut readers = HashMap::new();
+                    let mut query = conn.prepare_cached(STORE_READERS_SQL)?;
+                    let mut rows = query.query(params![now, boot])?;
+                    while let Some(row) = rows.next()? {
+                        readers.insert(row.get::<_, Vec<u8>>(0)?, row.get::<_, i64>(1)?);
+                    }
+                    let mut locks = Vec::new();
+                    let mut query = conn.prepare_cached(STORE_LOCKS_SQL)?;
+                    let mut rows = query.query(params![now, boot])?;
+                    while let Some(row) = rows.next()? {
+                        let name: Vec<u8> = row.get(0)?;
+                        let by_readers: bool = row.get(1)?;
+                        let lease_end: i64 = row.get(2)?;
+                        let fencing: i64 = row.get(3)?;
+                        let key = String::from_utf8_lossy(&name).into_owned();
+                        let count = if by_readers {
+                            readers.get(&name).copied().unwrap_or(0)
+                        } else {
+                            0
+                        };
+                        let left = u64::try_from(lease_end.saturating_sub(now)).unwrap_or(0);
+                        locks.push(
+                            StoreLock::new(key.clone())
+                                .with_key(Some(key))
+                                .with_readers(u32::try_from(count).unwrap_or(u32::MAX))
+                                .with_fencing_token(u64::try_from(fencing).ok().filter(|t| *t > 0))
+                                .with_remaining_lease(Some(Duration::from_millis(left))),
+                        );
+                    }
+                    Ok(locks)
+                })
+                .await;
+            read.map_err(|busy| self.shared.busy_error("listing the locks", busy))
         })
     }
 

@@ -222,3 +222,12 @@ pub(super) const INTENT_SQL: &str = "INSERT INTO main.__distributed_lock_intents
 /// Removes the intent on `?1`, once a writer got the key.
 pub(super) const INTENT_CLEAR_SQL: &str =
     "DELETE FROM main.__distributed_lock_intents WHERE name = ?1";
+
+/// The rows held now (`?1` now, `?2` boot), for store inspection: name, whether readers hold it
+/// (the empty owner), lease end, fencing counter.
+pub(super) const STORE_LOCKS_SQL: &str = "SELECT name, owner = x'', lease_end, fencing \
+    FROM main.__distributed_locks WHERE owner IS NOT NULL AND boot = ?2 AND lease_end > ?1";
+
+/// The live readers of each name (`?1` now, `?2` boot), for store inspection.
+pub(super) const STORE_READERS_SQL: &str = "SELECT name, count(*) FROM main.__distributed_lock_readers \
+    WHERE boot = ?2 AND lease_end > ?1 GROUP BY name";

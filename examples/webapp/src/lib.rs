@@ -8,6 +8,7 @@
 //! | `GET /accounts/{id}` | none |
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
 //! | `GET /admin/locks` | none; the locks this instance holds now (`LockProvider::held_locks`), as JSON |
+//! | `GET /admin/store-locks` | none; the locks held in the store now by any instance (`LockProvider::store_locks`), as JSON |
 //! | `GET /health` | none; asks the lock store (`LockProvider::ping`), 503 problem when it is down |
 //!
 //! Account ids are strings: the handlers take `Path<String>`, which is the percent-decoded
@@ -214,6 +215,7 @@ pub fn app(state: AppState) -> Router {
         .route("/accounts/{id}/credit", post(credit))
         .route("/accounts/{id}", get(account))
         .route("/admin/locks", get(held_locks))
+        .route("/admin/store-locks", get(store_locks))
         .route(
             "/health",
             get(move |state: State<AppState>| health(state, debit_layer.waiting())),
@@ -363,6 +365,41 @@ async fn held_locks(State(state): State<AppState>) -> Json<Vec<HeldLockView>> {
             key: info.key,
         });
     Json(held.collect())
+}
+
+/// One lock held in the store, for `GET /admin/store-locks`.
+#[derive(Serialize)]
+struct StoreLockView {
+    /// The lock's key, where the store keeps it.
+    key: Option<String>,
+    /// What the store calls it.
+    resource: String,
+    /// Readers sharing it (0: exclusive).
+    readers: u32,
+    fencing_token: Option<u64>,
+    remaining_lease_ms: Option<u128>,
+    /// Whether this instance holds it.
+    held_here: bool,
+}
+
+/// The locks held in the store now, by any instance (read-only).
+async fn store_locks(
+    State(state): State<AppState>,
+) -> Result<Json<Vec<StoreLockView>>, dlock_axum::LockRejection> {
+    let locks = state.locks.store_locks().await?;
+    Ok(Json(
+        locks
+            .into_iter()
+            .map(|lock| StoreLockView {
+                remaining_lease_ms: lock.remaining_lease.map(|left| left.as_millis()),
+                key: lock.key,
+                resource: lock.resource,
+                readers: lock.readers,
+                fencing_token: lock.fencing_token,
+                held_here: lock.held_here,
+            })
+            .collect(),
+    ))
 }
 
 #[derive(Serialize)]

@@ -857,3 +857,59 @@ async fn the_admin_route_lists_the_locks_held_now() {
     assert_eq!(debit.await.expect("join").0, 200);
     assert_eq!(listed(client.clone(), admin.clone()).await, json!([]));
 }
+
+/// `GET /admin/store-locks` on one instance lists the lock another instance holds while its
+/// debit runs (not held here), and nothing once it is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_admin_route_lists_locks_held_by_other_instances() {
+    let setup = Setup::new();
+    let a = setup.start(&[("DEBIT_WORK", "1s")]).await;
+    let b = setup.start(&[]).await;
+    let client = reqwest::Client::new();
+    let credit = format!("{}/accounts/acc-s/credit", a.base);
+    assert_eq!(
+        post_json(&client, &credit, json!({"amount": 5})).await.0,
+        200
+    );
+    let admin = format!("{}/admin/store-locks", b.base);
+    let listed = |client: reqwest::Client, admin: String| async move {
+        client
+            .get(&admin)
+            .send()
+            .await
+            .expect("admin")
+            .json::<Value>()
+            .await
+            .expect("json")
+    };
+    let debit = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{}/accounts/acc-s/debit", a.base));
+        async move { post_json(&client, &url, json!({"amount": 1})).await }
+    });
+    let mut seen = Value::Null;
+    dlock_testkit::wait_until(
+        "the other instance's lock is listed",
+        Duration::from_secs(10),
+        async || {
+            seen = listed(client.clone(), admin.clone()).await;
+            seen.as_array()
+                .is_some_and(|held| held.iter().any(|lock| lock["key"] == "account:acc-s"))
+        },
+    )
+    .await;
+    let lock = seen
+        .as_array()
+        .and_then(|all| all.iter().find(|lock| lock["key"] == "account:acc-s"))
+        .expect("listed");
+    assert_eq!(lock["held_here"], false, "{seen}");
+    assert_eq!(lock["readers"], 0, "{seen}");
+    assert!(lock["fencing_token"].as_u64().is_some(), "{seen}");
+    assert_eq!(debit.await.expect("join").0, 200);
+    let after = listed(client.clone(), admin.clone()).await;
+    assert!(
+        after
+            .as_array()
+            .is_some_and(|all| all.iter().all(|lock| lock["key"] != "account:acc-s")),
+        "{after}"
+    );
+}

@@ -1,0 +1,201 @@
+//! Store inspection: the locks under the backend's prefix, found with `SCAN`.
+
+use std::time::Duration;
+
+use redis::{Cmd, Value};
+
+use super::read::readers_key;
+use super::{KeyLayout, Shared, fence_key};
+use crate::LockError;
+use crate::backend::StoreLock;
+
+/// Keys asked for per `SCAN` call.
+const SCAN_COUNT: u64 = 1000;
+
+/// Every lock held under `shared`'s prefix now, in the backend's layout.
+pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockError> {
+    let what = "listing the locks";
+    let mut pattern = glob_escaped(&shared.prefix);
+    if shared.layout == KeyLayout::Tagged {
+        pattern.push(b'{');
+    }
+    pattern.push(b'*');
+    let time: Cmd = redis::cmd("TIME");
+    let now_ms = server_ms(&shared.bounded(what, shared.conn.query(&time)).await?);
+    let mut found = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let mut scan: Cmd = redis::cmd("SCAN");
+        scan.arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(SCAN_COUNT);
+        let reply = shared.bounded(what, shared.conn.query(&scan)).await?;
+        let (next, keys) = scan_page(reply).ok_or_else(|| {
+            LockError::backend("redis", "the server answered SCAN unexpectedly", None, None)
+        })?;
+        found.extend(keys.into_iter().filter_map(|key| {
+            let name = lock_name(shared.layout, &shared.prefix, &key)?;
+            Some((key, name))
+        }));
+        cursor = next;
+        if cursor == 0 {
+            break;
+        }
+    }
+    let mut locks = Vec::new();
+    for (key, name) in found {
+        let mut get: Cmd = redis::cmd("GET");
+        get.arg(&key);
+        // A key of another type under the prefix is not a lock: skipped.
+        let Ok(Value::BulkString(owner)) = shared.bounded(what, shared.conn.query(&get)).await
+        else {
+            continue;
+        };
+        let mut pttl: Cmd = redis::cmd("PTTL");
+        pttl.arg(&key);
+        let remaining = match shared.bounded(what, shared.conn.query(&pttl)).await? {
+            Value::Int(ms) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
+            _ => None,
+        };
+        let readers = if owner.is_empty() {
+            let mut count: Cmd = redis::cmd("ZCOUNT");
+            count
+                .arg(readers_key(shared.layout, &key))
+                .arg(format!("({now_ms}"))
+                .arg("+inf");
+            match shared.bounded(what, shared.conn.query(&count)).await? {
+                Value::Int(n) => u32::try_from(n).unwrap_or(u32::MAX),
+                _ => 0,
+            }
+        } else {
+            0
+        };
+        let mut fence: Cmd = redis::cmd("GET");
+        fence.arg(fence_key(shared.layout, &key));
+        let fencing_token = match shared.bounded(what, shared.conn.query(&fence)).await {
+            Ok(Value::BulkString(text)) => {
+                std::str::from_utf8(&text).ok().and_then(|t| t.parse().ok())
+            }
+            _ => None,
+        };
+        locks.push(
+            StoreLock::new(String::from_utf8_lossy(&key).into_owned())
+                .with_key(Some(name))
+                .with_readers(readers)
+                .with_fencing_token(fencing_token)
+                .with_remaining_lease(remaining),
+        );
+    }
+    Ok(locks)
+}
+
+/// `prefix` with the glob characters of `SCAN MATCH` escaped.
+fn glob_escaped(prefix: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(prefix.len() + 2);
+    for &byte in prefix {
+        if matches!(byte, b'*' | b'?' | b'[' | b']' | b'\\') {
+            out.push(b'\\');
+        }
+        out.push(byte);
+    }
+    out
+}
+
+/// The server's clock in milliseconds, from `TIME`'s answer (0 when it cannot be read).
+fn server_ms(reply: &Value) -> u64 {
+    let Value::Array(parts) = reply else { return 0 };
+    let number = |v: Option<&Value>| match v {
+        Some(Value::BulkString(text)) => std::str::from_utf8(text).ok()?.parse::<u64>().ok(),
+        _ => None,
+    };
+    match (number(parts.first()), number(parts.get(1))) {
+        (Some(secs), Some(micros)) => secs.saturating_mul(1000).saturating_add(micros / 1000),
+        _ => 0,
+    }
+}
+
+/// A `SCAN` answer: the next cursor and the keys of this page.
+fn scan_page(reply: Value) -> Option<(u64, Vec<Vec<u8>>)> {
+    let Value::Array(mut parts) = reply else {
+        return None;
+    };
+    if parts.len() != 2 {
+        return None;
+    }
+    let keys = match parts.pop()? {
+        Value::Array(keys) => keys
+            .into_iter()
+            .filter_map(|k| match k {
+                Value::BulkString(k) => Some(k),
+                _ => None,
+            })
+            .collect(),
+        _ => return None,
+    };
+    let cursor = match parts.pop()? {
+        Value::BulkString(c) => std::str::from_utf8(&c).ok()?.parse().ok()?,
+        _ => return None,
+    };
+    Some((cursor, keys))
+}
+
+/// The lock name a Redis key stands for, or `None` for a key that is no lock (a fencing
+/// counter, a readers set, a writer's intent, anything else under the prefix).
+fn lock_name(layout: KeyLayout, prefix: &[u8], key: &[u8]) -> Option<String> {
+    let rest = key.strip_prefix(prefix)?;
+    match layout {
+        KeyLayout::Tagged => {
+            let inner = rest.strip_prefix(b"{")?.strip_suffix(b"}")?;
+            if inner.contains(&b'{') || inner.contains(&b'}') {
+                return None;
+            }
+            let mut name = Vec::with_capacity(inner.len());
+            let mut i = 0;
+            while i < inner.len() {
+                match &inner[i..] {
+                    [b'%', b'2', b'5', ..] => (name.push(b'%'), i += 3).1,
+                    [b'%', b'7', b'B', ..] => (name.push(b'{'), i += 3).1,
+                    [b'%', b'7', b'D', ..] => (name.push(b'}'), i += 3).1,
+                    [b'%', ..] => return None,
+                    [byte, ..] => (name.push(*byte), i += 1).1,
+                    [] => break,
+                }
+            }
+            String::from_utf8(name).ok()
+        }
+        // Companion keys carry byte 0xFF, which no lock name (UTF-8) holds.
+        KeyLayout::Plain if rest.contains(&0xFF) => None,
+        KeyLayout::Plain => String::from_utf8(rest.to_vec()).ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_names_come_back_from_their_keys_and_companions_are_skipped() {
+        for name in ["a", "x:{1}%2", "", "ünï", "%7B"] {
+            let key = super::super::storage_key(b"p:", name);
+            assert_eq!(
+                lock_name(KeyLayout::Tagged, b"p:", &key).as_deref(),
+                Some(name)
+            );
+            let fence = fence_key(KeyLayout::Tagged, &key);
+            assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &fence), None);
+            let readers = readers_key(KeyLayout::Tagged, &key);
+            assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &readers), None);
+            let plain = [b"p:".as_slice(), name.as_bytes()].concat();
+            assert_eq!(
+                lock_name(KeyLayout::Plain, b"p:", &plain).as_deref(),
+                Some(name)
+            );
+            let fence = fence_key(KeyLayout::Plain, &plain);
+            assert_eq!(lock_name(KeyLayout::Plain, b"p:", &fence), None);
+        }
+        assert_eq!(lock_name(KeyLayout::Tagged, b"p:", b"q:{a}"), None);
+        assert_eq!(glob_escaped(b"a*b?[c]\\"), b"a\\*b\\?\\[c\\]\\\\".to_vec());
+    }
+}
