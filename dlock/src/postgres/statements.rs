@@ -164,6 +164,14 @@ pub(super) fn lock_timeout_setting(timeout: Duration) -> String {
     }
 }
 
+/// The advisory locks granted in this database now, for store inspection: the lock id (the
+/// two 32-bit halves put back together), the mode (`ShareLock` or `ExclusiveLock`) and how
+/// many sessions hold it so.
+pub(super) const STORE_LOCKS_SQL: &str = "SELECT (classid::bigint << 32) | objid::bigint, mode, \
+    count(*)::bigint FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted \
+    AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+    GROUP BY 1, 2";
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -196,11 +204,3 @@ mod tests {
         assert_eq!(lock_timeout_setting(Duration::MAX), "0");
     }
 }
-
-/// The advisory locks granted in this database now, for store inspection: the lock id (the
-/// two 32-bit halves put back together), the mode (`ShareLock` or `ExclusiveLock`) and how
-/// many sessions hold it so.
-pub(super) const STORE_LOCKS_SQL: &str = "SELECT (classid::bigint << 32) | objid::bigint, mode, \
-    count(*)::bigint FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted \
-    AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
-    GROUP BY 1, 2";
