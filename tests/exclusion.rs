@@ -139,6 +139,19 @@ fn mysql() {
     storm(&server.url("fencing=true"));
 }
 
+#[cfg(feature = "mysql")]
+#[test]
+fn mysql_primitives() {
+    let Some(server) = dlock_testkit::mysql::DbServer::start(dlock_testkit::mysql::Flavor::MySql)
+    else {
+        return;
+    };
+    others(
+        &server.url("fencing=true"),
+        Primitives { read_locks: false },
+    );
+}
+
 #[cfg(feature = "redis")]
 #[test]
 fn redis7() {
@@ -170,6 +183,17 @@ fn valkey9() {
         return;
     };
     storm(&server.url(""));
+}
+
+#[cfg(feature = "redis")]
+#[test]
+fn valkey9_primitives() {
+    let Some(server) =
+        dlock_testkit::redis::RedisServer::start(dlock_testkit::redis::Flavor::Valkey91)
+    else {
+        return;
+    };
+    others(&server.url(""), Primitives { read_locks: true });
 }
 
 /// The checker itself: a clean log passes, and each kind of violation is named.

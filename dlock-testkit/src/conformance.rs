@@ -1882,6 +1882,11 @@ pub async fn store_locks_list_holders(h: &impl Harness) {
             assert_eq!(operation, "store inspection");
             return;
         }
+        // An account with only the grants locking needs (inspection is an admin's).
+        Err(LockError::Backend { db_code, .. }) if db_code.as_deref() == Some("NOPERM") => {
+            eprintln!("skipped: this account may not list the store's keys (NOPERM)");
+            return;
+        }
         Err(e) => panic!("store_locks: {e}"),
         Ok(_) => {}
     }
