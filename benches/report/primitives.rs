@@ -112,14 +112,9 @@ fn semaphore(rt: &Runtime, b: &Backend, store: &Store, report: &mut Report) {
             })
         }
         Store::Postgres(_) => {
-            let pool = match rt.block_on(
-                sqlx::postgres::PgPoolOptions::new()
-                    .max_connections(4)
-                    .test_before_acquire(false)
-                    .connect(&b.driver_url()),
-            ) {
+            let pool = match pg_pool(rt, b) {
                 Ok(pool) => pool,
-                Err(e) => return report.add(b.not_measured(S8, &name, &e.to_string(), "≤ 1.10×")),
+                Err(e) => return report.add(b.not_measured(S8, &name, &e, "≤ 1.10×")),
             };
             let ids: Vec<i64> = slots.iter().map(|s| dlock::lock_id(s)).collect();
             Box::new(move |n| {
@@ -229,14 +224,9 @@ fn read_lock(rt: &Runtime, b: &Backend, store: &Store, report: &mut Report) {
     let mut read = cycle(true);
     if let Store::Postgres(_) = store {
         let name = format!("{}: read lock, dlock / raw", b.label);
-        let pool = match rt.block_on(
-            sqlx::postgres::PgPoolOptions::new()
-                .max_connections(4)
-                .test_before_acquire(false)
-                .connect(&b.driver_url()),
-        ) {
+        let pool = match pg_pool(rt, b) {
             Ok(pool) => pool,
-            Err(e) => return report.add(b.not_measured(S8, &name, &e.to_string(), "≤ 1.10×")),
+            Err(e) => return report.add(b.not_measured(S8, &name, &e, "≤ 1.10×")),
         };
         let id = dlock::lock_id("bench:raw-read");
         let mut raw_side: Box<Batch<'_>> = Box::new(move |n| {
@@ -273,6 +263,18 @@ fn read_lock(rt: &Runtime, b: &Backend, store: &Store, report: &mut Report) {
             (Err(e), _) | (_, Err(e)) => b.not_measured(S8, &name, e, "—"),
         });
     }
+}
+
+/// A pool for the raw PostgreSQL side: the statements and nothing else (no health check when
+/// a connection leaves the pool), as in section 1.
+fn pg_pool(rt: &Runtime, b: &Backend) -> Result<sqlx::PgPool, String> {
+    rt.block_on(
+        sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .test_before_acquire(false)
+            .connect(&b.driver_url()),
+    )
+    .map_err(|e| e.to_string())
 }
 
 /// `pg_try_advisory_lock_shared($1)` + `pg_advisory_unlock_shared($1)` on one pooled

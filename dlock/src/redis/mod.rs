@@ -1158,6 +1158,7 @@ impl LockBackend for RedisBackend {
                 key: Arc::clone(&lock_key),
                 token: token.clone(),
                 armed: true,
+                read: false,
             };
             let sent = Instant::now();
             let taken = shared
@@ -1237,12 +1238,14 @@ impl LockBackend for RedisBackend {
     }
 }
 
-/// Deletes a possibly taken lock of an acquisition that did not finish.
+/// Gives back a possibly taken lock (or reader's share) of an acquisition that did not finish.
 struct Cleanup {
     shared: Arc<Shared>,
     key: Arc<[u8]>,
     token: OwnerToken,
     armed: bool,
+    /// A read acquisition: its share is given back, not the key.
+    read: bool,
 }
 
 impl Drop for Cleanup {
@@ -1253,20 +1256,27 @@ impl Drop for Cleanup {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (shared, key, token) = (
+        let (shared, key, token, read) = (
             Arc::clone(&self.shared),
             Arc::clone(&self.key),
             self.token.clone(),
+            self.read,
         );
         drop(runtime.spawn(async move {
-            let outcome = shared
-                .bounded(
-                    "cleaning up an abandoned acquisition",
-                    shared.conn.release(&key, &token),
-                )
-                .await;
+            let what = "cleaning up an abandoned acquisition";
+            let outcome = if read {
+                shared
+                    .bounded(what, read::release(&shared, &key, &token))
+                    .await
+                    .map(drop)
+            } else {
+                shared
+                    .bounded(what, shared.conn.release(&key, &token))
+                    .await
+                    .map(drop)
+            };
             if let Err(err) = outcome {
-                tracing::warn!(error = %err, "an abandoned redis acquisition could not be cleaned up; it frees itself when its lease runs out");
+                tracing::warn!(error = %err, read, "an abandoned redis acquisition could not be cleaned up; it frees itself when its lease runs out");
             }
         }));
     }

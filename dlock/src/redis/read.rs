@@ -13,8 +13,8 @@ use tokio_util::sync::CancellationToken;
 use super::commands::{CommandPath, Script};
 use super::renewals::Renewals;
 use super::{
-    KeyLayout, OwnerToken, PLAIN_FENCE_MARK, RedisHeld, Shared, answer_window, check_lease,
-    fence_key,
+    Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, RedisHeld, Shared, answer_window,
+    check_lease, fence_key,
 };
 use crate::LockError;
 use crate::backend::{Acquired, LockRequest, ReleaseOutcome};
@@ -277,6 +277,7 @@ pub(super) async fn try_acquire(
         key: Arc::clone(&lock_key),
         token: token.clone(),
         armed: true,
+        read: true,
     };
     let args = [token.as_bytes(), ms.as_bytes()];
     let sent = Instant::now();
@@ -349,41 +350,6 @@ pub(super) async fn try_acquire(
         )
         .with_lease_deadline(deadline),
     ))
-}
-
-/// Gives back a possibly taken share of a read acquisition that did not finish.
-struct Cleanup {
-    shared: Arc<Shared>,
-    key: Arc<[u8]>,
-    token: OwnerToken,
-    armed: bool,
-}
-
-impl Drop for Cleanup {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let (shared, key, token) = (
-            Arc::clone(&self.shared),
-            Arc::clone(&self.key),
-            self.token.clone(),
-        );
-        drop(runtime.spawn(async move {
-            let outcome = shared
-                .bounded(
-                    "cleaning up an abandoned read acquisition",
-                    release(&shared, &key, &token),
-                )
-                .await;
-            if let Err(err) = outcome {
-                tracing::warn!(error = %err, "an abandoned redis read acquisition could not be cleaned up; it frees itself when its lease runs out");
-            }
-        }));
-    }
 }
 
 /// Gives reader `token`'s share of the lock under `key` back.
