@@ -3,19 +3,28 @@
 //! The binary is `etcd` on PATH (Debian's `etcd-server`, installed by `.ci/run`), or the one
 //! `DLOCK_ETCD_SERVER` names. Without it a test prints that it is skipped, unless `CI` is set:
 //! then it fails. Members run with a 50 ms heartbeat and a 500 ms election timeout, so a lost
-//! leader is replaced within about a second.
+//! leader is replaced within about a second, and with `--pre-vote`, so a member coming back
+//! from a partition does not force an election.
 //!
 //! [`EtcdCluster::start`] starts any number of members (one for a single server); each can be
 //! killed ([`kill`](EtcdCluster::kill), `SIGKILL`), paused ([`pause`](EtcdCluster::pause),
 //! `SIGSTOP`) and started again on its data ([`restart`](EtcdCluster::restart)). The tests'
 //! own questions go to etcd's HTTP gateway (`/health`, `/v3/maintenance/status`), with no
 //! client of their own.
+//!
+//! [`EtcdCluster::start_split`] starts three members with the third in a network namespace
+//! ([`Netns`]): its peer traffic runs over the namespace's cut link and its clients come over
+//! the side link, so [`Netns::cut`] cuts that member off from the other two while clients can
+//! still reach it (a minority partition).
 
 use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::Placement;
+use crate::netns::Netns;
 
 const ENV: &str = "DLOCK_ETCD_SERVER";
 
@@ -36,7 +45,42 @@ struct Member {
     name: String,
     client_port: u16,
     peer_port: u16,
+    /// Where the member listens for clients and for its peers, and how it is started.
+    client_host: IpAddr,
+    peer_host: IpAddr,
+    placement: Placement,
     child: Option<Child>,
+}
+
+impl Member {
+    fn on_loopback(i: usize) -> Member {
+        let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        Member {
+            name: format!("m{i}"),
+            client_port: free_port(),
+            peer_port: free_port(),
+            client_host: loopback,
+            peer_host: loopback,
+            placement: Placement::default(),
+            child: None,
+        }
+    }
+
+    fn client_url(&self) -> String {
+        format!(
+            "http://{}:{}",
+            Placement::url_host(self.client_host),
+            self.client_port
+        )
+    }
+
+    fn peer_url(&self) -> String {
+        format!(
+            "http://{}:{}",
+            Placement::url_host(self.peer_host),
+            self.peer_port
+        )
+    }
 }
 
 /// A running throwaway cluster of one or more members.
@@ -52,6 +96,29 @@ impl EtcdCluster {
     /// Starts a cluster of `size` members on loopback and waits until it has a leader;
     /// `None` (after saying so) when the binary is missing and `CI` is not set.
     pub fn start(size: usize) -> Option<EtcdCluster> {
+        let binary = EtcdCluster::find_binary()?;
+        EtcdCluster::start_members(binary, || (0..size).map(Member::on_loopback).collect())
+    }
+
+    /// Starts three members, the third inside `netns`: members 0 and 1 listen for peers on the
+    /// cut link's client end, member 2 on its server end, so [`Netns::cut`] separates member 2
+    /// from the others; member 2 listens for clients on the side link, which stays up.
+    /// `None` where the binary is missing (as [`start`](EtcdCluster::start)).
+    pub fn start_split(netns: &Netns) -> Option<EtcdCluster> {
+        let binary = EtcdCluster::find_binary()?;
+        let (cut, side) = (netns.cut_link(), netns.side_link());
+        EtcdCluster::start_members(binary, || {
+            let mut members: Vec<Member> = (0..3).map(Member::on_loopback).collect();
+            members[0].peer_host = IpAddr::V4(cut.client);
+            members[1].peer_host = IpAddr::V4(cut.client);
+            members[2].peer_host = IpAddr::V4(cut.server);
+            members[2].client_host = IpAddr::V4(side.server);
+            members[2].placement = netns.placement();
+            members
+        })
+    }
+
+    fn find_binary() -> Option<PathBuf> {
         let Some(binary) = binary() else {
             if std::env::var_os("CI").is_some() {
                 panic!("no etcd binary (set {ENV} or run .ci/run to install it)");
@@ -59,21 +126,18 @@ impl EtcdCluster {
             eprintln!("skipped: no etcd binary (set {ENV} or run .ci/run)");
             return None;
         };
+        Some(binary)
+    }
+
+    fn start_members(binary: PathBuf, members: impl Fn() -> Vec<Member>) -> Option<EtcdCluster> {
         for _ in 0..3 {
             let mut cluster = EtcdCluster {
                 binary: binary.clone(),
                 dir: tempfile::tempdir().expect("temp dir"),
                 token: format!("dlock-{}-{}", std::process::id(), fastrand::u64(..)),
-                members: (0..size)
-                    .map(|i| Member {
-                        name: format!("m{i}"),
-                        client_port: free_port(),
-                        peer_port: free_port(),
-                        child: None,
-                    })
-                    .collect(),
+                members: members(),
             };
-            for i in 0..size {
+            for i in 0..cluster.members.len() {
                 cluster.spawn(i);
             }
             if cluster.wait_healthy(Duration::from_secs(20)) {
@@ -92,7 +156,7 @@ impl EtcdCluster {
         let initial: Vec<String> = self
             .members
             .iter()
-            .map(|m| format!("{}=http://127.0.0.1:{}", m.name, m.peer_port))
+            .map(|m| format!("{}={}", m.name, m.peer_url()))
             .collect();
         let member = &self.members[i];
         let data = self.dir.path().join(&member.name);
@@ -101,9 +165,10 @@ impl EtcdCluster {
             .append(true)
             .open(self.dir.path().join(format!("{}.log", member.name)))
             .expect("log file");
-        let client = format!("http://127.0.0.1:{}", member.client_port);
-        let peer = format!("http://127.0.0.1:{}", member.peer_port);
-        let child = Command::new(&self.binary)
+        let (client, peer) = (member.client_url(), member.peer_url());
+        let child = member
+            .placement
+            .command(&self.binary)
             .arg("--name")
             .arg(&member.name)
             .arg("--data-dir")
@@ -115,7 +180,13 @@ impl EtcdCluster {
             .args(["--initial-cluster", &initial.join(",")])
             .args(["--initial-cluster-state", "new"])
             .args(["--initial-cluster-token", &self.token])
-            .args(["--heartbeat-interval", "50", "--election-timeout", "500"])
+            .args([
+                "--heartbeat-interval",
+                "50",
+                "--election-timeout",
+                "500",
+                "--pre-vote",
+            ])
             .args(["--logger", "zap", "--log-level", "warn"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -136,7 +207,7 @@ impl EtcdCluster {
                         // It exited (a port taken meanwhile, say): start over.
                         return false;
                     }
-                    let health = http(member.client_port, "GET", "/health", "");
+                    let health = http(member, "GET", "/health", "");
                     all &= health.is_some_and(|body| body.contains("\"health\":\"true\""));
                 }
             }
@@ -158,7 +229,7 @@ impl EtcdCluster {
         let hosts: Vec<String> = self
             .members
             .iter()
-            .map(|m| format!("127.0.0.1:{}", m.client_port))
+            .map(|m| format!("{}:{}", Placement::url_host(m.client_host), m.client_port))
             .collect();
         let query = if options.is_empty() {
             String::new()
@@ -168,19 +239,15 @@ impl EtcdCluster {
         format!("etcd://{}{query}", hosts.join(","))
     }
 
-    /// The client endpoints (`http://127.0.0.1:port`) of every member.
+    /// The client endpoints (`http://host:port`) of every member.
     pub fn endpoints(&self) -> Vec<String> {
-        self.members
-            .iter()
-            .map(|m| format!("http://127.0.0.1:{}", m.client_port))
-            .collect()
+        self.members.iter().map(Member::client_url).collect()
     }
 
     /// The member that leads now, by index, as a running member sees it.
     pub fn leader(&self) -> Option<usize> {
         for member in self.members.iter().filter(|m| m.child.is_some()) {
-            let Some(status) = http(member.client_port, "POST", "/v3/maintenance/status", "{}")
-            else {
+            let Some(status) = http(member, "POST", "/v3/maintenance/status", "{}") else {
                 continue;
             };
             let (Some(leader), Some(me)) = (
@@ -200,7 +267,7 @@ impl EtcdCluster {
                 if other.child.is_none() {
                     continue;
                 }
-                let id = http(other.client_port, "POST", "/v3/maintenance/status", "{}")
+                let id = http(other, "POST", "/v3/maintenance/status", "{}")
                     .and_then(|s| json_field(&s, "member_id"));
                 if id.as_deref() == Some(leader.as_str()) {
                     return Some(i);
@@ -208,6 +275,35 @@ impl EtcdCluster {
             }
         }
         None
+    }
+
+    /// Moves the leadership to member `i` (etcd's `MoveLeader`, asked of the current leader),
+    /// and waits until every running member agrees; false when that did not happen within
+    /// `limit`.
+    pub fn make_leader(&self, i: usize, limit: Duration) -> bool {
+        let started = Instant::now();
+        let Some(target) = http(&self.members[i], "POST", "/v3/maintenance/status", "{}")
+            .and_then(|s| json_field(&s, "member_id"))
+        else {
+            return false;
+        };
+        while started.elapsed() < limit {
+            match self.leader() {
+                Some(leader) if leader == i => return true,
+                Some(leader) => {
+                    let body = format!("{{\"targetID\":\"{target}\"}}");
+                    let _ = http(
+                        &self.members[leader],
+                        "POST",
+                        "/v3/maintenance/transfer-leadership",
+                        &body,
+                    );
+                }
+                None => {}
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        false
     }
 
     /// Kills member `i` (`SIGKILL`), keeping its data for [`restart`](EtcdCluster::restart).
@@ -277,8 +373,8 @@ fn free_port() -> u16 {
 }
 
 /// One HTTP/1.0 request to a member's client port: the body of a 200 answer.
-fn http(port: u16, method: &str, path: &str, body: &str) -> Option<String> {
-    let address = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+fn http(member: &Member, method: &str, path: &str, body: &str) -> Option<String> {
+    let address = std::net::SocketAddr::new(member.client_host, member.client_port);
     let mut stream = TcpStream::connect_timeout(&address, Duration::from_millis(500)).ok()?;
     stream.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
     let request = format!(

@@ -79,6 +79,11 @@
 //! moves on to the other endpoints of the URL. A minority that is cut off can never grant or
 //! keep a lease: that is what Raft guarantees.
 //!
+//! Run etcd 3.4 members with `--pre-vote` (3.5 and later have it on by default). Without it, a
+//! member that comes back from a partition forces an election, and holders whose keep-alives
+//! fail through it until their local deadline are told their locks are lost (safe, but
+//! needless; measured in RELIABILITY.md).
+//!
 //! # URL
 //!
 //! `etcd://[user:password@]host[:port][,host[:port]...][?options]` (port 2379 by default;
