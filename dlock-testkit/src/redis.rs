@@ -119,6 +119,8 @@ pub struct RedisServer {
     placement: Placement,
     /// The TLS port and certificate (files in `dir`), and whether the plain port is closed.
     tls: Option<(u16, ServerTls, bool)>,
+    /// More arguments for the server (`--replicaof host port`).
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -131,6 +133,20 @@ impl RedisServer {
     /// [`start`](RedisServer::start) where `placement` says (no authentication: every client
     /// that reaches it is let in).
     pub fn start_with(flavor: Flavor, placement: Placement) -> Option<RedisServer> {
+        RedisServer::start_args(flavor, placement, &[])
+    }
+
+    /// [`start`](RedisServer::start) as a replica of the server on loopback port `master`
+    /// (`--replicaof 127.0.0.1 master`).
+    pub fn start_replica_of(flavor: Flavor, master: u16) -> Option<RedisServer> {
+        RedisServer::start_args(
+            flavor,
+            Placement::default(),
+            &["--replicaof", "127.0.0.1", &master.to_string()],
+        )
+    }
+
+    fn start_args(flavor: Flavor, placement: Placement, extra: &[&str]) -> Option<RedisServer> {
         let Some(binary) = flavor.binary() else {
             if std::env::var_os("CI").is_some() {
                 panic!(
@@ -153,6 +169,7 @@ impl RedisServer {
                 child: None,
                 placement: placement.clone(),
                 tls: None,
+                extra: extra.iter().map(|a| (*a).to_owned()).collect(),
             };
             if server.spawn() {
                 let info = server.info("server");
@@ -240,6 +257,7 @@ impl RedisServer {
             cmd.args(["--protected-mode", "no"]);
         }
         let child = cmd
+            .args(&self.extra)
             .args(["--save", "", "--appendonly", "no", "--dir"])
             .arg(self.dir.path())
             .stdout(Stdio::null())
@@ -607,4 +625,312 @@ fn pipe(shared: &Arc<ProxyShared>, from: &TcpStream, to: &TcpStream, replies: bo
         }
         let _ = to.shutdown(Shutdown::Write);
     });
+}
+
+/// The service name a [`SentinelDeployment`]'s sentinels monitor the master by.
+pub const SENTINEL_SERVICE: &str = "mymaster";
+
+/// One sentinel process (`redis-server sentinel.conf --sentinel`), killed when dropped.
+#[derive(Debug)]
+struct SentinelProcess {
+    port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for SentinelProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A Redis Sentinel deployment on loopback: a master, one replica of it (`--replicaof`), and
+/// three sentinels (`redis-server <conf> --sentinel`, quorum 2) that monitor the master as
+/// [`SENTINEL_SERVICE`], with a short `down-after-milliseconds` and `failover-timeout` so
+/// that a failover completes in a few seconds. Every process is killed when it is dropped.
+#[derive(Debug)]
+pub struct SentinelDeployment {
+    /// The data nodes: the first started as the master, the others as its replicas. Which
+    /// one is the master now, [`master_port`](SentinelDeployment::master_port) says.
+    pub nodes: Vec<RedisServer>,
+    sentinels: Vec<SentinelProcess>,
+}
+
+impl SentinelDeployment {
+    /// Starts the deployment; the sentinels consider the master down after `down_after` of
+    /// silence. `None` (after saying so) when `redis-server` is missing and `CI` is not set.
+    /// The sentinels answer at once; [`wait_ready`](SentinelDeployment::wait_ready) waits
+    /// until they can fail over.
+    pub fn start(down_after: Duration) -> Option<SentinelDeployment> {
+        SentinelDeployment::start_with_replicas(down_after, 1)
+    }
+
+    /// [`start`](SentinelDeployment::start) with `replicas` replicas of the master.
+    pub fn start_with_replicas(
+        down_after: Duration,
+        replicas: usize,
+    ) -> Option<SentinelDeployment> {
+        let master = RedisServer::start(Flavor::Redis7)?;
+        let mut nodes = Vec::new();
+        for _ in 0..replicas {
+            nodes.push(RedisServer::start_replica_of(
+                Flavor::Redis7,
+                master.port(),
+            )?);
+        }
+        let binary = master.binary.clone();
+        let mut sentinels = Vec::new();
+        for _ in 0..3 {
+            sentinels.push(start_sentinel(&binary, master.port(), down_after));
+        }
+        nodes.insert(0, master);
+        Some(SentinelDeployment { nodes, sentinels })
+    }
+
+    /// The sentinels' ports.
+    pub fn sentinel_ports(&self) -> Vec<u16> {
+        self.sentinels.iter().map(|s| s.port).collect()
+    }
+
+    /// `redis+sentinel://127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3/mymaster`, with `options`.
+    pub fn url(&self, options: &str) -> String {
+        let hosts: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        let mut url = format!("redis+sentinel://{}/{SENTINEL_SERVICE}", hosts.join(","));
+        if !options.is_empty() {
+            url.push('?');
+            url.push_str(options);
+        }
+        url
+    }
+
+    /// One command to sentinel `i`.
+    pub fn sentinel_command<T: redis::FromRedisValue>(
+        &self,
+        i: usize,
+        args: &[&str],
+    ) -> redis::RedisResult<T> {
+        sync_command(self.sentinels[i].port, args)
+    }
+
+    /// The master's port as sentinel `i` names it.
+    pub fn master_port_by(&self, i: usize) -> Option<u16> {
+        let addr: Option<(String, u16)> = self
+            .sentinel_command(
+                i,
+                &["SENTINEL", "get-master-addr-by-name", SENTINEL_SERVICE],
+            )
+            .ok()?;
+        addr.map(|(_, port)| port)
+    }
+
+    /// The master's port: the one the first sentinel names.
+    pub fn master_port(&self) -> u16 {
+        self.master_port_by(0).expect("the sentinel names a master")
+    }
+
+    /// The data node on `port`.
+    pub fn node(&self, port: u16) -> &RedisServer {
+        self.nodes
+            .iter()
+            .find(|n| n.port() == port)
+            .expect("a data node of the deployment")
+    }
+
+    /// The role (`master`, `slave`) the data node on `port` reports; `None` when it does not
+    /// answer.
+    pub fn role(&self, port: u16) -> Option<String> {
+        let role: Vec<redis::Value> = sync_command(port, &["ROLE"]).ok()?;
+        match role.first()? {
+            redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            redis::Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+
+    /// Waits (up to 30 s) until every sentinel knows the replicas and the two other
+    /// sentinels, and every replica's link to the master is up: from then on a failover can
+    /// be agreed and carried out.
+    pub fn wait_ready(&self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let replicas = (self.nodes.len() - 1).to_string();
+        loop {
+            let ready = (0..self.sentinels.len()).all(|i| {
+                let fields: redis::RedisResult<HashMap<String, String>> =
+                    self.sentinel_command(i, &["SENTINEL", "master", SENTINEL_SERVICE]);
+                fields.is_ok_and(|f| {
+                    f.get("num-slaves") == Some(&replicas)
+                        && f.get("num-other-sentinels").map(String::as_str) == Some("2")
+                        && f.get("flags").map(String::as_str) == Some("master")
+                })
+            }) && self
+                .nodes
+                .iter()
+                .filter(|n| Some(n.port()) != self.master_port_by(0))
+                .all(|n| {
+                    n.info("replication")
+                        .get("master_link_status")
+                        .map(String::as_str)
+                        == Some("up")
+                });
+            if ready {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the sentinels did not get ready");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Forces a failover (`SENTINEL FAILOVER`, asked of the first sentinel) and waits (up to
+    /// 30 s) until every sentinel names another data node and it reports `ROLE` master.
+    /// Returns the new master's port.
+    pub fn failover(&self) -> u16 {
+        let old = self.master_port();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            // Refused while the sentinel is not yet ready (NOGOODSLAVE): asked again.
+            match self.sentinel_command::<String>(0, &["SENTINEL", "FAILOVER", SENTINEL_SERVICE]) {
+                Ok(_) => break,
+                Err(err) => {
+                    assert!(
+                        Instant::now() < deadline,
+                        "SENTINEL FAILOVER refused: {err}"
+                    );
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+        self.await_new_master(old, deadline)
+    }
+
+    /// Kills the master (SIGKILL) and waits (up to 30 s) until every sentinel names a
+    /// replica and it reports `ROLE` master. Returns the new master's port.
+    pub fn kill_master(&mut self) -> u16 {
+        let old = self.master_port();
+        self.stop_node(old);
+        self.await_new_master(old, Instant::now() + Duration::from_secs(30))
+    }
+
+    /// Makes the data node on `port` a replica of the master on port `master` at once
+    /// (`REPLICAOF`), as the sentinels do by themselves with a demoted master some seconds
+    /// after a failover; returns when its link to the master is up (up to 30 s).
+    pub fn rejoin_as_replica(&self, port: u16, master: u16) {
+        let _: String = sync_command(port, &["REPLICAOF", "127.0.0.1", &master.to_string()])
+            .expect("REPLICAOF");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self
+            .node(port)
+            .info("replication")
+            .get("master_link_status")
+            .map(String::as_str)
+            != Some("up")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the node did not rejoin as a replica"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Kills the data node on `port` (SIGKILL), without waiting for anything.
+    pub fn stop_node(&mut self, port: u16) {
+        self.nodes
+            .iter_mut()
+            .find(|n| n.port() == port)
+            .expect("a data node of the deployment")
+            .stop();
+    }
+
+    /// Waits until every sentinel names a master other than `old` that reports `ROLE`
+    /// master.
+    pub fn await_new_master(&self, old: u16, deadline: Instant) -> u16 {
+        loop {
+            let named: Vec<Option<u16>> = (0..self.sentinels.len())
+                .map(|i| self.master_port_by(i))
+                .collect();
+            if let Some(Some(new)) = named.first()
+                && *new != old
+                && named.iter().all(|n| *n == Some(*new))
+                && self.role(*new).as_deref() == Some("master")
+            {
+                return *new;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no failover away from port {old}: the sentinels name {named:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// One command over a fresh synchronous connection to loopback `port`.
+fn sync_command<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    let mut conn = client.get_connection_with_timeout(Duration::from_secs(5))?;
+    conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut cmd = redis::cmd(args[0]);
+    for arg in &args[1..] {
+        cmd.arg(*arg);
+    }
+    cmd.query(&mut conn)
+}
+
+/// Starts a sentinel monitoring the master on loopback port `master`, and waits until it
+/// answers.
+fn start_sentinel(binary: &std::path::Path, master: u16, down_after: Duration) -> SentinelProcess {
+    for _ in 0..5 {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        let down_ms = down_after.as_millis().max(100);
+        // A failover that stalls is given up after this; short, so tests move on.
+        let failover_ms = (down_ms * 4).max(3000);
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/sentinel.log\n\
+                 sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master} 2\n\
+                 sentinel down-after-milliseconds {SENTINEL_SERVICE} {down_ms}\n\
+                 sentinel failover-timeout {SENTINEL_SERVICE} {failover_ms}\n\
+                 sentinel parallel-syncs {SENTINEL_SERVICE} 1\n",
+                dir = dir.path().display()
+            ),
+        )
+        .expect("write the sentinel's configuration");
+        let mut child = Command::new(binary)
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn a sentinel");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut up = false;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            if sync_command::<String>(port, &["PING"]).is_ok() {
+                up = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if up {
+            return SentinelProcess {
+                port,
+                child,
+                _dir: dir,
+            };
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    panic!("could not start a sentinel");
 }

@@ -101,7 +101,8 @@ pub(crate) fn parse_bool(option: &str, value: &str) -> Result<bool, LockError> {
     feature = "postgres",
     feature = "mysql",
     feature = "mssql",
-    feature = "oracle"
+    feature = "oracle",
+    feature = "redis"
 ))]
 /// Parses a count option: a whole number, surrounding spaces allowed.
 pub(crate) fn parse_count(option: &str, value: &str) -> Result<usize, LockError> {
@@ -251,7 +252,12 @@ pub(crate) fn read_query<K: ConfigKey>(
     Ok(())
 }
 
-#[cfg(any(feature = "mssql", feature = "oracle", feature = "etcd"))]
+#[cfg(any(
+    feature = "mssql",
+    feature = "oracle",
+    feature = "etcd",
+    feature = "redis"
+))]
 /// Percent-decodes `text` (`+` stays `+`, a `%` not followed by two hex digits stays as it
 /// is); `None` when the result is not UTF-8.
 pub(crate) fn percent_decode(text: &str) -> Option<String> {

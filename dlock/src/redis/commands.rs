@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
@@ -12,6 +12,7 @@ use std::task::Poll;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
+use super::sentinel::{Sentinels, points_elsewhere};
 use super::token::OwnerToken;
 
 /// Takes a free lock and bumps its fencing counter in one step.
@@ -147,8 +148,16 @@ pub(crate) struct Conn {
     /// runtime it may have run on shut down.
     manager: Mutex<ConnectionManager>,
     /// How to make a new manager, when the backend made its own (not for a manager the
-    /// application passed in).
-    rebuild: Option<(redis::Client, ConnectionManagerConfig)>,
+    /// application passed in). Behind Sentinel, the client of the master in use: replaced
+    /// when the sentinels name another one.
+    rebuild: Mutex<Option<(redis::Client, ConnectionManagerConfig)>>,
+    /// Behind Sentinel: the sentinels, the address of the master in use, and when the
+    /// sentinels are next asked whether it still is (see [`Conn::rediscover`]).
+    sentinel: Option<Following>,
+    /// Behind Sentinel: set by a failure that may mean the master moved (no answer, or an
+    /// answer that the node is no writable master any more), cleared by the next command,
+    /// which first asks the sentinels where the master is (see [`Conn::rediscover`]).
+    rediscover: Arc<AtomicBool>,
     caps: Mutex<Caps>,
     scripts: Scripts,
     /// Set when a runtime that may have run the connection's task has shut down: the next
@@ -168,6 +177,15 @@ pub(crate) struct Conn {
     probe_first: AtomicBool,
     /// Connection fencing: whether it is on, and what it did.
     pub(crate) fence: FenceState,
+}
+
+/// A connection's master behind Sentinel.
+struct Following {
+    sentinels: Sentinels,
+    /// The address of the master in use.
+    master: Mutex<(String, u16)>,
+    /// When the sentinels are next asked whether it still is the master.
+    next_check: Mutex<Instant>,
 }
 
 /// Sets a connection's `suspect` flag when dropped (see [`Conn::suspect_on_drop`]), unless
@@ -394,7 +412,9 @@ impl Conn {
     ) -> Conn {
         Conn {
             manager: Mutex::new(manager),
-            rebuild,
+            rebuild: Mutex::new(rebuild),
+            sentinel: None,
+            rediscover: Arc::new(AtomicBool::new(false)),
             caps: Mutex::new(Caps::new(0)),
             scripts: Scripts::new(),
             suspect: Arc::new(AtomicBool::new(false)),
@@ -402,6 +422,112 @@ impl Conn {
             watches: Mutex::new(Vec::new()),
             probe_first: AtomicBool::new(false),
             fence: FenceState::default(),
+        }
+    }
+
+    /// A connection to the master `addr` found through `sentinels`, made again for the master
+    /// they name whenever it may have moved.
+    pub(crate) fn with_sentinels(mut self, sentinels: Sentinels, addr: (String, u16)) -> Conn {
+        let next = Instant::now() + sentinels.check_every;
+        self.sentinel = Some(Following {
+            sentinels,
+            master: Mutex::new(addr),
+            next_check: Mutex::new(next),
+        });
+        self
+    }
+
+    /// The master in use, behind Sentinel.
+    pub(crate) fn master_addr(&self) -> Option<(String, u16)> {
+        self.sentinel.as_ref().map(|f| {
+            f.master
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        })
+    }
+
+    /// Behind Sentinel: the next command asks the sentinels where the master is first.
+    pub(crate) fn suspect_master(&self) {
+        if self.sentinel.is_some() {
+            self.rediscover.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Behind Sentinel, after a failure that may mean the master moved, and otherwise every
+    /// `check_master_every`: asks the sentinels where the master is, and when they name
+    /// another node (one that reports `ROLE` master), makes the manager again for it, so this
+    /// command and the next go there. The periodic check is what moves a backend whose
+    /// connection to the old master still works: after a failover the sentinels demote a
+    /// live old master only some seconds later, and until then it takes writes that the new
+    /// master never sees. The caps learnt about the old master are forgotten with it. When no
+    /// sentinel leads to a master (a failover under way), the command goes out on the
+    /// manager it has, and the next one asks again. Only one command at a time asks; the
+    /// others go on meanwhile.
+    async fn rediscover(&self) {
+        let Some(Following {
+            sentinels,
+            master: current,
+            next_check,
+        }) = &self.sentinel
+        else {
+            return;
+        };
+        let failed = self.rediscover.swap(false, Ordering::SeqCst);
+        let due = {
+            let mut next = next_check.lock().unwrap_or_else(PoisonError::into_inner);
+            let now = Instant::now();
+            if failed || now >= *next {
+                *next = now + sentinels.check_every;
+                true
+            } else {
+                false
+            }
+        };
+        if !due {
+            return;
+        }
+        // Ask again next time if this is dropped before the answer.
+        let unfinished = SuspectOnDrop(Some(Arc::clone(&self.rediscover)));
+        let known = current
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        match sentinels.discover(Some(&known)).await {
+            Ok(found) => {
+                let moved = {
+                    let mut current = current.lock().unwrap_or_else(PoisonError::into_inner);
+                    let moved = *current != found.addr;
+                    *current = found.addr.clone();
+                    moved
+                };
+                if moved {
+                    tracing::warn!(
+                        host = %found.addr.0,
+                        port = found.addr.1,
+                        "the redis sentinels name a new master; connecting to it"
+                    );
+                    let config = self
+                        .rebuild
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .as_ref()
+                        .map(|(_, config)| config.clone());
+                    if let (Some(config), Some(client)) = (config, found.client) {
+                        *self.rebuild.lock().unwrap_or_else(PoisonError::into_inner) =
+                            Some((client, config));
+                        self.replace();
+                    }
+                }
+                unfinished.disarm();
+            }
+            Err(err) => {
+                tracing::warn!(
+                    error = %err,
+                    "no redis master found through the sentinels (a failover under way?); \
+                     asking again at the next command"
+                );
+            }
         }
     }
 
@@ -456,6 +582,7 @@ impl Conn {
     /// reconnect; its outcome is otherwise ignored (a user without permission for `PING`
     /// gets an error that changes nothing).
     async fn repair(&self) {
+        self.rediscover().await;
         if self.suspect.swap(false, Ordering::SeqCst) {
             if self.replace() {
                 return;
@@ -473,10 +600,15 @@ impl Conn {
     /// Replaces the manager with a new one that connects on the current runtime when first
     /// used; `false` when the backend cannot make one (the application passed its manager).
     fn replace(&self) -> bool {
-        let Some((client, config)) = &self.rebuild else {
+        let Some((client, config)) = self
+            .rebuild
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        else {
             return false;
         };
-        match ConnectionManager::new_lazy_with_config(client.clone(), config.clone()) {
+        match ConnectionManager::new_lazy_with_config(client, config) {
             Ok(manager) => {
                 *self.manager.lock().unwrap_or_else(PoisonError::into_inner) = manager;
                 self.forget();
@@ -504,6 +636,12 @@ impl Conn {
     }
 
     fn forget_on_failure<T>(&self, outcome: &Result<T, RedisError>) {
+        if self.sentinel.is_some()
+            && let Err(err) = outcome
+            && (!is_server_answer(err) || points_elsewhere(err))
+        {
+            self.rediscover.store(true, Ordering::SeqCst);
+        }
         match outcome {
             Err(err) if !is_server_answer(err) => {
                 self.forget();
@@ -541,31 +679,49 @@ impl Conn {
     /// `CLIENT ID` goes ahead of the command in one pipeline: learnt with no round trip of its
     /// own.
     pub(crate) async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        self.query_then(cmd, None).await.map(|(reply, _)| reply)
+    }
+
+    /// [`Conn::query`], with `then` sent right behind `cmd` in the same pipeline, so on the
+    /// same connection (as `WAIT` must be, to wait for the write of `cmd`): the second value
+    /// is `then`'s reply (an error answer as [`Value::ServerError`]).
+    async fn query_then(
+        &self,
+        cmd: &Cmd,
+        then: Option<&Cmd>,
+    ) -> Result<(Value, Option<Value>), RedisError> {
         self.repair().await;
         self.watch_if_reconnecting();
         let mut manager = self.manager();
         let caps = self.caps();
-        let outcome = if caps.client_id.is_none() && self.fencing_on() {
+        let ask_id = caps.client_id.is_none() && self.fencing_on();
+        let outcome = if ask_id || then.is_some() {
             let mut pipe = redis::pipe();
-            pipe.cmd("CLIENT")
-                .arg("ID")
-                .add_command(cmd.clone())
-                .ignore_errors();
+            if ask_id {
+                pipe.cmd("CLIENT").arg("ID");
+            }
+            pipe.add_command(cmd.clone());
+            if let Some(then) = then {
+                pipe.add_command(then.clone());
+            }
+            pipe.ignore_errors();
             match unwind_to_error(pipe.query_async::<Vec<Value>>(&mut manager)).await {
                 Ok(replies) => {
                     let mut replies = replies.into_iter();
-                    if let Some(id) = replies.next() {
+                    if ask_id && let Some(id) = replies.next() {
                         self.record_client_id(caps.generation, as_result(id));
                     }
                     match replies.next() {
-                        Some(reply) => as_result(reply),
+                        Some(reply) => as_result(reply).map(|reply| (reply, replies.next())),
                         None => Err(unexpected("a pipeline", &Value::Nil)),
                     }
                 }
                 Err(err) => Err(err),
             }
         } else {
-            unwind_to_error(cmd.query_async::<Value>(&mut manager)).await
+            unwind_to_error(cmd.query_async::<Value>(&mut manager))
+                .await
+                .map(|reply| (reply, None))
         };
         self.after_driver_panic(&outcome);
         self.forget_on_failure(&outcome);
@@ -575,7 +731,11 @@ impl Conn {
     /// Whether uncertain commands are fenced: the backend can open another connection (it
     /// was built from a client), and the user may run `CLIENT ID` and `CLIENT KILL`.
     pub(crate) fn fencing_on(&self) -> bool {
-        self.rebuild.is_some() && !self.fence.disabled.load(Ordering::Relaxed)
+        self.rebuild
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+            && !self.fence.disabled.load(Ordering::Relaxed)
     }
 
     /// Turns fencing off for good, saying why once.
@@ -638,7 +798,12 @@ impl Conn {
     /// killed; `Ok(false)`: no such connection (closed already, or the id was stale). A user
     /// who may not run `CLIENT KILL` turns fencing off (warned once).
     pub(crate) async fn kill_client(&self, id: i64, timeout: Duration) -> Result<bool, RedisError> {
-        let Some((client, _)) = &self.rebuild else {
+        let Some((client, _)) = self
+            .rebuild
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+        else {
             return Ok(false);
         };
         let config = redis::AsyncConnectionConfig::new()
@@ -691,11 +856,25 @@ impl Conn {
         keys: &[&[u8]],
         args: &[&[u8]],
     ) -> Result<Value, RedisError> {
+        self.eval_then(script, keys, args, None)
+            .await
+            .map(|(reply, _)| reply)
+    }
+
+    /// [`Conn::eval`], with `then` behind it on the same connection (see
+    /// [`Conn::query_then`]).
+    async fn eval_then(
+        &self,
+        script: &Script,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+        then: Option<&Cmd>,
+    ) -> Result<(Value, Option<Value>), RedisError> {
         let evalsha: Cmd = script_command("EVALSHA", &script.sha, keys, args);
-        let outcome = match self.query(&evalsha).await {
+        let outcome = match self.query_then(&evalsha, then).await {
             Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 let eval: Cmd = script_command("EVAL", script.code, keys, args);
-                self.query(&eval).await
+                self.query_then(&eval, then).await
             }
             other => other,
         };
@@ -714,7 +893,36 @@ impl Conn {
         token: &OwnerToken,
         lease: Duration,
     ) -> Result<Option<Option<u64>>, RedisError> {
+        self.acquire_then_wait(key, fence_key, token, lease, None)
+            .await
+            .map(|(taken, _)| taken)
+    }
+
+    /// [`Conn::acquire`], followed on the same connection by `WAIT replicas timeout` when
+    /// `wait` is given: the second value is how many replicas acknowledged the write (`None`
+    /// without `wait`). `WAIT` counts the replicas that have every write of the connection
+    /// so far, the acquisition's included.
+    pub(crate) async fn acquire_then_wait(
+        &self,
+        key: &[u8],
+        fence_key: Option<&[u8]>,
+        token: &OwnerToken,
+        lease: Duration,
+        wait: Option<(u32, Duration)>,
+    ) -> Result<(Option<Option<u64>>, Option<u64>), RedisError> {
         let ms = millis(lease).to_string();
+        let wait_cmd = wait.map(|(replicas, timeout)| {
+            let mut cmd = redis::cmd("WAIT");
+            cmd.arg(replicas).arg(millis(timeout));
+            cmd
+        });
+        let acked = |reply: Option<Value>| -> Result<Option<u64>, RedisError> {
+            match reply {
+                None => Ok(None),
+                Some(Value::Int(n)) => Ok(Some(u64::try_from(n).unwrap_or(0))),
+                Some(other) => as_result(other).and_then(|other| Err(unexpected("WAIT", &other))),
+            }
+        };
         match fence_key {
             None => {
                 let mut set = redis::cmd("SET");
@@ -723,24 +931,28 @@ impl Conn {
                     .arg("NX")
                     .arg("PX")
                     .arg(&ms);
-                match self.query(&set).await? {
-                    Value::Nil => Ok(None),
-                    _ => Ok(Some(None)),
-                }
+                let (reply, waited) = self.query_then(&set, wait_cmd.as_ref()).await?;
+                let taken = match reply {
+                    Value::Nil => None,
+                    _ => Some(None),
+                };
+                Ok((taken, acked(waited)?))
             }
             Some(fence_key) => {
-                let reply = self
-                    .eval(
+                let (reply, waited) = self
+                    .eval_then(
                         &self.scripts.acquire_fenced,
                         &[key, fence_key],
                         &[token.as_bytes(), ms.as_bytes()],
+                        wait_cmd.as_ref(),
                     )
                     .await?;
-                match reply {
-                    Value::Nil => Ok(None),
-                    Value::Int(n) => Ok(Some(u64::try_from(n).ok())),
-                    other => Err(unexpected("the acquisition script", &other)),
-                }
+                let taken = match reply {
+                    Value::Nil => None,
+                    Value::Int(n) => Some(u64::try_from(n).ok()),
+                    other => return Err(unexpected("the acquisition script", &other)),
+                };
+                Ok((taken, acked(waited)?))
             }
         }
     }

@@ -135,7 +135,7 @@
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
 //! the server's certificate always verified: by the system's root certificates, or by the CA of
-//! `ca`), with options:
+//! `ca`), or `redis+sentinel://...` (see [Sentinel](self#sentinel)), with options:
 //!
 //! | option | default | meaning |
 //! |---|---|---|
@@ -147,6 +147,91 @@
 //! | `renew_every` | a third of each lock's lease | renewal cadence, 10 ms to 365 days; cut to half of a lock's lease when longer |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
 //! | `ca` | none | `rediss://` only: a PEM file of the CA certificates to trust **instead of** the system's roots (a private CA); read when the URL is parsed. The builder's [`RedisBuilder::ca_certificates`] takes the PEM itself |
+//! | `wait_replicas` | `0` | after each acquisition's write, `WAIT` until this many replicas have it, or give the lock back and answer [`LockError::Unavailable`] (see [Replicas and failover](self#replicas-and-failover)) |
+//! | `wait_timeout` | `1s` | the longest an acquisition waits for `wait_replicas` (above zero, below `timeout`) |
+//! | `check_master_every` | `1s` | `redis+sentinel://` only: how often the sentinels are asked whether the master is still the master (see [Sentinel](self#sentinel)) |
+//! | `sentinel_username`, `sentinel_password` | none | `redis+sentinel://` only: the sentinels' own credentials (the URL's user and password are the master's) |
+//!
+//! # Sentinel
+//!
+//! `redis+sentinel://[user[:password]@]host:port,host:port,.../SERVICE[/db][?options]` (or
+//! [`RedisBackend::sentinel_builder`]) names the **sentinels** (port 26379 when none is
+//! given) and the name they monitor the master by. The user and password are the master's
+//! (and those of any replica promoted in its place); the sentinels' own, if they ask for any,
+//! are the options `sentinel_username` and `sentinel_password`
+//! ([`RedisBuilder::sentinel_credentials`]). Every option of `redis://` applies except `ca`:
+//! this version reaches Sentinel deployments without TLS. A URL without sentinels, without a
+//! service name, or with a port that is not a number from 1 to 65535 is a
+//! [`LockError::Config`].
+//!
+//! **Finding the master.** Each sentinel is asked in turn, in the URL's order,
+//! `SENTINEL get-master-addr-by-name SERVICE`, and the node it names must itself answer
+//! `ROLE` with `master` before it is used: a sentinel that has not yet heard of a failover
+//! names the old master, which answers that it is a replica now (or does not answer), and the
+//! next sentinel is asked. When no sentinel leads to a master, connecting answers
+//! [`LockError::Unavailable`] saying what each sentinel answered.
+//!
+//! **Following a failover.** The sentinels are asked again (a) before the next command after
+//! any failure that may mean the master moved: no answer (a dropped connection, a timeout;
+//! the sentinels close every client's connection to the nodes they reconfigure) or an answer
+//! that the node is no writable master (`READONLY`, also from inside a script,
+//! `MASTERDOWN`, `LOADING`), or an acquisition whose `WAIT` fell short; and (b) every
+//! `check_master_every` (default 1 s), on the first command after it is due. When they name
+//! another node, the connection is made again for it: the next command goes to the new
+//! master, through the same backend, with no restart. (b) matters because after a failover
+//! that leaves the old master running, the sentinels demote it only some seconds later, and
+//! until then its connections keep working and it keeps taking writes that the new master
+//! never sees: each backend moves within `check_master_every` of the sentinels' switch.
+//! Renewals go where every command goes: a lock whose key the new master has (it was
+//! replicated before the failover) is renewed there and stays held; a lock whose key the new
+//! master lacks, or holds under another token, is found not owned by the first renewal
+//! there, and its holder's [`lost_token`](crate::LockGuard::lost_token) fires, as on a single
+//! server (and if renewals keep failing while there is no master, it fires at the local
+//! deadline, see [Lost locks](self#lost-locks)).
+//!
+//! A database user needs `+role` besides the commands of [Permissions](self#permissions);
+//! a sentinel user `+sentinel|get-master-addr-by-name`.
+//!
+//! # Replicas and failover
+//!
+//! Redis replicates **asynchronously**: the master answers a write before any replica has
+//! it. A failover (Sentinel's, or an operator's) promotes a replica that may lack the last
+//! writes, and the promoted replica does not see what the old master takes between the
+//! promotion and its demotion. A lock taken there, or its fencing counter's increment, is
+//! then gone: another process can take the same key on the new master while the first still
+//! holds it on the old one, and fencing tokens can repeat. `tests/redis_sentinel.rs` shows
+//! it: without `wait_replicas`, fencing tokens repeated across a forced failover
+//! (RELIABILITY.md has the figures).
+//!
+//! `wait_replicas=n` ([`RedisBuilder::wait_replicas`]) sends `WAIT n timeout` right behind
+//! each acquisition, on the same connection, and counts the acquisition only if `n` replicas
+//! acknowledged its write within `wait_timeout`; otherwise the lock is given back
+//! (compare-and-delete of its own token) and the acquisition answers
+//! [`LockError::Unavailable`] saying how many acknowledged. (Not a contention answer: the key
+//! may be free; the store cannot make the lock durable. A waiting
+//! [`acquire`](crate::LockProvider::acquire) returns it at once.) What it buys: a counted
+//! lock, and its fencing counter, are on `n` replicas, so a failover to one of them keeps
+//! them. Set `n` to **every** replica: with two replicas and `n = 1`, the replica that is not
+//! promoted still acknowledges the old master's writes until the sentinels move it, and
+//! tokens repeated in that run too; with `n` equal to the replicas, the old master has one
+//! replica fewer from the moment of the promotion and counts no acquisition after it.
+//!
+//! What it does **not** buy: `WAIT` is not consensus. It does not make the write durable on
+//! the replica's disk, does not stop the old master from taking writes, and a failover may
+//! still promote a replica that had not acknowledged yet (one that was behind when the
+//! master died). Releases and renewals are not waited for (a release lost in a failover
+//! leaves the key taken until its lease runs out: safe, slower). Fencing tokens checked by
+//! the resource remain the defence. Where exclusion must survive the loss of a machine, use
+//! [etcd](crate::etcd), whose every write is committed by a majority before it counts.
+//!
+//! What it costs: one more command per acquisition, answered when the replicas have
+//! acknowledged (a replica round trip); `WAIT` blocks the backend's one connection
+//! meanwhile, so every command of the backend (renewals of other locks included) waits
+//! behind it, up to `wait_timeout` while a replica is missing. And availability: with `n`
+//! equal to the replicas, losing any replica stops every acquisition (each answers
+//! `Unavailable` after `wait_timeout`) until it is back, and after a failover until the old
+//! master has rejoined as a replica: 16 s in the measured run with one replica and Redis 7's
+//! defaults.
 //!
 //! # TLS
 //!
@@ -198,7 +283,8 @@
 //! connection after a runtime shut down, may be refused: its answer is not needed.
 //!
 //! [Connection fencing](self#connection-fencing) also needs `+client|id +client|kill`; without
-//! them dlock warns once and goes on without fencing.
+//! them dlock warns once and goes on without fencing. `wait_replicas` needs `+wait`; behind
+//! Sentinel, the master's user needs `+role` (see [Sentinel](self#sentinel)).
 //!
 //! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
 //! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
@@ -280,8 +366,9 @@
 //! server keeps its writes: Redis replicates asynchronously and persists on its own schedule, so
 //! a failover to a replica that missed the last writes, or a restart without AOF `fsync always`,
 //! can roll a counter back (and, worse, forget a held lock) and hand out a token again. Use
-//! fencing tokens as a second line of defence with persistence and `WAIT`-free failover in mind,
-//! not as a guarantee across data loss.
+//! fencing tokens as a second line of defence with persistence and failover in mind, not as a
+//! guarantee across data loss; `wait_replicas` narrows the window (see
+//! [Replicas and failover](self#replicas-and-failover)).
 //!
 //! # Connection fencing
 //!
@@ -331,6 +418,7 @@ mod inspect;
 mod read;
 mod redlock;
 mod renewals;
+mod sentinel;
 mod token;
 
 use std::sync::Arc;
@@ -393,6 +481,8 @@ struct Shared {
     timeout: Duration,
     /// The renewal cadence set by the application, if any.
     renew_every: Option<Duration>,
+    /// `WAIT` after each acquisition: for how many replicas, and how long at most.
+    wait: Option<(u32, Duration)>,
     renewals: Arc<Renewals>,
     /// Where this backend's waiting writers left intents (see [Read locks](self#read-locks)).
     intents: read::Intents,
@@ -408,7 +498,14 @@ impl Drop for Shared {
 enum Source {
     Client(Box<redis::Client>),
     Manager(ConnectionManager),
+    Sentinel(Box<sentinel::Sentinels>),
 }
+
+/// The default [`RedisBuilder::check_master_every`].
+const DEFAULT_CHECK_MASTER_EVERY: Duration = Duration::from_secs(1);
+
+/// The default [`RedisBuilder::wait_timeout`].
+const DEFAULT_WAIT_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Builds a [`RedisBackend`] with options.
 #[must_use]
@@ -422,6 +519,11 @@ pub struct RedisBuilder {
     renew_every: Option<Duration>,
     /// CA certificates (PEM) that replace the system's roots for `rediss://`.
     ca: Option<Vec<u8>>,
+    wait_replicas: u32,
+    wait_timeout: Duration,
+    check_master_every: Duration,
+    /// A Sentinel setting given to a builder that is not on sentinels.
+    misuse: Option<&'static str>,
 }
 
 impl std::fmt::Debug for RedisBuilder {
@@ -433,6 +535,8 @@ impl std::fmt::Debug for RedisBuilder {
             .field("fencing", &self.fencing)
             .field("timeout", &self.timeout)
             .field("ca", &self.ca.as_ref().map(|_| "(PEM)"))
+            .field("wait_replicas", &self.wait_replicas)
+            .field("wait_timeout", &self.wait_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -448,7 +552,96 @@ impl RedisBuilder {
             timeout: DEFAULT_TIMEOUT,
             renew_every: None,
             ca: None,
+            wait_replicas: 0,
+            wait_timeout: DEFAULT_WAIT_TIMEOUT,
+            check_master_every: DEFAULT_CHECK_MASTER_EVERY,
+            misuse: None,
         }
+    }
+
+    fn sentinels(&mut self, setting: &'static str) -> Option<&mut sentinel::Sentinels> {
+        match &mut self.source {
+            Source::Sentinel(sentinels) => Some(sentinels),
+            _ => {
+                self.misuse = Some(setting);
+                None
+            }
+        }
+    }
+
+    /// Behind Sentinel: the user name (`None` for the default user) and password the
+    /// **sentinels** ask for (`requirepass` / ACL of the sentinel processes). Without it the
+    /// sentinels are asked without authentication. The URL options are `sentinel_username`
+    /// and `sentinel_password`. On a builder that is not on sentinels,
+    /// [`connect`](RedisBuilder::connect) answers [`LockError::Config`].
+    pub fn sentinel_credentials(mut self, username: Option<&str>, password: &str) -> Self {
+        if let Some(sentinels) = self.sentinels("sentinel_credentials") {
+            let mut auth = std::mem::take(&mut sentinels.auth).set_password(password);
+            if let Some(username) = username {
+                auth = auth.set_username(username);
+            }
+            sentinels.auth = auth;
+        }
+        self
+    }
+
+    /// Behind Sentinel: the user name (`None` for the default user) and password of the
+    /// **master** (and of any replica promoted in its place), as a `redis+sentinel://` URL's
+    /// user information gives them. On a builder that is not on sentinels,
+    /// [`connect`](RedisBuilder::connect) answers [`LockError::Config`] (a `redis::Client`
+    /// carries its own credentials).
+    pub fn master_credentials(mut self, username: Option<&str>, password: &str) -> Self {
+        if let Some(sentinels) = self.sentinels("master_credentials") {
+            let mut master = std::mem::take(&mut sentinels.master).set_password(password);
+            if let Some(username) = username {
+                master = master.set_username(username);
+            }
+            sentinels.master = master;
+        }
+        self
+    }
+
+    /// Behind Sentinel: how often the sentinels are asked whether the master in use still is
+    /// the master (default 1 s; 10 ms to 365 days), besides right after any failure that may
+    /// mean it moved. Each check opens a connection to a sentinel and asks one question; a
+    /// command that finds a check due waits for it. After a failover that leaves the old
+    /// master running, this is how long the backend may go on writing to it (see
+    /// [Sentinel](self#sentinel)). URL option `check_master_every`. On a builder that is not
+    /// on sentinels, [`connect`](RedisBuilder::connect) answers [`LockError::Config`].
+    pub fn check_master_every(mut self, every: Duration) -> Self {
+        if self.sentinels("check_master_every").is_some() {
+            self.check_master_every = every;
+        }
+        self
+    }
+
+    /// Behind Sentinel: the master's database number (default 0; the URL's `/SERVICE/db`).
+    /// On a builder that is not on sentinels, [`connect`](RedisBuilder::connect) answers
+    /// [`LockError::Config`].
+    pub fn database(mut self, db: i64) -> Self {
+        if let Some(sentinels) = self.sentinels("database") {
+            sentinels.master = std::mem::take(&mut sentinels.master).set_db(db);
+        }
+        self
+    }
+
+    /// After each acquisition's write succeeds, waits until `replicas` replicas have it
+    /// (`WAIT replicas timeout`, on the same connection), for at most
+    /// [`wait_timeout`](RedisBuilder::wait_timeout); fewer in time and the lock is given back
+    /// and the acquisition answers [`LockError::Unavailable`]. 0 (the default) waits for
+    /// nothing. URL option `wait_replicas`. See [Replicas and failover](self#replicas-and-failover)
+    /// for what this does and does not guarantee, and what it costs.
+    pub fn wait_replicas(mut self, replicas: u32) -> Self {
+        self.wait_replicas = replicas;
+        self
+    }
+
+    /// How long an acquisition waits for [`wait_replicas`](RedisBuilder::wait_replicas)
+    /// (default 1 s; above zero and below the command `timeout`, checked by
+    /// [`connect`](RedisBuilder::connect)). URL option `wait_timeout`.
+    pub fn wait_timeout(mut self, timeout: Duration) -> Self {
+        self.wait_timeout = timeout;
+        self
     }
 
     /// Trusts these CA certificates (PEM, one or more) for `rediss://`, **instead of** the
@@ -529,13 +722,107 @@ impl RedisBuilder {
         if let Some(cadence) = self.renew_every {
             crate::lease::check_cadence("the redis `renew_every`", cadence)?;
         }
+        crate::lease::check_cadence("the redis `check_master_every`", self.check_master_every)?;
+        if let Some(setting) = self.misuse {
+            return Err(LockError::config(format!(
+                "the redis builder's `{setting}` applies to a backend behind Redis Sentinel \
+                 (RedisBackend::sentinel_builder or a redis+sentinel:// URL)"
+            )));
+        }
+        let wait = if self.wait_replicas == 0 {
+            None
+        } else {
+            if self.wait_timeout.is_zero() || self.wait_timeout >= self.timeout {
+                return Err(LockError::config(format!(
+                    "the redis `wait_timeout` ({:?}) must be above zero and below the command \
+                     `timeout` ({:?}), which bounds the acquisition and its WAIT together",
+                    self.wait_timeout, self.timeout
+                )));
+            }
+            Some((self.wait_replicas, self.wait_timeout))
+        };
         if self.layout == KeyLayout::Tagged && self.prefix.contains(['{', '}']) {
             return Err(LockError::config(
                 "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their \
                  Cluster hash tag (with `key_layout=plain` it may)",
             ));
         }
+        let mut found_master = None;
         let (manager, rebuild) = match self.source {
+            Source::Sentinel(_) if self.ca.is_some() => {
+                return Err(LockError::config(
+                    "the redis `ca` applies to rediss:// connections; Sentinel deployments \
+                     are reached without TLS by this version of dlock",
+                ));
+            }
+            Source::Sentinel(sentinels) if sentinels.nodes.is_empty() => {
+                return Err(LockError::config(
+                    "RedisBackend::sentinel_builder was given no sentinel address",
+                ));
+            }
+            Source::Sentinel(sentinels) if sentinels.service.is_empty() => {
+                return Err(LockError::config(
+                    "RedisBackend::sentinel_builder was given an empty service name (the name \
+                     the sentinels monitor the master by)",
+                ));
+            }
+            Source::Sentinel(sentinels) => {
+                let mut sentinels = *sentinels;
+                sentinels.timeout = self.timeout;
+                sentinels.check_every = self.check_master_every;
+                let found =
+                    match tokio::time::timeout(self.timeout * 2, sentinels.discover(None)).await {
+                        Ok(Ok(found)) => found,
+                        Ok(Err(err)) => {
+                            return Err(redis_error(
+                                "finding the master through the sentinels",
+                                err,
+                                self.prefix.as_bytes(),
+                            ));
+                        }
+                        Err(_) => {
+                            return Err(LockError::unavailable(
+                                NAME,
+                                format!(
+                                    "finding the master through the sentinels timed out after {:?}",
+                                    self.timeout * 2
+                                ),
+                                None,
+                            ));
+                        }
+                    };
+                let config = manager_config(self.timeout);
+                let Some(client) = found.client else {
+                    return Err(LockError::unavailable(
+                        NAME,
+                        "the sentinels named no master",
+                        None,
+                    ));
+                };
+                let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
+                let manager = match tokio::time::timeout(self.timeout, connecting).await {
+                    Ok(Ok(manager)) => manager,
+                    Ok(Err(err)) => {
+                        return Err(redis_error(
+                            "connecting to the master",
+                            err,
+                            self.prefix.as_bytes(),
+                        ));
+                    }
+                    Err(_) => {
+                        return Err(LockError::unavailable(
+                            NAME,
+                            format!(
+                                "connecting to the master timed out after {:?}",
+                                self.timeout
+                            ),
+                            None,
+                        ));
+                    }
+                };
+                found_master = Some((sentinels, found.addr));
+                (manager, Some((client, config)))
+            }
             Source::Manager(_) if self.ca.is_some() => {
                 return Err(LockError::config(
                     "the redis `ca` applies to connections dlock opens; a ConnectionManager \
@@ -559,10 +846,7 @@ impl RedisBuilder {
                     // Server driver brings aws-lc-rs): ring, unless the application chose.
                     let _ = rustls::crypto::ring::default_provider().install_default();
                 }
-                let config = ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.timeout))
-                    .set_response_timeout(Some(self.timeout))
-                    .set_number_of_retries(2);
+                let config = manager_config(self.timeout);
                 let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
                 match tokio::time::timeout(self.timeout, connecting).await {
                     Ok(Ok(manager)) => (manager, Some((client, config))),
@@ -587,7 +871,10 @@ impl RedisBuilder {
                 }
             }
         };
-        let conn = Conn::new(manager, rebuild);
+        let mut conn = Conn::new(manager, rebuild);
+        if let Some((sentinels, addr)) = found_master {
+            conn = conn.with_sentinels(sentinels, addr);
+        }
         conn.watch_runtime(true);
         Ok(RedisBackend {
             shared: Arc::new(Shared {
@@ -598,6 +885,7 @@ impl RedisBuilder {
                 fencing: self.fencing,
                 timeout: self.timeout,
                 renew_every: self.renew_every,
+                wait,
                 renewals: Arc::default(),
                 intents: read::Intents::default(),
             }),
@@ -605,7 +893,61 @@ impl RedisBuilder {
     }
 }
 
+/// How the backend's connection managers are configured.
+fn manager_config(timeout: Duration) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(2)
+}
+
 impl RedisBackend {
+    /// A builder for a master behind Redis Sentinel: `sentinels` are the sentinels' addresses
+    /// (asked in this order), `service` the name they monitor the master by. Set the
+    /// credentials with [`RedisBuilder::master_credentials`] and
+    /// [`RedisBuilder::sentinel_credentials`], the database with [`RedisBuilder::database`].
+    /// See [Sentinel](self#sentinel).
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), dlock::LockError> {
+    /// use dlock::redis::RedisBackend;
+    /// let backend = RedisBackend::sentinel_builder(
+    ///     [("10.0.0.1", 26379), ("10.0.0.2", 26379), ("10.0.0.3", 26379)],
+    ///     "locks",
+    /// )
+    /// .master_credentials(Some("dlock_app"), "secret")
+    /// .wait_replicas(1)
+    /// .connect()
+    /// .await?;
+    /// let locks = dlock::LockProvider::from_backend(backend);
+    /// # Ok(()) }
+    /// ```
+    pub fn sentinel_builder<H: Into<String>>(
+        sentinels: impl IntoIterator<Item = (H, u16)>,
+        service: impl Into<String>,
+    ) -> RedisBuilder {
+        let nodes: Vec<(String, u16)> = sentinels
+            .into_iter()
+            .map(|(host, port)| (host.into(), port))
+            .collect();
+        let service = service.into();
+        RedisBuilder::on(Source::Sentinel(Box::new(sentinel::Sentinels {
+            nodes,
+            service,
+            auth: redis::RedisConnectionInfo::default(),
+            master: redis::RedisConnectionInfo::default(),
+            timeout: DEFAULT_TIMEOUT,
+            check_every: DEFAULT_CHECK_MASTER_EVERY,
+            first: Arc::default(),
+        })))
+    }
+
+    /// Behind Sentinel, the address of the master in use (as the sentinels named it); `None`
+    /// for a backend that is not behind Sentinel.
+    pub fn sentinel_master(&self) -> Option<(String, u16)> {
+        self.shared.conn.master_addr()
+    }
+
     /// A builder on a `redis::Client` (which knows the server's address and credentials).
     pub fn builder(client: redis::Client) -> RedisBuilder {
         RedisBuilder::on(Source::Client(Box::new(client)))
@@ -1027,12 +1369,57 @@ url_keys! {
         Protocol = "protocol",
         Ca = "ca",
         KeyLayout = "key_layout",
+        WaitReplicas = "wait_replicas",
+        WaitTimeout = "wait_timeout",
+        SentinelUsername = "sentinel_username",
+        SentinelPassword = "sentinel_password",
+        CheckMasterEvery = "check_master_every",
     }
 }
 
-fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
-    let mut parsed = FORM.parse(url)?;
-    let tls = parsed.scheme() == "rediss";
+/// The options of a `redis://`, `rediss://` or `redis+sentinel://` URL.
+struct UrlOptions {
+    lease: Duration,
+    prefix: String,
+    fencing: bool,
+    timeout: Duration,
+    renew_every: Option<Duration>,
+    ca: Option<Vec<u8>>,
+    layout: KeyLayout,
+    /// Options passed on to the client (`protocol`).
+    passed_on: Vec<(String, String)>,
+    wait_replicas: u32,
+    wait_timeout: Duration,
+    sentinel_username: Option<String>,
+    sentinel_password: Option<String>,
+    check_master_every: Option<Duration>,
+}
+
+impl UrlOptions {
+    fn apply(self, mut builder: RedisBuilder) -> RedisBuilder {
+        builder = builder
+            .lease(self.lease)
+            .prefix(self.prefix)
+            .key_layout(self.layout)
+            .fencing(self.fencing)
+            .timeout(self.timeout)
+            .wait_replicas(self.wait_replicas)
+            .wait_timeout(self.wait_timeout);
+        if let Some(cadence) = self.renew_every {
+            builder = builder.renew_every(cadence);
+        }
+        if let Some(pem) = self.ca {
+            builder = builder.ca_certificates(pem);
+        }
+        if let Some(every) = self.check_master_every {
+            builder = builder.check_master_every(every);
+        }
+        builder
+    }
+}
+
+/// Reads a URL's options; `tls`: a `rediss://` URL; `sentinel`: a `redis+sentinel://` URL.
+fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, LockError> {
     let mut lease = DEFAULT_LEASE;
     let mut prefix = DEFAULT_PREFIX.to_owned();
     let mut fencing = true;
@@ -1041,9 +1428,44 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     let mut ca = None;
     let mut layout = KeyLayout::Tagged;
     let mut passed_on = Vec::new();
-    read_query(parsed.query().unwrap_or(""), |key: RedisOption, value| {
+    let mut wait_replicas = 0;
+    let mut wait_timeout = DEFAULT_WAIT_TIMEOUT;
+    let mut sentinel_username = None;
+    let mut sentinel_password = None;
+    let mut check_master_every = None;
+    read_query(query, |key: RedisOption, value| {
         let name = key.as_ref();
         match key {
+            RedisOption::WaitReplicas => {
+                wait_replicas =
+                    u32::try_from(crate::options::parse_count(name, &value)?).map_err(|_| {
+                        LockError::config("the redis option `wait_replicas` is too large")
+                    })?;
+            }
+            RedisOption::WaitTimeout => wait_timeout = parse_duration(name, &value)?,
+            RedisOption::SentinelUsername
+            | RedisOption::SentinelPassword
+            | RedisOption::CheckMasterEvery
+                if !sentinel =>
+            {
+                return Err(LockError::config(format!(
+                    "the redis option `{name}` is for redis+sentinel:// URLs (the sentinels' \
+                     own credentials)"
+                )));
+            }
+            RedisOption::SentinelUsername => sentinel_username = Some(value),
+            RedisOption::SentinelPassword => sentinel_password = Some(value),
+            RedisOption::CheckMasterEvery => {
+                let every = parse_duration(name, &value)?;
+                crate::lease::check_cadence("the redis `check_master_every`", every)?;
+                check_master_every = Some(every);
+            }
+            RedisOption::Ca if sentinel => {
+                return Err(LockError::config(
+                    "the redis option `ca` needs a TLS connection, which redis+sentinel:// \
+                     does not make in this version of dlock",
+                ));
+            }
             RedisOption::Lease => lease = check_lease(parse_duration(name, &value)?)?,
             RedisOption::Prefix => prefix = value,
             RedisOption::Timeout => timeout = check_timeout(parse_duration(name, &value)?)?,
@@ -1081,6 +1503,77 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
         }
         Ok(())
     })?;
+    Ok(UrlOptions {
+        lease,
+        prefix,
+        fencing,
+        timeout,
+        renew_every,
+        ca,
+        layout,
+        passed_on,
+        wait_replicas,
+        wait_timeout,
+        sentinel_username,
+        sentinel_password,
+        check_master_every,
+    })
+}
+
+/// Parses a `redis+sentinel://` URL into a builder, without connecting.
+fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
+    let parts = sentinel::split_url(url)?;
+    let options = read_options(&parts.query, false, true)?;
+    let mut master = redis::RedisConnectionInfo::default().set_db(parts.db);
+    if let Some(user) = &parts.user {
+        master = master.set_username(user);
+    }
+    if let Some(password) = &parts.password {
+        master = master.set_password(password);
+    }
+    for (name, value) in &options.passed_on {
+        if name == "protocol" {
+            master = master.set_protocol(match value.to_ascii_lowercase().as_str() {
+                "resp2" => redis::ProtocolVersion::RESP2,
+                "resp3" => redis::ProtocolVersion::RESP3,
+                _ => {
+                    return Err(LockError::config(
+                        "the redis option `protocol` is `resp2` (the default) or `resp3`",
+                    ));
+                }
+            });
+        }
+    }
+    let mut auth = redis::RedisConnectionInfo::default();
+    if let Some(user) = &options.sentinel_username {
+        auth = auth.set_username(user);
+    }
+    if let Some(password) = &options.sentinel_password {
+        auth = auth.set_password(password);
+    }
+    let builder = RedisBuilder::on(Source::Sentinel(Box::new(sentinel::Sentinels {
+        nodes: parts.nodes,
+        service: parts.service,
+        auth,
+        master,
+        timeout: DEFAULT_TIMEOUT,
+        check_every: DEFAULT_CHECK_MASTER_EVERY,
+        first: Arc::default(),
+    })));
+    Ok(options.apply(builder))
+}
+
+fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
+    if url
+        .split_once("://")
+        .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+sentinel"))
+    {
+        return parse_sentinel_url(url);
+    }
+    let mut parsed = FORM.parse(url)?;
+    let tls = parsed.scheme() == "rediss";
+    let options = read_options(parsed.query().unwrap_or(""), tls, false)?;
+    let passed_on = &options.passed_on;
     if passed_on.is_empty() {
         parsed.set_query(None);
     } else {
@@ -1092,19 +1585,7 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     // The driver's messages are not repeated: they may quote the URL, password included.
     let client = redis::Client::open(parsed.as_str())
         .map_err(|err| FORM.error(format!("is not valid ({:?})", err.kind())))?;
-    let mut builder = RedisBackend::builder(client)
-        .lease(lease)
-        .prefix(prefix)
-        .key_layout(layout)
-        .fencing(fencing)
-        .timeout(timeout);
-    if let Some(cadence) = renew_every {
-        builder = builder.renew_every(cadence);
-    }
-    if let Some(pem) = ca {
-        builder = builder.ca_certificates(pem);
-    }
-    Ok(builder)
+    Ok(options.apply(RedisBackend::builder(client)))
 }
 
 impl LockBackend for RedisBackend {
@@ -1161,12 +1642,16 @@ impl LockBackend for RedisBackend {
                 read: false,
             };
             let sent = Instant::now();
-            let taken = shared
+            let (taken, acked) = shared
                 .bounded(
                     "acquiring a lock",
-                    shared
-                        .conn
-                        .acquire(&lock_key, fence.as_deref(), &token, lease),
+                    shared.conn.acquire_then_wait(
+                        &lock_key,
+                        fence.as_deref(),
+                        &token,
+                        lease,
+                        shared.wait,
+                    ),
                 )
                 .await?;
             let Some(fencing_token) = taken else {
@@ -1196,6 +1681,22 @@ impl LockBackend for RedisBackend {
                          the lock was given back (use a longer lease for a server this slow)"
                     ),
                 });
+            }
+            if let (Some((wanted, wait)), Some(acked)) = (shared.wait, acked)
+                && acked < u64::from(wanted)
+            {
+                // The still armed cleanup gives the lock back. Behind Sentinel, a master left
+                // without its replicas may have been replaced: the next command asks.
+                shared.conn.suspect_master();
+                return Err(LockError::unavailable(
+                    NAME,
+                    format!(
+                        "the lock was taken, but only {acked} of the {wanted} replicas asked for \
+                         (`wait_replicas`) acknowledged it within {wait:?}; it was given back, \
+                         since a failover could lose it (are the replicas up and connected?)"
+                    ),
+                    None,
+                ));
             }
             cleanup.armed = false;
             read::writer_got(shared, &lock_key).await;

@@ -20,6 +20,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         fencing: false,
         timeout,
         renew_every: None,
+        wait: None,
         renewals: Arc::default(),
         intents: Default::default(),
     })

@@ -1,0 +1,456 @@
+//! Redis Sentinel: finding the master of a service through its sentinels, and the
+//! `redis+sentinel://` URL.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use redis::{ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, RedisConnectionInfo};
+use redis::{RedisError, ServerErrorKind, Value};
+
+use crate::LockError;
+use crate::options::{percent_decode, shown};
+
+/// The port a sentinel listens on when the URL names none.
+pub(crate) const DEFAULT_SENTINEL_PORT: u16 = 26379;
+
+/// Where the sentinels are and what they are asked for.
+#[derive(Clone)]
+pub(crate) struct Sentinels {
+    /// The sentinels, asked in this order.
+    pub(crate) nodes: Vec<(String, u16)>,
+    /// The name of the master the sentinels monitor (`sentinel monitor NAME ...`).
+    pub(crate) service: String,
+    /// The sentinels' own user name and password, if they ask for one.
+    pub(crate) auth: RedisConnectionInfo,
+    /// The master's database, user name, password and protocol.
+    pub(crate) master: RedisConnectionInfo,
+    /// Limit for connecting to each sentinel or master candidate, and for each answer.
+    pub(crate) timeout: Duration,
+    /// How often the sentinels are asked where the master is, besides after failures.
+    pub(crate) check_every: Duration,
+    /// The sentinel that answered last: asked first next time, so that a sentinel that is
+    /// down slows one discovery, not every one.
+    pub(crate) first: Arc<AtomicUsize>,
+}
+
+impl fmt::Debug for Sentinels {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sentinels")
+            .field("nodes", &self.nodes)
+            .field("service", &self.service)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A master found through the sentinels: its address and a client for it (`None`: the
+/// master in use, named again).
+pub(crate) struct Found {
+    pub(crate) addr: (String, u16),
+    pub(crate) client: Option<redis::Client>,
+}
+
+impl Sentinels {
+    /// Asks each sentinel in turn for the address of the service's master
+    /// (`SENTINEL get-master-addr-by-name`), and takes the first answer whose node itself
+    /// reports `ROLE` master: a sentinel that has not yet heard of a failover names the old
+    /// master, which answers that it is a replica now (or does not answer), and the next
+    /// sentinel is asked. Fails, saying what each sentinel answered, when none leads to a
+    /// master.
+    ///
+    /// With `known` (the master in use, on a periodic check), a sentinel that names it again
+    /// is taken at its word, without asking the node its role.
+    ///
+    /// Cancel safe: every connection it opens is closed when the future is dropped.
+    pub(crate) async fn discover(
+        &self,
+        known: Option<&(String, u16)>,
+    ) -> Result<Found, RedisError> {
+        let mut answers = Vec::with_capacity(self.nodes.len());
+        let first = self.first.load(Ordering::Relaxed) % self.nodes.len().max(1);
+        for i in (first..self.nodes.len()).chain(0..first) {
+            let (host, port) = &self.nodes[i];
+            let answer = match self.ask(host, *port).await {
+                Ok(Some(addr)) if Some(&addr) == known => {
+                    self.first.store(i, Ordering::Relaxed);
+                    return Ok(Found { addr, client: None });
+                }
+                Ok(Some(addr)) => match self.check_master(&addr).await {
+                    Ok(client) => {
+                        self.first.store(i, Ordering::Relaxed);
+                        return Ok(Found {
+                            addr,
+                            client: Some(client),
+                        });
+                    }
+                    Err(why) => format!("names {}:{}, which {why}", addr.0, addr.1),
+                },
+                Ok(None) => format!("does not know the service `{}`", self.service),
+                Err(err) => format!("could not be asked ({})", describe(&err)),
+            };
+            answers.push(format!("the sentinel {host}:{port} {answer}"));
+        }
+        // Start from the top again next time.
+        self.first.store(0, Ordering::Relaxed);
+        Err(RedisError::from((
+            ErrorKind::Io,
+            "no master",
+            format!(
+                "no sentinel named a master that reports itself master: {}",
+                answers.join("; ")
+            ),
+        )))
+    }
+
+    /// The master's address as one sentinel sees it; `None` when it does not monitor the
+    /// service.
+    async fn ask(&self, host: &str, port: u16) -> Result<Option<(String, u16)>, RedisError> {
+        let info = ConnectionAddr::Tcp(host.to_owned(), port)
+            .into_connection_info()?
+            .set_redis_settings(self.auth.clone());
+        let mut cmd = redis::cmd("SENTINEL");
+        cmd.arg("get-master-addr-by-name").arg(&self.service);
+        let reply = self.one_command(info, &cmd).await?;
+        match reply {
+            Value::Nil => Ok(None),
+            Value::Array(items) if items.len() == 2 => {
+                let host: String = redis::from_redis_value(items[0].clone())?;
+                let port: u16 = redis::from_redis_value(items[1].clone())?;
+                Ok(Some((host, port)))
+            }
+            other => Err(RedisError::from((
+                ErrorKind::UnexpectedReturnType,
+                "unexpected reply",
+                format!("SENTINEL get-master-addr-by-name answered {other:?}"),
+            ))),
+        }
+    }
+
+    /// A client for `addr` if the node there reports `ROLE` master; why not otherwise.
+    async fn check_master(&self, addr: &(String, u16)) -> Result<redis::Client, String> {
+        let info = self.master_info(addr).map_err(|err| describe(&err))?;
+        let reply = self
+            .one_command(info.clone(), &redis::cmd("ROLE"))
+            .await
+            .map_err(|err| format!("could not be asked its ROLE ({})", describe(&err)))?;
+        let role = match &reply {
+            Value::Array(items) => items.first().and_then(|first| match first {
+                Value::BulkString(bytes) => Some(String::from_utf8_lossy(bytes).into_owned()),
+                Value::SimpleString(text) => Some(text.clone()),
+                _ => None,
+            }),
+            _ => None,
+        };
+        match role.as_deref() {
+            Some("master") => redis::Client::open(info).map_err(|err| describe(&err)),
+            Some(other) => Err(format!("reports ROLE {other}")),
+            None => Err(format!("answered ROLE with {reply:?}")),
+        }
+    }
+
+    /// How to connect to the master at `addr`.
+    pub(crate) fn master_info(&self, addr: &(String, u16)) -> Result<ConnectionInfo, RedisError> {
+        Ok(ConnectionAddr::Tcp(addr.0.clone(), addr.1)
+            .into_connection_info()?
+            .set_redis_settings(self.master.clone()))
+    }
+
+    /// One command on a connection of its own, opened for it and closed after.
+    async fn one_command(
+        &self,
+        info: ConnectionInfo,
+        cmd: &redis::Cmd,
+    ) -> Result<Value, RedisError> {
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        let asked = async {
+            let client = redis::Client::open(info)?;
+            let mut conn = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            cmd.query_async::<Value>(&mut conn).await
+        };
+        match tokio::time::timeout(self.timeout, asked).await {
+            Ok(outcome) => outcome,
+            Err(_) => Err(RedisError::from((
+                ErrorKind::Io,
+                "timed out",
+                format!("no answer within {:?}", self.timeout),
+            ))),
+        }
+    }
+}
+
+/// An error in a few words, never quoting a URL or password.
+fn describe(err: &RedisError) -> String {
+    match err.detail() {
+        Some(detail) => format!("{}: {detail}", err.code().unwrap_or("error")),
+        None => format!("{:?}", err.kind()),
+    }
+}
+
+/// An answer that says the connection does not lead to a writable master any more: the
+/// node was demoted to a replica (`READONLY`, also from inside a script), lost its master
+/// (`MASTERDOWN`), or is loading its data after a restart (`LOADING`).
+pub(crate) fn points_elsewhere(err: &RedisError) -> bool {
+    match err.kind() {
+        ErrorKind::Server(
+            ServerErrorKind::ReadOnly | ServerErrorKind::MasterDown | ServerErrorKind::BusyLoading,
+        ) => true,
+        ErrorKind::Server(_) | ErrorKind::Extension => err.detail().is_some_and(|d| {
+            d.contains("READONLY") || d.contains("read only replica") || d.contains("MASTERDOWN")
+        }),
+        _ => false,
+    }
+}
+
+/// What a `redis+sentinel://` URL says apart from its options.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct SentinelUrl {
+    pub(crate) nodes: Vec<(String, u16)>,
+    pub(crate) service: String,
+    pub(crate) db: i64,
+    pub(crate) user: Option<String>,
+    pub(crate) password: Option<String>,
+    /// The query, without `?`.
+    pub(crate) query: String,
+}
+
+const EXAMPLE: &str =
+    "redis+sentinel://[user:password@]host:26379,host:26379/SERVICE[/db][?lease=30s]";
+
+fn url_error(what: impl fmt::Display) -> LockError {
+    LockError::config(format!(
+        "the redis+sentinel URL {what}; write it like {EXAMPLE}"
+    ))
+}
+
+/// Takes a `redis+sentinel://` URL apart. Errors never repeat the password.
+pub(crate) fn split_url(url: &str) -> Result<SentinelUrl, LockError> {
+    let rest = url
+        .split_once("://")
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+sentinel"))
+        .map(|(_, rest)| rest)
+        .ok_or_else(|| {
+            LockError::config(format!(
+                "a Redis Sentinel URL starts with redis+sentinel://; write it like {EXAMPLE}"
+            ))
+        })?;
+    let (main, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let (authority, path) = match main.find('/') {
+        Some(at) => (&main[..at], &main[at + 1..]),
+        None => (main, ""),
+    };
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts),
+        None => (None, authority),
+    };
+    let (user, password) = match userinfo {
+        None => (None, None),
+        Some(userinfo) => {
+            let (user, password) = match userinfo.split_once(':') {
+                Some((user, password)) => (user, Some(password)),
+                None => (userinfo, None),
+            };
+            let user = percent_decode(user)
+                .ok_or_else(|| url_error("has a user name that is not percent-encoded UTF-8"))?;
+            let password = password
+                .map(|p| {
+                    percent_decode(p).ok_or_else(|| {
+                        url_error("has a password that is not percent-encoded UTF-8")
+                    })
+                })
+                .transpose()?;
+            ((!user.is_empty()).then_some(user), password)
+        }
+    };
+    if hosts.trim().is_empty() {
+        return Err(url_error("lists no sentinel (host:port,host:port,...)"));
+    }
+    let mut nodes = Vec::new();
+    for host in hosts.split(',').map(str::trim) {
+        if host.is_empty() {
+            return Err(url_error(
+                "lists its sentinels as host:port,host:port,...; one of them is empty",
+            ));
+        }
+        let node = host_port(host)?;
+        if nodes.contains(&node) {
+            return Err(url_error(format_args!(
+                "lists the sentinel `{}` twice",
+                shown(host)
+            )));
+        }
+        nodes.push(node);
+    }
+    let (service, db) = match path.split_once('/') {
+        Some((service, db)) => (service, Some(db)),
+        None => (path, None),
+    };
+    let service = percent_decode(service)
+        .ok_or_else(|| url_error("has a service name that is not percent-encoded UTF-8"))?;
+    if service.is_empty() {
+        return Err(url_error(
+            "names no service: the path is the name the sentinels monitor the master by",
+        ));
+    }
+    let db = match db {
+        None | Some("") => 0,
+        Some(db) => db.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+            url_error(format_args!(
+                "has `{}` after the service where a database number goes",
+                shown(db)
+            ))
+        })?,
+    };
+    Ok(SentinelUrl {
+        nodes,
+        service,
+        db,
+        user,
+        password,
+        query: query.to_owned(),
+    })
+}
+
+/// `host`, `host:port`, `[v6]` or `[v6]:port`.
+fn host_port(text: &str) -> Result<(String, u16), LockError> {
+    let (host, port) = if let Some(rest) = text.strip_prefix('[') {
+        let (host, after) = rest
+            .split_once(']')
+            .ok_or_else(|| url_error(format_args!("has `{}`: an unclosed `[`", shown(text))))?;
+        let port = match after {
+            "" => None,
+            _ => Some(after.strip_prefix(':').ok_or_else(|| {
+                url_error(format_args!(
+                    "has `{}`: a `:port` must follow the `]`",
+                    shown(text)
+                ))
+            })?),
+        };
+        (host, port)
+    } else {
+        match text.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (text, None),
+        }
+    };
+    if host.is_empty() {
+        return Err(url_error(format_args!(
+            "has a sentinel without a host (`{}`)",
+            shown(text)
+        )));
+    }
+    let port = match port {
+        None => DEFAULT_SENTINEL_PORT,
+        Some(port) => port
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+                url_error(format_args!(
+                    "has the port `{}` for the sentinel `{}`: a port is a number from 1 to 65535",
+                    shown(port),
+                    shown(host)
+                ))
+            })?,
+    };
+    Ok((host.to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_error(url: &str) -> String {
+        let err = split_url(url).expect_err(url);
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        err.to_string()
+    }
+
+    #[test]
+    fn sentinel_urls() {
+        let url = split_url("redis+sentinel://a:1,b,[::1]:3/mymaster").unwrap();
+        assert_eq!(
+            url.nodes,
+            [
+                ("a".to_owned(), 1),
+                ("b".to_owned(), DEFAULT_SENTINEL_PORT),
+                ("::1".to_owned(), 3)
+            ]
+        );
+        assert_eq!(url.service, "mymaster");
+        assert_eq!((url.db, url.user, url.password), (0, None, None));
+        let url =
+            split_url("REDIS+SENTINEL://u%40x:hunter%32@h:26379/my%20master/3?lease=2s").unwrap();
+        assert_eq!(url.service, "my master");
+        assert_eq!(url.db, 3);
+        assert_eq!(url.user.as_deref(), Some("u@x"));
+        assert_eq!(url.password.as_deref(), Some("hunter2"));
+        assert_eq!(url.query, "lease=2s");
+        let url = split_url("redis+sentinel://:pw@h/s/").unwrap();
+        assert_eq!(
+            (url.user, url.password.as_deref(), url.db),
+            (None, Some("pw"), 0)
+        );
+    }
+
+    #[test]
+    fn sentinel_url_mistakes_are_config_errors() {
+        assert!(config_error("redis://h/s").contains("starts with redis+sentinel://"));
+        assert!(config_error("redis+sentinel:///mymaster").contains("lists no sentinel"));
+        assert!(config_error("redis+sentinel://u:hunter2@/mymaster").contains("lists no sentinel"));
+        assert!(config_error("redis+sentinel://a:1,,b:2/m").contains("one of them is empty"));
+        assert!(config_error("redis+sentinel://a:1,a:1/m").contains("twice"));
+        assert!(config_error("redis+sentinel://a:1,b:2").contains("names no service"));
+        assert!(config_error("redis+sentinel://a:1/").contains("names no service"));
+        assert!(config_error("redis+sentinel://a:1//0").contains("names no service"));
+        for port in ["a:x", "a:0", "a:65536", "a:", "[::1]x", "a:-1"] {
+            let text = config_error(&format!("redis+sentinel://u:hunter2@{port}/m"));
+            assert!(
+                text.contains("port") || text.contains("`]`"),
+                "{port}: {text}"
+            );
+        }
+        assert!(config_error("redis+sentinel://[::1/m").contains("unclosed"));
+        assert!(config_error("redis+sentinel://:1/m").contains("without a host"));
+        assert!(config_error("redis+sentinel://a/m/x").contains("database number"));
+        assert!(config_error("redis+sentinel://a/m/-1").contains("database number"));
+        assert!(config_error("redis+sentinel://a/%ff").contains("service name"));
+    }
+
+    #[test]
+    fn answers_that_point_elsewhere() {
+        let err = |kind, code: &'static str, detail: &str| {
+            RedisError::from((ErrorKind::Server(kind), code, detail.to_owned()))
+        };
+        assert!(points_elsewhere(&err(
+            ServerErrorKind::ReadOnly,
+            "READONLY",
+            "You can't write against a read only replica."
+        )));
+        assert!(points_elsewhere(&err(
+            ServerErrorKind::ResponseError,
+            "ERR",
+            "Error running script: READONLY You can't write against a read only replica."
+        )));
+        assert!(points_elsewhere(&err(
+            ServerErrorKind::MasterDown,
+            "MASTERDOWN",
+            "x"
+        )));
+        assert!(!points_elsewhere(&err(
+            ServerErrorKind::NoPerm,
+            "NOPERM",
+            "no"
+        )));
+        assert!(!points_elsewhere(&err(
+            ServerErrorKind::ResponseError,
+            "ERR",
+            "syntax error"
+        )));
+    }
+}

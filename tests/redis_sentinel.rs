@@ -1,0 +1,575 @@
+//! Redis behind Sentinel (`redis+sentinel://`), on a real deployment of a master, a replica
+//! and three sentinels: the conformance suite, forced and unforced failovers, a lock held
+//! across a failover, and the exclusion checker across a failover with and without
+//! `wait_replicas`.
+#![cfg(feature = "redis")]
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dlock::redis::RedisBackend;
+use dlock::{LockError, LockGuard, LockProvider};
+use dlock_testkit::redis::SentinelDeployment;
+use dlock_testkit::{unique_key, wait_until};
+
+const LEASE: Duration = Duration::from_secs(1);
+
+/// Down-after for the deployments whose master is never killed: long, so that a loaded
+/// machine never makes the sentinels fail over by themselves.
+const CALM: Duration = Duration::from_secs(20);
+
+fn deployment(down_after: Duration) -> Option<SentinelDeployment> {
+    let deployment = tokio::task::block_in_place(|| SentinelDeployment::start(down_after));
+    if deployment.is_none() {
+        eprintln!("skipped: redis-server is not installed");
+    }
+    deployment
+}
+
+struct SentinelHarness {
+    deployment: SentinelDeployment,
+    backend: RedisBackend,
+}
+
+impl SentinelHarness {
+    fn start() -> Option<SentinelHarness> {
+        let deployment = deployment(CALM)?;
+        let rt = tokio::runtime::Handle::current();
+        let url = deployment.url(&format!("lease={}ms", LEASE.as_millis()));
+        let backend = tokio::task::block_in_place(|| rt.block_on(RedisBackend::connect(&url)))
+            .expect("connect");
+        Some(SentinelHarness {
+            deployment,
+            backend,
+        })
+    }
+
+    fn url(&self) -> String {
+        self.deployment
+            .url(&format!("lease={}ms", LEASE.as_millis()))
+    }
+}
+
+impl dlock_testkit::Harness for SentinelHarness {
+    async fn provider(&self) -> LockProvider {
+        LockProvider::connect(&self.url()).await.expect("connect")
+    }
+
+    async fn break_lock(&self, guard: &LockGuard) {
+        // Another owner takes the key over on the master, keeping its time to live.
+        let master = self.deployment.node(self.deployment.master_port());
+        let mut conn = master
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let set: Option<String> = redis::cmd("SET")
+            .arg(self.backend.storage_key(guard.key()))
+            .arg("someone-else")
+            .arg("XX")
+            .arg("KEEPTTL")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(set.as_deref(), Some("OK"));
+    }
+
+    fn lost_within(&self) -> Duration {
+        LEASE / 3 + Duration::from_secs(1)
+    }
+
+    fn retake_within(&self) -> Duration {
+        LEASE + Duration::from_secs(1)
+    }
+
+    fn fencing(&self) -> bool {
+        true
+    }
+
+    fn read_locks(&self) -> bool {
+        true
+    }
+
+    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
+        let backend = RedisBackend::connect(&self.url()).await.expect("connect");
+        (0..count)
+            .map(|_| LockProvider::from_backend(backend.clone()))
+            .collect()
+    }
+}
+
+dlock_testkit::conformance_suite!(optional async { SentinelHarness::start() });
+
+/// Takes and releases `key` through `locks` (on `backend`) until that works on the master
+/// on port `new`, and says how long that took.
+async fn works_again(
+    backend: &RedisBackend,
+    locks: &LockProvider,
+    key: &str,
+    new: u16,
+    limit: Duration,
+) -> Duration {
+    let started = Instant::now();
+    wait_until("acquisitions work on the new master", limit, async || {
+        let on_new = backend.sentinel_master().map(|m| m.1) == Some(new);
+        match locks.try_acquire(key).await {
+            Ok(guard) => guard.release().await.is_ok() && on_new,
+            Err(_) => false,
+        }
+    })
+    .await;
+    started.elapsed()
+}
+
+/// A forced failover (`SENTINEL FAILOVER`): the same backend follows the master to the
+/// promoted replica, with no restart, and locks again there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forced_failover_moves_the_backend_to_the_new_master() {
+    let Some(deployment) = deployment(CALM) else {
+        return;
+    };
+    tokio::task::block_in_place(|| deployment.wait_ready());
+    let backend = RedisBackend::connect(&deployment.url("lease=2s"))
+        .await
+        .expect("connect");
+    let old = deployment.master_port();
+    assert_eq!(backend.sentinel_master().map(|m| m.1), Some(old));
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("forced");
+    locks
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let new = tokio::task::block_in_place(|| deployment.failover());
+    let failover = started.elapsed();
+    assert_ne!(new, old);
+    let back = works_again(&backend, &locks, &key, new, Duration::from_secs(15)).await;
+    // The key's lock lives on the new master now.
+    let guard = locks
+        .try_acquire(&key)
+        .await
+        .expect("free on the new master");
+    assert!(
+        deployment.node(new).raw(&[
+            "EXISTS",
+            &String::from_utf8_lossy(&backend.storage_key(&key))
+        ]) == Some(":1\r\n".to_owned())
+    );
+    guard.release().await.unwrap();
+    eprintln!(
+        "sentinel-figures forced-failover: sentinels agreed after {failover:?}; \
+         acquisitions worked again {back:?} later"
+    );
+}
+
+/// The master is killed (SIGKILL): the sentinels promote the replica, and the backend
+/// follows it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_master_backend_recovers_on_the_promoted_replica() {
+    let Some(mut deployment) = deployment(Duration::from_millis(1000)) else {
+        return;
+    };
+    tokio::task::block_in_place(|| deployment.wait_ready());
+    let backend = RedisBackend::connect(&deployment.url("lease=2s"))
+        .await
+        .expect("connect");
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("killed");
+    locks
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    // A lock held across the kill, its key on the replica first.
+    let held_key = unique_key("killed-held");
+    let guard = locks.try_acquire(&held_key).await.expect("free");
+    let storage = String::from_utf8_lossy(&backend.storage_key(&held_key)).into_owned();
+    let old = deployment.master_port();
+    let replica = deployment
+        .nodes
+        .iter()
+        .map(|n| n.port())
+        .find(|p| *p != old)
+        .unwrap();
+    wait_until(
+        "the replica has the key",
+        Duration::from_secs(5),
+        async || deployment.node(replica).raw(&["EXISTS", &storage]) == Some(":1\r\n".to_owned()),
+    )
+    .await;
+    let started = Instant::now();
+    let watch = {
+        let lost = guard.lost_token().clone();
+        tokio::spawn(async move {
+            lost.cancelled().await;
+            started.elapsed()
+        })
+    };
+    let new = tokio::task::block_in_place(|| deployment.kill_master());
+    let failover = started.elapsed();
+    // The master is gone: until the backend asks the sentinels again, commands fail; they
+    // are errors, never a lock handed out.
+    let back = works_again(&backend, &locks, &key, new, Duration::from_secs(15)).await;
+    // The held lock: kept if a renewal reached the new master before the local deadline
+    // (four fifths of the 2 s lease after the last renewal), told lost otherwise. Either
+    // way, never silently lost: while it is not told, nobody else gets the key.
+    // Past any local deadline of a renewal sent before the kill: not lost by then means a
+    // renewal after the kill succeeded.
+    tokio::time::sleep_until((started + Duration::from_millis(2500)).into()).await;
+    let other = LockProvider::connect(&deployment.url("lease=2s"))
+        .await
+        .unwrap();
+    let outcome = if guard.is_lost() {
+        let told = watch.await.unwrap();
+        assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+        format!("told of the loss {told:?} after the kill")
+    } else {
+        assert!(
+            guard
+                .verify_still_held()
+                .await
+                .expect("read on the new master")
+        );
+        assert!(matches!(
+            other.try_acquire(&held_key).await,
+            Err(LockError::AlreadyHeld { .. })
+        ));
+        guard.release().await.expect("released on the new master");
+        "held, renewed on the new master".to_owned()
+    };
+    eprintln!(
+        "sentinel-figures killed-master: sentinels promoted the replica {failover:?} after \
+         the kill; acquisitions worked again {back:?} later; the lock held across: {outcome}"
+    );
+}
+
+/// A lock held across a forced failover, its key replicated before: the renewals follow the
+/// master and find the key theirs there, so the lock stays held (and excludes), and is
+/// released cleanly on the new master.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replicated_lock_is_held_across_a_failover() {
+    let Some(deployment) = deployment(CALM) else {
+        return;
+    };
+    tokio::task::block_in_place(|| deployment.wait_ready());
+    let url = deployment.url("lease=2s");
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    let locks = LockProvider::from_backend(backend.clone());
+    let key = unique_key("held");
+    let guard = locks.try_acquire(&key).await.expect("free");
+    let token = guard.fencing_token().expect("fenced");
+    let storage = String::from_utf8_lossy(&backend.storage_key(&key)).into_owned();
+    let replica = deployment
+        .nodes
+        .iter()
+        .map(|n| n.port())
+        .find(|p| *p != deployment.master_port())
+        .unwrap();
+    wait_until(
+        "the replica has the key",
+        Duration::from_secs(5),
+        async || deployment.node(replica).raw(&["EXISTS", &storage]) == Some(":1\r\n".to_owned()),
+    )
+    .await;
+    let started = Instant::now();
+    let new = tokio::task::block_in_place(|| deployment.failover());
+    assert_eq!(new, replica);
+    // Renewals reach the new master: one succeeds there (the backend names it) while the
+    // guard is still held.
+    wait_until(
+        "a renewal reaches the new master",
+        Duration::from_secs(10),
+        async || guard.is_lost() || backend.sentinel_master().map(|m| m.1) == Some(new),
+    )
+    .await;
+    let moved = started.elapsed();
+    // Several leases later, the lock is still held and still ours.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !guard.is_lost(),
+        "a replicated lock was lost across a failover"
+    );
+    assert!(
+        guard
+            .verify_still_held()
+            .await
+            .expect("read on the new master")
+    );
+    let other = LockProvider::connect(&url).await.expect("connect");
+    assert!(matches!(
+        other.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    guard.release().await.expect("released on the new master");
+    let next = other.try_acquire(&key).await.expect("free after release");
+    assert!(next.fencing_token().unwrap() > token);
+    next.release().await.unwrap();
+    eprintln!(
+        "sentinel-figures held-across-failover: held; the backend was on the new master \
+         {moved:?} after the failover began"
+    );
+}
+
+/// One critical section of the exclusion checker.
+struct Section {
+    key: usize,
+    start: Instant,
+    end: Instant,
+    token: u64,
+    /// Neither told of loss during the section nor on release.
+    clean: bool,
+}
+
+#[derive(Debug, Default)]
+#[allow(dead_code)] // Every field is read through `Debug`, in the printed report.
+struct Report {
+    sections: usize,
+    told_of_loss: usize,
+    failed_acquisitions: u64,
+    overlaps: usize,
+    token_inversions: usize,
+    longest_gap: Duration,
+    failover: Duration,
+}
+
+/// Four providers (four backends, as four processes would have) × two tasks take two hot
+/// keys in short sections while the deployment fails over; then the sections are checked:
+/// overlaps among holders never told of loss, and fencing tokens in the order of the
+/// sections.
+async fn exclusion_across_failover(options: &str, rejoin: bool) -> Option<Report> {
+    let deployment =
+        tokio::task::block_in_place(|| SentinelDeployment::start_with_replicas(CALM, 1));
+    let Some(deployment) = deployment else {
+        eprintln!("skipped: redis-server is not installed");
+        return None;
+    };
+    tokio::task::block_in_place(|| deployment.wait_ready());
+    let url = deployment.url(options);
+    let mut providers = Vec::new();
+    for _ in 0..4 {
+        providers.push(LockProvider::connect(&url).await.expect("connect"));
+    }
+    let prefix = unique_key("x");
+    let keys: Vec<String> = (0..2).map(|i| format!("{prefix}:{i}")).collect();
+    let sections = Arc::new(Mutex::new(Vec::<Section>::new()));
+    let failed = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for (p, locks) in providers.iter().enumerate() {
+        for t in 0..2 {
+            let (locks, keys, sections, failed, stop) = (
+                locks.clone(),
+                keys.clone(),
+                Arc::clone(&sections),
+                Arc::clone(&failed),
+                Arc::clone(&stop),
+            );
+            tasks.push(tokio::spawn(async move {
+                let mut n = p * 2 + t;
+                while !stop.load(Ordering::SeqCst) {
+                    n += 1;
+                    let key = n % keys.len();
+                    let guard = match locks.acquire(&keys[key], Duration::from_secs(1)).await {
+                        Ok(guard) => guard,
+                        Err(_) => {
+                            failed.fetch_add(1, Ordering::SeqCst);
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            continue;
+                        }
+                    };
+                    let start = Instant::now();
+                    let token = guard.fencing_token().expect("fenced");
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    let told = guard.is_lost();
+                    let end = Instant::now();
+                    let released = guard.release().await;
+                    sections.lock().unwrap().push(Section {
+                        key,
+                        start,
+                        end,
+                        token,
+                        clean: !told && released.is_ok(),
+                    });
+                }
+            }));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    let old = deployment.master_port();
+    let new = tokio::task::block_in_place(|| deployment.failover());
+    let failover = started.elapsed();
+    if rejoin {
+        // Left to the sentinels, the old master rejoins as a replica some seconds later (16 s
+        // in the run RELIABILITY.md records): here it rejoins at once, to keep the run short.
+        tokio::task::block_in_place(|| deployment.rejoin_as_replica(old, new));
+    }
+    // Run on until every provider has locked on the new master for a while.
+    let after = Instant::now();
+    wait_until(
+        "sections complete after the failover",
+        Duration::from_secs(40),
+        async || {
+            sections
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|s| s.clean && s.start > after + Duration::from_millis(1500))
+                .count()
+                >= 20
+        },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    for task in tasks {
+        task.await.expect("no panic");
+    }
+    let mut sections = std::mem::take(&mut *sections.lock().unwrap());
+    sections.sort_by_key(|s| s.start);
+    let mut report = Report {
+        sections: sections.len(),
+        told_of_loss: sections.iter().filter(|s| !s.clean).count(),
+        failed_acquisitions: failed.load(Ordering::SeqCst),
+        failover,
+        ..Report::default()
+    };
+    for key in 0..keys.len() {
+        let clean: Vec<&Section> = sections
+            .iter()
+            .filter(|s| s.key == key && s.clean)
+            .collect();
+        for (i, a) in clean.iter().enumerate() {
+            for b in &clean[i + 1..] {
+                if b.start < a.end && a.start < b.end {
+                    report.overlaps += 1;
+                }
+            }
+        }
+        for pair in clean.windows(2) {
+            if pair[1].token <= pair[0].token {
+                report.token_inversions += 1;
+            }
+        }
+        let all: Vec<&Section> = sections.iter().filter(|s| s.key == key).collect();
+        for pair in all.windows(2) {
+            report.longest_gap = report.longest_gap.max(pair[1].start - pair[0].end);
+        }
+    }
+    Some(report)
+}
+
+/// Without `wait_replicas`, exclusion is not promised across a failover, and this run shows
+/// why rather than asserting it: after the replica's promotion, the old master takes writes
+/// (until the sentinels demote it, or each backend's next `check_master_every` moves it)
+/// that the new master never sees, so two holders that were never told of loss can overlap
+/// (one on each master), and fencing tokens can repeat (counters bumped on the old master
+/// only). The run must still recover: every provider locks on the new master afterwards.
+/// What it found is printed; RELIABILITY.md records it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_across_a_failover() {
+    let Some(report) = exclusion_across_failover("lease=2s", false).await else {
+        return;
+    };
+    eprintln!("sentinel-figures exclusion wait_replicas=0: {report:?}");
+    assert!(report.sections > 100, "{report:?}");
+}
+
+/// With `wait_replicas=1`, as many as the replicas there are: an acquisition counts only
+/// once the replica has it, so the promoted replica holds every counted lock and counter,
+/// and the old master, left without its replica at the promotion, counts no acquisition
+/// after it: no overlaps, and fencing tokens strictly increase across the failover. (With
+/// two replicas and `wait_replicas=1`, the replica not promoted still acknowledges the old
+/// master's writes until the sentinels move it: tokens repeated in that run.) The new
+/// master counts acquisitions again once it has a replica: the old master, rejoined.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exclusion_across_a_failover_with_wait_replicas() {
+    let Some(report) =
+        exclusion_across_failover("lease=2s&wait_replicas=1&wait_timeout=200ms", true).await
+    else {
+        return;
+    };
+    eprintln!("sentinel-figures exclusion wait_replicas=1: {report:?}");
+    assert!(report.sections > 100, "{report:?}");
+    assert_eq!(report.overlaps, 0, "{report:?}");
+    assert_eq!(report.token_inversions, 0, "{report:?}");
+}
+
+/// `wait_replicas` more than the replicas there are: the write succeeds, the acquisition is
+/// not counted, the lock is given back, and the answer says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_replicas_beyond_the_replicas_refuses_and_gives_back() {
+    let Some(deployment) = deployment(CALM) else {
+        return;
+    };
+    tokio::task::block_in_place(|| deployment.wait_ready());
+    let strict = LockProvider::connect(&deployment.url("wait_replicas=2&wait_timeout=100ms"))
+        .await
+        .expect("connect");
+    let key = unique_key("wait");
+    match strict.try_acquire(&key).await {
+        Err(LockError::Unavailable { message, .. }) => {
+            assert!(message.contains("only 1 of the 2 replicas"), "{message}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // Given back: another provider takes the key at once.
+    let plain = LockProvider::connect(&deployment.url("wait_replicas=1"))
+        .await
+        .expect("connect");
+    let locks = &plain;
+    wait_until(
+        "the key is given back",
+        Duration::from_secs(2),
+        async || match locks.try_acquire(&key).await {
+            Ok(guard) => guard.release().await.is_ok(),
+            Err(_) => false,
+        },
+    )
+    .await;
+}
+
+/// What the sentinels answer when they cannot lead to a master is a typed error naming each
+/// sentinel, and never a lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_service_or_no_sentinel_is_an_error() {
+    let Some(deployment) = deployment(CALM) else {
+        return;
+    };
+    let url = deployment.url("").replace("/mymaster", "/othermaster");
+    match LockProvider::connect(&url).await {
+        Err(LockError::Unavailable { message, .. }) => {
+            assert!(message.contains("does not know the service"), "{message}");
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    match LockProvider::connect("redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster?timeout=1s")
+        .await
+    {
+        Err(LockError::Unavailable { .. }) => {}
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    // A builder from addresses and a service name.
+    let ports = deployment.sentinel_ports();
+    let backend =
+        RedisBackend::sentinel_builder(ports.iter().map(|p| ("127.0.0.1", *p)), "mymaster")
+            .lease(Duration::from_secs(2))
+            .connect()
+            .await
+            .expect("connect");
+    let locks = LockProvider::from_backend(backend);
+    locks
+        .try_acquire(&unique_key("built"))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
