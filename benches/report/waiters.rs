@@ -62,12 +62,19 @@ pub fn run(rt: &Runtime, servers: &Servers, report: &mut Report) {
             continue;
         };
         let r: Vec<(f64, f64)> = points.iter().map(|p| (p.n, p.rate)).collect();
+        // A provider's waiters on one key queue in its in-process table: one of them asks
+        // the server.
         let bound = match label {
             "PostgreSQL" => {
-                "waiters beyond the provider's wait connections (4 each) poll; the rest wait \
-                 natively in the server"
+                "bounded by the providers, not the waiters: a provider's waiters on one key \
+                 queue in its in-process table, and the one that asks the server waits there \
+                 natively (`pg_advisory_lock`), sending nothing while it waits"
             }
-            _ => "every waiter polls with backoff and jitter: no wake-ups",
+            _ => {
+                "bounded by the providers, not the waiters: a provider's waiters on one key \
+                 queue in its in-process table, and the one that asks the server polls it with \
+                 backoff and jitter (no wake-ups)"
+            }
         };
         report.add(Row::described(
             C3,
@@ -93,7 +100,9 @@ pub fn run(rt: &Runtime, servers: &Servers, report: &mut Report) {
             C3,
             &hand_name,
             format!(
-                "{}; the median grows {}{stop_text}",
+                "{}; the median grows {}: the more waiters, the likelier the next holder is \
+                 queued in the releasing provider and takes the key as soon as it is free; \
+                 the p99 is a waiter of another provider{}{stop_text}",
                 points
                     .iter()
                     .map(|p| format!(
@@ -104,7 +113,12 @@ pub fn run(rt: &Runtime, servers: &Servers, report: &mut Report) {
                     ))
                     .collect::<Vec<_>>()
                     .join(", "),
-                growth(&m)
+                growth(&m),
+                if label == "Redis 7" {
+                    ", which learns of the free key at its next poll"
+                } else {
+                    ""
+                }
             ),
             median(&last.handovers),
             "ns",
