@@ -433,8 +433,9 @@ fn held_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
             "SQLite" => "one database file and its journal, whatever the count",
             "PostgreSQL" => {
                 "session locks on the provider's lock connections; the server's shared lock \
-                 table (max_locks_per_transaction × (max_connections + max_prepared_transactions), \
-                 256 × 300 here) bounds the locks held at once"
+                 table bounds the locks held at once (max_locks_per_transaction × \
+                 (max_connections + max_prepared_transactions) slots, 256 × 300 here, and what \
+                 spare shared memory it can take beyond them)"
             }
             _ => "the provider's multiplexed connections, whatever the count",
         };
