@@ -18,8 +18,9 @@ use crate::servers::{Backend, Servers, Store};
 pub const C1: &str = "C1. Cost curve: locks held by one provider";
 pub const C2: &str = "C2. Cost curve: distinct keys ever locked";
 
-/// The system allocator, counting the bytes the process allocates and frees (`stats_alloc`,
-/// a few atomic adds per allocation, on every side of every comparison alike).
+/// The system allocator, counting the bytes the process allocates and frees (`stats_alloc`:
+/// a few atomic adds per allocation, in every section; dlock allocates more per operation than
+/// a raw driver, so this weighs a little more on dlock's side of a ratio).
 #[global_allocator]
 static GLOBAL: &StatsAlloc<System> = &INSTRUMENTED_SYSTEM;
 
@@ -548,7 +549,8 @@ fn held_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
          many keys (64 at a time) and holds them. Memory: the bytes the process has live (a \
          counting global allocator in the report's binary, so exact, not RSS) while holding, \
          less before (the provider connected, one key taken and released), per lock; the \
-         guards' own `Vec` is included. Connections: PostgreSQL `pg_stat_activity` of the \
+         guards' own `Vec` is included (the allocator's atomic adds, a few per \
+         allocation, run in every section of the report). Connections: PostgreSQL `pg_stat_activity` of the \
          database and user (the counting one left out), Redis `connected_clients`, SQLite the \
          process's open file descriptors, while holding less before. CPU: the process's user \
          + system time (`/proc/self/stat`, 10 ms ticks) over {} s of holding, as a share of \
