@@ -12,7 +12,13 @@
 //! 6. the axum layer's requests/s against the same route locking by hand;
 //! 7. other lock crates on the same servers (`sqlx::postgres::PgAdvisoryLock` here, the rest
 //!    through the `benches/peers` workspace, run with `cargo run`);
-//! 8. semaphore slots and read locks against the raw driver, and a reader-heavy load.
+//! 8. semaphore slots and read locks against the raw driver, and a reader-heavy load;
+//!
+//! and cost curves (`curves.rs`, `waiters.rs`): C1 client memory, server connections and
+//! keep-alive CPU against 1 to 100,000 locks held; C2 what the store keeps against 1 to
+//! 1,000,000 distinct keys ever locked; C3 server queries and handover against 1 to 1,000
+//! waiters on one key. `-- --only=curves` (or `--only=curves-held`, `curves-keys`,
+//! `curves-waiters`) runs those alone and writes under the target directory.
 //!
 //! Figures that are compared are measured in interleaved rounds (A, B, A, B, ...) and
 //! summarised by their medians, so that the machine's noise hits both sides alike. Prints a
@@ -31,11 +37,13 @@ use std::time::{Duration, Instant};
 use dlock::LockProvider;
 
 mod axum_layer;
+mod curves;
 mod measure;
 mod output;
 mod peers;
 mod primitives;
 mod servers;
+mod waiters;
 
 use measure::{Contender, interleave, median, quick, sized};
 use output::{Report, Row, Target};
@@ -55,6 +63,24 @@ fn main() {
     let mut report = Report::new();
     if quick() {
         eprintln!("report: quick mode: tiny sizes, checks only that every figure is produced");
+    }
+    if let Some(only) = measure::only() {
+        eprintln!("report: only the cost curves starting with \"{only}\"; starting servers");
+        let servers = servers::Servers::start(&rt, &mut report);
+        curves_and_waiters(&rt, &servers, &mut report);
+        report.note(format!(
+            "The run took {:.0} s.",
+            started.elapsed().as_secs_f64()
+        ));
+        let problems = report.problems(&[]);
+        report.finish();
+        for p in &problems {
+            eprintln!("  {p}");
+        }
+        if quick() && !problems.is_empty() {
+            std::process::exit(1);
+        }
+        return;
     }
     // The peers build (first run) while the servers start.
     let without_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0");
@@ -85,6 +111,8 @@ fn main() {
     axum_layer::run(&rt, &mut report);
     eprintln!("report: 8 semaphores and read locks");
     primitives::run(&rt, &servers, &mut report);
+    eprintln!("report: C1-C3 cost curves");
+    curves_and_waiters(&rt, &servers, &mut report);
 
     drop(peers);
     for note in [
@@ -138,6 +166,9 @@ fn main() {
             axum_layer::SECTION,
             servers::S7,
             primitives::S8,
+            curves::C1,
+            curves::C2,
+            waiters::C3,
         ])
     } else {
         Vec::new()
@@ -159,6 +190,18 @@ fn main() {
             "report --quick: every figure was produced ({:.0} s)",
             started.elapsed().as_secs_f64()
         );
+    }
+}
+
+/// The cost curves C1 and C2, then C3, as far as `--only` asks.
+fn curves_and_waiters(
+    rt: &tokio::runtime::Runtime,
+    servers: &servers::Servers,
+    report: &mut Report,
+) {
+    curves::run(rt, servers, report);
+    if curves::wanted("curves-waiters") {
+        waiters::run(rt, servers, report);
     }
 }
 

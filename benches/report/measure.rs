@@ -15,6 +15,21 @@ pub fn quick() -> bool {
     })
 }
 
+static ONLY: OnceLock<Option<String>> = OnceLock::new();
+
+/// The sections a run is limited to (`-- --only=curves`, or `DLOCK_REPORT_ONLY=curves`), if
+/// any: the cost curves whose name starts with it (`curves`, `curves-held`, `curves-keys`,
+/// `curves-waiters`). Such a run writes under the target directory, never over the report.
+pub fn only() -> Option<&'static str> {
+    ONLY.get_or_init(|| {
+        std::env::args()
+            .find_map(|a| a.strip_prefix("--only=").map(str::to_owned))
+            .or_else(|| std::env::var("DLOCK_REPORT_ONLY").ok())
+            .filter(|v| !v.is_empty())
+    })
+    .as_deref()
+}
+
 /// `full` in a normal run, `tiny` in quick mode.
 pub fn sized<T>(full: T, tiny: T) -> T {
     if quick() { tiny } else { full }

@@ -146,6 +146,28 @@ impl Row {
         }
     }
 
+    /// A figure shown as `text` (several values, words), checked against its target by
+    /// `value` (its one number the target applies to; NaN when not measured).
+    pub fn described(
+        section: &str,
+        name: &str,
+        text: String,
+        value: f64,
+        unit: &str,
+        target: Target,
+    ) -> Row {
+        Row {
+            section: section.to_owned(),
+            name: name.to_owned(),
+            figure: text,
+            target: target.show(&format!(" {unit}")),
+            met: target.met(value),
+            ratio: None,
+            measured: value.is_finite(),
+            excused: false,
+        }
+    }
+
     /// Not measured, and why (one line).
     pub fn not_measured(section: &str, name: &str, why: &str, target: &str) -> Row {
         let why = why.lines().next().unwrap_or("").trim();
@@ -236,26 +258,12 @@ impl Report {
         self.rows.push(row);
     }
 
-    /// Prints the table and writes the files: `benches/RESULTS.md` and `benches/results.svg`,
-    /// or in quick mode the same two under the target directory (`dlock-report-quick/`), so
-    /// that a quick run never replaces the published report.
+    /// Prints the table and writes the files `RESULTS.md` and `results.svg` in [`out_dir`].
     pub fn finish(mut self) {
         self.rows.sort_by(|a, b| a.section.cmp(&b.section));
         let markdown = self.markdown();
         println!("{markdown}");
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let dir = if crate::measure::quick() {
-            let dir = std::env::var_os("CARGO_TARGET_DIR")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| root.join("target"))
-                .join("dlock-report-quick");
-            if let Err(e) = std::fs::create_dir_all(&dir) {
-                eprintln!("could not create {}: {e}", dir.display());
-            }
-            dir
-        } else {
-            root.join("benches")
-        };
+        let dir = out_dir();
         let md = dir.join("RESULTS.md");
         let svg = dir.join("results.svg");
         if let Err(e) = std::fs::write(&md, &markdown) {
@@ -438,6 +446,28 @@ impl Report {
         s.push_str("</svg>\n");
         s
     }
+}
+
+/// Where a run writes its files: `benches/`, or in quick mode `dlock-report-quick/` under
+/// the target directory and in a run of some sections only (`--only=...`)
+/// `dlock-report-only/`, so that such a run never replaces the published report.
+pub fn out_dir() -> PathBuf {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let sub = if crate::measure::quick() {
+        "dlock-report-quick"
+    } else if crate::measure::only().is_some() {
+        "dlock-report-only"
+    } else {
+        return root.join("benches");
+    };
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"))
+        .join(sub);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        eprintln!("could not create {}: {e}", dir.display());
+    }
+    dir
 }
 
 /// The report's opening paragraph for a newcomer.
