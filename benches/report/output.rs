@@ -226,6 +226,11 @@ impl Report {
     }
 
     pub fn add(&mut self, row: Row) {
+        // A partial run keeps only the sections it chose ("7. Peers..." is section 7).
+        let number = row.section.split('.').next().and_then(|n| n.parse().ok());
+        if number.is_some_and(|n| !crate::measure::section(n)) {
+            return;
+        }
         eprintln!(
             "  {} | {} | {} | {}",
             row.name,
@@ -244,11 +249,16 @@ impl Report {
         let markdown = self.markdown();
         println!("{markdown}");
         let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let dir = if crate::measure::quick() {
+        let dir = if crate::measure::quick() || crate::measure::partial() {
+            let name = if crate::measure::quick() {
+                "dlock-report-quick"
+            } else {
+                "dlock-report-partial"
+            };
             let dir = std::env::var_os("CARGO_TARGET_DIR")
                 .map(PathBuf::from)
                 .unwrap_or_else(|| root.join("target"))
-                .join("dlock-report-quick");
+                .join(name);
             if let Err(e) = std::fs::create_dir_all(&dir) {
                 eprintln!("could not create {}: {e}", dir.display());
             }
