@@ -7,10 +7,18 @@ pub const REDIS_RELEASE_LUA: &str =
     "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0";
 
 /// PostgreSQL: `pg_try_advisory_lock($1)` + `pg_advisory_unlock($1)` on one connection taken
-/// from `pool`.
+/// from `pool` (which, when the connection goes back, pings it in a task of its own: a third
+/// round trip, off the caller's path).
 #[cfg(feature = "postgres")]
 pub async fn postgres(pool: &sqlx::PgPool, id: i64) {
     let mut conn = pool.acquire().await.expect("connection");
+    postgres_on(&mut conn, id).await;
+}
+
+/// PostgreSQL: `pg_try_advisory_lock($1)` + `pg_advisory_unlock($1)` on `conn`, a connection
+/// the caller keeps.
+#[cfg(feature = "postgres")]
+pub async fn postgres_on(conn: &mut sqlx::PgConnection, id: i64) {
     let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
         .bind(id)
         .fetch_one(&mut *conn)
@@ -25,10 +33,19 @@ pub async fn postgres(pool: &sqlx::PgPool, id: i64) {
     assert!(released);
 }
 
-/// MySQL / MariaDB: `GET_LOCK(?, 0)` + `RELEASE_LOCK(?)` on one connection taken from `pool`.
+/// MySQL / MariaDB: `GET_LOCK(?, 0)` + `RELEASE_LOCK(?)` on one connection taken from `pool`
+/// (which, when the connection goes back, pings it in a task of its own: a third round trip,
+/// off the caller's path).
 #[cfg(feature = "mysql")]
 pub async fn mysql(pool: &sqlx::MySqlPool, name: &str) {
     let mut conn = pool.acquire().await.expect("connection");
+    mysql_on(&mut conn, name).await;
+}
+
+/// MySQL / MariaDB: `GET_LOCK(?, 0)` + `RELEASE_LOCK(?)` on `conn`, a connection the caller
+/// keeps.
+#[cfg(feature = "mysql")]
+pub async fn mysql_on(conn: &mut sqlx::MySqlConnection, name: &str) {
     let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
         .bind(name)
         .fetch_one(&mut *conn)

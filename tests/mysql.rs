@@ -251,6 +251,15 @@ macro_rules! engine_tests {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn two_statements_per_acquire_and_release() {
+                // A server of its own: the counters are global.
+                let Some(server) = DbServer::start($flavor) else {
+                    return;
+                };
+                statements_per_cycle(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn backend_from_an_existing_pool() {
                 let Some(server) = server() else { return };
                 from_pool(server).await;
@@ -261,6 +270,120 @@ macro_rules! engine_tests {
 
 engine_tests!(mariadb, Flavor::MariaDb);
 engine_tests!(oracle_mysql, Flavor::MySql);
+
+/// The server's statement counters: `Questions` and every `Com_*`.
+async fn statement_counters(conn: &mut MySqlConnection) -> std::collections::HashMap<String, u64> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SHOW GLOBAL STATUS WHERE Variable_name = 'Questions' OR Variable_name LIKE 'Com\\_%'",
+    )
+    .fetch_all(conn)
+    .await
+    .expect("SHOW GLOBAL STATUS");
+    rows.into_iter()
+        .filter_map(|(name, value)| Some((name, value.parse().ok()?)))
+        .collect()
+}
+
+/// What an uncontended acquire + release costs the server: after warming up (every lane has
+/// opened its session and prepared its statements), each cycle runs `GET_LOCK` and
+/// `RELEASE_LOCK` and nothing else (no `SET`, no `DO`, no fencing statement with fencing off,
+/// no new prepare), as a raw driver does with the same two statements. Counted by the server's
+/// `Questions` and `Com_*` counters on a server of the test's own (which do not count
+/// `COM_PING`).
+async fn statements_per_cycle(server: &DbServer) {
+    const CYCLES: u64 = 20;
+    let mut admin = admin(server).await;
+    let locks = LockProvider::connect(&server.url("")).await.unwrap();
+    let key = unique_key("cycle");
+    // More cycles than lanes: every lane has its session and its prepared statements.
+    for _ in 0..40 {
+        locks
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let before = statement_counters(&mut admin).await;
+    for _ in 0..CYCLES {
+        locks
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let after = statement_counters(&mut admin).await;
+    let delta =
+        |name: &str| after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0);
+    let mut changed: Vec<(String, u64)> = after
+        .keys()
+        .map(|name| (name.clone(), delta(name)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    changed.sort();
+    eprintln!("{CYCLES} cycles: {changed:?}");
+    // The second count of the admin connection (a prepared statement too) counts itself.
+    assert_eq!(delta("Questions"), 2 * CYCLES + 1, "{changed:?}");
+    assert_eq!(delta("Com_show_status"), 1, "{changed:?}");
+    assert_eq!(delta("Com_stmt_execute"), 2 * CYCLES + 1, "{changed:?}");
+    assert_eq!(delta("Com_select"), 2 * CYCLES, "{changed:?}");
+    assert_eq!(
+        delta("Com_stmt_prepare"),
+        0,
+        "statements stay prepared: {changed:?}"
+    );
+    let others: Vec<_> = changed
+        .iter()
+        .filter(|(name, _)| {
+            !matches!(
+                name.as_str(),
+                "Questions" | "Com_show_status" | "Com_stmt_execute" | "Com_select"
+            )
+        })
+        .collect();
+    assert!(others.is_empty(), "no other statement: {others:?}");
+
+    // The raw driver's two statements on a pooled connection count the same.
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect(&server.url("").replacen("mariadb://", "mysql://", 1))
+        .await
+        .unwrap();
+    let name = server_lock_name(&key);
+    let raw = async || {
+        let mut conn = pool.acquire().await.unwrap();
+        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, 0)")
+            .bind(&name)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(got, Some(1));
+        let released: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+            .bind(&name)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        assert_eq!(released, Some(1));
+    };
+    raw().await;
+    let before = statement_counters(&mut admin).await;
+    for _ in 0..CYCLES {
+        raw().await;
+    }
+    let after = statement_counters(&mut admin).await;
+    let raw_delta =
+        |name: &str| after.get(name).copied().unwrap_or(0) - before.get(name).copied().unwrap_or(0);
+    assert_eq!(
+        raw_delta("Questions"),
+        delta("Questions"),
+        "dlock runs what the raw driver runs"
+    );
+    assert_eq!(raw_delta("Com_stmt_execute"), delta("Com_stmt_execute"));
+}
 
 /// 20 trials: the session behind a held lock is killed, and the guard's lost token fires
 /// within keepalive + 1 s, for locks on lock connections and on wait connections alike.

@@ -246,6 +246,59 @@ async fn commands_per_cycle(server: &RedisServer) {
     }
 }
 
+/// What an acquire + release costs with fencing tokens (the default), once the connection is
+/// warm: two round trips, the fenced acquisition script (`SET NX PX` and `INCR` inside it) and
+/// the release (the flavour's native delete, or the Lua one), exactly what a raw client issuing
+/// fencing tokens sends. No `CLIENT ID` (learnt once per connection, pipelined), no `EVAL`
+/// (scripts stay loaded), no `PTTL`, no separate `INCR`, no error answer.
+async fn fenced_commands_per_cycle(server: &RedisServer) {
+    let backend = RedisBackend::connect(&server.url("lease=10s"))
+        .await
+        .unwrap();
+    assert!(backend.fencing(), "fencing tokens are the default");
+    let locks = LockProvider::from_backend(backend);
+    let key = unique_key("fenced-cycle");
+    // Warms the connection: scripts loaded, native deletes found, CLIENT ID learnt.
+    for _ in 0..2 {
+        let guard = locks.try_acquire(&key).await.unwrap();
+        assert!(guard.fencing_token().is_some());
+        guard.release().await.unwrap();
+    }
+    let release: &[(&str, u64)] = match expect(server.flavor).release {
+        "evalsha" => &[("evalsha", 2), ("get", 1), ("del", 1)],
+        native => &[("evalsha", 1), (native, 1)],
+    };
+    let mut expected: Vec<(String, u64)> = [("set", 1), ("incr", 1)]
+        .iter()
+        .chain(release)
+        .map(|(c, n)| ((*c).to_owned(), *n))
+        .collect();
+    expected.sort();
+    let mut last = None;
+    for _ in 0..3 {
+        let before = server.commands_sent();
+        let guard = locks.try_acquire(&key).await.unwrap();
+        let token = guard.fencing_token().unwrap();
+        assert!(last.is_none_or(|l| token > l), "tokens increase");
+        last = Some(token);
+        guard.release().await.unwrap();
+        let after = server.commands_sent();
+        let mut sent: Vec<(String, u64)> = after
+            .commands
+            .keys()
+            .filter(|c| *c != "info")
+            .map(|c| (c.clone(), after.calls(c) - before.calls(c)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        sent.sort();
+        assert_eq!(
+            sent, expected,
+            "one fenced acquire + release (commands run by scripts included)"
+        );
+        assert_eq!(after.errors, before.errors, "no error answer");
+    }
+}
+
 /// `key_layout=plain`: the lock `k` is the key `prefix + k`, braces and all, and a client that
 /// is not dlock, taking that key with `SET NX PX` and giving it back with a compare-and-delete,
 /// excludes dlock and is excluded by it. The fencing counter is out of every lock's way.
@@ -2089,6 +2142,12 @@ macro_rules! flavor_tests {
             async fn cycle_cost() {
                 let Some(server) = start() else { return };
                 commands_per_cycle(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fenced_cycle_cost() {
+                let Some(server) = start() else { return };
+                fenced_commands_per_cycle(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -299,7 +299,7 @@ fn escape(s: &str) -> String {
 /// Whether a run does the curve `name` (`curves-held`, ...): every run without `--only`, and
 /// one whose `--only` it starts with.
 pub fn wanted(name: &str) -> bool {
-    crate::measure::only().is_none_or(|only| name.starts_with(only))
+    crate::measure::section_named(name)
 }
 
 /// The curves' notes, and C1 and C2 (C3 is `waiters::run`).

@@ -17,8 +17,8 @@
 //! and cost curves (`curves.rs`, `waiters.rs`): C1 client memory, server connections and
 //! keep-alive CPU against 1 to 100,000 locks held; C2 what the store keeps against 1 to
 //! 1,000,000 distinct keys ever locked; C3 server queries and handover against 1 to 1,000
-//! waiters on one key. `-- --only=curves` (or `--only=curves-held`, `curves-keys`,
-//! `curves-waiters`) runs those alone and writes under the target directory.
+//! waiters on one key. `-- --only curves` (or `--only curves-held`, `curves-keys`,
+//! `curves-waiters`) runs those alone (see `measure::section_named`).
 //!
 //! Figures that are compared are measured in interleaved rounds (A, B, A, B, ...) and
 //! summarised by their medians, so that the machine's noise hits both sides alike. Prints a
@@ -30,6 +30,11 @@
 //! binary is not installed. It writes its table under the target directory, never over the
 //! report. It builds the peers in the dev profile, the cheapest. `DLOCK_REPORT_PEERS=0` leaves
 //! the peers out of any run.
+//!
+//! A partial run (`-- --only 1,8`, `-- --backend mysql,mariadb`, or both; or
+//! `DLOCK_REPORT_ONLY` and `DLOCK_REPORT_BACKENDS`) measures only those sections (by number)
+//! and backends (by a part of their label, any case), and writes its table under the target
+//! directory, never over the report. Section 1 without 7 leaves the peers out.
 
 use std::cell::RefCell;
 use std::time::{Duration, Instant};
@@ -45,7 +50,7 @@ mod primitives;
 mod servers;
 mod waiters;
 
-use measure::{Contender, interleave, median, quick, sized};
+use measure::{Contender, interleave, median, partial, quick, section, section_named, sized};
 use output::{Report, Row, Target};
 use peers::Peers;
 
@@ -83,11 +88,16 @@ fn main() {
         return;
     }
     // The peers build (first run) while the servers start.
-    let without_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0");
+    let without_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0") || !section(7);
     let peers = RefCell::new(match (without_peers, quick()) {
         (true, _) => {
-            eprintln!("report: {PEERS_SKIPPED}");
-            Peers::skip(PEERS_SKIPPED)
+            let why = if section(7) {
+                PEERS_SKIPPED
+            } else {
+                "peers (section 7, other lock crates) left out: a partial run without section 7"
+            };
+            eprintln!("report: {why}");
+            Peers::skip(why)
         }
         (false, false) => Peers::spawn("release"),
         // The cheapest build: the dev profile.
@@ -97,30 +107,49 @@ fn main() {
     eprintln!("report: starting servers");
     let servers = servers::Servers::start(&rt, &mut report);
 
-    eprintln!("report: 1+7 uncontended acquire + release, raw baselines and peers");
-    servers::uncontended_all(&rt, &servers, &peers, &mut report);
-    eprintln!("report: 2 handover");
-    servers::handover_all(&rt, &servers, &mut report);
-    eprintln!("report: 3 thundering herd");
-    servers::herd_all(&rt, &servers, &mut report);
-    eprintln!("report: 4 locks per connection");
-    servers::locks_per_connection_all(&rt, &servers, &mut report);
-    eprintln!("report: 5 in-process");
-    in_process(&rt, &mut report);
-    eprintln!("report: 6 axum layer");
-    axum_layer::run(&rt, &mut report);
-    eprintln!("report: 8 semaphores and read locks");
-    primitives::run(&rt, &servers, &mut report);
-    eprintln!("report: C1-C3 cost curves");
-    curves_and_waiters(&rt, &servers, &mut report);
+    if section(1) || section(7) {
+        eprintln!("report: 1+7 uncontended acquire + release, raw baselines and peers");
+        servers::uncontended_all(&rt, &servers, &peers, &mut report);
+    }
+    if section(2) {
+        eprintln!("report: 2 handover");
+        servers::handover_all(&rt, &servers, &mut report);
+    }
+    if section(3) {
+        eprintln!("report: 3 thundering herd");
+        servers::herd_all(&rt, &servers, &mut report);
+    }
+    if section(4) {
+        eprintln!("report: 4 locks per connection");
+        servers::locks_per_connection_all(&rt, &servers, &mut report);
+    }
+    if section(5) {
+        eprintln!("report: 5 in-process");
+        in_process(&rt, &mut report);
+    }
+    if section(6) {
+        eprintln!("report: 6 axum layer");
+        axum_layer::run(&rt, &mut report);
+    }
+    if section(8) {
+        eprintln!("report: 8 semaphores and read locks");
+        primitives::run(&rt, &servers, &mut report);
+    }
+    if section_named("curves") {
+        eprintln!("report: C1-C3 cost curves");
+        curves_and_waiters(&rt, &servers, &mut report);
+    }
 
     drop(peers);
     for note in [
         "Figures vary with the machine's load: quote them only from a run on a quiet machine.",
         "1, 7: per backend, the raw baseline, dlock and the peers run in 20 interleaved rounds of \
          ~40 ms batches on one key each; a ratio is the median of the rounds' ratios, the \
-         times beside it are medians per operation. Raw SQL baselines take one \
-         connection from a sqlx pool (no health check on acquire) for both statements; on \
+         times beside it are medians per operation. Raw SQL baselines run both \
+         statements on a connection of their own, as dlock does on its lock connections; the \
+         same statements on a connection taken from a sqlx pool each time are shown beside \
+         them (sqlx pings every connection that goes back to its pool: a third round trip, \
+         off the caller's path but not off the machine's two cores); on \
          Redis and Valkey the raw commands are `SET NX PX` + Lua compare-and-delete, compared \
          with dlock `fencing=false` (the same commands); dlock's default (fencing tokens) is \
          compared with a raw client doing the same work, one script of `SET NX PX` and \
@@ -156,7 +185,13 @@ fn main() {
         "The run took {:.0} s.",
         started.elapsed().as_secs_f64()
     ));
-    let problems = if quick() {
+    if partial() {
+        report.note(
+            "A partial run (--only / --backend): only the sections and backends it chose."
+                .to_owned(),
+        );
+    }
+    let problems = if quick() && !partial() {
         report.problems(&[
             servers::S1,
             servers::S2,

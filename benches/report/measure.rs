@@ -15,19 +15,69 @@ pub fn quick() -> bool {
     })
 }
 
-static ONLY: OnceLock<Option<String>> = OnceLock::new();
+static ONLY: OnceLock<Option<(Vec<String>, Vec<String>)>> = OnceLock::new();
 
-/// The sections a run is limited to (`-- --only=curves`, or `DLOCK_REPORT_ONLY=curves`), if
-/// any: the cost curves whose name starts with it (`curves`, `curves-held`, `curves-keys`,
-/// `curves-waiters`). Such a run writes under the target directory, never over the report.
-pub fn only() -> Option<&'static str> {
+/// A partial run's choice (`-- --only 1,8 --backend mysql,redis`, or `DLOCK_REPORT_ONLY` and
+/// `DLOCK_REPORT_BACKENDS`): the sections (numbers, or the start of a cost curve's name:
+/// `curves`, `curves-held`, `curves-keys`, `curves-waiters`) and the backends (lowercase parts
+/// of their labels) it measures; `None` for a full run. An empty list chooses all of its kind.
+fn only() -> &'static Option<(Vec<String>, Vec<String>)> {
     ONLY.get_or_init(|| {
-        std::env::args()
-            .find_map(|a| a.strip_prefix("--only=").map(str::to_owned))
-            .or_else(|| std::env::var("DLOCK_REPORT_ONLY").ok())
-            .filter(|v| !v.is_empty())
+        let args: Vec<String> = std::env::args().collect();
+        let value = |flag: &str, var: &str| -> Option<String> {
+            let eq = format!("{flag}=");
+            args.iter()
+                .enumerate()
+                .find_map(|(i, a)| {
+                    a.strip_prefix(&eq)
+                        .map(str::to_owned)
+                        .or_else(|| (a == flag).then(|| args.get(i + 1).cloned()).flatten())
+                })
+                .or_else(|| std::env::var(var).ok().filter(|v| !v.is_empty()))
+        };
+        let list = |v: &Option<String>| -> Vec<String> {
+            v.iter()
+                .flat_map(|v| v.split(','))
+                .map(|s| s.trim().to_lowercase())
+                .filter(|s| !s.is_empty())
+                .collect()
+        };
+        let sections = value("--only", "DLOCK_REPORT_ONLY");
+        let backends = value("--backend", "DLOCK_REPORT_BACKENDS");
+        if sections.is_none() && backends.is_none() {
+            return None;
+        }
+        Some((list(&sections), list(&backends)))
     })
-    .as_deref()
+}
+
+/// Whether this run measures only some sections or backends: its table then goes under the
+/// target directory, never over the report.
+pub fn partial() -> bool {
+    only().is_some()
+}
+
+/// Whether this run measures section `n`.
+pub fn section(n: u32) -> bool {
+    only()
+        .as_ref()
+        .is_none_or(|(sections, _)| sections.is_empty() || sections.contains(&n.to_string()))
+}
+
+/// Whether this run measures the cost curve named `name` (`curves-held`, ...): chosen by any
+/// start of its name (`curves` chooses all three).
+pub fn section_named(name: &str) -> bool {
+    only().as_ref().is_none_or(|(sections, _)| {
+        sections.is_empty() || sections.iter().any(|s| name.starts_with(s.as_str()))
+    })
+}
+
+/// Whether this run measures the backend labelled `label` ("MySQL 9", "Redis 7", ...).
+pub fn backend(label: &str) -> bool {
+    let label = label.to_lowercase();
+    only().as_ref().is_none_or(|(_, backends)| {
+        backends.is_empty() || backends.iter().any(|b| label.contains(b.as_str()))
+    })
 }
 
 /// `full` in a normal run, `tiny` in quick mode.

@@ -248,6 +248,11 @@ impl Report {
     }
 
     pub fn add(&mut self, row: Row) {
+        // A partial run keeps only the sections it chose ("7. Peers..." is section 7).
+        let number = row.section.split('.').next().and_then(|n| n.parse().ok());
+        if number.is_some_and(|n| !crate::measure::section(n)) {
+            return;
+        }
         eprintln!(
             "  {} | {} | {} | {}",
             row.name,
@@ -450,13 +455,13 @@ impl Report {
 
 /// Where a run writes its files: `benches/`, or in quick mode `dlock-report-quick/` under
 /// the target directory and in a run of some sections only (`--only=...`)
-/// `dlock-report-only/`, so that such a run never replaces the published report.
+/// `dlock-report-partial/`, so that such a run never replaces the published report.
 pub fn out_dir() -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let sub = if crate::measure::quick() {
         "dlock-report-quick"
-    } else if crate::measure::only().is_some() {
-        "dlock-report-only"
+    } else if crate::measure::partial() {
+        "dlock-report-partial"
     } else {
         return root.join("benches");
     };

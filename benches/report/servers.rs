@@ -115,34 +115,40 @@ impl Servers {
             }
             caught(move || RedisServer::start(flavor)).map(Store::Redis)
         };
-        let backends = vec![
-            Backend {
-                label: "SQLite",
-                store: tempfile::tempdir()
-                    .map(Store::Sqlite)
-                    .map_err(|e| e.to_string()),
-            },
-            Backend {
-                label: "PostgreSQL",
-                store: caught(|| Some(PgServer::start())).map(Store::Postgres),
-            },
-            Backend {
-                label: "MariaDB",
-                store: caught(|| DbServer::start(MyFlavor::MariaDb)).map(Store::My),
-            },
-            Backend {
-                label: "MySQL 9",
-                store: caught(|| DbServer::start(MyFlavor::MySql)).map(Store::My),
-            },
-            Backend {
-                label: "Redis 7",
-                store: redis(RedisFlavor::Redis7),
-            },
-            Backend {
-                label: "Valkey 9.1",
-                store: redis(RedisFlavor::Valkey91),
-            },
+        type Start<'a> = Box<dyn FnOnce() -> Result<Store, String> + 'a>;
+        let all: Vec<(&'static str, Start<'_>)> = vec![
+            (
+                "SQLite",
+                Box::new(|| {
+                    tempfile::tempdir()
+                        .map(Store::Sqlite)
+                        .map_err(|e| e.to_string())
+                }),
+            ),
+            (
+                "PostgreSQL",
+                Box::new(|| caught(|| Some(PgServer::start())).map(Store::Postgres)),
+            ),
+            (
+                "MariaDB",
+                Box::new(|| caught(|| DbServer::start(MyFlavor::MariaDb)).map(Store::My)),
+            ),
+            (
+                "MySQL 9",
+                Box::new(|| caught(|| DbServer::start(MyFlavor::MySql)).map(Store::My)),
+            ),
+            ("Redis 7", Box::new(|| redis(RedisFlavor::Redis7))),
+            ("Valkey 9.1", Box::new(|| redis(RedisFlavor::Valkey91))),
         ];
+        // Only the backends a partial run chose are started.
+        let backends: Vec<Backend> = all
+            .into_iter()
+            .filter(|(label, _)| crate::measure::backend(label))
+            .map(|(label, start)| Backend {
+                label,
+                store: start(),
+            })
+            .collect();
         for b in &backends {
             let version = match &b.store {
                 Err(e) => format!("not measured: {e}"),
@@ -274,6 +280,9 @@ pub fn uncontended_all(
         let fenced_locks;
         // Redis: the raw commands with a fencing token, the same work as dlock's default.
         let mut raw_fenced: Option<Box<Batch<'_>>> = None;
+        // PostgreSQL, MySQL: the same statements on a connection taken from a sqlx pool each
+        // time (which pings it when it goes back), shown beside the baseline.
+        let mut raw_pooled: Option<Box<Batch<'_>>> = None;
         match store {
             Store::Sqlite(dir) => {
                 let path = dir.path().join("locks.db");
@@ -301,16 +310,37 @@ pub fn uncontended_all(
                     .expect("pool");
                 let id = dlock::lock_id("bench:raw");
                 let pool2 = pool.clone();
+                // The baseline: the two statements on a connection of its own, as dlock runs
+                // them on its lock connections.
+                let conn = Arc::new(tokio::sync::Mutex::new(
+                    rt.block_on(<sqlx::PgConnection as sqlx::Connection>::connect(
+                        &b.driver_url(),
+                    ))
+                    .expect("connection"),
+                ));
                 raw_batch = Box::new(move |n| {
-                    let pool = pool.clone();
+                    let conn = Arc::clone(&conn);
                     on_worker(rt, async move {
+                        let mut conn = conn.lock().await;
                         let t = Instant::now();
                         for _ in 0..n {
-                            raw::postgres(&pool, id).await;
+                            raw::postgres_on(&mut conn, id).await;
                         }
                         Ok(t.elapsed())
                     })
                 });
+                let pool3 = pool.clone();
+                let pooled_id = dlock::lock_id("bench:raw-pooled");
+                raw_pooled = Some(Box::new(move |n| {
+                    let pool = pool3.clone();
+                    on_worker(rt, async move {
+                        let t = Instant::now();
+                        for _ in 0..n {
+                            raw::postgres(&pool, pooled_id).await;
+                        }
+                        Ok(t.elapsed())
+                    })
+                }));
                 let advisory = sqlx::postgres::PgAdvisoryLock::new("bench:sqlx");
                 extra.push((
                     "sqlx PgAdvisoryLock",
@@ -350,8 +380,28 @@ pub fn uncontended_all(
                     )
                     .expect("pool");
                 let name = dlock::mysql::server_lock_name("bench:raw");
+                // The baseline: the two statements on a connection of its own, as dlock runs
+                // them on its lock connections.
+                let conn = Arc::new(tokio::sync::Mutex::new(
+                    rt.block_on(<sqlx::MySqlConnection as sqlx::Connection>::connect(
+                        &b.driver_url(),
+                    ))
+                    .expect("connection"),
+                ));
                 raw_batch = Box::new(move |n| {
-                    let (pool, name) = (pool.clone(), name.clone());
+                    let (conn, name) = (Arc::clone(&conn), name.clone());
+                    on_worker(rt, async move {
+                        let mut conn = conn.lock().await;
+                        let t = Instant::now();
+                        for _ in 0..n {
+                            raw::mysql_on(&mut conn, &name).await;
+                        }
+                        Ok(t.elapsed())
+                    })
+                });
+                let pooled_name = dlock::mysql::server_lock_name("bench:raw-pooled");
+                raw_pooled = Some(Box::new(move |n| {
+                    let (pool, name) = (pool.clone(), pooled_name.clone());
                     on_worker(rt, async move {
                         let t = Instant::now();
                         for _ in 0..n {
@@ -359,7 +409,7 @@ pub fn uncontended_all(
                         }
                         Ok(t.elapsed())
                     })
-                });
+                }));
                 setup_peer("distributed-lock-mysql", &mut peer_names);
                 fenced_locks = None;
             }
@@ -417,6 +467,10 @@ pub fn uncontended_all(
             contenders.push(Contender::new("dlock (fencing tokens)", &mut **f));
             contenders.push(Contender::new("raw with fencing tokens", &mut **r));
         }
+        let pooled_at = contenders.len();
+        if let Some(p) = raw_pooled.as_mut() {
+            contenders.push(Contender::new("raw through a sqlx pool", &mut **p));
+        }
         let first_extra = contenders.len();
         let extra_names: Vec<&'static str> = extra.iter().map(|(n, _)| *n).collect();
         for (name, batch) in extra.iter_mut() {
@@ -446,6 +500,20 @@ pub fn uncontended_all(
             (Err(e), _) | (_, Err(e)) => {
                 report.add(b.not_measured(S1, &format!("{}: dlock / raw", b.label), e, "≤ 1.10×"))
             }
+        }
+        if raw_pooled.is_some()
+            && let (Ok(pooled), Ok(d)) = (&med[pooled_at], &med[1])
+        {
+            report.add(Row::ratio(
+                S1,
+                &format!(
+                    "{}: dlock / raw through a sqlx pool (which pings each connection it takes back)",
+                    b.label
+                ),
+                ("dlock", d),
+                ("pooled raw", pooled),
+                Target::None,
+            ));
         }
         if let (Some(f), Some(r), Store::Redis(server)) =
             (fenced.as_mut(), raw_fenced.as_mut(), store)

@@ -37,10 +37,12 @@ impl OwnerToken {
     /// token is those 32 ASCII bytes).
     ///
     /// The generator is seeded once per process with 256 bits from the operating system's
-    /// generator, and yields SHA-256 of that key and a counter, cut to 16 bytes: as
-    /// unpredictable as 16 bytes read from the operating system each time, and never the same
-    /// twice in a process, without a system call per token. A process that was forked from one
-    /// that had made tokens seeds its own (the process id is checked on each call).
+    /// generator, and yields SHA-256 of that key and a counter, whose 32 bytes make two
+    /// tokens of 16 (the second kept for the next call): as unpredictable as 16 bytes read
+    /// from the operating system each time, and never the same twice in a process, without a
+    /// random-generator system call per token. A process that was forked from one that had made
+    /// tokens seeds its own, and never hands out a half its parent kept (the process id is
+    /// checked on each call).
     pub fn random() -> Result<OwnerToken, LockError> {
         let bytes = generator::next()?;
         let mut text = Vec::with_capacity(32);
@@ -110,43 +112,58 @@ mod generator {
     use crate::LockError;
 
     struct State {
-        /// The process that seeded it: a forked child must not repeat its parent's tokens.
+        /// The process that seeded it: a forked child must not repeat its parent's tokens
+        /// (nor hand out the half its parent kept).
         pid: u32,
         key: [u8; 32],
         counter: u64,
+        /// The second half of the last digest, not handed out yet (taken at most once).
+        kept: Option<[u8; 16]>,
     }
 
     static STATE: Mutex<Option<State>> = Mutex::new(None);
 
-    /// The next 16 bytes: SHA-256(key ‖ counter), the counter never repeating under one key
-    /// (one hash block: 40 bytes of input).
+    /// The next 16 bytes: a half of SHA-256(key ‖ counter), the counter never repeating under
+    /// one key (one hash block: 40 bytes of input). Each digest gives two: the first half at
+    /// once, the second at the next call.
     pub(super) fn next() -> Result<[u8; 16], LockError> {
         let pid = std::process::id();
-        let (key, counter) = {
-            let mut state = STATE.lock().unwrap_or_else(PoisonError::into_inner);
-            let state = match &mut *state {
-                Some(seeded) if seeded.pid == pid => seeded,
-                unseeded => unseeded.insert(State {
-                    pid,
-                    key: seed()?,
-                    counter: 0,
-                }),
-            };
-            let counter = state.counter;
-            state.counter = counter.wrapping_add(1);
-            if state.counter == 0 {
-                // 2^64 tokens under one key: a new key before any could repeat.
-                state.key = seed()?;
-            }
-            (state.key, counter)
+        let mut state = STATE.lock().unwrap_or_else(PoisonError::into_inner);
+        let state = match &mut *state {
+            Some(seeded) if seeded.pid == pid => seeded,
+            unseeded => unseeded.insert(State {
+                pid,
+                key: seed()?,
+                counter: 0,
+                kept: None,
+            }),
         };
+        if let Some(half) = state.kept.take() {
+            return Ok(half);
+        }
+        let counter = state.counter;
+        state.counter = counter.wrapping_add(1);
+        if state.counter == 0 {
+            // 2^64 digests under one key: a new key before any could repeat.
+            state.key = seed()?;
+        }
+        // Hashed under the lock (one block, about a microsecond, every other call): the
+        // second half must be kept before another call can look for it.
+        let (first, second) = halves(&state.key, counter);
+        state.kept = Some(second);
+        Ok(first)
+    }
+
+    /// SHA-256(key ‖ counter) as two halves.
+    fn halves(key: &[u8; 32], counter: u64) -> ([u8; 16], [u8; 16]) {
         let digest = Sha256::new()
             .chain_update(key)
             .chain_update(counter.to_le_bytes())
             .finalize();
-        let mut bytes = [0u8; 16];
-        bytes.copy_from_slice(&digest[..16]);
-        Ok(bytes)
+        let (mut first, mut second) = ([0u8; 16], [0u8; 16]);
+        first.copy_from_slice(&digest[..16]);
+        second.copy_from_slice(&digest[16..32]);
+        (first, second)
     }
 
     fn seed() -> Result<[u8; 32], LockError> {
