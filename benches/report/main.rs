@@ -69,24 +69,6 @@ fn main() {
     if quick() {
         eprintln!("report: quick mode: tiny sizes, checks only that every figure is produced");
     }
-    if let Some(only) = measure::only() {
-        eprintln!("report: only the cost curves starting with \"{only}\"; starting servers");
-        let servers = servers::Servers::start(&rt, &mut report);
-        curves_and_waiters(&rt, &servers, &mut report);
-        report.note(format!(
-            "The run took {:.0} s.",
-            started.elapsed().as_secs_f64()
-        ));
-        let problems = report.problems(&[]);
-        report.finish();
-        for p in &problems {
-            eprintln!("  {p}");
-        }
-        if quick() && !problems.is_empty() {
-            std::process::exit(1);
-        }
-        return;
-    }
     // The peers build (first run) while the servers start.
     let without_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0") || !section(7);
     let peers = RefCell::new(match (without_peers, quick()) {
