@@ -10,7 +10,7 @@ use opentelemetry::metrics::Meter;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::backend::{Acquired, LockBackend, LockRequest};
+use crate::backend::{Acquired, LockBackend, LockRequest, ReleaseWatch, WaitTry};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
 use crate::metrics::{Metrics, OptIn};
@@ -552,8 +552,14 @@ impl LockProvider {
     }
 }
 
-/// Polls `backend` with backoff until the lock is taken or the deadline passes. The last try
-/// happens at the deadline, so a timeout is answered after at least `timeout`.
+/// Polls `backend` until the lock is taken or the deadline passes. The last try happens at the
+/// deadline, so a timeout is answered after at least `timeout`.
+///
+/// After the first try that meets contention, the backend is asked for a watch on the key's
+/// releases ([`LockBackend::watch_releases`]). While that watch is live, the wait tries again
+/// at each wake-up, and otherwise after the backend's `retry_within` (the holder's lease
+/// running out) or the backoff's fallback poll, whichever is shorter; while it is not (or
+/// without one), it polls with the backoff's pauses.
 async fn poll(
     backend: &dyn LockBackend,
     request: LockRequest<'_>,
@@ -565,26 +571,65 @@ async fn poll(
     let mut pauses = Pauses::new(*backoff, deadline);
     // The longest pause the backoff takes, jitter included.
     let longest = backoff.max().mul_f64(1.0 + backoff.jitter());
+    let mut watch: Option<Box<dyn ReleaseWatch>> = None;
+    let mut asked_for_watch = false;
     loop {
+        let live = watch.as_ref().is_some_and(|watch| watch.is_live());
+        let longest = if live {
+            backoff.fallback_poll()
+        } else {
+            longest
+        };
         let left = deadline.map_or(longest, |deadline| {
             deadline.saturating_duration_since(Instant::now())
         });
         let request = request.with_poll_pause(Some(longest.min(left)));
-        match backend.try_acquire(request).await {
-            Ok(Some(acquired)) => return Ok(acquired),
-            Ok(None) => {}
+        if let Some(watch) = &mut watch {
+            watch.mark_seen();
+        }
+        let retry_within = match backend.try_acquire_in_wait(request).await {
+            Ok(WaitTry::Acquired(acquired)) => return Ok(acquired),
+            Ok(WaitTry::Held { retry_within }) => retry_within,
             // Taken, but the store's answer came too late to count on the lease; the backend
             // gave it back. A wait tries again (see `LockBackend::try_acquire`).
-            Err(LockError::Lost { .. }) => {}
+            Err(LockError::Lost { .. }) => None,
             Err(err) => return Err(err),
+        };
+        if !asked_for_watch {
+            asked_for_watch = true;
+            let watching = backend.watch_releases(request);
+            watch = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline.into(), watching)
+                    .await
+                    .unwrap_or(None),
+                None => watching.await,
+            };
+            if watch.as_ref().is_some_and(|watch| watch.is_live()) {
+                // The lock may have been given back before the watch was in place, with no
+                // wake-up for this waiter: one more try at once.
+                continue;
+            }
         }
-        let Some(pause) = pauses.next_pause() else {
+        let live = watch.as_ref().is_some_and(|watch| watch.is_live());
+        let pause = if live {
+            let fallback = backoff.fallback_delay();
+            pauses.cut(retry_within.map_or(fallback, |within| within.min(fallback)))
+        } else {
+            pauses.next_pause()
+        };
+        let Some(pause) = pause else {
             return Err(LockError::Timeout {
                 key: Arc::clone(slot.key()),
                 timeout,
             });
         };
-        tokio::time::sleep(pause).await;
+        match &mut watch {
+            Some(watch) => tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = watch.woken() => {}
+            },
+            None => tokio::time::sleep(pause).await,
+        }
     }
 }
 

@@ -332,6 +332,7 @@ mod read;
 mod redlock;
 mod renewals;
 mod token;
+mod wake;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -341,7 +342,9 @@ use redis::{ErrorKind, RedisError, ServerErrorKind};
 use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest};
+use crate::backend::{
+    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseWatch, WaitTry,
+};
 use crate::key::validate_key;
 use crate::lease::safe_window;
 use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
@@ -396,12 +399,15 @@ struct Shared {
     renewals: Arc<Renewals>,
     /// Where this backend's waiting writers left intents (see [Read locks](self#read-locks)).
     intents: read::Intents,
+    /// The subscriber that wakes this backend's waiters (see [Waiting](self#waiting)).
+    wakes: Arc<wake::Wakes>,
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
         // Lets the renewal driver see that the backend is gone and end.
         self.renewals.shut_down();
+        self.wakes.shut_down();
     }
 }
 
@@ -587,6 +593,7 @@ impl RedisBuilder {
                 }
             }
         };
+        let subscriber = rebuild.as_ref().map(|(client, _)| client.clone());
         let conn = Conn::new(manager, rebuild);
         conn.watch_runtime(true);
         Ok(RedisBackend {
@@ -600,6 +607,7 @@ impl RedisBuilder {
                 renew_every: self.renew_every,
                 renewals: Arc::default(),
                 intents: read::Intents::default(),
+                wakes: Arc::new(wake::Wakes::new(subscriber, self.timeout)),
             }),
         })
     }
@@ -1142,100 +1150,152 @@ impl LockBackend for RedisBackend {
         request: LockRequest<'a>,
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
         Box::pin(async move {
-            let shared = &self.shared;
-            if request.shared {
-                return read::try_acquire(shared, request).await;
-            }
-            let lease = request.lease.unwrap_or(shared.lease);
-            check_lease(lease)?;
-            let token = OwnerToken::random()?;
-            let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
-            let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
-            // From here until the answer is read, a drop (or a failure) may leave the lock
-            // taken under our token: the cleanup deletes it again in the background.
-            let mut cleanup = Cleanup {
-                shared: Arc::clone(shared),
-                key: Arc::clone(&lock_key),
-                token: token.clone(),
-                armed: true,
-                read: false,
-            };
-            let sent = Instant::now();
-            let taken = shared
-                .bounded(
-                    "acquiring a lock",
-                    shared
-                        .conn
-                        .acquire(&lock_key, fence.as_deref(), &token, lease),
-                )
-                .await?;
-            let Some(fencing_token) = taken else {
-                cleanup.armed = false;
-                if let Some(pause) = request.poll_pause {
-                    read::writer_waits(shared, &lock_key, pause).await;
-                }
-                return Ok(None);
-            };
-            // The lease began when the server ran the command, at some moment after `sent`:
-            // an answer that comes late leaves too little of it to hold the lock, or none (the
-            // server may have let someone else take it already). Such a lock is given back,
-            // by the still armed cleanup, and reported lost: a wait tries again.
-            let took = sent.elapsed();
-            let window = answer_window(lease);
-            if took > window {
-                tracing::warn!(
-                    took_ms = took.as_millis() as u64,
-                    lease_ms = lease.as_millis() as u64,
-                    "a redis lock was taken, but the answer came too late to count on its lease; giving it back"
-                );
-                return Err(LockError::Lost {
-                    key: Arc::from(request.key),
-                    reason: format!(
-                        "the server's answer took {took:?}, more than {window:?} (40% of the \
-                         {lease:?} lease), so the lease could run out before its first renewal; \
-                         the lock was given back (use a longer lease for a server this slow)"
-                    ),
-                });
-            }
-            cleanup.armed = false;
-            read::writer_got(shared, &lock_key).await;
-            let lost = CancellationToken::new();
-            let (renewal, deadline) = match Renewals::register(
-                shared,
-                Arc::clone(&lock_key),
-                token.clone(),
-                lease,
-                sent,
-                lost.clone(),
-                request.renew,
-            ) {
-                Ok(registered) => registered,
-                Err(err) => {
-                    // Without renewal the lock could not be kept: give it back.
-                    let _ = shared
-                        .bounded("releasing a lock", shared.conn.release(&lock_key, &token))
-                        .await;
-                    return Err(err);
-                }
-            };
-            Ok(Some(
-                Acquired::new(
-                    fencing_token,
-                    lost.clone(),
-                    Box::new(RedisHeld {
-                        shared: Arc::clone(shared),
-                        name: Arc::from(request.key),
-                        key: lock_key,
-                        token,
-                        lost,
-                        renewal,
-                        read: false,
-                    }),
-                )
-                .with_lease_deadline(deadline),
-            ))
+            Ok(match take(&self.shared, request).await? {
+                WaitTry::Acquired(acquired) => Some(acquired),
+                _ => None,
+            })
         })
     }
+
+    /// A try that meets contention also reads the holder's time to live (in the acquisition
+    /// script, or a `PTTL` after a plain `SET`), so that a waiter tries again when the lease
+    /// runs out (see [Waiting](self#waiting)).
+    fn try_acquire_in_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<WaitTry, LockError>> {
+        Box::pin(take(&self.shared, request))
+    }
+
+    /// Subscribes to the key's channel on the backend's subscriber connection (see
+    /// [Waiting](self#waiting)).
+    fn watch_releases<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
+        Box::pin(async move {
+            let channel = self.shared.lock_key(request.key);
+            self.shared.wakes.watch(&channel).await
+        })
+    }
+}
+
+/// How long until a lock whose holder's time to live is `ttl` ms may be free with no release:
+/// just past its lease. `None` when unknown or without expiry; a key already gone answers a
+/// short pause.
+fn expiry_hint(ttl: Option<i64>) -> Option<Duration> {
+    match ttl? {
+        // Gone already (freed between the try and the read).
+        -2 => Some(Duration::from_millis(1)),
+        ms if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs().saturating_add(1))),
+        // -1: no expiry (a key set by another client without a lease); -3: not readable.
+        _ => None,
+    }
+}
+
+/// One try: the lock, or on contention how soon to try again (for a waiter's try, which has a
+/// poll pause).
+async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry, LockError> {
+    if request.shared {
+        return read::try_acquire(shared, request).await;
+    }
+    let lease = request.lease.unwrap_or(shared.lease);
+    check_lease(lease)?;
+    let token = OwnerToken::random()?;
+    let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
+    let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
+    // From here until the answer is read, a drop (or a failure) may leave the lock
+    // taken under our token: the cleanup deletes it again in the background.
+    let mut cleanup = Cleanup {
+        shared: Arc::clone(shared),
+        key: Arc::clone(&lock_key),
+        token: token.clone(),
+        armed: true,
+        read: false,
+    };
+    let sent = Instant::now();
+    let waiting = request.poll_pause.is_some();
+    let taken = shared
+        .bounded(
+            "acquiring a lock",
+            shared
+                .conn
+                .take(&lock_key, fence.as_deref(), &token, lease, waiting),
+        )
+        .await?;
+    let fencing_token = match taken {
+        commands::Taking::Taken(fencing_token) => fencing_token,
+        commands::Taking::Held(ttl) => {
+            cleanup.armed = false;
+            let mut retry_within = expiry_hint(ttl);
+            if let Some(pause) = request.poll_pause
+                && let Some(intent) = read::writer_waits(shared, &lock_key, pause).await
+            {
+                // Readers hold the key: the next try renews the intent before it lapses.
+                let renew = intent / 2;
+                retry_within = Some(retry_within.map_or(renew, |within| within.min(renew)));
+            }
+            return Ok(WaitTry::Held { retry_within });
+        }
+    };
+    // The lease began when the server ran the command, at some moment after `sent`:
+    // an answer that comes late leaves too little of it to hold the lock, or none (the
+    // server may have let someone else take it already). Such a lock is given back,
+    // by the still armed cleanup, and reported lost: a wait tries again.
+    let took = sent.elapsed();
+    let window = answer_window(lease);
+    if took > window {
+        tracing::warn!(
+            took_ms = took.as_millis() as u64,
+            lease_ms = lease.as_millis() as u64,
+            "a redis lock was taken, but the answer came too late to count on its lease; giving it back"
+        );
+        return Err(LockError::Lost {
+            key: Arc::from(request.key),
+            reason: format!(
+                "the server's answer took {took:?}, more than {window:?} (40% of the \
+                 {lease:?} lease), so the lease could run out before its first renewal; \
+                 the lock was given back (use a longer lease for a server this slow)"
+            ),
+        });
+    }
+    cleanup.armed = false;
+    read::writer_got(shared, &lock_key).await;
+    let lost = CancellationToken::new();
+    let (renewal, deadline) = match Renewals::register(
+        shared,
+        Arc::clone(&lock_key),
+        token.clone(),
+        lease,
+        sent,
+        lost.clone(),
+        request.renew,
+    ) {
+        Ok(registered) => registered,
+        Err(err) => {
+            // Without renewal the lock could not be kept: give it back.
+            let _ = shared
+                .bounded("releasing a lock", shared.conn.release(&lock_key, &token))
+                .await;
+            return Err(err);
+        }
+    };
+    Ok(WaitTry::Acquired(
+        Acquired::new(
+            fencing_token,
+            lost.clone(),
+            Box::new(RedisHeld {
+                shared: Arc::clone(shared),
+                name: Arc::from(request.key),
+                key: lock_key,
+                token,
+                lost,
+                renewal,
+                read: false,
+            }),
+        )
+        .with_lease_deadline(deadline),
+    ))
 }
 
 /// Gives back a possibly taken lock (or reader's share) of an acquisition that did not finish.
