@@ -180,7 +180,9 @@ impl LockProvider {
     /// Takes the lock, waiting up to `timeout` for it.
     ///
     /// Backends with a blocking wait of their own (PostgreSQL, MySQL, SQL Server, Oracle) wait
-    /// on the server; the others are polled with exponential backoff and jitter. Returns
+    /// on the server; Redis and Valkey wake their waiters when the lock is released, and are
+    /// polled only as a fallback (see [`Backoff`]); the others are polled with exponential
+    /// backoff and jitter. Returns
     /// [`LockError::Timeout`] after at least `timeout` (and at most one backoff pause more).
     /// `Duration::ZERO` is one try (contention is then [`LockError::AlreadyHeld`]);
     /// `Duration::MAX` waits without limit.

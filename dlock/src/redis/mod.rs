@@ -131,6 +131,42 @@
 //! `:writer`, as the fencing counter. Read locks need the permissions of
 //! [Permissions](self#permissions) on every server.
 //!
+//! # Waiting
+//!
+//! A waiting [`acquire`](crate::LockProvider::acquire) (or `acquire_read`) is woken by the
+//! release it waits for instead of polling the server:
+//!
+//! - **Every release announces itself**: `PUBLISH <lock key> ""` on the channel named as the
+//!   lock key (a string of `KEYS`, so it stays in the key's Cluster slot): inside the Lua
+//!   release (with `redis.pcall`, so that a user refused `PUBLISH` still releases), in the same
+//!   pipeline as `DELEX` / `DELIFEQ` (one round trip; sent whatever the delete found), and in
+//!   a reader's release when it leaves the key without readers. Clients that are not dlock
+//!   and release a lock of the [plain layout](self#the-plain-layout-for-other-clients) wake
+//!   dlock's waiters by doing the same.
+//! - **One subscriber connection per backend**, opened on its first wait (with the client the
+//!   backend was built from), subscribes to the channel of each key its waiters wait for, and
+//!   unsubscribes when the last of them is gone; it closes after a minute without waiters. A
+//!   message wakes the key's waiters, which try again at once.
+//! - **A waiter's try reads the holder's time to live** (`PTTL`, in the acquisition script, or
+//!   after the plain `SET` without fencing). Without a wake-up, the waiter tries again just
+//!   after that lease runs out (a holder that died, a lease left to expire), or after the
+//!   backoff's [fallback poll](crate::Backoff::fallback_poll) (15 s by default, less jitter),
+//!   whichever comes first, and never past its timeout. A writer waiting for readers tries
+//!   again before its intent lapses (see [Read locks](self#read-locks)).
+//! - **Missed wake-ups**: when the subscriber connection drops (or is killed), waiters poll
+//!   with backoff meanwhile; the subscriber reconnects (50 ms, doubling to 5 s), subscribes
+//!   again, and wakes every waiter (a release may have been missed). When the runtime that ran
+//!   it shuts down, the next wait starts it again on its own runtime.
+//!
+//! The subscriber needs `+subscribe +unsubscribe` and the channels of the prefix
+//! (`&<prefix>{*`), the releases `+publish` on them (see [Permissions](self#permissions)). A
+//! server that refuses `SUBSCRIBE` turns wake-ups off for the backend (warned once): its
+//! waiters poll with backoff, as before. A refused `PUBLISH` is warned once; waiters then
+//! notice releases at their fallback poll. A backend on a `ConnectionManager` the application
+//! passed in cannot open the subscriber: its waiters poll. [Redlock](RedlockBackend) waits
+//! poll with backoff (each node's release still announces itself). Semaphores poll their slots
+//! with backoff.
+//!
 //! # URL
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
@@ -183,7 +219,7 @@
 //! | Redis 7 (any server without `SET IFEQ`, `DELEX`, `DELIFEQ`) | `+set +evalsha +eval +incr +get +pexpire +del` | `+set +evalsha +eval +get +pexpire +del` |
 //!
 //! ```text
-//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels -@all +set +evalsha +eval +incr +delex +exists
+//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels &dlock:{* -@all +set +evalsha +eval +incr +delex +exists +publish +subscribe +unsubscribe
 //! ```
 //!
 //! End the key pattern with `{*`, not `*`: the pattern `~t:*` of a tenant with the prefix `t:`
@@ -199,6 +235,10 @@
 //!
 //! [Connection fencing](self#connection-fencing) also needs `+client|id +client|kill`; without
 //! them dlock warns once and goes on without fencing.
+//!
+//! [Waiting](self#waiting) without polling needs `+publish` (releases) and `+subscribe
+//! +unsubscribe` (the subscriber), on the channels `&<prefix>{*` (`resetchannels` refuses them
+//! all); without them waits poll, and nothing fails.
 //!
 //! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
 //! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
