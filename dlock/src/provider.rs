@@ -1138,6 +1138,85 @@ mod tests {
         drop(guard);
     }
 
+    fn watched() -> MemoryBackend {
+        MemoryBackend {
+            wakes: Some(Arc::new(tokio::sync::watch::channel(0).0)),
+            ..MemoryBackend::default()
+        }
+    }
+
+    async fn tries_reach(backend: &MemoryBackend, n: usize) {
+        while backend.store().tries < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// With a live watch, a wait tries once more after subscribing, then sleeps through its
+    /// hour-long fallback poll until a wake-up; a release between its tries is not missed.
+    #[tokio::test]
+    async fn a_watched_wait_sleeps_until_woken() {
+        let backend = watched();
+        let hour = Backoff::default()
+            .with_fallback_poll(Duration::from_secs(3600))
+            .unwrap();
+        let locks = LockProvider::builder(backend.clone()).backoff(hour).build();
+        backend.hold_elsewhere("a");
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        tries_reach(&backend, 2).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(backend.store().tries, 2, "the wait polled");
+        assert!(!waiter.is_finished());
+        backend.free("a");
+        backend.wake();
+        let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("woken")
+            .unwrap()
+            .unwrap();
+        assert_eq!(backend.store().tries, 3);
+        drop(guard);
+    }
+
+    /// Without a wake-up, a watched wait tries again after the `retry_within` its try
+    /// reported (a lease running out), long before its fallback poll; and it still times out
+    /// at its deadline.
+    #[tokio::test]
+    async fn a_watched_wait_tries_again_when_the_lease_ends() {
+        let backend = watched();
+        backend.store().retry_within = Some(Duration::from_millis(30));
+        let hour = Backoff::default()
+            .with_fallback_poll(Duration::from_secs(3600))
+            .unwrap();
+        let locks = LockProvider::builder(backend.clone()).backoff(hour).build();
+        backend.hold_elsewhere("a");
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        tries_reach(&backend, 3).await;
+        backend.free("a");
+        let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("tried again at the lease's end")
+            .unwrap()
+            .unwrap();
+        drop(guard);
+
+        backend.store().retry_within = None;
+        backend.hold_elsewhere("b");
+        let started = Instant::now();
+        let err = locks
+            .acquire("b", Duration::from_millis(80))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Timeout { .. }), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(80));
+        assert!(started.elapsed() < Duration::from_secs(20));
+    }
+
     #[tokio::test]
     async fn a_failure_ends_a_polled_wait_at_once() {
         let backend = MemoryBackend::default();

@@ -301,10 +301,11 @@ async fn session(
         tokio::select! {
             () = wakes.closed.cancelled() => return Ended::Stop,
             message = stream.next() => match message {
-                Some(message) => match message.get_channel::<Vec<u8>>() {
-                    Ok(channel) => wakes.wake(&channel),
-                    Err(_) => {}
-                },
+                Some(message) => {
+                    if let Ok(channel) = message.get_channel::<Vec<u8>>() {
+                        wakes.wake(&channel);
+                    }
+                }
                 None => return Ended::Dropped,
             },
             request = requests.recv() => match request {

@@ -22,6 +22,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         renew_every: None,
         renewals: Arc::default(),
         intents: Default::default(),
+        wakes: Arc::new(crate::redis::wake::Wakes::new(None, timeout)),
     })
 }
 
