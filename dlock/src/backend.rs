@@ -40,7 +40,9 @@ pub struct LockRequest<'a> {
     pub shared: bool,
     /// Set on each try of a wait that the provider polls (a backend without native waits,
     /// asked to wait): the longest pause the provider may take before its next try (the
-    /// backoff's longest pause with its jitter, cut to what is left of the timeout). `None`
+    /// backoff's longest pause with its jitter, or while the backend's
+    /// [wake-ups](LockBackend::watch_releases) are live its fallback poll, cut to what is left
+    /// of the timeout). `None`
     /// for a single try. A lease backend with read locks uses it on an exclusive request to
     /// hold new readers back while the writer waits, for a few such pauses after its last try
     /// (see the backend's docs).

@@ -219,7 +219,7 @@
 //! | Redis 7 (any server without `SET IFEQ`, `DELEX`, `DELIFEQ`) | `+set +evalsha +eval +incr +get +pexpire +del` | `+set +evalsha +eval +get +pexpire +del` |
 //!
 //! ```text
-//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels &dlock:{* -@all +set +evalsha +eval +incr +delex +exists +publish +subscribe +unsubscribe
+//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels &dlock:{* -@all +set +evalsha +eval +incr +delex +exists +pttl +publish +subscribe +unsubscribe
 //! ```
 //!
 //! End the key pattern with `{*`, not `*`: the pattern `~t:*` of a tenant with the prefix `t:`
@@ -238,7 +238,9 @@
 //!
 //! [Waiting](self#waiting) without polling needs `+publish` (releases) and `+subscribe
 //! +unsubscribe` (the subscriber), on the channels `&<prefix>{*` (`resetchannels` refuses them
-//! all); without them waits poll, and nothing fails.
+//! all), and `+pttl` (a waiter's try reads the holder's lease left); without them waits poll,
+//! and nothing fails (without `+pttl` alone, a waiter notices a holder that died only at its
+//! fallback poll).
 //!
 //! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
 //! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
