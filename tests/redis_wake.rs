@@ -273,8 +273,9 @@ async fn readers_and_writers(server: &RedisServer) {
     read.release().await.unwrap();
 }
 
-/// A user refused `SUBSCRIBE` and `PUBLISH` (and every channel) still waits and releases:
-/// its waiters poll.
+/// A user refused `SUBSCRIBE`, `PUBLISH` and `PTTL` (and every channel) still waits and
+/// releases: its waiters poll with backoff (their hour-long fallback poll is not used, since
+/// no wake-up can come).
 async fn without_grants(server: &RedisServer) {
     let mut admin = admin(server).await;
     let () = redis::cmd("ACL")
@@ -288,6 +289,7 @@ async fn without_grants(server: &RedisServer) {
         .arg("+@all")
         .arg("-subscribe")
         .arg("-publish")
+        .arg("-pttl")
         .query_async(&mut admin)
         .await
         .unwrap();
@@ -295,7 +297,9 @@ async fn without_grants(server: &RedisServer) {
         .url("lease=2s")
         .replacen("redis://", "redis://nopubsub:secret@", 1);
     let holder = LockProvider::connect(&url).await.unwrap();
-    let waiters = LockProvider::connect(&url).await.unwrap();
+    let waiters = LockProvider::builder(RedisBackend::connect(&url).await.unwrap())
+        .backoff(slow_backoff())
+        .build();
     let key = unique_key("nogrants");
     let guard = holder.try_acquire(&key).await.unwrap();
     let waiter = spawn_waiter(&waiters, &key);

@@ -163,7 +163,10 @@
 //! server that refuses `SUBSCRIBE` turns wake-ups off for the backend (warned once): its
 //! waiters poll with backoff, as before. A refused `PUBLISH` is warned once; waiters then
 //! notice releases at their fallback poll. A backend on a `ConnectionManager` the application
-//! passed in cannot open the subscriber: its waiters poll. [Redlock](RedlockBackend) waits
+//! passed in cannot open the subscriber: its waiters poll; so do those of a backend with
+//! `protocol=resp3`, whose subscriber cannot confirm its subscriptions (a refused `SUBSCRIBE`
+//! is told apart from a granted one by a `PING` that only a RESP2 subscriber answers as a
+//! subscriber). [Redlock](RedlockBackend) waits
 //! poll with backoff (each node's release still announces itself). Semaphores poll their slots
 //! with backoff.
 //!

@@ -344,7 +344,15 @@ async fn reconcile(
         return None;
     }
     let outcome = if wanted {
-        tokio::time::timeout(wakes.timeout, sink.subscribe(&channel[..])).await
+        let first = subscribed.is_empty();
+        tokio::time::timeout(wakes.timeout, async {
+            sink.subscribe(&channel[..]).await?;
+            if first {
+                confirm_subscribed(sink).await?;
+            }
+            Ok(())
+        })
+        .await
     } else {
         tokio::time::timeout(wakes.timeout, sink.unsubscribe(&channel[..])).await
     };
@@ -374,6 +382,24 @@ async fn reconcile(
             Some(Ended::Dropped)
         }
         Err(_) => Some(Ended::Dropped),
+    }
+}
+
+/// Checks that the connection is subscribed after its first `SUBSCRIBE`: the driver's sink
+/// answers `Ok` even when the server refused it (a `NOPERM` for the command or the channel),
+/// so a `PING` follows, which a subscribed connection answers `["pong", message]` and any
+/// other answers as a plain reply. Anything but the subscribed answer is taken as a refusal
+/// (also on `protocol=resp3`, whose answer is plain: its waiters poll).
+async fn confirm_subscribed(sink: &mut PubSubSink) -> redis::RedisResult<()> {
+    match sink.ping_message::<redis::Value>("dlock").await? {
+        redis::Value::Array(items) if matches!(items.first(), Some(redis::Value::BulkString(kind)) if kind == b"pong") => {
+            Ok(())
+        }
+        _ => Err(redis::RedisError::from((
+            ErrorKind::Server(ServerErrorKind::NoPerm),
+            "NOPERM",
+            "the server did not subscribe the connection (SUBSCRIBE refused)".to_owned(),
+        ))),
     }
 }
 
