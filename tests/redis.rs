@@ -203,7 +203,8 @@ async fn paths_taken(server: &RedisServer) {
 /// in turn (no bare-name probe: one round trip fewer than probing on Redis 8.4+ and Valkey
 /// 9.0+), and every later cycle is two round trips on every flavour. Without fencing, so that
 /// the acquisition is a plain `SET` and the only script is the release's, whose `GET` and
-/// `DEL` (counted by the server like commands of their own) are left out.
+/// `DEL` (counted by the server like commands of their own) are left out, as is the release's
+/// `PUBLISH` (see `tests/redis_wake.rs`).
 async fn commands_per_cycle(server: &RedisServer) {
     // Loads the scripts, so that no NOSCRIPT + EVAL is counted below.
     let warm = LockProvider::connect(&server.url("fencing=false"))
@@ -224,7 +225,10 @@ async fn commands_per_cycle(server: &RedisServer) {
         guard.release().await.unwrap();
         let after = server.commands_sent();
         let delta = |c: &str| after.calls(c) - before.calls(c);
-        let in_scripts = delta("get") + delta("del");
+        // And the release's announcement (`PUBLISH`): inside the Lua release, or in the
+        // native delete's pipeline; after the first native delete of a connection, a round
+        // trip of its own, left out too.
+        let in_scripts = delta("get") + delta("del") + delta("publish");
         (
             after.total() - before.total() - in_scripts,
             delta("client|id"),
@@ -248,8 +252,8 @@ async fn commands_per_cycle(server: &RedisServer) {
 
 /// What an acquire + release costs with fencing tokens (the default), once the connection is
 /// warm: two round trips, the fenced acquisition script (`SET NX PX` and `INCR` inside it) and
-/// the release (the flavour's native delete, or the Lua one), exactly what a raw client issuing
-/// fencing tokens sends. No `CLIENT ID` (learnt once per connection, pipelined), no `EVAL`
+/// the release (the flavour's native delete, or the Lua one), what a raw client issuing fencing
+/// tokens sends, plus the release's `PUBLISH` that wakes waiters. No `CLIENT ID` (learnt once per connection, pipelined), no `EVAL`
 /// (scripts stay loaded), no `PTTL`, no separate `INCR`, no error answer.
 async fn fenced_commands_per_cycle(server: &RedisServer) {
     let backend = RedisBackend::connect(&server.url("lease=10s"))
@@ -264,9 +268,11 @@ async fn fenced_commands_per_cycle(server: &RedisServer) {
         assert!(guard.fencing_token().is_some());
         guard.release().await.unwrap();
     }
+    // Every release announces itself to waiters (`PUBLISH`, inside the Lua release or
+    // pipelined with the native delete), still within the release's round trip.
     let release: &[(&str, u64)] = match expect(server.flavor).release {
-        "evalsha" => &[("evalsha", 2), ("get", 1), ("del", 1)],
-        native => &[("evalsha", 1), (native, 1)],
+        "evalsha" => &[("evalsha", 2), ("get", 1), ("del", 1), ("publish", 1)],
+        native => &[("evalsha", 1), (native, 1), ("publish", 1)],
     };
     let mut expected: Vec<(String, u64)> = [("set", 1), ("incr", 1)]
         .iter()

@@ -132,6 +132,21 @@ impl Row {
         }
     }
 
+    /// A figure shown as `text`, whose `value` (in ns when `unit` is "ns") is held to
+    /// `target`.
+    pub fn text_figure(
+        section: &str,
+        name: &str,
+        text: String,
+        value: f64,
+        unit: &str,
+        target: Target,
+    ) -> Row {
+        let mut row = Row::figure(section, name, value, unit, target);
+        row.figure = text;
+        row
+    }
+
     /// A figure without a numeric target.
     pub fn info(section: &str, name: &str, figure: String) -> Row {
         Row {

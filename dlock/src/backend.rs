@@ -40,7 +40,9 @@ pub struct LockRequest<'a> {
     pub shared: bool,
     /// Set on each try of a wait that the provider polls (a backend without native waits,
     /// asked to wait): the longest pause the provider may take before its next try (the
-    /// backoff's longest pause with its jitter, cut to what is left of the timeout). `None`
+    /// backoff's longest pause with its jitter, or while the backend's
+    /// [wake-ups](LockBackend::watch_releases) are live its fallback poll, cut to what is left
+    /// of the timeout). `None`
     /// for a single try. A lease backend with read locks uses it on an exclusive request to
     /// hold new readers back while the writer waits, for a few such pauses after its last try
     /// (see the backend's docs).
@@ -244,6 +246,43 @@ pub trait HeldLock: Send + Sync + Debug + 'static {
     }
 }
 
+/// What one try of a polled wait found (see [`LockBackend::try_acquire_in_wait`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum WaitTry {
+    /// The lock was taken.
+    Acquired(Acquired),
+    /// The lock is held elsewhere.
+    Held {
+        /// How long until the lock may be free with nothing to wake the waiter (the holder's
+        /// lease running out: a holder that died never releases), or until the backend needs
+        /// the next try for its own bookkeeping, when the backend knows. A wait woken by
+        /// releases ([`LockBackend::watch_releases`]) tries again no later than that. `None`:
+        /// unknown.
+        retry_within: Option<Duration>,
+    },
+}
+
+/// One waiter's watch on the releases of one key, from [`LockBackend::watch_releases`]: it
+/// lets a polled wait sleep until the lock is given back instead of polling often. Wake-ups
+/// may be missed (a dropped connection, a release by a client that does not announce it), so
+/// the provider still tries again after a long pause, and polls with its backoff while the
+/// watch is not live. Dropping the watch ends it.
+pub trait ReleaseWatch: Send + Debug {
+    /// Whether wake-ups are being delivered now (the backend's subscription is in place).
+    /// While not, the provider polls with its backoff, as without a watch.
+    fn is_live(&self) -> bool;
+
+    /// Forgets the wake-ups seen so far. The provider calls it just before each try, so that
+    /// a release during the try still ends the next [`woken`](ReleaseWatch::woken).
+    fn mark_seen(&mut self);
+
+    /// Resolves at the first wake-up (or change of [`is_live`](ReleaseWatch::is_live)) since
+    /// the last [`mark_seen`](ReleaseWatch::mark_seen), at once if one came already. Cancel
+    /// safe: dropping the future loses no wake-up.
+    fn woken(&mut self) -> BoxFuture<'_, ()>;
+}
+
 /// A lock store.
 ///
 /// # Cancel safety
@@ -272,6 +311,38 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         &'a self,
         request: LockRequest<'a>,
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>>;
+
+    /// One try of a wait the provider polls: as [`try_acquire`](LockBackend::try_acquire),
+    /// and on contention, when the backend knows it, how soon the lock may be free with no
+    /// release to wake the waiter ([`WaitTry::Held`]). The default calls `try_acquire` and
+    /// says nothing more.
+    fn try_acquire_in_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<WaitTry, LockError>> {
+        let attempt = self.try_acquire(request);
+        Box::pin(async move {
+            Ok(match attempt.await? {
+                Some(acquired) => WaitTry::Acquired(acquired),
+                None => WaitTry::Held { retry_within: None },
+            })
+        })
+    }
+
+    /// Starts watching the releases of `key` for a waiter, after a try of a polled wait met
+    /// contention: `Some` when the backend can wake waiters (the provider then tries once
+    /// more at once, in case the lock was given back before the watch was in place, and
+    /// sleeps until a wake-up or a long pause, see [`Backoff::fallback_poll`](crate::Backoff::fallback_poll)).
+    /// `None` (the default) when it cannot, or cannot now: the provider polls with its
+    /// backoff. A backend that fails to set up its watch answers `None` rather than an error:
+    /// waits still work by polling.
+    fn watch_releases<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
+        let _ = request;
+        Box::pin(async { None })
+    }
 
     /// Waits on the server for up to `timeout` (which may be [`Duration::MAX`], for no limit):
     /// `Ok(None)` when it ran out. Called only when

@@ -12,6 +12,13 @@ use crate::time::{MAX_SETTING, check_setting};
 /// in step. A pause never runs past the acquisition's deadline: the last try happens at the
 /// deadline, so a timeout answers after at least the timeout and at most one pause more.
 ///
+/// A backend that wakes its waiters when a lock is given back (Redis and Valkey, see
+/// [`LockBackend::watch_releases`](crate::backend::LockBackend::watch_releases)) is polled
+/// far less: after a try that met contention, the waiter sleeps until a wake-up, the end of
+/// the holder's lease when the backend said it, or at most [`fallback_poll`](Backoff::fallback_poll)
+/// (default 15 s), whichever comes first; it polls with the pauses above only while the
+/// backend's wake-ups are not being delivered.
+///
 /// ```
 /// use std::time::Duration;
 /// let backoff = dlock::Backoff::new(Duration::from_millis(10), Duration::from_millis(500), 0.25)?;
@@ -23,15 +30,20 @@ pub struct Backoff {
     initial: Duration,
     max: Duration,
     jitter: f64,
+    fallback: Duration,
 }
 
+/// The default [`Backoff::fallback_poll`].
+const DEFAULT_FALLBACK_POLL: Duration = Duration::from_secs(15);
+
 impl Default for Backoff {
-    /// 10 ms first pause, doubling up to 500 ms, ±25 % jitter.
+    /// 10 ms first pause, doubling up to 500 ms, ±25 % jitter; 15 s fallback poll.
     fn default() -> Self {
         Backoff {
             initial: Duration::from_millis(10),
             max: Duration::from_millis(500),
             jitter: 0.25,
+            fallback: DEFAULT_FALLBACK_POLL,
         }
     }
 }
@@ -44,6 +56,7 @@ impl Backoff {
             initial,
             max,
             jitter: 0.0,
+            fallback: DEFAULT_FALLBACK_POLL,
         }
     }
 
@@ -74,7 +87,49 @@ impl Backoff {
             initial,
             max,
             jitter,
+            fallback: DEFAULT_FALLBACK_POLL,
         })
+    }
+
+    /// The same policy with another fallback poll: the longest pause between two tries of a
+    /// wait whose backend wakes it on releases (see the [type docs](Backoff)), the bound on how
+    /// late a waiter notices a release that sent no wake-up (a client that does not announce
+    /// its releases, a Redis user refused `PUBLISH`). Shorter costs more server commands per
+    /// waiter; the end of the holder's lease is noticed on time either way.
+    ///
+    /// Errors with [`LockError::Config`] when `fallback` is zero or longer than 365 days.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let backoff = dlock::Backoff::default().with_fallback_poll(Duration::from_secs(5))?;
+    /// assert_eq!(backoff.fallback_poll(), Duration::from_secs(5));
+    /// # Ok::<(), dlock::LockError>(())
+    /// ```
+    pub fn with_fallback_poll(mut self, fallback: Duration) -> Result<Self, LockError> {
+        check_setting(
+            "backoff: the fallback poll",
+            fallback,
+            Duration::from_nanos(1),
+            MAX_SETTING,
+        )?;
+        self.fallback = fallback;
+        Ok(self)
+    }
+
+    /// The longest pause of a wait woken by releases (default 15 s; see
+    /// [`with_fallback_poll`](Backoff::with_fallback_poll)).
+    pub fn fallback_poll(&self) -> Duration {
+        self.fallback
+    }
+
+    /// A fallback pause with jitter: between `1 - jitter` times the fallback poll and the
+    /// fallback poll itself (never longer), so that waiters spread out.
+    pub(crate) fn fallback_delay(&self) -> Duration {
+        if self.jitter == 0.0 {
+            return self.fallback;
+        }
+        let factor = 1.0 - self.jitter * fastrand::f64();
+        self.fallback.mul_f64(factor.max(0.0))
     }
 
     /// The first pause, before jitter.
@@ -133,6 +188,12 @@ impl Pauses {
     pub(crate) fn next_pause(&mut self) -> Option<Duration> {
         let pause = self.backoff.delay(self.attempt);
         self.attempt = self.attempt.saturating_add(1);
+        self.cut(pause)
+    }
+
+    /// `pause` cut to what is left before the deadline, or `None` when the deadline has
+    /// passed.
+    pub(crate) fn cut(&self, pause: Duration) -> Option<Duration> {
         match self.deadline {
             None => Some(pause),
             Some(deadline) => {

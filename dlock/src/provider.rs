@@ -10,7 +10,7 @@ use opentelemetry::metrics::Meter;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::backend::{Acquired, LockBackend, LockRequest};
+use crate::backend::{Acquired, LockBackend, LockRequest, ReleaseWatch, WaitTry};
 use crate::backoff::Pauses;
 use crate::key::validate_key;
 use crate::metrics::{Metrics, OptIn};
@@ -181,7 +181,9 @@ impl LockProvider {
     /// Takes the lock, waiting up to `timeout` for it.
     ///
     /// Backends with a blocking wait of their own (PostgreSQL, MySQL, SQL Server, Oracle) wait
-    /// on the server; the others are polled with exponential backoff and jitter. Returns
+    /// on the server; Redis and Valkey wake their waiters when the lock is released, and are
+    /// polled only as a fallback (see [`Backoff`]); the others are polled with exponential
+    /// backoff and jitter. Returns
     /// [`LockError::Timeout`] after at least `timeout` (and at most one backoff pause more).
     /// `Duration::ZERO` is one try (contention is then [`LockError::AlreadyHeld`]);
     /// `Duration::MAX` waits without limit.
@@ -553,8 +555,14 @@ impl LockProvider {
     }
 }
 
-/// Polls `backend` with backoff until the lock is taken or the deadline passes. The last try
-/// happens at the deadline, so a timeout is answered after at least `timeout`.
+/// Polls `backend` until the lock is taken or the deadline passes. The last try happens at the
+/// deadline, so a timeout is answered after at least `timeout`.
+///
+/// After the first try that meets contention, the backend is asked for a watch on the key's
+/// releases ([`LockBackend::watch_releases`]). While that watch is live, the wait tries again
+/// at each wake-up, and otherwise after the backend's `retry_within` (the holder's lease
+/// running out) or the backoff's fallback poll, whichever is shorter; while it is not (or
+/// without one), it polls with the backoff's pauses.
 async fn poll(
     backend: &dyn LockBackend,
     request: LockRequest<'_>,
@@ -566,26 +574,65 @@ async fn poll(
     let mut pauses = Pauses::new(*backoff, deadline);
     // The longest pause the backoff takes, jitter included.
     let longest = backoff.max().mul_f64(1.0 + backoff.jitter());
+    let mut watch: Option<Box<dyn ReleaseWatch>> = None;
+    let mut asked_for_watch = false;
     loop {
+        let live = watch.as_ref().is_some_and(|watch| watch.is_live());
+        let longest = if live {
+            backoff.fallback_poll()
+        } else {
+            longest
+        };
         let left = deadline.map_or(longest, |deadline| {
             deadline.saturating_duration_since(Instant::now())
         });
         let request = request.with_poll_pause(Some(longest.min(left)));
-        match backend.try_acquire(request).await {
-            Ok(Some(acquired)) => return Ok(acquired),
-            Ok(None) => {}
+        if let Some(watch) = &mut watch {
+            watch.mark_seen();
+        }
+        let retry_within = match backend.try_acquire_in_wait(request).await {
+            Ok(WaitTry::Acquired(acquired)) => return Ok(acquired),
+            Ok(WaitTry::Held { retry_within }) => retry_within,
             // Taken, but the store's answer came too late to count on the lease; the backend
             // gave it back. A wait tries again (see `LockBackend::try_acquire`).
-            Err(LockError::Lost { .. }) => {}
+            Err(LockError::Lost { .. }) => None,
             Err(err) => return Err(err),
+        };
+        if !asked_for_watch {
+            asked_for_watch = true;
+            let watching = backend.watch_releases(request);
+            watch = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline.into(), watching)
+                    .await
+                    .unwrap_or(None),
+                None => watching.await,
+            };
+            if watch.as_ref().is_some_and(|watch| watch.is_live()) {
+                // The lock may have been given back before the watch was in place, with no
+                // wake-up for this waiter: one more try at once.
+                continue;
+            }
         }
-        let Some(pause) = pauses.next_pause() else {
+        let live = watch.as_ref().is_some_and(|watch| watch.is_live());
+        let pause = if live {
+            let fallback = backoff.fallback_delay();
+            pauses.cut(retry_within.map_or(fallback, |within| within.min(fallback)))
+        } else {
+            pauses.next_pause()
+        };
+        let Some(pause) = pause else {
             return Err(LockError::Timeout {
                 key: Arc::clone(slot.key()),
                 timeout,
             });
         };
-        tokio::time::sleep(pause).await;
+        match &mut watch {
+            Some(watch) => tokio::select! {
+                () = tokio::time::sleep(pause) => {}
+                () = watch.woken() => {}
+            },
+            None => tokio::time::sleep(pause).await,
+        }
     }
 }
 
@@ -1090,6 +1137,85 @@ mod tests {
         let guard = locks.acquire("a", Duration::from_secs(30)).await.unwrap();
         assert_eq!(backend.store().tries, 4);
         drop(guard);
+    }
+
+    fn watched() -> MemoryBackend {
+        MemoryBackend {
+            wakes: Some(Arc::new(tokio::sync::watch::channel(0).0)),
+            ..MemoryBackend::default()
+        }
+    }
+
+    async fn tries_reach(backend: &MemoryBackend, n: usize) {
+        while backend.store().tries < n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// With a live watch, a wait tries once more after subscribing, then sleeps through its
+    /// hour-long fallback poll until a wake-up; a release between its tries is not missed.
+    #[tokio::test]
+    async fn a_watched_wait_sleeps_until_woken() {
+        let backend = watched();
+        let hour = Backoff::default()
+            .with_fallback_poll(Duration::from_secs(3600))
+            .unwrap();
+        let locks = LockProvider::builder(backend.clone()).backoff(hour).build();
+        backend.hold_elsewhere("a");
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        tries_reach(&backend, 2).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert_eq!(backend.store().tries, 2, "the wait polled");
+        assert!(!waiter.is_finished());
+        backend.free("a");
+        backend.wake();
+        let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("woken")
+            .unwrap()
+            .unwrap();
+        assert_eq!(backend.store().tries, 3);
+        drop(guard);
+    }
+
+    /// Without a wake-up, a watched wait tries again after the `retry_within` its try
+    /// reported (a lease running out), long before its fallback poll; and it still times out
+    /// at its deadline.
+    #[tokio::test]
+    async fn a_watched_wait_tries_again_when_the_lease_ends() {
+        let backend = watched();
+        backend.store().retry_within = Some(Duration::from_millis(30));
+        let hour = Backoff::default()
+            .with_fallback_poll(Duration::from_secs(3600))
+            .unwrap();
+        let locks = LockProvider::builder(backend.clone()).backoff(hour).build();
+        backend.hold_elsewhere("a");
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        tries_reach(&backend, 3).await;
+        backend.free("a");
+        let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("tried again at the lease's end")
+            .unwrap()
+            .unwrap();
+        drop(guard);
+
+        backend.store().retry_within = None;
+        backend.hold_elsewhere("b");
+        let started = Instant::now();
+        let err = locks
+            .acquire("b", Duration::from_millis(80))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Timeout { .. }), "{err:?}");
+        assert!(started.elapsed() >= Duration::from_millis(80));
+        assert!(started.elapsed() < Duration::from_secs(20));
     }
 
     #[tokio::test]

@@ -14,7 +14,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, HeldLock, LeaseDeadline, LockBackend, LockRequest};
+use crate::backend::{
+    Acquired, BoxFuture, HeldLock, LeaseDeadline, LockBackend, LockRequest, ReleaseWatch, WaitTry,
+};
 
 /// A forced answer to the next `try_acquire`.
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +45,8 @@ pub(crate) struct Store {
     pub(crate) release_gate: Option<Arc<Notify>>,
     /// When set, locks are granted with this local lease deadline.
     pub(crate) lease_deadline: Option<Instant>,
+    /// What a try of a wait reports on contention.
+    pub(crate) retry_within: Option<Duration>,
 }
 
 /// The backend: clones share one store.
@@ -52,6 +56,28 @@ pub(crate) struct MemoryBackend {
     pub(crate) native_wait: bool,
     /// Notified on every release.
     pub(crate) released: Arc<Notify>,
+    /// Wake-ups for waiters, when set: [`MemoryBackend::wake`] sends one.
+    pub(crate) wakes: Option<Arc<tokio::sync::watch::Sender<u64>>>,
+}
+
+/// A waiter's watch on a [`MemoryBackend`]'s wake-ups (always live).
+#[derive(Debug)]
+struct MemoryWatch(tokio::sync::watch::Receiver<u64>);
+
+impl ReleaseWatch for MemoryWatch {
+    fn is_live(&self) -> bool {
+        true
+    }
+
+    fn mark_seen(&mut self) {
+        self.0.borrow_and_update();
+    }
+
+    fn woken(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = self.0.changed().await;
+        })
+    }
 }
 
 impl MemoryBackend {
@@ -66,6 +92,13 @@ impl MemoryBackend {
 
     pub(crate) fn free(&self, key: &str) {
         self.store().held.remove(key);
+    }
+
+    /// Wakes every waiter.
+    pub(crate) fn wake(&self) {
+        if let Some(wakes) = &self.wakes {
+            wakes.send_modify(|n| *n += 1);
+        }
     }
 
     pub(crate) fn is_held(&self, key: &str) -> bool {
@@ -124,6 +157,31 @@ impl LockBackend for MemoryBackend {
                 Some(Answer::Fail) => Err(LockError::backend("memory", "failed", None, None)),
                 None => self.grant(request),
             }
+        })
+    }
+
+    fn try_acquire_in_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<WaitTry, LockError>> {
+        Box::pin(async move {
+            Ok(match self.try_acquire(request).await? {
+                Some(acquired) => WaitTry::Acquired(acquired),
+                None => WaitTry::Held {
+                    retry_within: self.store().retry_within,
+                },
+            })
+        })
+    }
+
+    fn watch_releases<'a>(
+        &'a self,
+        _request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
+        Box::pin(async move {
+            self.wakes
+                .as_ref()
+                .map(|wakes| Box::new(MemoryWatch(wakes.subscribe())) as Box<dyn ReleaseWatch>)
         })
     }
 

@@ -16,19 +16,32 @@ use super::sentinel::{Sentinels, points_elsewhere};
 use super::token::OwnerToken;
 
 /// Takes a free lock and bumps its fencing counter in one step.
-/// `KEYS[1]` lock, `KEYS[2]` counter; `ARGV[1]` token, `ARGV[2]` lease in ms.
-/// Returns the new counter value, or nil when the lock is held.
+/// `KEYS[1]` lock, `KEYS[2]` counter; `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]`
+/// (optional, a waiter's try) asks for the holder's time to live on contention.
+/// Returns the new counter value; when the lock is held, nil, or for a waiter's try
+/// `{pttl}` (-3 when the user may not run `PTTL`: asked with `pcall`, so that the grant stays
+/// optional).
 pub(crate) const ACQUIRE_FENCED_LUA: &str = "\
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
+if ARGV[3] then
+  local t = redis.pcall('PTTL', KEYS[1])
+  if type(t) ~= 'number' then
+    t = -3
+  end
+  return {t}
+end
 return false";
 
-/// Deletes the lock if `ARGV[1]` owns it: 1 deleted, 0 no such key, -1 another owner.
+/// Deletes the lock if `ARGV[1]` owns it: 1 deleted, 0 no such key, -1 another owner. A
+/// deletion is announced on the channel named as the lock key, which wakes the lock's
+/// waiters (with `pcall`: a user refused `PUBLISH` still releases, and its waiters poll).
 pub(crate) const RELEASE_LUA: &str = "\
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  redis.pcall('PUBLISH', KEYS[1], '')
   return 1
 end
 if v then
@@ -126,6 +139,16 @@ pub(crate) struct FenceState {
     pub(crate) not_fenced: AtomicU64,
 }
 
+/// What an acquisition's command found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Taking {
+    /// Taken, with its fencing token when fenced.
+    Taken(Option<u64>),
+    /// Held elsewhere; the holder's time to live in ms (`PTTL`: -1 no expiry, -2 gone), when
+    /// asked for and read.
+    Held(Option<i64>),
+}
+
 /// How a release or extension was carried out, for diagnostics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -177,6 +200,8 @@ pub(crate) struct Conn {
     probe_first: AtomicBool,
     /// Connection fencing: whether it is on, and what it did.
     pub(crate) fence: FenceState,
+    /// Set once the server refused a release's `PUBLISH` (warned once).
+    publish_refused: AtomicBool,
 }
 
 /// A connection's master behind Sentinel.
@@ -422,6 +447,7 @@ impl Conn {
             watches: Mutex::new(Vec::new()),
             probe_first: AtomicBool::new(false),
             fence: FenceState::default(),
+            publish_refused: AtomicBool::new(false),
         }
     }
 
@@ -728,6 +754,73 @@ impl Conn {
         outcome
     }
 
+    /// Sends `cmd` and, in the same pipeline, `PUBLISH channel ""`, the announcement that wakes
+    /// the waiters of a lock given back (see [Waiting](super#waiting)). `cmd`'s answer is the
+    /// outcome; the announcement's is only logged (a user refused `PUBLISH` is warned once, and
+    /// its releases wake nobody: waiters notice them at their next poll). The announcement is
+    /// sent whatever `cmd` finds: a waiter woken for nothing tries once and waits again.
+    async fn query_announcing(&self, cmd: &Cmd, channel: &[u8]) -> Result<Value, RedisError> {
+        self.repair().await;
+        self.watch_if_reconnecting();
+        let mut manager = self.manager();
+        let caps = self.caps();
+        let ask_id = caps.client_id.is_none() && self.fencing_on();
+        let mut pipe = redis::pipe();
+        if ask_id {
+            pipe.cmd("CLIENT").arg("ID");
+        }
+        pipe.add_command(cmd.clone())
+            .cmd("PUBLISH")
+            .arg(channel)
+            .arg("")
+            .ignore_errors();
+        let outcome = match unwind_to_error(pipe.query_async::<Vec<Value>>(&mut manager)).await {
+            Ok(replies) => {
+                let mut replies = replies.into_iter();
+                if ask_id && let Some(id) = replies.next() {
+                    self.record_client_id(caps.generation, as_result(id));
+                }
+                let reply = match replies.next() {
+                    Some(reply) => as_result(reply),
+                    None => Err(unexpected("a pipeline", &Value::Nil)),
+                };
+                if let Some(Err(err)) = replies.next().map(as_result) {
+                    self.announcement_refused(&err);
+                }
+                reply
+            }
+            Err(err) => Err(err),
+        };
+        self.after_driver_panic(&outcome);
+        self.forget_on_failure(&outcome);
+        outcome
+    }
+
+    /// `PUBLISH channel ""` on its own: a release's announcement (see
+    /// [`Conn::query_announcing`]). Best effort.
+    pub(crate) async fn announce(&self, channel: &[u8]) {
+        let mut publish = redis::cmd("PUBLISH");
+        publish.arg(channel).arg("");
+        if let Err(err) = self.query(&publish).await {
+            self.announcement_refused(&err);
+        }
+    }
+
+    fn announcement_refused(&self, err: &RedisError) {
+        if err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+            && !self.publish_refused.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                error = %err,
+                "redis releases cannot wake waiters: the server refused PUBLISH (grant the \
+                 Redis user `+publish` and the channels `&<prefix>{{*`, see Permissions in the \
+                 dlock::redis docs); waiters notice releases at their next poll"
+            );
+        } else {
+            tracing::debug!(error = %err, "a release's announcement failed");
+        }
+    }
+
     /// Whether uncertain commands are fenced: the backend can open another connection (it
     /// was built from a client), and the user may run `CLIENT ID` and `CLIENT KILL`.
     pub(crate) fn fencing_on(&self) -> bool {
@@ -885,31 +978,20 @@ impl Conn {
     }
 
     /// `SET key token NX PX lease`, or with a fencing counter, the script that also bumps it.
-    /// `Ok(None)` when the lock is held; `Ok(Some(fencing))` when taken.
-    pub(crate) async fn acquire(
+    /// `Taken(fencing)` when taken; `Held(ttl)` when the lock is held, with the holder's
+    /// time to live in ms when `ttl` was asked for (a waiter's try) and could be read. With
+    /// `wait`, `WAIT replicas timeout` follows on the same connection: the second value is how
+    /// many replicas acknowledged the write (`None` without `wait`). `WAIT` counts the replicas
+    /// that have every write of the connection so far, the acquisition's included.
+    pub(crate) async fn take(
         &self,
         key: &[u8],
         fence_key: Option<&[u8]>,
         token: &OwnerToken,
         lease: Duration,
-    ) -> Result<Option<Option<u64>>, RedisError> {
-        self.acquire_then_wait(key, fence_key, token, lease, None)
-            .await
-            .map(|(taken, _)| taken)
-    }
-
-    /// [`Conn::acquire`], followed on the same connection by `WAIT replicas timeout` when
-    /// `wait` is given: the second value is how many replicas acknowledged the write (`None`
-    /// without `wait`). `WAIT` counts the replicas that have every write of the connection
-    /// so far, the acquisition's included.
-    pub(crate) async fn acquire_then_wait(
-        &self,
-        key: &[u8],
-        fence_key: Option<&[u8]>,
-        token: &OwnerToken,
-        lease: Duration,
+        ttl: bool,
         wait: Option<(u32, Duration)>,
-    ) -> Result<(Option<Option<u64>>, Option<u64>), RedisError> {
+    ) -> Result<(Taking, Option<u64>), RedisError> {
         let ms = millis(lease).to_string();
         let wait_cmd = wait.map(|(replicas, timeout)| {
             let mut cmd = redis::cmd("WAIT");
@@ -932,29 +1014,69 @@ impl Conn {
                     .arg("PX")
                     .arg(&ms);
                 let (reply, waited) = self.query_then(&set, wait_cmd.as_ref()).await?;
-                let taken = match reply {
-                    Value::Nil => None,
-                    _ => Some(None),
-                };
-                Ok((taken, acked(waited)?))
+                match reply {
+                    Value::Nil if ttl => {
+                        // A separate read: the plain `SET` path runs no script. Best effort.
+                        let mut pttl = redis::cmd("PTTL");
+                        pttl.arg(key);
+                        let ms = match self.query(&pttl).await {
+                            Ok(Value::Int(ms)) => Some(ms),
+                            _ => None,
+                        };
+                        Ok((Taking::Held(ms), None))
+                    }
+                    Value::Nil => Ok((Taking::Held(None), None)),
+                    _ => Ok((Taking::Taken(None), acked(waited)?)),
+                }
             }
             Some(fence_key) => {
+                let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes()];
+                if ttl {
+                    args.push(b"1");
+                }
                 let (reply, waited) = self
                     .eval_then(
                         &self.scripts.acquire_fenced,
                         &[key, fence_key],
-                        &[token.as_bytes(), ms.as_bytes()],
+                        &args,
                         wait_cmd.as_ref(),
                     )
                     .await?;
-                let taken = match reply {
-                    Value::Nil => None,
-                    Value::Int(n) => Some(u64::try_from(n).ok()),
-                    other => return Err(unexpected("the acquisition script", &other)),
-                };
-                Ok((taken, acked(waited)?))
+                match reply {
+                    Value::Nil => Ok((Taking::Held(None), None)),
+                    Value::Int(n) => Ok((Taking::Taken(u64::try_from(n).ok()), acked(waited)?)),
+                    Value::Array(items) => Ok((
+                        Taking::Held(match items.first() {
+                            Some(Value::Int(ms)) => Some(*ms),
+                            _ => None,
+                        }),
+                        None,
+                    )),
+                    other => Err(unexpected("the acquisition script", &other)),
+                }
             }
         }
+    }
+
+    /// [`take`](Conn::take) without the holder's time to live: `Ok(None)` when the lock is
+    /// held; `Ok(Some(fencing))` when taken.
+    pub(crate) async fn acquire(
+        &self,
+        key: &[u8],
+        fence_key: Option<&[u8]>,
+        token: &OwnerToken,
+        lease: Duration,
+    ) -> Result<Option<Option<u64>>, RedisError> {
+        Ok(
+            match self
+                .take(key, fence_key, token, lease, false, None)
+                .await?
+                .0
+            {
+                Taking::Taken(fencing) => Some(fencing),
+                Taking::Held(_) => None,
+            },
+        )
     }
 
     /// Whether the connection has the native delete `command` (`DELEX` or `DELIFEQ`), probed
@@ -1006,10 +1128,22 @@ impl Conn {
         if probe_first && !self.probe_native_delete(command).await? {
             return Ok(None);
         }
-        match self.query(&cmd).await {
+        // Where the command is known, the announcement of the release goes in the same
+        // round trip (see [`Conn::query_announcing`]); on a first call, after it.
+        let announced = known == Support::Yes;
+        let answer = if announced {
+            self.query_announcing(&cmd, key).await
+        } else {
+            self.query(&cmd).await
+        };
+        match answer {
             Ok(reply) => {
                 self.learn(caps.generation, |c| *command.support(c) = Support::Yes);
-                Ok(Some(self.native_outcome(key, reply).await?))
+                let outcome = self.native_outcome(key, reply).await?;
+                if !announced && outcome == ReleaseOutcome::Released {
+                    self.announce(key).await;
+                }
+                Ok(Some(outcome))
             }
             Err(err) if is_unknown_command(&err) => {
                 if known == Support::Yes {

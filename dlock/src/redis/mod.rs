@@ -131,6 +131,45 @@
 //! `:writer`, as the fencing counter. Read locks need the permissions of
 //! [Permissions](self#permissions) on every server.
 //!
+//! # Waiting
+//!
+//! A waiting [`acquire`](crate::LockProvider::acquire) (or `acquire_read`) is woken by the
+//! release it waits for instead of polling the server:
+//!
+//! - **Every release announces itself**: `PUBLISH <lock key> ""` on the channel named as the
+//!   lock key (a string of `KEYS`, so it stays in the key's Cluster slot): inside the Lua
+//!   release (with `redis.pcall`, so that a user refused `PUBLISH` still releases), in the same
+//!   pipeline as `DELEX` / `DELIFEQ` (one round trip; sent whatever the delete found), and in
+//!   a reader's release when it leaves the key without readers. Clients that are not dlock
+//!   and release a lock of the [plain layout](self#the-plain-layout-for-other-clients) wake
+//!   dlock's waiters by doing the same.
+//! - **One subscriber connection per backend**, opened on its first wait (with the client the
+//!   backend was built from), subscribes to the channel of each key its waiters wait for, and
+//!   unsubscribes when the last of them is gone; it closes after a minute without waiters. A
+//!   message wakes the key's waiters, which try again at once.
+//! - **A waiter's try reads the holder's time to live** (`PTTL`, in the acquisition script, or
+//!   after the plain `SET` without fencing). Without a wake-up, the waiter tries again just
+//!   after that lease runs out (a holder that died, a lease left to expire), or after the
+//!   backoff's [fallback poll](crate::Backoff::fallback_poll) (15 s by default, less jitter),
+//!   whichever comes first, and never past its timeout. A writer waiting for readers tries
+//!   again before its intent lapses (see [Read locks](self#read-locks)).
+//! - **Missed wake-ups**: when the subscriber connection drops (or is killed), waiters poll
+//!   with backoff meanwhile; the subscriber reconnects (50 ms, doubling to 5 s), subscribes
+//!   again, and wakes every waiter (a release may have been missed). When the runtime that ran
+//!   it shuts down, the next wait starts it again on its own runtime.
+//!
+//! The subscriber needs `+subscribe +unsubscribe` and the channels of the prefix
+//! (`&<prefix>{*`), the releases `+publish` on them (see [Permissions](self#permissions)). A
+//! server that refuses `SUBSCRIBE` turns wake-ups off for the backend (warned once): its
+//! waiters poll with backoff, as before. A refused `PUBLISH` is warned once; waiters then
+//! notice releases at their fallback poll. A backend on a `ConnectionManager` the application
+//! passed in cannot open the subscriber: its waiters poll; so do those of a backend with
+//! `protocol=resp3`, whose subscriber cannot confirm its subscriptions (a refused `SUBSCRIBE`
+//! is told apart from a granted one by a `PING` that only a RESP2 subscriber answers as a
+//! subscriber). [Redlock](RedlockBackend) waits
+//! poll with backoff (each node's release still announces itself). Semaphores poll their slots
+//! with backoff.
+//!
 //! # URL
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
@@ -268,7 +307,7 @@
 //! | Redis 7 (any server without `SET IFEQ`, `DELEX`, `DELIFEQ`) | `+set +evalsha +eval +incr +get +pexpire +del` | `+set +evalsha +eval +get +pexpire +del` |
 //!
 //! ```text
-//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels -@all +set +evalsha +eval +incr +delex +exists
+//! ACL SETUSER dlock_app on >PASSWORD resetkeys ~dlock:{* resetchannels &dlock:{* -@all +set +evalsha +eval +incr +delex +exists +pttl +publish +subscribe +unsubscribe
 //! ```
 //!
 //! End the key pattern with `{*`, not `*`: the pattern `~t:*` of a tenant with the prefix `t:`
@@ -285,6 +324,12 @@
 //! [Connection fencing](self#connection-fencing) also needs `+client|id +client|kill`; without
 //! them dlock warns once and goes on without fencing. `wait_replicas` needs `+wait`; behind
 //! Sentinel, the master's user needs `+role` (see [Sentinel](self#sentinel)).
+//!
+//! [Waiting](self#waiting) without polling needs `+publish` (releases) and `+subscribe
+//! +unsubscribe` (the subscriber), on the channels `&<prefix>{*` (`resetchannels` refuses them
+//! all), and `+pttl` (a waiter's try reads the holder's lease left); without them waits poll,
+//! and nothing fails (without `+pttl` alone, a waiter notices a holder that died only at its
+//! fallback poll).
 //!
 //! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
 //! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
@@ -420,6 +465,7 @@ mod redlock;
 mod renewals;
 mod sentinel;
 mod token;
+mod wake;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -429,7 +475,9 @@ use redis::{ErrorKind, RedisError, ServerErrorKind};
 use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest};
+use crate::backend::{
+    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseWatch, WaitTry,
+};
 use crate::key::validate_key;
 use crate::lease::safe_window;
 use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
@@ -486,12 +534,15 @@ struct Shared {
     renewals: Arc<Renewals>,
     /// Where this backend's waiting writers left intents (see [Read locks](self#read-locks)).
     intents: read::Intents,
+    /// The subscriber that wakes this backend's waiters (see [Waiting](self#waiting)).
+    wakes: Arc<wake::Wakes>,
 }
 
 impl Drop for Shared {
     fn drop(&mut self) {
         // Lets the renewal driver see that the backend is gone and end.
         self.renewals.shut_down();
+        self.wakes.shut_down();
     }
 }
 
@@ -871,6 +922,10 @@ impl RedisBuilder {
                 }
             }
         };
+        // Behind Sentinel the subscriber stays on the master found first; after a failover
+        // it reconnects there if it can (a replica gets the master's publishes too), and
+        // waiters poll with backoff while it cannot.
+        let subscriber = rebuild.as_ref().map(|(client, _)| client.clone());
         let mut conn = Conn::new(manager, rebuild);
         if let Some((sentinels, addr)) = found_master {
             conn = conn.with_sentinels(sentinels, addr);
@@ -888,6 +943,7 @@ impl RedisBuilder {
                 wait,
                 renewals: Arc::default(),
                 intents: read::Intents::default(),
+                wakes: Arc::new(wake::Wakes::new(subscriber, self.timeout)),
             }),
         })
     }
@@ -1623,120 +1679,173 @@ impl LockBackend for RedisBackend {
         request: LockRequest<'a>,
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
         Box::pin(async move {
-            let shared = &self.shared;
-            if request.shared {
-                return read::try_acquire(shared, request).await;
-            }
-            let lease = request.lease.unwrap_or(shared.lease);
-            check_lease(lease)?;
-            let token = OwnerToken::random()?;
-            let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
-            let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
-            // From here until the answer is read, a drop (or a failure) may leave the lock
-            // taken under our token: the cleanup deletes it again in the background.
-            let mut cleanup = Cleanup {
-                shared: Arc::clone(shared),
-                key: Arc::clone(&lock_key),
-                token: token.clone(),
-                armed: true,
-                read: false,
-            };
-            let sent = Instant::now();
-            let (taken, acked) = shared
-                .bounded(
-                    "acquiring a lock",
-                    shared.conn.acquire_then_wait(
-                        &lock_key,
-                        fence.as_deref(),
-                        &token,
-                        lease,
-                        shared.wait,
-                    ),
-                )
-                .await?;
-            let Some(fencing_token) = taken else {
-                cleanup.armed = false;
-                if let Some(pause) = request.poll_pause {
-                    read::writer_waits(shared, &lock_key, pause).await;
-                }
-                return Ok(None);
-            };
-            // The lease began when the server ran the command, at some moment after `sent`:
-            // an answer that comes late leaves too little of it to hold the lock, or none (the
-            // server may have let someone else take it already). Such a lock is given back,
-            // by the still armed cleanup, and reported lost: a wait tries again.
-            let took = sent.elapsed();
-            let window = answer_window(lease);
-            if took > window {
-                tracing::warn!(
-                    took_ms = took.as_millis() as u64,
-                    lease_ms = lease.as_millis() as u64,
-                    "a redis lock was taken, but the answer came too late to count on its lease; giving it back"
-                );
-                return Err(LockError::Lost {
-                    key: Arc::from(request.key),
-                    reason: format!(
-                        "the server's answer took {took:?}, more than {window:?} (40% of the \
-                         {lease:?} lease), so the lease could run out before its first renewal; \
-                         the lock was given back (use a longer lease for a server this slow)"
-                    ),
-                });
-            }
-            if let (Some((wanted, wait)), Some(acked)) = (shared.wait, acked)
-                && acked < u64::from(wanted)
-            {
-                // The still armed cleanup gives the lock back. Behind Sentinel, a master left
-                // without its replicas may have been replaced: the next command asks.
-                shared.conn.suspect_master();
-                return Err(LockError::unavailable(
-                    NAME,
-                    format!(
-                        "the lock was taken, but only {acked} of the {wanted} replicas asked for \
-                         (`wait_replicas`) acknowledged it within {wait:?}; it was given back, \
-                         since a failover could lose it (are the replicas up and connected?)"
-                    ),
-                    None,
-                ));
-            }
-            cleanup.armed = false;
-            read::writer_got(shared, &lock_key).await;
-            let lost = CancellationToken::new();
-            let (renewal, deadline) = match Renewals::register(
-                shared,
-                Arc::clone(&lock_key),
-                token.clone(),
-                lease,
-                sent,
-                lost.clone(),
-                request.renew,
-            ) {
-                Ok(registered) => registered,
-                Err(err) => {
-                    // Without renewal the lock could not be kept: give it back.
-                    let _ = shared
-                        .bounded("releasing a lock", shared.conn.release(&lock_key, &token))
-                        .await;
-                    return Err(err);
-                }
-            };
-            Ok(Some(
-                Acquired::new(
-                    fencing_token,
-                    lost.clone(),
-                    Box::new(RedisHeld {
-                        shared: Arc::clone(shared),
-                        name: Arc::from(request.key),
-                        key: lock_key,
-                        token,
-                        lost,
-                        renewal,
-                        read: false,
-                    }),
-                )
-                .with_lease_deadline(deadline),
-            ))
+            Ok(match take(&self.shared, request).await? {
+                WaitTry::Acquired(acquired) => Some(acquired),
+                _ => None,
+            })
         })
     }
+
+    /// A try that meets contention also reads the holder's time to live (in the acquisition
+    /// script, or a `PTTL` after a plain `SET`), so that a waiter tries again when the lease
+    /// runs out (see [Waiting](self#waiting)).
+    fn try_acquire_in_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<WaitTry, LockError>> {
+        Box::pin(take(&self.shared, request))
+    }
+
+    /// Subscribes to the key's channel on the backend's subscriber connection (see
+    /// [Waiting](self#waiting)).
+    fn watch_releases<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
+        Box::pin(async move {
+            let channel = self.shared.lock_key(request.key);
+            self.shared.wakes.watch(&channel).await
+        })
+    }
+}
+
+/// How long until a lock whose holder's time to live is `ttl` ms may be free with no release:
+/// just past its lease. `None` when unknown or without expiry; a key already gone answers a
+/// short pause.
+fn expiry_hint(ttl: Option<i64>) -> Option<Duration> {
+    match ttl? {
+        // Gone already (freed between the try and the read).
+        -2 => Some(Duration::from_millis(1)),
+        ms if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs().saturating_add(1))),
+        // -1: no expiry (a key set by another client without a lease); -3: not readable.
+        _ => None,
+    }
+}
+
+/// One try: the lock, or on contention how soon to try again (for a waiter's try, which has a
+/// poll pause).
+async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry, LockError> {
+    if request.shared {
+        return read::try_acquire(shared, request).await;
+    }
+    let lease = request.lease.unwrap_or(shared.lease);
+    check_lease(lease)?;
+    let token = OwnerToken::random()?;
+    let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
+    let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
+    // From here until the answer is read, a drop (or a failure) may leave the lock
+    // taken under our token: the cleanup deletes it again in the background.
+    let mut cleanup = Cleanup {
+        shared: Arc::clone(shared),
+        key: Arc::clone(&lock_key),
+        token: token.clone(),
+        armed: true,
+        read: false,
+    };
+    let sent = Instant::now();
+    let waiting = request.poll_pause.is_some();
+    let (taken, acked) = shared
+        .bounded(
+            "acquiring a lock",
+            shared.conn.take(
+                &lock_key,
+                fence.as_deref(),
+                &token,
+                lease,
+                waiting,
+                shared.wait,
+            ),
+        )
+        .await?;
+    let fencing_token = match taken {
+        commands::Taking::Taken(fencing_token) => fencing_token,
+        commands::Taking::Held(ttl) => {
+            cleanup.armed = false;
+            let mut retry_within = expiry_hint(ttl);
+            if let Some(pause) = request.poll_pause
+                && let Some(intent) = read::writer_waits(shared, &lock_key, pause).await
+            {
+                // Readers hold the key: the next try renews the intent before it lapses.
+                let renew = intent / 2;
+                retry_within = Some(retry_within.map_or(renew, |within| within.min(renew)));
+            }
+            return Ok(WaitTry::Held { retry_within });
+        }
+    };
+    // The lease began when the server ran the command, at some moment after `sent`:
+    // an answer that comes late leaves too little of it to hold the lock, or none (the
+    // server may have let someone else take it already). Such a lock is given back,
+    // by the still armed cleanup, and reported lost: a wait tries again.
+    let took = sent.elapsed();
+    let window = answer_window(lease);
+    if took > window {
+        tracing::warn!(
+            took_ms = took.as_millis() as u64,
+            lease_ms = lease.as_millis() as u64,
+            "a redis lock was taken, but the answer came too late to count on its lease; giving it back"
+        );
+        return Err(LockError::Lost {
+            key: Arc::from(request.key),
+            reason: format!(
+                "the server's answer took {took:?}, more than {window:?} (40% of the \
+                 {lease:?} lease), so the lease could run out before its first renewal; \
+                 the lock was given back (use a longer lease for a server this slow)"
+            ),
+        });
+    }
+    if let (Some((wanted, wait)), Some(acked)) = (shared.wait, acked)
+        && acked < u64::from(wanted)
+    {
+        // The still armed cleanup gives the lock back. Behind Sentinel, a master left
+        // without its replicas may have been replaced: the next command asks.
+        shared.conn.suspect_master();
+        return Err(LockError::unavailable(
+            NAME,
+            format!(
+                "the lock was taken, but only {acked} of the {wanted} replicas asked for \
+                 (`wait_replicas`) acknowledged it within {wait:?}; it was given back, \
+                 since a failover could lose it (are the replicas up and connected?)"
+            ),
+            None,
+        ));
+    }
+    cleanup.armed = false;
+    read::writer_got(shared, &lock_key).await;
+    let lost = CancellationToken::new();
+    let (renewal, deadline) = match Renewals::register(
+        shared,
+        Arc::clone(&lock_key),
+        token.clone(),
+        lease,
+        sent,
+        lost.clone(),
+        request.renew,
+    ) {
+        Ok(registered) => registered,
+        Err(err) => {
+            // Without renewal the lock could not be kept: give it back.
+            let _ = shared
+                .bounded("releasing a lock", shared.conn.release(&lock_key, &token))
+                .await;
+            return Err(err);
+        }
+    };
+    Ok(WaitTry::Acquired(
+        Acquired::new(
+            fencing_token,
+            lost.clone(),
+            Box::new(RedisHeld {
+                shared: Arc::clone(shared),
+                name: Arc::from(request.key),
+                key: lock_key,
+                token,
+                lost,
+                renewal,
+                read: false,
+            }),
+        )
+        .with_lease_deadline(deadline),
+    ))
 }
 
 /// Gives back a possibly taken lock (or reader's share) of an acquisition that did not finish.

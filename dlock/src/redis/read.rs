@@ -17,7 +17,7 @@ use super::{
     check_lease, fence_key,
 };
 use crate::LockError;
-use crate::backend::{Acquired, LockRequest, ReleaseOutcome};
+use crate::backend::{Acquired, LockRequest, ReleaseOutcome, WaitTry};
 
 /// The server's time in milliseconds, in a script (`TIME`: seconds and microseconds).
 macro_rules! now_ms {
@@ -47,16 +47,28 @@ end
 }
 
 /// Takes a reader's share: `KEYS[1]` lock, `KEYS[2]` readers, `KEYS[3]` writer's intent,
-/// `KEYS[4]` fencing counter (absent without fencing); `ARGV[1]` token, `ARGV[2]` lease in ms.
-/// Returns the new counter value (0 without fencing), or nil when a writer holds the key
-/// (any non-empty value) or waits for it.
+/// `KEYS[4]` fencing counter (absent without fencing); `ARGV[1]` token, `ARGV[2]` lease in ms,
+/// `ARGV[3]` (optional, a waiter's try) asks for how long the contention may last.
+/// Returns the new counter value (0 without fencing), or when a writer holds the key (any
+/// non-empty value) or waits for it, nil, or for a waiter's try `{pttl}` of the writer's lock
+/// or intent (-3 when the user may not run `PTTL`, asked with `pcall`).
 pub(crate) const READ_ACQUIRE_LUA: &str = concat!(
-    "local v = redis.call('GET', KEYS[1])
+    "local function held(k)
+  if not ARGV[3] then
+    return false
+  end
+  local t = redis.pcall('PTTL', k)
+  if type(t) ~= 'number' then
+    t = -3
+  end
+  return {t}
+end
+local v = redis.call('GET', KEYS[1])
 if v and v ~= '' then
-  return false
+  return held(KEYS[1])
 end
 if redis.call('EXISTS', KEYS[3]) == 1 then
-  return false
+  return held(KEYS[3])
 end
 ",
     now_ms!(),
@@ -91,6 +103,8 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
 
 /// Gives a reader's share back: 1 released, 0 its share was gone or expired and no writer
 /// holds the key, -1 a writer holds it. `KEYS[1]` lock, `KEYS[2]` readers; `ARGV[1]` token.
+/// When no reader is left, the key is free: announced on the channel named as the lock key,
+/// which wakes its waiters (with `pcall`, as the lock's release).
 pub(crate) const READ_RELEASE_LUA: &str = concat!(
     "local v = redis.call('GET', KEYS[1])
 local s = redis.call('ZSCORE', KEYS[2], ARGV[1])
@@ -106,7 +120,10 @@ end
 ",
     now_ms!(),
     settle!(),
-    "if s and tonumber(s) > now then
+    "if not last[2] then
+  redis.pcall('PUBLISH', KEYS[1], '')
+end
+if s and tonumber(s) > now then
   return 1
 end
 return 0"
@@ -257,7 +274,7 @@ impl Intents {
 pub(super) async fn try_acquire(
     shared: &Arc<Shared>,
     request: LockRequest<'_>,
-) -> Result<Option<Acquired>, LockError> {
+) -> Result<WaitTry, LockError> {
     let lease = request.lease.unwrap_or(shared.lease);
     check_lease(lease)?;
     let token = OwnerToken::random()?;
@@ -279,14 +296,27 @@ pub(super) async fn try_acquire(
         armed: true,
         read: true,
     };
-    let args = [token.as_bytes(), ms.as_bytes()];
+    let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes()];
+    if request.poll_pause.is_some() {
+        args.push(b"1");
+    }
     let sent = Instant::now();
     let eval = shared.conn.eval(&SCRIPTS.acquire, &keys, &args);
     let reply = shared.bounded("acquiring a read lock", eval).await?;
     let fencing_token = match reply {
         Value::Nil => {
             cleanup.armed = false;
-            return Ok(None);
+            return Ok(WaitTry::Held { retry_within: None });
+        }
+        Value::Array(items) => {
+            cleanup.armed = false;
+            let ttl = match items.first() {
+                Some(Value::Int(ms)) => Some(*ms),
+                _ => None,
+            };
+            return Ok(WaitTry::Held {
+                retry_within: super::expiry_hint(ttl),
+            });
         }
         Value::Int(n) if shared.fencing => u64::try_from(n).ok(),
         Value::Int(_) => None,
@@ -334,7 +364,7 @@ pub(super) async fn try_acquire(
             return Err(err);
         }
     };
-    Ok(Some(
+    Ok(WaitTry::Acquired(
         Acquired::new(
             fencing_token,
             lost.clone(),
@@ -414,16 +444,17 @@ pub(super) async fn verify(
 }
 
 /// A waiting writer found the lock under `key` held: if readers hold it, leaves the writer's
-/// intent for a few of its pauses ([`crate::lease::writer_intent`]). Best effort: a failure
-/// leaves it to the next poll, and a server that refuses the script (a user without scripts,
-/// who takes no read locks) is not asked again.
-pub(super) async fn writer_waits(shared: &Shared, key: &[u8], pause: Duration) {
+/// intent for a few of its pauses ([`crate::lease::writer_intent`]), and answers how long the
+/// intent lasts. Best effort: a failure leaves it to the next poll, and a server that refuses
+/// the script (a user without scripts, who takes no read locks) is not asked again.
+pub(super) async fn writer_waits(shared: &Shared, key: &[u8], pause: Duration) -> Option<Duration> {
     let intents = &shared.intents;
     if intents.refused.load(Ordering::Relaxed) {
-        return;
+        return None;
     }
     let intent = intent_key(shared.layout, key);
-    let ms = millis(crate::lease::writer_intent(pause));
+    let lasts = crate::lease::writer_intent(pause);
+    let ms = millis(lasts);
     let (keys, args) = ([key, &intent[..]], [ms.as_bytes()]);
     let eval = shared.conn.eval(&SCRIPTS.writer_waits, &keys, &args);
     match shared.bounded("holding readers back", eval).await {
@@ -434,14 +465,17 @@ pub(super) async fn writer_waits(shared: &Shared, key: &[u8], pause: Duration) {
             }
             keys.insert(key.to_vec());
             intents.any.store(true, Ordering::Relaxed);
+            Some(lasts)
         }
-        Ok(_) => {}
+        Ok(_) => None,
         Err(err) if err.db_code() == Some("NOPERM") => {
             intents.refused.store(true, Ordering::Relaxed);
             tracing::debug!(error = %err, "waiting writers leave no intent: the server refused its script");
+            None
         }
         Err(err) => {
             tracing::debug!(error = %err, "a waiting writer's intent could not be written");
+            None
         }
     }
 }

@@ -23,6 +23,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         wait: None,
         renewals: Arc::default(),
         intents: Default::default(),
+        wakes: Arc::new(crate::redis::wake::Wakes::new(None, timeout)),
     })
 }
 

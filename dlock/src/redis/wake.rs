@@ -1,0 +1,448 @@
+//! Wake-ups for waiters (see [Waiting](super#waiting)): one subscriber connection per backend,
+//! opened on the first wait, subscribed to the channel of each key a waiter of this backend
+//! watches (the channel is named as the lock key), and fanning each message out to the
+//! key's watchers.
+//!
+//! One task, the driver, owns the connection: it connects (again, after a drop), subscribes and
+//! unsubscribes channels to match the keys watched, and delivers messages. Watchers see a
+//! [`Signal`] per channel: its `wakes` count goes up at each message, and `live` says whether
+//! the channel is subscribed on a connection right now. Any change of the signal wakes them:
+//! a message, a dropped connection (they then poll with backoff), a resubscription after a
+//! reconnection (they try again at once, since messages may have been missed meanwhile).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use redis::aio::{PubSubSink, PubSubStream};
+use redis::{ErrorKind, ServerErrorKind};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::{BoxFuture, ReleaseWatch};
+
+/// What the watchers of one channel see.
+#[derive(Debug, Clone, Copy, Default)]
+struct Signal {
+    /// Messages received on the channel (and resubscriptions, which may follow missed ones).
+    wakes: u64,
+    /// The channel is subscribed on the current connection.
+    live: bool,
+}
+
+struct Entry {
+    signal: watch::Sender<Signal>,
+    watchers: usize,
+}
+
+#[derive(Default)]
+struct Registry {
+    channels: HashMap<Arc<[u8]>, Entry>,
+    /// Channels to subscribe or unsubscribe, to the driver; `None` while no driver runs.
+    driver: Option<mpsc::UnboundedSender<Arc<[u8]>>>,
+}
+
+/// The longest pause between two connection attempts of the driver.
+const MAX_RECONNECT_PAUSE: Duration = Duration::from_secs(5);
+/// The first pause after a failed connection attempt.
+const FIRST_RECONNECT_PAUSE: Duration = Duration::from_millis(50);
+/// How long the driver keeps its connection with no key watched before it closes it.
+const IDLE: Duration = Duration::from_secs(60);
+
+/// The wake-ups of one backend.
+pub(crate) struct Wakes {
+    registry: Mutex<Registry>,
+    /// What the subscriber connects with; `None` for a backend on a connection manager the
+    /// application passed in (its waiters poll).
+    client: Option<redis::Client>,
+    timeout: Duration,
+    /// Set for good when the server refused `SUBSCRIBE` (no `+subscribe`, or no channel
+    /// permission): waiters then poll.
+    refused: AtomicBool,
+    /// Cancelled when the backend is dropped: the driver ends.
+    closed: CancellationToken,
+}
+
+impl std::fmt::Debug for Wakes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wakes")
+            .field("refused", &self.refused.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Wakes {
+    pub(crate) fn new(client: Option<redis::Client>, timeout: Duration) -> Wakes {
+        Wakes {
+            registry: Mutex::default(),
+            client,
+            timeout,
+            refused: AtomicBool::new(false),
+            closed: CancellationToken::new(),
+        }
+    }
+
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Ends the driver (the backend is gone).
+    pub(crate) fn shut_down(&self) {
+        self.closed.cancel();
+    }
+
+    /// Whether wake-ups can be had at all.
+    fn available(&self) -> bool {
+        self.client.is_some() && !self.refused.load(Ordering::Relaxed)
+    }
+
+    /// Starts watching `channel`: registers it, makes sure a driver runs (on this runtime if
+    /// none does), and waits (up to the command timeout) until the channel is subscribed or
+    /// the attempt failed. `None` when wake-ups are not available.
+    pub(crate) async fn watch(self: &Arc<Self>, channel: &[u8]) -> Option<Box<dyn ReleaseWatch>> {
+        if !self.available() {
+            return None;
+        }
+        let channel: Arc<[u8]> = Arc::from(channel);
+        let mut receiver = {
+            let mut registry = self.registry();
+            let entry = registry
+                .channels
+                .entry(Arc::clone(&channel))
+                .or_insert_with(|| Entry {
+                    signal: watch::channel(Signal::default()).0,
+                    watchers: 0,
+                });
+            entry.watchers += 1;
+            let receiver = entry.signal.subscribe();
+            if !receiver.borrow().live {
+                self.request(&mut registry, &channel);
+            }
+            receiver
+        };
+        let watch = RedisWatch {
+            wakes: Arc::clone(self),
+            channel,
+            receiver: receiver.clone(),
+        };
+        if !receiver.borrow_and_update().live {
+            // Until the driver has subscribed the channel, or failed to.
+            let _ = tokio::time::timeout(self.timeout, receiver.changed()).await;
+        }
+        Some(Box::new(watch))
+    }
+
+    /// Asks the driver to bring `channel` in line with the registry, starting a driver on the
+    /// current runtime when none runs (a new one subscribes every channel watched).
+    fn request(self: &Arc<Self>, registry: &mut Registry, channel: &Arc<[u8]>) {
+        if let Some(driver) = &registry.driver
+            && driver.send(Arc::clone(channel)).is_ok()
+        {
+            return;
+        }
+        registry.driver = None;
+        if !self.available() || self.closed.is_cancelled() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (sender, receiver) = mpsc::unbounded_channel();
+        registry.driver = Some(sender);
+        let wakes = Arc::clone(self);
+        drop(runtime.spawn(drive(wakes, receiver)));
+    }
+
+    /// Makes sure a driver runs while `channel` is watched (after the runtime of the last one
+    /// shut down, say).
+    fn keep_driven(self: &Arc<Self>, channel: &Arc<[u8]>) {
+        let mut registry = self.registry();
+        let running = registry
+            .driver
+            .as_ref()
+            .is_some_and(|driver| !driver.is_closed());
+        if !running {
+            self.request(&mut registry, channel);
+        }
+    }
+
+    /// Marks every channel not live (the connection is gone), waking its watchers.
+    fn all_down(&self) {
+        for entry in self.registry().channels.values() {
+            entry.signal.send_modify(|signal| signal.live = false);
+        }
+    }
+
+    /// A message on `channel`.
+    fn wake(&self, channel: &[u8]) {
+        if let Some(entry) = self.registry().channels.get(channel) {
+            entry
+                .signal
+                .send_modify(|signal| signal.wakes = signal.wakes.wrapping_add(1));
+        }
+    }
+
+    /// Whether `channel` is watched.
+    fn wanted(&self, channel: &[u8]) -> bool {
+        self.registry().channels.contains_key(channel)
+    }
+
+    /// `channel` is subscribed: live, and a wake-up (a release may have come before).
+    fn up(&self, channel: &[u8]) {
+        if let Some(entry) = self.registry().channels.get(channel) {
+            entry.signal.send_modify(|signal| {
+                signal.live = true;
+                signal.wakes = signal.wakes.wrapping_add(1);
+            });
+        }
+    }
+
+    fn watched(&self) -> Vec<Arc<[u8]>> {
+        self.registry().channels.keys().cloned().collect()
+    }
+
+    /// A watcher of `channel` is gone.
+    fn unwatch(self: &Arc<Self>, channel: &Arc<[u8]>) {
+        let mut registry = self.registry();
+        let Some(entry) = registry.channels.get_mut(channel) else {
+            return;
+        };
+        entry.watchers -= 1;
+        if entry.watchers == 0 {
+            registry.channels.remove(channel);
+            if let Some(driver) = &registry.driver {
+                let _ = driver.send(Arc::clone(channel));
+            }
+        }
+    }
+}
+
+/// Marks every channel down when the driver ends, for any reason (its runtime shutting down
+/// included), so that watchers poll, and the next watcher starts another driver.
+struct DriverGone(Arc<Wakes>);
+
+impl Drop for DriverGone {
+    fn drop(&mut self) {
+        self.0.registry().driver = None;
+        self.0.all_down();
+    }
+}
+
+/// Why a connection's session ended.
+enum Ended {
+    /// Reconnect.
+    Dropped,
+    /// Stop: the backend is gone, the server refused the subscription, or nothing was watched
+    /// for a while.
+    Stop,
+}
+
+async fn drive(wakes: Arc<Wakes>, mut requests: mpsc::UnboundedReceiver<Arc<[u8]>>) {
+    let _gone = DriverGone(Arc::clone(&wakes));
+    let Some(client) = wakes.client.clone() else {
+        return;
+    };
+    let mut pause = FIRST_RECONNECT_PAUSE;
+    loop {
+        let connecting = tokio::time::timeout(wakes.timeout, client.get_async_pubsub());
+        let connected = tokio::select! {
+            () = wakes.closed.cancelled() => return,
+            connected = connecting => connected,
+        };
+        match connected {
+            Ok(Ok(pubsub)) => {
+                pause = FIRST_RECONNECT_PAUSE;
+                let (sink, stream) = pubsub.split();
+                match session(&wakes, sink, stream, &mut requests).await {
+                    Ended::Stop => return,
+                    Ended::Dropped => {
+                        wakes.all_down();
+                        tracing::debug!("the redis subscriber connection dropped; reconnecting");
+                    }
+                }
+            }
+            Ok(Err(err)) => {
+                tracing::debug!(error = %err, "the redis subscriber could not connect; waiters poll meanwhile");
+            }
+            Err(_) => {
+                tracing::debug!(
+                    "the redis subscriber timed out connecting; waiters poll meanwhile"
+                );
+            }
+        }
+        if wakes.watched().is_empty() {
+            return;
+        }
+        tokio::select! {
+            () = wakes.closed.cancelled() => return,
+            () = tokio::time::sleep(pause) => {}
+        }
+        pause = (pause * 2).min(MAX_RECONNECT_PAUSE);
+    }
+}
+
+/// One connection's life: subscribes what is watched, then follows messages and requests.
+async fn session(
+    wakes: &Wakes,
+    mut sink: PubSubSink,
+    mut stream: PubSubStream,
+    requests: &mut mpsc::UnboundedReceiver<Arc<[u8]>>,
+) -> Ended {
+    use futures_util::StreamExt as _;
+    let mut subscribed: HashSet<Arc<[u8]>> = HashSet::new();
+    for channel in wakes.watched() {
+        if let Some(ended) = reconcile(wakes, &mut sink, &mut subscribed, channel).await {
+            return ended;
+        }
+    }
+    loop {
+        let idle = subscribed.is_empty();
+        tokio::select! {
+            () = wakes.closed.cancelled() => return Ended::Stop,
+            message = stream.next() => match message {
+                Some(message) => {
+                    if let Ok(channel) = message.get_channel::<Vec<u8>>() {
+                        wakes.wake(&channel);
+                    }
+                }
+                None => return Ended::Dropped,
+            },
+            request = requests.recv() => match request {
+                Some(channel) => {
+                    if let Some(ended) = reconcile(wakes, &mut sink, &mut subscribed, channel).await {
+                        return ended;
+                    }
+                }
+                None => return Ended::Stop,
+            },
+            () = tokio::time::sleep(IDLE), if idle => {
+                if wakes.watched().is_empty() {
+                    return Ended::Stop;
+                }
+            }
+        }
+    }
+}
+
+/// Subscribes `channel` when it is watched and not subscribed, unsubscribes it when it is
+/// subscribed and no longer watched. `Some` when the session must end.
+async fn reconcile(
+    wakes: &Wakes,
+    sink: &mut PubSubSink,
+    subscribed: &mut HashSet<Arc<[u8]>>,
+    channel: Arc<[u8]>,
+) -> Option<Ended> {
+    let wanted = wakes.wanted(&channel);
+    let have = subscribed.contains(&channel);
+    if wanted == have {
+        if wanted {
+            // Asked again for a channel that is up (a watcher that saw it down, racing the
+            // resubscription): mark it live again.
+            wakes.up(&channel);
+        }
+        return None;
+    }
+    let outcome = if wanted {
+        let first = subscribed.is_empty();
+        tokio::time::timeout(wakes.timeout, async {
+            sink.subscribe(&channel[..]).await?;
+            if first {
+                confirm_subscribed(sink).await?;
+            }
+            Ok(())
+        })
+        .await
+    } else {
+        tokio::time::timeout(wakes.timeout, sink.unsubscribe(&channel[..])).await
+    };
+    match outcome {
+        Ok(Ok(())) => {
+            if wanted {
+                subscribed.insert(Arc::clone(&channel));
+                wakes.up(&channel);
+            } else {
+                subscribed.remove(&channel);
+            }
+            None
+        }
+        Ok(Err(err)) if err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) => {
+            if !wakes.refused.swap(true, Ordering::SeqCst) {
+                tracing::warn!(
+                    error = %err,
+                    "redis waiters poll instead of being woken by releases: the server refused \
+                     SUBSCRIBE (grant the Redis user `+subscribe +unsubscribe` and the channels \
+                     `&<prefix>{{*`, see Permissions in the dlock::redis docs)"
+                );
+            }
+            Some(Ended::Stop)
+        }
+        Ok(Err(err)) => {
+            tracing::debug!(error = %err, "the redis subscriber failed; reconnecting");
+            Some(Ended::Dropped)
+        }
+        Err(_) => Some(Ended::Dropped),
+    }
+}
+
+/// Checks that the connection is subscribed after its first `SUBSCRIBE`: the driver's sink
+/// answers `Ok` even when the server refused it (a `NOPERM` for the command or the channel),
+/// so a `PING` follows, which a subscribed connection answers `["pong", message]` and any
+/// other answers as a plain reply. Anything but the subscribed answer is taken as a refusal
+/// (also on `protocol=resp3`, whose answer is plain: its waiters poll).
+async fn confirm_subscribed(sink: &mut PubSubSink) -> redis::RedisResult<()> {
+    match sink.ping_message::<redis::Value>("dlock").await? {
+        redis::Value::Array(items) if matches!(items.first(), Some(redis::Value::BulkString(kind)) if kind == b"pong") => {
+            Ok(())
+        }
+        _ => Err(redis::RedisError::from((
+            ErrorKind::Server(ServerErrorKind::NoPerm),
+            "NOPERM",
+            "the server did not subscribe the connection (SUBSCRIBE refused)".to_owned(),
+        ))),
+    }
+}
+
+/// One waiter's watch on a channel.
+struct RedisWatch {
+    wakes: Arc<Wakes>,
+    channel: Arc<[u8]>,
+    receiver: watch::Receiver<Signal>,
+}
+
+impl std::fmt::Debug for RedisWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisWatch")
+            .field("channel", &String::from_utf8_lossy(&self.channel))
+            .field("live", &self.receiver.borrow().live)
+            .finish()
+    }
+}
+
+impl Drop for RedisWatch {
+    fn drop(&mut self) {
+        self.wakes.unwatch(&self.channel);
+    }
+}
+
+impl ReleaseWatch for RedisWatch {
+    fn is_live(&self) -> bool {
+        self.receiver.borrow().live
+    }
+
+    fn mark_seen(&mut self) {
+        self.receiver.borrow_and_update();
+    }
+
+    fn woken(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if !self.receiver.borrow().live && self.wakes.available() {
+                // No driver may be running (its runtime shut down): start one here.
+                self.wakes.keep_driven(&self.channel);
+            }
+            if self.receiver.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        })
+    }
+}

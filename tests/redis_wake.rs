@@ -1,0 +1,371 @@
+//! Redis and Valkey waiters are woken by releases: each test gives the waiter a fallback poll
+//! (an hour) and a holder's lease far longer than the test's own limit, so a waiter that gets
+//! the key in time was woken, or retried at the lease's end, rather than polled. Run on Redis 7
+//! (Lua release) and Valkey 9.1 (`DELIFEQ` release, announced in the same pipeline).
+#![cfg(feature = "redis")]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use dlock::redis::RedisBackend;
+use dlock::{Backoff, LockError, LockGuard, LockProvider};
+use dlock_testkit::redis::{Flavor, RedisServer};
+use dlock_testkit::unique_key;
+
+/// Far longer than any wait below may take.
+const FALLBACK: Duration = Duration::from_secs(3600);
+/// The holders' lease: longer than the limit the tests give a waiter.
+const LEASE: &str = "lease=60s";
+/// How long a waiter that was woken may take, at most (a loaded machine).
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn slow_backoff() -> Backoff {
+    Backoff::default().with_fallback_poll(FALLBACK).unwrap()
+}
+
+async fn provider(server: &RedisServer, options: &str) -> LockProvider {
+    let backend = RedisBackend::connect(&server.url(options)).await.unwrap();
+    LockProvider::builder(backend)
+        .backoff(slow_backoff())
+        .build()
+}
+
+async fn admin(server: &RedisServer) -> redis::aio::MultiplexedConnection {
+    server
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// The subscribers of `channel` the server counts (`PUBSUB NUMSUB`).
+async fn subscribers(server: &RedisServer, channel: &[u8]) -> i64 {
+    let mut admin = admin(server).await;
+    let (_, n): (Vec<u8>, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    n
+}
+
+/// Waits (up to 20 s) until `channel` has `n` subscribers.
+async fn await_subscribers(server: &RedisServer, channel: &[u8], n: i64) {
+    for _ in 0..2000 {
+        if subscribers(server, channel).await == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the channel never had {n} subscriber(s)");
+}
+
+/// The tries the server saw: calls of the acquisition script (the locks are fenced).
+fn tries(server: &RedisServer) -> u64 {
+    let calls = server.command_calls();
+    calls.get("evalsha").copied().unwrap_or(0) + calls.get("eval").copied().unwrap_or(0)
+}
+
+fn spawn_waiter(
+    locks: &LockProvider,
+    key: &str,
+) -> tokio::task::JoinHandle<Result<LockGuard, LockError>> {
+    let (locks, key) = (locks.clone(), key.to_owned());
+    tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(600)).await })
+}
+
+/// A release wakes the waiter: it gets the key although its fallback poll is an hour and the
+/// holder's lease a minute, and it did not poll meanwhile.
+async fn woken_by_release(server: &RedisServer) {
+    let holder = provider(server, LEASE).await;
+    let waiters = provider(server, LEASE).await;
+    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+    let key = unique_key("woken");
+    let channel = backend.storage_key(&key);
+    let guard = holder.try_acquire(&key).await.unwrap();
+    let waiter = spawn_waiter(&waiters, &key);
+    await_subscribers(server, &channel, 1).await;
+    let before = tries(server);
+    // Held for a while: a polling waiter would try again meanwhile.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let polled = tries(server) - before;
+    assert_eq!(polled, 0, "the waiter polled while the key was held");
+    guard.release().await.unwrap();
+    let got = tokio::time::timeout(LIMIT, waiter)
+        .await
+        .expect("the release woke the waiter")
+        .unwrap()
+        .unwrap();
+    // Its tries after the release: one, or a few when woken early by the subscription.
+    let after = tries(server) - before;
+    assert!(after <= 4, "{after} tries after the release");
+    got.release().await.unwrap();
+    // The waiter's watch ended with its wait.
+    await_subscribers(server, &channel, 0).await;
+}
+
+/// A holder that never releases (its lease simply runs out, not renewed): the waiter, woken by
+/// nothing, tries again when the lease ends, not at its hour-long fallback poll.
+async fn lease_runs_out(server: &RedisServer) {
+    let holder = provider(server, LEASE).await;
+    let waiters = provider(server, LEASE).await;
+    let key = unique_key("expires");
+    let guard = holder
+        .lock(&key)
+        .lease(Duration::from_secs(2))
+        .renewal(false)
+        .try_acquire()
+        .await
+        .unwrap();
+    let waiter = spawn_waiter(&waiters, &key);
+    let got = tokio::time::timeout(LIMIT, waiter)
+        .await
+        .expect("the waiter got the key when the lease ran out")
+        .unwrap()
+        .unwrap();
+    assert!(got.fencing_token() > guard.fencing_token());
+    drop(guard);
+    got.release().await.unwrap();
+}
+
+/// The subscriber connection is killed while a waiter waits: it reconnects and subscribes
+/// again, and the release still reaches the waiter.
+async fn subscriber_killed(server: &RedisServer) {
+    let holder = provider(server, LEASE).await;
+    let waiters = provider(server, LEASE).await;
+    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+    let key = unique_key("killed");
+    let channel = backend.storage_key(&key);
+    let guard = holder.try_acquire(&key).await.unwrap();
+    let waiter = spawn_waiter(&waiters, &key);
+    await_subscribers(server, &channel, 1).await;
+    let mut admin = admin(server).await;
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg("KILL")
+        .arg("TYPE")
+        .arg("pubsub")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(killed, 1);
+    // Subscribed again on a new connection.
+    await_subscribers(server, &channel, 1).await;
+    guard.release().await.unwrap();
+    let got = tokio::time::timeout(LIMIT, waiter)
+        .await
+        .expect("the waiter was woken after its subscriber reconnected")
+        .unwrap()
+        .unwrap();
+    got.release().await.unwrap();
+}
+
+/// A hundred waiters over ten providers (ten backends, ten subscribers): each gets the key
+/// once, never two at a time, with fencing tokens that only go up.
+async fn hundred_waiters(server: &RedisServer) {
+    let key = unique_key("hundred");
+    let mut providers = Vec::new();
+    for _ in 0..10 {
+        providers.push(provider(server, LEASE).await);
+    }
+    let holding = Arc::new(AtomicBool::new(false));
+    let last_token = Arc::new(AtomicU64::new(0));
+    let first = providers[0].try_acquire(&key).await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let locks = providers[i % 10].clone();
+        let (key, holding, last_token) =
+            (key.clone(), Arc::clone(&holding), Arc::clone(&last_token));
+        tasks.push(tokio::spawn(async move {
+            let guard = locks.acquire(&key, Duration::from_secs(300)).await?;
+            assert!(!holding.swap(true, Ordering::SeqCst), "two holders at once");
+            let token = guard.fencing_token().unwrap();
+            let previous = last_token.swap(token, Ordering::SeqCst);
+            assert!(token > previous, "token {token} after {previous}");
+            tokio::task::yield_now().await;
+            holding.store(false, Ordering::SeqCst);
+            guard.release().await
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    first.release().await.unwrap();
+    for task in tasks {
+        tokio::time::timeout(Duration::from_secs(120), task)
+            .await
+            .expect("every waiter got the key in turn")
+            .unwrap()
+            .unwrap();
+    }
+    for locks in &providers {
+        assert_eq!(locks.local_key_count(), 0);
+    }
+}
+
+/// Waiting futures dropped mid-wait leave nothing: no subscription, no key, no local entry;
+/// the key is free once its holder lets go.
+async fn dropped_waiters(server: &RedisServer) {
+    let holder = provider(server, LEASE).await;
+    let waiters = provider(server, LEASE).await;
+    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+    let key = unique_key("dropped");
+    let channel = backend.storage_key(&key);
+    let guard = holder.try_acquire(&key).await.unwrap();
+    let read_waiter = {
+        let (locks, key) = (waiters.clone(), key.clone());
+        tokio::spawn(async move { locks.acquire_read(&key, Duration::from_secs(600)).await })
+    };
+    let waiter = spawn_waiter(&waiters, &key);
+    await_subscribers(server, &channel, 1).await;
+    waiter.abort();
+    read_waiter.abort();
+    assert!(waiter.await.unwrap_err().is_cancelled());
+    assert!(read_waiter.await.unwrap_err().is_cancelled());
+    await_subscribers(server, &channel, 0).await;
+    assert_eq!(waiters.local_key_count(), 0);
+    guard.release().await.unwrap();
+    let mut admin = admin(server).await;
+    let exists: i64 = redis::cmd("EXISTS")
+        .arg(&channel)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(exists, 0, "nothing holds the key");
+    waiters
+        .try_acquire(&key)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
+
+/// Readers and writers wake each other: a writer waiting for two readers gets the key when
+/// the last one leaves, and a reader waiting for that writer when it leaves.
+async fn readers_and_writers(server: &RedisServer) {
+    let readers = provider(server, LEASE).await;
+    let writers = provider(server, LEASE).await;
+    let key = unique_key("rw");
+    let a = readers.try_acquire_read(&key).await.unwrap();
+    let b = readers.try_acquire_read(&key).await.unwrap();
+    let writer = spawn_waiter(&writers, &key);
+    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+    let channel = backend.storage_key(&key);
+    await_subscribers(server, &channel, 1).await;
+    a.release().await.unwrap();
+    b.release().await.unwrap();
+    let written = tokio::time::timeout(LIMIT, writer)
+        .await
+        .expect("the last reader's release woke the writer")
+        .unwrap()
+        .unwrap();
+    let reader = {
+        let (locks, key) = (readers.clone(), key.clone());
+        tokio::spawn(async move { locks.acquire_read(&key, Duration::from_secs(600)).await })
+    };
+    await_subscribers(server, &channel, 1).await;
+    written.release().await.unwrap();
+    let read = tokio::time::timeout(LIMIT, reader)
+        .await
+        .expect("the writer's release woke the reader")
+        .unwrap()
+        .unwrap();
+    read.release().await.unwrap();
+}
+
+/// A user refused `SUBSCRIBE`, `PUBLISH` and `PTTL` (and every channel) still waits and
+/// releases: its waiters poll with backoff (their hour-long fallback poll is not used, since
+/// no wake-up can come).
+async fn without_grants(server: &RedisServer) {
+    let mut admin = admin(server).await;
+    let () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("nopubsub")
+        .arg("reset")
+        .arg("on")
+        .arg(">secret")
+        .arg("~*")
+        .arg("resetchannels")
+        .arg("+@all")
+        .arg("-subscribe")
+        .arg("-publish")
+        .arg("-pttl")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = server
+        .url("lease=2s")
+        .replacen("redis://", "redis://nopubsub:secret@", 1);
+    let holder = LockProvider::connect(&url).await.unwrap();
+    let waiters = LockProvider::builder(RedisBackend::connect(&url).await.unwrap())
+        .backoff(slow_backoff())
+        .build();
+    let key = unique_key("nogrants");
+    let guard = holder.try_acquire(&key).await.unwrap();
+    let waiter = spawn_waiter(&waiters, &key);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    guard.release().await.unwrap();
+    let got = tokio::time::timeout(LIMIT, waiter)
+        .await
+        .expect("the waiter polled its way to the key")
+        .unwrap()
+        .unwrap();
+    got.release().await.unwrap();
+}
+
+macro_rules! flavor_tests {
+    ($module:ident, $flavor:expr) => {
+        mod $module {
+            use super::*;
+
+            fn start() -> Option<RedisServer> {
+                RedisServer::start($flavor)
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_release_wakes_the_waiter() {
+                let Some(server) = start() else { return };
+                woken_by_release(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_lease_that_runs_out_lets_the_waiter_in() {
+                let Some(server) = start() else { return };
+                lease_runs_out(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_killed_subscriber_reconnects() {
+                let Some(server) = start() else { return };
+                subscriber_killed(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_hundred_waiters_take_turns() {
+                let Some(server) = start() else { return };
+                hundred_waiters(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn dropped_waiters_leave_nothing() {
+                let Some(server) = start() else { return };
+                dropped_waiters(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn readers_and_writers_wake_each_other() {
+                let Some(server) = start() else { return };
+                readers_and_writers(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn waits_poll_without_pubsub_grants() {
+                let Some(server) = start() else { return };
+                without_grants(&server).await;
+            }
+        }
+    };
+}
+
+flavor_tests!(redis7, Flavor::Redis7);
+flavor_tests!(valkey91, Flavor::Valkey91);
