@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
-use dlock::{LockError, LockGuard, LockProvider};
+use dlock::{Backoff, LockError, LockGuard, LockProvider};
 use dlock_testkit::redis::SentinelDeployment;
 use dlock_testkit::{unique_key, wait_until};
 
@@ -249,6 +249,106 @@ async fn killed_master_backend_recovers_on_the_promoted_replica() {
         "sentinel-figures killed-master: sentinels promoted the replica {failover:?} after \
          the kill; acquisitions worked again {back:?} later; the lock held across: {outcome}"
     );
+}
+
+/// Whether the node on `port` counts one subscriber of `channel` (`PUBSUB NUMSUB`).
+async fn subscribed(deployment: &SentinelDeployment, port: u16, channel: &str) -> bool {
+    let Ok(mut conn) = deployment
+        .node(port)
+        .client()
+        .get_multiplexed_async_connection()
+        .await
+    else {
+        return false;
+    };
+    let counted: Result<(Vec<u8>, i64), _> = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(&mut conn)
+        .await;
+    matches!(counted, Ok((_, 1)))
+}
+
+/// A holder from a provider of its own takes `key`, a waiter of `waiters` waits for it until
+/// the node on `port` counts its subscription, and the release wakes it.
+async fn woken_on(
+    deployment: &SentinelDeployment,
+    port: u16,
+    backend: &RedisBackend,
+    waiters: &LockProvider,
+    key: &str,
+) {
+    let limit = Duration::from_secs(20);
+    let holder = LockProvider::connect(&deployment.url("lease=60s"))
+        .await
+        .unwrap();
+    let guard = holder.try_acquire(key).await.unwrap();
+    let waiter = {
+        let (waiters, key) = (waiters.clone(), key.to_owned());
+        tokio::spawn(async move { waiters.acquire(&key, Duration::from_secs(600)).await })
+    };
+    let channel = String::from_utf8_lossy(&backend.storage_key(key)).into_owned();
+    wait_until("the waiter subscribes on the master", limit, async || {
+        subscribed(deployment, port, &channel).await
+    })
+    .await;
+    guard.release().await.unwrap();
+    tokio::time::timeout(limit, waiter)
+        .await
+        .expect("the release woke the waiter")
+        .unwrap()
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+}
+
+/// Wake-ups follow the master: a backend whose subscriber ran on a master that is then
+/// killed subscribes on the promoted replica for its next wait (the new master counts the
+/// subscription), and a release there wakes the waiter, whose fallback poll is an hour.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_are_woken_on_the_new_master_after_a_kill() {
+    let Some(mut deployment) = deployment(Duration::from_millis(1000)) else {
+        return;
+    };
+    tokio::task::block_in_place(|| deployment.wait_ready());
+    let backend = RedisBackend::connect(&deployment.url("lease=60s"))
+        .await
+        .expect("connect");
+    let waiters = LockProvider::builder(backend.clone())
+        .backoff(
+            Backoff::default()
+                .with_fallback_poll(Duration::from_secs(3600))
+                .unwrap(),
+        )
+        .build();
+    // A wait before the kill: the subscriber runs on the first master.
+    let old = deployment.master_port();
+    woken_on(
+        &deployment,
+        old,
+        &backend,
+        &waiters,
+        &unique_key("woken-before"),
+    )
+    .await;
+    let new = tokio::task::block_in_place(|| deployment.kill_master());
+    works_again(
+        &backend,
+        &waiters,
+        &unique_key("woken-probe"),
+        new,
+        Duration::from_secs(15),
+    )
+    .await;
+    woken_on(
+        &deployment,
+        new,
+        &backend,
+        &waiters,
+        &unique_key("woken-after"),
+    )
+    .await;
 }
 
 /// A lock held across a forced failover, its key replicated before: the renewals follow the

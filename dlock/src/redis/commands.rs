@@ -172,8 +172,9 @@ pub(crate) struct Conn {
     manager: Mutex<ConnectionManager>,
     /// How to make a new manager, when the backend made its own (not for a manager the
     /// application passed in). Behind Sentinel, the client of the master in use: replaced
-    /// when the sentinels name another one.
-    rebuild: Mutex<Option<(redis::Client, ConnectionManagerConfig)>>,
+    /// when the sentinels name another one. Shared with the backend's subscriber (see
+    /// [`Conn::client_slot`]).
+    rebuild: ClientSlot,
     /// Behind Sentinel: the sentinels, the address of the master in use, and when the
     /// sentinels are next asked whether it still is (see [`Conn::rediscover`]).
     sentinel: Option<Following>,
@@ -428,7 +429,17 @@ fn quoted_args_are_text(args: &[&[u8]]) -> bool {
     std::str::from_utf8(&quoted).is_ok()
 }
 
+/// The client (and manager configuration) a backend connects with, replaced behind Sentinel
+/// when the sentinels name another master; `None` for a manager the application passed in.
+pub(crate) type ClientSlot = Arc<Mutex<Option<(redis::Client, ConnectionManagerConfig)>>>;
+
 impl Conn {
+    /// The client the connection is made with, as it is replaced: the subscriber of
+    /// wake-ups reconnects with it, so that behind Sentinel it follows the master too.
+    pub(crate) fn client_slot(&self) -> ClientSlot {
+        Arc::clone(&self.rebuild)
+    }
+
     /// A connection on `manager`; with `rebuild`, the client and configuration it was made
     /// from, to replace it when needed.
     pub(crate) fn new(
@@ -437,7 +448,7 @@ impl Conn {
     ) -> Conn {
         Conn {
             manager: Mutex::new(manager),
-            rebuild: Mutex::new(rebuild),
+            rebuild: Arc::new(Mutex::new(rebuild)),
             sentinel: None,
             rediscover: Arc::new(AtomicBool::new(false)),
             caps: Mutex::new(Caps::new(0)),

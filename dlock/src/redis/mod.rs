@@ -922,14 +922,14 @@ impl RedisBuilder {
                 }
             }
         };
-        // Behind Sentinel the subscriber stays on the master found first; after a failover
-        // it reconnects there if it can (a replica gets the master's publishes too), and
-        // waiters poll with backoff while it cannot.
-        let subscriber = rebuild.as_ref().map(|(client, _)| client.clone());
+        let own_client = rebuild.is_some();
         let mut conn = Conn::new(manager, rebuild);
         if let Some((sentinels, addr)) = found_master {
             conn = conn.with_sentinels(sentinels, addr);
         }
+        // The subscriber reconnects with the client the connection uses at the time: behind
+        // Sentinel, the master's after a failover.
+        let subscriber = own_client.then(|| conn.client_slot());
         conn.watch_runtime(true);
         Ok(RedisBackend {
             shared: Arc::new(Shared {

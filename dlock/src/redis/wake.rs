@@ -20,6 +20,7 @@ use redis::{ErrorKind, ServerErrorKind};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use super::commands::ClientSlot;
 use crate::backend::{BoxFuture, ReleaseWatch};
 
 /// What the watchers of one channel see.
@@ -53,9 +54,10 @@ const IDLE: Duration = Duration::from_secs(60);
 /// The wake-ups of one backend.
 pub(crate) struct Wakes {
     registry: Mutex<Registry>,
-    /// What the subscriber connects with; `None` for a backend on a connection manager the
+    /// What the subscriber connects with (read again at each connection, so that behind
+    /// Sentinel it follows the master); `None` for a backend on a connection manager the
     /// application passed in (its waiters poll).
-    client: Option<redis::Client>,
+    client: Option<ClientSlot>,
     timeout: Duration,
     /// Set for good when the server refused `SUBSCRIBE` (no `+subscribe`, or no channel
     /// permission): waiters then poll.
@@ -73,7 +75,7 @@ impl std::fmt::Debug for Wakes {
 }
 
 impl Wakes {
-    pub(crate) fn new(client: Option<redis::Client>, timeout: Duration) -> Wakes {
+    pub(crate) fn new(client: Option<ClientSlot>, timeout: Duration) -> Wakes {
         Wakes {
             registry: Mutex::default(),
             client,
@@ -240,11 +242,19 @@ enum Ended {
 
 async fn drive(wakes: Arc<Wakes>, mut requests: mpsc::UnboundedReceiver<Arc<[u8]>>) {
     let _gone = DriverGone(Arc::clone(&wakes));
-    let Some(client) = wakes.client.clone() else {
+    let Some(slot) = wakes.client.clone() else {
         return;
     };
     let mut pause = FIRST_RECONNECT_PAUSE;
     loop {
+        let current = slot
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map(|(client, _)| client.clone());
+        let Some(client) = current else {
+            return;
+        };
         let connecting = tokio::time::timeout(wakes.timeout, client.get_async_pubsub());
         let connected = tokio::select! {
             () = wakes.closed.cancelled() => return,
