@@ -681,7 +681,9 @@ impl RedisBuilder {
     /// [`wait_timeout`](RedisBuilder::wait_timeout); fewer in time and the lock is given back
     /// and the acquisition answers [`LockError::Unavailable`]. 0 (the default) waits for
     /// nothing. URL option `wait_replicas`. See [Replicas and failover](self#replicas-and-failover)
-    /// for what this does and does not guarantee, and what it costs.
+    /// for what this does and does not guarantee, and what it costs. Only exclusive locks
+    /// (and semaphore slots, which are locks) wait so far: a read lock's share is not waited
+    /// for, so a failover can lose it as without this option.
     pub fn wait_replicas(mut self, replicas: u32) -> Self {
         self.wait_replicas = replicas;
         self
