@@ -323,8 +323,18 @@ pub(super) async fn create_fencing_table(conn: &mut PgConnection) -> Result<(), 
     }
     match sqlx::query(FENCING_TABLE_SQL).execute(&mut *conn).await {
         Ok(_) => Ok(()),
-        // Another process created it at the same moment.
-        Err(e) if matches!(db_code::<Postgres>(&e).as_deref(), Some("23505" | "42P07")) => Ok(()),
+        // Another process created it at the same moment: `IF NOT EXISTS` checks before it
+        // creates, so a race surfaces as a duplicate key in the catalogue (23505), a duplicate
+        // table (42P07), or the table's row type already there (42710, "type ... already
+        // exists").
+        Err(e)
+            if matches!(
+                db_code::<Postgres>(&e).as_deref(),
+                Some("23505" | "42P07" | "42710")
+            ) =>
+        {
+            Ok(())
+        }
         // No `CREATE` on the schema (nor `USAGE`, if the table is there but out of sight), or
         // no schema on the search path this role may use at all.
         Err(e) if matches!(db_code::<Postgres>(&e).as_deref(), Some("42501" | "3F000")) => {
