@@ -188,6 +188,10 @@ impl DbServer {
                     "--innodb-log-file-size=8M",
                 ])
                 .arg(format!("--datadir={}", dir.join("data").display()))
+                // Its own temp dir: installs running side by side in the shared /tmp were
+                // seen to fail deleting their temp tables ("Error on delete of
+                // '/tmp/#sql-temptable-…'").
+                .arg(format!("--tmpdir={}", dir.display()))
                 .output()
                 .expect("run mariadb-install-db"),
             Flavor::MySql => Command::new("chroot")
@@ -354,6 +358,7 @@ impl DbServer {
                     .command(find_on_path("mariadbd").expect("mariadbd"));
                 cmd.args(&common).args(&tls);
                 cmd.arg("--innodb-log-file-size=8M");
+                cmd.arg(format!("--tmpdir={}", self.server_dir.display()));
                 cmd
             }
             Flavor::MySql => {

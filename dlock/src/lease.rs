@@ -61,6 +61,15 @@ pub(crate) fn retry_after(lease: Duration) -> Duration {
     (lease / 20).max(Duration::from_millis(10))
 }
 
+/// How early a due renewal may be sent along with others: up to a tenth of its renewal
+/// period (see [`every`]) before it is due. The renewals of many locks due close together then
+/// go out together, in one wake-up and one batch, at the cost of renewing some of them a little
+/// more often than their cadence.
+#[cfg(feature = "redis")]
+pub(crate) fn renew_early(every: Duration) -> Duration {
+    every / 10
+}
+
 /// The shortest and longest a waiting writer's intent holds new readers back after the
 /// writer's last try (see [`writer_intent`]).
 #[cfg(any(feature = "sqlite", feature = "redis"))]
@@ -126,6 +135,12 @@ impl Term {
         self.lease
     }
 
+    /// The backend's configured cadence, if any.
+    #[cfg(feature = "redis")]
+    pub(crate) fn cadence(&self) -> Option<Duration> {
+        self.cadence
+    }
+
     /// The local deadline, shared with the guard.
     pub(crate) fn deadline(&self) -> LeaseDeadline {
         self.deadline.clone()
@@ -134,6 +149,14 @@ impl Term {
     /// Whether a renewal should start at `now`.
     pub(crate) fn is_due(&self, now: Instant) -> bool {
         !self.in_flight && !self.stopped && self.next <= now
+    }
+
+    /// Whether a renewal may start at `now` along with others due then: it is due within
+    /// [`renew_early`] of `now`.
+    #[cfg(feature = "redis")]
+    pub(crate) fn may_renew(&self, now: Instant) -> bool {
+        let early = renew_early(every(self.lease, self.cadence));
+        !self.in_flight && !self.stopped && self.next <= later(now, early)
     }
 
     /// Whether the local deadline has passed at `now`: the lock is presumed lost.

@@ -165,6 +165,18 @@ pub enum CommandPath {
 
 pub use crate::backend::ReleaseOutcome;
 
+/// One lock's renewal in a batch (see [`Conn::extend_many`]).
+pub(crate) struct Extension<'a> {
+    /// The lock's key.
+    pub(crate) key: &'a [u8],
+    /// Its owner.
+    pub(crate) token: &'a OwnerToken,
+    /// The lease the renewal asks for, from now.
+    pub(crate) lease: Duration,
+    /// A reader's share: renewed by this script, with this second key (see `read.rs`).
+    pub(crate) read: Option<(&'a Script, &'a [u8])>,
+}
+
 /// The connection and the memory of what it supports.
 pub(crate) struct Conn {
     /// The connection manager in use; replaced (when it can be, see `rebuild`) after a
@@ -727,41 +739,68 @@ impl Conn {
         cmd: &Cmd,
         then: Option<&Cmd>,
     ) -> Result<(Value, Option<Value>), RedisError> {
+        let ask_id = self.caps().client_id.is_none() && self.fencing_on();
+        if !ask_id && then.is_none() {
+            self.repair().await;
+            self.watch_if_reconnecting();
+            let mut manager = self.manager();
+            let outcome = unwind_to_error(cmd.query_async::<Value>(&mut manager)).await;
+            self.after_driver_panic(&outcome);
+            self.forget_on_failure(&outcome);
+            return outcome.map(|reply| (reply, None));
+        }
+        let mut cmds = vec![cmd.clone()];
+        cmds.extend(then.cloned());
+        let mut replies = self.pipeline(cmds).await?.into_iter();
+        match replies.next() {
+            Some(reply) => as_result(reply).map(|reply| (reply, replies.next())),
+            None => Err(unexpected("a pipeline", &Value::Nil)),
+        }
+    }
+
+    /// Sends `cmds` in one pipeline (one round trip), each reply in its place (an error
+    /// answer as [`Value::ServerError`]); `Err` only when the pipeline got no answer. While
+    /// the connection's `CLIENT ID` is not known and fencing is on, `CLIENT ID` goes first
+    /// (see [`Conn::query`]).
+    async fn pipeline(&self, cmds: Vec<Cmd>) -> Result<Vec<Value>, RedisError> {
         self.repair().await;
         self.watch_if_reconnecting();
         let mut manager = self.manager();
         let caps = self.caps();
         let ask_id = caps.client_id.is_none() && self.fencing_on();
-        let outcome = if ask_id || then.is_some() {
-            let mut pipe = redis::pipe();
-            if ask_id {
-                pipe.cmd("CLIENT").arg("ID");
-            }
-            pipe.add_command(cmd.clone());
-            if let Some(then) = then {
-                pipe.add_command(then.clone());
-            }
-            pipe.ignore_errors();
-            match unwind_to_error(pipe.query_async::<Vec<Value>>(&mut manager)).await {
-                Ok(replies) => {
-                    let mut replies = replies.into_iter();
-                    if ask_id && let Some(id) = replies.next() {
-                        self.record_client_id(caps.generation, as_result(id));
-                    }
-                    match replies.next() {
-                        Some(reply) => as_result(reply).map(|reply| (reply, replies.next())),
-                        None => Err(unexpected("a pipeline", &Value::Nil)),
-                    }
+        let count = cmds.len();
+        let mut pipe = redis::Pipeline::with_capacity(count + usize::from(ask_id));
+        if ask_id {
+            pipe.cmd("CLIENT").arg("ID");
+        }
+        for cmd in cmds {
+            pipe.add_command(cmd);
+        }
+        pipe.ignore_errors();
+        let outcome = unwind_to_error(pipe.query_async::<Vec<Value>>(&mut manager))
+            .await
+            .and_then(|mut replies| {
+                if ask_id && !replies.is_empty() {
+                    let id = replies.remove(0);
+                    self.record_client_id(caps.generation, as_result(id));
                 }
-                Err(err) => Err(err),
-            }
-        } else {
-            unwind_to_error(cmd.query_async::<Value>(&mut manager))
-                .await
-                .map(|reply| (reply, None))
-        };
+                if replies.len() == count {
+                    Ok(replies)
+                } else {
+                    Err(unexpected("a pipeline", &Value::Array(replies)))
+                }
+            });
         self.after_driver_panic(&outcome);
         self.forget_on_failure(&outcome);
+        if let Ok(replies) = &outcome {
+            // An answer that says the master moved (behind Sentinel) counts as it does
+            // alone.
+            for reply in replies {
+                if let Value::ServerError(err) = reply {
+                    self.forget_on_failure(&Err::<(), _>(RedisError::from(err.clone())));
+                }
+            }
+        }
         outcome
     }
 
@@ -771,40 +810,13 @@ impl Conn {
     /// its releases wake nobody: waiters notice them at their next poll). The announcement is
     /// sent whatever `cmd` finds: a waiter woken for nothing tries once and waits again.
     async fn query_announcing(&self, cmd: &Cmd, channel: &[u8]) -> Result<Value, RedisError> {
-        self.repair().await;
-        self.watch_if_reconnecting();
-        let mut manager = self.manager();
-        let caps = self.caps();
-        let ask_id = caps.client_id.is_none() && self.fencing_on();
-        let mut pipe = redis::pipe();
-        if ask_id {
-            pipe.cmd("CLIENT").arg("ID");
+        let mut publish = redis::cmd("PUBLISH");
+        publish.arg(channel).arg("");
+        let (reply, announced) = self.query_then(cmd, Some(&publish)).await?;
+        if let Some(Err(err)) = announced.map(as_result) {
+            self.announcement_refused(&err);
         }
-        pipe.add_command(cmd.clone())
-            .cmd("PUBLISH")
-            .arg(channel)
-            .arg("")
-            .ignore_errors();
-        let outcome = match unwind_to_error(pipe.query_async::<Vec<Value>>(&mut manager)).await {
-            Ok(replies) => {
-                let mut replies = replies.into_iter();
-                if ask_id && let Some(id) = replies.next() {
-                    self.record_client_id(caps.generation, as_result(id));
-                }
-                let reply = match replies.next() {
-                    Some(reply) => as_result(reply),
-                    None => Err(unexpected("a pipeline", &Value::Nil)),
-                };
-                if let Some(Err(err)) = replies.next().map(as_result) {
-                    self.announcement_refused(&err);
-                }
-                reply
-            }
-            Err(err) => Err(err),
-        };
-        self.after_driver_panic(&outcome);
-        self.forget_on_failure(&outcome);
-        outcome
+        Ok(reply)
     }
 
     /// `PUBLISH channel ""` on its own: a release's announcement (see
@@ -1261,6 +1273,111 @@ impl Conn {
             Value::Int(n) => Ok((n == 1, CommandPath::Lua)),
             other => Err(unexpected("the extension script", &other)),
         }
+    }
+
+    /// Renews many locks in one round trip: [`Conn::extend`] for each (or the read script for
+    /// a reader's share), sent as one pipeline. The scripts a server did not have
+    /// (`NOSCRIPT`), and the `SET .. IFEQ` renewals of a server that refuses them, go again
+    /// with `EVAL` in a second pipeline. Each lock's outcome is in its place: `Ok(true)`
+    /// renewed, `Ok(false)` not owned (the key is never created or touched then), `Err` its
+    /// error answer. `Err` as a whole when the pipeline got no answer.
+    pub(crate) async fn extend_many(
+        &self,
+        items: &[Extension<'_>],
+    ) -> Result<Vec<Result<bool, RedisError>>, RedisError> {
+        let caps = self.caps();
+        let native = caps.set_ifeq != Support::No;
+        let ms: Vec<String> = items
+            .iter()
+            .map(|item| millis(item.lease).to_string())
+            .collect();
+        // What each lock's renewal runs: `None` for `SET .. IFEQ`.
+        let mut scripts: Vec<Option<&Script>> = items
+            .iter()
+            .map(|item| match item.read {
+                Some((script, _)) => Some(script),
+                None if native => None,
+                None => Some(&self.scripts.extend),
+            })
+            .collect();
+        fn keys<'a>(item: &Extension<'a>) -> Vec<&'a [u8]> {
+            match item.read {
+                Some((_, readers)) => vec![item.key, readers],
+                None => vec![item.key],
+            }
+        }
+        let script_cmd = |name: &str, script: &Script, item: &Extension<'_>, ms: &str| {
+            let code = if name == "EVAL" {
+                script.code
+            } else {
+                &script.sha
+            };
+            script_command(
+                name,
+                code,
+                &keys(item),
+                &[item.token.as_bytes(), ms.as_bytes()],
+            )
+        };
+        let cmds = items
+            .iter()
+            .zip(&ms)
+            .zip(&scripts)
+            .map(|((item, ms), script)| match script {
+                Some(script) => script_cmd("EVALSHA", script, item, ms),
+                None => {
+                    let mut set = redis::cmd("SET");
+                    set.arg(item.key)
+                        .arg(item.token.as_bytes())
+                        .arg("IFEQ")
+                        .arg(item.token.as_bytes())
+                        .arg("PX")
+                        .arg(ms);
+                    set
+                }
+            })
+            .collect();
+        let mut replies = self.pipeline(cmds).await?;
+        let mut again = Vec::new();
+        for (i, reply) in replies.iter().enumerate() {
+            let Value::ServerError(err) = reply else {
+                if scripts[i].is_none() {
+                    self.learn(caps.generation, |c| c.set_ifeq = Support::Yes);
+                }
+                continue;
+            };
+            let err = RedisError::from(err.clone());
+            if scripts[i].is_none() && is_syntax_error(&err) {
+                self.learn(caps.generation, |c| c.set_ifeq = Support::No);
+                scripts[i] = Some(&self.scripts.extend);
+                again.push(i);
+            } else if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) {
+                again.push(i);
+            }
+        }
+        if !again.is_empty() {
+            let cmds = again
+                .iter()
+                .filter_map(|&i| Some(script_cmd("EVAL", scripts[i]?, &items[i], &ms[i])))
+                .collect();
+            let second = self.pipeline(cmds).await?;
+            for (i, reply) in again.into_iter().zip(second) {
+                replies[i] = reply;
+            }
+        }
+        Ok(replies
+            .into_iter()
+            .zip(scripts)
+            .map(|(reply, script)| match (as_result(reply), script) {
+                (Ok(Value::Int(n)), Some(_)) => Ok(n == 1),
+                (Ok(reply), None) => Ok(reply != Value::Nil),
+                (Ok(other), Some(_)) => Err(unexpected("the extension script", &other)),
+                (Err(err), Some(script)) if is_script_acl_failure(&err) => {
+                    Err(script_noperm(script, &err))
+                }
+                (Err(err), _) => Err(err),
+            })
+            .collect())
     }
 
     /// The value under `key` and its remaining time to live, read atomically.

@@ -426,6 +426,12 @@ pub(super) async fn extend(
     }
 }
 
+/// The script that renews a reader's share (see [`extend`]), for a batch of renewals
+/// ([`Conn::extend_many`](super::commands::Conn::extend_many)), with its keys `[key, readers_key(key)]`.
+pub(super) fn extend_script() -> &'static Script {
+    &SCRIPTS.extend
+}
+
 /// Whether reader `token` holds a live share of the lock under `key`.
 pub(super) async fn verify(
     shared: &Shared,

@@ -349,3 +349,147 @@ async fn a_dropped_backend_ends_its_driver_and_its_locks_are_lost() {
     assert_eq!(renewals.state().driver, None);
     assert!(renewals.state().entries.is_empty());
 }
+
+fn batches(shared: &Shared) -> u64 {
+    shared.renewals.state().batches
+}
+
+/// Sets `keys` to `owner` for `lease` in one pipeline.
+async fn take_all(server: &Server, keys: &[Vec<u8>], owner: &str, lease: Duration) {
+    let mut admin = server.admin().await;
+    let mut pipe = redis::pipe();
+    for key in keys {
+        pipe.cmd("SET")
+            .arg(key)
+            .arg(owner)
+            .arg("PX")
+            .arg(u64::try_from(lease.as_millis()).unwrap())
+            .ignore();
+    }
+    let () = pipe.query_async(&mut admin).await.expect("SET");
+}
+
+/// 1,100 locks due at once go out in three pipelines, each lock with its own outcome: held
+/// ones renewed, gone or taken ones lost. On Valkey 9.1 by `SET IFEQ`; on Redis 7, which
+/// refuses that (the first round sends it, then the script with `EVAL`), by the Lua script,
+/// sent again with `EVAL` in the second round after the server forgot it (`SCRIPT FLUSH`).
+#[tokio::test]
+async fn renewals_due_together_go_out_in_batches_each_with_its_outcome() {
+    for flavor in [Flavor::Redis7, Flavor::Valkey91] {
+        let Some(server) = Server::start(flavor) else {
+            return;
+        };
+        // Renewed after 1 s, trusted for 2.4 s.
+        let lease = Duration::from_secs(3);
+        let shared = backend(&server, lease, Duration::from_secs(2)).await;
+        let held: Vec<Vec<u8>> = (0..1_080)
+            .map(|i| format!("held{i}").into_bytes())
+            .collect();
+        let taken: Vec<Vec<u8>> = (0..10).map(|i| format!("taken{i}").into_bytes()).collect();
+        let gone: Vec<Vec<u8>> = (0..10).map(|i| format!("gone{i}").into_bytes()).collect();
+        take_all(&server, &held, "a", lease).await;
+        take_all(&server, &taken, "b", Duration::from_secs(30)).await;
+        let mut admin = server.admin().await;
+        let sent = Instant::now();
+        let held: Vec<_> = held
+            .iter()
+            .map(|key| register(&shared, key, "a", lease, sent))
+            .collect();
+        let taken: Vec<_> = taken
+            .iter()
+            .map(|key| register(&shared, key, "a", lease, sent))
+            .collect();
+        let gone: Vec<_> = gone
+            .iter()
+            .map(|key| register(&shared, key, "a", lease, sent))
+            .collect();
+
+        until("every held lock is renewed", Duration::from_secs(5), || {
+            held.iter()
+                .all(|(_, deadline, _)| deadline.at() > later(sent, 2400 * MS))
+        })
+        .await;
+        assert_eq!(
+            batches(&shared),
+            3,
+            "{flavor:?}: 1,100 renewals in 3 batches"
+        );
+        for (what, locks) in [("taken", &taken), ("gone", &gone)] {
+            for (_, deadline, lost) in locks {
+                assert!(lost.is_cancelled(), "{flavor:?}: a {what} lock is lost");
+                assert_eq!(deadline.at(), later(sent, 2400 * MS));
+            }
+        }
+        assert!(held.iter().all(|(_, _, lost)| !lost.is_cancelled()));
+        assert_eq!(entries(&shared), held.len());
+        // The server's leases were set again: a key not renewed would have under 2 s left.
+        for key in [&b"held0"[..], b"held539", b"held1079"] {
+            let ttl = pttl(&mut admin, key).await;
+            assert!(ttl > 2_000 && ttl <= 3_000, "{flavor:?}: {ttl} ms left");
+        }
+        assert_eq!(get(&mut admin, b"taken0").await.as_deref(), Some(&b"b"[..]));
+        assert_eq!(get(&mut admin, b"gone0").await, None);
+
+        // The second round, after the server forgot its scripts.
+        let () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .expect("SCRIPT FLUSH");
+        let first: Vec<Instant> = held.iter().map(|(_, deadline, _)| deadline.at()).collect();
+        until(
+            "every held lock is renewed again",
+            Duration::from_secs(5),
+            || {
+                held.iter()
+                    .zip(&first)
+                    .all(|((_, deadline, _), first)| deadline.at() > *first)
+            },
+        )
+        .await;
+        assert_eq!(batches(&shared), 6, "{flavor:?}");
+        assert!(held.iter().all(|(_, _, lost)| !lost.is_cancelled()));
+    }
+}
+
+/// A renewal due within a tenth of its period of one the driver wakes for goes with it; one
+/// due later waits for its own time.
+#[tokio::test]
+async fn renewals_due_close_together_share_a_batch() {
+    let Some(server) = Server::start(Flavor::Redis7) else {
+        return;
+    };
+    // Renewed every 1 s, up to 100 ms early with others.
+    let lease = Duration::from_secs(3);
+    let shared = backend(&server, lease, Duration::from_secs(2)).await;
+    take_all(
+        &server,
+        &[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()],
+        "a",
+        Duration::from_secs(30),
+    )
+    .await;
+    let start = Instant::now();
+    let (_, a, _) = register(&shared, b"a", "a", lease, start);
+    let (_, b, _) = register(&shared, b"b", "a", lease, later(start, 50 * MS));
+    let (_, c, _) = register(&shared, b"c", "a", lease, later(start, 600 * MS));
+
+    until("a and b are renewed", Duration::from_secs(5), || {
+        a.at() > later(start, 2400 * MS) && b.at() > later(start, 50 * MS + 2400 * MS)
+    })
+    .await;
+    assert_eq!(batches(&shared), 1, "a and b went together");
+    // b went with a, before its own time.
+    assert!(b.at() < later(start, 50 * MS + 1000 * MS + 2400 * MS));
+    assert!(c.at() == later(start, 600 * MS + 2400 * MS), "c waits");
+
+    until("c is renewed", Duration::from_secs(5), || {
+        c.at() > later(start, 600 * MS + 2400 * MS)
+    })
+    .await;
+    assert!(
+        c.at() >= later(start, 600 * MS + 900 * MS + 2400 * MS),
+        "not before its early window"
+    );
+    assert_eq!(batches(&shared), 2);
+}
