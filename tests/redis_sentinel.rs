@@ -603,7 +603,7 @@ async fn exclusion_across_a_failover_with_wait_replicas() {
 }
 
 /// `wait_replicas` more than the replicas there are: the write succeeds, the acquisition is
-/// not counted, the lock is given back, and the answer says why.
+/// not counted, the lock (or a reader's share) is given back, and the answer says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_replicas_beyond_the_replicas_refuses_and_gives_back() {
     let Some(deployment) = deployment(CALM) else {
@@ -634,6 +634,29 @@ async fn wait_replicas_beyond_the_replicas_refuses_and_gives_back() {
         },
     )
     .await;
+
+    // A reader's share waits for the replicas too, and is given back as well.
+    match strict.try_acquire_read(&key).await {
+        Err(LockError::Unavailable { message, .. }) => {
+            assert!(
+                message.contains("read lock") && message.contains("only 1 of the 2 replicas"),
+                "{message}"
+            );
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    wait_until(
+        "the share is given back: a writer takes the key",
+        Duration::from_secs(2),
+        async || match locks.try_acquire(&key).await {
+            Ok(guard) => guard.release().await.is_ok(),
+            Err(_) => false,
+        },
+    )
+    .await;
+    // With as many replicas as there are, a reader's share counts.
+    let share = locks.try_acquire_read(&key).await.expect("a share");
+    share.release().await.expect("released");
 }
 
 /// What the sentinels answer when they cannot lead to a master is a typed error naming each

@@ -371,6 +371,24 @@ fn script_command(name: &str, script: &str, keys: &[&[u8]], args: &[&[u8]]) -> C
     cmd
 }
 
+/// `WAIT replicas timeout`, for `wait` (see [`Conn::take`]).
+fn wait_command(wait: Option<(u32, Duration)>) -> Option<Cmd> {
+    wait.map(|(replicas, timeout)| {
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(replicas).arg(millis(timeout));
+        cmd
+    })
+}
+
+/// The number of replicas a `WAIT` answered (`None`: no `WAIT` was sent).
+fn acked(reply: Option<Value>) -> Result<Option<u64>, RedisError> {
+    match reply {
+        None => Ok(None),
+        Some(Value::Int(n)) => Ok(Some(u64::try_from(n).unwrap_or(0))),
+        Some(other) => as_result(other).and_then(|other| Err(unexpected("WAIT", &other))),
+    }
+}
+
 fn millis(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
@@ -1000,6 +1018,23 @@ impl Conn {
         }
     }
 
+    /// [`Conn::eval`], with `WAIT` behind it on the same connection when `wait` asks for it
+    /// (see [`Conn::take`]): the second value is how many replicas acknowledged the writes of
+    /// the connection so far, the script's included (`None` without `wait`).
+    pub(crate) async fn eval_waiting(
+        &self,
+        script: &Script,
+        keys: &[&[u8]],
+        args: &[&[u8]],
+        wait: Option<(u32, Duration)>,
+    ) -> Result<(Value, Option<u64>), RedisError> {
+        let wait_cmd = wait_command(wait);
+        let (reply, waited) = self
+            .eval_then(script, keys, args, wait_cmd.as_ref())
+            .await?;
+        Ok((reply, acked(waited)?))
+    }
+
     /// `SET key token NX PX lease`, or with a fencing counter, the script that also bumps it.
     /// `Taken(fencing)` when taken; `Held(ttl)` when the lock is held, with the holder's
     /// time to live in ms when `ttl` was asked for (a waiter's try) and could be read. With
@@ -1016,18 +1051,7 @@ impl Conn {
         wait: Option<(u32, Duration)>,
     ) -> Result<(Taking, Option<u64>), RedisError> {
         let ms = millis(lease).to_string();
-        let wait_cmd = wait.map(|(replicas, timeout)| {
-            let mut cmd = redis::cmd("WAIT");
-            cmd.arg(replicas).arg(millis(timeout));
-            cmd
-        });
-        let acked = |reply: Option<Value>| -> Result<Option<u64>, RedisError> {
-            match reply {
-                None => Ok(None),
-                Some(Value::Int(n)) => Ok(Some(u64::try_from(n).unwrap_or(0))),
-                Some(other) => as_result(other).and_then(|other| Err(unexpected("WAIT", &other))),
-            }
-        };
+        let wait_cmd = wait_command(wait);
         match fence_key {
             None => {
                 let mut set = redis::cmd("SET");

@@ -681,9 +681,8 @@ impl RedisBuilder {
     /// [`wait_timeout`](RedisBuilder::wait_timeout); fewer in time and the lock is given back
     /// and the acquisition answers [`LockError::Unavailable`]. 0 (the default) waits for
     /// nothing. URL option `wait_replicas`. See [Replicas and failover](self#replicas-and-failover)
-    /// for what this does and does not guarantee, and what it costs. Only exclusive locks
-    /// (and semaphore slots, which are locks) wait so far: a read lock's share is not waited
-    /// for, so a failover can lose it as without this option.
+    /// for what this does and does not guarantee, and what it costs. Exclusive locks, readers'
+    /// shares and semaphore slots all wait.
     pub fn wait_replicas(mut self, replicas: u32) -> Self {
         self.wait_replicas = replicas;
         self
@@ -1774,6 +1773,25 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
             return Ok(WaitTry::Held { retry_within });
         }
     };
+    hold(shared, &request, cleanup, lease, sent, fencing_token, acked).await
+}
+
+/// The end of an acquisition that took the lock (or, with `cleanup.read`, a reader's share
+/// of it) with a command sent at `sent`, `cleanup` still armed: gives it back and reports it
+/// lost when the answer came too late to count on its lease; gives it back when fewer
+/// replicas than `wait_replicas` asks for acknowledged it (`acked`); otherwise registers it
+/// for renewal and hands out the guard's parts.
+async fn hold(
+    shared: &Arc<Shared>,
+    request: &LockRequest<'_>,
+    mut cleanup: Cleanup,
+    lease: Duration,
+    sent: Instant,
+    fencing_token: Option<u64>,
+    acked: Option<u64>,
+) -> Result<WaitTry, LockError> {
+    let read = cleanup.read;
+    let what = if read { "read lock" } else { "lock" };
     // The lease began when the server ran the command, at some moment after `sent`:
     // an answer that comes late leaves too little of it to hold the lock, or none (the
     // server may have let someone else take it already). Such a lock is given back,
@@ -1784,14 +1802,14 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
         tracing::warn!(
             took_ms = took.as_millis() as u64,
             lease_ms = lease.as_millis() as u64,
-            "a redis lock was taken, but the answer came too late to count on its lease; giving it back"
+            "a redis {what} was taken, but the answer came too late to count on its lease; giving it back"
         );
         return Err(LockError::Lost {
             key: Arc::from(request.key),
             reason: format!(
                 "the server's answer took {took:?}, more than {window:?} (40% of the \
                  {lease:?} lease), so the lease could run out before its first renewal; \
-                 the lock was given back (use a longer lease for a server this slow)"
+                 the {what} was given back (use a longer lease for a server this slow)"
             ),
         });
     }
@@ -1804,7 +1822,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
         return Err(LockError::unavailable(
             NAME,
             format!(
-                "the lock was taken, but only {acked} of the {wanted} replicas asked for \
+                "the {what} was taken, but only {acked} of the {wanted} replicas asked for \
                  (`wait_replicas`) acknowledged it within {wait:?}; it was given back, \
                  since a failover could lose it (are the replicas up and connected?)"
             ),
@@ -1812,9 +1830,18 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
         ));
     }
     cleanup.armed = false;
-    read::writer_got(shared, &lock_key).await;
+    let lock_key = Arc::clone(&cleanup.key);
+    let token = cleanup.token.clone();
+    if !read {
+        read::writer_got(shared, &lock_key).await;
+    }
     let lost = CancellationToken::new();
-    let (renewal, deadline) = match Renewals::register(
+    let register = if read {
+        Renewals::register_read
+    } else {
+        Renewals::register
+    };
+    let (renewal, deadline) = match register(
         shared,
         Arc::clone(&lock_key),
         token.clone(),
@@ -1826,9 +1853,14 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
         Ok(registered) => registered,
         Err(err) => {
             // Without renewal the lock could not be kept: give it back.
-            let _ = shared
-                .bounded("releasing a lock", shared.conn.release(&lock_key, &token))
-                .await;
+            let release = async {
+                if read {
+                    read::release(shared, &lock_key, &token).await
+                } else {
+                    shared.conn.release(&lock_key, &token).await
+                }
+            };
+            let _ = shared.bounded("releasing a lock", release).await;
             return Err(err);
         }
     };
@@ -1843,7 +1875,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
                 token,
                 lost,
                 renewal,
-                read: false,
+                read,
             }),
         )
         .with_lease_deadline(deadline),

@@ -8,16 +8,11 @@ use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use redis::{ErrorKind, RedisError, Value};
-use tokio_util::sync::CancellationToken;
 
 use super::commands::{CommandPath, Script};
-use super::renewals::Renewals;
-use super::{
-    Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, RedisHeld, Shared, answer_window,
-    check_lease, fence_key,
-};
+use super::{Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease, fence_key};
 use crate::LockError;
-use crate::backend::{Acquired, LockRequest, ReleaseOutcome, WaitTry};
+use crate::backend::{LockRequest, ReleaseOutcome, WaitTry};
 
 /// The server's time in milliseconds, in a script (`TIME`: seconds and microseconds).
 macro_rules! now_ms {
@@ -301,8 +296,10 @@ pub(super) async fn try_acquire(
         args.push(b"1");
     }
     let sent = Instant::now();
-    let eval = shared.conn.eval(&SCRIPTS.acquire, &keys, &args);
-    let reply = shared.bounded("acquiring a read lock", eval).await?;
+    let eval = shared
+        .conn
+        .eval_waiting(&SCRIPTS.acquire, &keys, &args, shared.wait);
+    let (reply, acked) = shared.bounded("acquiring a read lock", eval).await?;
     let fencing_token = match reply {
         Value::Nil => {
             cleanup.armed = false;
@@ -328,58 +325,7 @@ pub(super) async fn try_acquire(
             ));
         }
     };
-    let took = sent.elapsed();
-    let window = answer_window(lease);
-    if took > window {
-        tracing::warn!(
-            took_ms = took.as_millis() as u64,
-            lease_ms = lease.as_millis() as u64,
-            "a redis read lock was taken, but the answer came too late to count on its lease; giving it back"
-        );
-        return Err(LockError::Lost {
-            key: Arc::from(request.key),
-            reason: format!(
-                "the server's answer took {took:?}, more than {window:?} (40% of the {lease:?} \
-                 lease), so the lease could run out before its first renewal; the read lock \
-                 was given back (use a longer lease for a server this slow)"
-            ),
-        });
-    }
-    cleanup.armed = false;
-    let lost = CancellationToken::new();
-    let (renewal, deadline) = match Renewals::register_read(
-        shared,
-        Arc::clone(&lock_key),
-        token.clone(),
-        lease,
-        sent,
-        lost.clone(),
-        request.renew,
-    ) {
-        Ok(registered) => registered,
-        Err(err) => {
-            let _ = shared
-                .bounded("releasing a read lock", release(shared, &lock_key, &token))
-                .await;
-            return Err(err);
-        }
-    };
-    Ok(WaitTry::Acquired(
-        Acquired::new(
-            fencing_token,
-            lost.clone(),
-            Box::new(RedisHeld {
-                shared: Arc::clone(shared),
-                name: Arc::from(request.key),
-                key: lock_key,
-                token,
-                lost,
-                renewal,
-                read: true,
-            }),
-        )
-        .with_lease_deadline(deadline),
-    ))
+    super::hold(shared, &request, cleanup, lease, sent, fencing_token, acked).await
 }
 
 /// Gives reader `token`'s share of the lock under `key` back.
