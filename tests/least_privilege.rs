@@ -700,15 +700,8 @@ mod redis_acl {
 
         async fn break_lock(&self, guard: &LockGuard) {
             let mut conn = admin(&self.server).await;
-            let set: Option<String> = redis::cmd("SET")
-                .arg(self.keys.storage_key(guard.key()))
-                .arg("someone-else")
-                .arg("XX")
-                .arg("KEEPTTL")
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            assert_eq!(set.as_deref(), Some("OK"));
+            let key = self.keys.storage_key(guard.key());
+            dlock_testkit::redis::take_over(&mut conn, key, "someone-else").await;
         }
 
         fn lost_within(&self) -> Duration {

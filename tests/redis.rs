@@ -96,15 +96,7 @@ impl dlock_testkit::Harness for RedisHarness {
             .await
             .unwrap();
         let key = self.backend.storage_key(guard.key());
-        let set: Option<String> = redis::cmd("SET")
-            .arg(&key)
-            .arg("someone-else")
-            .arg("XX")
-            .arg("KEEPTTL")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        assert_eq!(set.as_deref(), Some("OK"));
+        dlock_testkit::redis::take_over(&mut conn, &key, "someone-else").await;
     }
 
     fn lost_within(&self) -> Duration {
@@ -1643,15 +1635,7 @@ async fn release_after_takeover(server: &RedisServer) {
     // Taken over: the release is refused, the loss reported.
     let guard = locks.try_acquire(&key).await.unwrap();
     let mut conn = admin(server).await;
-    let set: Option<String> = redis::cmd("SET")
-        .arg(backend.storage_key(&key))
-        .arg(theirs.as_bytes())
-        .arg("XX")
-        .arg("KEEPTTL")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(set.as_deref(), Some("OK"));
+    dlock_testkit::redis::take_over(&mut conn, backend.storage_key(&key), theirs.as_bytes()).await;
     let lost = guard.lost_token().clone();
     assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
     assert!(lost.is_cancelled());
@@ -1873,15 +1857,7 @@ async fn read_stolen(server: &RedisServer) {
     assert!(kept.verify_still_held().await.unwrap());
     assert!(matches!(lost.release().await, Err(LockError::Lost { .. })));
     // Another owner takes the key over: the share left is lost too.
-    let set: Option<String> = redis::cmd("SET")
-        .arg(backend.storage_key(&key))
-        .arg("someone-else")
-        .arg("XX")
-        .arg("KEEPTTL")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(set.as_deref(), Some("OK"));
+    dlock_testkit::redis::take_over(&mut conn, backend.storage_key(&key), "someone-else").await;
     tokio::time::timeout(Duration::from_secs(2), kept.lost_token().cancelled())
         .await
         .expect("a key taken over loses its readers");

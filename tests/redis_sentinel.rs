@@ -64,15 +64,8 @@ impl dlock_testkit::Harness for SentinelHarness {
             .get_multiplexed_async_connection()
             .await
             .unwrap();
-        let set: Option<String> = redis::cmd("SET")
-            .arg(self.backend.storage_key(guard.key()))
-            .arg("someone-else")
-            .arg("XX")
-            .arg("KEEPTTL")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        assert_eq!(set.as_deref(), Some("OK"));
+        let key = self.backend.storage_key(guard.key());
+        dlock_testkit::redis::take_over(&mut conn, key, "someone-else").await;
     }
 
     fn lost_within(&self) -> Duration {

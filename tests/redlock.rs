@@ -62,15 +62,8 @@ impl dlock_testkit::Harness for Nodes {
                 .get_multiplexed_async_connection()
                 .await
                 .unwrap();
-            let set: Option<String> = redis::cmd("SET")
-                .arg(node.storage_key(guard.key()))
-                .arg("someone-else")
-                .arg("XX")
-                .arg("KEEPTTL")
-                .query_async(&mut conn)
-                .await
-                .unwrap();
-            assert_eq!(set.as_deref(), Some("OK"));
+            let key = node.storage_key(guard.key());
+            dlock_testkit::redis::take_over(&mut conn, key, "someone-else").await;
         }
     }
 

@@ -442,6 +442,26 @@ fn free_port() -> u16 {
         .expect("free port")
 }
 
+/// Another owner takes over the lock stored under `storage_key` (from
+/// `RedisBackend::storage_key`): `SET key owner XX KEEPTTL`, so the key keeps its time to live
+/// and is free again when the holder's lease would have run out. Panics if the key is not
+/// there.
+pub async fn take_over(
+    conn: &mut impl redis::aio::ConnectionLike,
+    storage_key: impl redis::ToRedisArgs,
+    owner: impl redis::ToRedisArgs,
+) {
+    let set: Option<String> = redis::cmd("SET")
+        .arg(storage_key)
+        .arg(owner)
+        .arg("XX")
+        .arg("KEEPTTL")
+        .query_async(conn)
+        .await
+        .expect("SET XX KEEPTTL");
+    assert_eq!(set.as_deref(), Some("OK"), "the key was there to take over");
+}
+
 /// What a server was sent, from `INFO commandstats` and `INFO errorstats`.
 #[derive(Debug, Default, Clone)]
 pub struct CommandsSent {
