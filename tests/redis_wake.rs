@@ -39,16 +39,8 @@ async fn admin(server: &RedisServer) -> redis::aio::MultiplexedConnection {
         .unwrap()
 }
 
-/// The subscribers of `channel` the server counts (`PUBSUB NUMSUB`).
 async fn subscribers(server: &RedisServer, channel: &[u8]) -> i64 {
-    let mut admin = admin(server).await;
-    let (_, n): (Vec<u8>, i64) = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(channel)
-        .query_async(&mut admin)
-        .await
-        .unwrap();
-    n
+    tokio::task::block_in_place(|| server.subscribers(channel))
 }
 
 /// Waits (up to 20 s) until `channel` has `n` subscribers.

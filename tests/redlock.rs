@@ -7,7 +7,7 @@ mod support;
 use std::time::Duration;
 
 use dlock::redis::{RedisBackend, RedlockBackend};
-use dlock::{LockError, LockGuard, LockProvider};
+use dlock::{Backoff, LockError, LockGuard, LockProvider};
 use dlock_testkit::redis::{Flavor, RedisServer};
 use dlock_testkit::unique_key;
 use support::{Fencing, run_exclusion};
@@ -38,6 +38,23 @@ impl Nodes {
             hosts.join(","),
             LEASE.as_millis()
         )
+    }
+
+    /// The nodes' URL with `options` (`lease=60s`, ...).
+    fn url_with(&self, options: &str) -> String {
+        self.url()
+            .replace(&format!("lease={}ms", LEASE.as_millis()), options)
+    }
+
+    /// The tries the nodes saw: calls of the acquisition script (the locks are fenced).
+    fn tries(&self) -> u64 {
+        self.servers
+            .iter()
+            .map(|server| {
+                let calls = server.command_calls();
+                calls.get("evalsha").copied().unwrap_or(0) + calls.get("eval").copied().unwrap_or(0)
+            })
+            .sum()
     }
 
     /// A single-node backend on node `i`, with the options of the Redlock URL.
@@ -242,4 +259,84 @@ async fn urls_and_node_sets_are_checked() {
         .await
         .expect("free");
     guard.release().await.expect("release");
+}
+
+/// Far longer than any wait below may take.
+const FALLBACK: Duration = Duration::from_secs(3600);
+/// How long a waiter that was woken may take, at most (a loaded machine).
+const LIMIT: Duration = Duration::from_secs(20);
+
+/// A waiter with an hour-long fallback poll: it gets a key in time only when woken by a
+/// release, or when it tries again as the holders' leases run out.
+async fn slow_waiter(url: &str) -> LockProvider {
+    let backend = RedlockBackend::connect(url).await.expect("connect");
+    LockProvider::builder(backend)
+        .backoff(Backoff::default().with_fallback_poll(FALLBACK).unwrap())
+        .build()
+}
+
+/// A Redlock waiter subscribes on every node, does not poll while the key is held, and a
+/// release wakes it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_wakes_the_waiter_without_polling() {
+    let Some(nodes) = nodes() else { return };
+    let url = nodes.url_with("lease=60s");
+    let holder = LockProvider::connect(&url).await.expect("connect");
+    let waiters = slow_waiter(&url).await;
+    let key = unique_key("woken");
+    let channel = nodes.node(0).await.storage_key(&key);
+    let guard = holder.try_acquire(&key).await.unwrap();
+    let waiter = {
+        let (waiters, key) = (waiters.clone(), key.clone());
+        tokio::spawn(async move { waiters.acquire(&key, Duration::from_secs(600)).await })
+    };
+    for server in &nodes.servers {
+        dlock_testkit::wait_until("the waiter subscribes on every node", LIMIT, async || {
+            tokio::task::block_in_place(|| server.subscribers(&channel)) == 1
+        })
+        .await;
+    }
+    let before = nodes.tries();
+    // Held for a while: a polling waiter would try again meanwhile.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        nodes.tries(),
+        before,
+        "the waiter polled while the key was held"
+    );
+    let held = guard.fencing_token();
+    guard.release().await.unwrap();
+    let got = tokio::time::timeout(LIMIT, waiter)
+        .await
+        .expect("the release woke the waiter")
+        .unwrap()
+        .unwrap();
+    assert!(got.fencing_token() > held);
+    got.release().await.unwrap();
+}
+
+/// A holder whose leases simply run out (not renewed, never released): the waiter, woken by
+/// nothing, tries again when enough of the nodes' leases have run out, not at its hour-long
+/// fallback poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_tries_again_when_the_quorums_leases_run_out() {
+    let Some(nodes) = nodes() else { return };
+    let url = nodes.url_with("lease=60s");
+    let holder = LockProvider::connect(&url).await.expect("connect");
+    let waiters = slow_waiter(&url).await;
+    let key = unique_key("expires");
+    let guard = holder
+        .lock(&key)
+        .lease(Duration::from_secs(2))
+        .renewal(false)
+        .try_acquire()
+        .await
+        .unwrap();
+    let got = tokio::time::timeout(LIMIT, waiters.acquire(&key, Duration::from_secs(600)))
+        .await
+        .expect("the waiter got the key when the leases ran out")
+        .unwrap();
+    assert!(got.fencing_token() > guard.fencing_token());
+    drop(guard);
+    got.release().await.unwrap();
 }

@@ -467,14 +467,14 @@ fn held_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
                     .map(|c| {
                         format!(
                             "; {:.1} server commands per lock in the window: one command per \
-                             lock per renewal, renewals not batched",
+                             lock per renewal, sent in pipelines of up to 512",
                             c
                         )
                     })
                     .unwrap_or_default();
                 format!(
-                    "linear in the locks held: every lock is renewed on its own every third of \
-                     its lease{per_lock}"
+                    "linear in the locks held: every lock is renewed every third of its lease, \
+                     those due close together in one pipeline{per_lock}"
                 )
             }
             "SQLite" => "all due locks are renewed in one transaction on a thread of its own; \

@@ -372,6 +372,17 @@ impl RedisServer {
             .collect()
     }
 
+    /// The subscribers of `channel` the server counts (`PUBSUB NUMSUB`).
+    pub fn subscribers(&self, channel: &[u8]) -> i64 {
+        let mut conn = self.client().get_connection().expect("connect");
+        let (_, n): (Vec<u8>, i64) = redis::cmd("PUBSUB")
+            .arg("NUMSUB")
+            .arg(channel)
+            .query(&mut conn)
+            .expect("PUBSUB NUMSUB");
+        n
+    }
+
     /// How often each command ran (`INFO commandstats`), by lowercase name.
     pub fn command_calls(&self) -> HashMap<String, u64> {
         self.info("commandstats")

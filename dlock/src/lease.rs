@@ -8,8 +8,9 @@
 //! store could let anyone else take it. A renewal that fails without an answer is tried again
 //! after a twentieth of the lease ([`retry_after`]); one that finds the lock gone or taken means
 //! the lock is lost at once. How the renewals are sent is the backend's: SQLite renews every due
-//! lock in one transaction on a thread, Redis sends one command per lock from a task, etcd one
-//! keep-alive per lock's lease from a task of its own.
+//! lock in one transaction on a thread, Redis sends the due renewals (and those due within a tenth
+//! of their period) in pipelines of up to 512 from one task per pipeline, etcd one keep-alive
+//! per lock's lease from a task of its own.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -14,7 +14,7 @@ use super::{RedisBackend, check_lease};
 use crate::LockError;
 use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LeaseDeadline, LockBackend, LockRequest,
-    ReleaseOutcome,
+    ReleaseOutcome, ReleaseWatch, WaitTry,
 };
 
 const NAME: &str = "redlock";
@@ -37,7 +37,8 @@ return 1";
 ///
 /// | step | what happens |
 /// |---|---|
-/// | acquire | the lock is asked of every node at once, each with a timeout of a fifth of the lease (at least 50 ms; each command is also bounded by the `timeout` option). It counts when a quorum granted it and the lease left, **validity = lease − elapsed − drift** (drift: 1 % of the lease + 2 ms, for clocks that run at different rates), is at least half the lease; otherwise what was granted is given back at once, and the attempt answers "held" (or [`LockError::Unavailable`] when too few nodes answered at all). The provider retries with backoff and jitter. |
+/// | acquire | the lock is asked of every node at once, each with a timeout of a fifth of the lease (at least 50 ms; each command is also bounded by the `timeout` option). It counts when a quorum granted it and the lease left, **validity = lease − elapsed − drift** (drift: 1 % of the lease + 2 ms, for clocks that run at different rates), is at least half the lease; otherwise what was granted is given back at once, and the attempt answers "held" (or [`LockError::Unavailable`] when too few nodes answered at all). |
+/// | wait | a waiter subscribes to the key's release channel on every connected node (see *Waiting* in [`crate::redis`]) and tries again when any node announces a release, or when enough holders' leases run out for a quorum to be free; while no node's subscription is live, it polls with backoff and jitter. |
 /// | fencing | each granted node `INCR`s the key's counter as the single-node backend does; the lock's token is the **largest** of them, and before the lock counts every granted node's counter is raised to it (a compare-and-set script), on a quorum at least. Any two quorums share a node, whose counter only grows, so the next holder's token is larger. |
 /// | hold | every node renews its own lease; the lock is lost when fewer than a quorum of node locks are still held, or when the quorum's local deadline (the quorum-th latest node deadline, less the drift) passes without renewals moving it. |
 /// | release | every node is released at once; a release that a quorum confirmed succeeds. |
@@ -405,6 +406,93 @@ impl LockBackend for RedlockBackend {
         request: LockRequest<'a>,
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
         Box::pin(async move {
+            Ok(match self.attempt(request, false).await? {
+                WaitTry::Acquired(acquired) => Some(acquired),
+                WaitTry::Held { .. } => None,
+            })
+        })
+    }
+
+    /// A waiter's try: on contention, how soon enough holders' leases run out for a quorum
+    /// of nodes to be free.
+    fn try_acquire_in_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<WaitTry, LockError>> {
+        Box::pin(self.attempt(request, true))
+    }
+
+    /// Subscribes to the key's release channel on every connected node: woken by a release
+    /// announced on any of them (a release goes to every node), live while one subscription
+    /// is.
+    fn watch_releases<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
+        Box::pin(async move {
+            let watches = join(
+                self.shared
+                    .nodes
+                    .iter()
+                    .filter_map(|node| node.backend.get())
+                    .map(|backend| backend.watch_releases(request)),
+            )
+            .await;
+            let watches: Vec<Box<dyn ReleaseWatch>> = watches.into_iter().flatten().collect();
+            if watches.is_empty() {
+                None
+            } else {
+                Some(Box::new(RedlockWatch { watches }) as Box<dyn ReleaseWatch>)
+            }
+        })
+    }
+}
+
+/// The release watches of one key on the nodes: see [`RedlockBackend::watch_releases`].
+#[derive(Debug)]
+struct RedlockWatch {
+    watches: Vec<Box<dyn ReleaseWatch>>,
+}
+
+impl ReleaseWatch for RedlockWatch {
+    fn is_live(&self) -> bool {
+        self.watches.iter().any(|watch| watch.is_live())
+    }
+
+    fn mark_seen(&mut self) {
+        for watch in &mut self.watches {
+            watch.mark_seen();
+        }
+    }
+
+    fn woken(&mut self) -> BoxFuture<'_, ()> {
+        // Each node's `woken` is cancel safe: dropping the others loses no wake-up.
+        let woken: Vec<BoxFuture<'_, ()>> =
+            self.watches.iter_mut().map(|watch| watch.woken()).collect();
+        Box::pin(async move {
+            futures_util::future::select_all(woken).await;
+        })
+    }
+}
+
+/// How soon a quorum of nodes may be free without a release, from the holders' times to live
+/// on the nodes that refused (`hints`, `None` where unknown), when `taken` nodes granted the
+/// lock: the time by which enough more of them have run out. `None` when unknown.
+fn quorum_free_within(
+    mut hints: Vec<Option<Duration>>,
+    taken: usize,
+    quorum: usize,
+) -> Option<Duration> {
+    let needed = quorum.checked_sub(taken)?.checked_sub(1)?;
+    hints.sort_by_key(|hint| hint.unwrap_or(Duration::MAX));
+    hints.get(needed).copied().flatten()
+}
+
+impl RedlockBackend {
+    /// One try on every node at once (a waiter's when `in_wait`, which also learns how soon
+    /// the holders' leases run out).
+    async fn attempt(&self, request: LockRequest<'_>, in_wait: bool) -> Result<WaitTry, LockError> {
+        {
             let shared = &*self.shared;
             let lease = request.lease.unwrap_or(shared.lease);
             check_lease(lease)?;
@@ -417,18 +505,29 @@ impl LockBackend for RedlockBackend {
                 Box::pin(async move {
                     let attempt = async {
                         let backend = node.get().await?;
-                        let taken = match backend.try_acquire(request).await {
+                        let once = || async {
+                            if in_wait {
+                                backend.try_acquire_in_wait(request).await
+                            } else {
+                                Ok(match backend.try_acquire(request).await? {
+                                    Some(acquired) => WaitTry::Acquired(acquired),
+                                    None => WaitTry::Held { retry_within: None },
+                                })
+                            }
+                        };
+                        let taken = match once().await {
                             // A connection found broken is opened again by the next
                             // command (a node that restarted): one more try, within the wait.
-                            Err(LockError::Unavailable { .. }) => {
-                                backend.try_acquire(request).await?
-                            }
+                            Err(LockError::Unavailable { .. }) => once().await?,
                             other => other?,
                         };
-                        Ok::<_, LockError>(taken.map(|acquired| Taken {
-                            node: i,
-                            acquired: Some(acquired),
-                        }))
+                        Ok::<_, LockError>(match taken {
+                            WaitTry::Acquired(acquired) => Ok(Taken {
+                                node: i,
+                                acquired: Some(acquired),
+                            }),
+                            WaitTry::Held { retry_within } => Err(retry_within),
+                        })
                     };
                     match tokio::time::timeout(wait, attempt).await {
                         Ok(answer) => answer.map_err(Failure::Failed),
@@ -439,11 +538,15 @@ impl LockBackend for RedlockBackend {
             .await;
             let mut taken = Vec::new();
             let mut failures = Vec::new();
+            let mut hints = Vec::new();
             let (mut refused, mut slow) = (0, 0);
             for answer in answers {
                 match answer {
-                    Ok(Some(t)) => taken.push(t),
-                    Ok(None) => refused += 1,
+                    Ok(Ok(t)) => taken.push(t),
+                    Ok(Err(hint)) => {
+                        refused += 1;
+                        hints.push(hint);
+                    }
                     Err(Failure::Slow) => {
                         slow += 1;
                         failures.push(LockError::unavailable(
@@ -489,13 +592,15 @@ impl LockBackend for RedlockBackend {
                         None,
                     ));
                 }
-                return Ok(None);
+                return Ok(WaitTry::Held {
+                    retry_within: quorum_free_within(hints, taken.len(), shared.quorum),
+                });
             }
             let fencing_token = if shared.fencing {
                 match self.raise_fences(request.key, &taken).await {
                     Some(token) => Some(token),
                     // Too few counters could be raised: the token would not be safe.
-                    None => return Ok(None),
+                    None => return Ok(WaitTry::Held { retry_within: None }),
                 }
             } else {
                 None
@@ -549,10 +654,10 @@ impl LockBackend for RedlockBackend {
                 deadline: deadline.clone(),
                 done,
             };
-            Ok(Some(
+            Ok(WaitTry::Acquired(
                 Acquired::new(fencing_token, lost, Box::new(held)).with_lease_deadline(deadline),
             ))
-        })
+        }
     }
 }
 
@@ -808,6 +913,30 @@ impl HeldLock for RedlockHeld {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_quorum_is_free_when_enough_of_the_holders_leases_have_run_out() {
+        let s = Duration::from_secs;
+        // Three nodes, quorum two, none granted: the second shortest lease.
+        assert_eq!(
+            quorum_free_within(vec![Some(s(3)), Some(s(1)), Some(s(2))], 0, 2),
+            Some(s(2))
+        );
+        // One granted: the shortest will do.
+        assert_eq!(
+            quorum_free_within(vec![Some(s(3)), Some(s(1))], 1, 2),
+            Some(s(1))
+        );
+        // Unknown where it matters: unknown; unknown beyond it: no matter.
+        assert_eq!(quorum_free_within(vec![None, Some(s(1))], 0, 2), None);
+        assert_eq!(
+            quorum_free_within(vec![Some(s(1)), Some(s(2)), None], 0, 2),
+            Some(s(2))
+        );
+        // Too few refusals to reach a quorum, or a quorum granted already: none to wait for.
+        assert_eq!(quorum_free_within(vec![Some(s(1))], 0, 2), None);
+        assert_eq!(quorum_free_within(vec![Some(s(1))], 2, 2), None);
+    }
 
     #[test]
     fn urls_split_into_nodes_with_shared_credentials_and_options() {
