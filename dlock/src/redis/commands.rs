@@ -12,6 +12,7 @@ use std::task::Poll;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
+use super::cluster::{Cluster, Link};
 use super::sentinel::{Sentinels, points_elsewhere};
 use super::token::OwnerToken;
 
@@ -167,9 +168,11 @@ pub use crate::backend::ReleaseOutcome;
 
 /// The connection and the memory of what it supports.
 pub(crate) struct Conn {
-    /// The connection manager in use; replaced (when it can be, see `rebuild`) after a
-    /// runtime it may have run on shut down.
-    manager: Mutex<ConnectionManager>,
+    /// The connection in use (a connection manager, or a cluster connection); replaced (when
+    /// it can be, see `rebuild` and `cluster`) after a runtime it may have run on shut down.
+    manager: Mutex<Link>,
+    /// On a Redis Cluster: how to connect to it again.
+    cluster: Option<Cluster>,
     /// How to make a new manager, when the backend made its own (not for a manager the
     /// application passed in). Behind Sentinel, the client of the master in use: replaced
     /// when the sentinels name another one. Shared with the backend's subscriber (see
@@ -443,11 +446,12 @@ impl Conn {
     /// A connection on `manager`; with `rebuild`, the client and configuration it was made
     /// from, to replace it when needed.
     pub(crate) fn new(
-        manager: ConnectionManager,
+        manager: impl Into<Link>,
         rebuild: Option<(redis::Client, ConnectionManagerConfig)>,
     ) -> Conn {
         Conn {
-            manager: Mutex::new(manager),
+            manager: Mutex::new(manager.into()),
+            cluster: None,
             rebuild: Arc::new(Mutex::new(rebuild)),
             sentinel: None,
             rediscover: Arc::new(AtomicBool::new(false)),
@@ -472,6 +476,18 @@ impl Conn {
             next_check: Mutex::new(next),
         });
         self
+    }
+
+    /// A connection to a Redis Cluster, made again from `cluster` when needed (without
+    /// connection fencing: see [Cluster](super#cluster)).
+    pub(crate) fn with_cluster(mut self, cluster: Cluster) -> Conn {
+        self.cluster = Some(cluster);
+        self
+    }
+
+    /// Whether the connection is to a Redis Cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
     }
 
     /// The master in use, behind Sentinel.
@@ -602,8 +618,8 @@ impl Conn {
         SuspectOnDrop(Some(Arc::clone(&self.suspect)))
     }
 
-    /// The manager to send the next command on.
-    fn manager(&self) -> ConnectionManager {
+    /// The connection to send the next command on.
+    fn manager(&self) -> Link {
         self.manager
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -637,6 +653,13 @@ impl Conn {
     /// Replaces the manager with a new one that connects on the current runtime when first
     /// used; `false` when the backend cannot make one (the application passed its manager).
     fn replace(&self) -> bool {
+        if let Some(cluster) = &self.cluster {
+            *self.manager.lock().unwrap_or_else(PoisonError::into_inner) =
+                Link::Cluster(cluster.lazy());
+            self.forget();
+            self.watch_runtime(true);
+            return true;
+        }
         let Some((client, config)) = self
             .rebuild
             .lock()
@@ -647,7 +670,7 @@ impl Conn {
         };
         match ConnectionManager::new_lazy_with_config(client, config) {
             Ok(manager) => {
-                *self.manager.lock().unwrap_or_else(PoisonError::into_inner) = manager;
+                *self.manager.lock().unwrap_or_else(PoisonError::into_inner) = manager.into();
                 self.forget();
                 self.watch_runtime(true);
                 true
@@ -722,6 +745,21 @@ impl Conn {
     /// [`Conn::query`], with `then` sent right behind `cmd` in the same pipeline, so on the
     /// same connection (as `WAIT` must be, to wait for the write of `cmd`): the second value
     /// is `then`'s reply (an error answer as [`Value::ServerError`]).
+    /// `cmd` sent to the node at `addr` of a cluster (to the server, on one server).
+    pub(crate) async fn query_at(
+        &self,
+        addr: &(String, u16),
+        cmd: &Cmd,
+    ) -> Result<Value, RedisError> {
+        self.repair().await;
+        self.watch_if_reconnecting();
+        let mut manager = self.manager();
+        let outcome = unwind_to_error(manager.query_at(addr, cmd)).await;
+        self.after_driver_panic(&outcome);
+        self.forget_on_failure(&outcome);
+        outcome
+    }
+
     async fn query_then(
         &self,
         cmd: &Cmd,
