@@ -4,12 +4,14 @@
 #![cfg(feature = "redis")]
 
 use std::collections::{BTreeMap, HashSet};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
 use dlock::{LockError, LockGuard, LockProvider};
 use dlock_testkit::redis::RedisCluster;
-use dlock_testkit::unique_key;
+use dlock_testkit::{unique_key, wait_until};
 
 const LEASE: Duration = Duration::from_secs(1);
 
@@ -277,4 +279,238 @@ async fn cluster_builder_and_wait_replicas() {
         Err(LockError::Config { .. }) => {}
         other => panic!("expected a configuration error, got {other:?}"),
     }
+}
+
+/// One critical section of the exclusion checker.
+struct Section {
+    key: usize,
+    start: Instant,
+    end: Instant,
+    token: u64,
+    /// Neither told of loss during the section nor on release.
+    clean: bool,
+}
+
+#[derive(Debug, Default)]
+#[allow(dead_code)] // Every field is read through `Debug`, in the printed report.
+struct Report {
+    sections: usize,
+    told_of_loss: usize,
+    errors: Vec<String>,
+    overlaps: usize,
+    token_inversions: usize,
+    longest_gap: Duration,
+}
+
+/// Providers (one backend each, as processes would have) × tasks that take `keys` in short
+/// sections until stopped, recording each section.
+struct Contention {
+    keys: Vec<String>,
+    sections: Arc<Mutex<Vec<Section>>>,
+    errors: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Contention {
+    async fn start(url: &str, providers: usize, tasks: usize, keys: Vec<String>) -> Contention {
+        let sections = Arc::new(Mutex::new(Vec::<Section>::new()));
+        let errors = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut handles = Vec::new();
+        for p in 0..providers {
+            let locks = LockProvider::connect(url).await.expect("connect");
+            for t in 0..tasks {
+                let (locks, keys, sections, errors, stop) = (
+                    locks.clone(),
+                    keys.clone(),
+                    Arc::clone(&sections),
+                    Arc::clone(&errors),
+                    Arc::clone(&stop),
+                );
+                handles.push(tokio::spawn(async move {
+                    let mut n = p * tasks + t;
+                    while !stop.load(Ordering::SeqCst) {
+                        n += 1;
+                        let key = n % keys.len();
+                        let guard = match locks.acquire(&keys[key], Duration::from_secs(10)).await {
+                            Ok(guard) => guard,
+                            Err(err) => {
+                                errors.lock().unwrap().push(err.to_string());
+                                tokio::time::sleep(Duration::from_millis(10)).await;
+                                continue;
+                            }
+                        };
+                        let start = Instant::now();
+                        let token = guard.fencing_token().expect("fenced");
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                        let told = guard.is_lost();
+                        let end = Instant::now();
+                        let released = guard.release().await;
+                        if let Err(err) = &released {
+                            errors.lock().unwrap().push(format!("release: {err}"));
+                        }
+                        sections.lock().unwrap().push(Section {
+                            key,
+                            start,
+                            end,
+                            token,
+                            clean: !told && released.is_ok(),
+                        });
+                    }
+                }));
+            }
+        }
+        Contention {
+            keys,
+            sections,
+            errors,
+            stop,
+            tasks: handles,
+        }
+    }
+
+    /// Sections finished so far.
+    fn count(&self) -> usize {
+        self.sections.lock().unwrap().len()
+    }
+
+    /// Waits until `more` further sections have finished (at most `limit`).
+    async fn progress(&self, more: usize, limit: Duration) {
+        let target = self.count() + more;
+        let started = Instant::now();
+        wait_until("sections complete", limit, async || {
+            let done = self.count() >= target;
+            if !done && started.elapsed() > limit - Duration::from_millis(100) {
+                let errors = self.errors.lock().unwrap();
+                eprintln!(
+                    "stuck; {} errors, the last: {:?}",
+                    errors.len(),
+                    errors.last()
+                );
+            }
+            done
+        })
+        .await;
+    }
+
+    /// Stops the tasks and checks the sections: overlaps among holders never told of loss,
+    /// and fencing tokens in the order of the sections.
+    async fn finish(self) -> Report {
+        self.stop.store(true, Ordering::SeqCst);
+        for task in self.tasks {
+            task.await.expect("no panic");
+        }
+        let mut sections = std::mem::take(&mut *self.sections.lock().unwrap());
+        sections.sort_by_key(|s| s.start);
+        let mut report = Report {
+            sections: sections.len(),
+            told_of_loss: sections.iter().filter(|s| !s.clean).count(),
+            errors: std::mem::take(&mut *self.errors.lock().unwrap()),
+            ..Report::default()
+        };
+        for key in 0..self.keys.len() {
+            let clean: Vec<&Section> = sections
+                .iter()
+                .filter(|s| s.key == key && s.clean)
+                .collect();
+            for (i, a) in clean.iter().enumerate() {
+                for b in &clean[i + 1..] {
+                    if b.start < a.end && a.start < b.end {
+                        report.overlaps += 1;
+                    }
+                }
+            }
+            for pair in clean.windows(2) {
+                if pair[1].token <= pair[0].token {
+                    report.token_inversions += 1;
+                }
+            }
+            let all: Vec<&Section> = sections.iter().filter(|s| s.key == key).collect();
+            for pair in all.windows(2) {
+                report.longest_gap = report.longest_gap.max(pair[1].start - pair[0].end);
+            }
+        }
+        report
+    }
+}
+
+/// The slot of a contended key moves between masters while four providers × two tasks take
+/// it in short sections: first step by step (`SETSLOT IMPORTING / MIGRATING`, then `MIGRATE`
+/// one key at a time, so that the lock and its counter are for a while on different masters
+/// and its scripts are answered `TRYAGAIN`, its single-key commands `ASK`), then at once to a
+/// third master (stale slot maps answered `MOVED`). The driver follows every redirection:
+/// no acquisition or release fails, no two holders overlap, and fencing tokens strictly
+/// increase across both moves (the counter moves with the lock).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_migration_under_load() {
+    let Some(cluster) = cluster(0) else {
+        return;
+    };
+    let url = cluster.url("lease=2s");
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    let hot = unique_key("migrating");
+    let storage = backend.storage_key(&hot);
+    let (slot, from) = tokio::task::block_in_place(|| {
+        let slot = cluster.slot_of(&storage);
+        (slot, cluster.owner_of(slot))
+    });
+    let masters = tokio::task::block_in_place(|| cluster.masters());
+    let others: Vec<u16> = masters.into_iter().filter(|p| *p != from).collect();
+    let (to, third) = (others[0], others[1]);
+    let contention = Contention::start(&url, 4, 2, vec![hot.clone()]).await;
+    let limit = Duration::from_secs(20);
+    contention.progress(50, limit).await;
+
+    // Step by step: the lock and its counter move one at a time. Meanwhile, a fenced
+    // acquisition (a script on both keys) is refused with TRYAGAIN by both masters whenever
+    // one of its keys is missing on the node asked (the free lock's key always is), until
+    // the slot has moved; renewals and releases (one key) follow ASK.
+    let tryagain = || {
+        [from, to]
+            .iter()
+            .map(|p| {
+                cluster
+                    .node(*p)
+                    .error_counts()
+                    .get("TRYAGAIN")
+                    .copied()
+                    .unwrap_or(0)
+            })
+            .sum::<u64>()
+    };
+    let before = tokio::task::block_in_place(tryagain);
+    let migrating = Instant::now();
+    tokio::task::block_in_place(|| cluster.begin_migration(slot, from, to));
+    // Long enough for the driver's retries of some acquisitions to run out (16 of them, 20 ms
+    // doubling to 500 ms, jittered: about 3 s; the four providers' acquisitions are refused
+    // about 80 times by then): their waits try again by themselves.
+    wait_until(
+        "acquisitions are refused while the slot moves",
+        limit,
+        async || tokio::task::block_in_place(tryagain) > before + 80,
+    )
+    .await;
+    while tokio::task::block_in_place(|| cluster.migrate_keys(slot, from, to, 1)) > 0 {}
+    tokio::task::block_in_place(|| cluster.finish_migration(slot, from, to));
+    let step_by_step = migrating.elapsed();
+    contention.progress(50, limit).await;
+
+    // At once, to the third master.
+    tokio::task::block_in_place(|| cluster.migrate_slot(slot, to, third));
+    contention.progress(50, limit).await;
+    let report = contention.finish().await;
+    eprintln!(
+        "cluster-figures slot migration: {report:?}; the step-by-step migration took \
+         {step_by_step:?}"
+    );
+    assert!(report.errors.is_empty(), "{report:?}");
+    assert_eq!(report.told_of_loss, 0, "{report:?}");
+    assert_eq!(report.overlaps, 0, "{report:?}");
+    assert_eq!(report.token_inversions, 0, "{report:?}");
+    // The lock and its counter live on the third master now.
+    let on_third = tokio::task::block_in_place(|| {
+        cluster.command(third, &[b"EXISTS", &backend.fencing_key(&hot)])
+    });
+    assert_eq!(on_third.ok(), Some(redis::Value::Int(1)));
 }

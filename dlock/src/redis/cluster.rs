@@ -146,6 +146,17 @@ pub(crate) fn masters(nodes: &str) -> Vec<(String, u16)> {
     found
 }
 
+/// How soon a waiter tries again after a cluster refused its acquisition while a slot moves.
+pub(crate) const IN_MOTION_RETRY: Duration = Duration::from_millis(20);
+
+/// Whether an error code is a cluster's refusal of a command it did not run because the
+/// key's slot is moving or the cluster is reconfiguring (`TRYAGAIN`: a script's keys are split
+/// between the two masters of a migration; `MOVED`, `ASK`: redirections the driver could not
+/// follow in its retries; `CLUSTERDOWN`: no master for the slot yet).
+pub(crate) fn is_in_motion(code: &str) -> bool {
+    matches!(code, "TRYAGAIN" | "MOVED" | "ASK" | "CLUSTERDOWN")
+}
+
 /// Whether `err` is the server's answer that the keys of one command are in different slots.
 pub(crate) fn is_cross_slot(err: &RedisError) -> bool {
     err.kind() == ErrorKind::Server(redis::ServerErrorKind::CrossSlot)

@@ -253,6 +253,19 @@
 //! own is refused by the cluster (`CROSSSLOT`), answered as a [`LockError::Backend`] with
 //! `db_code` `"CROSSSLOT"` that says to put a tag in the names or set `fencing=false`.
 //!
+//! **Resharding.** While a lock's slot migrates (`CLUSTER SETSLOT ... MIGRATING` /
+//! `IMPORTING`, until `SETSLOT ... NODE`), its renewals and releases (one key each) follow
+//! the `ASK` redirections, but its acquisitions, which run a script on the lock and its
+//! fencing counter, are refused by both masters (`TRYAGAIN`) whenever one of the two keys is
+//! missing on the node asked, which a free lock's key always is: **a slot's locks cannot be
+//! taken until its migration ends** (with `fencing=false`, a plain `SET` follows `ASK` and
+//! is not refused). The driver retries; past its retries a waiting
+//! [`acquire`](crate::LockProvider::acquire) tries again every 20 ms until its timeout, and a
+//! [`try_acquire`](crate::LockProvider::try_acquire) answers the [`LockError::Backend`]
+//! (`db_code` `"TRYAGAIN"`). `tests/redis_cluster.rs` moves a contended lock's slot twice
+//! under load (one key at a time, then at once), holding the first migration for about 4 s:
+//! no error, no overlap, and fencing tokens strictly increase across both.
+//!
 //! What carries over, and what does not:
 //!
 //! - **Locks, read locks, semaphores, fencing tokens, renewals, lost-lock detection**: as on
@@ -1105,8 +1118,12 @@ impl RedisBackend {
 
     /// A builder for a Redis Cluster on a `redis::cluster::ClusterClient` (which knows the
     /// initial nodes, the credentials and the protocol). The backend's `timeout` replaces the
-    /// client's connection and response timeouts; its retries of redirections stay as the
-    /// client sets them (16 by default). Waiters of a backend built here poll (the
+    /// client's connection and response timeouts; its retries stay as the client sets them:
+    /// the driver's default waits at least 1.28 s before each retry (of a `TRYAGAIN` while a
+    /// slot migrates, of a lost connection), so that a few retries outlast the command
+    /// `timeout`; a `redis+cluster://` URL's client waits 20 ms doubling to 500 ms
+    /// (`ClusterClientBuilder::retry_wait_formula(10, 2)`, `min_retry_wait(5)`,
+    /// `max_retry_wait(500)`). Waiters of a backend built here poll (the
     /// subscriber of wake-ups needs a node's address, which a `redis+cluster://` URL gives).
     /// See [Cluster](self#cluster).
     ///
@@ -1760,8 +1777,14 @@ fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
     }
     // The driver's messages are not repeated: they may quote the password.
     let subscribe = redis::Client::open(infos[0].clone()).map_err(|err| cluster_url_error(&err))?;
+    // Redirections are retried quickly (20 ms doubling to 500 ms, jittered, 16 times): a
+    // lock's keys are split between two masters only for the moment of a migration, and the
+    // driver's default (at least 1.28 s per retry) would outlast the command timeout.
     let client = redis::cluster::ClusterClient::builder(infos)
         .use_protocol(protocol)
+        .retry_wait_formula(10, 2)
+        .min_retry_wait(5)
+        .max_retry_wait(500)
         .build()
         .map_err(|err| cluster_url_error(&err))?;
     let builder = RedisBuilder::on(Source::Cluster(Box::new((client, Some(subscribe)))));
@@ -1950,7 +1973,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
     };
     let sent = Instant::now();
     let waiting = request.poll_pause.is_some();
-    let (taken, acked) = shared
+    let taking = shared
         .bounded(
             "acquiring a lock",
             shared.conn.take(
@@ -1962,7 +1985,20 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
                 shared.wait,
             ),
         )
-        .await?;
+        .await;
+    let (taken, acked) = match taking {
+        // A cluster still moving the key's slot after the driver's retries refused the
+        // command without running it: a waiter tries again soon, within its timeout.
+        Err(LockError::Backend { db_code, .. })
+            if waiting && db_code.as_deref().is_some_and(cluster::is_in_motion) =>
+        {
+            cleanup.armed = false;
+            return Ok(WaitTry::Held {
+                retry_within: Some(cluster::IN_MOTION_RETRY),
+            });
+        }
+        other => other?,
+    };
     let fencing_token = match taken {
         commands::Taking::Taken(fencing_token) => fencing_token,
         commands::Taking::Held(ttl) => {
