@@ -152,9 +152,13 @@ pub(crate) const IN_MOTION_RETRY: Duration = Duration::from_millis(20);
 /// Whether an error code is a cluster's refusal of a command it did not run because the
 /// key's slot is moving or the cluster is reconfiguring (`TRYAGAIN`: a script's keys are split
 /// between the two masters of a migration; `MOVED`, `ASK`: redirections the driver could not
-/// follow in its retries; `CLUSTERDOWN`: no master for the slot yet).
+/// follow in its retries; `CLUSTERDOWN`: no master for the slot yet; `READONLY`: a master
+/// became a replica, see `Conn::forget_on_failure`; `LOADING`: a node still loading).
 pub(crate) fn is_in_motion(code: &str) -> bool {
-    matches!(code, "TRYAGAIN" | "MOVED" | "ASK" | "CLUSTERDOWN")
+    matches!(
+        code,
+        "TRYAGAIN" | "MOVED" | "ASK" | "CLUSTERDOWN" | "READONLY" | "LOADING" | "MASTERDOWN"
+    )
 }
 
 /// Whether `err` is the server's answer that the keys of one command are in different slots.

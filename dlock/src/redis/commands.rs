@@ -696,6 +696,17 @@ impl Conn {
     }
 
     fn forget_on_failure<T>(&self, outcome: &Result<T, RedisError>) {
+        // On a cluster, a node that answers it is a replica was a master when the driver read
+        // the slot map: the driver keeps a READONLY connection to every node, on which a
+        // replica runs a script itself (a script without flags is no write command to
+        // Redis 7's redirection) instead of answering MOVED, so the driver would never
+        // learn of the failover. The next command connects again, with a new slot map.
+        if self.cluster.is_some()
+            && let Err(err) = outcome
+            && points_elsewhere(err)
+        {
+            self.suspect.store(true, Ordering::SeqCst);
+        }
         if self.sentinel.is_some()
             && let Err(err) = outcome
             && (!is_server_answer(err) || points_elsewhere(err))

@@ -1990,7 +1990,9 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
         // A cluster still moving the key's slot after the driver's retries refused the
         // command without running it: a waiter tries again soon, within its timeout.
         Err(LockError::Backend { db_code, .. })
-            if waiting && db_code.as_deref().is_some_and(cluster::is_in_motion) =>
+            if waiting
+                && shared.conn.is_cluster()
+                && db_code.as_deref().is_some_and(cluster::is_in_motion) =>
         {
             cleanup.armed = false;
             return Ok(WaitTry::Held {
