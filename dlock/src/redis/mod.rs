@@ -281,6 +281,9 @@
 //! - **[`store_locks`](crate::LockProvider::store_locks)** scans each master that serves
 //!   slots (`CLUSTER NODES`, then `SCAN` on each; the user needs `+cluster|nodes`). A lock
 //!   whose slot moves during the scan may be listed twice or missed.
+//! - **Permissions**: those of [Permissions](self#permissions), and `+cluster|slots
+//!   +readonly`, which the driver sends on every node connection (the slot map, and the mode
+//!   that lets it read from replicas; dlock reads only from masters).
 //! - **[Connection fencing](self#connection-fencing) is off**: the cluster client holds a
 //!   connection per master, and `CLIENT ID` / `CLIENT KILL` name one connection on one node.
 //!   A renewal, extension or release whose outcome is unknown is answered as without fencing
@@ -291,6 +294,24 @@
 //!   answers contention (the lock frees itself at the end of its lease); a release that had
 //!   run answers that the lock was already released, and the guard reports it lost. Neither
 //!   hands out a lock twice.
+//!
+//! **Failover.** A master's replica takes over its slots when the master fails (after
+//! `cluster-node-timeout` and an election) or on `CLUSTER FAILOVER`; the driver learns of it
+//! from `MOVED` answers. One case it would not learn of: the driver keeps its connection to
+//! every node in `READONLY` mode, and a demoted master runs a script of such a connection
+//! itself (Redis 7 does not count a script without flags as a write) and fails it with
+//! `READONLY` instead of answering `MOVED`; dlock then connects again with a fresh slot map
+//! for the next command (and a waiting acquisition tries again). What replication loses,
+//! it loses as behind Sentinel (see [Replicas and failover](self#replicas-and-failover)): a
+//! lock or counter increment the old master took and its replica had not, or took after the
+//! promotion (`CLUSTER FAILOVER TAKEOVER` leaves a live old master taking writes until it
+//! hears of the new epoch). While a killed master's slots have no master, their commands
+//! fail (`CLUSTERDOWN`, retried by a waiting acquisition), and a held lock whose renewals do
+//! not reach the promoted replica before its local deadline is reported lost.
+//! `tests/redis_cluster.rs` measures it; RELIABILITY.md has the figures. `wait_replicas=1` on
+//! a cluster whose masters have one replica each kept fencing tokens increasing and showed no
+//! overlap across a takeover, at the cost of no acquisition counting until the new master
+//! had a replica again.
 //!
 //! # Replicas and failover
 //!
