@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
-use dlock::{LockError, LockGuard, LockProvider};
+use dlock::{Backoff, LockError, LockGuard, LockProvider};
 use dlock_testkit::redis::RedisCluster;
 use dlock_testkit::{unique_key, wait_until};
 
@@ -663,4 +663,65 @@ async fn exclusion_across_a_killed_master() {
     };
     eprintln!("cluster-figures killed master wait_replicas=0: {run:?}");
     assert!(run.report.sections > 300, "{run:?}");
+}
+
+/// Releases wake waiters on every master: the subscriber listens on the URL's first node,
+/// and `PUBLISH` reaches it over the cluster bus from whichever master ran the release. The
+/// waiters' fallback poll is an hour and the holders' lease a minute, so only a wake-up
+/// lets them in within the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_on_every_master_wake_waiters() {
+    let Some(cluster) = cluster(0) else {
+        return;
+    };
+    let url = cluster.url("lease=60s");
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    let waiters = LockProvider::builder(backend.clone())
+        .backoff(
+            Backoff::default()
+                .with_fallback_poll(Duration::from_secs(3600))
+                .unwrap(),
+        )
+        .build();
+    let holder = LockProvider::connect(&url).await.expect("connect");
+    // One key on each master.
+    let prefix = unique_key("woken");
+    let mut keys = BTreeMap::new();
+    for i in 0.. {
+        let key = format!("{prefix}:{i}");
+        let storage = backend.storage_key(&key);
+        let owner = tokio::task::block_in_place(|| cluster.owner_of(cluster.slot_of(&storage)));
+        keys.entry(owner).or_insert(key);
+        if keys.len() == 3 {
+            break;
+        }
+    }
+    for key in keys.values() {
+        let guard = holder.try_acquire(key).await.expect("free");
+        let waiter = {
+            let (waiters, key) = (waiters.clone(), key.clone());
+            tokio::spawn(async move { waiters.acquire(&key, Duration::from_secs(600)).await })
+        };
+        // The waiter has tried once and subscribed (the first node counts its channel).
+        let channel = backend.storage_key(key);
+        let first = cluster.ports()[0];
+        wait_until("the waiter subscribes", Duration::from_secs(10), async || {
+            tokio::task::block_in_place(|| {
+                matches!(
+                    cluster.command(first, &[b"PUBSUB", b"NUMSUB", &channel]),
+                    Ok(redis::Value::Array(items)) if items.get(1) == Some(&redis::Value::Int(1))
+                )
+            })
+        })
+        .await;
+        guard.release().await.expect("release");
+        tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("the release woke the waiter")
+            .unwrap()
+            .expect("acquired")
+            .release()
+            .await
+            .unwrap();
+    }
 }

@@ -2346,6 +2346,41 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn cluster_urls() {
+        let b =
+            parse_url("redis+cluster://a:7000,b:7001?lease=2s&prefix=p:&wait_replicas=1").unwrap();
+        assert!(matches!(b.source, Source::Cluster(_)));
+        assert_eq!(b.lease, Duration::from_secs(2));
+        assert_eq!(b.prefix, "p:");
+        assert_eq!(b.wait_replicas, 1);
+        assert!(parse_url("redis+cluster://u:hunter2@a:7000/?protocol=resp3").is_ok());
+        for bad in [
+            "redis+cluster://a:7000?ca=/x.pem",
+            "redis+cluster://a:7000?sentinel_username=x",
+            "redis+cluster://a:7000?check_master_every=1s",
+            "redis+cluster://a:7000?protocol=resp4",
+            "redis+cluster://u:hunter2@a:7000/1",
+            "redis+cluster://a:7000?bogus=1",
+        ] {
+            let err = parse_url(bad).expect_err(bad);
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+        }
+        // Sentinel settings on a cluster builder are refused when connecting.
+        let err = parse_url("redis+cluster://127.0.0.1:1")
+            .unwrap()
+            .database(1)
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("`database`"), "{err}");
+        for code in ["TRYAGAIN", "MOVED", "ASK", "CLUSTERDOWN", "READONLY"] {
+            assert!(cluster::is_in_motion(code));
+        }
+        assert!(!cluster::is_in_motion("NOPERM") && !cluster::is_in_motion("UNBLOCKED"));
+    }
+
     #[test]
     fn keys_keep_their_hash_tag() {
         assert_eq!(storage_key(b"p:", "a{b}c%"), b"p:{a%7Bb%7Dc%25}".to_vec());
