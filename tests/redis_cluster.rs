@@ -1,6 +1,9 @@
 //! Redis Cluster (`redis+cluster://`), on a real cluster of three masters (with a replica
-//! each where a case needs them) started by the test kit: the conformance suite, keys on
-//! every master, the plain key layout's slots, and the cluster builder.
+//! each where a case needs them) started by the test kit for each case: the conformance
+//! suite, keys on every master, the plain key layout's slots, the cluster builder and
+//! `wait_replicas`, wake-ups from every master, a slot migrated under load, and failovers
+//! (takeover with and without `wait_replicas`, a killed master). Each case takes at least
+//! two seconds: a Redis master turns its cluster state ok only two seconds after it started.
 #![cfg(feature = "redis")]
 
 use std::collections::{BTreeMap, HashSet};

@@ -753,9 +753,6 @@ impl Conn {
         self.query_then(cmd, None).await.map(|(reply, _)| reply)
     }
 
-    /// [`Conn::query`], with `then` sent right behind `cmd` in the same pipeline, so on the
-    /// same connection (as `WAIT` must be, to wait for the write of `cmd`): the second value
-    /// is `then`'s reply (an error answer as [`Value::ServerError`]).
     /// `cmd` sent to the node at `addr` of a cluster (to the server, on one server).
     pub(crate) async fn query_at(
         &self,
@@ -771,6 +768,9 @@ impl Conn {
         outcome
     }
 
+    /// [`Conn::query`], with `then` sent right behind `cmd` in the same pipeline, so on the
+    /// same connection (as `WAIT` must be, to wait for the write of `cmd`): the second value
+    /// is `then`'s reply (an error answer as [`Value::ServerError`]).
     async fn query_then(
         &self,
         cmd: &Cmd,
