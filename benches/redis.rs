@@ -5,7 +5,11 @@
 //! - `.../dlock`: the same through `LockProvider::try_acquire` and `LockGuard::release`
 //!   (`fencing=false`: the same commands on servers without native ones, plus the guard, the
 //!   in-process table and the renewal task), and `.../dlock_fenced` with fencing tokens;
-//! - `release/valkey91/{native,lua}`: `SET NX PX` followed by `DELIFEQ` or by the Lua delete.
+//! - `release/valkey91/{native,lua}`: `SET NX PX` followed by `DELIFEQ` or by the Lua delete;
+//! - `acquire_release/cluster/{raw,dlock_fenced,dlock_fenced_wait1}` on a Redis 7 Cluster of 3
+//!   masters with a replica each: the raw commands through the driver's cluster connection,
+//!   dlock through `redis+cluster://`, and dlock with `wait_replicas=1` (each acquisition
+//!   counted once the master's replica has it: the cost of the option).
 //!
 //! Servers whose binary is missing are left out (see `dlock_testkit::redis`).
 
@@ -15,7 +19,7 @@ use criterion::{Criterion, criterion_group, criterion_main};
 use dlock::LockProvider;
 use dlock_suite::raw;
 use dlock_suite::raw::REDIS_RELEASE_LUA as RELEASE_LUA;
-use dlock_testkit::redis::{Flavor, RedisServer};
+use dlock_testkit::redis::{Flavor, RedisCluster, RedisServer};
 use redis::aio::ConnectionManager;
 
 fn bench(c: &mut Criterion) {
@@ -110,6 +114,54 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
+fn bench_cluster(c: &mut Criterion) {
+    if Flavor::Redis7.binary().is_none() {
+        eprintln!("Redis7: no server binary, the cluster is not measured");
+        return;
+    }
+    let Some(cluster) = RedisCluster::start() else {
+        return;
+    };
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let nodes: Vec<String> = cluster
+        .ports()
+        .iter()
+        .map(|p| format!("redis://127.0.0.1:{p}/"))
+        .collect();
+    let client = redis::cluster::ClusterClient::new(nodes).expect("cluster client");
+    let conn = rt.block_on(client.get_async_connection()).expect("connect");
+    let script = redis::Script::new(RELEASE_LUA);
+    let mut group = c.benchmark_group("acquire_release");
+    group
+        .measurement_time(Duration::from_secs(3))
+        .warm_up_time(Duration::from_secs(1));
+    group.bench_function("cluster/raw", |b| {
+        b.to_async(&rt).iter(|| {
+            let mut conn = conn.clone();
+            let script = &script;
+            async move { raw::redis(&mut conn, script, "bench:raw").await }
+        });
+    });
+    for (label, options) in [
+        ("dlock_fenced", ""),
+        ("dlock_fenced_wait1", "wait_replicas=1"),
+    ] {
+        let locks = rt
+            .block_on(LockProvider::connect(&cluster.url(options)))
+            .expect("connect");
+        group.bench_function(format!("cluster/{label}"), |b| {
+            b.to_async(&rt).iter(|| {
+                let locks = &locks;
+                async move {
+                    let guard = locks.try_acquire("bench:dlock").await.expect("free");
+                    guard.release().await.expect("release");
+                }
+            });
+        });
+    }
+    group.finish();
+}
+
 fn start(flavor: Flavor) -> Option<RedisServer> {
     // Benches never fail for a missing server: they measure what is installed.
     if flavor.binary().is_none() {
@@ -119,5 +171,5 @@ fn start(flavor: Flavor) -> Option<RedisServer> {
     RedisServer::start(flavor)
 }
 
-criterion_group!(benches, bench);
+criterion_group!(benches, bench, bench_cluster);
 criterion_main!(benches);

@@ -62,7 +62,7 @@ pub async fn mysql_on(conn: &mut sqlx::MySqlConnection, name: &str) {
 
 /// Redis: `SET key token NX PX 30000` + the Lua compare-and-delete through `EVALSHA`.
 #[cfg(feature = "redis")]
-pub async fn redis(conn: &mut redis::aio::ConnectionManager, script: &redis::Script, key: &str) {
+pub async fn redis<C: redis::aio::ConnectionLike>(conn: &mut C, script: &redis::Script, key: &str) {
     let set: Option<String> = redis::cmd("SET")
         .arg(key)
         .arg("token-0123456789")

@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 
 use crate::{Placement, ServerTls};
 
+mod cluster;
+pub use cluster::RedisCluster;
+
 /// A server flavour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Flavor {
@@ -307,6 +310,11 @@ impl RedisServer {
             std::thread::sleep(Duration::from_millis(50));
         }
         panic!("the server did not come back on port {}", self.port);
+    }
+
+    /// Whether the server's process runs (it was not [`stop`](RedisServer::stop)ped).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
     }
 
     /// The server's plain TCP port.

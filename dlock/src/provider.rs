@@ -87,7 +87,7 @@ impl Terms {
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
-pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redis+sentinel://, redlock://, etcd://";
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redis+sentinel://, redis+cluster://, redlock://, etcd://";
 
 impl LockProvider {
     /// Connects to the lock store named by `url`; the scheme picks the backend.
@@ -101,6 +101,7 @@ impl LockProvider {
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
     /// | `redis+sentinel://host:port,host:port/SERVICE` | [Redis behind Sentinel](crate::redis#sentinel): the master the sentinels name | `redis` |
+    /// | `redis+cluster://host:port,host:port` | [Redis Cluster](crate::redis#cluster) | `redis` |
     /// | `redlock://host:port,host:port,host:port` | [Redlock](crate::redis::RedlockBackend) over independent Redis / Valkey nodes | `redis` |
     /// | `etcd://host:port[,host:port...]` | [etcd](crate::etcd) | `etcd` |
     ///
@@ -130,7 +131,7 @@ impl LockProvider {
             "mysql" | "mariadb" => connect_mysql(url).await,
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
-            "redis" | "rediss" | "redis+sentinel" => connect_redis(url).await,
+            "redis" | "rediss" | "redis+sentinel" | "redis+cluster" => connect_redis(url).await,
             "redlock" => connect_redlock(url).await,
             "etcd" => connect_etcd(url).await,
             _ => Err(LockError::config(format!(
@@ -1543,6 +1544,7 @@ mod tests {
             not_built("redis://h", "redis").await;
             not_built("rediss://h", "redis").await;
             not_built("redis+sentinel://h:26379/mymaster", "redis").await;
+            not_built("redis+cluster://h:6379,h:6380", "redis").await;
         }
         let _ = not_built;
         // Built backends get the URL: nothing listens on port 1, so they cannot connect.
@@ -1550,6 +1552,7 @@ mod tests {
             "postgres://u@127.0.0.1:1/db",
             "redis://127.0.0.1:1",
             "redis+sentinel://127.0.0.1:1,127.0.0.1:2/mymaster",
+            "redis+cluster://127.0.0.1:1,127.0.0.1:2?timeout=2s",
         ] {
             let scheme = url.split_once(':').unwrap().0;
             if cfg!(feature = "postgres") && scheme == "postgres"

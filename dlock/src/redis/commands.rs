@@ -12,6 +12,7 @@ use std::task::Poll;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
+use super::cluster::{Cluster, Link};
 use super::sentinel::{Sentinels, points_elsewhere};
 use super::token::OwnerToken;
 
@@ -179,9 +180,11 @@ pub(crate) struct Extension<'a> {
 
 /// The connection and the memory of what it supports.
 pub(crate) struct Conn {
-    /// The connection manager in use; replaced (when it can be, see `rebuild`) after a
-    /// runtime it may have run on shut down.
-    manager: Mutex<ConnectionManager>,
+    /// The connection in use (a connection manager, or a cluster connection); replaced (when
+    /// it can be, see `rebuild` and `cluster`) after a runtime it may have run on shut down.
+    manager: Mutex<Link>,
+    /// On a Redis Cluster: how to connect to it again.
+    cluster: Option<Cluster>,
     /// How to make a new manager, when the backend made its own (not for a manager the
     /// application passed in). Behind Sentinel, the client of the master in use: replaced
     /// when the sentinels name another one. Shared with the backend's subscriber (see
@@ -473,11 +476,12 @@ impl Conn {
     /// A connection on `manager`; with `rebuild`, the client and configuration it was made
     /// from, to replace it when needed.
     pub(crate) fn new(
-        manager: ConnectionManager,
+        manager: impl Into<Link>,
         rebuild: Option<(redis::Client, ConnectionManagerConfig)>,
     ) -> Conn {
         Conn {
-            manager: Mutex::new(manager),
+            manager: Mutex::new(manager.into()),
+            cluster: None,
             rebuild: Arc::new(Mutex::new(rebuild)),
             sentinel: None,
             rediscover: Arc::new(AtomicBool::new(false)),
@@ -502,6 +506,18 @@ impl Conn {
             next_check: Mutex::new(next),
         });
         self
+    }
+
+    /// A connection to a Redis Cluster, made again from `cluster` when needed (without
+    /// connection fencing: see [Cluster](super#cluster)).
+    pub(crate) fn with_cluster(mut self, cluster: Cluster) -> Conn {
+        self.cluster = Some(cluster);
+        self
+    }
+
+    /// Whether the connection is to a Redis Cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
     }
 
     /// The master in use, behind Sentinel.
@@ -632,8 +648,8 @@ impl Conn {
         SuspectOnDrop(Some(Arc::clone(&self.suspect)))
     }
 
-    /// The manager to send the next command on.
-    fn manager(&self) -> ConnectionManager {
+    /// The connection to send the next command on.
+    fn manager(&self) -> Link {
         self.manager
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -667,6 +683,13 @@ impl Conn {
     /// Replaces the manager with a new one that connects on the current runtime when first
     /// used; `false` when the backend cannot make one (the application passed its manager).
     fn replace(&self) -> bool {
+        if let Some(cluster) = &self.cluster {
+            *self.manager.lock().unwrap_or_else(PoisonError::into_inner) =
+                Link::Cluster(cluster.lazy());
+            self.forget();
+            self.watch_runtime(true);
+            return true;
+        }
         let Some((client, config)) = self
             .rebuild
             .lock()
@@ -677,7 +700,7 @@ impl Conn {
         };
         match ConnectionManager::new_lazy_with_config(client, config) {
             Ok(manager) => {
-                *self.manager.lock().unwrap_or_else(PoisonError::into_inner) = manager;
+                *self.manager.lock().unwrap_or_else(PoisonError::into_inner) = manager.into();
                 self.forget();
                 self.watch_runtime(true);
                 true
@@ -703,6 +726,17 @@ impl Conn {
     }
 
     fn forget_on_failure<T>(&self, outcome: &Result<T, RedisError>) {
+        // On a cluster, a node that answers it is a replica was a master when the driver read
+        // the slot map: the driver keeps a READONLY connection to every node, on which a
+        // replica runs a script itself (a script without flags is no write command to
+        // Redis 7's redirection) instead of answering MOVED, so the driver would never
+        // learn of the failover. The next command connects again, with a new slot map.
+        if self.cluster.is_some()
+            && let Err(err) = outcome
+            && points_elsewhere(err)
+        {
+            self.suspect.store(true, Ordering::SeqCst);
+        }
         if self.sentinel.is_some()
             && let Err(err) = outcome
             && (!is_server_answer(err) || points_elsewhere(err))
@@ -749,6 +783,21 @@ impl Conn {
         self.query_then(cmd, None).await.map(|(reply, _)| reply)
     }
 
+    /// `cmd` sent to the node at `addr` of a cluster (to the server, on one server).
+    pub(crate) async fn query_at(
+        &self,
+        addr: &(String, u16),
+        cmd: &Cmd,
+    ) -> Result<Value, RedisError> {
+        self.repair().await;
+        self.watch_if_reconnecting();
+        let mut manager = self.manager();
+        let outcome = unwind_to_error(manager.query_at(addr, cmd)).await;
+        self.after_driver_panic(&outcome);
+        self.forget_on_failure(&outcome);
+        outcome
+    }
+
     /// [`Conn::query`], with `then` sent right behind `cmd` in the same pipeline, so on the
     /// same connection (as `WAIT` must be, to wait for the write of `cmd`): the second value
     /// is `then`'s reply (an error answer as [`Value::ServerError`]).
@@ -774,6 +823,33 @@ impl Conn {
             Some(reply) => as_result(reply).map(|reply| (reply, replies.next())),
             None => Err(unexpected("a pipeline", &Value::Nil)),
         }
+    }
+
+    /// Sends `cmds`, commands on keys of one lock each, in one [`Conn::pipeline`] (one round
+    /// trip); on a Cluster, whose pipelines must stay in one slot, each in a pipeline of its
+    /// own, all at once. Each reply in its place, an error answer (or on a Cluster, a failure
+    /// to reach the node) as its `Err`; `Err` as a whole only when the one pipeline got no
+    /// answer.
+    async fn pipelines(
+        &self,
+        cmds: Vec<Cmd>,
+    ) -> Result<Vec<Result<Value, RedisError>>, RedisError> {
+        if !self.is_cluster() {
+            return Ok(self
+                .pipeline(cmds)
+                .await?
+                .into_iter()
+                .map(as_result)
+                .collect());
+        }
+        let each = cmds.into_iter().map(|cmd| async move {
+            let mut replies = self.pipeline(vec![cmd]).await?;
+            match replies.pop() {
+                Some(reply) => as_result(reply),
+                None => Err(unexpected("a pipeline", &Value::Nil)),
+            }
+        });
+        Ok(futures_util::future::join_all(each).await)
     }
 
     /// Sends `cmds` in one pipeline (one round trip), each reply in its place (an error
@@ -1361,17 +1437,16 @@ impl Conn {
                 }
             })
             .collect();
-        let mut replies = self.pipeline(cmds).await?;
+        let mut replies = self.pipelines(cmds).await?;
         let mut again = Vec::new();
         for (i, reply) in replies.iter().enumerate() {
-            let Value::ServerError(err) = reply else {
+            let Err(err) = reply else {
                 if scripts[i].is_none() {
                     self.learn(caps.generation, |c| c.set_ifeq = Support::Yes);
                 }
                 continue;
             };
-            let err = RedisError::from(err.clone());
-            if scripts[i].is_none() && is_syntax_error(&err) {
+            if scripts[i].is_none() && is_syntax_error(err) {
                 self.learn(caps.generation, |c| c.set_ifeq = Support::No);
                 scripts[i] = Some(&self.scripts.extend);
                 again.push(i);
@@ -1384,7 +1459,7 @@ impl Conn {
                 .iter()
                 .filter_map(|&i| Some(script_cmd("EVAL", scripts[i]?, &items[i], &ms[i])))
                 .collect();
-            let second = self.pipeline(cmds).await?;
+            let second = self.pipelines(cmds).await?;
             for (i, reply) in again.into_iter().zip(second) {
                 replies[i] = reply;
             }
@@ -1392,7 +1467,7 @@ impl Conn {
         Ok(replies
             .into_iter()
             .zip(scripts)
-            .map(|(reply, script)| match (as_result(reply), script) {
+            .map(|(reply, script)| match (reply, script) {
                 (Ok(Value::Int(n)), Some(_)) => Ok(n == 1),
                 (Ok(reply), None) => Ok(reply != Value::Nil),
                 (Ok(other), Some(_)) => Err(unexpected("the extension script", &other)),

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use redis::{Cmd, Value};
 
+use super::cluster::masters;
 use super::read::readers_key;
 use super::{KeyLayout, Shared, fence_key};
 use crate::LockError;
@@ -22,26 +23,57 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
     pattern.push(b'*');
     let time: Cmd = redis::cmd("TIME");
     let now_ms = server_ms(&shared.bounded(what, shared.conn.query(&time)).await?);
+    // On a cluster, each master's keys are scanned on that master.
+    let masters = if shared.conn.is_cluster() {
+        let nodes: Cmd = redis::cmd("CLUSTER").arg("NODES").clone();
+        let reply = shared.bounded(what, shared.conn.query(&nodes)).await?;
+        let text = match reply {
+            Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Value::VerbatimString { text, .. } => text,
+            _ => String::new(),
+        };
+        let masters = masters(&text);
+        if masters.is_empty() {
+            return Err(LockError::backend(
+                "redis",
+                "the cluster answered CLUSTER NODES without a master that serves slots",
+                None,
+                None,
+            ));
+        }
+        masters.into_iter().map(Some).collect()
+    } else {
+        vec![None]
+    };
     let mut found = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let mut scan: Cmd = redis::cmd("SCAN");
-        scan.arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(SCAN_COUNT);
-        let reply = shared.bounded(what, shared.conn.query(&scan)).await?;
-        let (next, keys) = scan_page(reply).ok_or_else(|| {
-            LockError::backend("redis", "the server answered SCAN unexpectedly", None, None)
-        })?;
-        found.extend(keys.into_iter().filter_map(|key| {
-            let name = lock_name(shared.layout, &shared.prefix, &key)?;
-            Some((key, name))
-        }));
-        cursor = next;
-        if cursor == 0 {
-            break;
+    for master in masters {
+        let mut cursor = 0u64;
+        loop {
+            let mut scan: Cmd = redis::cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(&pattern)
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
+            let reply = match &master {
+                Some(addr) => {
+                    shared
+                        .bounded(what, shared.conn.query_at(addr, &scan))
+                        .await?
+                }
+                None => shared.bounded(what, shared.conn.query(&scan)).await?,
+            };
+            let (next, keys) = scan_page(reply).ok_or_else(|| {
+                LockError::backend("redis", "the server answered SCAN unexpectedly", None, None)
+            })?;
+            found.extend(keys.into_iter().filter_map(|key| {
+                let name = lock_name(shared.layout, &shared.prefix, &key)?;
+                Some((key, name))
+            }));
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
         }
     }
     let mut locks = Vec::new();

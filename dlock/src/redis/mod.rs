@@ -174,7 +174,8 @@
 //!
 //! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
 //! the server's certificate always verified: by the system's root certificates, or by the CA of
-//! `ca`), or `redis+sentinel://...` (see [Sentinel](self#sentinel)), with options:
+//! `ca`), or `redis+sentinel://...` (see [Sentinel](self#sentinel)), or `redis+cluster://...`
+//! (see [Cluster](self#cluster)), with options:
 //!
 //! | option | default | meaning |
 //! |---|---|---|
@@ -230,6 +231,87 @@
 //!
 //! A database user needs `+role` besides the commands of [Permissions](self#permissions);
 //! a sentinel user `+sentinel|get-master-addr-by-name`.
+//!
+//! # Cluster
+//!
+//! `redis+cluster://[user[:password]@]host:port,host:port,...[?options]` (port 6379 when none
+//! is given; the path, if any, is `/0`: a cluster has no other database), or
+//! [`RedisBackend::cluster_builder`] on a `redis::cluster::ClusterClient`, reaches a Redis
+//! Cluster through the driver's cluster client. The nodes listed are where it starts: it
+//! reads the slot map from them, keeps a connection to each master, sends each command to
+//! the master of its key's slot, and follows the cluster's redirections by itself (`MOVED`
+//! after a slot moved, `ASK` while it moves, `TRYAGAIN` while a lock's keys are split
+//! between the two masters of a migration), up to 16 times, with backoff, within the
+//! command `timeout`. Every option of `redis://` applies except `ca` (this version reaches
+//! clusters without TLS), and the Sentinel ones. A URL without nodes, with a port that is not
+//! a number from 1 to 65535, or with a database other than 0 is a [`LockError::Config`].
+//!
+//! **Keys.** Every key of one lock (the lock, its fencing counter, its readers' set, a
+//! waiting writer's intent) carries the lock's hash tag in the default layout (see
+//! [Keys](self#keys)), so each script's keys share a slot, and locks spread over the masters
+//! by name. With `key_layout=plain`, a fenced acquisition of a name without a hash tag of its
+//! own is refused by the cluster (`CROSSSLOT`), answered as a [`LockError::Backend`] with
+//! `db_code` `"CROSSSLOT"` that says to put a tag in the names or set `fencing=false`.
+//!
+//! **Resharding.** While a lock's slot migrates (`CLUSTER SETSLOT ... MIGRATING` /
+//! `IMPORTING`, until `SETSLOT ... NODE`), its renewals and releases (one key each) follow
+//! the `ASK` redirections, but its acquisitions, which run a script on the lock and its
+//! fencing counter, are refused by both masters (`TRYAGAIN`) whenever one of the two keys is
+//! missing on the node asked, which a free lock's key always is: **a slot's locks cannot be
+//! taken until its migration ends** (with `fencing=false`, a plain `SET` follows `ASK` and
+//! is not refused). The driver retries; past its retries a waiting
+//! [`acquire`](crate::LockProvider::acquire) tries again every 20 ms until its timeout, and a
+//! [`try_acquire`](crate::LockProvider::try_acquire) answers the [`LockError::Backend`]
+//! (`db_code` `"TRYAGAIN"`). `tests/redis_cluster.rs` moves a contended lock's slot twice
+//! under load (one key at a time, then at once), holding the first migration for about 4 s:
+//! no error, no overlap, and fencing tokens strictly increase across both.
+//!
+//! What carries over, and what does not:
+//!
+//! - **Locks, read locks, semaphores, fencing tokens, renewals, lost-lock detection**: as on
+//!   one server, each on the master of its slot.
+//! - **`wait_replicas`**: `WAIT` goes in the same pipeline as the acquisition, so it reaches
+//!   the master that took the write and counts **that master's** replicas: set it to the
+//!   replicas each master has.
+//! - **Waiting**: releases announce themselves as on one server; classic `PUBLISH` is
+//!   broadcast over the cluster bus to every node, so the subscriber listens on one node, the
+//!   first of the URL (it hears releases on every master). While that node is down, waiters
+//!   poll with backoff. A backend built on a `ClusterClient` has no node address to
+//!   subscribe at: its waiters poll.
+//! - **[`store_locks`](crate::LockProvider::store_locks)** scans each master that serves
+//!   slots (`CLUSTER NODES`, then `SCAN` on each; the user needs `+cluster|nodes`). A lock
+//!   whose slot moves during the scan may be listed twice or missed.
+//! - **Permissions**: those of [Permissions](self#permissions), and `+cluster|slots
+//!   +readonly`, which the driver sends on every node connection (the slot map, and the mode
+//!   that lets it read from replicas; dlock reads only from masters).
+//! - **[Connection fencing](self#connection-fencing) is off**: the cluster client holds a
+//!   connection per master, and `CLIENT ID` / `CLIENT KILL` name one connection on one node.
+//!   A renewal, extension or release whose outcome is unknown is answered as without fencing
+//!   (the timeout error; the command may still land later), and
+//!   [`RedisBackend::connection_fencing`] reports it off.
+//! - **Resent commands**: the cluster client sends a command again after a lost connection
+//!   (and after redirections). An acquisition that had run finds its own lock held and
+//!   answers contention (the lock frees itself at the end of its lease); a release that had
+//!   run answers that the lock was already released, and the guard reports it lost. Neither
+//!   hands out a lock twice.
+//!
+//! **Failover.** A master's replica takes over its slots when the master fails (after
+//! `cluster-node-timeout` and an election) or on `CLUSTER FAILOVER`; the driver learns of it
+//! from `MOVED` answers. One case it would not learn of: the driver keeps its connection to
+//! every node in `READONLY` mode, and a demoted master runs a script of such a connection
+//! itself (Redis 7 does not count a script without flags as a write) and fails it with
+//! `READONLY` instead of answering `MOVED`; dlock then connects again with a fresh slot map
+//! for the next command (and a waiting acquisition tries again). What replication loses,
+//! it loses as behind Sentinel (see [Replicas and failover](self#replicas-and-failover)): a
+//! lock or counter increment the old master took and its replica had not, or took after the
+//! promotion (`CLUSTER FAILOVER TAKEOVER` leaves a live old master taking writes until it
+//! hears of the new epoch). While a killed master's slots have no master, their commands
+//! fail (`CLUSTERDOWN`, retried by a waiting acquisition), and a held lock whose renewals do
+//! not reach the promoted replica before its local deadline is reported lost.
+//! `tests/redis_cluster.rs` measures it; RELIABILITY.md has the figures. `wait_replicas=1` on
+//! a cluster whose masters have one replica each kept fencing tokens increasing and showed no
+//! overlap across a takeover, at the cost of no acquisition counting until the new master
+//! had a replica again.
 //!
 //! # Replicas and failover
 //!
@@ -457,6 +539,7 @@
 //! runtime of the acquisition: when that runtime is itself shutting down, nothing more can run
 //! there, and such a lock frees itself when its lease runs out.
 
+mod cluster;
 mod commands;
 mod fence;
 mod inspect;
@@ -550,6 +633,9 @@ enum Source {
     Client(Box<redis::Client>),
     Manager(ConnectionManager),
     Sentinel(Box<sentinel::Sentinels>),
+    /// A Redis Cluster; with a URL, a client for its first node, where the subscriber of
+    /// wake-ups listens.
+    Cluster(Box<(redis::cluster::ClusterClient, Option<redis::Client>)>),
 }
 
 /// The default [`RedisBuilder::check_master_every`].
@@ -800,7 +886,43 @@ impl RedisBuilder {
             ));
         }
         let mut found_master = None;
-        let (manager, rebuild) = match self.source {
+        let mut on_cluster = None;
+        let (manager, rebuild): (cluster::Link, _) = match self.source {
+            Source::Cluster(_) if self.ca.is_some() => {
+                return Err(LockError::config(
+                    "the redis `ca` applies to rediss:// connections; Cluster deployments \
+                     are reached without TLS by this version of dlock",
+                ));
+            }
+            Source::Cluster(source) => {
+                let (client, subscribe) = *source;
+                let cluster = cluster::Cluster {
+                    client,
+                    config: cluster::cluster_config(self.timeout),
+                };
+                let connection = match tokio::time::timeout(self.timeout, cluster.connect()).await {
+                    Ok(Ok(connection)) => connection,
+                    Ok(Err(err)) => {
+                        return Err(redis_error(
+                            "connecting to the cluster",
+                            err,
+                            self.prefix.as_bytes(),
+                        ));
+                    }
+                    Err(_) => {
+                        return Err(LockError::unavailable(
+                            NAME,
+                            format!(
+                                "connecting to the cluster timed out after {:?}",
+                                self.timeout
+                            ),
+                            None,
+                        ));
+                    }
+                };
+                on_cluster = Some((cluster, subscribe));
+                (cluster::Link::Cluster(connection), None)
+            }
             Source::Sentinel(_) if self.ca.is_some() => {
                 return Err(LockError::config(
                     "the redis `ca` applies to rediss:// connections; Sentinel deployments \
@@ -873,7 +995,7 @@ impl RedisBuilder {
                     }
                 };
                 found_master = Some((sentinels, found.addr));
-                (manager, Some((client, config)))
+                (manager.into(), Some((client, config)))
             }
             Source::Manager(_) if self.ca.is_some() => {
                 return Err(LockError::config(
@@ -882,7 +1004,7 @@ impl RedisBuilder {
                      redis::Client::build_with_tls)",
                 ));
             }
-            Source::Manager(manager) => (manager, None),
+            Source::Manager(manager) => (manager.into(), None),
             Source::Client(client) => {
                 let client = match self.ca {
                     Some(pem) => with_ca(&client, pem)?,
@@ -901,7 +1023,7 @@ impl RedisBuilder {
                 let config = manager_config(self.timeout);
                 let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
                 match tokio::time::timeout(self.timeout, connecting).await {
-                    Ok(Ok(manager)) => (manager, Some((client, config))),
+                    Ok(Ok(manager)) => (manager.into(), Some((client, config))),
                     Ok(Err(err)) => {
                         return Err(redis_error("connecting", err, self.prefix.as_bytes()));
                     }
@@ -929,8 +1051,17 @@ impl RedisBuilder {
             conn = conn.with_sentinels(sentinels, addr);
         }
         // The subscriber reconnects with the client the connection uses at the time: behind
-        // Sentinel, the master's after a failover.
-        let subscriber = own_client.then(|| conn.client_slot());
+        // Sentinel, the master's after a failover. On a cluster, the first node of the URL's.
+        let mut subscriber = own_client.then(|| conn.client_slot());
+        if let Some((cluster, subscribe)) = on_cluster {
+            conn = conn.with_cluster(cluster);
+            subscriber = subscribe.map(|client| {
+                Arc::new(std::sync::Mutex::new(Some((
+                    client,
+                    manager_config(self.timeout),
+                ))))
+            });
+        }
         conn.watch_runtime(true);
         Ok(RedisBackend {
             shared: Arc::new(Shared {
@@ -1003,6 +1134,36 @@ impl RedisBackend {
     /// for a backend that is not behind Sentinel.
     pub fn sentinel_master(&self) -> Option<(String, u16)> {
         self.shared.conn.master_addr()
+    }
+
+    /// A builder for a Redis Cluster on a `redis::cluster::ClusterClient` (which knows the
+    /// initial nodes, the credentials and the protocol). The backend's `timeout` replaces the
+    /// client's connection and response timeouts; its retries stay as the client sets them:
+    /// the driver's default waits at least 1.28 s before each retry (of a `TRYAGAIN` while a
+    /// slot migrates, of a lost connection), so that a few retries outlast the command
+    /// `timeout`; a `redis+cluster://` URL's client waits 20 ms doubling to 500 ms
+    /// (`ClusterClientBuilder::retry_wait_formula(10, 2)`, `min_retry_wait(5)`,
+    /// `max_retry_wait(500)`). Waiters of a backend built here poll (the
+    /// subscriber of wake-ups needs a node's address, which a `redis+cluster://` URL gives).
+    /// See [Cluster](self#cluster).
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+    /// use dlock::redis::RedisBackend;
+    /// let client = redis::cluster::ClusterClient::builder(["redis://10.0.0.1:6379", "redis://10.0.0.2:6379"])
+    ///     .password("secret")
+    ///     .build()?;
+    /// let backend = RedisBackend::cluster_builder(client).connect().await?;
+    /// let locks = dlock::LockProvider::from_backend(backend);
+    /// # Ok(()) }
+    /// ```
+    pub fn cluster_builder(client: redis::cluster::ClusterClient) -> RedisBuilder {
+        RedisBuilder::on(Source::Cluster(Box::new((client, None))))
+    }
+
+    /// Whether the backend is on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.shared.conn.is_cluster()
     }
 
     /// A builder on a `redis::Client` (which knows the server's address and credentials).
@@ -1377,6 +1538,18 @@ fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
                 Some(Box::new(err)),
             )
         }
+        _ if cluster::is_cross_slot(&err) => LockError::backend(
+            NAME,
+            format!(
+                "{what}: the keys of one lock are in different Cluster slots (CROSSSLOT {}). \
+                 With `key_layout=plain` a lock's fencing counter (and its readers' keys) are \
+                 other keys than the lock's: put a hash tag in the lock names (`{{order:42}}`) \
+                 or set `fencing=false` (see Keys in the dlock::redis docs)",
+                err.detail().unwrap_or("")
+            ),
+            Some("CROSSSLOT".to_owned()),
+            Some(Box::new(err)),
+        ),
         ErrorKind::Server(_) | ErrorKind::Extension => {
             let code = err.code().map(str::to_owned);
             LockError::backend(
@@ -1577,6 +1750,74 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
     })
 }
 
+/// Parses a `redis+cluster://` URL into a builder, without connecting.
+fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
+    let parts = cluster::split_url(url)?;
+    if parts
+        .query
+        .split('&')
+        .any(|pair| pair.split('=').next() == Some(RedisOption::Ca.as_ref()))
+    {
+        return Err(LockError::config(
+            "the redis option `ca` needs a TLS connection, which redis+cluster:// does not \
+             make in this version of dlock",
+        ));
+    }
+    let options = read_options(&parts.query, false, false)?;
+    let mut protocol = redis::ProtocolVersion::RESP2;
+    for (name, value) in &options.passed_on {
+        if name == "protocol" {
+            protocol = match value.to_ascii_lowercase().as_str() {
+                "resp2" => redis::ProtocolVersion::RESP2,
+                "resp3" => redis::ProtocolVersion::RESP3,
+                _ => {
+                    return Err(LockError::config(
+                        "the redis option `protocol` is `resp2` (the default) or `resp3`",
+                    ));
+                }
+            };
+        }
+    }
+    let mut node = redis::RedisConnectionInfo::default().set_protocol(protocol);
+    if let Some(user) = &parts.user {
+        node = node.set_username(user);
+    }
+    if let Some(password) = &parts.password {
+        node = node.set_password(password);
+    }
+    let mut infos = Vec::with_capacity(parts.nodes.len());
+    for (host, port) in &parts.nodes {
+        let info = redis::IntoConnectionInfo::into_connection_info(redis::ConnectionAddr::Tcp(
+            host.clone(),
+            *port,
+        ))
+        .map_err(|err| cluster_url_error(&err))?
+        .set_redis_settings(node.clone());
+        infos.push(info);
+    }
+    // The driver's messages are not repeated: they may quote the password.
+    let subscribe = redis::Client::open(infos[0].clone()).map_err(|err| cluster_url_error(&err))?;
+    // Redirections are retried quickly (20 ms doubling to 500 ms, jittered, 16 times): a
+    // lock's keys are split between two masters only for the moment of a migration, and the
+    // driver's default (at least 1.28 s per retry) would outlast the command timeout.
+    let client = redis::cluster::ClusterClient::builder(infos)
+        .use_protocol(protocol)
+        .retry_wait_formula(10, 2)
+        .min_retry_wait(5)
+        .max_retry_wait(500)
+        .build()
+        .map_err(|err| cluster_url_error(&err))?;
+    let builder = RedisBuilder::on(Source::Cluster(Box::new((client, Some(subscribe)))));
+    Ok(options.apply(builder))
+}
+
+fn cluster_url_error(err: &RedisError) -> LockError {
+    LockError::config(format!(
+        "the redis+cluster URL is not valid ({:?})",
+        err.kind()
+    ))
+}
+
 /// Parses a `redis+sentinel://` URL into a builder, without connecting.
 fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
     let parts = sentinel::split_url(url)?;
@@ -1627,6 +1868,12 @@ fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
     {
         return parse_sentinel_url(url);
     }
+    if url
+        .split_once("://")
+        .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+cluster"))
+    {
+        return parse_cluster_url(url);
+    }
     let mut parsed = FORM.parse(url)?;
     let tls = parsed.scheme() == "rediss";
     let options = read_options(parsed.query().unwrap_or(""), tls, false)?;
@@ -1656,7 +1903,8 @@ impl LockBackend for RedisBackend {
         Ok(())
     }
 
-    /// The locks under the prefix, found with `SCAN` (which walks the whole keyspace).
+    /// The locks under the prefix, found with `SCAN` (which walks the whole keyspace; on a
+    /// cluster, that of each master).
     fn store_locks<'a>(
         &'a self,
         _known: &'a [&'a str],
@@ -1745,7 +1993,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
     };
     let sent = Instant::now();
     let waiting = request.poll_pause.is_some();
-    let (taken, acked) = shared
+    let taking = shared
         .bounded(
             "acquiring a lock",
             shared.conn.take(
@@ -1757,7 +2005,22 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
                 shared.wait,
             ),
         )
-        .await?;
+        .await;
+    let (taken, acked) = match taking {
+        // A cluster still moving the key's slot after the driver's retries refused the
+        // command without running it: a waiter tries again soon, within its timeout.
+        Err(LockError::Backend { db_code, .. })
+            if waiting
+                && shared.conn.is_cluster()
+                && db_code.as_deref().is_some_and(cluster::is_in_motion) =>
+        {
+            cleanup.armed = false;
+            return Ok(WaitTry::Held {
+                retry_within: Some(cluster::IN_MOTION_RETRY),
+            });
+        }
+        other => other?,
+    };
     let fencing_token = match taken {
         commands::Taking::Taken(fencing_token) => fencing_token,
         commands::Taking::Held(ttl) => {
@@ -2113,6 +2376,41 @@ mod tests {
             assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
             assert!(!err.to_string().contains("hunter2"), "{err}");
         }
+    }
+
+    #[tokio::test]
+    async fn cluster_urls() {
+        let b =
+            parse_url("redis+cluster://a:7000,b:7001?lease=2s&prefix=p:&wait_replicas=1").unwrap();
+        assert!(matches!(b.source, Source::Cluster(_)));
+        assert_eq!(b.lease, Duration::from_secs(2));
+        assert_eq!(b.prefix, "p:");
+        assert_eq!(b.wait_replicas, 1);
+        assert!(parse_url("redis+cluster://u:hunter2@a:7000/?protocol=resp3").is_ok());
+        for bad in [
+            "redis+cluster://a:7000?ca=/x.pem",
+            "redis+cluster://a:7000?sentinel_username=x",
+            "redis+cluster://a:7000?check_master_every=1s",
+            "redis+cluster://a:7000?protocol=resp4",
+            "redis+cluster://u:hunter2@a:7000/1",
+            "redis+cluster://a:7000?bogus=1",
+        ] {
+            let err = parse_url(bad).expect_err(bad);
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+            assert!(!err.to_string().contains("hunter2"), "{err}");
+        }
+        // Sentinel settings on a cluster builder are refused when connecting.
+        let err = parse_url("redis+cluster://127.0.0.1:1")
+            .unwrap()
+            .database(1)
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("`database`"), "{err}");
+        for code in ["TRYAGAIN", "MOVED", "ASK", "CLUSTERDOWN", "READONLY"] {
+            assert!(cluster::is_in_motion(code));
+        }
+        assert!(!cluster::is_in_motion("NOPERM") && !cluster::is_in_motion("UNBLOCKED"));
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! One driver task sleeps until the earliest renewal or deadline of all entries and sends the
 //! renewals that are due, together with those due within a tenth of their renewal period
 //! ([`renew_early`]), in batches of up to [`BATCH`] commands, each batch one pipeline (one
-//! round trip) from a task of its own. Entries are kept in the order of when the driver must
+//! round trip) from a task of its own (on a Cluster, whose pipelines stay within one slot, one
+//! pipeline per lock, all at once). Entries are kept in the order of when the driver must
 //! look at them, so a wake-up costs the entries it finds due, not all of them. Registering a
 //! lock is a map insert; only a lock due earlier than the driver's planned wake-up wakes it
 //! (the first one, or one with a shorter lease). A task per lock, as before, cost a spawn and a

@@ -1,0 +1,371 @@
+//! Redis Cluster: the connection that sends each command to the master of its key's slot, and
+//! the `redis+cluster://` URL.
+
+use std::fmt;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster::{ClusterClient, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Value};
+
+use crate::LockError;
+use crate::options::{percent_decode, shown};
+
+/// The port a node listens on when the URL names none.
+pub(crate) const DEFAULT_PORT: u16 = 6379;
+
+/// The connection a backend sends its commands on: one server's connection manager (a single
+/// server, or the master behind Sentinel), or a cluster connection, which routes each command
+/// by its first key and follows `MOVED` and `ASK` redirections by itself.
+#[derive(Clone)]
+pub(crate) enum Link {
+    /// One server.
+    Single(ConnectionManager),
+    /// A Redis Cluster.
+    Cluster(ClusterConnection),
+}
+
+impl From<ConnectionManager> for Link {
+    fn from(manager: ConnectionManager) -> Link {
+        Link::Single(manager)
+    }
+}
+
+impl ConnectionLike for Link {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Link::Single(manager) => manager.req_packed_command(cmd),
+            Link::Cluster(cluster) => cluster.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Link::Single(manager) => manager.req_packed_commands(cmd, offset, count),
+            Link::Cluster(cluster) => cluster.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Link::Single(manager) => manager.get_db(),
+            Link::Cluster(cluster) => cluster.get_db(),
+        }
+    }
+}
+
+impl Link {
+    /// On a cluster, `cmd` sent to the node at `addr` (not routed by key); on one server, sent
+    /// there.
+    pub(crate) async fn query_at(
+        &mut self,
+        addr: &(String, u16),
+        cmd: &Cmd,
+    ) -> Result<Value, RedisError> {
+        match self {
+            Link::Single(manager) => cmd.query_async(manager).await,
+            Link::Cluster(cluster) => {
+                let routing = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+                    host: addr.0.clone(),
+                    port: addr.1,
+                });
+                cluster.route_command(cmd.clone(), routing).await
+            }
+        }
+    }
+}
+
+/// How a backend on a cluster connects, and connects again.
+#[derive(Clone)]
+pub(crate) struct Cluster {
+    pub(crate) client: ClusterClient,
+    pub(crate) config: ClusterConfig,
+}
+
+impl fmt::Debug for Cluster {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cluster").finish_non_exhaustive()
+    }
+}
+
+impl Cluster {
+    /// A cluster connection that connects on the current runtime when first used.
+    pub(crate) fn lazy(&self) -> ClusterConnection {
+        self.client
+            .get_pending_async_connection_with_config(self.config.clone())
+    }
+
+    /// A connected cluster connection.
+    pub(crate) async fn connect(&self) -> Result<ClusterConnection, RedisError> {
+        self.client
+            .get_async_connection_with_config(self.config.clone())
+            .await
+    }
+}
+
+/// The configuration of a backend's cluster connections.
+pub(crate) fn cluster_config(timeout: Duration) -> ClusterConfig {
+    ClusterConfig::new()
+        .set_connection_timeout(timeout)
+        .set_response_timeout(timeout)
+}
+
+/// The masters of the cluster and their addresses, from `CLUSTER NODES` (flags `master`,
+/// neither `fail` nor `handshake`, with slots).
+pub(crate) fn masters(nodes: &str) -> Vec<(String, u16)> {
+    let mut found = Vec::new();
+    for line in nodes.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if fields.len() < 9 {
+            continue;
+        }
+        let flags = fields[2];
+        if !flags.split(',').any(|f| f == "master")
+            || flags
+                .split(',')
+                .any(|f| f == "fail" || f == "handshake" || f == "noaddr")
+        {
+            continue;
+        }
+        // `ip:port@cport[,hostname]`
+        let addr = fields[1].split(['@', ',']).next().unwrap_or_default();
+        if let Some((host, port)) = addr.rsplit_once(':')
+            && let Ok(port) = port.parse::<u16>()
+        {
+            let host = host.trim_start_matches('[').trim_end_matches(']');
+            found.push((host.to_owned(), port));
+        }
+    }
+    found
+}
+
+/// How soon a waiter tries again after a cluster refused its acquisition while a slot moves.
+pub(crate) const IN_MOTION_RETRY: Duration = Duration::from_millis(20);
+
+/// Whether an error code is a cluster's refusal of a command it did not run because the
+/// key's slot is moving or the cluster is reconfiguring (`TRYAGAIN`: a script's keys are split
+/// between the two masters of a migration; `MOVED`, `ASK`: redirections the driver could not
+/// follow in its retries; `CLUSTERDOWN`: no master for the slot yet; `READONLY`: a master
+/// became a replica, see `Conn::forget_on_failure`; `LOADING`: a node still loading).
+pub(crate) fn is_in_motion(code: &str) -> bool {
+    matches!(
+        code,
+        "TRYAGAIN" | "MOVED" | "ASK" | "CLUSTERDOWN" | "READONLY" | "LOADING" | "MASTERDOWN"
+    )
+}
+
+/// Whether `err` is the server's answer that the keys of one command are in different slots.
+pub(crate) fn is_cross_slot(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(redis::ServerErrorKind::CrossSlot)
+        || err.code() == Some("CROSSSLOT")
+}
+
+/// What a `redis+cluster://` URL says apart from its options.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct ClusterUrl {
+    pub(crate) nodes: Vec<(String, u16)>,
+    pub(crate) user: Option<String>,
+    pub(crate) password: Option<String>,
+    /// The query, without `?`.
+    pub(crate) query: String,
+}
+
+const EXAMPLE: &str = "redis+cluster://[user:password@]host:6379,host:6379[?lease=30s]";
+
+fn url_error(what: impl fmt::Display) -> LockError {
+    LockError::config(format!(
+        "the redis+cluster URL {what}; write it like {EXAMPLE}"
+    ))
+}
+
+/// Takes a `redis+cluster://` URL apart. Errors never repeat the password.
+pub(crate) fn split_url(url: &str) -> Result<ClusterUrl, LockError> {
+    let rest = url
+        .split_once("://")
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+cluster"))
+        .map(|(_, rest)| rest)
+        .ok_or_else(|| {
+            LockError::config(format!(
+                "a Redis Cluster URL starts with redis+cluster://; write it like {EXAMPLE}"
+            ))
+        })?;
+    let (main, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let (authority, path) = match main.find('/') {
+        Some(at) => (&main[..at], &main[at + 1..]),
+        None => (main, ""),
+    };
+    if !path.is_empty() && path != "0" {
+        return Err(url_error(format_args!(
+            "has the path `/{}`: a cluster has only the database 0",
+            shown(path)
+        )));
+    }
+    let (userinfo, hosts) = match authority.rsplit_once('@') {
+        Some((userinfo, hosts)) => (Some(userinfo), hosts),
+        None => (None, authority),
+    };
+    let (user, password) = match userinfo {
+        None => (None, None),
+        Some(userinfo) => {
+            let (user, password) = match userinfo.split_once(':') {
+                Some((user, password)) => (user, Some(password)),
+                None => (userinfo, None),
+            };
+            let user = percent_decode(user)
+                .ok_or_else(|| url_error("has a user name that is not percent-encoded UTF-8"))?;
+            let password = password
+                .map(|p| {
+                    percent_decode(p).ok_or_else(|| {
+                        url_error("has a password that is not percent-encoded UTF-8")
+                    })
+                })
+                .transpose()?;
+            ((!user.is_empty()).then_some(user), password)
+        }
+    };
+    if hosts.trim().is_empty() {
+        return Err(url_error("lists no node (host:port,host:port,...)"));
+    }
+    let mut nodes = Vec::new();
+    for host in hosts.split(',').map(str::trim) {
+        if host.is_empty() {
+            return Err(url_error(
+                "lists its nodes as host:port,host:port,...; one of them is empty",
+            ));
+        }
+        let node = host_port(host)?;
+        if nodes.contains(&node) {
+            return Err(url_error(format_args!(
+                "lists the node `{}` twice",
+                shown(host)
+            )));
+        }
+        nodes.push(node);
+    }
+    Ok(ClusterUrl {
+        nodes,
+        user,
+        password,
+        query: query.to_owned(),
+    })
+}
+
+/// `host`, `host:port`, `[v6]` or `[v6]:port`.
+fn host_port(text: &str) -> Result<(String, u16), LockError> {
+    let (host, port) = if let Some(rest) = text.strip_prefix('[') {
+        let (host, after) = rest
+            .split_once(']')
+            .ok_or_else(|| url_error(format_args!("has `{}`: an unclosed `[`", shown(text))))?;
+        let port = match after {
+            "" => None,
+            _ => Some(after.strip_prefix(':').ok_or_else(|| {
+                url_error(format_args!(
+                    "has `{}`: a `:port` must follow the `]`",
+                    shown(text)
+                ))
+            })?),
+        };
+        (host, port)
+    } else {
+        match text.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (text, None),
+        }
+    };
+    if host.is_empty() {
+        return Err(url_error(format_args!(
+            "has a node without a host (`{}`)",
+            shown(text)
+        )));
+    }
+    let port = match port {
+        None => DEFAULT_PORT,
+        Some(port) => port
+            .parse::<u16>()
+            .ok()
+            .filter(|p| *p != 0)
+            .ok_or_else(|| {
+                url_error(format_args!(
+                    "has the port `{}` for the node `{}`: a port is a number from 1 to 65535",
+                    shown(port),
+                    shown(host)
+                ))
+            })?,
+    };
+    Ok((host.to_owned(), port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config_error(url: &str) -> String {
+        let err = split_url(url).expect_err(url);
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {err}");
+        assert!(!err.to_string().contains("hunter2"), "{err}");
+        err.to_string()
+    }
+
+    #[test]
+    fn cluster_urls() {
+        let url = split_url("redis+cluster://a:1,b,[::1]:3").unwrap();
+        assert_eq!(
+            url.nodes,
+            [
+                ("a".to_owned(), 1),
+                ("b".to_owned(), DEFAULT_PORT),
+                ("::1".to_owned(), 3)
+            ]
+        );
+        assert_eq!((url.user, url.password), (None, None));
+        let url = split_url("REDIS+CLUSTER://u%40x:hunter%32@h:7000/?lease=2s").unwrap();
+        assert_eq!(url.user.as_deref(), Some("u@x"));
+        assert_eq!(url.password.as_deref(), Some("hunter2"));
+        assert_eq!(url.query, "lease=2s");
+        assert_eq!(split_url("redis+cluster://h/0").unwrap().nodes.len(), 1);
+    }
+
+    #[test]
+    fn cluster_url_mistakes_are_config_errors() {
+        assert!(config_error("redis://h").contains("starts with redis+cluster://"));
+        assert!(config_error("redis+cluster://").contains("lists no node"));
+        assert!(config_error("redis+cluster://u:hunter2@").contains("lists no node"));
+        assert!(config_error("redis+cluster://a:1,,b:2").contains("one of them is empty"));
+        assert!(config_error("redis+cluster://a:1,a:1").contains("twice"));
+        assert!(config_error("redis+cluster://a:1/3").contains("only the database 0"));
+        for port in ["a:x", "a:0", "a:65536", "a:", "[::1]x"] {
+            let text = config_error(&format!("redis+cluster://u:hunter2@{port}"));
+            assert!(
+                text.contains("port") || text.contains("`]`"),
+                "{port}: {text}"
+            );
+        }
+        assert!(config_error("redis+cluster://:1").contains("without a host"));
+    }
+
+    #[test]
+    fn masters_from_cluster_nodes() {
+        let nodes = "\
+07c37dfeb235213a872192d90877d0cd55635b91 127.0.0.1:30004@31004 slave e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 0 1426238317239 4 connected
+67ed2db8d677e59ec4a4cefb06858cf2a1a89fa1 127.0.0.1:30002@31002 master - 0 1426238316232 2 connected 5461-10922
+292f8b365bb7edb5e285caf0b7e6ddc7265d2f4f 127.0.0.1:30003@31003 master - 0 1426238318243 3 connected 10923-16383
+e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 127.0.0.1:30001@31001,host myself,master - 0 0 1 connected 0-5460
+aaaa 127.0.0.1:30005@31005 master,fail - 0 0 5 disconnected 1-2
+";
+        assert_eq!(
+            masters(nodes),
+            [
+                ("127.0.0.1".to_owned(), 30002),
+                ("127.0.0.1".to_owned(), 30003),
+                ("127.0.0.1".to_owned(), 30001)
+            ]
+        );
+    }
+}
