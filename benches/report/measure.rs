@@ -65,10 +65,14 @@ pub fn section(n: u32) -> bool {
 }
 
 /// Whether this run measures the cost curve named `name` (`curves-held`, ...): chosen by any
-/// start of its name (`curves` chooses all three).
+/// start of its name (`curves` chooses all three). The group `curves` is measured when any of
+/// its curves is chosen (`curves-held` alone runs the group for that one curve).
 pub fn section_named(name: &str) -> bool {
     only().as_ref().is_none_or(|(sections, _)| {
-        sections.is_empty() || sections.iter().any(|s| name.starts_with(s.as_str()))
+        sections.is_empty()
+            || sections
+                .iter()
+                .any(|s| name.starts_with(s.as_str()) || s.starts_with(&format!("{name}-")))
     })
 }
 
