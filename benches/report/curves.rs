@@ -466,8 +466,10 @@ fn held_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
                     .commands
                     .map(|c| {
                         format!(
-                            "; {:.1} server commands per lock in the window: one command per \
-                             lock per renewal, sent in pipelines of up to 512",
+                            "; {:.1} server commands per lock in the window (as the server \
+                             counts them: a renewal script and the commands it runs each \
+                             count): one renewal per lock every third of its lease, sent in \
+                             pipelines of up to 512",
                             c
                         )
                     })
