@@ -18,6 +18,8 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         prefix: b"t:".to_vec(),
         layout: crate::redis::KeyLayout::Tagged,
         fencing: false,
+        counters: None,
+        per_key_checked: Default::default(),
         timeout,
         renew_every: None,
         wait: None,
