@@ -185,3 +185,126 @@ mod on_redis {
         assert!(is_config(&err), "{err:?}");
     }
 }
+
+mod on_postgres {
+    use super::*;
+    use dlock_testkit::postgres::PgServer;
+    use sqlx::{Connection, PgConnection};
+    use std::time::Duration;
+
+    async fn rows(server: &PgServer) -> i64 {
+        let mut conn = PgConnection::connect(&server.url("")).await.unwrap();
+        sqlx::query_scalar("SELECT count(*) FROM dlock_fencing")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+    }
+
+    fn url(server: &PgServer, options: &str) -> String {
+        server.url(&format!("fencing=true&{options}"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tokens_increase_per_key_on_shared_counters() {
+        let server = PgServer::start();
+        let url = url(&server, "fencing_counters=4");
+        let a = LockProvider::connect(&url).await.unwrap();
+        let b = LockProvider::connect(&url).await.unwrap();
+        let keys = keys("shared", 40);
+        let mut last = HashMap::new();
+        tokens_increase(&[&a, &b], &keys, 5, &mut last).await;
+        for key in &keys {
+            // Read locks, and waits (the statement that waits increments too).
+            let read = b.try_acquire_read(key).await.unwrap();
+            let token = read.fencing_token().unwrap();
+            assert!(token > last[key], "{key}");
+            read.release().await.unwrap();
+            let waited = a.acquire(key, Duration::from_secs(5)).await.unwrap();
+            let next = waited.fencing_token().unwrap();
+            assert!(next > token, "{key}");
+            last.insert(key.clone(), next);
+            waited.release().await.unwrap();
+        }
+        tokens_increase(&[&b, &a], &keys, 2, &mut last).await;
+        run_exclusion(&url, &unique_key("procs"), 2, 2, 12, 300, Fencing::Every);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_stays_bounded() {
+        let server = PgServer::start();
+        let provider = LockProvider::connect(&url(&server, "fencing_counters=16"))
+            .await
+            .unwrap();
+        for key in &keys("bounded", 5_000) {
+            provider
+                .try_acquire(key)
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }
+        // At most 16 counter rows and the row of their mode.
+        let count = rows(&server).await;
+        assert!(count <= 17, "{count} rows after 5,000 distinct locks");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn switching_never_hands_out_a_lower_token() {
+        let server = PgServer::start();
+        let keys = keys("switch", 30);
+        let mut last = HashMap::new();
+        let per_key = LockProvider::connect(&url(&server, "")).await.unwrap();
+        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
+        let sixteen = LockProvider::connect(&url(&server, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
+        // A new per-key backend refuses the switched store when it opens.
+        let err = LockProvider::connect(&url(&server, "")).await.unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
+        // A switch to 2 counters; the 16-counter backend refuses tries, waits and reads.
+        let two = LockProvider::connect(&url(&server, "fencing_counters=2"))
+            .await
+            .unwrap();
+        tokens_increase(&[&two], &keys, 3, &mut last).await;
+        let err = refused(&sixteen, &keys[1]).await;
+        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
+        let err = sixteen
+            .acquire(&keys[2], Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(is_config(
+            &sixteen.try_acquire_read(&keys[3]).await.unwrap_err()
+        ));
+        // The refusals gave their locks back.
+        tokens_increase(&[&two], &keys, 1, &mut last).await;
+        let sixteen_again = LockProvider::connect(&url(&server, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
+        refused(&two, &keys[4]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_values_are_config_errors() {
+        for bad in ["0", "-1", "65537", "4294967296", "many", "", "1.5"] {
+            let url = format!("postgres://u@127.0.0.1:1/db?fencing=true&fencing_counters={bad}");
+            let err = LockProvider::connect(&url).await.unwrap_err();
+            assert!(is_config(&err), "{bad}: {err:?}");
+        }
+        let err = LockProvider::connect("postgres://u@127.0.0.1:1/db?fencing_counters=8")
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "fencing off: {err:?}");
+        // Not on MySQL in this version: refused before connecting.
+        #[cfg(feature = "mysql")]
+        {
+            let url = "mysql://u@127.0.0.1:1/db?fencing=true&fencing_counters=8";
+            let err = LockProvider::connect(url).await.unwrap_err();
+            assert!(is_config(&err), "mysql: {err:?}");
+        }
+    }
+}
