@@ -308,3 +308,148 @@ mod on_postgres {
         }
     }
 }
+
+mod on_sqlite {
+    use super::*;
+    use std::path::Path;
+    use std::time::Duration;
+
+    fn count(file: &Path, table: &str) -> i64 {
+        let conn = rusqlite::Connection::open(file).unwrap();
+        conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |row| {
+            row.get(0)
+        })
+        .unwrap()
+    }
+
+    fn url(file: &Path, options: &str) -> String {
+        format!("sqlite://{}?{options}", file.display())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tokens_increase_per_key_on_shared_counters() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("locks.db");
+        let url = url(&file, "fencing_counters=4");
+        let a = LockProvider::connect(&url).await.unwrap();
+        let b = LockProvider::connect(&url).await.unwrap();
+        let keys = keys("shared", 40);
+        let mut last = HashMap::new();
+        tokens_increase(&[&a, &b], &keys, 5, &mut last).await;
+        for key in &keys {
+            let read = b.try_acquire_read(key).await.unwrap();
+            let second = a.try_acquire_read(key).await.unwrap();
+            let token = read.fencing_token().unwrap();
+            assert!(token > last[key], "{key}");
+            assert!(second.fencing_token().unwrap() > token, "{key}");
+            last.insert(key.clone(), second.fencing_token().unwrap());
+            read.release().await.unwrap();
+            second.release().await.unwrap();
+        }
+        tokens_increase(&[&b, &a], &keys, 2, &mut last).await;
+        // Every row released: none left.
+        assert_eq!(count(&file, "__distributed_locks"), 0);
+        run_exclusion(&url, &unique_key("procs"), 2, 2, 12, 400, Fencing::Every);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_stays_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("locks.db");
+        let provider = LockProvider::connect(&url(&file, "fencing_counters=16"))
+            .await
+            .unwrap();
+        for key in &keys("bounded", 5_000) {
+            provider
+                .try_acquire(key)
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }
+        let held = provider.try_acquire("still-held").await.unwrap();
+        // At most 16 counters and the mode row; only the lock held now has a row.
+        let counters = count(&file, "__distributed_lock_counters");
+        assert!(
+            counters <= 17,
+            "{counters} counter rows after 5,000 distinct locks"
+        );
+        assert_eq!(count(&file, "__distributed_locks"), 1);
+        assert_eq!(count(&file, "__distributed_lock_readers"), 0);
+        held.release().await.unwrap();
+        assert_eq!(count(&file, "__distributed_locks"), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn switching_never_hands_out_a_lower_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("locks.db");
+        let keys = keys("switch", 30);
+        let mut last = HashMap::new();
+        let per_key = LockProvider::connect(&url(&file, "")).await.unwrap();
+        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
+        // A transaction-bound lock before the switch records its token in the `-fencing`
+        // file; the shared counters' tokens are above it too.
+        {
+            let mut conn = rusqlite::Connection::open(&file).unwrap();
+            let tx = conn.transaction().unwrap();
+            let lock = dlock::sqlite::try_acquire_in_transaction(&tx, &keys[0]).unwrap();
+            let token = lock.fencing_token().unwrap();
+            assert!(token > last[&keys[0]]);
+            last.insert(keys[0].clone(), token);
+            tx.rollback().unwrap();
+        }
+        let sixteen = LockProvider::connect(&url(&file, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
+        // A new per-key backend refuses the switched file when it opens, and so do
+        // transaction-bound locks.
+        let err = LockProvider::connect(&url(&file, "")).await.unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
+        {
+            let mut conn = rusqlite::Connection::open(&file).unwrap();
+            let tx = conn.transaction().unwrap();
+            let err = dlock::sqlite::try_acquire_in_transaction(&tx, &keys[0]).unwrap_err();
+            assert!(is_config(&err), "{err:?}");
+        }
+        let two = LockProvider::connect(&url(&file, "fencing_counters=2"))
+            .await
+            .unwrap();
+        tokens_increase(&[&two], &keys, 3, &mut last).await;
+        let err = refused(&sixteen, &keys[1]).await;
+        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
+        let err = sixteen
+            .acquire(&keys[2], Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(is_config(
+            &sixteen.try_acquire_read(&keys[3]).await.unwrap_err()
+        ));
+        tokens_increase(&[&two], &keys, 1, &mut last).await;
+        let sixteen_again = LockProvider::connect(&url(&file, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
+        refused(&two, &keys[4]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_values_are_config_errors() {
+        for bad in ["0", "-1", "65537", "4294967296", "many", "", "1.5"] {
+            let url = format!("sqlite://locks.db?fencing_counters={bad}");
+            let err = dlock::sqlite::SqliteBackend::builder_from_url(&url).unwrap_err();
+            assert!(is_config(&err), "{bad}: {err:?}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let err = dlock::sqlite::SqliteBackend::builder(dir.path().join("l.db"))
+            .fencing_counters(70_000)
+            .open()
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+    }
+}

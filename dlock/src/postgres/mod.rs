@@ -106,10 +106,12 @@
 //! the latest committed row even after a wait). A backend with per-key counters refuses to
 //! open on a switched table. Stop the per-key processes (and those of earlier versions)
 //! before the first one with `fencing_counters` starts; see
-//! [`fencing_counter`](crate::fencing_counter) for the rules. The old per-key rows are no
-//! longer read once all processes use `fencing_counters`: `DELETE FROM dlock_fencing WHERE id
-//! >= N OR (id < 0 AND id <> -9223372036854775808)` removes them. Counter and mode rows share
-//! the id space of lock ids (64-bit hashes), as two keys' lock ids do.
+//! [`fencing_counter`](crate::fencing_counter) for the rules. Once every process runs with
+//! the same `N`, the old per-key rows are no longer read, and
+//! `DELETE FROM dlock_fencing WHERE id >= N OR (id < 0 AND id <> -9223372036854775808)`
+//! removes them (not while a process of an earlier `N` may still run: it would recreate its
+//! rows in its old epoch). Counter and mode rows share the id space of lock ids (64-bit
+//! hashes), as two keys' lock ids do.
 //!
 //! # Read locks
 //!
