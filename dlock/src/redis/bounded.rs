@@ -20,6 +20,11 @@ pub(super) struct Counters {
 }
 
 impl Counters {
+    /// The key of the counter the lock `key` increments.
+    pub(super) fn key_of(&self, key: &str) -> Vec<u8> {
+        counter_key(&self.record, counters::fencing_counter(key, self.n))
+    }
+
     pub(super) fn new(n: u32, prefix: &[u8], layout: KeyLayout) -> Counters {
         Counters {
             n,
@@ -131,15 +136,33 @@ pub(super) async fn plan(shared: &Shared, key: &str, lock_key: &[u8]) -> Result<
         return Ok(Plan::Off);
     }
     let Some(ours) = &shared.counters else {
-        shared
+        // Best effort: a user refused `GET` (the least privileges of Redis 8.4+ and Valkey 9
+        // do without it) is not checked; any other failure is checked again next time.
+        let checked = shared
             .per_key_checked
-            .get_or_try_init(|| check_per_key(shared))
-            .await?;
+            .get_or_try_init(|| async {
+                match check_per_key(shared).await {
+                    Err(err) if err.db_code() == Some("NOPERM") => {
+                        tracing::debug!(
+                            "not checked whether the store was switched to fencing_counters: \
+                             the Redis user may not GET"
+                        );
+                        Ok(())
+                    }
+                    other => other,
+                }
+            })
+            .await;
+        if let Err(err) = checked
+            && matches!(err, LockError::Config { .. })
+        {
+            return Err(err);
+        }
         return Ok(Plan::PerKey(fence_key(shared.layout, lock_key)));
     };
     let (epoch, mode) = ours.joined.get_or_try_init(|| join(shared, ours)).await?;
     Ok(Plan::Shared {
-        counter: counter_key(&ours.record, counters::fencing_counter(key, ours.n)),
+        counter: ours.key_of(key),
         record: ours.record.clone(),
         mode: mode.clone(),
         epoch: *epoch,

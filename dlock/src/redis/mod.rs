@@ -430,9 +430,11 @@
 //! [`LockError::Config`] instead of issuing tokens, and a backend with per-key counters refuses
 //! a prefix that has the record. Stop the processes with per-key counters (and those of earlier
 //! versions) before the first one with `fencing_counters` starts. The rules, the epochs and the
-//! migration are in [`fencing_counter`](crate::fencing_counter)'s docs. Costs: one `GET` more in the script, and keys that
-//! share a counter share its hot key. Not for a Redis Cluster (the counters cannot share every
-//! lock's slot: the script would answer `CROSSSLOT`) nor for [`RedlockBackend`] nodes (refused).
+//! migration are in [`fencing_counter`](crate::fencing_counter)'s docs. Costs: one `GET` more
+//! in the script (grant `+get` besides the fencing permissions; a per-key backend also `GET`s
+//! the record once, and skips that check when refused), and keys that share a counter share
+//! its hot key. Not for a Redis Cluster (the counters cannot share every lock's slot: the
+//! script would answer `CROSSSLOT`) nor for [`RedlockBackend`] nodes (refused).
 //!
 //! # Connection fencing
 //!
@@ -1114,9 +1116,14 @@ impl RedisBackend {
         self.shared.lock_key(key)
     }
 
-    /// The Redis key of the fencing counter of the lock `key` (see [Keys](self#keys)).
+    /// The Redis key of the fencing counter of the lock `key` (see [Keys](self#keys)); with
+    /// `fencing_counters`, the shared counter the key increments (see [Bounded fencing
+    /// counters](self#bounded-fencing-counters)).
     pub fn fencing_key(&self, key: &str) -> Vec<u8> {
-        fence_key(self.shared.layout, &self.shared.lock_key(key))
+        match &self.shared.counters {
+            Some(counters) => counters.key_of(key),
+            None => fence_key(self.shared.layout, &self.shared.lock_key(key)),
+        }
     }
 
     /// How lock names become Redis keys.
