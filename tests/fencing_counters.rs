@@ -299,12 +299,27 @@ mod on_postgres {
             .await
             .unwrap_err();
         assert!(is_config(&err), "fencing off: {err:?}");
-        // Not on MySQL in this version: refused before connecting.
+        // Not on MySQL, SQL Server or Oracle in this version: refused before connecting.
         #[cfg(feature = "mysql")]
         {
             let url = "mysql://u@127.0.0.1:1/db?fencing=true&fencing_counters=8";
             let err = LockProvider::connect(url).await.unwrap_err();
             assert!(is_config(&err), "mysql: {err:?}");
+            assert!(err.to_string().contains("not available"), "{err}");
+        }
+        #[cfg(feature = "mssql")]
+        {
+            let url = "mssql://u:p@127.0.0.1:1/db?fencing=true&fencing_counters=8";
+            let err = LockProvider::connect(url).await.unwrap_err();
+            assert!(is_config(&err), "mssql: {err:?}");
+            assert!(err.to_string().contains("not available"), "{err}");
+        }
+        #[cfg(feature = "oracle")]
+        {
+            let url = "oracle://u:p@127.0.0.1:1/db?fencing=true&fencing_counters=8";
+            let err = LockProvider::connect(url).await.unwrap_err();
+            assert!(is_config(&err), "oracle: {err:?}");
+            assert!(err.to_string().contains("not available"), "{err}");
         }
     }
 }
