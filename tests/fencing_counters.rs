@@ -139,10 +139,6 @@ mod on_redis {
             .await
             .unwrap();
         tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
-        // A new per-key backend refuses the switched store.
-        let again = LockProvider::connect(&server.url("")).await.unwrap();
-        let err = refused(&again, &keys[0]).await;
-        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
         // Then 2 counters: a switch, above every token so far; the 16-counter backend,
         // switched away, refuses (exclusive and read locks alike) rather than issue lower
         // tokens.

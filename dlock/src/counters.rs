@@ -66,8 +66,8 @@ pub(crate) const MAX_EPOCH: u64 = (1 << (63 - EPOCH_SHIFT)) - 1;
 /// such a process keeps incrementing its key's own counter, whose tokens are below the
 /// switched ones. Stop every per-key process before starting the first one with
 /// `fencing_counters` (as for any change of a store's layout); going back from
-/// `fencing_counters` to per-key counters is not supported (a backend with per-key counters
-/// refuses a store that has the record, where the backend can check it cheaply).
+/// `fencing_counters` to per-key counters is not supported (SQLite and PostgreSQL backends with
+/// per-key counters refuse to open a store that has the record; Redis ones do not look).
 pub fn fencing_counter(key: &str, counters: u32) -> u32 {
     if counters == 0 {
         return 0;

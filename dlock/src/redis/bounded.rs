@@ -136,28 +136,6 @@ pub(super) async fn plan(shared: &Shared, key: &str, lock_key: &[u8]) -> Result<
         return Ok(Plan::Off);
     }
     let Some(ours) = &shared.counters else {
-        // Best effort: a user refused `GET` (the least privileges of Redis 8.4+ and Valkey 9
-        // do without it) is not checked; any other failure is checked again next time.
-        let checked = shared
-            .per_key_checked
-            .get_or_try_init(|| async {
-                match check_per_key(shared).await {
-                    Err(err) if err.db_code() == Some("NOPERM") => {
-                        tracing::debug!(
-                            "not checked whether the store was switched to fencing_counters: \
-                             the Redis user may not GET"
-                        );
-                        Ok(())
-                    }
-                    other => other,
-                }
-            })
-            .await;
-        if let Err(err) = checked
-            && matches!(err, LockError::Config { .. })
-        {
-            return Err(err);
-        }
         return Ok(Plan::PerKey(fence_key(shared.layout, lock_key)));
     };
     let (epoch, mode) = ours.joined.get_or_try_init(|| join(shared, ours)).await?;
@@ -203,35 +181,4 @@ async fn join(shared: &Shared, ours: &Counters) -> Result<(u64, Vec<u8>), LockEr
         "joined the store's fencing counters"
     );
     Ok((epoch, format!("{n}:{epoch}").into_bytes()))
-}
-
-/// With per-key counters: refuses a store switched to shared counters (under this prefix and
-/// layout).
-async fn check_per_key(shared: &Shared) -> Result<(), LockError> {
-    let record = record_key(&shared.prefix, shared.layout);
-    let mut get = redis::cmd("GET");
-    get.arg(&record);
-    let reply = shared
-        .bounded(
-            "looking for the store's fencing counters",
-            shared.conn.query(&get),
-        )
-        .await?;
-    match reply {
-        Value::Nil => Ok(()),
-        Value::BulkString(record) => {
-            let record = String::from_utf8_lossy(&record).into_owned();
-            let store = match record.split_once(':') {
-                Some((n, e)) => format!("fencing_counters={n}, epoch {e}"),
-                None => record,
-            };
-            Err(counters::per_key_refused(NAME, &store))
-        }
-        other => Err(LockError::backend(
-            NAME,
-            format!("looking for the store's fencing counters: GET answered {other:?}"),
-            None,
-            None,
-        )),
-    }
 }

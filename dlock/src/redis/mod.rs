@@ -427,13 +427,13 @@
 //! checks the record. Tokens still increase strictly per key; they are `epoch × 2^48 + count`.
 //! Switching a prefix from per-key counters to `N`, or from one `N` to another, starts a new
 //! epoch, so no token is lower than one issued before; a backend switched away answers
-//! [`LockError::Config`] instead of issuing tokens, and a backend with per-key counters refuses
-//! a prefix that has the record. Stop the processes with per-key counters (and those of earlier
-//! versions) before the first one with `fencing_counters` starts. The rules, the epochs and the
+//! [`LockError::Config`] instead of issuing tokens. A backend with per-key counters does not
+//! look at the record (that would cost every default backend a command, and a `+get` grant):
+//! stop the processes with per-key counters (and those of earlier versions) before the first
+//! one with `fencing_counters` starts, and do not go back. The rules, the epochs and the
 //! migration are in [`fencing_counter`](crate::fencing_counter)'s docs. Costs: one `GET` more
-//! in the script (grant `+get` besides the fencing permissions; a per-key backend also `GET`s
-//! the record once, and skips that check when refused), and keys that share a counter share
-//! its hot key. Not for a Redis Cluster (the counters cannot share every lock's slot: the
+//! in the script (grant `+get` besides the fencing permissions), and keys that share a counter
+//! share its hot key. Not for a Redis Cluster (the counters cannot share every lock's slot: the
 //! script would answer `CROSSSLOT`) nor for [`RedlockBackend`] nodes (refused).
 //!
 //! # Connection fencing
@@ -550,8 +550,6 @@ struct Shared {
     fencing: bool,
     /// The shared counters of `fencing_counters`, if set.
     counters: Option<bounded::Counters>,
-    /// With per-key counters: whether the store was found not switched to shared ones.
-    per_key_checked: tokio::sync::OnceCell<()>,
     timeout: Duration,
     /// The renewal cadence set by the application, if any.
     renew_every: Option<Duration>,
@@ -993,7 +991,6 @@ impl RedisBuilder {
                 layout: self.layout,
                 fencing: self.fencing,
                 counters,
-                per_key_checked: tokio::sync::OnceCell::new(),
                 timeout: self.timeout,
                 renew_every: self.renew_every,
                 wait,

@@ -19,7 +19,6 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         layout: crate::redis::KeyLayout::Tagged,
         fencing: false,
         counters: None,
-        per_key_checked: Default::default(),
         timeout,
         renew_every: None,
         wait: None,
