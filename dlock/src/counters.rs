@@ -45,7 +45,8 @@ pub(crate) const MAX_EPOCH: u64 = (1 << (63 - EPOCH_SHIFT)) - 1;
 /// A token issued under `fencing_counters` is `epoch × 2^48 + count`: `count` is the
 /// counter's value (below 2^48) and `epoch` (1 to 32,767) numbers the
 /// configurations the store has had. The store records its mode, `N` and `epoch`, next to
-/// the counters. A backend joins the store at its first fenced acquisition: when the
+/// the counters. A backend joins the store when it opens (SQLite, PostgreSQL) or at its first
+/// fenced acquisition (Redis): when the
 /// record names its `N`, it uses the record's epoch; when there is no record (the store had
 /// per-key counters, or nothing) or the record names another `N`, it **switches** the store:
 /// it writes its `N` with the next epoch. Every token issued after a switch is then above
