@@ -199,6 +199,20 @@ async fn locks_on_every_master_are_renewed_together() {
     }
 }
 
+/// Shared fencing counters live outside the locks' slots: refused on a Cluster, at connect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fencing_counters_are_refused() {
+    let Some(cluster) = cluster(0) else {
+        return;
+    };
+    match RedisBackend::connect(&cluster.url("fencing_counters=16")).await {
+        Err(LockError::Config { message }) => {
+            assert!(message.contains("Redis Cluster"), "{message}");
+        }
+        other => panic!("expected a Config error, got {other:?}"),
+    }
+}
+
 /// `key_layout=plain` puts a lock and its fencing counter in different slots unless the
 /// name carries a hash tag: the acquisition answers a typed error that says so (CROSSSLOT),
 /// and never a lock. With a hash tag in the name, or without fencing, it works.

@@ -680,7 +680,7 @@ async fn release(guards: Vec<LockGuard>) {
 /// What a store keeps after `n` distinct keys were each locked once and released.
 struct Kept {
     n: f64,
-    /// Entries (SQLite rows, Redis keys) more than before.
+    /// Entries (SQLite rows, Redis keys, PostgreSQL fencing rows or tables) more than before.
     entries: f64,
     /// Bytes (SQLite pages, Redis `used_memory`, PostgreSQL database size) more than before.
     bytes: f64,
@@ -690,7 +690,10 @@ struct Kept {
 enum Kept0 {
     Sqlite(std::path::PathBuf),
     Redis(String),
+    /// Counts the `dlock_fencing` table (whether it exists).
     Postgres(sqlx::PgPool),
+    /// Counts the rows of `dlock_fencing`.
+    PostgresRows(sqlx::PgPool),
 }
 
 impl Kept0 {
@@ -698,8 +701,14 @@ impl Kept0 {
         match self {
             Kept0::Sqlite(path) => {
                 let conn = rusqlite::Connection::open(path).map_err(|e| e.to_string())?;
+                // The lock rows, and the shared counters' rows where the file has them.
                 let rows: i64 = conn
-                    .query_row("SELECT count(*) FROM __distributed_locks", [], |r| r.get(0))
+                    .query_row(
+                        "SELECT (SELECT count(*) FROM __distributed_locks) + \
+                         coalesce((SELECT count(*) FROM __distributed_lock_counters), 0)",
+                        [],
+                        |r| r.get(0),
+                    )
                     .map_err(|e| e.to_string())?;
                 let size: i64 = conn
                     .query_row(
@@ -730,7 +739,7 @@ impl Kept0 {
                 };
                 Ok((keys as f64, memory))
             }
-            Kept0::Postgres(pool) => {
+            Kept0::Postgres(pool) | Kept0::PostgresRows(pool) => {
                 let size: i64 =
                     sqlx::query_scalar("SELECT pg_database_size(current_database())::bigint")
                         .fetch_one(pool)
@@ -742,19 +751,134 @@ impl Kept0 {
                 .fetch_one(pool)
                 .await
                 .map_err(|e| e.to_string())?;
-                Ok((tables as f64, size as f64))
+                if matches!(self, Kept0::Postgres(_)) || tables == 0 {
+                    return Ok((tables as f64, size as f64));
+                }
+                let rows: i64 = sqlx::query_scalar("SELECT count(*)::bigint FROM dlock_fencing")
+                    .fetch_one(pool)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Ok((rows as f64, size as f64))
             }
         }
     }
 }
 
-/// How long C2 may spend on one backend before it stops growing the key count.
+/// The longest C2 spends growing one backend's keys.
 fn keys_budget() -> Duration {
     sized(Duration::from_secs(120), Duration::from_secs(5))
 }
 
+/// One configuration C2 measures.
+struct KeysVariant {
+    /// The backend's label in the report.
+    backend: &'static str,
+    /// The series' label in the chart.
+    series: &'static str,
+    /// The rows' names: entries, bytes, time per key.
+    names: [&'static str; 3],
+    /// URL options.
+    options: &'static str,
+    /// Where it keeps its store apart from the other variants: the SQLite file's name, the
+    /// Redis database, the PostgreSQL database (`None`: the server's own).
+    apart: &'static str,
+    /// What bounds the store.
+    bound: &'static str,
+}
+
+/// The number of shared counters C2's bounded rows use.
+const KEYS_COUNTERS: &str = "fencing_counters=16";
+
+const KEYS_VARIANTS: &[KeysVariant] = &[
+    KeysVariant {
+        backend: "SQLite",
+        series: "SQLite",
+        names: [
+            "SQLite: rows of __distributed_locks per distinct key",
+            "SQLite: file bytes (page_count × page_size) per distinct key",
+            "SQLite: acquire + release per distinct key (64 at a time)",
+        ],
+        options: "",
+        apart: "curves-keys.db",
+        bound: "unbounded: a released key keeps its row (its fencing counter) for good",
+    },
+    KeysVariant {
+        backend: "SQLite",
+        series: "SQLite, fencing_counters=16",
+        names: [
+            "SQLite, fencing_counters=16: rows (locks + counters) per distinct key",
+            "SQLite, fencing_counters=16: file bytes per distinct key",
+            "SQLite, fencing_counters=16: acquire + release per distinct key (64 at a time)",
+        ],
+        options: KEYS_COUNTERS,
+        apart: "curves-keys-bounded.db",
+        bound: "bounded: at most 16 counter rows and the mode row; released rows are deleted",
+    },
+    KeysVariant {
+        backend: "Redis 7",
+        series: "Redis 7",
+        names: [
+            "Redis 7: keys (DBSIZE) per distinct key",
+            "Redis 7: used_memory per distinct key",
+            "Redis 7: acquire + release per distinct key (64 at a time)",
+        ],
+        options: "",
+        apart: "9",
+        bound: "unbounded: every key keeps its `…:fence` counter key, which never expires",
+    },
+    KeysVariant {
+        backend: "Redis 7",
+        series: "Redis 7, fencing_counters=16",
+        names: [
+            "Redis 7, fencing_counters=16: keys (DBSIZE) per distinct key",
+            "Redis 7, fencing_counters=16: used_memory per distinct key",
+            "Redis 7, fencing_counters=16: acquire + release per distinct key (64 at a time)",
+        ],
+        options: KEYS_COUNTERS,
+        apart: "10",
+        bound: "bounded: at most 16 counter keys and the mode key",
+    },
+    KeysVariant {
+        backend: "PostgreSQL",
+        series: "PostgreSQL",
+        names: [
+            "PostgreSQL: dlock tables (fencing off, the default)",
+            "PostgreSQL: database bytes (pg_database_size) per distinct key",
+            "PostgreSQL: acquire + release per distinct key (64 at a time)",
+        ],
+        options: "",
+        apart: "",
+        bound: "nothing kept per key (advisory locks; no fencing table by default)",
+    },
+    KeysVariant {
+        backend: "PostgreSQL",
+        series: "PostgreSQL, fencing=true",
+        names: [
+            "PostgreSQL, fencing=true: dlock_fencing rows per distinct key",
+            "PostgreSQL, fencing=true: database bytes per distinct key",
+            "PostgreSQL, fencing=true: acquire + release per distinct key (64 at a time)",
+        ],
+        options: "fencing=true",
+        apart: "curves_keys_fenced",
+        bound: "unbounded: one counter row per key for good",
+    },
+    KeysVariant {
+        backend: "PostgreSQL",
+        series: "PostgreSQL, fencing_counters=16",
+        names: [
+            "PostgreSQL, fencing_counters=16: dlock_fencing rows per distinct key",
+            "PostgreSQL, fencing_counters=16: database bytes per distinct key",
+            "PostgreSQL, fencing_counters=16: acquire + release per distinct key (64 at a time)",
+        ],
+        options: "fencing=true&fencing_counters=16",
+        apart: "curves_keys_bounded",
+        bound: "bounded: at most 16 counter rows and the mode row",
+    },
+];
+
 /// C2: per backend, keys each locked once and released, 1 to 1,000,000 distinct ones; what
-/// the store keeps.
+/// the store keeps and what each key costs, with per-key fencing counters (the default) and
+/// with `fencing_counters=16`.
 fn keys_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
     let sizes: &[usize] = sized(
         &[1, 10, 100, 1_000, 10_000, 100_000, 1_000_000],
@@ -762,32 +886,22 @@ fn keys_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
     );
     let mut entries_chart = Vec::new();
     let mut bytes_chart = Vec::new();
-    for label in ["SQLite", "Redis 7", "PostgreSQL"] {
-        let Some(b) = backend(servers, label) else {
+    // The per-key default's time per key, per backend, for the bounded rows' ratio.
+    let mut per_key_cost: Vec<(&str, f64)> = Vec::new();
+    for v in KEYS_VARIANTS {
+        let Some(b) = backend(servers, v.backend) else {
             continue;
         };
-        let (entries_name, bytes_name) = match label {
-            "SQLite" => (
-                "SQLite: rows of __distributed_locks per distinct key",
-                "SQLite: file bytes (page_count × page_size) per distinct key",
-            ),
-            "Redis 7" => (
-                "Redis 7: keys (DBSIZE) per distinct key",
-                "Redis 7: used_memory per distinct key",
-            ),
-            _ => (
-                "PostgreSQL: dlock tables (fencing off, the default)",
-                "PostgreSQL: database bytes (pg_database_size) per distinct key",
-            ),
-        };
+        let [entries_name, bytes_name, cost_name] = v.names;
         if let Err(e) = &b.store {
             report.add(b.not_measured(C2, entries_name, e, "—"));
             report.add(b.not_measured(C2, bytes_name, e, "—"));
+            report.add(b.not_measured(C2, cost_name, e, "—"));
             continue;
         }
-        eprintln!(" {label}");
-        match rt.block_on(keys(b, sizes)) {
-            Ok((points, stopped)) => {
+        eprintln!(" {}", v.series);
+        match rt.block_on(keys(b, v, sizes)) {
+            Ok((points, stopped, cost)) => {
                 let stop_text = stopped
                     .map(|n| {
                         format!(
@@ -802,18 +916,8 @@ fn keys_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
                 let et: Vec<(f64, f64)> = points.iter().map(|p| (p.n, p.entries)).collect();
                 let by: Vec<(f64, f64)> = points.iter().map(|p| (p.n, p.bytes / p.n)).collect();
                 let bt: Vec<(f64, f64)> = points.iter().map(|p| (p.n, p.bytes)).collect();
-                let bound = match label {
-                    "SQLite" => {
-                        "unbounded: a released key keeps its row (its fencing counter) for \
-                         good"
-                    }
-                    "Redis 7" => {
-                        "unbounded: every key keeps its `…:fence` counter key, which never \
-                         expires"
-                    }
-                    _ => "nothing kept per key (advisory locks; no fencing table by default)",
-                };
-                if label == "PostgreSQL" {
+                let bound = v.bound;
+                if v.options.is_empty() && v.backend == "PostgreSQL" {
                     report.add(Row::described(
                         C2,
                         entries_name,
@@ -830,9 +934,9 @@ fn keys_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
                         C2,
                         entries_name,
                         format!(
-                            "{}; total grows {}: {bound}{stop_text}",
-                            listing(&e, |v| format!("{v:.2}")),
-                            growth(&et)
+                            "{}; total {}: {bound}{stop_text}",
+                            listing(&e, |v| format!("{v:.3}")),
+                            listing(&et, |v| format!("{v:.0}"))
                         ),
                         last.entries / last.n,
                         "",
@@ -851,18 +955,42 @@ fn keys_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
                     "B",
                     Target::None,
                 ));
+                let micros = cost.as_secs_f64() * 1e6;
+                let bounded = v.options.contains("fencing_counters");
+                // The bounded rows compare with the backend's per-key fencing row (on
+                // PostgreSQL `fencing=true`, which comes after the default without tokens).
+                let versus = match per_key_cost.iter().find(|(name, _)| *name == v.backend) {
+                    Some((_, base)) if bounded && *base > 0.0 => format!(
+                        "; {:.2}× the per-key counters' {base:.1} µs (same sizes, one run)",
+                        micros / base
+                    ),
+                    _ => String::new(),
+                };
+                if !bounded && (v.options.contains("fencing=true") || v.backend != "PostgreSQL") {
+                    per_key_cost.retain(|(name, _)| *name != v.backend);
+                    per_key_cost.push((v.backend, micros));
+                }
+                report.add(Row::described(
+                    C2,
+                    cost_name,
+                    format!("{micros:.1} µs, the mean over every key of the run{versus}"),
+                    micros,
+                    "µs",
+                    Target::None,
+                ));
                 entries_chart.push(Series {
-                    label: label.to_owned(),
+                    label: v.series.to_owned(),
                     points: e,
                 });
                 bytes_chart.push(Series {
-                    label: label.to_owned(),
+                    label: v.series.to_owned(),
                     points: by,
                 });
             }
             Err(e) => {
                 report.add(b.not_measured(C2, entries_name, &e, "—"));
                 report.add(b.not_measured(C2, bytes_name, &e, "—"));
+                report.add(b.not_measured(C2, cost_name, &e, "—"));
             }
         }
     }
@@ -872,7 +1000,8 @@ fn keys_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
         "C2: distinct keys ever locked, each once and released (x: distinct keys)",
         &[
             Panel {
-                title: "entries kept per distinct key (SQLite rows, Redis keys)".to_owned(),
+                title: "entries kept per distinct key (SQLite rows, Redis keys, PostgreSQL fencing rows)"
+                    .to_owned(),
                 unit: "entries".to_owned(),
                 series: entries_chart,
                 target: None,
@@ -886,33 +1015,64 @@ fn keys_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
         ],
     );
     report.note(format!(
-        "C2: one provider per backend locks distinct keys, each once (`try_acquire`, 64 at a \
-         time) and releases them, growing the count to each size in turn (a backend stops \
-         growing once it has spent {} s); the figures are what the store keeps, less before, \
-         per key. SQLite: rows of `__distributed_locks` and `page_count × page_size` of a file \
-         of its own; Redis: `DBSIZE` of a database of its own and `INFO memory` \
-         `used_memory`; PostgreSQL: `pg_database_size`. Fencing counters live per key for \
-         good (a row per key on SQLite, a `…:fence` key per key on Redis that never expires), \
-         so this store grows without bound with the keys ever locked.",
+        "C2: one provider per backend and configuration locks distinct keys, each once \
+         (`try_acquire`, 64 at a time) and releases them, growing the count to each size in \
+         turn (a configuration stops growing once it has spent {} s); the figures are what the \
+         store keeps, less before, per key, and the mean time per key of acquire + release over \
+         the whole run. SQLite: rows of `__distributed_locks` (and `__distributed_lock_counters`) \
+         and `page_count × page_size` of a file of its own; Redis: `DBSIZE` of a database of \
+         its own and `INFO memory` `used_memory`; PostgreSQL: `pg_database_size` and the rows of \
+         `dlock_fencing`, the fenced configurations in databases of their own. Per-key fencing \
+         counters (the default) live for good (a row per key on SQLite, a `…:fence` key per key \
+         on Redis, a `dlock_fencing` row per key on PostgreSQL with `fencing=true`), so the \
+         store grows without bound with the keys ever locked; with `{KEYS_COUNTERS}` it holds \
+         at most 16 counters (tokens still strictly increasing per key).",
         keys_budget().as_secs()
     ));
 }
 
+/// `url` with its database name (the path) replaced by `db`.
+fn with_database(url: &str, db: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_owned();
+    };
+    let after = scheme_end + 3;
+    let Some(slash) = url[after..].find('/').map(|i| after + i) else {
+        return url.to_owned();
+    };
+    let end = url[slash..].find('?').map_or(url.len(), |i| slash + i);
+    format!("{}/{db}{}", &url[..slash], &url[end..])
+}
+
 /// Locks distinct keys once each, growing to every size in `sizes`; what the store keeps at
-/// each, and the size it stopped before when it ran out of time.
-async fn keys(b: &Backend, sizes: &[usize]) -> Result<(Vec<Kept>, Option<usize>), String> {
+/// each, the size it stopped before when it ran out of time, and the mean time of one key's
+/// acquire + release (64 at a time).
+async fn keys(
+    b: &Backend,
+    v: &KeysVariant,
+    sizes: &[usize],
+) -> Result<(Vec<Kept>, Option<usize>, Duration), String> {
     let (url, counter) = match b.store.as_ref().map_err(Clone::clone)? {
         Store::Sqlite(dir) => {
-            let path = dir.path().join("curves-keys.db");
-            (format!("sqlite://{}", path.display()), Kept0::Sqlite(path))
+            let path = dir.path().join(v.apart);
+            let mut url = format!("sqlite://{}", path.display());
+            if !v.options.is_empty() {
+                url = format!("{url}?{}", v.options);
+            }
+            (url, Kept0::Sqlite(path))
         }
         Store::Redis(server) => {
             // A database of its own, so that other sections' keys do not count.
-            let url = format!("{}9", server.url(""));
-            (url.clone(), Kept0::Redis(url))
+            let base = format!("{}{}", server.url(""), v.apart);
+            let url = if v.options.is_empty() {
+                base.clone()
+            } else {
+                format!("{base}?{}", v.options)
+            };
+            (url, Kept0::Redis(base))
         }
-        Store::Postgres(_) => (
-            b.dlock_url(""),
+        Store::Postgres(_) if v.apart.is_empty() => (
+            b.dlock_url(v.options),
             Kept0::Postgres(
                 sqlx::postgres::PgPoolOptions::new()
                     .max_connections(1)
@@ -921,6 +1081,33 @@ async fn keys(b: &Backend, sizes: &[usize]) -> Result<(Vec<Kept>, Option<usize>)
                     .map_err(|e| e.to_string())?,
             ),
         ),
+        Store::Postgres(_) => {
+            // A database of its own: its fencing table is this configuration's alone.
+            let admin = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&b.driver_url())
+                .await
+                .map_err(|e| e.to_string())?;
+            let create = match v.apart {
+                "curves_keys_fenced" => "CREATE DATABASE curves_keys_fenced",
+                _ => "CREATE DATABASE curves_keys_bounded",
+            };
+            if let Err(e) = sqlx::query(create).execute(&admin).await
+                && !e.to_string().contains("already exists")
+            {
+                return Err(e.to_string());
+            }
+            admin.close().await;
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&with_database(&b.driver_url(), v.apart))
+                .await
+                .map_err(|e| e.to_string())?;
+            (
+                with_database(&b.dlock_url(v.options), v.apart),
+                Kept0::PostgresRows(pool),
+            )
+        }
         Store::My(_) => return Err("not measured here".to_owned()),
     };
     let locks = LockProvider::connect(&url)
@@ -934,6 +1121,7 @@ async fn keys(b: &Backend, sizes: &[usize]) -> Result<(Vec<Kept>, Option<usize>)
     warm.release().await.map_err(|e| e.to_string())?;
     let (entries0, bytes0) = counter.measure(Some(b)).await?;
     let started = Instant::now();
+    let mut spent = Duration::ZERO;
     let mut done = 0usize;
     let mut points = Vec::new();
     for &n in sizes {
@@ -942,9 +1130,10 @@ async fn keys(b: &Backend, sizes: &[usize]) -> Result<(Vec<Kept>, Option<usize>)
         if done > 0 && !quick() {
             let projected = elapsed / done as f64 * n as f64;
             if projected > keys_budget().as_secs_f64() {
-                return Ok((points, Some(n)));
+                return Ok((points, Some(n), spent / done.max(1) as u32));
             }
         }
+        let batch = Instant::now();
         let outcome: Vec<Result<(), String>> = futures::stream::iter(done..n)
             .map(|i| {
                 let locks = &locks;
@@ -959,6 +1148,7 @@ async fn keys(b: &Backend, sizes: &[usize]) -> Result<(Vec<Kept>, Option<usize>)
             .buffer_unordered(64)
             .collect()
             .await;
+        spent += batch.elapsed();
         outcome.into_iter().collect::<Result<Vec<()>, String>>()?;
         done = n;
         let (entries, size) = counter.measure(Some(b)).await?;
@@ -974,5 +1164,5 @@ async fn keys(b: &Backend, sizes: &[usize]) -> Result<(Vec<Kept>, Option<usize>)
             bytes: size - bytes0,
         });
     }
-    Ok((points, None))
+    Ok((points, None, spent / done.max(1) as u32))
 }

@@ -117,7 +117,11 @@ fn main() {
         eprintln!("report: 8 semaphores and read locks");
         primitives::run(&rt, &servers, &mut report);
     }
-    if section_named("curves") {
+    // Any one curve chosen (`--only curves-keys` does not start `curves`).
+    if ["curves-held", "curves-keys", "curves-waiters"]
+        .iter()
+        .any(|name| section_named(name))
+    {
         eprintln!("report: C1-C3 cost curves");
         curves_and_waiters(&rt, &servers, &mut report);
     }

@@ -211,7 +211,9 @@ impl Driver for Mssql {
             connect_timeout: options.connect_timeout,
             fencing: options.fencing,
         };
+        let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {
+            refused?;
             let mut first = crate::session::Connector::open(&connector).await?;
             if connector.fencing {
                 create_fencing_table(&mut first.client).await?;

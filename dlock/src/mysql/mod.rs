@@ -219,7 +219,9 @@ impl Driver for MySql {
         session: &SessionOptions,
     ) -> BoxFuture<'static, Opened<Self>> {
         let (fencing, connect_timeout) = (session.fencing, session.connect_timeout);
+        let refused = crate::session::refuse_fencing_counters(NAME, session);
         Box::pin(async move {
+            refused?;
             let (mut conn, id, server) = open_connection(&options, connect_timeout).await?;
             if fencing {
                 create_fencing_table(&mut conn).await?;

@@ -203,7 +203,9 @@ impl Driver for Oracle {
             connect_timeout: options.connect_timeout,
             fencing: options.fencing,
         };
+        let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {
+            refused?;
             let first = crate::session::Connector::open(&connector).await?;
             if connector.fencing {
                 first.create_fencing_table().await?;

@@ -92,6 +92,27 @@
 //! costs one round trip either way. Tokens increase strictly for each key across holders,
 //! processes and server restarts (the row is an ordinary committed row).
 //!
+//! **Bounded counters.** One row per key ever locked grows the table without bound for a
+//! service that locks per request. With `fencing_counters=N` (1 to 65,536;
+//! [`PostgresBuilder::fencing_counters`]) the table holds at most `N` counter rows, ids `0` to
+//! `N - 1`, plus the row `-9223372036854775808` recording their mode (`N << 16 | epoch`); the
+//! key `k` increments row [`fencing_counter`](crate::fencing_counter)`(k, N)` (its lock id
+//! modulo `N`), in the same statement, still one round trip. Tokens still increase strictly
+//! per key; they are `epoch × 2^48 + count`. Opening a backend whose `N` is not the
+//! recorded one switches the table (one transaction that locks the mode row): the counter
+//! rows start the next epoch, so no token is lower than one issued before, and the backends
+//! of the old `N` are refused ([`LockError::Config`], the lock given back) from then on,
+//! since every increment checks its row's epoch (`ON CONFLICT DO UPDATE ... WHERE`, which sees
+//! the latest committed row even after a wait). A backend with per-key counters refuses to
+//! open on a switched table. Stop the per-key processes (and those of earlier versions)
+//! before the first one with `fencing_counters` starts; see
+//! [`fencing_counter`](crate::fencing_counter) for the rules. Once every process runs with
+//! the same `N`, the old per-key rows are no longer read, and
+//! `DELETE FROM dlock_fencing WHERE id >= N OR (id < 0 AND id <> -9223372036854775808)`
+//! removes them (not while a process of an earlier `N` may still run: it would recreate its
+//! rows in its old epoch). Counter and mode rows share the id space of lock ids (64-bit
+//! hashes), as two keys' lock ids do.
+//!
 //! # Read locks
 //!
 //! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
@@ -171,6 +192,7 @@
 //! | option | default | meaning |
 //! |---|---|---|
 //! | `fencing` | `false` | issue fencing tokens (see above) |
+//! | `fencing_counters` | one per key | with `fencing=true`: keep at most this many counter rows, 1 to 65536 (see above) |
 //! | `keepalive` | `5s` | liveness check cadence of connections that hold locks |
 //! | `connections` | `4` | lock connections (1 to 64) |
 //! | `wait_connections` | `4` | connections for native waits (0 to 64) |
@@ -208,7 +230,9 @@ use crate::key::validate_key;
 use crate::session::{Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions};
 use crate::sqlx_engine::{db_code, driver_error};
 use crate::{LockError, lock_id};
-use session::{PgConnector, create_fencing_table, is_wait_ended};
+use session::{
+    Counted, PgConnector, create_fencing_table, is_wait_ended, join_counters, refuse_if_switched,
+};
 use statements::*;
 
 /// The PostgreSQL engine: the type parameter of [`PostgresBackend`] and [`PostgresBuilder`].
@@ -241,15 +265,25 @@ impl Driver for Postgres {
         options: PgConnectOptions,
         session: &SessionOptions,
     ) -> BoxFuture<'static, Opened<Self>> {
-        let connector = PgConnector {
+        let mut connector = PgConnector {
             options,
             fencing: session.fencing,
+            counted: None,
             connect_timeout: session.connect_timeout,
         };
+        let counters = session.fencing_counters;
         Box::pin(async move {
             let mut first = connector.open_session().await?;
             if connector.fencing {
                 create_fencing_table(&mut first.conn).await?;
+                match counters {
+                    Some(n) => {
+                        let base = join_counters(&mut first.conn, n).await?;
+                        connector.counted = Some(Counted { n, base });
+                        first.counted = connector.counted;
+                    }
+                    None => refuse_if_switched(&mut first.conn).await?,
+                }
             }
             Ok((connector, first))
         })

@@ -23,6 +23,8 @@ use crate::{LockError, lock_id};
 pub struct PgConnector {
     pub(super) options: PgConnectOptions,
     pub(super) fencing: bool,
+    /// The shared counters the backend joined (`fencing_counters`), if any.
+    pub(super) counted: Option<Counted>,
     pub(super) connect_timeout: Duration,
 }
 
@@ -46,6 +48,7 @@ impl PgConnector {
         Ok(PgSession {
             conn,
             fencing: self.fencing,
+            counted: self.counted,
             identity: PgCancel { pid, started },
         })
     }
@@ -116,6 +119,7 @@ impl Connector for PgConnector {
 pub struct PgSession {
     pub(super) conn: PgConnection,
     fencing: bool,
+    pub(super) counted: Option<Counted>,
     identity: PgCancel,
 }
 
@@ -127,10 +131,38 @@ pub struct PgCancel {
     started: String,
 }
 
+/// Shared counters (`fencing_counters`) a backend joined: how many, and the epoch's base
+/// (`epoch << 48`).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Counted {
+    pub(super) n: u32,
+    pub(super) base: i64,
+}
+
+impl Counted {
+    /// The counter row of the lock `id` (the key's [`crate::fencing_counter`]).
+    fn row(self, id: i64) -> i64 {
+        i64::from(u32::try_from((id as u64) % u64::from(self.n)).unwrap_or(0))
+    }
+}
+
 impl PgSession {
-    /// One try; the fencing token is issued in the same statement.
+    /// One try; the fencing token is issued in the same statement. Under shared counters, a
+    /// grant without a token means the increment was refused (see [`TRY_COUNTED_SQL`]).
     async fn try_lock(&mut self, id: i64, sql: ModeSql) -> Result<Option<Grant>, sqlx::Error> {
-        if self.fencing {
+        if let Some(counted) = self.counted {
+            let row = sqlx::query(sql.try_counted)
+                .bind(id)
+                .bind(counted.row(id))
+                .bind(counted.base)
+                .fetch_one(&mut self.conn)
+                .await?;
+            let got: bool = row.try_get(0)?;
+            let token: Option<i64> = row.try_get(1)?;
+            Ok(got.then(|| Grant {
+                token: token.and_then(|t| u64::try_from(t).ok()),
+            }))
+        } else if self.fencing {
             let row = sqlx::query(sql.try_fenced)
                 .bind(id)
                 .fetch_one(&mut self.conn)
@@ -161,7 +193,15 @@ impl PgSession {
             .bind(lock_timeout_setting(wait))
             .execute(&mut self.conn)
             .await?;
-        let waited = if self.fencing {
+        let waited = if let Some(counted) = self.counted {
+            sqlx::query_scalar::<_, i64>(sql.wait_counted)
+                .bind(id)
+                .bind(counted.row(id))
+                .bind(counted.base)
+                .fetch_optional(&mut self.conn)
+                .await
+                .map(|token| token.and_then(|t| u64::try_from(t).ok()))
+        } else if self.fencing {
             sqlx::query_scalar::<_, i64>(sql.wait_fenced)
                 .bind(id)
                 .fetch_one(&mut self.conn)
@@ -184,7 +224,14 @@ impl PgSession {
                 if !held {
                     return Ok(None);
                 }
-                let token = if self.fencing {
+                let token = if let Some(counted) = self.counted {
+                    let token: Option<i64> = sqlx::query_scalar(FENCE_COUNTED_SQL)
+                        .bind(counted.row(id))
+                        .bind(counted.base)
+                        .fetch_optional(&mut self.conn)
+                        .await?;
+                    token.and_then(|t| u64::try_from(t).ok())
+                } else if self.fencing {
                     let token: i64 = sqlx::query_scalar(FENCE_SQL)
                         .bind(id)
                         .fetch_one(&mut self.conn)
@@ -197,6 +244,122 @@ impl PgSession {
             }
             Err(err) => Err(err),
         }
+    }
+}
+
+impl PgSession {
+    /// Why a shared counter refused an increment: the store was switched to another mode
+    /// (or, in theory, the counter ran out of counts in this epoch).
+    async fn refusal(&mut self) -> LockError {
+        let Some(counted) = self.counted else {
+            return LockError::config("fencing_counters: no shared counters");
+        };
+        let epoch = (counted.base >> crate::counters::EPOCH_SHIFT).unsigned_abs();
+        let mode: Option<i64> = sqlx::query_scalar(MODE_SQL)
+            .bind(MODE_ID)
+            .fetch_optional(&mut self.conn)
+            .await
+            .ok()
+            .flatten();
+        match mode {
+            Some(mode) if mode != mode_value(counted.n, epoch) => {
+                crate::counters::switched_away(NAME, counted.n, epoch, &describe_mode(mode))
+            }
+            _ => crate::counters::token(epoch, crate::counters::MAX_COUNT + 1)
+                .err()
+                .unwrap_or_else(|| LockError::config("fencing_counters: the counter refused")),
+        }
+    }
+}
+
+/// The mode row's value of `n` counters in `epoch`.
+fn mode_value(n: u32, epoch: u64) -> i64 {
+    (i64::from(n) << 16) | i64::try_from(epoch).unwrap_or(0)
+}
+
+/// A mode row's value, for messages.
+fn describe_mode(mode: i64) -> String {
+    if mode <= 0 {
+        "no record: per-key counters".to_owned()
+    } else {
+        format!("fencing_counters={}, epoch {}", mode >> 16, mode & 0xffff)
+    }
+}
+
+/// Joins the store's shared counters with `n` counters, or switches the store to them (see
+/// [`crate::fencing_counter`]): one transaction, which locks the mode row, so joins and
+/// switches run one at a time. Returns the epoch's base (`epoch << 48`).
+pub(super) async fn join_counters(conn: &mut PgConnection, n: u32) -> Result<i64, LockError> {
+    let what = "joining the store's fencing counters (dlock_fencing)";
+    let fail = |e| driver_error::<Postgres>(what, e);
+    let mut tx = conn.begin().await.map_err(fail)?;
+    sqlx::query(MODE_CREATE_SQL)
+        .bind(MODE_ID)
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let mode: i64 = sqlx::query_scalar(MODE_LOCK_SQL)
+        .bind(MODE_ID)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let (store_n, store_epoch) = if mode > 0 {
+        (mode >> 16, mode & 0xffff)
+    } else {
+        (0, 0)
+    };
+    if store_n == i64::from(n) && store_epoch > 0 {
+        tx.commit().await.map_err(fail)?;
+        return Ok(store_epoch << crate::counters::EPOCH_SHIFT);
+    }
+    // A switch: every counter row a backend of the old mode may touch, and every one of
+    // ours, starts the next epoch, above every epoch seen in them.
+    let rows = store_n.max(i64::from(n));
+    let top: i64 = sqlx::query_scalar(MAX_EPOCH_SQL)
+        .bind(rows)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let epoch = store_epoch.max(top) + 1;
+    if epoch.unsigned_abs() > crate::counters::MAX_EPOCH {
+        return Err(LockError::config(format!(
+            "{NAME}: {what}: no epoch is left for a switch (the store was switched \
+             {} times)",
+            crate::counters::MAX_EPOCH
+        )));
+    }
+    let base = epoch << crate::counters::EPOCH_SHIFT;
+    sqlx::query(SWITCH_SQL)
+        .bind(rows)
+        .bind(base)
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
+    sqlx::query(MODE_SET_SQL)
+        .bind(MODE_ID)
+        .bind(mode_value(n, epoch.unsigned_abs()))
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
+    tx.commit().await.map_err(fail)?;
+    tracing::info!(
+        counters = n,
+        epoch,
+        "switched the store's fencing counters (dlock_fencing) to fencing_counters"
+    );
+    Ok(base)
+}
+
+/// With per-key counters: refuses a store switched to shared ones.
+pub(super) async fn refuse_if_switched(conn: &mut PgConnection) -> Result<(), LockError> {
+    let mode: Option<i64> = sqlx::query_scalar(MODE_SQL)
+        .bind(MODE_ID)
+        .fetch_optional(&mut *conn)
+        .await
+        .map_err(|e| driver_error::<Postgres>("looking for the store's fencing counters", e))?;
+    match mode {
+        Some(mode) if mode > 0 => Err(crate::counters::per_key_refused(NAME, &describe_mode(mode))),
+        _ => Ok(()),
     }
 }
 
@@ -218,6 +381,19 @@ impl Session for PgSession {
                 ("waiting for a lock", self.wait_lock(*id, sql, wait).await)
             };
             match outcome {
+                Ok(Some(Grant { token: None })) if self.counted.is_some() => {
+                    // The shared counter refused the increment: no token lower than one
+                    // issued already. Give the lock back and say why.
+                    let refusal = self.refusal().await;
+                    match sqlx::query(sql.unlock)
+                        .bind(*id)
+                        .execute(&mut self.conn)
+                        .await
+                    {
+                        Ok(_) => Err(Failure::statement(refusal)),
+                        Err(_) => Err(Failure::connection(refusal)),
+                    }
+                }
                 Ok(grant) => Ok(grant),
                 Err(err) if !is_connection_error::<Postgres>(&err) => {
                     // The statement failed (say, the fencing table is missing) after the lock

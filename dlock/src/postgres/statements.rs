@@ -37,6 +37,81 @@ pub(super) const FENCE_SQL: &str = "INSERT INTO dlock_fencing (id, token) VALUES
 
 pub(super) const UNLOCK_SQL: &str = "SELECT pg_advisory_unlock($1)";
 
+// Shared counters (`fencing_counters`, see [`crate::fencing_counter`]): counter `i` is the
+// `dlock_fencing` row `i`, the store's mode the row [`MODE_ID`] (`N << 16 | epoch`). A token
+// is `epoch << 48 | count`; the increment is refused (no row returned) when the counter's
+// row is in another epoch (the store was switched away from this backend's `N`) or its count
+// would overflow. `ON CONFLICT DO UPDATE` reads the latest committed row, whatever the
+// statement's snapshot, so a switch committed while a wait was blocked is seen.
+
+/// The `dlock_fencing` row of the store's shared counters' mode: `N << 16 | epoch`.
+pub(super) const MODE_ID: i64 = i64::MIN;
+
+/// `$1` lock id, `$2` counter row, `$3` the epoch's base (`epoch << 48`). Takes the lock and,
+/// only if it was taken, increments the shared counter, in this epoch only.
+pub(super) const TRY_COUNTED_SQL: &str = "WITH l AS (SELECT pg_try_advisory_lock($1) AS got), \
+    f AS (INSERT INTO dlock_fencing (id, token) SELECT $2, $3 + 1 FROM l WHERE l.got \
+          ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 \
+          WHERE dlock_fencing.token >= $3 AND dlock_fencing.token < $3 + 281474976710655 \
+          RETURNING token) \
+    SELECT l.got, (SELECT token FROM f) FROM l";
+
+/// [`TRY_COUNTED_SQL`] for the shared lock.
+pub(super) const TRY_SHARED_COUNTED_SQL: &str = "WITH l AS (SELECT pg_try_advisory_lock_shared($1) AS got), \
+    f AS (INSERT INTO dlock_fencing (id, token) SELECT $2, $3 + 1 FROM l WHERE l.got \
+          ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 \
+          WHERE dlock_fencing.token >= $3 AND dlock_fencing.token < $3 + 281474976710655 \
+          RETURNING token) \
+    SELECT l.got, (SELECT token FROM f) FROM l";
+
+/// `$1` lock id, `$2` counter row, `$3` the epoch's base. Waits, then increments the shared
+/// counter in this epoch only: no row when refused.
+pub(super) const WAIT_COUNTED_SQL: &str = "WITH l AS (SELECT pg_advisory_lock($1)) \
+    INSERT INTO dlock_fencing (id, token) SELECT $2, $3 + 1 FROM l \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 \
+    WHERE dlock_fencing.token >= $3 AND dlock_fencing.token < $3 + 281474976710655 \
+    RETURNING token";
+
+/// [`WAIT_COUNTED_SQL`] for the shared lock.
+pub(super) const WAIT_SHARED_COUNTED_SQL: &str = "WITH l AS (SELECT pg_advisory_lock_shared($1)) \
+    INSERT INTO dlock_fencing (id, token) SELECT $2, $3 + 1 FROM l \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 \
+    WHERE dlock_fencing.token >= $3 AND dlock_fencing.token < $3 + 281474976710655 \
+    RETURNING token";
+
+/// `$1` counter row, `$2` the epoch's base. Increments the shared counter of a lock this
+/// session already holds, in this epoch only: no row when refused.
+pub(super) const FENCE_COUNTED_SQL: &str = "INSERT INTO dlock_fencing (id, token) VALUES ($1, $2 + 1) \
+    ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 \
+    WHERE dlock_fencing.token >= $2 AND dlock_fencing.token < $2 + 281474976710655 \
+    RETURNING token";
+
+/// `$1` [`MODE_ID`]. Creates the mode row (0: no mode) if missing; run in the join's
+/// transaction before [`MODE_LOCK_SQL`].
+pub(super) const MODE_CREATE_SQL: &str = "INSERT INTO dlock_fencing (id, token) VALUES ($1, 0) \
+    ON CONFLICT (id) DO NOTHING";
+
+/// `$1` [`MODE_ID`]. The store's mode, locked until the join's transaction ends (joins and
+/// switches run one at a time).
+pub(super) const MODE_LOCK_SQL: &str = "SELECT token FROM dlock_fencing WHERE id = $1 FOR UPDATE";
+
+/// `$1` [`MODE_ID`]. The store's mode, if any (a per-key backend refuses a switched store).
+pub(super) const MODE_SQL: &str = "SELECT token FROM dlock_fencing WHERE id = $1";
+
+/// `$1` the number of counter rows to look at. The highest epoch in counter rows `0..$1`.
+pub(super) const MAX_EPOCH_SQL: &str = "SELECT COALESCE(max(token >> 48), 0) FROM dlock_fencing \
+    WHERE id >= 0 AND id < $1";
+
+/// `$1` the number of counter rows, `$2` the new epoch's base. A switch: counter rows `0..$1`
+/// start the new epoch (rows a backend of the old mode may touch included, so that it is
+/// refused from now on).
+pub(super) const SWITCH_SQL: &str = "INSERT INTO dlock_fencing (id, token) \
+    SELECT g, $2 FROM generate_series(0::bigint, $1 - 1) AS g \
+    ON CONFLICT (id) DO UPDATE SET token = excluded.token";
+
+/// `$1` [`MODE_ID`], `$2` the new mode (`N << 16 | epoch`).
+pub(super) const MODE_SET_SQL: &str = "UPDATE dlock_fencing SET token = $2 WHERE id = $1";
+
 /// `$1` lock id. One try for the shared lock. Returns whether it was taken.
 pub(super) const TRY_SHARED_SQL: &str = "SELECT pg_try_advisory_lock_shared($1)";
 
@@ -63,8 +138,10 @@ pub(super) const UNLOCK_SHARED_SQL: &str = "SELECT pg_advisory_unlock_shared($1)
 pub(super) struct ModeSql {
     pub(super) try_lock: &'static str,
     pub(super) try_fenced: &'static str,
+    pub(super) try_counted: &'static str,
     pub(super) wait: &'static str,
     pub(super) wait_fenced: &'static str,
+    pub(super) wait_counted: &'static str,
     pub(super) unlock: &'static str,
 }
 
@@ -74,15 +151,19 @@ pub(super) fn mode_sql(mode: Mode) -> ModeSql {
         Mode::Exclusive => ModeSql {
             try_lock: TRY_SQL,
             try_fenced: TRY_FENCED_SQL,
+            try_counted: TRY_COUNTED_SQL,
             wait: WAIT_SQL,
             wait_fenced: WAIT_FENCED_SQL,
+            wait_counted: WAIT_COUNTED_SQL,
             unlock: UNLOCK_SQL,
         },
         Mode::Shared => ModeSql {
             try_lock: TRY_SHARED_SQL,
             try_fenced: TRY_SHARED_FENCED_SQL,
+            try_counted: TRY_SHARED_COUNTED_SQL,
             wait: WAIT_SHARED_SQL,
             wait_fenced: WAIT_SHARED_FENCED_SQL,
+            wait_counted: WAIT_SHARED_COUNTED_SQL,
             unlock: UNLOCK_SHARED_SQL,
         },
     }

@@ -35,6 +35,54 @@ if ARGV[3] then
 end
 return false";
 
+/// [`ACQUIRE_FENCED_LUA`] with a shared counter (`fencing_counters`): `KEYS[1]` lock,
+/// `KEYS[2]` the key's counter, `KEYS[3]` the store's record of its counters' mode;
+/// `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]` the mode this backend joined
+/// (`N:epoch`), `ARGV[4]` (optional) as `ARGV[3]` above. When the record holds another
+/// mode, nothing is taken and the answer is the error `DLOCKCOUNTERS <the record>` (see
+/// [`crate::counters`]). Otherwise as [`ACQUIRE_FENCED_LUA`].
+pub(crate) const ACQUIRE_COUNTED_LUA: &str = "\
+local m = redis.call('GET', KEYS[3])
+if m ~= ARGV[3] then
+  return redis.error_reply('DLOCKCOUNTERS ' .. (m or 'none'))
+end
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return redis.call('INCR', KEYS[2])
+end
+if ARGV[4] then
+  local t = redis.pcall('PTTL', KEYS[1])
+  if type(t) ~= 'number' then
+    t = -3
+  end
+  return {t}
+end
+return false";
+
+/// Joins the store's shared counters (`fencing_counters`): `KEYS[1]` the record of their
+/// mode (`N:epoch`); `ARGV[1]` this backend's `N`, `ARGV[2]` the largest epoch. Returns the
+/// epoch: the record's when it names `ARGV[1]`; otherwise (no record, or another `N`) the
+/// next one, written with `ARGV[1]` (a switch). An unreadable record, or no epoch left,
+/// answers the error `DLOCKCOUNTERS <why>`.
+pub(crate) const JOIN_COUNTERS_LUA: &str = "\
+local m = redis.call('GET', KEYS[1])
+local e = 0
+if m then
+  local n, me = string.match(m, '^(%d+):(%d+)$')
+  if not n then
+    return redis.error_reply('DLOCKCOUNTERS the record of the counters is not N:epoch')
+  end
+  e = tonumber(me)
+  if n == ARGV[1] and e > 0 then
+    return e
+  end
+end
+if e >= tonumber(ARGV[2]) then
+  return redis.error_reply('DLOCKCOUNTERS no epoch is left for a switch')
+end
+e = e + 1
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. e)
+return e";
+
 /// Deletes the lock if `ARGV[1]` owns it: 1 deleted, 0 no such key, -1 another owner. A
 /// deletion is announced on the channel named as the lock key, which wakes the lock's
 /// waiters (with `pcall`: a user refused `PUBLISH` still releases, and its waiters poll).
@@ -77,10 +125,29 @@ impl Script {
     }
 }
 
+/// The fencing counter an acquisition increments.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Counter<'a> {
+    /// The key's own counter.
+    PerKey(&'a [u8]),
+    /// A counter shared under `fencing_counters`, checked against the store's record of the
+    /// counters' mode (see [`ACQUIRE_COUNTED_LUA`]).
+    Shared {
+        /// The counter's key.
+        counter: &'a [u8],
+        /// The key of the record of the mode.
+        record: &'a [u8],
+        /// The mode this backend joined, `N:epoch`.
+        mode: &'a [u8],
+    },
+}
+
 /// The scripts of one backend.
 #[derive(Debug)]
 pub(crate) struct Scripts {
     pub(crate) acquire_fenced: Script,
+    pub(crate) acquire_counted: Script,
+    pub(crate) join_counters: Script,
     pub(crate) release: Script,
     pub(crate) extend: Script,
 }
@@ -89,6 +156,8 @@ impl Scripts {
     pub(crate) fn new() -> Scripts {
         Scripts {
             acquire_fenced: Script::new(ACQUIRE_FENCED_LUA, &["set", "incr"]),
+            acquire_counted: Script::new(ACQUIRE_COUNTED_LUA, &["get", "set", "incr"]),
+            join_counters: Script::new(JOIN_COUNTERS_LUA, &["get", "set"]),
             release: Script::new(RELEASE_LUA, &["get", "del"]),
             extend: Script::new(EXTEND_LUA, &["get", "pexpire"]),
         }
@@ -198,7 +267,7 @@ pub(crate) struct Conn {
     /// which first asks the sentinels where the master is (see [`Conn::rediscover`]).
     rediscover: Arc<AtomicBool>,
     caps: Mutex<Caps>,
-    scripts: Scripts,
+    pub(crate) scripts: Scripts,
     /// Set when a runtime that may have run the connection's task has shut down: the next
     /// command first replaces the manager (or checks it, see [`Conn::repair`]).
     suspect: Arc<AtomicBool>,
@@ -1120,7 +1189,7 @@ impl Conn {
     pub(crate) async fn take(
         &self,
         key: &[u8],
-        fence_key: Option<&[u8]>,
+        fence_key: Option<Counter<'_>>,
         token: &OwnerToken,
         lease: Duration,
         ttl: bool,
@@ -1152,18 +1221,26 @@ impl Conn {
                     _ => Ok((Taking::Taken(None), acked(waited)?)),
                 }
             }
-            Some(fence_key) => {
+            Some(counter) => {
                 let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes()];
+                let (script, keys) = match counter {
+                    Counter::PerKey(fence_key) => {
+                        (&self.scripts.acquire_fenced, vec![key, fence_key])
+                    }
+                    Counter::Shared {
+                        counter,
+                        record,
+                        mode,
+                    } => {
+                        args.push(mode);
+                        (&self.scripts.acquire_counted, vec![key, counter, record])
+                    }
+                };
                 if ttl {
                     args.push(b"1");
                 }
                 let (reply, waited) = self
-                    .eval_then(
-                        &self.scripts.acquire_fenced,
-                        &[key, fence_key],
-                        &args,
-                        wait_cmd.as_ref(),
-                    )
+                    .eval_then(script, &keys, &args, wait_cmd.as_ref())
                     .await?;
                 match reply {
                     Value::Nil => Ok((Taking::Held(None), None)),
@@ -1192,7 +1269,14 @@ impl Conn {
     ) -> Result<Option<Option<u64>>, RedisError> {
         Ok(
             match self
-                .take(key, fence_key, token, lease, false, None)
+                .take(
+                    key,
+                    fence_key.map(Counter::PerKey),
+                    token,
+                    lease,
+                    false,
+                    None,
+                )
                 .await?
                 .0
             {
@@ -1707,6 +1791,9 @@ mod tests {
         let scripts = Scripts::new();
         assert_eq!(scripts.acquire_fenced.code, ACQUIRE_FENCED_LUA);
         assert_eq!(scripts.acquire_fenced.commands, ["set", "incr"]);
+        assert_eq!(scripts.acquire_counted.code, ACQUIRE_COUNTED_LUA);
+        assert_eq!(scripts.acquire_counted.commands, ["get", "set", "incr"]);
+        assert_eq!(scripts.join_counters.commands, ["get", "set"]);
         assert_eq!(scripts.release.code, RELEASE_LUA);
         assert_eq!(scripts.release.commands, ["get", "del"]);
         assert_eq!(scripts.extend.code, EXTEND_LUA);

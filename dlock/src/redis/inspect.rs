@@ -104,13 +104,18 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
         } else {
             0
         };
-        let mut fence: Cmd = redis::cmd("GET");
-        fence.arg(fence_key(shared.layout, &key));
-        let fencing_token = match shared.bounded(what, shared.conn.query(&fence)).await {
-            Ok(Value::BulkString(text)) => {
-                std::str::from_utf8(&text).ok().and_then(|t| t.parse().ok())
+        // A shared counter (`fencing_counters`) says nothing of this holder's token.
+        let fencing_token = if shared.counters.is_some() {
+            None
+        } else {
+            let mut fence: Cmd = redis::cmd("GET");
+            fence.arg(fence_key(shared.layout, &key));
+            match shared.bounded(what, shared.conn.query(&fence)).await {
+                Ok(Value::BulkString(text)) => {
+                    std::str::from_utf8(&text).ok().and_then(|t| t.parse().ok())
+                }
+                _ => None,
             }
-            _ => None,
         };
         locks.push(
             StoreLock::new(String::from_utf8_lossy(&key).into_owned())
@@ -219,6 +224,15 @@ mod tests {
             assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &fence), None);
             let readers = readers_key(KeyLayout::Tagged, &key);
             assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &readers), None);
+            // The shared counters (`fencing_counters`) and their mode are no locks either.
+            let record = super::super::bounded::record_key(b"p:", KeyLayout::Tagged);
+            assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &record), None);
+            let counter = super::super::bounded::counter_key(&record, 3);
+            assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &counter), None);
+            let record = super::super::bounded::record_key(b"p:", KeyLayout::Plain);
+            assert_eq!(lock_name(KeyLayout::Plain, b"p:", &record), None);
+            let counter = super::super::bounded::counter_key(&record, 3);
+            assert_eq!(lock_name(KeyLayout::Plain, b"p:", &counter), None);
             let plain = [b"p:".as_slice(), name.as_bytes()].concat();
             assert_eq!(
                 lock_name(KeyLayout::Plain, b"p:", &plain).as_deref(),

@@ -183,6 +183,7 @@
 //! | `prefix` | `dlock:` | prepended to every lock key |
 //! | `key_layout` | `tagged` | `plain`: the lock `k` is the key `{prefix}k`, for clients that are not dlock (see [Keys](self#the-plain-layout-for-other-clients)) |
 //! | `fencing` | `true` | issue fencing tokens (needs `EVALSHA`/`EVAL`) |
+//! | `fencing_counters` | one per key | keep at most this many fencing counters, 1 to 65536 (see [Bounded fencing counters](self#bounded-fencing-counters)) |
 //! | `timeout` | `5s` | limit for connecting and for each command (above zero, at most 365 days) |
 //! | `renew_every` | a third of each lock's lease | renewal cadence, 10 ms to 365 days; cut to half of a lock's lease when longer |
 //! | `protocol` | `resp2` | passed to the client (`resp3`) |
@@ -497,6 +498,27 @@
 //! guarantee across data loss; `wait_replicas` narrows the window (see
 //! [Replicas and failover](self#replicas-and-failover)).
 //!
+//! ## Bounded fencing counters
+//!
+//! A service that locks per request or per idempotency key would leave one counter key per
+//! key it ever locked. With `fencing_counters=N` (1 to 65,536; [`RedisBuilder::fencing_counters`])
+//! the prefix holds at most `N` counters, `{prefix}{%fence}:i` (`{prefix}` + byte 0xFF +
+//! `fence:i` with `key_layout=plain`), plus the record of their mode, `{prefix}{%fence}`
+//! (`N:epoch`); the key `k` increments counter [`fencing_counter`](crate::fencing_counter)`(k, N)`
+//! (the first 8 bytes of SHA-256 of `k`, modulo `N`), in the acquisition script, which also
+//! checks the record. Tokens still increase strictly per key; they are `epoch × 2^48 + count`.
+//! Switching a prefix from per-key counters to `N`, or from one `N` to another, starts a new
+//! epoch, so no token is lower than one issued before; a backend switched away answers
+//! [`LockError::Config`] instead of issuing tokens. A backend with per-key counters does not
+//! look at the record (that would cost every default backend a command, and a `+get` grant):
+//! stop the processes with per-key counters (and those of earlier versions) before the first
+//! one with `fencing_counters` starts, and do not go back. The rules, the epochs and the
+//! migration are in [`fencing_counter`](crate::fencing_counter)'s docs. Costs: one `GET` more
+//! in the script (grant `+get` besides the fencing permissions), and keys that share a counter
+//! share its hot key. Not for a Redis Cluster (the counters cannot share every lock's slot; a
+//! `redis+cluster://` URL or builder with it is refused with [`LockError::Config`]) nor for
+//! [`RedlockBackend`] nodes (refused).
+//!
 //! # Connection fencing
 //!
 //! A renewal, an [`extend`](crate::LockGuard::extend) or a guard's release that times out
@@ -539,6 +561,7 @@
 //! runtime of the acquisition: when that runtime is itself shutting down, nothing more can run
 //! there, and such a lock frees itself when its lease runs out.
 
+mod bounded;
 mod cluster;
 mod commands;
 mod fence;
@@ -609,6 +632,8 @@ struct Shared {
     prefix: Vec<u8>,
     layout: KeyLayout,
     fencing: bool,
+    /// The shared counters of `fencing_counters`, if set.
+    counters: Option<bounded::Counters>,
     timeout: Duration,
     /// The renewal cadence set by the application, if any.
     renew_every: Option<Duration>,
@@ -652,6 +677,7 @@ pub struct RedisBuilder {
     prefix: String,
     layout: KeyLayout,
     fencing: bool,
+    fencing_counters: Option<u32>,
     timeout: Duration,
     renew_every: Option<Duration>,
     /// CA certificates (PEM) that replace the system's roots for `rediss://`.
@@ -670,6 +696,7 @@ impl std::fmt::Debug for RedisBuilder {
             .field("prefix", &self.prefix)
             .field("layout", &self.layout)
             .field("fencing", &self.fencing)
+            .field("fencing_counters", &self.fencing_counters)
             .field("timeout", &self.timeout)
             .field("ca", &self.ca.as_ref().map(|_| "(PEM)"))
             .field("wait_replicas", &self.wait_replicas)
@@ -686,6 +713,7 @@ impl RedisBuilder {
             prefix: DEFAULT_PREFIX.to_owned(),
             layout: KeyLayout::Tagged,
             fencing: true,
+            fencing_counters: None,
             timeout: DEFAULT_TIMEOUT,
             renew_every: None,
             ca: None,
@@ -830,6 +858,17 @@ impl RedisBuilder {
         self
     }
 
+    /// Keep at most `counters` fencing counters (1 to 65,536) instead of one per key ever
+    /// locked: a key's tokens come from counter number
+    /// [`fencing_counter`](crate::fencing_counter)`(key, counters)` and still increase
+    /// strictly per key (see [Bounded fencing counters](self#bounded-fencing-counters)).
+    /// Checked by [`connect`](RedisBuilder::connect); needs `fencing`. The URL option is
+    /// `fencing_counters=N`.
+    pub fn fencing_counters(mut self, counters: u32) -> Self {
+        self.fencing_counters = Some(counters);
+        self
+    }
+
     /// Limit for connecting and for each command (default 5 s; above zero, at most 365 days).
     /// Checked by [`connect`](RedisBuilder::connect). A lease shorter than it is allowed; see
     /// the [module docs](self#url) for the effect.
@@ -879,10 +918,28 @@ impl RedisBuilder {
             }
             Some((self.wait_replicas, self.wait_timeout))
         };
+        if let Some(n) = self.fencing_counters {
+            crate::counters::check(n)?;
+            if !self.fencing {
+                return Err(LockError::config(
+                    "the redis option `fencing_counters` bounds the fencing counters, but \
+                     `fencing` is off: turn fencing on, or drop fencing_counters",
+                ));
+            }
+        }
         if self.layout == KeyLayout::Tagged && self.prefix.contains(['{', '}']) {
             return Err(LockError::config(
                 "the redis key prefix may not contain `{` or `}`: the lock keys use braces as their \
                  Cluster hash tag (with `key_layout=plain` it may)",
+            ));
+        }
+        if self.fencing_counters.is_some() && matches!(self.source, Source::Cluster(_)) {
+            // The shared counters and their record live in slots of their own, which no
+            // acquisition's script may reach on a Cluster (CROSSSLOT).
+            return Err(LockError::config(
+                "the redis option `fencing_counters` does not work on a Redis Cluster: the shared \
+                 counters live in slots of their own, outside the locks'; drop it (one counter \
+                 per key)",
             ));
         }
         let mut found_master = None;
@@ -1063,6 +1120,9 @@ impl RedisBuilder {
             });
         }
         conn.watch_runtime(true);
+        let counters = self
+            .fencing_counters
+            .map(|n| bounded::Counters::new(n, self.prefix.as_bytes(), self.layout));
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 conn,
@@ -1070,6 +1130,7 @@ impl RedisBuilder {
                 prefix: self.prefix.into_bytes(),
                 layout: self.layout,
                 fencing: self.fencing,
+                counters,
                 timeout: self.timeout,
                 renew_every: self.renew_every,
                 wait,
@@ -1211,14 +1272,25 @@ impl RedisBackend {
         self.shared.fencing
     }
 
+    /// The number of shared fencing counters (`fencing_counters`), or `None` with one counter
+    /// per key (the default).
+    pub fn fencing_counters(&self) -> Option<u32> {
+        self.shared.counters.as_ref().map(|c| c.n)
+    }
+
     /// The Redis key that holds the lock `key` (see [Keys](self#keys)).
     pub fn storage_key(&self, key: &str) -> Vec<u8> {
         self.shared.lock_key(key)
     }
 
-    /// The Redis key of the fencing counter of the lock `key` (see [Keys](self#keys)).
+    /// The Redis key of the fencing counter of the lock `key` (see [Keys](self#keys)); with
+    /// `fencing_counters`, the shared counter the key increments (see [Bounded fencing
+    /// counters](self#bounded-fencing-counters)).
     pub fn fencing_key(&self, key: &str) -> Vec<u8> {
-        fence_key(self.shared.layout, &self.shared.lock_key(key))
+        match &self.shared.counters {
+            Some(counters) => counters.key_of(key),
+            None => fence_key(self.shared.layout, &self.shared.lock_key(key)),
+        }
     }
 
     /// How lock names become Redis keys.
@@ -1594,6 +1666,7 @@ url_keys! {
         Lease = "lease",
         Prefix = "prefix",
         Fencing = "fencing",
+        FencingCounters = "fencing_counters",
         Timeout = "timeout",
         RenewEvery = "renew_every",
         Protocol = "protocol",
@@ -1612,6 +1685,7 @@ struct UrlOptions {
     lease: Duration,
     prefix: String,
     fencing: bool,
+    fencing_counters: Option<u32>,
     timeout: Duration,
     renew_every: Option<Duration>,
     ca: Option<Vec<u8>>,
@@ -1638,6 +1712,9 @@ impl UrlOptions {
         if let Some(cadence) = self.renew_every {
             builder = builder.renew_every(cadence);
         }
+        if let Some(n) = self.fencing_counters {
+            builder = builder.fencing_counters(n);
+        }
         if let Some(pem) = self.ca {
             builder = builder.ca_certificates(pem);
         }
@@ -1653,6 +1730,7 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
     let mut lease = DEFAULT_LEASE;
     let mut prefix = DEFAULT_PREFIX.to_owned();
     let mut fencing = true;
+    let mut fencing_counters = None;
     let mut timeout = DEFAULT_TIMEOUT;
     let mut renew_every = None;
     let mut ca = None;
@@ -1705,6 +1783,9 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
                 renew_every = Some(cadence);
             }
             RedisOption::Fencing => fencing = parse_bool(name, &value)?,
+            RedisOption::FencingCounters => {
+                fencing_counters = Some(crate::counters::parse(name, &value)?);
+            }
             RedisOption::Protocol => passed_on.push((name.to_owned(), value)),
             RedisOption::KeyLayout => {
                 layout = match value.as_str() {
@@ -1737,6 +1818,7 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
         lease,
         prefix,
         fencing,
+        fencing_counters,
         timeout,
         renew_every,
         ca,
@@ -1981,7 +2063,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
     check_lease(lease)?;
     let token = OwnerToken::random()?;
     let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
-    let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
+    let plan = bounded::plan(shared, request.key, &lock_key).await?;
     // From here until the answer is read, a drop (or a failure) may leave the lock
     // taken under our token: the cleanup deletes it again in the background.
     let mut cleanup = Cleanup {
@@ -1998,7 +2080,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
             "acquiring a lock",
             shared.conn.take(
                 &lock_key,
-                fence.as_deref(),
+                plan.counter(),
                 &token,
                 lease,
                 waiting,
@@ -2019,10 +2101,10 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
                 retry_within: Some(cluster::IN_MOTION_RETRY),
             });
         }
-        other => other?,
+        other => other.map_err(|err| plan.refine(shared, err))?,
     };
     let fencing_token = match taken {
-        commands::Taking::Taken(fencing_token) => fencing_token,
+        commands::Taking::Taken(count) => plan.token(count)?,
         commands::Taking::Held(ttl) => {
             cleanup.armed = false;
             let mut retry_within = expiry_hint(ttl);

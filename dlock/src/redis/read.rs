@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use redis::{ErrorKind, RedisError, Value};
 
-use super::commands::{CommandPath, Script};
-use super::{Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease, fence_key};
+use super::commands::{CommandPath, Counter, Script};
+use super::{Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease};
 use crate::LockError;
 use crate::backend::{LockRequest, ReleaseOutcome, WaitTry};
 
@@ -42,14 +42,23 @@ end
 }
 
 /// Takes a reader's share: `KEYS[1]` lock, `KEYS[2]` readers, `KEYS[3]` writer's intent,
-/// `KEYS[4]` fencing counter (absent without fencing); `ARGV[1]` token, `ARGV[2]` lease in ms,
-/// `ARGV[3]` (optional, a waiter's try) asks for how long the contention may last.
+/// `KEYS[4]` fencing counter (absent without fencing), `KEYS[5]` the store's record of its
+/// shared counters' mode (with `fencing_counters` only); `ARGV[1]` token, `ARGV[2]` lease in
+/// ms, `ARGV[3]` (optional) `1` for a waiter's try, which asks for how long the contention may
+/// last, `ARGV[4]` (with `KEYS[5]`) the mode this backend joined: when the record holds
+/// another, nothing is taken and the answer is the error `DLOCKCOUNTERS <the record>`.
 /// Returns the new counter value (0 without fencing), or when a writer holds the key (any
 /// non-empty value) or waits for it, nil, or for a waiter's try `{pttl}` of the writer's lock
 /// or intent (-3 when the user may not run `PTTL`, asked with `pcall`).
 pub(crate) const READ_ACQUIRE_LUA: &str = concat!(
-    "local function held(k)
-  if not ARGV[3] then
+    "if KEYS[5] then
+  local m = redis.call('GET', KEYS[5])
+  if m ~= ARGV[4] then
+    return redis.error_reply('DLOCKCOUNTERS ' .. (m or 'none'))
+  end
+end
+local function held(k)
+  if ARGV[3] ~= '1' then
     return false
   end
   local t = redis.pcall('PTTL', k)
@@ -276,10 +285,20 @@ pub(super) async fn try_acquire(
     let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
     let readers = readers_key(shared.layout, &lock_key);
     let intent = intent_key(shared.layout, &lock_key);
-    let fence = shared.fencing.then(|| fence_key(shared.layout, &lock_key));
+    let plan = super::bounded::plan(shared, request.key, &lock_key).await?;
     let mut keys: Vec<&[u8]> = vec![&lock_key, &readers, &intent];
-    if let Some(fence) = &fence {
-        keys.push(fence);
+    let mut mode = None;
+    match plan.counter() {
+        None => {}
+        Some(Counter::PerKey(fence)) => keys.push(fence),
+        Some(Counter::Shared {
+            counter,
+            record,
+            mode: joined,
+        }) => {
+            keys.extend([counter, record]);
+            mode = Some(joined);
+        }
     }
     let ms = millis(lease);
     // From here until the answer is read, a drop (or a failure) may leave the share taken:
@@ -295,11 +314,20 @@ pub(super) async fn try_acquire(
     if request.poll_pause.is_some() {
         args.push(b"1");
     }
+    if let Some(mode) = mode {
+        if request.poll_pause.is_none() {
+            args.push(b"0");
+        }
+        args.push(mode);
+    }
     let sent = Instant::now();
     let eval = shared
         .conn
         .eval_waiting(&SCRIPTS.acquire, &keys, &args, shared.wait);
-    let (reply, acked) = shared.bounded("acquiring a read lock", eval).await?;
+    let (reply, acked) = shared
+        .bounded("acquiring a read lock", eval)
+        .await
+        .map_err(|err| plan.refine(shared, err))?;
     let fencing_token = match reply {
         Value::Nil => {
             cleanup.armed = false;
@@ -315,7 +343,7 @@ pub(super) async fn try_acquire(
                 retry_within: super::expiry_hint(ttl),
             });
         }
-        Value::Int(n) if shared.fencing => u64::try_from(n).ok(),
+        Value::Int(n) if shared.fencing => plan.token(u64::try_from(n).ok())?,
         Value::Int(_) => None,
         other => {
             return Err(super::redis_error(

@@ -26,6 +26,19 @@ local t = tonumber(ARGV[1])
 if c < t then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1";
 
+/// Refuses `fencing_counters` on redlock nodes: the lock's token is raised on every granted
+/// node's own counter of the key, which shared counters do not have.
+fn refuse_shared_counters(set: bool) -> Result<(), LockError> {
+    if set {
+        return Err(LockError::config(
+            "redlock: the option `fencing_counters` is not available on redlock nodes (the \
+             lock's token is raised on each node's own counter of the key); use per-key \
+             counters, the default",
+        ));
+    }
+    Ok(())
+}
+
 /// Redlock: one lock on a majority of independent Redis or Valkey nodes.
 ///
 /// A lock is held when it was taken, under one owner token per node, on a **quorum** (more
@@ -144,7 +157,8 @@ impl RedlockBackend {
         let urls = node_urls(url)?;
         // Checks every node's options before connecting anywhere.
         for url in &urls {
-            let _checked = RedisBackend::builder_from_url(url)?;
+            let checked = RedisBackend::builder_from_url(url)?;
+            refuse_shared_counters(checked.fencing_counters.is_some())?;
         }
         let nodes: Vec<Node> = urls
             .into_iter()
@@ -192,6 +206,7 @@ impl RedlockBackend {
             ));
         };
         let (lease, fencing) = (first.lease(), first.fencing());
+        refuse_shared_counters(nodes.iter().any(|n| n.fencing_counters().is_some()))?;
         if nodes.iter().any(|n| n.fencing() != fencing) {
             return Err(LockError::config(
                 "the redlock nodes disagree on fencing: turn it on (or off) on every node",

@@ -125,6 +125,18 @@ impl<E: Fencing> SessionBuilder<E> {
         self.options.fencing = fencing;
         self
     }
+
+    /// Keep at most `counters` fencing counters (1 to 65,536) instead of one per key ever
+    /// locked (default): a key's tokens come from counter number
+    /// [`fencing_counter`](crate::fencing_counter)`(key, counters)`, and still increase
+    /// strictly per key (see that function's docs for switching). Needs
+    /// [`fencing`](Self::fencing); checked by `open`. PostgreSQL has it; the other engines
+    /// refuse it with [`LockError::Config`] in this version. The URL option is
+    /// `fencing_counters=N`.
+    pub fn fencing_counters(mut self, counters: u32) -> Self {
+        self.options.fencing_counters = Some(counters);
+        self
+    }
 }
 
 impl<E: Engine> Clone for SessionBuilder<E> {

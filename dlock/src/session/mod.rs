@@ -80,6 +80,8 @@ pub(crate) use claims::SETTLE_LIMIT;
 pub(crate) use options::EngineKey;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use options::SessionKey;
+#[cfg(any(feature = "mysql", feature = "mssql", feature = "oracle"))]
+pub(crate) use options::refuse_fencing_counters;
 pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
 pub(crate) use traits::{Connector, Driver, Failure, Grant, Mode, Opened, Session};
 

@@ -59,6 +59,8 @@ impl LaneSettings {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionOptions {
     pub(crate) fencing: bool,
+    /// `fencing_counters`: at most this many shared fencing counters, or one per key (`None`).
+    pub(crate) fencing_counters: Option<u32>,
     pub(crate) connect_timeout: Duration,
     pub(crate) connections: usize,
     pub(crate) wait_connections: usize,
@@ -73,6 +75,7 @@ impl Default for SessionOptions {
     fn default() -> Self {
         SessionOptions {
             fencing: false,
+            fencing_counters: None,
             connect_timeout: Duration::from_secs(10),
             connections: 4,
             wait_connections: 4,
@@ -88,6 +91,9 @@ impl SessionOptions {
         let name = key.as_ref();
         match key {
             SessionKey::Fencing => self.fencing = parse_bool(name, value)?,
+            SessionKey::FencingCounters => {
+                self.fencing_counters = Some(crate::counters::parse(name, value)?);
+            }
             SessionKey::Keepalive => self.keepalive = parse_duration(name, value)?,
             SessionKey::ConnectTimeout => self.connect_timeout = parse_duration(name, value)?,
             SessionKey::StatementTimeout => self.statement_timeout = parse_duration(name, value)?,
@@ -109,6 +115,15 @@ impl SessionOptions {
 
     /// Checks the options, naming the one that is wrong.
     pub(crate) fn check(&self) -> Result<(), LockError> {
+        if let Some(n) = self.fencing_counters {
+            crate::counters::check(n)?;
+            if !self.fencing {
+                return Err(LockError::config(
+                    "fencing_counters bounds the fencing counters, but fencing is off: set \
+                     fencing=true as well, or drop fencing_counters",
+                ));
+            }
+        }
         check_setting(
             "connect_timeout",
             self.connect_timeout,
@@ -124,6 +139,7 @@ url_keys! {
     /// fencing tokens).
     pub(crate) enum SessionKey {
         Fencing = "fencing",
+        FencingCounters = "fencing_counters",
         Keepalive = "keepalive",
         Connections = "connections",
         WaitConnections = "wait_connections",
@@ -138,14 +154,19 @@ impl SessionKey {
         Self::ALL
             .iter()
             .copied()
-            .find(|key| key.name() == name && (fencing || *key != SessionKey::Fencing))
+            .find(|key| key.name() == name && (fencing || !key.is_fencing()))
+    }
+
+    /// Whether only engines that issue fencing tokens read the key.
+    fn is_fencing(self) -> bool {
+        matches!(self, SessionKey::Fencing | SessionKey::FencingCounters)
     }
 
     /// The names of the keys of such an engine.
     pub(crate) fn names_of(fencing: bool) -> impl Iterator<Item = &'static str> {
         Self::ALL
             .iter()
-            .filter(move |key| fencing || **key != SessionKey::Fencing)
+            .filter(move |key| fencing || !key.is_fencing())
             .map(|key| key.name())
     }
 }
@@ -209,6 +230,21 @@ pub(crate) fn read_engine_query<K: OwnKey>(
     Ok(options)
 }
 
+/// Refuses `fencing_counters` on an engine that does not have it yet, naming the engine.
+#[cfg(any(feature = "mysql", feature = "mssql", feature = "oracle"))]
+pub(crate) fn refuse_fencing_counters(
+    backend: &str,
+    options: &SessionOptions,
+) -> Result<(), LockError> {
+    if options.fencing_counters.is_some() {
+        return Err(LockError::config(format!(
+            "{backend}: the option fencing_counters is not available on this backend in this \
+             version (PostgreSQL, Redis and SQLite have it); its fencing counters are one per key"
+        )));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -257,7 +293,8 @@ mod tests {
             .to_string();
         assert!(err.contains("unknown test URL option `fencing`"), "{err}");
         assert!(!Unfenced::names().contains(&"fencing"));
-        assert_eq!(Fenced::names().len(), 6);
+        assert!(!Unfenced::names().contains(&"fencing_counters"));
+        assert_eq!(Fenced::names().len(), 7);
     }
 
     #[test]
@@ -270,7 +307,7 @@ mod tests {
         }
         let err = "Keepalive".parse::<Fenced>().unwrap_err().to_string();
         assert!(
-            err.ends_with("valid options are: fencing, keepalive, connections, wait_connections, connect_timeout, statement_timeout"),
+            err.ends_with("valid options are: fencing, fencing_counters, keepalive, connections, wait_connections, connect_timeout, statement_timeout"),
             "{err}"
         );
     }

@@ -58,6 +58,30 @@
 //! the counter. A power loss (not a process crash) may roll back the last acquisitions and
 //! their tokens (`synchronous=NORMAL`).
 //!
+//! ## Bounded fencing counters
+//!
+//! Keeping a row per key ever locked grows the file without bound for a service that locks
+//! per request (4,894 rows after 5,000 keys). With `fencing_counters=N` (1 to 65,536;
+//! [`SqliteBuilder::fencing_counters`]) tokens come from at most `N` counters, rows `0` to
+//! `N - 1` of `__distributed_lock_counters (id INTEGER PRIMARY KEY, counter INTEGER)` (row
+//! `-1` records their mode, `N << 16 | epoch`): the key `k` increments counter
+//! [`fencing_counter`](crate::fencing_counter)`(k, N)` in the acquisition's transaction (the
+//! row, then the counter: one write transaction, as a read acquisition already was), and a
+//! released lock's row is deleted (a read lock's when its last reader leaves), so the file
+//! holds at most `N` counters and the rows of the locks held now (and of holders that died,
+//! until their key is taken again). Tokens still increase strictly per key; they are
+//! `epoch × 2^48 + count`. Opening a backend whose `N` is not the file's switches the file to
+//! the next epoch (one write transaction), so no token is lower than one issued before, and
+//! backends of the old `N` are refused ([`LockError::Config`], nothing written) from then on:
+//! every increment checks its counter's epoch. A backend with per-key counters refuses to open
+//! a switched file, and so do [transaction-bound locks](#transaction-bound-locks) (their
+//! tokens would be recorded per key in the `-fencing` file; not available with shared
+//! counters in this version). Stop the per-key processes (and those of earlier versions)
+//! before the first one with `fencing_counters` opens the file; see
+//! [`fencing_counter`](crate::fencing_counter) for the rules. The rows of the per-key days
+//! stay; once every process runs with the same `N`, `DELETE FROM __distributed_locks WHERE
+//! owner IS NULL` removes the free ones.
+//!
 //! # Read locks
 //!
 //! [`try_acquire_read`](crate::LockProvider::try_acquire_read) and
@@ -96,6 +120,7 @@
 //! | `lease` | `30s` | lease of each lock, 100 ms to 365 days; renewed every `lease / 3` |
 //! | `busy_timeout` | `5s` | how long one statement waits for another writer of the file, up to 365 days |
 //! | `renew_every` | a third of each lock's lease | renewal cadence, 10 ms to 365 days; cut to half of a lock's lease when longer |
+//! | `fencing_counters` | one per key | keep at most this many fencing counters, 1 to 65536, and delete released rows (see [Bounded fencing counters](#bounded-fencing-counters)) |
 //!
 //! Values outside those bounds are refused with [`LockError::Config`] naming the bound, from
 //! the URL, the [builder](SqliteBuilder) and a lease asked for one acquisition alike.
@@ -154,6 +179,7 @@
 //! session lock, retry [`try_acquire_in_transaction`] in fresh transactions instead.
 
 mod clock;
+mod counted;
 mod file;
 mod read;
 mod renewer;
@@ -270,6 +296,8 @@ struct Shared {
     owners: Mutex<Owners>,
     /// The `-fencing` file, once it exists.
     fencing: Fencing,
+    /// The shared counters the backend joined (`fencing_counters`), if any.
+    counted: Option<counted::Counted>,
     /// Keys this backend left a waiting writer's intent on (see `read.rs`).
     intents: Mutex<std::collections::HashSet<Box<[u8]>>>,
 }
@@ -360,6 +388,7 @@ pub struct SqliteBuilder {
     lease: Duration,
     busy_timeout: Duration,
     renew_every: Option<Duration>,
+    fencing_counters: Option<u32>,
 }
 
 impl SqliteBuilder {
@@ -384,6 +413,18 @@ impl SqliteBuilder {
     /// sooner.
     pub fn renew_every(mut self, cadence: Duration) -> Self {
         self.renew_every = Some(cadence);
+        self
+    }
+
+    /// Keep at most `counters` fencing counters (1 to 65,536) instead of one row per key ever
+    /// locked: a key's tokens come from counter number
+    /// [`fencing_counter`](crate::fencing_counter)`(key, counters)` and still increase
+    /// strictly per key, and a released lock's row is deleted, so the file holds the keys held
+    /// now and at most `counters` counters (see [Bounded fencing
+    /// counters](self#bounded-fencing-counters)). Checked by [`open`](SqliteBuilder::open).
+    /// The URL option is `fencing_counters=N`.
+    pub fn fencing_counters(mut self, counters: u32) -> Self {
+        self.fencing_counters = Some(counters);
         self
     }
 
@@ -422,6 +463,9 @@ impl SqliteBuilder {
         if let Some(cadence) = self.renew_every {
             crate::lease::check_cadence("the SQLite renew_every", cadence)?;
         }
+        if let Some(n) = self.fencing_counters {
+            crate::counters::check(n)?;
+        }
         Ok(())
     }
 
@@ -456,6 +500,18 @@ impl SqliteBuilder {
         if fencing.path.exists() {
             fencing.attach(&inline, self.busy_timeout)?;
         }
+        let counted = match self.fencing_counters {
+            Some(n) => Some(counted::join_file(
+                &inline,
+                &self.path,
+                n,
+                self.busy_timeout,
+            )?),
+            None => {
+                counted::refuse_if_switched(&inline, &self.path, self.busy_timeout)?;
+                None
+            }
+        };
         Ok(SqliteBackend {
             shared: Arc::new(Shared {
                 inline: Mutex::new(inline),
@@ -472,6 +528,7 @@ impl SqliteBuilder {
                 held_recently: Mutex::new(HashMap::new()),
                 intents: Mutex::new(std::collections::HashSet::new()),
                 fencing,
+                counted,
                 owners: Mutex::new(Owners {
                     bytes: [0; 16 * OWNERS_PER_FETCH],
                     used: OWNERS_PER_FETCH,
@@ -490,6 +547,7 @@ impl SqliteBackend {
             lease: DEFAULT_LEASE,
             busy_timeout: DEFAULT_BUSY_TIMEOUT,
             renew_every: None,
+            fencing_counters: None,
         }
     }
 
@@ -785,7 +843,7 @@ impl HeldLock for SqliteHeld {
             let outcome = self
                 .shared
                 .with_busy_retry("releasing a lock", RELEASE_PAUSES, |conn| {
-                    conn.prepare_cached(RELEASE_SQL)?
+                    conn.prepare_cached(self.shared.release_sql())?
                         .execute(params![self.key.as_bytes(), &self.owner[..]])
                 })
                 .await;
@@ -935,6 +993,16 @@ enum Take {
 }
 
 impl Shared {
+    /// The release statement: frees the row, or under shared counters deletes it (the row
+    /// keeps no counter then).
+    fn release_sql(&self) -> &'static str {
+        if self.counted.is_some() {
+            counted::RELEASE_DELETE_SQL
+        } else {
+            RELEASE_SQL
+        }
+    }
+
     fn inline(&self) -> MutexGuard<'_, Connection> {
         self.inline.lock().unwrap_or_else(PoisonError::into_inner)
     }
@@ -1001,45 +1069,74 @@ impl Shared {
                 // than the lease it writes.
                 let started = Instant::now();
                 let now = clock.now_ms();
-                // Read under the connection's lock, which attaching takes too.
-                let fenced = self.fencing.attached();
-                let statement = if fenced {
-                    conn.prepare_cached(ACQUIRE_FENCED_SQL)
-                } else {
-                    conn.prepare_cached(ACQUIRE_SQL)
-                };
-                let written = statement.and_then(|mut acquire| {
-                    returning_one(
-                        &mut acquire,
-                        params![
-                            name,
-                            &owner[..],
-                            now.saturating_add(millis(lease)),
-                            now,
-                            clock.boot()
-                        ],
-                    )
-                });
-                match written {
-                    Ok(Some(fencing)) => Some(Take::Taken {
-                        started,
-                        fencing,
-                        fenced,
-                    }),
-                    Ok(None) => Some(Take::Held),
-                    Err(err) if is_busy(&err) => {
-                        if held(&conn)? {
-                            Some(Take::Held)
-                        } else {
-                            None
+                if let Some(counted) = self.counted {
+                    let end = now.saturating_add(millis(lease));
+                    match counted.acquire(&conn, name, owner, end, now, clock.boot()) {
+                        Ok(counted::CountedTake::Taken(token)) => Some(Take::Taken {
+                            started,
+                            fencing: Ok(token),
+                            fenced: true,
+                        }),
+                        Ok(counted::CountedTake::Held) => Some(Take::Held),
+                        Ok(counted::CountedTake::Refused) => {
+                            return Err(Busy::Failed(counted.refusal(&conn)));
+                        }
+                        Err(err) if is_busy(&err) => {
+                            if held(&conn)? {
+                                Some(Take::Held)
+                            } else {
+                                None
+                            }
+                        }
+                        Err(err) => {
+                            return Err(Busy::Failed(sqlite_error(
+                                &self.path,
+                                "acquiring a lock",
+                                err,
+                            )));
                         }
                     }
-                    Err(err) => {
-                        return Err(Busy::Failed(sqlite_error(
-                            &self.path,
-                            "acquiring a lock",
-                            err,
-                        )));
+                } else {
+                    // Read under the connection's lock, which attaching takes too.
+                    let fenced = self.fencing.attached();
+                    let statement = if fenced {
+                        conn.prepare_cached(ACQUIRE_FENCED_SQL)
+                    } else {
+                        conn.prepare_cached(ACQUIRE_SQL)
+                    };
+                    let written = statement.and_then(|mut acquire| {
+                        returning_one(
+                            &mut acquire,
+                            params![
+                                name,
+                                &owner[..],
+                                now.saturating_add(millis(lease)),
+                                now,
+                                clock.boot()
+                            ],
+                        )
+                    });
+                    match written {
+                        Ok(Some(fencing)) => Some(Take::Taken {
+                            started,
+                            fencing,
+                            fenced,
+                        }),
+                        Ok(None) => Some(Take::Held),
+                        Err(err) if is_busy(&err) => {
+                            if held(&conn)? {
+                                Some(Take::Held)
+                            } else {
+                                None
+                            }
+                        }
+                        Err(err) => {
+                            return Err(Busy::Failed(sqlite_error(
+                                &self.path,
+                                "acquiring a lock",
+                                err,
+                            )));
+                        }
                     }
                 }
             };
@@ -1209,7 +1306,7 @@ impl Shared {
         }
         let outcome = self
             .with_busy_retry("giving a lock back", RELEASE_PAUSES, |conn| {
-                conn.prepare_cached(RELEASE_SQL)?
+                conn.prepare_cached(self.release_sql())?
                     .execute(params![name, &owner[..]])
             })
             .await;

@@ -17,6 +17,8 @@ enum ReadOnce {
     /// The `-fencing` file exists but is not attached yet: the transaction was rolled back;
     /// attach it, and take again.
     Attach,
+    /// The shared counter refused the increment: the transaction was rolled back.
+    Refused,
 }
 
 impl Shared {
@@ -49,6 +51,13 @@ impl Shared {
                         fenced,
                     }),
                     Ok(ReadOnce::Held) => Some(Take::Held),
+                    Ok(ReadOnce::Refused) => {
+                        let refusal = match self.counted {
+                            Some(counted) => counted.refusal(&conn),
+                            None => LockError::config("fencing_counters: no shared counters"),
+                        };
+                        return Err(Busy::Failed(refusal));
+                    }
                     Ok(ReadOnce::Attach) => {
                         self.fencing
                             .attach(&conn, self.busy_timeout)
@@ -121,6 +130,21 @@ impl Shared {
             return Ok(ReadOnce::Held);
         };
         let token = token?;
+        if let Some(counted) = self.counted {
+            // Shared counters: the token is the counter's, final (above any `-fencing`
+            // record, being of a later epoch).
+            let Some(token) = counted.count(&tx, name)? else {
+                return Ok(ReadOnce::Refused);
+            };
+            tx.prepare_cached(TRANSACTION_RECORD_SQL)?
+                .execute(params![name, token])?;
+            tx.prepare_cached(READERS_CLEAN_SQL)?
+                .execute(params![name, now, boot])?;
+            tx.prepare_cached(READER_INSERT_SQL)?
+                .execute(params![name, &owner[..], end, boot])?;
+            tx.commit()?;
+            return Ok(ReadOnce::Taken(token, true));
+        }
         // Looked at while this transaction holds the write lock, after the row was taken:
         // the argument of `Fencing` holds as for a lock's acquisition.
         if !fenced && self.fencing.may_exist() {
@@ -177,6 +201,11 @@ impl Shared {
             };
             tx.prepare_cached(READERS_SYNC_SQL)?
                 .execute(params![name, now, boot])?;
+            if self.counted.is_some() {
+                // The last reader out drops the row: it keeps no counter.
+                tx.prepare_cached(super::counted::DROP_FREE_ROW_SQL)?
+                    .execute(params![name])?;
+            }
             let outcome = if live {
                 ReleaseOutcome::Released
             } else if tx

@@ -18,7 +18,11 @@ CREATE TABLE IF NOT EXISTS __distributed_lock_intents (\
     name BLOB NOT NULL PRIMARY KEY, \
     until INTEGER NOT NULL, \
     boot BLOB\
-) WITHOUT ROWID";
+) WITHOUT ROWID; \
+CREATE TABLE IF NOT EXISTS __distributed_lock_counters (\
+    id INTEGER PRIMARY KEY, \
+    counter INTEGER NOT NULL\
+)";
 
 /// Counts the column of the earlier, wall-clock table (1 when the table must be converted).
 pub(super) const LEGACY_SQL: &str =

@@ -86,6 +86,17 @@ pub(super) fn transaction_attempt(
     // Before the claim, which takes the file's write lock for the rest of the transaction.
     let fencing = fencing_connection(&db_file)?;
     let name = key.as_bytes();
+    if let Some(mode) = ensure_schema(transaction, clock)
+        .and_then(|()| super::counted::mode(transaction))
+        .map_err(|e| sqlite_error(&db_file, "acquiring a transaction-bound lock", e))?
+    {
+        return Err(LockError::config(format!(
+            "transaction-bound locks are not available on a lock file with shared fencing \
+             counters ({}) in this version: their tokens would be recorded per key in the \
+             `-fencing` file, below the shared counters'",
+            super::counted::describe_mode(mode)
+        )));
+    }
     let claimed = ensure_schema(transaction, clock)
         .and_then(|()| {
             // A held lock is answered by a read, without taking the file's write lock.

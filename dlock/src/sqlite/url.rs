@@ -14,6 +14,7 @@ url_keys! {
         Lease = "lease",
         BusyTimeout = "busy_timeout",
         RenewEvery = "renew_every",
+        FencingCounters = "fencing_counters",
     }
 }
 
@@ -32,11 +33,14 @@ pub(super) fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
     }
     let mut builder = SqliteBackend::builder(path);
     read_query(query, |key: SqliteOption, value| {
-        let value = parse_duration(key.as_ref(), &value)?;
+        let name = key.as_ref();
         match key {
-            SqliteOption::Lease => builder.lease = value,
-            SqliteOption::BusyTimeout => builder.busy_timeout = value,
-            SqliteOption::RenewEvery => builder.renew_every = Some(value),
+            SqliteOption::Lease => builder.lease = parse_duration(name, &value)?,
+            SqliteOption::BusyTimeout => builder.busy_timeout = parse_duration(name, &value)?,
+            SqliteOption::RenewEvery => builder.renew_every = Some(parse_duration(name, &value)?),
+            SqliteOption::FencingCounters => {
+                builder.fencing_counters = Some(crate::counters::parse(name, &value)?);
+            }
         }
         Ok(())
     })?;

@@ -18,6 +18,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         prefix: b"t:".to_vec(),
         layout: crate::redis::KeyLayout::Tagged,
         fencing: false,
+        counters: None,
         timeout,
         renew_every: None,
         wait: None,

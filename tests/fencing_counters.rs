@@ -1,0 +1,466 @@
+//! Bounded fencing counters (`fencing_counters=N`) on real servers: tokens strictly increase
+//! per key across keys that share counters and across processes, the store holds at most
+//! `N` counters however many keys were locked, switching the mode never hands out a lower
+//! token (a backend switched away refuses with `LockError::Config`), and bad values are
+//! configuration errors.
+#![cfg(all(feature = "redis", feature = "postgres", feature = "sqlite"))]
+
+mod support;
+
+use std::collections::HashMap;
+
+use dlock::{LockError, LockProvider};
+use dlock_testkit::unique_key;
+use support::{Fencing, run_exclusion};
+
+/// Takes and releases each of `keys` `rounds` times, alternating between `providers`, and
+/// checks that each key's tokens strictly increase; returns each key's last token.
+async fn tokens_increase(
+    providers: &[&LockProvider],
+    keys: &[String],
+    rounds: usize,
+    last: &mut HashMap<String, u64>,
+) {
+    let mut turn = 0;
+    for _ in 0..rounds {
+        for key in keys {
+            let provider = providers[turn % providers.len()];
+            turn += 1;
+            let guard = provider.try_acquire(key).await.unwrap();
+            let token = guard.fencing_token().expect("a fencing token");
+            if let Some(before) = last.insert(key.clone(), token) {
+                assert!(token > before, "{key}: token {token} after {before}");
+            }
+            guard.release().await.unwrap();
+        }
+    }
+}
+
+/// The keys `name:0` .. `name:count`.
+fn keys(name: &str, count: usize) -> Vec<String> {
+    let base = unique_key(name);
+    (0..count).map(|i| format!("{base}:{i}")).collect()
+}
+
+fn is_config(err: &LockError) -> bool {
+    matches!(err, LockError::Config { .. })
+}
+
+/// An acquisition's error, expected to be a configuration error.
+async fn refused(provider: &LockProvider, key: &str) -> LockError {
+    match provider.try_acquire(key).await {
+        Ok(_) => panic!("{key}: a backend that is not the store's mode issued a token"),
+        Err(err) => {
+            assert!(is_config(&err), "{err:?}");
+            err
+        }
+    }
+}
+
+mod on_redis {
+    use super::*;
+    use dlock_testkit::redis::{Flavor, RedisServer};
+
+    fn start() -> Option<RedisServer> {
+        RedisServer::start(Flavor::Redis7)
+    }
+
+    async fn db_size(server: &RedisServer) -> u64 {
+        let mut conn = server
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        ::redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tokens_increase_per_key_on_shared_counters() {
+        let Some(server) = start() else { return };
+        let url = server.url("fencing_counters=4");
+        let a = LockProvider::connect(&url).await.unwrap();
+        let b = LockProvider::connect(&url).await.unwrap();
+        let keys = keys("shared", 40);
+        let mut last = HashMap::new();
+        tokens_increase(&[&a, &b], &keys, 5, &mut last).await;
+        // Read locks take their tokens from the same counters.
+        for key in &keys {
+            let read = b.try_acquire_read(key).await.unwrap();
+            let token = read.fencing_token().unwrap();
+            assert!(token > last[key], "{key}");
+            last.insert(key.clone(), token);
+            read.release().await.unwrap();
+        }
+        tokens_increase(&[&b, &a], &keys, 2, &mut last).await;
+        // Two processes on 12 keys over 4 counters: exclusion and increasing tokens.
+        run_exclusion(&url, &unique_key("procs"), 2, 2, 12, 400, Fencing::Every);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_stays_bounded() {
+        let Some(server) = start() else { return };
+        let provider = LockProvider::connect(&server.url("fencing_counters=16"))
+            .await
+            .unwrap();
+        let keys = keys("bounded", 5_000);
+        for key in &keys {
+            let guard = provider.try_acquire(key).await.unwrap();
+            guard.release().await.unwrap();
+        }
+        // At most 16 counters and the record of their mode; no key per lock.
+        let size = db_size(&server).await;
+        assert!(size <= 17, "{size} keys after 5,000 distinct locks");
+        // Per-key counters, for comparison: one key per lock ever taken.
+        let per_key = LockProvider::connect(&server.url("prefix=pk:"))
+            .await
+            .unwrap();
+        for key in keys.iter().take(100) {
+            per_key
+                .try_acquire(key)
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }
+        assert_eq!(db_size(&server).await, size + 100);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn switching_never_hands_out_a_lower_token() {
+        let Some(server) = start() else { return };
+        let keys = keys("switch", 30);
+        let mut last = HashMap::new();
+        // Per-key counters first, pushed well up.
+        let per_key = LockProvider::connect(&server.url("")).await.unwrap();
+        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
+        // Then 16 shared counters: every token above the per-key ones.
+        let sixteen = LockProvider::connect(&server.url("fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
+        // Then 2 counters: a switch, above every token so far; the 16-counter backend,
+        // switched away, refuses (exclusive and read locks alike) rather than issue lower
+        // tokens.
+        let two = LockProvider::connect(&server.url("fencing_counters=2"))
+            .await
+            .unwrap();
+        tokens_increase(&[&two], &keys, 3, &mut last).await;
+        let err = refused(&sixteen, &keys[1]).await;
+        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
+        assert!(is_config(
+            &sixteen.try_acquire_read(&keys[1]).await.unwrap_err()
+        ));
+        // Nothing was left held by the refusals.
+        tokens_increase(&[&two], &keys, 1, &mut last).await;
+        // Back to 16, in a new backend: a new epoch, above everything.
+        let sixteen_again = LockProvider::connect(&server.url("fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
+        refused(&two, &keys[2]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_values_are_config_errors() {
+        for bad in ["0", "-1", "65537", "4294967296", "many", "", "1.5"] {
+            let url = format!("redis://127.0.0.1:1/?fencing_counters={bad}");
+            let err = dlock::redis::RedisBackend::builder_from_url(&url).unwrap_err();
+            assert!(is_config(&err), "{bad}: {err:?}");
+        }
+        let Some(server) = start() else { return };
+        let err = LockProvider::connect(&server.url("fencing_counters=8&fencing=false"))
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        let err = dlock::redis::RedisBackend::builder(server.client())
+            .fencing_counters(0)
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+    }
+}
+
+mod on_postgres {
+    use super::*;
+    use dlock_testkit::postgres::PgServer;
+    use sqlx::{Connection, PgConnection};
+    use std::time::Duration;
+
+    async fn rows(server: &PgServer) -> i64 {
+        let mut conn = PgConnection::connect(&server.url("")).await.unwrap();
+        sqlx::query_scalar("SELECT count(*) FROM dlock_fencing")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap()
+    }
+
+    fn url(server: &PgServer, options: &str) -> String {
+        server.url(&format!("fencing=true&{options}"))
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tokens_increase_per_key_on_shared_counters() {
+        let server = PgServer::start();
+        let url = url(&server, "fencing_counters=4");
+        let a = LockProvider::connect(&url).await.unwrap();
+        let b = LockProvider::connect(&url).await.unwrap();
+        let keys = keys("shared", 40);
+        let mut last = HashMap::new();
+        tokens_increase(&[&a, &b], &keys, 5, &mut last).await;
+        for key in &keys {
+            // Read locks, and waits (the statement that waits increments too).
+            let read = b.try_acquire_read(key).await.unwrap();
+            let token = read.fencing_token().unwrap();
+            assert!(token > last[key], "{key}");
+            read.release().await.unwrap();
+            let waited = a.acquire(key, Duration::from_secs(5)).await.unwrap();
+            let next = waited.fencing_token().unwrap();
+            assert!(next > token, "{key}");
+            last.insert(key.clone(), next);
+            waited.release().await.unwrap();
+        }
+        tokens_increase(&[&b, &a], &keys, 2, &mut last).await;
+        run_exclusion(&url, &unique_key("procs"), 2, 2, 12, 300, Fencing::Every);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_stays_bounded() {
+        let server = PgServer::start();
+        let provider = LockProvider::connect(&url(&server, "fencing_counters=16"))
+            .await
+            .unwrap();
+        for key in &keys("bounded", 5_000) {
+            provider
+                .try_acquire(key)
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }
+        // At most 16 counter rows and the row of their mode.
+        let count = rows(&server).await;
+        assert!(count <= 17, "{count} rows after 5,000 distinct locks");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn switching_never_hands_out_a_lower_token() {
+        let server = PgServer::start();
+        let keys = keys("switch", 30);
+        let mut last = HashMap::new();
+        let per_key = LockProvider::connect(&url(&server, "")).await.unwrap();
+        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
+        let sixteen = LockProvider::connect(&url(&server, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
+        // A new per-key backend refuses the switched store when it opens.
+        let err = LockProvider::connect(&url(&server, "")).await.unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
+        // A switch to 2 counters; the 16-counter backend refuses tries, waits and reads.
+        let two = LockProvider::connect(&url(&server, "fencing_counters=2"))
+            .await
+            .unwrap();
+        tokens_increase(&[&two], &keys, 3, &mut last).await;
+        let err = refused(&sixteen, &keys[1]).await;
+        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
+        let err = sixteen
+            .acquire(&keys[2], Duration::from_secs(5))
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(is_config(
+            &sixteen.try_acquire_read(&keys[3]).await.unwrap_err()
+        ));
+        // The refusals gave their locks back.
+        tokens_increase(&[&two], &keys, 1, &mut last).await;
+        let sixteen_again = LockProvider::connect(&url(&server, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
+        refused(&two, &keys[4]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_values_are_config_errors() {
+        for bad in ["0", "-1", "65537", "4294967296", "many", "", "1.5"] {
+            let url = format!("postgres://u@127.0.0.1:1/db?fencing=true&fencing_counters={bad}");
+            let err = LockProvider::connect(&url).await.unwrap_err();
+            assert!(is_config(&err), "{bad}: {err:?}");
+        }
+        let err = LockProvider::connect("postgres://u@127.0.0.1:1/db?fencing_counters=8")
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "fencing off: {err:?}");
+        // Not on MySQL, SQL Server or Oracle in this version: refused before connecting.
+        #[cfg(feature = "mysql")]
+        {
+            let url = "mysql://u@127.0.0.1:1/db?fencing=true&fencing_counters=8";
+            let err = LockProvider::connect(url).await.unwrap_err();
+            assert!(is_config(&err), "mysql: {err:?}");
+            assert!(err.to_string().contains("not available"), "{err}");
+        }
+        #[cfg(feature = "mssql")]
+        {
+            let url = "mssql://u:p@127.0.0.1:1/db?fencing=true&fencing_counters=8";
+            let err = LockProvider::connect(url).await.unwrap_err();
+            assert!(is_config(&err), "mssql: {err:?}");
+            assert!(err.to_string().contains("not available"), "{err}");
+        }
+        #[cfg(feature = "oracle")]
+        {
+            let url = "oracle://u:p@127.0.0.1:1/db?fencing=true&fencing_counters=8";
+            let err = LockProvider::connect(url).await.unwrap_err();
+            assert!(is_config(&err), "oracle: {err:?}");
+            assert!(err.to_string().contains("not available"), "{err}");
+        }
+    }
+}
+
+mod on_sqlite {
+    use super::*;
+    use std::path::Path;
+    use std::time::Duration;
+
+    fn count(file: &Path, table: &str) -> i64 {
+        let conn = rusqlite::Connection::open(file).unwrap();
+        conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |row| {
+            row.get(0)
+        })
+        .unwrap()
+    }
+
+    fn url(file: &Path, options: &str) -> String {
+        format!("sqlite://{}?{options}", file.display())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tokens_increase_per_key_on_shared_counters() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("locks.db");
+        let url = url(&file, "fencing_counters=4");
+        let a = LockProvider::connect(&url).await.unwrap();
+        let b = LockProvider::connect(&url).await.unwrap();
+        let keys = keys("shared", 40);
+        let mut last = HashMap::new();
+        tokens_increase(&[&a, &b], &keys, 5, &mut last).await;
+        for key in &keys {
+            let read = b.try_acquire_read(key).await.unwrap();
+            let second = a.try_acquire_read(key).await.unwrap();
+            let token = read.fencing_token().unwrap();
+            assert!(token > last[key], "{key}");
+            assert!(second.fencing_token().unwrap() > token, "{key}");
+            last.insert(key.clone(), second.fencing_token().unwrap());
+            read.release().await.unwrap();
+            second.release().await.unwrap();
+        }
+        tokens_increase(&[&b, &a], &keys, 2, &mut last).await;
+        // Every row released: none left.
+        assert_eq!(count(&file, "__distributed_locks"), 0);
+        run_exclusion(&url, &unique_key("procs"), 2, 2, 12, 400, Fencing::Every);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_stays_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("locks.db");
+        let provider = LockProvider::connect(&url(&file, "fencing_counters=16"))
+            .await
+            .unwrap();
+        for key in &keys("bounded", 5_000) {
+            provider
+                .try_acquire(key)
+                .await
+                .unwrap()
+                .release()
+                .await
+                .unwrap();
+        }
+        let held = provider.try_acquire("still-held").await.unwrap();
+        // At most 16 counters and the mode row; only the lock held now has a row.
+        let counters = count(&file, "__distributed_lock_counters");
+        assert!(
+            counters <= 17,
+            "{counters} counter rows after 5,000 distinct locks"
+        );
+        assert_eq!(count(&file, "__distributed_locks"), 1);
+        assert_eq!(count(&file, "__distributed_lock_readers"), 0);
+        held.release().await.unwrap();
+        assert_eq!(count(&file, "__distributed_locks"), 0);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn switching_never_hands_out_a_lower_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("locks.db");
+        let keys = keys("switch", 30);
+        let mut last = HashMap::new();
+        let per_key = LockProvider::connect(&url(&file, "")).await.unwrap();
+        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
+        // A transaction-bound lock before the switch records its token in the `-fencing`
+        // file; the shared counters' tokens are above it too.
+        {
+            let mut conn = rusqlite::Connection::open(&file).unwrap();
+            let tx = conn.transaction().unwrap();
+            let lock = dlock::sqlite::try_acquire_in_transaction(&tx, &keys[0]).unwrap();
+            let token = lock.fencing_token().unwrap();
+            assert!(token > last[&keys[0]]);
+            last.insert(keys[0].clone(), token);
+            tx.rollback().unwrap();
+        }
+        let sixteen = LockProvider::connect(&url(&file, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
+        // A new per-key backend refuses the switched file when it opens, and so do
+        // transaction-bound locks.
+        let err = LockProvider::connect(&url(&file, "")).await.unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
+        {
+            let mut conn = rusqlite::Connection::open(&file).unwrap();
+            let tx = conn.transaction().unwrap();
+            let err = dlock::sqlite::try_acquire_in_transaction(&tx, &keys[0]).unwrap_err();
+            assert!(is_config(&err), "{err:?}");
+        }
+        let two = LockProvider::connect(&url(&file, "fencing_counters=2"))
+            .await
+            .unwrap();
+        tokens_increase(&[&two], &keys, 3, &mut last).await;
+        let err = refused(&sixteen, &keys[1]).await;
+        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
+        let err = sixteen
+            .acquire(&keys[2], Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(is_config(
+            &sixteen.try_acquire_read(&keys[3]).await.unwrap_err()
+        ));
+        tokens_increase(&[&two], &keys, 1, &mut last).await;
+        let sixteen_again = LockProvider::connect(&url(&file, "fencing_counters=16"))
+            .await
+            .unwrap();
+        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
+        refused(&two, &keys[4]).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn bad_values_are_config_errors() {
+        for bad in ["0", "-1", "65537", "4294967296", "many", "", "1.5"] {
+            let url = format!("sqlite://locks.db?fencing_counters={bad}");
+            let err = dlock::sqlite::SqliteBackend::builder_from_url(&url).unwrap_err();
+            assert!(is_config(&err), "{bad}: {err:?}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let err = dlock::sqlite::SqliteBackend::builder(dir.path().join("l.db"))
+            .fencing_counters(70_000)
+            .open()
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+    }
+}
