@@ -340,6 +340,31 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
         "postgres/statements.rs",
         "    pub(super) unlock: &'static str,",
     ),
+    (
+        "postgres/session.rs",
+        "sql.try_counted",
+        "postgres/statements.rs",
+        "    pub(super) try_counted: &'static str,",
+    ),
+    (
+        "postgres/session.rs",
+        "sql.wait_counted",
+        "postgres/statements.rs",
+        "    pub(super) wait_counted: &'static str,",
+    ),
+    // SQLite's release statement: one of two constants, by counter mode.
+    (
+        "sqlite/mod.rs",
+        "self.shared.release_sql()",
+        "sqlite/mod.rs",
+        "fn release_sql(&self) -> &'static str {",
+    ),
+    (
+        "sqlite/mod.rs",
+        "self.release_sql()",
+        "sqlite/mod.rs",
+        "fn release_sql(&self) -> &'static str {",
+    ),
     // `Call::sql` is a `&'static str`, set from constants in each backend's statements (and
     // the library leaks no String into a `&'static str`, checked below).
     (
