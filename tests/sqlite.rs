@@ -1576,3 +1576,88 @@ async fn a_waiting_writer_holds_new_readers_back_and_lets_go_when_it_gives_up() 
     again.release().await.unwrap();
     reader.release().await.unwrap();
 }
+
+/// Waiters queued in the file for `key`.
+fn queued(path: &std::path::Path, key: &str) -> i64 {
+    rusqlite::Connection::open(path)
+        .unwrap()
+        .query_row(
+            "SELECT count(*) FROM __distributed_lock_waiters WHERE name = ?1",
+            [key.as_bytes()],
+            |row| row.get(0),
+        )
+        .unwrap()
+}
+
+/// Waits queue across processes: when the holder's process has a waiter of its own ready,
+/// a waiter of another backend that began waiting first still gets the key first (without
+/// the queue, the holder's own waiter tries at once and wins nearly every time, while the
+/// other polls with backoff). Once served, the waiters leave the queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_elsewhere_that_came_first_goes_before_the_holders_own() {
+    let (_dir, url, path) = read_file().await;
+    let (home, away) = (
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+    );
+    let key = unique_key("fair-queue");
+    let held = home.try_acquire(&key).await.unwrap();
+    let order = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let wait = |locks: LockProvider, who: &'static str| {
+        let (key, order) = (key.clone(), std::sync::Arc::clone(&order));
+        tokio::spawn(async move {
+            let guard = locks.acquire(&key, Duration::from_secs(20)).await.unwrap();
+            order.lock().unwrap().push(who);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            guard.release().await.unwrap();
+        })
+    };
+    let first = wait(away.clone(), "away");
+    dlock_testkit::wait_until(
+        "the other backend's waiter joins the queue",
+        Duration::from_secs(5),
+        async || queued(&path, &key) == 1,
+    )
+    .await;
+    // The holder's own waiter queues in its provider behind the held lock.
+    let second = wait(home.clone(), "home");
+    tokio::task::yield_now().await;
+    held.release().await.unwrap();
+    first.await.unwrap();
+    second.await.unwrap();
+    assert_eq!(*order.lock().unwrap(), ["away", "home"]);
+    assert_eq!(
+        queued(&path, &key),
+        0,
+        "a served waiter left its place behind"
+    );
+}
+
+/// A waiter that gave up leaves its place in the queue, which holds later waiters back only
+/// until it lapses (half a second): the key is not stranded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiter_that_gave_up_does_not_strand_the_key() {
+    let (_dir, url, path) = read_file().await;
+    let (a, b, c) = (
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+        LockProvider::connect(&url).await.unwrap(),
+    );
+    let key = unique_key("fair-gave-up");
+    let held = a.try_acquire(&key).await.unwrap();
+    assert!(matches!(
+        b.acquire(&key, Duration::from_millis(100)).await,
+        Err(LockError::Timeout { .. })
+    ));
+    assert_eq!(
+        queued(&path, &key),
+        1,
+        "the waiter that gave up kept its place"
+    );
+    held.release().await.unwrap();
+    // A single try does not queue: it takes the free key.
+    c.try_acquire(&key).await.unwrap().release().await.unwrap();
+    // A wait is held back by the lapsing place, then gets the key well within its timeout.
+    let guard = c.acquire(&key, Duration::from_secs(3)).await.unwrap();
+    guard.release().await.unwrap();
+}

@@ -619,7 +619,9 @@ async fn poll(
             let fallback = backoff.fallback_delay();
             pauses.cut(retry_within.map_or(fallback, |within| within.min(fallback)))
         } else {
-            pauses.next_pause()
+            pauses
+                .next_pause()
+                .map(|pause| retry_within.map_or(pause, |within| pause.min(within)))
         };
         let Some(pause) = pause else {
             return Err(LockError::Timeout {

@@ -111,6 +111,20 @@
 //! lapses within that time. A single [`try_acquire`](crate::LockProvider::try_acquire) leaves
 //! none.
 //!
+//! # Fair waiting
+//!
+//! Waits queue across processes. An exclusive [`acquire`](crate::LockProvider::acquire) that
+//! finds the key held takes a place in the key's queue (`__distributed_lock_waiters`, a row
+//! per waiting backend and key), and a waiting try takes the key only when no waiter of
+//! another backend joined the queue before it. So the key goes round the processes in the
+//! order their waits began: the process that holds it cannot keep handing it to its own next
+//! waiter while another process waits. The waiter at the head of the queue polls from every
+//! millisecond (the longer it waits there, the less often, up to every 64 ms); the others poll
+//! every 16 ms to keep their places, which lapse 500 ms after their last poll, so a waiter
+//! that gave up or died holds the others back for at most that long. A single
+//! [`try_acquire`](crate::LockProvider::try_acquire) does not queue and takes a free key even
+//! when waiters are queued, as do processes of earlier versions of this crate.
+//!
 //! # URL
 //!
 //! `sqlite://relative/path.db` or `sqlite:///absolute/path.db`, with options:
@@ -181,6 +195,7 @@
 mod clock;
 mod counted;
 mod file;
+mod queue;
 mod read;
 mod renewer;
 mod statements;
@@ -205,7 +220,7 @@ pub use self::transaction::{acquire_in_transaction, try_acquire_in_transaction};
 use self::url::*;
 use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
-    StoreLock,
+    StoreLock, WaitTry,
 };
 use crate::backoff::Pauses;
 use crate::key::validate_key;
@@ -300,6 +315,10 @@ struct Shared {
     counted: Option<counted::Counted>,
     /// Keys this backend left a waiting writer's intent on (see `read.rs`).
     intents: Mutex<std::collections::HashSet<Box<[u8]>>>,
+    /// This backend's name in the waiters' queues (random), and its places there, by key
+    /// (see `queue.rs`).
+    waiter: [u8; 16],
+    places: Mutex<HashMap<Box<[u8]>, queue::Place>>,
 }
 
 /// The `-fencing` file of a backend's lock file, attached to the inline connection once it
@@ -490,6 +509,15 @@ impl SqliteBuilder {
         checkpointer
             .busy_handler(Some(checkpoint_busy))
             .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
+        let mut waiter = [0; 16];
+        getrandom::fill(&mut waiter).map_err(|err| {
+            LockError::backend(
+                NAME,
+                format!("the operating system's random generator failed: {err}"),
+                None,
+                None,
+            )
+        })?;
         let mut wal = db_file.clone().into_os_string();
         wal.push("-wal");
         let fencing = Fencing {
@@ -527,6 +555,8 @@ impl SqliteBuilder {
                 renewer: Renewer::new(background, clock, self.path.clone()),
                 held_recently: Mutex::new(HashMap::new()),
                 intents: Mutex::new(std::collections::HashSet::new()),
+                waiter,
+                places: Mutex::new(HashMap::new()),
                 fencing,
                 counted,
                 owners: Mutex::new(Owners {
@@ -665,6 +695,40 @@ impl LockBackend for SqliteBackend {
                 })
                 .await;
             read.map_err(|busy| self.shared.busy_error("listing the locks", busy))
+        })
+    }
+
+    /// An exclusive wait queues across processes (see the [module docs](self#fair-waiting)):
+    /// it takes the key only when no waiter of another backend began waiting before it.
+    fn try_acquire_in_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<WaitTry, LockError>> {
+        Box::pin(async move {
+            let name = request.key.as_bytes();
+            let ahead = if request.shared {
+                0
+            } else {
+                self.shared.queue_ahead(name).await
+            };
+            if ahead > 0 {
+                let retry_within = self.shared.queue_wait(name, ahead).await;
+                return Ok(WaitTry::Held {
+                    retry_within: Some(retry_within),
+                });
+            }
+            match self.try_acquire(request).await? {
+                Some(acquired) => {
+                    if !request.shared {
+                        self.shared.queue_leave(name).await;
+                    }
+                    Ok(WaitTry::Acquired(acquired))
+                }
+                None if request.shared => Ok(WaitTry::Held { retry_within: None }),
+                None => Ok(WaitTry::Held {
+                    retry_within: Some(self.shared.queue_wait(name, 0).await),
+                }),
+            }
         })
     }
 

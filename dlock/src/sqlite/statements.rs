@@ -19,6 +19,14 @@ CREATE TABLE IF NOT EXISTS __distributed_lock_intents (\
     until INTEGER NOT NULL, \
     boot BLOB\
 ) WITHOUT ROWID; \
+CREATE TABLE IF NOT EXISTS __distributed_lock_waiters (\
+    name BLOB NOT NULL, \
+    owner BLOB NOT NULL, \
+    since INTEGER NOT NULL, \
+    until INTEGER NOT NULL, \
+    boot BLOB, \
+    PRIMARY KEY (name, owner)\
+) WITHOUT ROWID; \
 CREATE TABLE IF NOT EXISTS __distributed_lock_counters (\
     id INTEGER PRIMARY KEY, \
     counter INTEGER NOT NULL\
@@ -226,6 +234,35 @@ pub(super) const INTENT_SQL: &str = "INSERT INTO main.__distributed_lock_intents
 /// Removes the intent on `?1`, once a writer got the key.
 pub(super) const INTENT_CLEAR_SQL: &str =
     "DELETE FROM main.__distributed_lock_intents WHERE name = ?1";
+
+// The waiters' queue (see `queue.rs`). A backend that waits for a key (a polled exclusive
+// wait) has one row per key: `owner` the backend's waiter id, `since` when it joined the
+// queue and `until` when its place lapses unless its next poll renews it (lease clock, boot).
+// A wait takes the key only when no live waiter of another backend joined before it.
+
+/// How many live waiters other than `?2` are ahead of `?2` in the queue of `?1` (`?3` now,
+/// `?4` boot): those that joined before it, or every live one when `?2` has no live place.
+pub(super) const QUEUE_AHEAD_SQL: &str = "SELECT count(*) FROM main.__distributed_lock_waiters \
+    WHERE name = ?1 AND owner <> ?2 AND boot IS ?4 AND until > ?3 \
+    AND (since, owner) < (SELECT coalesce(max(since), 9223372036854775807), ?2 \
+    FROM main.__distributed_lock_waiters \
+    WHERE name = ?1 AND owner = ?2 AND boot IS ?4 AND until > ?3)";
+
+/// Puts waiter `?2` in the queue of `?1` until `?4` (`?3` now, `?5` boot), keeping its
+/// place when it has a live one, and returns when it joined (the place it holds).
+pub(super) const QUEUE_JOIN_SQL: &str = "INSERT INTO main.__distributed_lock_waiters \
+    (name, owner, since, until, boot) VALUES (?1, ?2, ?3, ?4, ?5) \
+    ON CONFLICT (name, owner) DO UPDATE SET \
+    since = CASE WHEN __distributed_lock_waiters.boot IS excluded.boot \
+    AND __distributed_lock_waiters.until > ?3 \
+    THEN __distributed_lock_waiters.since ELSE excluded.since END, \
+    until = excluded.until, boot = excluded.boot \
+    RETURNING since";
+
+/// Takes waiter `?2` out of the queue of `?1`, with the places there that lapsed (`?3` now,
+/// `?4` boot).
+pub(super) const QUEUE_LEAVE_SQL: &str = "DELETE FROM main.__distributed_lock_waiters \
+    WHERE name = ?1 AND (owner = ?2 OR boot IS NOT ?4 OR until <= ?3)";
 
 /// The rows held now (`?1` now, `?2` boot), for store inspection: name, whether readers hold it
 /// (the empty owner), lease end, fencing counter.
