@@ -305,6 +305,38 @@ async fn without_grants(server: &RedisServer) {
     got.release().await.unwrap();
 }
 
+/// Fair waiting: when the holder's process has a waiter of its own ready, a waiter of another
+/// backend woken by the release gets the key first (the releasing backend's waiter holds off
+/// a moment, since the release's announcement reached a subscriber elsewhere). Without that,
+/// the holder's own waiter tries as soon as the release is done and nearly always wins.
+async fn waiter_elsewhere_goes_first(server: &RedisServer) {
+    let home = provider(server, LEASE).await;
+    let away = provider(server, LEASE).await;
+    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+    let key = unique_key("fair");
+    let channel = backend.storage_key(&key);
+    let held = home.try_acquire(&key).await.unwrap();
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let wait = |locks: &LockProvider, who: &'static str| {
+        let (locks, key, order) = (locks.clone(), key.clone(), Arc::clone(&order));
+        tokio::spawn(async move {
+            let guard = locks.acquire(&key, LIMIT).await.unwrap();
+            order.lock().unwrap().push(who);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            guard.release().await.unwrap();
+        })
+    };
+    let first = wait(&away, "away");
+    await_subscribers(server, &channel, 1).await;
+    // The holder's own waiter queues in its provider behind the held lock.
+    let second = wait(&home, "home");
+    tokio::task::yield_now().await;
+    held.release().await.unwrap();
+    first.await.unwrap();
+    second.await.unwrap();
+    assert_eq!(*order.lock().unwrap(), ["away", "home"]);
+}
+
 macro_rules! flavor_tests {
     ($module:ident, $flavor:expr) => {
         mod $module {
@@ -318,6 +350,12 @@ macro_rules! flavor_tests {
             async fn a_release_wakes_the_waiter() {
                 let Some(server) = start() else { return };
                 woken_by_release(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_waiter_elsewhere_goes_before_the_holders_own() {
+                let Some(server) = start() else { return };
+                waiter_elsewhere_goes_first(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -83,14 +83,18 @@ e = e + 1
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. e)
 return e";
 
-/// Deletes the lock if `ARGV[1]` owns it: 1 deleted, 0 no such key, -1 another owner. A
-/// deletion is announced on the channel named as the lock key, which wakes the lock's
-/// waiters (with `pcall`: a user refused `PUBLISH` still releases, and its waiters poll).
+/// Deletes the lock if `ARGV[1]` owns it: 1 + the subscribers woken when deleted, 0 no such
+/// key, -1 another owner. A deletion is announced on the channel named as the lock key,
+/// which wakes the lock's waiters (with `pcall`: a user refused `PUBLISH` still releases, and
+/// its waiters poll).
 pub(crate) const RELEASE_LUA: &str = "\
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  redis.pcall('PUBLISH', KEYS[1], '')
+  local n = redis.pcall('PUBLISH', KEYS[1], '')
+  if type(n) == 'number' then
+    return 1 + n
+  end
   return 1
 end
 if v then
@@ -972,23 +976,38 @@ impl Conn {
     /// outcome; the announcement's is only logged (a user refused `PUBLISH` is warned once, and
     /// its releases wake nobody: waiters notice them at their next poll). The announcement is
     /// sent whatever `cmd` finds: a waiter woken for nothing tries once and waits again.
-    async fn query_announcing(&self, cmd: &Cmd, channel: &[u8]) -> Result<Value, RedisError> {
+    /// Also answers how many subscribers the announcement reached (0 when it failed).
+    async fn query_announcing(
+        &self,
+        cmd: &Cmd,
+        channel: &[u8],
+    ) -> Result<(Value, u64), RedisError> {
         let mut publish = redis::cmd("PUBLISH");
         publish.arg(channel).arg("");
         let (reply, announced) = self.query_then(cmd, Some(&publish)).await?;
-        if let Some(Err(err)) = announced.map(as_result) {
-            self.announcement_refused(&err);
-        }
-        Ok(reply)
+        let woke = match announced.map(as_result) {
+            Some(Ok(Value::Int(n))) => n.max(0).unsigned_abs(),
+            Some(Err(err)) => {
+                self.announcement_refused(&err);
+                0
+            }
+            _ => 0,
+        };
+        Ok((reply, woke))
     }
 
     /// `PUBLISH channel ""` on its own: a release's announcement (see
-    /// [`Conn::query_announcing`]). Best effort.
-    pub(crate) async fn announce(&self, channel: &[u8]) {
+    /// [`Conn::query_announcing`]). Best effort: answers how many subscribers it reached.
+    pub(crate) async fn announce(&self, channel: &[u8]) -> u64 {
         let mut publish = redis::cmd("PUBLISH");
         publish.arg(channel).arg("");
-        if let Err(err) = self.query(&publish).await {
-            self.announcement_refused(&err);
+        match self.query(&publish).await {
+            Ok(Value::Int(n)) => n.max(0).unsigned_abs(),
+            Ok(_) => 0,
+            Err(err) => {
+                self.announcement_refused(&err);
+                0
+            }
         }
     }
 
@@ -1314,7 +1333,7 @@ impl Conn {
         command: Native,
         key: &[u8],
         token: &OwnerToken,
-    ) -> Result<Option<ReleaseOutcome>, RedisError> {
+    ) -> Result<Option<(ReleaseOutcome, u64)>, RedisError> {
         let caps = self.caps();
         let known = command.known(caps);
         if known == Support::No {
@@ -1341,16 +1360,16 @@ impl Conn {
         let answer = if announced {
             self.query_announcing(&cmd, key).await
         } else {
-            self.query(&cmd).await
+            self.query(&cmd).await.map(|reply| (reply, 0))
         };
         match answer {
-            Ok(reply) => {
+            Ok((reply, mut woke)) => {
                 self.learn(caps.generation, |c| *command.support(c) = Support::Yes);
                 let outcome = self.native_outcome(key, reply).await?;
                 if !announced && outcome == ReleaseOutcome::Released {
-                    self.announce(key).await;
+                    woke = self.announce(key).await;
                 }
-                Ok(Some(outcome))
+                Ok(Some((outcome, woke)))
             }
             Err(err) if is_unknown_command(&err) => {
                 if known == Support::Yes {
@@ -1381,21 +1400,34 @@ impl Conn {
         key: &[u8],
         token: &OwnerToken,
     ) -> Result<(ReleaseOutcome, CommandPath), RedisError> {
+        self.release_waking(key, token)
+            .await
+            .map(|(outcome, path, _)| (outcome, path))
+    }
+
+    /// [`Conn::release`], which also answers how many subscribers of the key's channel its
+    /// announcement reached (the backends with waiters on the key, see [Fair
+    /// waiting](super#fair-waiting)).
+    pub(crate) async fn release_waking(
+        &self,
+        key: &[u8],
+        token: &OwnerToken,
+    ) -> Result<(ReleaseOutcome, CommandPath, u64), RedisError> {
         for command in [Native::Delex, Native::Delifeq] {
-            if let Some(outcome) = self.native_delete(command, key, token).await? {
-                return Ok((outcome, command.path()));
+            if let Some((outcome, woke)) = self.native_delete(command, key, token).await? {
+                return Ok((outcome, command.path(), woke));
             }
         }
         let reply = self
             .eval(&self.scripts.release, &[key], &[token.as_bytes()])
             .await?;
-        let outcome = match reply {
-            Value::Int(1) => ReleaseOutcome::Released,
-            Value::Int(0) => ReleaseOutcome::AlreadyReleased,
-            Value::Int(-1) => ReleaseOutcome::NotOwned,
+        let (outcome, woke) = match reply {
+            Value::Int(n) if n >= 1 => (ReleaseOutcome::Released, (n - 1).unsigned_abs()),
+            Value::Int(0) => (ReleaseOutcome::AlreadyReleased, 0),
+            Value::Int(-1) => (ReleaseOutcome::NotOwned, 0),
             other => return Err(unexpected("the release script", &other)),
         };
-        Ok((outcome, CommandPath::Lua))
+        Ok((outcome, CommandPath::Lua, woke))
     }
 
     /// A native conditional delete answers 1 or 0; a 0 is told apart (missing or another

@@ -186,7 +186,7 @@ impl Wakes {
     }
 
     /// Whether `channel` is watched.
-    fn wanted(&self, channel: &[u8]) -> bool {
+    pub(crate) fn wanted(&self, channel: &[u8]) -> bool {
         self.registry().channels.contains_key(channel)
     }
 

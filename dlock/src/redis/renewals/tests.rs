@@ -25,6 +25,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         renewals: Arc::default(),
         intents: Default::default(),
         wakes: Arc::new(crate::redis::wake::Wakes::new(None, timeout)),
+        hold_offs: Default::default(),
     })
 }
 
