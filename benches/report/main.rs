@@ -13,6 +13,7 @@
 //! 7. other lock crates on the same servers (`sqlx::postgres::PgAdvisoryLock` here, the rest
 //!    through the `benches/peers` workspace, run with `cargo run`);
 //! 8. semaphore slots and read locks against the raw driver, and a reader-heavy load;
+//! 9. fairness: 2 and 4 processes of 8 tasks contending for one key (`fairness.rs`);
 //!
 //! and cost curves (`curves.rs`, `waiters.rs`): C1 client memory, server connections and
 //! keep-alive CPU against 1 to 100,000 locks held; C2 what the store keeps against 1 to
@@ -43,6 +44,7 @@ use dlock::LockProvider;
 
 mod axum_layer;
 mod curves;
+mod fairness;
 mod measure;
 mod output;
 mod peers;
@@ -117,6 +119,10 @@ fn main() {
         eprintln!("report: 8 semaphores and read locks");
         primitives::run(&rt, &servers, &mut report);
     }
+    if section(9) {
+        eprintln!("report: 9 fairness across processes");
+        fairness::run(&servers, &mut report);
+    }
     // Any one curve chosen (`--only curves-keys` does not start `curves`).
     if ["curves-held", "curves-keys", "curves-waiters"]
         .iter()
@@ -162,6 +168,12 @@ fn main() {
          then less before.",
         "6: 16 client tasks (reqwest) against an in-process axum server on loopback, 6 \
          interleaved rounds of 0.7 s per route, a new key per request.",
+        "9: worker processes (`dlock-worker fairness`) of 8 tasks each take one key again \
+         and again, holding it 1 ms, for 5 s from a common start; the spread is the largest \
+         distance of a process's acquisitions from an equal share, the waits are every \
+         acquisition's of every process (a wait still going at the end counts up to the end). \
+         Without queueing across processes, SQLite gave one process every acquisition and \
+         Redis one process 2.8× another's.",
         "8: as 1, on one key each: a semaphore of 5 permits (dlock tries its slots in a random \
          order; the raw side takes and frees one random slot's lock with the driver's \
          statements, on Redis with `fencing=false` on both sides); a read lock against \
@@ -192,6 +204,7 @@ fn main() {
             axum_layer::SECTION,
             servers::S7,
             primitives::S8,
+            fairness::S9,
             curves::C1,
             curves::C2,
             waiters::C3,

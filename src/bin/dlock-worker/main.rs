@@ -45,6 +45,9 @@
 //! takes `KEY` with a transaction-bound lock, prints `held TOKEN` and sleeps until it is
 //! killed, with the transaction still open.
 //!
+//! `dlock-worker fairness URL KEY ...` measures how evenly processes contending for one key are
+//! served; see the `fairness` module.
+//!
 //! `dlock-worker schedule --url URL ...` is one worker process of the schedule test
 //! (`tests/schedule/`), driven over stdin and stdout; see the `schedule` module.
 
@@ -55,6 +58,7 @@ use std::process::{Command, ExitCode, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod fairness;
 mod schedule;
 
 /// How long one acquisition may wait before the worker gives up (and fails the run).
@@ -80,6 +84,10 @@ fn main() -> ExitCode {
                 })
             })
         }
+        ["fairness", url, key, rest @ ..] => fairness::run(url, key, rest),
+        ["fair", url, key, tasks, seconds, hold_us] => runtime().and_then(|rt| {
+            rt.block_on(fairness::worker(url, key, tasks, seconds, hold_us))
+        }),
         ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, false))),
         ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, true))),
         ["take", url, key, timeout_ms] => timeout_ms
@@ -100,6 +108,7 @@ fn main() -> ExitCode {
                   [--keys K] [--acquisitions A] [--fencing every|none] \
                   [--mix exclusive|rw|semaphore:N|many] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG [MIX] \
+                  | fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H] \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
                   | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
