@@ -52,11 +52,7 @@ pub(crate) fn run(url: &str, key: &str, rest: &[&str]) -> Result<(), String> {
                 .args([tasks as u64, seconds, hold_us].map(|n| n.to_string()))
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
-                .stderr(if std::env::var_os("DLOCK_QDEBUG").is_some() {
-                    Stdio::inherit()
-                } else {
-                    Stdio::piped()
-                })
+                .stderr(Stdio::piped())
                 .spawn()
                 .map_err(|e| format!("spawning a worker: {e}"))
         })
@@ -68,7 +64,15 @@ pub(crate) fn run(url: &str, key: &str, rest: &[&str]) -> Result<(), String> {
         out.read_line(&mut line)
             .map_err(|e| format!("reading a worker: {e}"))?;
         if line.trim() != "ready" {
-            return Err(format!("a worker said {line:?} instead of ready"));
+            let _ = child.kill();
+            let mut why = String::new();
+            if let Some(mut err) = child.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut err, &mut why);
+            }
+            return Err(format!(
+                "a worker said {line:?} instead of ready: {}",
+                why.trim()
+            ));
         }
         outputs.push(out);
     }
@@ -161,6 +165,10 @@ pub(crate) async fn worker(
     std::io::stdin()
         .read_line(&mut go)
         .map_err(|e| format!("waiting for go: {e}"))?;
+    if go.trim() != "go" {
+        // The run was called off (its parent is gone).
+        return Err("the run was called off before it began".to_owned());
+    }
     let end = Instant::now() + Duration::from_secs(seconds);
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..tasks {
