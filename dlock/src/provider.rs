@@ -1221,6 +1221,29 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(20));
     }
 
+    /// Without a watch, a wait's backoff pause is cut to the `retry_within` its try reported:
+    /// the backend sets the pace (SQLite's waiters queue polls from every millisecond).
+    #[tokio::test]
+    async fn an_unwatched_wait_tries_again_within_what_its_try_said() {
+        let backend = MemoryBackend::default();
+        backend.store().retry_within = Some(Duration::from_millis(5));
+        let slow = Backoff::new(Duration::from_secs(3600), Duration::from_secs(3600), 0.0).unwrap();
+        let locks = LockProvider::builder(backend.clone()).backoff(slow).build();
+        backend.hold_elsewhere("a");
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        tries_reach(&backend, 3).await;
+        backend.free("a");
+        let guard = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("tried again within its retry_within, not its hour-long pause")
+            .unwrap()
+            .unwrap();
+        drop(guard);
+    }
+
     #[tokio::test]
     async fn a_failure_ends_a_polled_wait_at_once() {
         let backend = MemoryBackend::default();
