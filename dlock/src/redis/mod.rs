@@ -579,6 +579,7 @@ mod cluster;
 mod commands;
 mod fair;
 mod fence;
+mod hosts;
 mod inspect;
 mod read;
 mod redlock;
@@ -1877,15 +1878,11 @@ fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
             };
         }
     }
-    let mut node = redis::RedisConnectionInfo::default().set_protocol(protocol);
-    if let Some(user) = &parts.user {
-        node = node.set_username(user);
-    }
-    if let Some(password) = &parts.password {
-        node = node.set_password(password);
-    }
-    let mut infos = Vec::with_capacity(parts.nodes.len());
-    for (host, port) in &parts.nodes {
+    let node = parts
+        .hosts
+        .credentials(redis::RedisConnectionInfo::default().set_protocol(protocol));
+    let mut infos = Vec::with_capacity(parts.hosts.nodes.len());
+    for (host, port) in &parts.hosts.nodes {
         let info = redis::IntoConnectionInfo::into_connection_info(redis::ConnectionAddr::Tcp(
             host.clone(),
             *port,
@@ -1921,13 +1918,9 @@ fn cluster_url_error(err: &RedisError) -> LockError {
 fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
     let parts = sentinel::split_url(url)?;
     let options = read_options(&parts.query, false, true)?;
-    let mut master = redis::RedisConnectionInfo::default().set_db(parts.db);
-    if let Some(user) = &parts.user {
-        master = master.set_username(user);
-    }
-    if let Some(password) = &parts.password {
-        master = master.set_password(password);
-    }
+    let mut master = parts
+        .hosts
+        .credentials(redis::RedisConnectionInfo::default().set_db(parts.db));
     for (name, value) in &options.passed_on {
         if name == "protocol" {
             master = master.set_protocol(match value.to_ascii_lowercase().as_str() {
@@ -1949,7 +1942,7 @@ fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
         auth = auth.set_password(password);
     }
     let builder = RedisBuilder::on(Source::Sentinel(Box::new(sentinel::Sentinels {
-        nodes: parts.nodes,
+        nodes: parts.hosts.nodes,
         service: parts.service,
         auth,
         master,
