@@ -8,6 +8,7 @@
 mod support;
 
 use std::collections::HashMap;
+use std::time::Duration;
 
 use dlock::{LockError, LockProvider};
 use dlock_testkit::unique_key;
@@ -55,6 +56,68 @@ async fn refused(provider: &LockProvider, key: &str) -> LockError {
             err
         }
     }
+}
+
+/// What a backend adds to the switching test, at each stage.
+enum Stage {
+    /// The per-key rounds are done; the store is still in per-key mode.
+    PerKey,
+    /// The store was switched to 16 shared counters, and a per-key backend tried it.
+    Switched,
+}
+
+/// Per-key counters, then 16 shared ones, then 2, then 16 again, on the store `url(options)`
+/// names: no token is ever lower than one handed out before, and a backend switched away
+/// refuses with a configuration error that names the new mode (tries and read locks, and
+/// with `wait` waits of that length), holding nothing after. With `refuses_at_open`, a new
+/// per-key backend refuses the switched store when it opens (the SQL stores read the mode
+/// then; Redis at the first fenced acquisition). `also` adds the backend's own checks.
+async fn switching_never_hands_out_a_lower_token(
+    url: impl Fn(&str) -> String,
+    refuses_at_open: bool,
+    wait: Option<Duration>,
+    also: impl Fn(Stage, &[String], &mut HashMap<String, u64>),
+) {
+    let keys = keys("switch", 30);
+    let mut last = HashMap::new();
+    // Per-key counters first, pushed well up.
+    let per_key = LockProvider::connect(&url("")).await.unwrap();
+    tokens_increase(&[&per_key], &keys, 20, &mut last).await;
+    also(Stage::PerKey, &keys, &mut last);
+    // Then 16 shared counters: every token above the per-key ones.
+    let sixteen = LockProvider::connect(&url("fencing_counters=16"))
+        .await
+        .unwrap();
+    tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
+    if refuses_at_open {
+        let err = LockProvider::connect(&url("")).await.unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
+    }
+    also(Stage::Switched, &keys, &mut last);
+    // Then 2 counters: a switch, above every token so far; the 16-counter backend, switched
+    // away, refuses rather than issue lower tokens.
+    let two = LockProvider::connect(&url("fencing_counters=2"))
+        .await
+        .unwrap();
+    tokens_increase(&[&two], &keys, 3, &mut last).await;
+    let err = refused(&sixteen, &keys[1]).await;
+    assert!(err.to_string().contains("fencing_counters=2"), "{err}");
+    if let Some(wait) = wait {
+        let err = sixteen.acquire(&keys[2], wait).await.unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+    }
+    assert!(is_config(
+        &sixteen.try_acquire_read(&keys[3]).await.unwrap_err()
+    ));
+    // Nothing was left held by the refusals.
+    tokens_increase(&[&two], &keys, 1, &mut last).await;
+    // Back to 16, in a new backend: a new epoch, above everything.
+    let sixteen_again = LockProvider::connect(&url("fencing_counters=16"))
+        .await
+        .unwrap();
+    tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
+    refused(&two, &keys[4]).await;
 }
 
 mod on_redis {
@@ -129,36 +192,8 @@ mod on_redis {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn switching_never_hands_out_a_lower_token() {
         let Some(server) = start() else { return };
-        let keys = keys("switch", 30);
-        let mut last = HashMap::new();
-        // Per-key counters first, pushed well up.
-        let per_key = LockProvider::connect(&server.url("")).await.unwrap();
-        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
-        // Then 16 shared counters: every token above the per-key ones.
-        let sixteen = LockProvider::connect(&server.url("fencing_counters=16"))
-            .await
-            .unwrap();
-        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
-        // Then 2 counters: a switch, above every token so far; the 16-counter backend,
-        // switched away, refuses (exclusive and read locks alike) rather than issue lower
-        // tokens.
-        let two = LockProvider::connect(&server.url("fencing_counters=2"))
-            .await
-            .unwrap();
-        tokens_increase(&[&two], &keys, 3, &mut last).await;
-        let err = refused(&sixteen, &keys[1]).await;
-        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
-        assert!(is_config(
-            &sixteen.try_acquire_read(&keys[1]).await.unwrap_err()
-        ));
-        // Nothing was left held by the refusals.
-        tokens_increase(&[&two], &keys, 1, &mut last).await;
-        // Back to 16, in a new backend: a new epoch, above everything.
-        let sixteen_again = LockProvider::connect(&server.url("fencing_counters=16"))
-            .await
-            .unwrap();
-        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
-        refused(&two, &keys[2]).await;
+        let url = |options: &str| server.url(options);
+        super::switching_never_hands_out_a_lower_token(url, false, None, |_, _, _| ()).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -186,7 +221,6 @@ mod on_postgres {
     use super::*;
     use dlock_testkit::postgres::PgServer;
     use sqlx::{Connection, PgConnection};
-    use std::time::Duration;
 
     async fn rows(server: &PgServer) -> i64 {
         let mut conn = PgConnection::connect(&server.url("")).await.unwrap();
@@ -248,40 +282,9 @@ mod on_postgres {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn switching_never_hands_out_a_lower_token() {
         let server = PgServer::start();
-        let keys = keys("switch", 30);
-        let mut last = HashMap::new();
-        let per_key = LockProvider::connect(&url(&server, "")).await.unwrap();
-        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
-        let sixteen = LockProvider::connect(&url(&server, "fencing_counters=16"))
-            .await
-            .unwrap();
-        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
-        // A new per-key backend refuses the switched store when it opens.
-        let err = LockProvider::connect(&url(&server, "")).await.unwrap_err();
-        assert!(is_config(&err), "{err:?}");
-        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
-        // A switch to 2 counters; the 16-counter backend refuses tries, waits and reads.
-        let two = LockProvider::connect(&url(&server, "fencing_counters=2"))
-            .await
-            .unwrap();
-        tokens_increase(&[&two], &keys, 3, &mut last).await;
-        let err = refused(&sixteen, &keys[1]).await;
-        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
-        let err = sixteen
-            .acquire(&keys[2], Duration::from_secs(5))
-            .await
-            .unwrap_err();
-        assert!(is_config(&err), "{err:?}");
-        assert!(is_config(
-            &sixteen.try_acquire_read(&keys[3]).await.unwrap_err()
-        ));
-        // The refusals gave their locks back.
-        tokens_increase(&[&two], &keys, 1, &mut last).await;
-        let sixteen_again = LockProvider::connect(&url(&server, "fencing_counters=16"))
-            .await
-            .unwrap();
-        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
-        refused(&two, &keys[4]).await;
+        let on_server = |options: &str| url(&server, options);
+        let wait = Some(Duration::from_secs(5));
+        super::switching_never_hands_out_a_lower_token(on_server, true, wait, |_, _, _| ()).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -323,7 +326,6 @@ mod on_postgres {
 mod on_sqlite {
     use super::*;
     use std::path::Path;
-    use std::time::Duration;
 
     fn count(file: &Path, table: &str) -> i64 {
         let conn = rusqlite::Connection::open(file).unwrap();
@@ -396,56 +398,29 @@ mod on_sqlite {
     async fn switching_never_hands_out_a_lower_token() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("locks.db");
-        let keys = keys("switch", 30);
-        let mut last = HashMap::new();
-        let per_key = LockProvider::connect(&url(&file, "")).await.unwrap();
-        tokens_increase(&[&per_key], &keys, 20, &mut last).await;
-        // A transaction-bound lock before the switch records its token in the `-fencing`
-        // file; the shared counters' tokens are above it too.
-        {
+        // Transaction-bound locks: one before the switch records its token in the `-fencing`
+        // file, and the shared counters' tokens are above it too; after the switch they
+        // refuse the file.
+        let in_transaction = |stage, keys: &[String], last: &mut HashMap<String, u64>| {
             let mut conn = rusqlite::Connection::open(&file).unwrap();
             let tx = conn.transaction().unwrap();
-            let lock = dlock::sqlite::try_acquire_in_transaction(&tx, &keys[0]).unwrap();
-            let token = lock.fencing_token().unwrap();
-            assert!(token > last[&keys[0]]);
-            last.insert(keys[0].clone(), token);
-            tx.rollback().unwrap();
-        }
-        let sixteen = LockProvider::connect(&url(&file, "fencing_counters=16"))
-            .await
-            .unwrap();
-        tokens_increase(&[&sixteen], &keys, 3, &mut last).await;
-        // A new per-key backend refuses the switched file when it opens, and so do
-        // transaction-bound locks.
-        let err = LockProvider::connect(&url(&file, "")).await.unwrap_err();
-        assert!(is_config(&err), "{err:?}");
-        assert!(err.to_string().contains("fencing_counters=16"), "{err}");
-        {
-            let mut conn = rusqlite::Connection::open(&file).unwrap();
-            let tx = conn.transaction().unwrap();
-            let err = dlock::sqlite::try_acquire_in_transaction(&tx, &keys[0]).unwrap_err();
-            assert!(is_config(&err), "{err:?}");
-        }
-        let two = LockProvider::connect(&url(&file, "fencing_counters=2"))
-            .await
-            .unwrap();
-        tokens_increase(&[&two], &keys, 3, &mut last).await;
-        let err = refused(&sixteen, &keys[1]).await;
-        assert!(err.to_string().contains("fencing_counters=2"), "{err}");
-        let err = sixteen
-            .acquire(&keys[2], Duration::from_secs(1))
-            .await
-            .unwrap_err();
-        assert!(is_config(&err), "{err:?}");
-        assert!(is_config(
-            &sixteen.try_acquire_read(&keys[3]).await.unwrap_err()
-        ));
-        tokens_increase(&[&two], &keys, 1, &mut last).await;
-        let sixteen_again = LockProvider::connect(&url(&file, "fencing_counters=16"))
-            .await
-            .unwrap();
-        tokens_increase(&[&sixteen_again], &keys, 2, &mut last).await;
-        refused(&two, &keys[4]).await;
+            let lock = dlock::sqlite::try_acquire_in_transaction(&tx, &keys[0]);
+            match stage {
+                Stage::PerKey => {
+                    let token = lock.unwrap().fencing_token().unwrap();
+                    assert!(token > last[&keys[0]]);
+                    last.insert(keys[0].clone(), token);
+                    tx.rollback().unwrap();
+                }
+                Stage::Switched => {
+                    let err = lock.unwrap_err();
+                    assert!(is_config(&err), "{err:?}");
+                }
+            }
+        };
+        let on_file = |options: &str| url(&file, options);
+        let wait = Some(Duration::from_secs(1));
+        super::switching_never_hands_out_a_lower_token(on_file, true, wait, in_transaction).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

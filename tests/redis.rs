@@ -12,8 +12,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use dlock::backend::LockBackend;
 use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
-use dlock::{Backoff, LockError, LockGuard, LockProvider};
-use dlock_testkit::redis::{DelayProxy, Flavor, RedisServer};
+use dlock::{Backoff, LockError, LockProvider};
+use dlock_testkit::redis::{DelayProxy, Flavor, LeaseHarness, RedisServer};
 use dlock_testkit::unique_key;
 
 const LEASE: Duration = Duration::from_secs(1);
@@ -59,70 +59,6 @@ fn expect(flavor: Flavor) -> Expect {
             probe_errors: 0,
             first_cycle: 2,
         },
-    }
-}
-
-struct RedisHarness {
-    server: RedisServer,
-    backend: RedisBackend,
-}
-
-impl RedisHarness {
-    fn start(flavor: Flavor) -> Option<RedisHarness> {
-        let server = RedisServer::start(flavor)?;
-        let rt = tokio::runtime::Handle::current();
-        let url = server.url(&format!("lease={}ms", LEASE.as_millis()));
-        let backend = tokio::task::block_in_place(|| rt.block_on(RedisBackend::connect(&url)))
-            .expect("connect");
-        Some(RedisHarness { server, backend })
-    }
-
-    fn url(&self) -> String {
-        self.server.url(&format!("lease={}ms", LEASE.as_millis()))
-    }
-}
-
-impl dlock_testkit::Harness for RedisHarness {
-    async fn provider(&self) -> LockProvider {
-        LockProvider::connect(&self.url()).await.expect("connect")
-    }
-
-    async fn break_lock(&self, guard: &LockGuard) {
-        // Another owner takes the key over, keeping its time to live.
-        let mut conn = self
-            .server
-            .client()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let key = self.backend.storage_key(guard.key());
-        dlock_testkit::redis::take_over(&mut conn, &key, "someone-else").await;
-    }
-
-    fn lost_within(&self) -> Duration {
-        LEASE / 3 + Duration::from_secs(1)
-    }
-
-    fn retake_within(&self) -> Duration {
-        // The other owner kept the key's time to live: free once that lease runs out.
-        LEASE + Duration::from_secs(1)
-    }
-
-    fn fencing(&self) -> bool {
-        true
-    }
-
-    fn read_locks(&self) -> bool {
-        true
-    }
-
-    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
-        let backend = dlock::redis::RedisBackend::connect(&self.url())
-            .await
-            .expect("connect");
-        (0..count)
-            .map(|_| LockProvider::from_backend(backend.clone()))
-            .collect()
     }
 }
 
@@ -2112,7 +2048,9 @@ macro_rules! flavor_tests {
                 RedisServer::start($flavor)
             }
 
-            dlock_testkit::conformance_suite!(optional async { RedisHarness::start($flavor) });
+            dlock_testkit::conformance_suite!(optional async {
+                Some(LeaseHarness::start(start()?).await)
+            });
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn paths() {

@@ -12,11 +12,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
-use dlock::{Backoff, LockError, LockGuard, LockProvider};
-use dlock_testkit::redis::RedisCluster;
+use dlock::{Backoff, LockError, LockProvider};
+use dlock_testkit::redis::{LeaseHarness, RedisCluster};
 use dlock_testkit::{unique_key, wait_until};
-
-const LEASE: Duration = Duration::from_secs(1);
 
 /// A cluster of `masters` masters with `replicas` replicas each, started off the runtime.
 fn cluster(replicas: usize) -> Option<RedisCluster> {
@@ -29,80 +27,12 @@ fn cluster(replicas: usize) -> Option<RedisCluster> {
     cluster
 }
 
-struct ClusterHarness {
-    cluster: RedisCluster,
-    backend: RedisBackend,
-}
-
-impl ClusterHarness {
-    fn start() -> Option<ClusterHarness> {
-        // No replicas: the suite is about the protocol, and three nodes start faster than six.
-        let cluster = cluster(0)?;
-        let rt = tokio::runtime::Handle::current();
-        let url = cluster.url(&format!("lease={}ms", LEASE.as_millis()));
-        let backend = tokio::task::block_in_place(|| rt.block_on(RedisBackend::connect(&url)))
-            .expect("connect");
-        assert!(backend.is_cluster());
-        Some(ClusterHarness { cluster, backend })
-    }
-
-    fn url(&self) -> String {
-        self.cluster.url(&format!("lease={}ms", LEASE.as_millis()))
-    }
-}
-
-impl dlock_testkit::Harness for ClusterHarness {
-    async fn provider(&self) -> LockProvider {
-        LockProvider::connect(&self.url()).await.expect("connect")
-    }
-
-    async fn break_lock(&self, guard: &LockGuard) {
-        // Another owner takes the key over on the master of its slot, keeping its time to live.
-        let key = self.backend.storage_key(guard.key());
-        let cluster = &self.cluster;
-        let master = tokio::task::block_in_place(|| cluster.owner_of(cluster.slot_of(&key)));
-        let mut conn = cluster
-            .node(master)
-            .client()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let set: Option<String> = redis::cmd("SET")
-            .arg(key)
-            .arg("someone-else")
-            .arg("XX")
-            .arg("KEEPTTL")
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        assert_eq!(set.as_deref(), Some("OK"));
-    }
-
-    fn lost_within(&self) -> Duration {
-        LEASE / 3 + Duration::from_secs(1)
-    }
-
-    fn retake_within(&self) -> Duration {
-        LEASE + Duration::from_secs(1)
-    }
-
-    fn fencing(&self) -> bool {
-        true
-    }
-
-    fn read_locks(&self) -> bool {
-        true
-    }
-
-    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
-        let backend = RedisBackend::connect(&self.url()).await.expect("connect");
-        (0..count)
-            .map(|_| LockProvider::from_backend(backend.clone()))
-            .collect()
-    }
-}
-
-dlock_testkit::conformance_suite!(optional async { ClusterHarness::start() });
+dlock_testkit::conformance_suite!(optional async {
+    // No replicas: the suite is about the protocol, and three nodes start faster than six.
+    let harness = LeaseHarness::start(cluster(0)?).await;
+    assert!(harness.backend().is_cluster());
+    Some(harness)
+});
 
 /// Locks land on every master (by their slots), each key's fencing tokens strictly increase
 /// from holder to holder wherever its slot lives, and every lock is listed by

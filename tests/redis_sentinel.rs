@@ -9,11 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
-use dlock::{Backoff, LockError, LockGuard, LockProvider};
-use dlock_testkit::redis::SentinelDeployment;
+use dlock::{Backoff, LockError, LockProvider};
+use dlock_testkit::redis::{LeaseHarness, SentinelDeployment};
 use dlock_testkit::{unique_key, wait_until};
-
-const LEASE: Duration = Duration::from_secs(1);
 
 /// Down-after for the deployments whose master is never killed: long, so that a loaded
 /// machine never makes the sentinels fail over by themselves.
@@ -27,72 +25,9 @@ fn deployment(down_after: Duration) -> Option<SentinelDeployment> {
     deployment
 }
 
-struct SentinelHarness {
-    deployment: SentinelDeployment,
-    backend: RedisBackend,
-}
-
-impl SentinelHarness {
-    fn start() -> Option<SentinelHarness> {
-        let deployment = deployment(CALM)?;
-        let rt = tokio::runtime::Handle::current();
-        let url = deployment.url(&format!("lease={}ms", LEASE.as_millis()));
-        let backend = tokio::task::block_in_place(|| rt.block_on(RedisBackend::connect(&url)))
-            .expect("connect");
-        Some(SentinelHarness {
-            deployment,
-            backend,
-        })
-    }
-
-    fn url(&self) -> String {
-        self.deployment
-            .url(&format!("lease={}ms", LEASE.as_millis()))
-    }
-}
-
-impl dlock_testkit::Harness for SentinelHarness {
-    async fn provider(&self) -> LockProvider {
-        LockProvider::connect(&self.url()).await.expect("connect")
-    }
-
-    async fn break_lock(&self, guard: &LockGuard) {
-        // Another owner takes the key over on the master, keeping its time to live.
-        let master = self.deployment.node(self.deployment.master_port());
-        let mut conn = master
-            .client()
-            .get_multiplexed_async_connection()
-            .await
-            .unwrap();
-        let key = self.backend.storage_key(guard.key());
-        dlock_testkit::redis::take_over(&mut conn, key, "someone-else").await;
-    }
-
-    fn lost_within(&self) -> Duration {
-        LEASE / 3 + Duration::from_secs(1)
-    }
-
-    fn retake_within(&self) -> Duration {
-        LEASE + Duration::from_secs(1)
-    }
-
-    fn fencing(&self) -> bool {
-        true
-    }
-
-    fn read_locks(&self) -> bool {
-        true
-    }
-
-    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
-        let backend = RedisBackend::connect(&self.url()).await.expect("connect");
-        (0..count)
-            .map(|_| LockProvider::from_backend(backend.clone()))
-            .collect()
-    }
-}
-
-dlock_testkit::conformance_suite!(optional async { SentinelHarness::start() });
+dlock_testkit::conformance_suite!(optional async {
+    Some(LeaseHarness::start(deployment(CALM)?).await)
+});
 
 /// Takes and releases `key` through `locks` (on `backend`) until that works on the master
 /// on port `new`, and says how long that took.

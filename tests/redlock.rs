@@ -7,8 +7,8 @@ mod support;
 use std::time::Duration;
 
 use dlock::redis::{RedisBackend, RedlockBackend};
-use dlock::{Backoff, LockError, LockGuard, LockProvider};
-use dlock_testkit::redis::{Flavor, RedisServer};
+use dlock::{Backoff, LockError, LockProvider};
+use dlock_testkit::redis::{Deployment, Flavor, LeaseHarness, RedisServer};
 use dlock_testkit::unique_key;
 use support::{Fencing, run_exclusion};
 
@@ -28,22 +28,7 @@ impl Nodes {
     }
 
     fn url(&self) -> String {
-        let hosts: Vec<String> = self
-            .servers
-            .iter()
-            .map(|s| format!("127.0.0.1:{}", s.port()))
-            .collect();
-        format!(
-            "redlock://{}/?lease={}ms",
-            hosts.join(","),
-            LEASE.as_millis()
-        )
-    }
-
-    /// The nodes' URL with `options` (`lease=60s`, ...).
-    fn url_with(&self, options: &str) -> String {
-        self.url()
-            .replace(&format!("lease={}ms", LEASE.as_millis()), options)
+        self.url_with(&format!("lease={}ms", LEASE.as_millis()))
     }
 
     /// The tries the nodes saw: calls of the acquisition script (the locks are fenced).
@@ -65,56 +50,29 @@ impl Nodes {
     }
 }
 
-impl dlock_testkit::Harness for Nodes {
-    async fn provider(&self) -> LockProvider {
-        LockProvider::connect(&self.url()).await.expect("connect")
+impl Deployment for Nodes {
+    type Backend = RedlockBackend;
+
+    fn url_with(&self, options: &str) -> String {
+        let hosts: Vec<String> = self
+            .servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect();
+        format!("redlock://{}/?{options}", hosts.join(","))
     }
 
-    async fn break_lock(&self, guard: &LockGuard) {
-        // Another owner takes the key over on two of the three nodes: a quorum lost.
+    async fn take_over(&self, _: &RedlockBackend, key: &str) {
+        // On two of the three nodes: a quorum lost.
         for i in 0..2 {
             let node = self.node(i).await;
-            let mut conn = self.servers[i]
-                .client()
-                .get_multiplexed_async_connection()
-                .await
-                .unwrap();
-            let key = node.storage_key(guard.key());
-            dlock_testkit::redis::take_over(&mut conn, key, "someone-else").await;
+            self.servers[i].take_over(&node, key).await;
         }
-    }
-
-    fn lost_within(&self) -> Duration {
-        LEASE / 3 + Duration::from_secs(1)
-    }
-
-    fn retake_within(&self) -> Duration {
-        LEASE + Duration::from_secs(1)
-    }
-
-    fn fencing(&self) -> bool {
-        true
-    }
-
-    fn read_locks(&self) -> bool {
-        // The nodes' own read locks, on a quorum.
-        true
-    }
-
-    async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
-        let backend = RedlockBackend::connect(&self.url()).await.expect("connect");
-        (0..count)
-            .map(|_| LockProvider::from_backend(backend.clone()))
-            .collect()
     }
 }
 
 dlock_testkit::conformance_suite!(optional async {
-    let nodes = tokio::task::block_in_place(Nodes::start);
-    if nodes.is_none() {
-        eprintln!("skipped: redis-server is not installed");
-    }
-    nodes
+    Some(LeaseHarness::start(tokio::task::block_in_place(nodes)?).await)
 });
 
 fn nodes() -> Option<Nodes> {

@@ -190,7 +190,7 @@ impl DbServer {
                 .arg(format!("--datadir={}", dir.join("data").display()))
                 // Its own temp dir: installs running side by side in the shared /tmp were
                 // seen to fail deleting their temp tables ("Error on delete of
-                // '/tmp/#sql-temptable-…'").
+                // '/tmp/#sql-temptable-…'"). The same for MySQL's, in the chroot's /tmp.
                 .arg(format!("--tmpdir={}", dir.display()))
                 .output()
                 .expect("run mariadb-install-db"),
@@ -206,6 +206,7 @@ impl DbServer {
                     "--skip-log-bin",
                 ])
                 .arg(format!("--datadir={}", server_dir.join("data").display()))
+                .arg(format!("--tmpdir={}", server_dir.display()))
                 .output()
                 .expect("run mysqld --initialize-insecure"),
         };
@@ -316,6 +317,8 @@ impl DbServer {
             "--innodb-doublewrite=0".to_owned(),
             "--max-connections=500".to_owned(),
             format!("--init-file={}", self.server_dir.join("init.sql").display()),
+            // Its own temp dir, as at install, not the /tmp that every server shares.
+            format!("--tmpdir={}", self.server_dir.display()),
         ];
         // The certificate files as the server sees them (inside the chroot for MySQL).
         let seen = |path: &std::path::Path| {
@@ -358,7 +361,6 @@ impl DbServer {
                     .command(find_on_path("mariadbd").expect("mariadbd"));
                 cmd.args(&common).args(&tls);
                 cmd.arg("--innodb-log-file-size=8M");
-                cmd.arg(format!("--tmpdir={}", self.server_dir.display()));
                 cmd
             }
             Flavor::MySql => {

@@ -29,7 +29,9 @@ use std::time::{Duration, Instant};
 use crate::{Placement, ServerTls};
 
 mod cluster;
+mod harness;
 pub use cluster::RedisCluster;
+pub use harness::{Connect, Deployment, HARNESS_LEASE, LeaseHarness};
 
 /// A server flavour.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,9 @@ use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::{Cmd, ErrorKind, Pipeline, RedisError, RedisFuture, Value};
 
 use crate::LockError;
-use crate::options::{percent_decode, shown};
+use crate::options::shown;
+
+use super::hosts::{HostListUrl, Hosts};
 
 /// The port a node listens on when the URL names none.
 pub(crate) const DEFAULT_PORT: u16 = 6379;
@@ -170,136 +172,33 @@ pub(crate) fn is_cross_slot(err: &RedisError) -> bool {
 /// What a `redis+cluster://` URL says apart from its options.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct ClusterUrl {
-    pub(crate) nodes: Vec<(String, u16)>,
-    pub(crate) user: Option<String>,
-    pub(crate) password: Option<String>,
+    pub(crate) hosts: Hosts,
     /// The query, without `?`.
     pub(crate) query: String,
 }
 
-const EXAMPLE: &str = "redis+cluster://[user:password@]host:6379,host:6379[?lease=30s]";
-
-fn url_error(what: impl fmt::Display) -> LockError {
-    LockError::config(format!(
-        "the redis+cluster URL {what}; write it like {EXAMPLE}"
-    ))
-}
+/// How a `redis+cluster://` URL is written.
+const URL: HostListUrl = HostListUrl {
+    scheme: "redis+cluster",
+    leads_to: "Redis Cluster",
+    noun: "node",
+    default_port: DEFAULT_PORT,
+    example: "redis+cluster://[user:password@]host:6379,host:6379[?lease=30s]",
+};
 
 /// Takes a `redis+cluster://` URL apart. Errors never repeat the password.
 pub(crate) fn split_url(url: &str) -> Result<ClusterUrl, LockError> {
-    let rest = url
-        .split_once("://")
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+cluster"))
-        .map(|(_, rest)| rest)
-        .ok_or_else(|| {
-            LockError::config(format!(
-                "a Redis Cluster URL starts with redis+cluster://; write it like {EXAMPLE}"
-            ))
-        })?;
-    let (main, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let (authority, path) = match main.find('/') {
-        Some(at) => (&main[..at], &main[at + 1..]),
-        None => (main, ""),
-    };
-    if !path.is_empty() && path != "0" {
-        return Err(url_error(format_args!(
+    let split = URL.split(url)?;
+    if !split.path.is_empty() && split.path != "0" {
+        return Err(URL.error(format_args!(
             "has the path `/{}`: a cluster has only the database 0",
-            shown(path)
+            shown(split.path)
         )));
-    }
-    let (userinfo, hosts) = match authority.rsplit_once('@') {
-        Some((userinfo, hosts)) => (Some(userinfo), hosts),
-        None => (None, authority),
-    };
-    let (user, password) = match userinfo {
-        None => (None, None),
-        Some(userinfo) => {
-            let (user, password) = match userinfo.split_once(':') {
-                Some((user, password)) => (user, Some(password)),
-                None => (userinfo, None),
-            };
-            let user = percent_decode(user)
-                .ok_or_else(|| url_error("has a user name that is not percent-encoded UTF-8"))?;
-            let password = password
-                .map(|p| {
-                    percent_decode(p).ok_or_else(|| {
-                        url_error("has a password that is not percent-encoded UTF-8")
-                    })
-                })
-                .transpose()?;
-            ((!user.is_empty()).then_some(user), password)
-        }
-    };
-    if hosts.trim().is_empty() {
-        return Err(url_error("lists no node (host:port,host:port,...)"));
-    }
-    let mut nodes = Vec::new();
-    for host in hosts.split(',').map(str::trim) {
-        if host.is_empty() {
-            return Err(url_error(
-                "lists its nodes as host:port,host:port,...; one of them is empty",
-            ));
-        }
-        let node = host_port(host)?;
-        if nodes.contains(&node) {
-            return Err(url_error(format_args!(
-                "lists the node `{}` twice",
-                shown(host)
-            )));
-        }
-        nodes.push(node);
     }
     Ok(ClusterUrl {
-        nodes,
-        user,
-        password,
-        query: query.to_owned(),
+        hosts: URL.hosts(&split)?,
+        query: split.query.to_owned(),
     })
-}
-
-/// `host`, `host:port`, `[v6]` or `[v6]:port`.
-fn host_port(text: &str) -> Result<(String, u16), LockError> {
-    let (host, port) = if let Some(rest) = text.strip_prefix('[') {
-        let (host, after) = rest
-            .split_once(']')
-            .ok_or_else(|| url_error(format_args!("has `{}`: an unclosed `[`", shown(text))))?;
-        let port = match after {
-            "" => None,
-            _ => Some(after.strip_prefix(':').ok_or_else(|| {
-                url_error(format_args!(
-                    "has `{}`: a `:port` must follow the `]`",
-                    shown(text)
-                ))
-            })?),
-        };
-        (host, port)
-    } else {
-        match text.rsplit_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (text, None),
-        }
-    };
-    if host.is_empty() {
-        return Err(url_error(format_args!(
-            "has a node without a host (`{}`)",
-            shown(text)
-        )));
-    }
-    let port = match port {
-        None => DEFAULT_PORT,
-        Some(port) => port
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p != 0)
-            .ok_or_else(|| {
-                url_error(format_args!(
-                    "has the port `{}` for the node `{}`: a port is a number from 1 to 65535",
-                    shown(port),
-                    shown(host)
-                ))
-            })?,
-    };
-    Ok((host.to_owned(), port))
 }
 
 #[cfg(test)]
@@ -307,29 +206,20 @@ mod tests {
     use super::*;
 
     fn config_error(url: &str) -> String {
-        let err = split_url(url).expect_err(url);
-        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {err}");
-        assert!(!err.to_string().contains("hunter2"), "{err}");
-        err.to_string()
+        super::super::hosts::config_error(url, split_url)
     }
 
     #[test]
     fn cluster_urls() {
-        let url = split_url("redis+cluster://a:1,b,[::1]:3").unwrap();
-        assert_eq!(
-            url.nodes,
-            [
-                ("a".to_owned(), 1),
-                ("b".to_owned(), DEFAULT_PORT),
-                ("::1".to_owned(), 3)
-            ]
-        );
-        assert_eq!((url.user, url.password), (None, None));
+        // The host list without credentials: `hosts::tests::host_lists`.
         let url = split_url("REDIS+CLUSTER://u%40x:hunter%32@h:7000/?lease=2s").unwrap();
-        assert_eq!(url.user.as_deref(), Some("u@x"));
-        assert_eq!(url.password.as_deref(), Some("hunter2"));
+        assert_eq!(url.hosts.user.as_deref(), Some("u@x"));
+        assert_eq!(url.hosts.password.as_deref(), Some("hunter2"));
         assert_eq!(url.query, "lease=2s");
-        assert_eq!(split_url("redis+cluster://h/0").unwrap().nodes.len(), 1);
+        assert_eq!(
+            split_url("redis+cluster://h/0").unwrap().hosts.nodes.len(),
+            1
+        );
     }
 
     #[test]

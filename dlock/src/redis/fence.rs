@@ -6,12 +6,11 @@
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use redis::RedisError;
 use tokio_util::sync::CancellationToken;
 
-use super::{NAME, Shared, redis_error};
+use super::{Shared, redis_error, timed_out};
 use crate::LockError;
 
 /// How a fenced command ended.
@@ -81,10 +80,6 @@ pub(super) async fn fenced<T>(
             fence: fence(shared, ticket, what, "timed out").await,
         },
     }
-}
-
-fn timed_out(what: &str, timeout: Duration) -> LockError {
-    LockError::unavailable(NAME, format!("{what} timed out after {timeout:?}"), None)
 }
 
 /// Kills connection `ticket` after `what` ended with its outcome unknown (`cause`), counts

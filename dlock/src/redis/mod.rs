@@ -579,6 +579,7 @@ mod cluster;
 mod commands;
 mod fair;
 mod fence;
+mod hosts;
 mod inspect;
 mod read;
 mod redlock;
@@ -973,26 +974,13 @@ impl RedisBuilder {
                     client,
                     config: cluster::cluster_config(self.timeout),
                 };
-                let connection = match tokio::time::timeout(self.timeout, cluster.connect()).await {
-                    Ok(Ok(connection)) => connection,
-                    Ok(Err(err)) => {
-                        return Err(redis_error(
-                            "connecting to the cluster",
-                            err,
-                            self.prefix.as_bytes(),
-                        ));
-                    }
-                    Err(_) => {
-                        return Err(LockError::unavailable(
-                            NAME,
-                            format!(
-                                "connecting to the cluster timed out after {:?}",
-                                self.timeout
-                            ),
-                            None,
-                        ));
-                    }
-                };
+                let connection = within(
+                    self.timeout,
+                    "connecting to the cluster",
+                    self.prefix.as_bytes(),
+                    cluster.connect(),
+                )
+                .await?;
                 on_cluster = Some((cluster, subscribe));
                 (cluster::Link::Cluster(connection), None)
             }
@@ -1017,27 +1005,13 @@ impl RedisBuilder {
                 let mut sentinels = *sentinels;
                 sentinels.timeout = self.timeout;
                 sentinels.check_every = self.check_master_every;
-                let found =
-                    match tokio::time::timeout(self.timeout * 2, sentinels.discover(None)).await {
-                        Ok(Ok(found)) => found,
-                        Ok(Err(err)) => {
-                            return Err(redis_error(
-                                "finding the master through the sentinels",
-                                err,
-                                self.prefix.as_bytes(),
-                            ));
-                        }
-                        Err(_) => {
-                            return Err(LockError::unavailable(
-                                NAME,
-                                format!(
-                                    "finding the master through the sentinels timed out after {:?}",
-                                    self.timeout * 2
-                                ),
-                                None,
-                            ));
-                        }
-                    };
+                let found = within(
+                    self.timeout * 2,
+                    "finding the master through the sentinels",
+                    self.prefix.as_bytes(),
+                    sentinels.discover(None),
+                )
+                .await?;
                 let config = manager_config(self.timeout);
                 let Some(client) = found.client else {
                     return Err(LockError::unavailable(
@@ -1047,26 +1021,13 @@ impl RedisBuilder {
                     ));
                 };
                 let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
-                let manager = match tokio::time::timeout(self.timeout, connecting).await {
-                    Ok(Ok(manager)) => manager,
-                    Ok(Err(err)) => {
-                        return Err(redis_error(
-                            "connecting to the master",
-                            err,
-                            self.prefix.as_bytes(),
-                        ));
-                    }
-                    Err(_) => {
-                        return Err(LockError::unavailable(
-                            NAME,
-                            format!(
-                                "connecting to the master timed out after {:?}",
-                                self.timeout
-                            ),
-                            None,
-                        ));
-                    }
-                };
+                let manager = within(
+                    self.timeout,
+                    "connecting to the master",
+                    self.prefix.as_bytes(),
+                    connecting,
+                )
+                .await?;
                 found_master = Some((sentinels, found.addr));
                 (manager.into(), Some((client, config)))
             }
@@ -1487,14 +1448,7 @@ impl Shared {
         what: &str,
         operation: impl Future<Output = Result<T, RedisError>>,
     ) -> Result<T, LockError> {
-        match tokio::time::timeout(self.timeout, operation).await {
-            Ok(outcome) => outcome.map_err(|err| redis_error(what, err, &self.prefix)),
-            Err(_) => Err(LockError::unavailable(
-                NAME,
-                format!("{what} timed out after {:?}", self.timeout),
-                None,
-            )),
-        }
+        within(self.timeout, what, &self.prefix, operation).await
     }
 }
 
@@ -1594,6 +1548,25 @@ fn check_timeout(timeout: Duration) -> Result<Duration, LockError> {
         Duration::from_nanos(1),
         MAX_SETTING,
     )
+}
+
+/// Runs `operation` within `limit`: a driver error becomes `what`'s [`redis_error`], the limit
+/// running out `what`'s [`timed_out`].
+async fn within<T>(
+    limit: Duration,
+    what: &str,
+    prefix: &[u8],
+    operation: impl Future<Output = Result<T, RedisError>>,
+) -> Result<T, LockError> {
+    match tokio::time::timeout(limit, operation).await {
+        Ok(outcome) => outcome.map_err(|err| redis_error(what, err, prefix)),
+        Err(_) => Err(timed_out(what, limit)),
+    }
+}
+
+/// `what` did not finish within `limit`.
+fn timed_out(what: &str, limit: Duration) -> LockError {
+    LockError::unavailable(NAME, format!("{what} timed out after {limit:?}"), None)
 }
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
@@ -1877,15 +1850,11 @@ fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
             };
         }
     }
-    let mut node = redis::RedisConnectionInfo::default().set_protocol(protocol);
-    if let Some(user) = &parts.user {
-        node = node.set_username(user);
-    }
-    if let Some(password) = &parts.password {
-        node = node.set_password(password);
-    }
-    let mut infos = Vec::with_capacity(parts.nodes.len());
-    for (host, port) in &parts.nodes {
+    let node = parts
+        .hosts
+        .credentials(redis::RedisConnectionInfo::default().set_protocol(protocol));
+    let mut infos = Vec::with_capacity(parts.hosts.nodes.len());
+    for (host, port) in &parts.hosts.nodes {
         let info = redis::IntoConnectionInfo::into_connection_info(redis::ConnectionAddr::Tcp(
             host.clone(),
             *port,
@@ -1921,13 +1890,9 @@ fn cluster_url_error(err: &RedisError) -> LockError {
 fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
     let parts = sentinel::split_url(url)?;
     let options = read_options(&parts.query, false, true)?;
-    let mut master = redis::RedisConnectionInfo::default().set_db(parts.db);
-    if let Some(user) = &parts.user {
-        master = master.set_username(user);
-    }
-    if let Some(password) = &parts.password {
-        master = master.set_password(password);
-    }
+    let mut master = parts
+        .hosts
+        .credentials(redis::RedisConnectionInfo::default().set_db(parts.db));
     for (name, value) in &options.passed_on {
         if name == "protocol" {
             master = master.set_protocol(match value.to_ascii_lowercase().as_str() {
@@ -1949,7 +1914,7 @@ fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
         auth = auth.set_password(password);
     }
     let builder = RedisBuilder::on(Source::Sentinel(Box::new(sentinel::Sentinels {
-        nodes: parts.nodes,
+        nodes: parts.hosts.nodes,
         service: parts.service,
         auth,
         master,

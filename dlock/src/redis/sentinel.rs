@@ -12,6 +12,8 @@ use redis::{RedisError, ServerErrorKind, Value};
 use crate::LockError;
 use crate::options::{percent_decode, shown};
 
+use super::hosts::{HostListUrl, Hosts};
+
 /// The port a sentinel listens on when the URL names none.
 pub(crate) const DEFAULT_SENTINEL_PORT: u16 = 26379;
 
@@ -209,155 +211,52 @@ pub(crate) fn points_elsewhere(err: &RedisError) -> bool {
 /// What a `redis+sentinel://` URL says apart from its options.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct SentinelUrl {
-    pub(crate) nodes: Vec<(String, u16)>,
+    pub(crate) hosts: Hosts,
     pub(crate) service: String,
     pub(crate) db: i64,
-    pub(crate) user: Option<String>,
-    pub(crate) password: Option<String>,
     /// The query, without `?`.
     pub(crate) query: String,
 }
 
-const EXAMPLE: &str =
-    "redis+sentinel://[user:password@]host:26379,host:26379/SERVICE[/db][?lease=30s]";
-
-fn url_error(what: impl fmt::Display) -> LockError {
-    LockError::config(format!(
-        "the redis+sentinel URL {what}; write it like {EXAMPLE}"
-    ))
-}
+/// How a `redis+sentinel://` URL is written.
+const URL: HostListUrl = HostListUrl {
+    scheme: "redis+sentinel",
+    leads_to: "Redis Sentinel",
+    noun: "sentinel",
+    default_port: DEFAULT_SENTINEL_PORT,
+    example: "redis+sentinel://[user:password@]host:26379,host:26379/SERVICE[/db][?lease=30s]",
+};
 
 /// Takes a `redis+sentinel://` URL apart. Errors never repeat the password.
 pub(crate) fn split_url(url: &str) -> Result<SentinelUrl, LockError> {
-    let rest = url
-        .split_once("://")
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+sentinel"))
-        .map(|(_, rest)| rest)
-        .ok_or_else(|| {
-            LockError::config(format!(
-                "a Redis Sentinel URL starts with redis+sentinel://; write it like {EXAMPLE}"
-            ))
-        })?;
-    let (main, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let (authority, path) = match main.find('/') {
-        Some(at) => (&main[..at], &main[at + 1..]),
-        None => (main, ""),
-    };
-    let (userinfo, hosts) = match authority.rsplit_once('@') {
-        Some((userinfo, hosts)) => (Some(userinfo), hosts),
-        None => (None, authority),
-    };
-    let (user, password) = match userinfo {
-        None => (None, None),
-        Some(userinfo) => {
-            let (user, password) = match userinfo.split_once(':') {
-                Some((user, password)) => (user, Some(password)),
-                None => (userinfo, None),
-            };
-            let user = percent_decode(user)
-                .ok_or_else(|| url_error("has a user name that is not percent-encoded UTF-8"))?;
-            let password = password
-                .map(|p| {
-                    percent_decode(p).ok_or_else(|| {
-                        url_error("has a password that is not percent-encoded UTF-8")
-                    })
-                })
-                .transpose()?;
-            ((!user.is_empty()).then_some(user), password)
-        }
-    };
-    if hosts.trim().is_empty() {
-        return Err(url_error("lists no sentinel (host:port,host:port,...)"));
-    }
-    let mut nodes = Vec::new();
-    for host in hosts.split(',').map(str::trim) {
-        if host.is_empty() {
-            return Err(url_error(
-                "lists its sentinels as host:port,host:port,...; one of them is empty",
-            ));
-        }
-        let node = host_port(host)?;
-        if nodes.contains(&node) {
-            return Err(url_error(format_args!(
-                "lists the sentinel `{}` twice",
-                shown(host)
-            )));
-        }
-        nodes.push(node);
-    }
-    let (service, db) = match path.split_once('/') {
+    let split = URL.split(url)?;
+    let hosts = URL.hosts(&split)?;
+    let (service, db) = match split.path.split_once('/') {
         Some((service, db)) => (service, Some(db)),
-        None => (path, None),
+        None => (split.path, None),
     };
     let service = percent_decode(service)
-        .ok_or_else(|| url_error("has a service name that is not percent-encoded UTF-8"))?;
+        .ok_or_else(|| URL.error("has a service name that is not percent-encoded UTF-8"))?;
     if service.is_empty() {
-        return Err(url_error(
-            "names no service: the path is the name the sentinels monitor the master by",
-        ));
+        return Err(
+            URL.error("names no service: the path is the name the sentinels monitor the master by")
+        );
     }
     let db = match db {
         None | Some("") => 0,
         Some(db) => db.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
-            url_error(format_args!(
+            URL.error(format_args!(
                 "has `{}` after the service where a database number goes",
                 shown(db)
             ))
         })?,
     };
     Ok(SentinelUrl {
-        nodes,
+        hosts,
         service,
         db,
-        user,
-        password,
-        query: query.to_owned(),
+        query: split.query.to_owned(),
     })
-}
-
-/// `host`, `host:port`, `[v6]` or `[v6]:port`.
-fn host_port(text: &str) -> Result<(String, u16), LockError> {
-    let (host, port) = if let Some(rest) = text.strip_prefix('[') {
-        let (host, after) = rest
-            .split_once(']')
-            .ok_or_else(|| url_error(format_args!("has `{}`: an unclosed `[`", shown(text))))?;
-        let port = match after {
-            "" => None,
-            _ => Some(after.strip_prefix(':').ok_or_else(|| {
-                url_error(format_args!(
-                    "has `{}`: a `:port` must follow the `]`",
-                    shown(text)
-                ))
-            })?),
-        };
-        (host, port)
-    } else {
-        match text.rsplit_once(':') {
-            Some((host, port)) => (host, Some(port)),
-            None => (text, None),
-        }
-    };
-    if host.is_empty() {
-        return Err(url_error(format_args!(
-            "has a sentinel without a host (`{}`)",
-            shown(text)
-        )));
-    }
-    let port = match port {
-        None => DEFAULT_SENTINEL_PORT,
-        Some(port) => port
-            .parse::<u16>()
-            .ok()
-            .filter(|p| *p != 0)
-            .ok_or_else(|| {
-                url_error(format_args!(
-                    "has the port `{}` for the sentinel `{}`: a port is a number from 1 to 65535",
-                    shown(port),
-                    shown(host)
-                ))
-            })?,
-    };
-    Ok((host.to_owned(), port))
 }
 
 #[cfg(test)]
@@ -365,35 +264,24 @@ mod tests {
     use super::*;
 
     fn config_error(url: &str) -> String {
-        let err = split_url(url).expect_err(url);
-        assert_eq!(err.code(), "DistributedLock.Configuration", "{url}: {err}");
-        assert!(!err.to_string().contains("hunter2"), "{err}");
-        err.to_string()
+        super::super::hosts::config_error(url, split_url)
     }
 
     #[test]
     fn sentinel_urls() {
+        // The host list without credentials: `hosts::tests::host_lists`.
         let url = split_url("redis+sentinel://a:1,b,[::1]:3/mymaster").unwrap();
-        assert_eq!(
-            url.nodes,
-            [
-                ("a".to_owned(), 1),
-                ("b".to_owned(), DEFAULT_SENTINEL_PORT),
-                ("::1".to_owned(), 3)
-            ]
-        );
-        assert_eq!(url.service, "mymaster");
-        assert_eq!((url.db, url.user, url.password), (0, None, None));
+        assert_eq!((url.service.as_str(), url.db), ("mymaster", 0));
         let url =
             split_url("REDIS+SENTINEL://u%40x:hunter%32@h:26379/my%20master/3?lease=2s").unwrap();
         assert_eq!(url.service, "my master");
         assert_eq!(url.db, 3);
-        assert_eq!(url.user.as_deref(), Some("u@x"));
-        assert_eq!(url.password.as_deref(), Some("hunter2"));
+        assert_eq!(url.hosts.user.as_deref(), Some("u@x"));
+        assert_eq!(url.hosts.password.as_deref(), Some("hunter2"));
         assert_eq!(url.query, "lease=2s");
         let url = split_url("redis+sentinel://:pw@h/s/").unwrap();
         assert_eq!(
-            (url.user, url.password.as_deref(), url.db),
+            (url.hosts.user, url.hosts.password.as_deref(), url.db),
             (None, Some("pw"), 0)
         );
     }
