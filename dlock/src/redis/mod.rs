@@ -181,7 +181,9 @@
 //! trips (1 ms to 50 ms), time for a woken waiter elsewhere to take it; if none does, the
 //! local waiter tries then. A release that woke nobody elsewhere costs nothing. The same
 //! run then gave 445, 466 and 451. A single [`try_acquire`](crate::LockProvider::try_acquire)
-//! never holds off.
+//! never holds off. On a Cluster, `PUBLISH` counts only the subscribers of the node that ran
+//! it, and waiters subscribe on the URL's first node: a release of a key whose slot lives on
+//! another master counts nobody, so only keys on the first node get the hold-off.
 //!
 //! # URL
 //!
