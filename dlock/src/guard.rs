@@ -36,8 +36,9 @@ pub struct LockGuard {
     acquired_at: Instant,
     runtime: tokio::runtime::Handle,
     metrics: Arc<Metrics>,
-    /// The metrics' watch on the lost token, which counts the loss when it is detected.
-    hold: Arc<Hold>,
+    /// The lock's record with the metrics: the watch on the lost token, which counts the loss
+    /// when it is detected, and what inspection shows.
+    hold: Hold,
 }
 
 struct Held {
@@ -55,14 +56,15 @@ impl LockGuard {
         runtime: tokio::runtime::Handle,
     ) -> Self {
         let key = Arc::clone(slot.key());
-        let hold = metrics.watch(&runtime, backend, &key, &acquired.lost);
-        slot.show(crate::table::Shown {
+        let shown = crate::metrics::Shown {
+            key: Arc::clone(&key),
             since: std::time::SystemTime::now(),
             fencing_token: acquired.fencing_token,
             lease_deadline: acquired.lease_deadline.clone(),
             lost: acquired.lost.clone(),
             shared: slot.is_shared(),
-        });
+        };
+        let hold = metrics.watch(&runtime, backend, shown);
         LockGuard {
             key,
             hold,
@@ -129,7 +131,7 @@ impl LockGuard {
     /// watch would count it a moment later).
     fn mark_lost(&self) {
         self.lost.cancel();
-        self.metrics.lost(&self.hold, self.backend, &self.key);
+        self.metrics.lost(self.hold, self.backend, &self.key);
     }
 
     /// Whether the lease's local deadline has passed (never for session locks). Read by
@@ -377,7 +379,7 @@ impl Drop for Releasing {
 /// gone, it records then.
 struct HoldEnd {
     metrics: Arc<Metrics>,
-    hold: Arc<Hold>,
+    hold: Hold,
     key: Arc<str>,
     backend: &'static str,
     held: std::time::Duration,
@@ -388,9 +390,9 @@ impl Drop for HoldEnd {
     fn drop(&mut self) {
         self.metrics.held(self.backend, &self.key, self.held);
         if self.lost.is_cancelled() {
-            self.metrics.lost(&self.hold, self.backend, &self.key);
+            self.metrics.lost(self.hold, self.backend, &self.key);
         }
-        self.hold.end();
+        self.metrics.end(self.hold);
     }
 }
 
@@ -400,7 +402,7 @@ impl LockGuard {
     fn hold_end(&self) -> HoldEnd {
         HoldEnd {
             metrics: Arc::clone(&self.metrics),
-            hold: Arc::clone(&self.hold),
+            hold: self.hold,
             key: Arc::clone(&self.key),
             backend: self.backend,
             held: self.acquired_at.elapsed(),

@@ -359,9 +359,9 @@ impl LockProvider {
         }
     }
 
-    /// The provider's in-process table.
-    pub(crate) fn table(&self) -> &LocalTable {
-        &self.inner.table
+    /// The provider's metrics, which also keep what inspection shows of its held locks.
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
     }
 
     /// The provider's backend.
