@@ -50,7 +50,9 @@ pub(super) const BATCH: usize = 512;
 
 #[derive(Default)]
 struct State {
-    entries: HashMap<u64, Entry>,
+    /// Boxed: the map's spare room (up to half of it after it grows) costs a pointer per
+    /// bucket, not a whole entry.
+    entries: HashMap<u64, Box<Entry>>,
     /// Every entry by when the driver must look at it ([`Term::wake_at`]), then by id.
     queue: BTreeSet<(Instant, u64)>,
     next_id: u64,
@@ -96,7 +98,7 @@ impl State {
     fn take(&mut self, id: u64) -> Option<Entry> {
         let entry = self.entries.remove(&id)?;
         self.queue.remove(&(entry.queued, id));
-        Some(entry)
+        Some(*entry)
     }
 }
 
@@ -167,7 +169,7 @@ impl Renewals {
                 let id = state.next_id;
                 state.next_id += 1;
                 let wake_at = entry.queued;
-                state.entries.insert(id, entry);
+                state.entries.insert(id, Box::new(entry));
                 state.queue.insert((wake_at, id));
                 renewals.plan(state, wake_at);
                 return Ok((id, deadline));
@@ -268,7 +270,7 @@ impl Drop for DriverStop {
             state.driver = None;
             state.planned = None;
             state.queue.clear();
-            state.entries.drain().map(|(_, entry)| entry).collect()
+            state.entries.drain().map(|(_, entry)| *entry).collect()
         };
         if !orphans.is_empty() {
             tracing::warn!(
