@@ -26,8 +26,9 @@ use crate::table::Slot;
 /// [`release`](LockGuard::release) to wait for the release and see its outcome.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
+    /// The handle and the table slot (which has the key); taken only by the release or the
+    /// drop that consume the guard.
     state: Option<Held>,
-    key: Arc<str>,
     fencing_token: Option<u64>,
     lost: CancellationToken,
     /// For a leased lock, the local deadline past which it is presumed lost.
@@ -55,9 +56,8 @@ impl LockGuard {
         metrics: Arc<Metrics>,
         runtime: tokio::runtime::Handle,
     ) -> Self {
-        let key = Arc::clone(slot.key());
         let shown = crate::metrics::Shown {
-            key: Arc::clone(&key),
+            key: Arc::clone(slot.key()),
             since: std::time::SystemTime::now(),
             fencing_token: acquired.fencing_token,
             lease_deadline: acquired.lease_deadline.clone(),
@@ -66,7 +66,6 @@ impl LockGuard {
         };
         let hold = metrics.watch(&runtime, backend, shown);
         LockGuard {
-            key,
             hold,
             fencing_token: acquired.fencing_token,
             lost: acquired.lost,
@@ -84,7 +83,14 @@ impl LockGuard {
 
     /// The key this guard holds.
     pub fn key(&self) -> &str {
-        &self.key
+        self.state.as_ref().map_or("", |held| held.slot.key())
+    }
+
+    /// The key, shared (for errors and the end of the hold).
+    fn shared_key(&self) -> Arc<str> {
+        self.state
+            .as_ref()
+            .map_or_else(Arc::default, |held| Arc::clone(held.slot.key()))
     }
 
     /// The fencing token of this acquisition: strictly greater than the token of every earlier
@@ -117,7 +123,7 @@ impl LockGuard {
         }
         if self.lease_ran_out() {
             tracing::warn!(
-                key = &*self.key,
+                key = self.key(),
                 backend = self.backend,
                 "the lock's lease ran out with no renewal confirmed (was the process paused?); it is presumed lost"
             );
@@ -131,7 +137,7 @@ impl LockGuard {
     /// watch would count it a moment later).
     fn mark_lost(&self) {
         self.lost.cancel();
-        self.metrics.lost(self.hold, self.backend, &self.key);
+        self.metrics.lost(self.hold, self.backend, self.key());
     }
 
     /// Whether the lease's local deadline has passed (never for session locks). Read by
@@ -165,7 +171,7 @@ impl LockGuard {
     /// Dropping the returned future before it completes still releases the lock, in the
     /// background, as dropping the guard does.
     pub async fn release(self) -> Result<(), LockError> {
-        let key = Arc::clone(&self.key);
+        let key = self.shared_key();
         let lost = self.lost.clone();
         let outcome = self.give_back().await;
         if lost.is_cancelled() {
@@ -213,11 +219,12 @@ impl LockGuard {
         let Some(Held { handle, slot }) = self.state.take() else {
             return Ok(ReleaseOutcome::AlreadyReleased);
         };
-        let span = tracing::debug_span!("dlock.release", key = &*self.key, backend = self.backend);
+        let key = Arc::clone(slot.key());
+        let span = tracing::debug_span!("dlock.release", key = &*key, backend = self.backend);
         let mut releasing = Releasing {
             future: Some(handle.release_outcome()),
             slot: Some(slot),
-            end: Some(self.hold_end()),
+            end: Some(self.hold_end(key)),
             runtime: self.runtime.clone(),
         };
         let outcome = std::future::poll_fn(|cx| match releasing.future.as_mut() {
@@ -251,7 +258,7 @@ impl LockGuard {
     /// The error for a lock found lost by a lease operation.
     fn lost_error(&self, reason: &str) -> LockError {
         LockError::Lost {
-            key: Arc::clone(&self.key),
+            key: self.shared_key(),
             reason: reason.to_owned(),
         }
     }
@@ -399,11 +406,11 @@ impl Drop for HoldEnd {
 impl LockGuard {
     /// The hold ends now (its duration is measured here); it is recorded once the release is
     /// done (once: the guard's state is gone).
-    fn hold_end(&self) -> HoldEnd {
+    fn hold_end(&self, key: Arc<str>) -> HoldEnd {
         HoldEnd {
             metrics: Arc::clone(&self.metrics),
             hold: self.hold,
-            key: Arc::clone(&self.key),
+            key,
             backend: self.backend,
             held: self.acquired_at.elapsed(),
             lost: self.lost.clone(),
@@ -414,8 +421,8 @@ impl LockGuard {
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if let Some(Held { handle, slot }) = self.state.take() {
-            let end = self.hold_end();
-            let key = Arc::clone(&self.key);
+            let key = Arc::clone(slot.key());
+            let end = self.hold_end(Arc::clone(&key));
             let backend = self.backend;
             let task = async move {
                 if let Err(err) = handle.release().await {
@@ -434,7 +441,7 @@ impl Drop for LockGuard {
 impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
-            .field("key", &self.key)
+            .field("key", &self.key())
             .field("backend", &self.backend)
             .field("fencing_token", &self.fencing_token)
             .field("lost", &(self.lost.is_cancelled() || self.lease_ran_out()))

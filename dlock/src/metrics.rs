@@ -223,10 +223,10 @@ impl Metrics {
                 Some(slot) => slot,
                 None => {
                     let slot = u32::try_from(state.slots.len()).unwrap_or(u32::MAX);
-                    let waker = Waker::from(Arc::new(SlotWaker {
+                    let waker = Arc::new(SlotWaker {
                         shared: Arc::downgrade(&self.watcher.shared),
                         slot,
-                    }));
+                    });
                     state.slots.push(Slot {
                         waker,
                         id: 0,
@@ -246,7 +246,7 @@ impl Metrics {
                 .as_mut()
                 .project()
                 .waiter
-                .poll(&mut Context::from_waker(&entry.waker))
+                .poll(&mut Context::from_waker(&Waker::from(Arc::clone(&entry.waker))))
                 .is_ready();
             if fired {
                 *record.as_mut().project().counted = true;
@@ -384,7 +384,8 @@ struct WatchState {
 /// One slot of the watcher: its waker (made once, kept while the slot is reused), and the
 /// record of the hold in it, if any.
 struct Slot {
-    waker: Waker,
+    /// Kept as the `Arc` a waker is made from (a pointer, not a waker's two).
+    waker: Arc<SlotWaker>,
     id: u32,
     record: Option<Pin<Box<Record>>>,
 }
@@ -504,7 +505,7 @@ async fn run(metrics: Weak<Metrics>, running: Running) {
                 // wake-up was for an earlier hold): it waits again.
                 if record
                     .waiter
-                    .poll(&mut Context::from_waker(&entry.waker))
+                    .poll(&mut Context::from_waker(&Waker::from(Arc::clone(&entry.waker))))
                     .is_ready()
                 {
                     *record.counted = true;
