@@ -33,7 +33,6 @@ pub struct LockGuard {
     lost: CancellationToken,
     /// For a leased lock, the local deadline past which it is presumed lost.
     lease_deadline: Option<LeaseDeadline>,
-    backend: &'static str,
     acquired_at: Instant,
     runtime: tokio::runtime::Handle,
     metrics: Arc<Metrics>,
@@ -52,7 +51,6 @@ impl LockGuard {
     pub(crate) fn new(
         slot: Slot,
         acquired: crate::backend::Acquired,
-        backend: &'static str,
         metrics: Arc<Metrics>,
         runtime: tokio::runtime::Handle,
     ) -> Self {
@@ -64,13 +62,12 @@ impl LockGuard {
             lost: acquired.lost.clone(),
             shared: slot.is_shared(),
         };
-        let hold = metrics.watch(&runtime, backend, shown);
+        let hold = metrics.watch(&runtime, shown);
         LockGuard {
             hold,
             fencing_token: acquired.fencing_token,
             lost: acquired.lost,
             lease_deadline: acquired.lease_deadline,
-            backend,
             acquired_at: Instant::now(),
             runtime,
             metrics,
@@ -124,7 +121,7 @@ impl LockGuard {
         if self.lease_ran_out() {
             tracing::warn!(
                 key = self.key(),
-                backend = self.backend,
+                backend = self.backend(),
                 "the lock's lease ran out with no renewal confirmed (was the process paused?); it is presumed lost"
             );
             self.mark_lost();
@@ -137,7 +134,7 @@ impl LockGuard {
     /// watch would count it a moment later).
     fn mark_lost(&self) {
         self.lost.cancel();
-        self.metrics.lost(self.hold, self.backend, self.key());
+        self.metrics.lost(self.hold, self.backend(), self.key());
     }
 
     /// Whether the lease's local deadline has passed (never for session locks). Read by
@@ -150,7 +147,7 @@ impl LockGuard {
 
     /// The name of the backend that holds the lock.
     pub fn backend(&self) -> &'static str {
-        self.backend
+        self.metrics.backend()
     }
 
     /// When the lock was acquired.
@@ -220,7 +217,7 @@ impl LockGuard {
             return Ok(ReleaseOutcome::AlreadyReleased);
         };
         let key = Arc::clone(slot.key());
-        let span = tracing::debug_span!("dlock.release", key = &*key, backend = self.backend);
+        let span = tracing::debug_span!("dlock.release", key = &*key, backend = self.backend());
         let mut releasing = Releasing {
             future: Some(handle.release_outcome()),
             slot: Some(slot),
@@ -248,7 +245,7 @@ impl LockGuard {
             .and_then(|held| held.handle.lease_control())
             .ok_or_else(|| {
                 LockError::unsupported(
-                    self.backend,
+                    self.backend(),
                     operation,
                     "this backend's locks live with a server session, not a lease",
                 )
@@ -411,7 +408,7 @@ impl LockGuard {
             metrics: Arc::clone(&self.metrics),
             hold: self.hold,
             key,
-            backend: self.backend,
+            backend: self.backend(),
             held: self.acquired_at.elapsed(),
             lost: self.lost.clone(),
         }
@@ -423,7 +420,7 @@ impl Drop for LockGuard {
         if let Some(Held { handle, slot }) = self.state.take() {
             let key = Arc::clone(slot.key());
             let end = self.hold_end(Arc::clone(&key));
-            let backend = self.backend;
+            let backend = self.backend();
             let task = async move {
                 if let Err(err) = handle.release().await {
                     tracing::warn!(%key, backend, error = %err, "background release of a dropped lock guard failed");
@@ -442,7 +439,7 @@ impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
             .field("key", &self.key())
-            .field("backend", &self.backend)
+            .field("backend", &self.backend())
             .field("fencing_token", &self.fencing_token)
             .field("lost", &(self.lost.is_cancelled() || self.lease_ran_out()))
             .field("released", &self.state.is_none())

@@ -106,11 +106,14 @@ pub(crate) struct Metrics {
     hold: Histogram<f64>,
     lost: Counter<u64>,
     opt_in: OptIn,
+    /// The provider's backend, named by its guards (empty for transaction-bound locks, which
+    /// name theirs at each point).
+    backend: &'static str,
     watcher: Watcher,
 }
 
 impl Metrics {
-    pub(crate) fn new(meter: &Meter, opt_in: OptIn) -> Self {
+    pub(crate) fn new(meter: &Meter, opt_in: OptIn, backend: &'static str) -> Self {
         Metrics {
             acquisitions: meter
                 .u64_counter("distributed_lock.acquisitions")
@@ -133,8 +136,14 @@ impl Metrics {
                 .with_unit("{lock}")
                 .build(),
             opt_in,
+            backend,
             watcher: Watcher::default(),
         }
+    }
+
+    /// The provider's backend.
+    pub(crate) fn backend(&self) -> &'static str {
+        self.backend
     }
 
     /// Calls `f` with the attributes of one point: `lock_type`, `status` when given, and the
@@ -207,7 +216,6 @@ impl Metrics {
     pub(crate) fn watch(
         self: &Arc<Self>,
         runtime: &tokio::runtime::Handle,
-        backend: &'static str,
         shown: Shown,
     ) -> Hold {
         let key = Arc::clone(&shown.key);
@@ -218,7 +226,6 @@ impl Metrics {
         });
         let (hold, fired, start) = {
             let mut state = lock(&self.watcher.shared.state);
-            state.backend = backend;
             let slot = match state.free.pop() {
                 Some(slot) => slot,
                 None => {
@@ -262,7 +269,7 @@ impl Metrics {
             drop(runtime.spawn(run(Arc::downgrade(self), running)));
         }
         if fired {
-            self.count_lost(backend, &key);
+            self.count_lost(self.backend, &key);
         }
         hold
     }
@@ -371,8 +378,6 @@ struct WatchState {
     slots: Vec<Slot>,
     /// The number of the next hold.
     next_id: u32,
-    /// The provider's backend (one per provider), named by the losses the task counts.
-    backend: &'static str,
     free: Vec<u32>,
     ready: Vec<u32>,
     /// The watcher task, when it waits for a slot to be ready.
@@ -480,7 +485,7 @@ async fn run(metrics: Weak<Metrics>, running: Running) {
         let Some(metrics) = metrics.upgrade() else {
             return Poll::Ready(());
         };
-        let backend = {
+        {
             let mut state = lock(&metrics.watcher.shared.state);
             if state.ready.is_empty() {
                 state.task = Some(cx.waker().clone());
@@ -512,11 +517,10 @@ async fn run(metrics: Weak<Metrics>, running: Running) {
                     lost.push(Arc::clone(&record.shown.key));
                 }
             }
-            state.backend
-        };
+        }
         // Counted without the lock.
         for key in lost.drain(..) {
-            metrics.count_lost(backend, &key);
+            metrics.count_lost(metrics.backend, &key);
         }
         // Let the runtime's other tasks run before the next batch.
         cx.waker().wake_by_ref();
@@ -539,7 +543,7 @@ pub fn set_transaction_meter(meter: Meter) -> bool {
     let mut set = false;
     TRANSACTION_METRICS.get_or_init(|| {
         set = true;
-        Metrics::new(&meter, OptIn::default())
+        Metrics::new(&meter, OptIn::default(), "")
     });
     set
 }
@@ -550,6 +554,7 @@ pub(crate) fn transaction_metrics() -> &'static Metrics {
         Metrics::new(
             &opentelemetry::global::meter(DEFAULT_METER_NAME),
             OptIn::default(),
+            "",
         )
     })
 }
@@ -593,7 +598,7 @@ mod tests {
             lost: token.clone(),
             shared: false,
         };
-        metrics.watch(&tokio::runtime::Handle::current(), "memory", shown)
+        metrics.watch(&tokio::runtime::Handle::current(), shown)
     }
 
     async fn until(condition: impl Fn() -> bool) {
@@ -611,7 +616,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn holds_end_and_their_slots_are_reused() {
         let recorder = Recorder::new();
-        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default(), "memory"));
         for _ in 0..50 {
             let token = CancellationToken::new();
             let hold = watch(&metrics, "a", &token);
@@ -651,7 +656,7 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_hold_that_ends_takes_its_record_out_at_once() {
         let recorder = Recorder::new();
-        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default(), "memory"));
         for _ in 0..10 {
             let token = CancellationToken::new();
             let hold = watch(&metrics, "a", &token);
@@ -692,7 +697,7 @@ mod tests {
     #[test]
     fn the_watcher_outlives_its_runtime() {
         let recorder = Recorder::new();
-        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default(), "memory"));
         let first = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()

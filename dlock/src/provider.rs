@@ -549,7 +549,6 @@ impl LockProvider {
         Ok(LockGuard::new(
             slot,
             acquired,
-            backend.name(),
             Arc::clone(&inner.metrics),
             runtime,
         ))
@@ -826,7 +825,7 @@ impl ProviderBuilder {
                 opentelemetry::InstrumentationScope::builder(name).build(),
             )
         });
-        let metrics = Arc::new(Metrics::new(&meter, self.metrics));
+        let metrics = Arc::new(Metrics::new(&meter, self.metrics, self.backend.name()));
         LockProvider {
             inner: Arc::new(Inner {
                 backend: self.backend,
