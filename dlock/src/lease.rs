@@ -96,7 +96,7 @@ pub(crate) struct Term {
     /// The lease renewals ask for, in nanoseconds (a lease is at most a year): a word, not a
     /// `Duration`'s two, as a term is kept for every held lock.
     lease: u64,
-    next: Instant,
+    next: Mark,
     deadline: LeaseDeadline,
     in_flight: bool,
     /// Renewals were turned off (at acquisition, or later by the holder): the lock expires
@@ -120,7 +120,7 @@ impl Term {
     pub(crate) fn new(lease: Duration, sent: Instant, cadence: Option<Duration>) -> Term {
         Term {
             lease: nanos(lease),
-            next: later(sent, every(lease, cadence)),
+            next: Mark::of(later(sent, every(lease, cadence))),
             deadline: LeaseDeadline::new(later(sent, safe_window(lease))),
             in_flight: false,
             stopped: false,
@@ -162,7 +162,7 @@ impl Term {
 
     /// Whether a renewal should start at `now`.
     pub(crate) fn is_due(&self, now: Instant) -> bool {
-        !self.in_flight && !self.stopped && self.next <= now
+        !self.in_flight && !self.stopped && self.next <= Mark::of(now)
     }
 
     /// Whether a renewal may start at `now` along with others due then: it is due within
@@ -170,7 +170,7 @@ impl Term {
     #[cfg(feature = "redis")]
     pub(crate) fn may_renew(&self, now: Instant) -> bool {
         let early = renew_early(self.every());
-        !self.in_flight && !self.stopped && self.next <= later(now, early)
+        !self.in_flight && !self.stopped && self.next <= Mark::of(later(now, early))
     }
 
     /// Whether the local deadline has passed at `now`: the lock is presumed lost.
@@ -189,13 +189,13 @@ impl Term {
     pub(crate) fn renewed(&mut self, sent: Instant) {
         self.in_flight = false;
         self.deadline.set(later(sent, safe_window(self.lease())));
-        self.next = later(sent, self.every());
+        self.next = Mark::of(later(sent, self.every()));
     }
 
     /// The renewal failed without an answer at `now`: tried again soon, up to the deadline.
     pub(crate) fn failed(&mut self, now: Instant) {
         self.in_flight = false;
-        self.next = later(now, retry_after(self.lease()));
+        self.next = Mark::of(later(now, retry_after(self.lease())));
     }
 
     /// When the driver must look at this lock next: its next renewal, or its deadline.
@@ -203,20 +203,20 @@ impl Term {
         if self.in_flight || self.stopped {
             self.deadline.at()
         } else {
-            self.next.min(self.deadline.at())
+            self.next.at().min(self.deadline.at())
         }
     }
 
     /// Makes the next renewal due at `at` (tests).
     #[cfg(all(test, feature = "sqlite"))]
     pub(crate) fn set_next(&mut self, at: Instant) {
-        self.next = at;
+        self.next = Mark::of(at);
     }
 
     /// When the next renewal is due (tests).
     #[cfg(test)]
     pub(crate) fn next(&self) -> Instant {
-        self.next
+        self.next.at()
     }
 }
 
@@ -229,15 +229,31 @@ impl Term {
 /// process is stopped, so a deadline passes during a pause as the store's lease does.
 #[derive(Clone)]
 pub struct LeaseDeadline(
-    /// Nanoseconds from [`origin`] (saturating, about 584 years): one word per held lock.
+    /// A [`Mark`]'s nanoseconds: one word per held lock.
     Arc<AtomicU64>,
 );
 
-/// The instant every deadline of the process is counted from: the first one made. A deadline
-/// before it is kept as the origin itself, which has passed too.
-fn origin() -> Instant {
-    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    *ORIGIN.get_or_init(Instant::now)
+/// An instant in one word, for what is kept per held lock (deadlines, the times of terms and
+/// of renewal queues): nanoseconds after the process's origin, the first instant kept this
+/// way (saturating, about 584 years). An instant before the origin is kept as the origin,
+/// which has passed too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Mark(u64);
+
+impl Mark {
+    fn origin() -> Instant {
+        static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *ORIGIN.get_or_init(Instant::now)
+    }
+
+    pub(crate) fn of(at: Instant) -> Mark {
+        let after = at.saturating_duration_since(Mark::origin()).as_nanos();
+        Mark(u64::try_from(after).unwrap_or(u64::MAX))
+    }
+
+    pub(crate) fn at(self) -> Instant {
+        later(Mark::origin(), Duration::from_nanos(self.0))
+    }
 }
 
 impl LeaseDeadline {
@@ -250,17 +266,12 @@ impl LeaseDeadline {
 
     /// Moves the deadline to `at` (a renewal confirmed), earlier or later.
     pub fn set(&self, at: Instant) {
-        let after = at.saturating_duration_since(origin()).as_nanos();
-        self.0
-            .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Release);
+        self.0.store(Mark::of(at).0, Ordering::Release);
     }
 
     /// The deadline.
     pub fn at(&self) -> Instant {
-        later(
-            origin(),
-            Duration::from_nanos(self.0.load(Ordering::Acquire)),
-        )
+        Mark(self.0.load(Ordering::Acquire)).at()
     }
 
     /// Whether the deadline has passed.
