@@ -213,11 +213,7 @@ impl Metrics {
     /// Starts keeping a lock just acquired: what inspection shows of it, and a waiter on its
     /// lost token, so that its loss is counted as soon as the token fires, until
     /// [`Metrics::end`]. `runtime` runs the provider's watcher task if it has none yet.
-    pub(crate) fn watch(
-        self: &Arc<Self>,
-        runtime: &tokio::runtime::Handle,
-        shown: Shown,
-    ) -> Hold {
+    pub(crate) fn watch(self: &Arc<Self>, runtime: &tokio::runtime::Handle, shown: Shown) -> Hold {
         let key = Arc::clone(&shown.key);
         let mut record = Box::pin(Record {
             waiter: shown.lost.clone().cancelled_owned(),
@@ -253,7 +249,9 @@ impl Metrics {
                 .as_mut()
                 .project()
                 .waiter
-                .poll(&mut Context::from_waker(&Waker::from(Arc::clone(&entry.waker))))
+                .poll(&mut Context::from_waker(&Waker::from(Arc::clone(
+                    &entry.waker,
+                ))))
                 .is_ready();
             if fired {
                 *record.as_mut().project().counted = true;
@@ -510,7 +508,9 @@ async fn run(metrics: Weak<Metrics>, running: Running) {
                 // wake-up was for an earlier hold): it waits again.
                 if record
                     .waiter
-                    .poll(&mut Context::from_waker(&Waker::from(Arc::clone(&entry.waker))))
+                    .poll(&mut Context::from_waker(&Waker::from(Arc::clone(
+                        &entry.waker,
+                    ))))
                     .is_ready()
                 {
                     *record.counted = true;
@@ -572,7 +572,7 @@ fn millis(d: Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use tokio_util::sync::CancellationToken;
 
@@ -599,14 +599,6 @@ mod tests {
             shared: false,
         };
         metrics.watch(&tokio::runtime::Handle::current(), shown)
-    }
-
-    async fn until(condition: impl Fn() -> bool) {
-        let started = Instant::now();
-        while !condition() {
-            assert!(started.elapsed() < Duration::from_secs(10), "never came");
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
     }
 
     /// Ended holds give their slots back, and the slots are reused: the watcher does not grow

@@ -817,10 +817,7 @@ impl HeldLock for SqliteHeld {
             // the lease run out meanwhile.
             self.shared.renewer.releasing(self.id);
             if self.read {
-                let outcome = self
-                    .shared
-                    .release_read(&self.name[..], &self.owner)
-                    .await;
+                let outcome = self.shared.release_read(&self.name[..], &self.owner).await;
                 self.shared.renewer.unregister(self.id);
                 return match outcome {
                     Ok(outcome) => {
