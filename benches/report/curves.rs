@@ -419,8 +419,9 @@ fn held_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
                 growth(&total),
                 if last.memory > 1024.0 {
                     "; over the target: each held lock keeps its guard, its in-process table \
-                     entry, a future watching it for loss (metrics), the backend's handle and, \
-                     on SQLite and Redis, a renewal entry, each allocated on its own"
+                     entry, its record with the provider (what inspection shows, and the \
+                     waiter on its lost token), its lost token, the backend's handle and, on \
+                     SQLite and Redis, a renewal entry and its lease deadline"
                 } else {
                     ""
                 }

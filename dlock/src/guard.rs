@@ -26,18 +26,19 @@ use crate::table::Slot;
 /// [`release`](LockGuard::release) to wait for the release and see its outcome.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
+    /// The handle and the table slot (which has the key); taken only by the release or the
+    /// drop that consume the guard.
     state: Option<Held>,
-    key: Arc<str>,
     fencing_token: Option<u64>,
     lost: CancellationToken,
     /// For a leased lock, the local deadline past which it is presumed lost.
     lease_deadline: Option<LeaseDeadline>,
-    backend: &'static str,
     acquired_at: Instant,
     runtime: tokio::runtime::Handle,
     metrics: Arc<Metrics>,
-    /// The metrics' watch on the lost token, which counts the loss when it is detected.
-    hold: Arc<Hold>,
+    /// The lock's record with the metrics: the watch on the lost token, which counts the loss
+    /// when it is detected, and what inspection shows.
+    hold: Hold,
 }
 
 struct Held {
@@ -50,26 +51,23 @@ impl LockGuard {
     pub(crate) fn new(
         slot: Slot,
         acquired: crate::backend::Acquired,
-        backend: &'static str,
         metrics: Arc<Metrics>,
         runtime: tokio::runtime::Handle,
     ) -> Self {
-        let key = Arc::clone(slot.key());
-        let hold = metrics.watch(&runtime, backend, &key, &acquired.lost);
-        slot.show(crate::table::Shown {
+        let shown = crate::metrics::Shown {
+            key: Arc::clone(slot.key()),
             since: std::time::SystemTime::now(),
             fencing_token: acquired.fencing_token,
             lease_deadline: acquired.lease_deadline.clone(),
             lost: acquired.lost.clone(),
             shared: slot.is_shared(),
-        });
+        };
+        let hold = metrics.watch(&runtime, shown);
         LockGuard {
-            key,
             hold,
             fencing_token: acquired.fencing_token,
             lost: acquired.lost,
             lease_deadline: acquired.lease_deadline,
-            backend,
             acquired_at: Instant::now(),
             runtime,
             metrics,
@@ -82,7 +80,14 @@ impl LockGuard {
 
     /// The key this guard holds.
     pub fn key(&self) -> &str {
-        &self.key
+        self.state.as_ref().map_or("", |held| held.slot.key())
+    }
+
+    /// The key, shared (for errors and the end of the hold).
+    fn shared_key(&self) -> Arc<str> {
+        self.state
+            .as_ref()
+            .map_or_else(Arc::default, |held| Arc::clone(held.slot.key()))
     }
 
     /// The fencing token of this acquisition: strictly greater than the token of every earlier
@@ -115,8 +120,8 @@ impl LockGuard {
         }
         if self.lease_ran_out() {
             tracing::warn!(
-                key = &*self.key,
-                backend = self.backend,
+                key = self.key(),
+                backend = self.backend(),
                 "the lock's lease ran out with no renewal confirmed (was the process paused?); it is presumed lost"
             );
             self.mark_lost();
@@ -129,7 +134,7 @@ impl LockGuard {
     /// watch would count it a moment later).
     fn mark_lost(&self) {
         self.lost.cancel();
-        self.metrics.lost(&self.hold, self.backend, &self.key);
+        self.metrics.lost(self.hold, self.backend(), self.key());
     }
 
     /// Whether the lease's local deadline has passed (never for session locks). Read by
@@ -142,7 +147,7 @@ impl LockGuard {
 
     /// The name of the backend that holds the lock.
     pub fn backend(&self) -> &'static str {
-        self.backend
+        self.metrics.backend()
     }
 
     /// When the lock was acquired.
@@ -163,7 +168,7 @@ impl LockGuard {
     /// Dropping the returned future before it completes still releases the lock, in the
     /// background, as dropping the guard does.
     pub async fn release(self) -> Result<(), LockError> {
-        let key = Arc::clone(&self.key);
+        let key = self.shared_key();
         let lost = self.lost.clone();
         let outcome = self.give_back().await;
         if lost.is_cancelled() {
@@ -211,11 +216,12 @@ impl LockGuard {
         let Some(Held { handle, slot }) = self.state.take() else {
             return Ok(ReleaseOutcome::AlreadyReleased);
         };
-        let span = tracing::debug_span!("dlock.release", key = &*self.key, backend = self.backend);
+        let key = Arc::clone(slot.key());
+        let span = tracing::debug_span!("dlock.release", key = &*key, backend = self.backend());
         let mut releasing = Releasing {
             future: Some(handle.release_outcome()),
             slot: Some(slot),
-            end: Some(self.hold_end()),
+            end: Some(self.hold_end(key)),
             runtime: self.runtime.clone(),
         };
         let outcome = std::future::poll_fn(|cx| match releasing.future.as_mut() {
@@ -239,7 +245,7 @@ impl LockGuard {
             .and_then(|held| held.handle.lease_control())
             .ok_or_else(|| {
                 LockError::unsupported(
-                    self.backend,
+                    self.backend(),
                     operation,
                     "this backend's locks live with a server session, not a lease",
                 )
@@ -249,7 +255,7 @@ impl LockGuard {
     /// The error for a lock found lost by a lease operation.
     fn lost_error(&self, reason: &str) -> LockError {
         LockError::Lost {
-            key: Arc::clone(&self.key),
+            key: self.shared_key(),
             reason: reason.to_owned(),
         }
     }
@@ -377,7 +383,7 @@ impl Drop for Releasing {
 /// gone, it records then.
 struct HoldEnd {
     metrics: Arc<Metrics>,
-    hold: Arc<Hold>,
+    hold: Hold,
     key: Arc<str>,
     backend: &'static str,
     held: std::time::Duration,
@@ -388,21 +394,21 @@ impl Drop for HoldEnd {
     fn drop(&mut self) {
         self.metrics.held(self.backend, &self.key, self.held);
         if self.lost.is_cancelled() {
-            self.metrics.lost(&self.hold, self.backend, &self.key);
+            self.metrics.lost(self.hold, self.backend, &self.key);
         }
-        self.hold.end();
+        self.metrics.end(self.hold);
     }
 }
 
 impl LockGuard {
     /// The hold ends now (its duration is measured here); it is recorded once the release is
     /// done (once: the guard's state is gone).
-    fn hold_end(&self) -> HoldEnd {
+    fn hold_end(&self, key: Arc<str>) -> HoldEnd {
         HoldEnd {
             metrics: Arc::clone(&self.metrics),
-            hold: Arc::clone(&self.hold),
-            key: Arc::clone(&self.key),
-            backend: self.backend,
+            hold: self.hold,
+            key,
+            backend: self.backend(),
             held: self.acquired_at.elapsed(),
             lost: self.lost.clone(),
         }
@@ -412,9 +418,9 @@ impl LockGuard {
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if let Some(Held { handle, slot }) = self.state.take() {
-            let end = self.hold_end();
-            let key = Arc::clone(&self.key);
-            let backend = self.backend;
+            let key = Arc::clone(slot.key());
+            let end = self.hold_end(Arc::clone(&key));
+            let backend = self.backend();
             let task = async move {
                 if let Err(err) = handle.release().await {
                     tracing::warn!(%key, backend, error = %err, "background release of a dropped lock guard failed");
@@ -432,8 +438,8 @@ impl Drop for LockGuard {
 impl fmt::Debug for LockGuard {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LockGuard")
-            .field("key", &self.key)
-            .field("backend", &self.backend)
+            .field("key", &self.key())
+            .field("backend", &self.backend())
             .field("fencing_token", &self.fencing_token)
             .field("lost", &(self.lost.is_cancelled() || self.lease_ran_out()))
             .field("released", &self.state.is_none())

@@ -49,17 +49,17 @@ impl LockProvider {
     pub fn held_locks(&self) -> Vec<LockInfo> {
         let now = Instant::now();
         let mut held: Vec<LockInfo> = self
-            .table()
+            .metrics()
             .shown()
             .into_iter()
-            .map(|(key, shown)| {
+            .map(|shown| {
                 let lost = shown.lost.is_cancelled()
                     || shown
                         .lease_deadline
                         .as_ref()
                         .is_some_and(|deadline| deadline.at() <= now);
                 LockInfo {
-                    key: key.to_string(),
+                    key: shown.key.to_string(),
                     since: shown.since,
                     fencing_token: shown.fencing_token,
                     remaining_lease: shown.lease_deadline.map(|deadline| {
@@ -106,8 +106,8 @@ impl LockProvider {
     ///
     /// Cancel safe: it only reads.
     pub async fn store_locks(&self) -> Result<Vec<StoreLock>, LockError> {
-        let shown = self.table().shown();
-        let known: Vec<&str> = shown.iter().map(|(key, _)| &**key).collect();
+        let shown = self.metrics().shown();
+        let known: Vec<&str> = shown.iter().map(|shown| &*shown.key).collect();
         let mut locks = self.backend().store_locks(&known).await?;
         for lock in &mut locks {
             lock.held_here = lock.key.as_deref().is_some_and(|key| known.contains(&key));

@@ -93,15 +93,24 @@ pub(crate) fn writer_intent(pause: Duration) -> Duration {
 #[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 #[derive(Debug)]
 pub(crate) struct Term {
-    lease: Duration,
-    next: Instant,
+    /// The lease renewals ask for, in nanoseconds (a lease is at most a year): a word, not a
+    /// `Duration`'s two, as a term is kept for every held lock.
+    lease: u64,
+    next: Mark,
     deadline: LeaseDeadline,
     in_flight: bool,
     /// Renewals were turned off (at acquisition, or later by the holder): the lock expires
     /// with its lease, and is presumed lost at its deadline.
     stopped: bool,
-    /// The backend's configured cadence, if any (see [`every`]).
-    cadence: Option<Duration>,
+    /// The backend's configured cadence in nanoseconds, if any (see [`every`]); 0 for none (a
+    /// cadence is at least 10 ms).
+    cadence: u64,
+}
+
+/// A duration as a term keeps it: nanoseconds, saturating.
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 #[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
@@ -110,12 +119,12 @@ impl Term {
     /// `cadence` when the backend sets one (see [`every`]).
     pub(crate) fn new(lease: Duration, sent: Instant, cadence: Option<Duration>) -> Term {
         Term {
-            lease,
-            next: later(sent, every(lease, cadence)),
+            lease: nanos(lease),
+            next: Mark::of(later(sent, every(lease, cadence))),
             deadline: LeaseDeadline::new(later(sent, safe_window(lease))),
             in_flight: false,
             stopped: false,
-            cadence,
+            cadence: cadence.map_or(0, |cadence| nanos(cadence).max(1)),
         }
     }
 
@@ -127,19 +136,23 @@ impl Term {
     /// The holder set the lease to `lease` with a command sent at `sent` and confirmed:
     /// later renewals ask for `lease`.
     pub(crate) fn extended(&mut self, lease: Duration, sent: Instant) {
-        self.lease = lease;
+        self.lease = nanos(lease);
         self.renewed(sent);
     }
 
     /// The lease renewals ask for.
     pub(crate) fn lease(&self) -> Duration {
-        self.lease
+        Duration::from_nanos(self.lease)
     }
 
     /// The backend's configured cadence, if any.
-    #[cfg(feature = "redis")]
     pub(crate) fn cadence(&self) -> Option<Duration> {
-        self.cadence
+        (self.cadence != 0).then(|| Duration::from_nanos(self.cadence))
+    }
+
+    /// The time from one renewal to the next (see [`every`]).
+    fn every(&self) -> Duration {
+        every(self.lease(), self.cadence())
     }
 
     /// The local deadline, shared with the guard.
@@ -149,15 +162,15 @@ impl Term {
 
     /// Whether a renewal should start at `now`.
     pub(crate) fn is_due(&self, now: Instant) -> bool {
-        !self.in_flight && !self.stopped && self.next <= now
+        !self.in_flight && !self.stopped && self.next <= Mark::of(now)
     }
 
     /// Whether a renewal may start at `now` along with others due then: it is due within
     /// [`renew_early`] of `now`.
     #[cfg(feature = "redis")]
     pub(crate) fn may_renew(&self, now: Instant) -> bool {
-        let early = renew_early(every(self.lease, self.cadence));
-        !self.in_flight && !self.stopped && self.next <= later(now, early)
+        let early = renew_early(self.every());
+        !self.in_flight && !self.stopped && self.next <= Mark::of(later(now, early))
     }
 
     /// Whether the local deadline has passed at `now`: the lock is presumed lost.
@@ -175,14 +188,14 @@ impl Term {
     /// The renewal sent at `sent` was confirmed.
     pub(crate) fn renewed(&mut self, sent: Instant) {
         self.in_flight = false;
-        self.deadline.set(later(sent, safe_window(self.lease)));
-        self.next = later(sent, every(self.lease, self.cadence));
+        self.deadline.set(later(sent, safe_window(self.lease())));
+        self.next = Mark::of(later(sent, self.every()));
     }
 
     /// The renewal failed without an answer at `now`: tried again soon, up to the deadline.
     pub(crate) fn failed(&mut self, now: Instant) {
         self.in_flight = false;
-        self.next = later(now, retry_after(self.lease));
+        self.next = Mark::of(later(now, retry_after(self.lease())));
     }
 
     /// When the driver must look at this lock next: its next renewal, or its deadline.
@@ -190,20 +203,20 @@ impl Term {
         if self.in_flight || self.stopped {
             self.deadline.at()
         } else {
-            self.next.min(self.deadline.at())
+            self.next.at().min(self.deadline.at())
         }
     }
 
     /// Makes the next renewal due at `at` (tests).
     #[cfg(all(test, feature = "sqlite"))]
     pub(crate) fn set_next(&mut self, at: Instant) {
-        self.next = at;
+        self.next = Mark::of(at);
     }
 
     /// When the next renewal is due (tests).
     #[cfg(test)]
     pub(crate) fn next(&self) -> Instant {
-        self.next
+        self.next.at()
     }
 }
 
@@ -215,40 +228,50 @@ impl Term {
 /// Measured on the monotonic clock of this process ([`Instant`]), which keeps running while the
 /// process is stopped, so a deadline passes during a pause as the store's lease does.
 #[derive(Clone)]
-pub struct LeaseDeadline(Arc<DeadlineCell>);
+pub struct LeaseDeadline(
+    /// A [`Mark`]'s nanoseconds: one word per held lock.
+    Arc<AtomicU64>,
+);
 
-struct DeadlineCell {
-    origin: Instant,
-    /// Nanoseconds from `origin` (saturating, about 584 years).
-    after: AtomicU64,
+/// An instant in one word, for what is kept per held lock (deadlines, the times of terms and
+/// of renewal queues): nanoseconds after the process's origin, the first instant kept this
+/// way (saturating, about 584 years). An instant before the origin is kept as the origin,
+/// which has passed too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Mark(u64);
+
+impl Mark {
+    fn origin() -> Instant {
+        static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        *ORIGIN.get_or_init(Instant::now)
+    }
+
+    pub(crate) fn of(at: Instant) -> Mark {
+        let after = at.saturating_duration_since(Mark::origin()).as_nanos();
+        Mark(u64::try_from(after).unwrap_or(u64::MAX))
+    }
+
+    pub(crate) fn at(self) -> Instant {
+        later(Mark::origin(), Duration::from_nanos(self.0))
+    }
 }
 
 impl LeaseDeadline {
     /// A deadline at `at` (one already passed counts as passed).
     pub fn new(at: Instant) -> Self {
-        let origin = Instant::now();
-        let deadline = LeaseDeadline(Arc::new(DeadlineCell {
-            origin,
-            after: AtomicU64::new(0),
-        }));
+        let deadline = LeaseDeadline(Arc::new(AtomicU64::new(0)));
         deadline.set(at);
         deadline
     }
 
     /// Moves the deadline to `at` (a renewal confirmed), earlier or later.
     pub fn set(&self, at: Instant) {
-        let after = at.saturating_duration_since(self.0.origin).as_nanos();
-        self.0
-            .after
-            .store(u64::try_from(after).unwrap_or(u64::MAX), Ordering::Release);
+        self.0.store(Mark::of(at).0, Ordering::Release);
     }
 
     /// The deadline.
     pub fn at(&self) -> Instant {
-        later(
-            self.0.origin,
-            Duration::from_nanos(self.0.after.load(Ordering::Acquire)),
-        )
+        Mark(self.0.load(Ordering::Acquire)).at()
     }
 
     /// Whether the deadline has passed.

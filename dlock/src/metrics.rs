@@ -74,15 +74,13 @@
 //! ```
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{Counter, Histogram, Meter};
-use tokio::sync::Notify;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::LockError;
 
@@ -108,11 +106,14 @@ pub(crate) struct Metrics {
     hold: Histogram<f64>,
     lost: Counter<u64>,
     opt_in: OptIn,
+    /// The provider's backend, named by its guards (empty for transaction-bound locks, which
+    /// name theirs at each point).
+    backend: &'static str,
     watcher: Watcher,
 }
 
 impl Metrics {
-    pub(crate) fn new(meter: &Meter, opt_in: OptIn) -> Self {
+    pub(crate) fn new(meter: &Meter, opt_in: OptIn, backend: &'static str) -> Self {
         Metrics {
             acquisitions: meter
                 .u64_counter("distributed_lock.acquisitions")
@@ -135,8 +136,14 @@ impl Metrics {
                 .with_unit("{lock}")
                 .build(),
             opt_in,
+            backend,
             watcher: Watcher::default(),
         }
+    }
+
+    /// The provider's backend.
+    pub(crate) fn backend(&self) -> &'static str {
+        self.backend
     }
 
     /// Calls `f` with the attributes of one point: `lock_type`, `status` when given, and the
@@ -203,56 +210,115 @@ impl Metrics {
         });
     }
 
-    /// Starts watching the lost token of a lock just acquired: its loss is counted as soon as
-    /// the token fires, until [`Hold::end`]. `runtime` runs the provider's watcher task if it
-    /// has none yet.
-    pub(crate) fn watch(
-        self: &Arc<Self>,
-        runtime: &tokio::runtime::Handle,
-        backend: &'static str,
-        key: &Arc<str>,
-        lost: &CancellationToken,
-    ) -> Arc<Hold> {
-        let (slot, id) = self.watcher.reserve();
-        let hold = Arc::new(Hold {
-            state: AtomicU8::new(HOLDING),
-            ended: Notify::new(),
-            watcher: Arc::downgrade(&self.watcher.shared),
-            slot,
-            id,
+    /// Starts keeping a lock just acquired: what inspection shows of it, and a waiter on its
+    /// lost token, so that its loss is counted as soon as the token fires, until
+    /// [`Metrics::end`]. `runtime` runs the provider's watcher task if it has none yet.
+    pub(crate) fn watch(self: &Arc<Self>, runtime: &tokio::runtime::Handle, shown: Shown) -> Hold {
+        let key = Arc::clone(&shown.key);
+        let mut record = Box::pin(Record {
+            waiter: shown.lost.clone().cancelled_owned(),
+            shown,
+            counted: false,
         });
-        let watch = {
-            let (metrics, hold, key, lost) = (
-                Arc::clone(self),
-                Arc::clone(&hold),
-                Arc::clone(key),
-                lost.clone(),
-            );
-            async move {
-                // A short hold may be over before the watcher first looks: nothing to register.
-                if hold.state.load(Ordering::Acquire) == ENDED {
-                    return;
+        let (hold, fired, start) = {
+            let mut state = lock(&self.watcher.shared.state);
+            let slot = match state.free.pop() {
+                Some(slot) => slot,
+                None => {
+                    let slot = u32::try_from(state.slots.len()).unwrap_or(u32::MAX);
+                    let waker = Arc::new(SlotWaker {
+                        shared: Arc::downgrade(&self.watcher.shared),
+                        slot,
+                    });
+                    state.slots.push(Slot {
+                        waker,
+                        id: 0,
+                        record: None,
+                    });
+                    slot
                 }
-                tokio::select! {
-                    biased;
-                    () = lost.cancelled() => metrics.lost(&hold, backend, &key),
-                    () = hold.ended.notified() => {}
-                }
+            };
+            let id = state.next_id;
+            state.next_id = state.next_id.wrapping_add(1);
+            let start = !state.running;
+            state.running = true;
+            // Polled here, under the lock: registers the waiter on the token with the slot's
+            // waker (a poll of the waiter never wakes anything), or finds it fired already.
+            let entry = &mut state.slots[slot as usize];
+            let fired = record
+                .as_mut()
+                .project()
+                .waiter
+                .poll(&mut Context::from_waker(&Waker::from(Arc::clone(
+                    &entry.waker,
+                ))))
+                .is_ready();
+            if fired {
+                *record.as_mut().project().counted = true;
             }
+            entry.id = id;
+            entry.record = Some(record);
+            (Hold { slot, id }, fired, start)
         };
-        self.watcher.watch(runtime, slot, id, Box::pin(watch));
+        if start {
+            // Made here: a task dropped unrun (its runtime shutting down) still marks itself
+            // gone, and the next watch starts another.
+            let running = Running(Arc::downgrade(&self.watcher.shared));
+            drop(runtime.spawn(run(Arc::downgrade(self), running)));
+        }
+        if fired {
+            self.count_lost(self.backend, &key);
+        }
         hold
     }
 
     /// Counts the loss of a held lock, unless it was counted already or its hold had ended.
-    pub(crate) fn lost(&self, hold: &Hold, backend: &'static str, key: &str) {
-        if hold
-            .state
-            .compare_exchange(HOLDING, COUNTED, Ordering::AcqRel, Ordering::Acquire)
-            .is_err()
-        {
-            return;
+    pub(crate) fn lost(&self, hold: Hold, backend: &'static str, key: &str) {
+        let first = {
+            let mut state = lock(&self.watcher.shared.state);
+            match state.record(hold) {
+                Some(record) if !record.counted => {
+                    *record.project().counted = true;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if first {
+            self.count_lost(backend, key);
         }
+    }
+
+    /// The hold is over: a loss not counted by now is not a loss of this hold, and inspection
+    /// no longer shows it. Its waiter goes at once, with no wake-up of the watcher task.
+    pub(crate) fn end(&self, hold: Hold) {
+        let removed = {
+            let mut state = lock(&self.watcher.shared.state);
+            let removed = state
+                .slots
+                .get_mut(hold.slot as usize)
+                .filter(|entry| entry.id == hold.id)
+                .and_then(|entry| entry.record.take());
+            if removed.is_some() {
+                state.free.push(hold.slot);
+            }
+            removed
+        };
+        // Dropped outside the watcher's lock.
+        drop(removed);
+    }
+
+    /// What inspection shows of each lock held now.
+    pub(crate) fn shown(&self) -> Vec<Shown> {
+        let state = lock(&self.watcher.shared.state);
+        state
+            .slots
+            .iter()
+            .filter_map(|entry| entry.record.as_ref().map(|record| record.shown.clone()))
+            .collect()
+    }
+
+    fn count_lost(&self, backend: &'static str, key: &str) {
         tracing::warn!(key, backend, "the lock was lost while held");
         self.with_attributes(backend, None, key, |attributes| {
             self.lost.add(1, attributes);
@@ -260,57 +326,40 @@ impl Metrics {
     }
 }
 
-const HOLDING: u8 = 0;
-const COUNTED: u8 = 1;
-const ENDED: u8 = 2;
-
-/// What the metrics know of one held lock: whether its loss was counted, and how its watch
-/// ends.
-#[derive(Debug)]
-pub(crate) struct Hold {
-    state: AtomicU8,
-    /// Ends a watch that is being polled when the hold ends.
-    ended: Notify,
-    /// Where its watch is: the watcher, its slot and its number there.
-    watcher: Weak<Shared>,
-    slot: usize,
-    id: u64,
+/// A held lock as [`LockProvider::held_locks`](crate::LockProvider::held_locks) shows it.
+#[derive(Debug, Clone)]
+pub(crate) struct Shown {
+    pub(crate) key: Arc<str>,
+    pub(crate) since: std::time::SystemTime,
+    pub(crate) fencing_token: Option<u64>,
+    pub(crate) lease_deadline: Option<crate::backend::LeaseDeadline>,
+    pub(crate) lost: CancellationToken,
+    /// A read (shared) lock.
+    pub(crate) shared: bool,
 }
 
-impl Hold {
-    /// The hold is over: a loss not counted by now is not a loss of this hold. Ends the watch:
-    /// a watch that waits is dropped here, with no wake-up of the watcher task; one that is
-    /// being polled right now is told through `ended`.
-    pub(crate) fn end(&self) {
-        let _ = self
-            .state
-            .compare_exchange(HOLDING, ENDED, Ordering::AcqRel, Ordering::Acquire);
-        let removed = self
-            .watcher
-            .upgrade()
-            .and_then(|shared| shared.remove(self.slot, self.id));
-        match removed {
-            // Dropped outside the watcher's lock.
-            Some(Removed::Watch(watch)) => drop(watch),
-            Some(Removed::Gone) => {}
-            None => self.ended.notify_one(),
-        }
+/// Where the watcher keeps one held lock: its slot, and the number of the hold there (slots
+/// are reused once a hold ends).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Hold {
+    slot: u32,
+    id: u32,
+}
+
+pin_project_lite::pin_project! {
+    /// One held lock, in one allocation: what inspection shows, whether its loss was counted,
+    /// and the waiter on its lost token (registered with its slot's waker).
+    struct Record {
+        #[pin]
+        waiter: WaitForCancellationFutureOwned,
+        shown: Shown,
+        counted: bool,
     }
 }
 
-/// What [`Shared::remove`] found of a watch.
-enum Removed {
-    /// It was waiting, and is taken out.
-    Watch(Watch),
-    /// It finished already.
-    Gone,
-}
-
-type Watch = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-/// Runs the watches of one provider's held locks on one task: a small set of futures polled
-/// when their own waker fires (what `FuturesUnordered` does), so that watching a lock costs one
-/// boxed future, not a task.
+/// Keeps the held locks of one provider, and counts their losses from one task: the waker of
+/// each slot marks it ready, and the task looks at the ready slots only. Watching a lock costs
+/// its record (one allocation) and a slot, not a task or a future of its own.
 #[derive(Debug, Default)]
 struct Watcher {
     shared: Arc<Shared>,
@@ -323,48 +372,35 @@ struct Shared {
 
 #[derive(Default)]
 struct WatchState {
-    /// The watches, by slot.
-    watches: Vec<Entry>,
-    /// The number of the next watch (slots are reused; a hold finds its own watch by number).
-    next_id: u64,
-    /// One waker per slot, which marks the slot ready.
-    wakers: Vec<Waker>,
-    free: Vec<usize>,
-    ready: Vec<usize>,
+    /// The held locks, by slot.
+    slots: Vec<Slot>,
+    /// The number of the next hold.
+    next_id: u32,
+    free: Vec<u32>,
+    ready: Vec<u32>,
     /// The watcher task, when it waits for a slot to be ready.
     task: Option<Waker>,
     /// Whether a watcher task is alive (it dies with its runtime; the next watch starts one).
     running: bool,
 }
 
-/// What one slot of the watcher holds.
-enum Entry {
-    /// Nothing (its index is in `free`).
-    Free,
-    /// A watch, with its number, waiting for its waker.
-    Waiting(Watch, u64),
-    /// The watch with this number is being polled, by the watcher task or once by
-    /// [`Watcher::watch`]; `woken`: its waker fired meanwhile and the task passed it over.
-    Polled { id: u64, woken: bool },
+/// One slot of the watcher: its waker (made once, kept while the slot is reused), and the
+/// record of the hold in it, if any.
+struct Slot {
+    /// Kept as the `Arc` a waker is made from (a pointer, not a waker's two).
+    waker: Arc<SlotWaker>,
+    id: u32,
+    record: Option<Pin<Box<Record>>>,
 }
 
-impl Shared {
-    /// Takes out the watch numbered `id` in `slot` if it waits (`Removed::Watch`); `None`
-    /// when it is being polled.
-    fn remove(&self, slot: usize, id: u64) -> Option<Removed> {
-        let mut state = lock(&self.state);
-        match state.watches.get(slot) {
-            Some(Entry::Waiting(_, n)) if *n == id => {}
-            Some(Entry::Polled { id: n, .. }) if *n == id => return None,
-            // Finished, and the slot freed (maybe reused by another watch since).
-            _ => return Some(Removed::Gone),
-        }
-        let Entry::Waiting(watch, _) = std::mem::replace(&mut state.watches[slot], Entry::Free)
-        else {
-            return Some(Removed::Gone);
-        };
-        state.free.push(slot);
-        Some(Removed::Watch(watch))
+impl WatchState {
+    /// The record of `hold`, if it has not ended.
+    fn record(&mut self, hold: Hold) -> Option<Pin<&mut Record>> {
+        self.slots
+            .get_mut(hold.slot as usize)
+            .filter(|entry| entry.id == hold.id)
+            .and_then(|entry| entry.record.as_mut())
+            .map(Pin::as_mut)
     }
 }
 
@@ -372,7 +408,7 @@ impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = lock(&self.state);
         f.debug_struct("Watcher")
-            .field("slots", &state.watches.len())
+            .field("slots", &state.slots.len())
             .field("free", &state.free.len())
             .field("running", &state.running)
             .finish()
@@ -381,7 +417,7 @@ impl std::fmt::Debug for Shared {
 
 impl Drop for Shared {
     fn drop(&mut self) {
-        // The watcher task ends when it finds the shared state gone.
+        // The watcher task ends when it finds the provider's metrics gone.
         let task = self
             .state
             .get_mut()
@@ -404,7 +440,7 @@ fn lock(state: &Mutex<WatchState>) -> std::sync::MutexGuard<'_, WatchState> {
 /// The waker of one slot.
 struct SlotWaker {
     shared: Weak<Shared>,
-    slot: usize,
+    slot: u32,
 }
 
 impl Wake for SlotWaker {
@@ -439,130 +475,59 @@ impl Drop for Running {
     }
 }
 
-impl Watcher {
-    /// A slot for a new watch, and the watch's number; marked as being polled until
-    /// [`Watcher::watch`] puts the watch in.
-    fn reserve(&self) -> (usize, u64) {
-        let mut state = lock(&self.shared.state);
-        let id = state.next_id;
-        state.next_id = state.next_id.wrapping_add(1);
-        let entry = Entry::Polled { id, woken: false };
-        let slot = match state.free.pop() {
-            Some(slot) => {
-                state.watches[slot] = entry;
-                slot
-            }
-            None => {
-                let slot = state.watches.len();
-                state.watches.push(entry);
-                let waker = Waker::from(Arc::new(SlotWaker {
-                    shared: Arc::downgrade(&self.shared),
-                    slot,
-                }));
-                state.wakers.push(waker);
-                slot
-            }
-        };
-        (slot, id)
-    }
-
-    /// Starts watch `id` in its reserved `slot`: polls it once here, so that it waits on its
-    /// waker without a wake-up of the watcher task (which is started on `runtime` if none
-    /// runs), and leaves it to the task.
-    fn watch(&self, runtime: &tokio::runtime::Handle, slot: usize, id: u64, mut watch: Watch) {
-        let (start, waker) = {
-            let mut state = lock(&self.shared.state);
-            let start = !state.running;
-            state.running = true;
-            (start, state.wakers[slot].clone())
-        };
-        if start {
-            let running = Running(Arc::downgrade(&self.shared));
-            drop(runtime.spawn(run(running)));
-        }
-        let done = watch
-            .as_mut()
-            .poll(&mut Context::from_waker(&waker))
-            .is_ready();
-        let task = {
-            let mut state = lock(&self.shared.state);
-            let woken = matches!(state.watches[slot], Entry::Polled { woken: true, .. });
-            if done {
-                state.watches[slot] = Entry::Free;
-                state.free.push(slot);
-                None
-            } else {
-                state.watches[slot] = Entry::Waiting(watch, id);
-                // Woken while polled here, and passed over by the task: it looks again.
-                woken.then(|| {
-                    state.ready.push(slot);
-                    state.task.take()
-                })
-            }
-        };
-        if let Some(Some(task)) = task {
-            task.wake();
-        }
-    }
-}
-
-/// The watcher task: polls the ready watches until the provider and its locks are gone.
-async fn run(running: Running) {
+/// The watcher task: looks at the ready slots, counting the losses of their locks, until the
+/// provider's metrics are gone.
+async fn run(metrics: Weak<Metrics>, running: Running) {
+    let mut lost: Vec<Arc<str>> = Vec::new();
     std::future::poll_fn(|cx| {
-        let Some(shared) = running.0.upgrade() else {
+        let Some(metrics) = metrics.upgrade() else {
             return Poll::Ready(());
         };
-        let ready = {
-            let mut state = lock(&shared.state);
+        {
+            let mut state = lock(&metrics.watcher.shared.state);
             if state.ready.is_empty() {
                 state.task = Some(cx.waker().clone());
                 return Poll::Pending;
             }
-            std::mem::take(&mut state.ready)
-        };
-        for slot in ready {
-            let taken = {
-                let mut state = lock(&shared.state);
-                let entry = std::mem::replace(&mut state.watches[slot], Entry::Free);
-                match entry {
-                    Entry::Waiting(watch, id) => {
-                        state.watches[slot] = Entry::Polled { id, woken: false };
-                        Some((watch, id, state.wakers[slot].clone()))
-                    }
-                    // Being polled by `Watcher::watch`, which looks again when it is done.
-                    Entry::Polled { id, .. } => {
-                        state.watches[slot] = Entry::Polled { id, woken: true };
-                        None
-                    }
-                    // Already finished, or woken twice.
-                    Entry::Free => None,
+            let WatchState { slots, ready, .. } = &mut *state;
+            for slot in ready.drain(..) {
+                // A slot whose hold ended (or that was woken twice) has nothing to look at;
+                // a wake-up left from an earlier hold of the slot is answered by the one there
+                // now.
+                let Some(entry) = slots.get_mut(slot as usize) else {
+                    continue;
+                };
+                let Some(record) = entry.record.as_mut() else {
+                    continue;
+                };
+                let record = record.as_mut().project();
+                if *record.counted {
+                    continue;
                 }
-            };
-            let Some((mut watch, id, waker)) = taken else {
-                continue;
-            };
-            // Polled without the lock: a watch that completes may wake slots, or drop the last
-            // handle on the provider's metrics.
-            let done = watch
-                .as_mut()
-                .poll(&mut Context::from_waker(&waker))
-                .is_ready();
-            let mut state = lock(&shared.state);
-            if done {
-                state.watches[slot] = Entry::Free;
-                state.free.push(slot);
-                drop(state);
-                drop(watch);
-            } else {
-                // Woken meanwhile: the slot is in `ready` again, and looked at next time.
-                state.watches[slot] = Entry::Waiting(watch, id);
+                // Under the lock: a poll of the waiter never wakes anything. Not fired (the
+                // wake-up was for an earlier hold): it waits again.
+                if record
+                    .waiter
+                    .poll(&mut Context::from_waker(&Waker::from(Arc::clone(
+                        &entry.waker,
+                    ))))
+                    .is_ready()
+                {
+                    *record.counted = true;
+                    lost.push(Arc::clone(&record.shown.key));
+                }
             }
+        }
+        // Counted without the lock.
+        for key in lost.drain(..) {
+            metrics.count_lost(metrics.backend, &key);
         }
         // Let the runtime's other tasks run before the next batch.
         cx.waker().wake_by_ref();
         Poll::Pending
     })
     .await;
+    drop(running);
 }
 
 /// The instruments transaction-bound locks record into: the meter given to
@@ -578,7 +543,7 @@ pub fn set_transaction_meter(meter: Meter) -> bool {
     let mut set = false;
     TRANSACTION_METRICS.get_or_init(|| {
         set = true;
-        Metrics::new(&meter, OptIn::default())
+        Metrics::new(&meter, OptIn::default(), "")
     });
     set
 }
@@ -589,6 +554,7 @@ pub(crate) fn transaction_metrics() -> &'static Metrics {
         Metrics::new(
             &opentelemetry::global::meter(DEFAULT_METER_NAME),
             OptIn::default(),
+            "",
         )
     })
 }
@@ -606,11 +572,11 @@ fn millis(d: Duration) -> f64 {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     use tokio_util::sync::CancellationToken;
 
-    use super::{Metrics, OptIn};
+    use super::{Hold, Metrics, OptIn, Shown};
     use crate::testing::Recorder;
 
     fn lost(n: u64) -> Vec<(Vec<(String, String)>, u64)> {
@@ -620,100 +586,100 @@ mod tests {
     /// (slots, free slots, watcher running).
     fn slots(metrics: &Metrics) -> (usize, usize, bool) {
         let state = super::lock(&metrics.watcher.shared.state);
-        (state.watches.len(), state.free.len(), state.running)
+        (state.slots.len(), state.free.len(), state.running)
     }
 
-    async fn until(condition: impl Fn() -> bool) {
-        let started = Instant::now();
-        while !condition() {
-            assert!(started.elapsed() < Duration::from_secs(10), "never came");
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    }
-
-    /// Ended watches give their slots back, and are reused: the watcher does not grow with the
-    /// number of locks taken one after another. An ended hold is not counted when its token
-    /// fires later; a loss is counted once, by whichever of the watch and the hold's end sees
-    /// it first.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn watches_end_with_their_hold_and_their_slots_are_reused() {
-        let recorder = Recorder::new();
-        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
-        let runtime = tokio::runtime::Handle::current();
-        let key: Arc<str> = Arc::from("a");
-        let all_free = || {
-            let (slots, free, _) = slots(&metrics);
-            slots == free
+    fn watch(metrics: &Arc<Metrics>, key: &str, token: &CancellationToken) -> Hold {
+        let shown = Shown {
+            key: Arc::from(key),
+            since: std::time::SystemTime::now(),
+            fencing_token: None,
+            lease_deadline: None,
+            lost: token.clone(),
+            shared: false,
         };
+        metrics.watch(&tokio::runtime::Handle::current(), shown)
+    }
+
+    /// Ended holds give their slots back, and the slots are reused: the watcher does not grow
+    /// with the number of locks taken one after another. An ended hold is not counted when its
+    /// token fires later; a loss is counted once, by whichever of the watcher and the hold
+    /// sees it first.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn holds_end_and_their_slots_are_reused() {
+        let recorder = Recorder::new();
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default(), "memory"));
         for _ in 0..50 {
             let token = CancellationToken::new();
-            let hold = metrics.watch(&runtime, "memory", &key, &token);
-            hold.end();
+            let hold = watch(&metrics, "a", &token);
+            metrics.end(hold);
             token.cancel();
-            until(all_free).await;
         }
-        let (sequential, _, running) = slots(&metrics);
-        assert!(running);
-        assert!(sequential <= 2, "{sequential} slots for one lock at a time");
+        assert_eq!(slots(&metrics), (1, 1, true));
 
-        // A burst: many watches at once, all ended.
+        // A burst: many holds at once, all ended.
         let token = CancellationToken::new();
-        let holds: Vec<_> = (0..300)
-            .map(|_| metrics.watch(&runtime, "memory", &key, &token))
-            .collect();
-        for hold in &holds {
-            hold.end();
+        let holds: Vec<_> = (0..300).map(|_| watch(&metrics, "a", &token)).collect();
+        assert_eq!(metrics.shown().len(), 300);
+        for hold in holds {
+            metrics.end(hold);
         }
         token.cancel();
-        until(all_free).await;
-        assert!(recorder.points("distributed_lock.lost").is_empty());
+        assert_eq!(slots(&metrics), (300, 300, true));
+        assert!(metrics.shown().is_empty());
 
         let token = CancellationToken::new();
-        let hold = metrics.watch(&runtime, "memory", &key, &token);
+        let hold = watch(&metrics, "a", &token);
         token.cancel();
         recorder.until("distributed_lock.lost", &lost(1)).await;
-        metrics.lost(&hold, "memory", &key);
-        hold.end();
-        until(all_free).await;
+        metrics.lost(hold, "memory", "a");
+        assert_eq!(metrics.shown().len(), 1, "shown until the hold ends");
+        metrics.end(hold);
+        assert!(metrics.shown().is_empty());
+        // Later wake-ups of the slot (none is due here) would find nothing to count.
+        tokio::time::sleep(Duration::from_millis(20)).await;
         assert_eq!(recorder.points("distributed_lock.lost"), lost(1));
     }
 
-    /// A watch costs the watcher task no wake-up in a plain acquire and release: it is polled
-    /// once where it starts, and a hold that ends takes it out at once (here the task never
-    /// runs in between). A loss is still counted through the task, and a token that fired
-    /// before the watch began is counted where it starts.
+    /// A hold that ends takes its record out at once, with no wake-up of the watcher task
+    /// (here the task never runs in between). A loss is still counted through the task, and a
+    /// token that fired before the watch began is counted where it starts. A hold ended late,
+    /// after its slot went to another, leaves the other alone.
     #[tokio::test(flavor = "current_thread")]
-    async fn a_hold_that_ends_takes_its_watch_out_at_once() {
+    async fn a_hold_that_ends_takes_its_record_out_at_once() {
         let recorder = Recorder::new();
-        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
-        let runtime = tokio::runtime::Handle::current();
-        let key: Arc<str> = Arc::from("a");
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default(), "memory"));
         for _ in 0..10 {
             let token = CancellationToken::new();
-            let hold = metrics.watch(&runtime, "memory", &key, &token);
+            let hold = watch(&metrics, "a", &token);
             assert_eq!(slots(&metrics), (1, 0, true));
-            hold.end();
-            hold.end();
+            metrics.end(hold);
+            metrics.end(hold);
             assert_eq!(slots(&metrics), (1, 1, true));
             token.cancel();
         }
-        // Ended twice, late, after its slot went to another watch: the other stays.
-        let first = metrics.watch(&runtime, "memory", &key, &CancellationToken::new());
-        first.end();
+        let first = watch(&metrics, "a", &CancellationToken::new());
+        metrics.end(first);
         let token = CancellationToken::new();
-        let second = metrics.watch(&runtime, "memory", &key, &token);
-        first.end();
+        let second = watch(&metrics, "b", &token);
+        metrics.end(first);
+        metrics.lost(first, "memory", "a");
         assert_eq!(slots(&metrics), (1, 0, true));
+        assert!(recorder.points("distributed_lock.lost").is_empty());
+        let shown = metrics.shown();
+        assert_eq!(shown.len(), 1);
+        assert_eq!(&*shown[0].key, "b");
         token.cancel();
         recorder.until("distributed_lock.lost", &lost(1)).await;
-        second.end();
+        metrics.end(second);
         assert_eq!(slots(&metrics).1, 1);
 
         let fired = CancellationToken::new();
         fired.cancel();
-        let hold = metrics.watch(&runtime, "memory", &key, &fired);
+        let hold = watch(&metrics, "c", &fired);
         assert_eq!(recorder.points("distributed_lock.lost"), lost(2));
-        hold.end();
+        metrics.lost(hold, "memory", "c");
+        metrics.end(hold);
         assert_eq!(slots(&metrics).1, 1);
         assert_eq!(recorder.points("distributed_lock.lost"), lost(2));
     }
@@ -723,21 +689,20 @@ mod tests {
     #[test]
     fn the_watcher_outlives_its_runtime() {
         let recorder = Recorder::new();
-        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default()));
-        let key: Arc<str> = Arc::from("a");
+        let metrics = Arc::new(Metrics::new(&recorder.meter(), OptIn::default(), "memory"));
         let first = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
         let token = CancellationToken::new();
         let hold = first.block_on(async {
-            let hold = metrics.watch(&tokio::runtime::Handle::current(), "memory", &key, &token);
+            let hold = watch(&metrics, "a", &token);
             tokio::task::yield_now().await;
             hold
         });
         drop(first);
         assert!(!slots(&metrics).2, "the watcher task went with its runtime");
-        hold.end();
+        metrics.end(hold);
 
         let second = tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -745,7 +710,7 @@ mod tests {
             .unwrap();
         second.block_on(async {
             let token = CancellationToken::new();
-            let _hold = metrics.watch(&tokio::runtime::Handle::current(), "memory", &key, &token);
+            let _hold = watch(&metrics, "a", &token);
             token.cancel();
             recorder.until("distributed_lock.lost", &lost(1)).await;
         });

@@ -359,9 +359,9 @@ impl LockProvider {
         }
     }
 
-    /// The provider's in-process table.
-    pub(crate) fn table(&self) -> &LocalTable {
-        &self.inner.table
+    /// The provider's metrics, which also keep what inspection shows of its held locks.
+    pub(crate) fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
     }
 
     /// The provider's backend.
@@ -549,7 +549,6 @@ impl LockProvider {
         Ok(LockGuard::new(
             slot,
             acquired,
-            backend.name(),
             Arc::clone(&inner.metrics),
             runtime,
         ))
@@ -828,7 +827,7 @@ impl ProviderBuilder {
                 opentelemetry::InstrumentationScope::builder(name).build(),
             )
         });
-        let metrics = Arc::new(Metrics::new(&meter, self.metrics));
+        let metrics = Arc::new(Metrics::new(&meter, self.metrics, self.backend.name()));
         LockProvider {
             inner: Arc::new(Inner {
                 backend: self.backend,

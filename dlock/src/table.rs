@@ -17,32 +17,17 @@
 //! of their own, shared by every clone (see `lanes.rs`).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
 type Entry = Arc<RwLock<()>>;
 
+/// What inspection shows of the locks held through the table is kept with the provider's
+/// metrics, in one record per held lock (see `metrics.rs`).
 #[derive(Debug, Default)]
 pub(crate) struct LocalTable {
     entries: Mutex<HashMap<Arc<str>, Entry>>,
-    /// What is known of each lock held now, by slot (a key has one holder, or several readers),
-    /// for inspection.
-    held: Mutex<HashMap<u64, (Arc<str>, Shown)>>,
-    /// Numbers the slots, for `held`.
-    next: AtomicU64,
-}
-
-/// A held lock as [`LockProvider::held_locks`](crate::LockProvider::held_locks) shows it.
-#[derive(Debug, Clone)]
-pub(crate) struct Shown {
-    pub(crate) since: std::time::SystemTime,
-    pub(crate) fencing_token: Option<u64>,
-    pub(crate) lease_deadline: Option<crate::backend::LeaseDeadline>,
-    pub(crate) lost: tokio_util::sync::CancellationToken,
-    /// A read (shared) lock.
-    pub(crate) shared: bool,
 }
 
 impl LocalTable {
@@ -56,19 +41,9 @@ impl LocalTable {
         self.map().len()
     }
 
-    fn held(&self) -> MutexGuard<'_, HashMap<u64, (Arc<str>, Shown)>> {
-        self.held.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// The locks held now, with what is known of them.
-    pub(crate) fn shown(&self) -> Vec<(Arc<str>, Shown)> {
-        self.held().values().cloned().collect()
-    }
-
     fn slot(self: &Arc<Self>, guard: Guard, key: Arc<str>) -> Slot {
         Slot {
             guard,
-            id: self.next.fetch_add(1, Ordering::Relaxed),
             entry: EntryRef {
                 table: Arc::clone(self),
                 key,
@@ -130,7 +105,6 @@ impl LocalTable {
         };
         Slot {
             guard,
-            id: self.next.fetch_add(1, Ordering::Relaxed),
             entry: entry_ref,
         }
     }
@@ -160,7 +134,6 @@ pub(crate) struct Slot {
     // Field order matters: the lock guard is dropped (waking the next waiter) before the
     // entry reference checks whether the entry can go.
     guard: Guard,
-    id: u64,
     entry: EntryRef,
 }
 
@@ -172,18 +145,6 @@ impl Slot {
     /// Whether this is a share of the key (a read lock's slot).
     pub(crate) fn is_shared(&self) -> bool {
         matches!(self.guard, Guard::Read(_))
-    }
-
-    /// Records the lock this slot's holder got, until the slot is freed.
-    pub(crate) fn show(&self, shown: Shown) {
-        let key = Arc::clone(&self.entry.key);
-        self.entry.table.held().insert(self.id, (key, shown));
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.entry.table.held().remove(&self.id);
     }
 }
 

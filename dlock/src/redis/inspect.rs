@@ -180,7 +180,7 @@ fn scan_page(reply: Value) -> Option<(u64, Vec<Vec<u8>>)> {
 
 /// The lock name a Redis key stands for, or `None` for a key that is no lock (a fencing
 /// counter, a readers set, a writer's intent, anything else under the prefix).
-fn lock_name(layout: KeyLayout, prefix: &[u8], key: &[u8]) -> Option<String> {
+pub(super) fn lock_name(layout: KeyLayout, prefix: &[u8], key: &[u8]) -> Option<String> {
     let rest = key.strip_prefix(prefix)?;
     match layout {
         KeyLayout::Tagged => {

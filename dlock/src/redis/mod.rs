@@ -2207,7 +2207,6 @@ async fn hold(
             lost.clone(),
             Box::new(RedisHeld {
                 shared: Arc::clone(shared),
-                name: Arc::from(request.key),
                 key: lock_key,
                 token,
                 lost,
@@ -2265,8 +2264,8 @@ impl Drop for Cleanup {
 
 struct RedisHeld {
     shared: Arc<Shared>,
-    /// The lock's name, as the caller gave it.
-    name: Arc<str>,
+    /// The lock's Redis key (its name is read back from it for an error, see
+    /// [`RedisHeld::name`]).
     key: Arc<[u8]>,
     token: OwnerToken,
     lost: CancellationToken,
@@ -2274,6 +2273,15 @@ struct RedisHeld {
     renewal: u64,
     /// A reader's share (see [Read locks](self#read-locks)).
     read: bool,
+}
+
+impl RedisHeld {
+    /// The lock's name, as the caller gave it: read back from its key, where it is kept once.
+    fn name(&self) -> Arc<str> {
+        let name = inspect::lock_name(self.shared.layout, &self.shared.prefix, &self.key)
+            .unwrap_or_else(|| String::from_utf8_lossy(&self.key).into_owned());
+        Arc::from(name)
+    }
 }
 
 impl Drop for RedisHeld {
@@ -2338,7 +2346,7 @@ impl HeldLock for RedisHeld {
                     // The delete ran before the kill or never will: which, nobody can say.
                     self.lost.cancel();
                     Err(LockError::Lost {
-                        key: Arc::clone(&self.name),
+                        key: self.name(),
                         reason: format!(
                             "the release timed out after {:?} with its outcome unknown; the \
                              connection that sent it was killed (CLIENT KILL ID {id}), so the \

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use super::commands::Extension;
 use super::{OwnerToken, Shared};
 use crate::LockError;
-use crate::lease::{LeaseDeadline, Term, renew_early, renew_every};
+use crate::lease::{LeaseDeadline, Mark, Term, renew_early, renew_every};
 use crate::time::later;
 
 /// The renewal entries of one backend.
@@ -50,9 +50,11 @@ pub(super) const BATCH: usize = 512;
 
 #[derive(Default)]
 struct State {
-    entries: HashMap<u64, Entry>,
+    /// Boxed: the map's spare room (up to half of it after it grows) costs a pointer per
+    /// bucket, not a whole entry.
+    entries: HashMap<u64, Box<Entry>>,
     /// Every entry by when the driver must look at it ([`Term::wake_at`]), then by id.
-    queue: BTreeSet<(Instant, u64)>,
+    queue: BTreeSet<(Mark, u64)>,
     next_id: u64,
     /// When the driver will next look, if it sleeps on a timer.
     planned: Option<Instant>,
@@ -76,7 +78,7 @@ struct Entry {
     /// A reader's share: renewed by the read script (see `read.rs`).
     read: bool,
     /// Where it is in the queue: its wake-up when last queued.
-    queued: Instant,
+    queued: Mark,
 }
 
 impl State {
@@ -84,10 +86,11 @@ impl State {
     fn requeue(&mut self, id: u64) -> Option<Instant> {
         let entry = self.entries.get_mut(&id)?;
         let wake_at = entry.term.wake_at();
-        if wake_at != entry.queued {
+        let queued = Mark::of(wake_at);
+        if queued != entry.queued {
             self.queue.remove(&(entry.queued, id));
-            self.queue.insert((wake_at, id));
-            entry.queued = wake_at;
+            self.queue.insert((queued, id));
+            entry.queued = queued;
         }
         Some(wake_at)
     }
@@ -96,7 +99,7 @@ impl State {
     fn take(&mut self, id: u64) -> Option<Entry> {
         let entry = self.entries.remove(&id)?;
         self.queue.remove(&(entry.queued, id));
-        Some(entry)
+        Some(*entry)
     }
 }
 
@@ -153,7 +156,7 @@ impl Renewals {
         let entry = Entry {
             key,
             token,
-            queued: term.wake_at(),
+            queued: Mark::of(term.wake_at()),
             term,
             lost,
             read,
@@ -166,9 +169,9 @@ impl Renewals {
             if state.driver.is_some() {
                 let id = state.next_id;
                 state.next_id += 1;
-                let wake_at = entry.queued;
-                state.entries.insert(id, entry);
-                state.queue.insert((wake_at, id));
+                let (queued, wake_at) = (entry.queued, entry.term.wake_at());
+                state.entries.insert(id, Box::new(entry));
+                state.queue.insert((queued, id));
                 renewals.plan(state, wake_at);
                 return Ok((id, deadline));
             }
@@ -268,7 +271,7 @@ impl Drop for DriverStop {
             state.driver = None;
             state.planned = None;
             state.queue.clear();
-            state.entries.drain().map(|(_, entry)| entry).collect()
+            state.entries.drain().map(|(_, entry)| *entry).collect()
         };
         if !orphans.is_empty() {
             tracing::warn!(
@@ -307,8 +310,11 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
             // The entries to look at: those whose wake-up has come, and those that may be
             // renewed early with them (within the earliest entry's early window).
             let horizon = later(now, early_window(&state));
-            let look: Vec<(Instant, u64)> =
-                state.queue.range(..=(horizon, u64::MAX)).copied().collect();
+            let look: Vec<(Mark, u64)> = state
+                .queue
+                .range(..=(Mark::of(horizon), u64::MAX))
+                .copied()
+                .collect();
             for (_, id) in look {
                 let Some(entry) = state.entries.get_mut(&id) else {
                     continue;
@@ -335,7 +341,7 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
             let planned = state
                 .queue
                 .first()
-                .map(|&(at, _)| at)
+                .map(|&(at, _)| at.at())
                 .unwrap_or_else(|| later(now, renew_every(backend.lease)));
             state.planned = Some(planned);
             #[cfg(test)]
@@ -458,7 +464,7 @@ async fn renew(shared: Arc<Shared>, batch: Vec<Due>) {
     let earliest = batch
         .iter()
         .filter_map(|due| state.entries.get(&due.id))
-        .map(|entry| entry.queued)
+        .map(|entry| entry.queued.at())
         .min();
     match earliest {
         Some(wake_at) => renewals.plan(state, wake_at),

@@ -822,7 +822,7 @@ impl LockBackend for SqliteBackend {
                     Box::new(SqliteHeld {
                         shared: Arc::clone(&self.shared),
                         id,
-                        key: Arc::from(request.key),
+                        name,
                         owner,
                         lost,
                         read: request.shared,
@@ -837,7 +837,8 @@ impl LockBackend for SqliteBackend {
 struct SqliteHeld {
     shared: Arc<Shared>,
     id: u64,
-    key: Arc<str>,
+    /// The key's bytes, shared with the lock's renewal entry.
+    name: Arc<[u8]>,
     owner: [u8; 16],
     lost: CancellationToken,
     /// A reader's share (see `read.rs`).
@@ -856,13 +857,13 @@ impl HeldLock for SqliteHeld {
     /// Frees the row if this lock still owns it. When the row was taken over or removed (the
     /// lease had run out unrenewed), fires the lost token and answers [`LockError::Lost`].
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
-        let key = Arc::clone(&self.key);
+        let name = Arc::clone(&self.name);
         let outcome = self.release_outcome();
         Box::pin(async move {
             match outcome.await? {
                 ReleaseOutcome::Released => Ok(()),
                 _ => Err(LockError::Lost {
-                    key,
+                    key: Arc::from(String::from_utf8_lossy(&name)),
                     reason:
                         "the release found the lock taken over or removed (its lease had run out)"
                             .to_owned(),
@@ -880,10 +881,7 @@ impl HeldLock for SqliteHeld {
             // the lease run out meanwhile.
             self.shared.renewer.releasing(self.id);
             if self.read {
-                let outcome = self
-                    .shared
-                    .release_read(self.key.as_bytes(), &self.owner)
-                    .await;
+                let outcome = self.shared.release_read(&self.name[..], &self.owner).await;
                 self.shared.renewer.unregister(self.id);
                 return match outcome {
                     Ok(outcome) => {
@@ -891,7 +889,7 @@ impl HeldLock for SqliteHeld {
                         if outcome != ReleaseOutcome::Released {
                             tracing::warn!(
                                 backend = NAME,
-                                key = &*self.key,
+                                key = %String::from_utf8_lossy(&self.name),
                                 "the release found the read lock's lease run out; it was lost"
                             );
                             self.lost.cancel();
@@ -908,7 +906,7 @@ impl HeldLock for SqliteHeld {
                 .shared
                 .with_busy_retry("releasing a lock", RELEASE_PAUSES, |conn| {
                     conn.prepare_cached(self.shared.release_sql())?
-                        .execute(params![self.key.as_bytes(), &self.owner[..]])
+                        .execute(params![&self.name[..], &self.owner[..]])
                 })
                 .await;
             self.shared.renewer.unregister(self.id);
@@ -920,7 +918,7 @@ impl HeldLock for SqliteHeld {
                 Ok(_) => {
                     tracing::warn!(
                         backend = NAME,
-                        key = &*self.key,
+                        key = %String::from_utf8_lossy(&self.name),
                         "the release found the lock taken over or removed; it was lost"
                     );
                     self.lost.cancel();
@@ -929,7 +927,7 @@ impl HeldLock for SqliteHeld {
                         .shared
                         .with_busy_retry("releasing a lock", RELEASE_PAUSES, |conn| {
                             let mut peek = conn.prepare_cached(PEEK_SQL)?;
-                            peek.exists(params![self.key.as_bytes(), clock.now_ms(), clock.boot()])
+                            peek.exists(params![&self.name[..], clock.now_ms(), clock.boot()])
                         })
                         .await;
                     Ok(match taken {
@@ -960,7 +958,7 @@ impl LeaseControl for SqliteHeld {
             let clock = self.shared.clock;
             let changed = if self.read {
                 self.shared
-                    .extend_read(self.key.as_bytes(), &self.owner, lease)
+                    .extend_read(&self.name[..], &self.owner, lease)
                     .await
                     .map(usize::from)
             } else {
@@ -968,7 +966,7 @@ impl LeaseControl for SqliteHeld {
                     .with_busy_retry("extending a lease", RELEASE_PAUSES, |conn| {
                         let lease_end = clock.now_ms().saturating_add(millis(lease));
                         conn.prepare_cached(RENEW_SQL)?.execute(params![
-                            self.key.as_bytes(),
+                            &self.name[..],
                             &self.owner[..],
                             lease_end
                         ])
@@ -993,7 +991,7 @@ impl LeaseControl for SqliteHeld {
             if self.read {
                 let held = self
                     .shared
-                    .verify_read(self.key.as_bytes(), &self.owner)
+                    .verify_read(&self.name[..], &self.owner)
                     .await
                     .map_err(|busy| self.shared.busy_error("verifying a lock", busy))?;
                 if !held {
@@ -1006,7 +1004,7 @@ impl LeaseControl for SqliteHeld {
                 .with_busy_retry("verifying a lock", RELEASE_PAUSES, |conn| {
                     let mut verify = conn.prepare_cached(VERIFY_SQL)?;
                     let params = params![
-                        self.key.as_bytes(),
+                        &self.name[..],
                         &self.owner[..],
                         clock.now_ms(),
                         clock.boot()

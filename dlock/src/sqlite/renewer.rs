@@ -115,7 +115,9 @@ struct State {
 
 #[derive(Default)]
 struct Registry {
-    renewals: HashMap<u64, Renewal>,
+    /// Boxed: the map's spare room (up to half of it after it grows) costs a pointer per
+    /// bucket, not a whole entry.
+    renewals: HashMap<u64, Box<Renewal>>,
     next_id: u64,
     /// Whether a renewal thread is running (cleared by the thread as it ends).
     running: bool,
@@ -195,7 +197,7 @@ impl Renewer {
         let looks_in_time = registry
             .planned
             .is_some_and(|planned| planned <= renewal.term.wake_at());
-        registry.renewals.insert(id, renewal);
+        registry.renewals.insert(id, Box::new(renewal));
         if !looks_in_time {
             registry.woken = true;
             drop(registry);
