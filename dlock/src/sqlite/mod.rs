@@ -510,14 +510,7 @@ impl SqliteBuilder {
             .busy_handler(Some(checkpoint_busy))
             .map_err(|e| sqlite_error(&self.path, "configuring the lock file", e))?;
         let mut waiter = [0; 16];
-        getrandom::fill(&mut waiter).map_err(|err| {
-            LockError::backend(
-                NAME,
-                format!("the operating system's random generator failed: {err}"),
-                None,
-                None,
-            )
-        })?;
+        random_fill(&mut waiter)?;
         let mut wal = db_file.clone().into_os_string();
         wal.push("-wal");
         let fencing = Fencing {
@@ -1076,14 +1069,7 @@ impl Shared {
     fn new_owner(&self) -> Result<[u8; 16], LockError> {
         let mut owners = self.owners.lock().unwrap_or_else(PoisonError::into_inner);
         if owners.used == OWNERS_PER_FETCH {
-            getrandom::fill(&mut owners.bytes).map_err(|err| {
-                LockError::backend(
-                    NAME,
-                    format!("the operating system's random generator failed: {err}"),
-                    None,
-                    None,
-                )
-            })?;
+            random_fill(&mut owners.bytes)?;
             owners.used = 0;
         }
         let at = owners.used * 16;
@@ -1435,6 +1421,18 @@ impl Drop for Checkpointing {
 }
 
 pub use crate::TransactionLock;
+
+/// Fills `bytes` from the operating system's secure generator.
+fn random_fill(bytes: &mut [u8]) -> Result<(), LockError> {
+    getrandom::fill(bytes).map_err(|err| {
+        LockError::backend(
+            NAME,
+            format!("the operating system's random generator failed: {err}"),
+            None,
+            None,
+        )
+    })
+}
 
 #[cfg(test)]
 mod tests;
