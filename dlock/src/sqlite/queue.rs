@@ -93,10 +93,7 @@ impl Shared {
                     .inline()
                     .prepare_cached(QUEUE_JOIN_SQL)
                     .and_then(|mut join| {
-                        join.query_row(
-                            params![name, &self.waiter[..], now, until, clock.boot()],
-                            |row| row.get::<_, i64>(0),
-                        )
+                        join.execute(params![name, &self.waiter[..], now, until, clock.boot()])
                     });
                 let joined = match joined {
                     Ok(_) => {

@@ -249,15 +249,14 @@ pub(super) const QUEUE_AHEAD_SQL: &str = "SELECT count(*) FROM main.__distribute
     WHERE name = ?1 AND owner = ?2 AND boot IS ?4 AND until > ?3)";
 
 /// Puts waiter `?2` in the queue of `?1` until `?4` (`?3` now, `?5` boot), keeping its
-/// place when it has a live one, and returns when it joined (the place it holds).
+/// place (when it joined) when it has a live one.
 pub(super) const QUEUE_JOIN_SQL: &str = "INSERT INTO main.__distributed_lock_waiters \
     (name, owner, since, until, boot) VALUES (?1, ?2, ?3, ?4, ?5) \
     ON CONFLICT (name, owner) DO UPDATE SET \
     since = CASE WHEN __distributed_lock_waiters.boot IS excluded.boot \
     AND __distributed_lock_waiters.until > ?3 \
     THEN __distributed_lock_waiters.since ELSE excluded.since END, \
-    until = excluded.until, boot = excluded.boot \
-    RETURNING since";
+    until = excluded.until, boot = excluded.boot";
 
 /// Takes waiter `?2` out of the queue of `?1`, with the places there that lapsed (`?3` now,
 /// `?4` boot).
