@@ -2,14 +2,14 @@
 
 use std::fmt::Debug;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::claims::{Claim, Claims, Until};
-use super::lane::{Lane, LaneCommand, LaneHeld};
+use super::lane::{Lane, LaneHeld};
 use super::options::LaneSettings;
 use super::traits::{Connector, Mode};
 use super::wait::{WaitHeld, WaitPool, WaitTask};
@@ -21,9 +21,8 @@ use crate::{Backoff, LockError};
 pub(crate) struct Lanes<C: Connector> {
     connector: Arc<C>,
     settings: LaneSettings,
-    /// The lanes' command channels; a lane whose task has stopped (its runtime was dropped) is
-    /// started again when next picked.
-    lanes: Vec<Mutex<mpsc::UnboundedSender<LaneCommand<C>>>>,
+    /// The lanes: one lock session each.
+    lanes: Vec<Lane<C>>,
     next_lane: AtomicUsize,
     next_handle: AtomicU64,
     waits: Arc<WaitPool<C::Session>>,
@@ -42,8 +41,8 @@ impl<C: Connector> Lanes<C> {
         Ok(())
     }
 
-    /// Starts the lane tasks with `first` as the first lane's session (the other lanes open
-    /// theirs when first needed). Must run inside a Tokio runtime.
+    /// Starts the lanes with `first` as the first lane's session (the other lanes open theirs
+    /// when first needed). Must run inside a Tokio runtime.
     pub(super) fn start(
         connector: C,
         settings: LaneSettings,
@@ -55,7 +54,7 @@ impl<C: Connector> Lanes<C> {
         let mut first = Some(first);
         let mut lanes = Vec::with_capacity(settings.connections);
         for _ in 0..settings.connections {
-            lanes.push(Mutex::new(Lane::spawn(&connector, &settings, first.take())));
+            lanes.push(Lane::start(&connector, &settings, first.take()));
         }
         Ok(Lanes {
             connector,
@@ -76,8 +75,8 @@ impl<C: Connector> Lanes<C> {
         &self.connector
     }
 
-    /// The next lane's command channel.
-    fn lane(&self) -> Result<mpsc::UnboundedSender<LaneCommand<C>>, LockError> {
+    /// The next lane.
+    fn lane(&self) -> Result<Lane<C>, LockError> {
         let n = self.next_lane.fetch_add(1, Ordering::Relaxed);
         self.lane_at(n % self.lanes.len().max(1))
     }
@@ -86,11 +85,7 @@ impl<C: Connector> Lanes<C> {
     /// shared try goes to a lane that holds no shared lock of the resource yet, if there is
     /// one. On such a lane the try reaches the server, which answers it behind a writer that
     /// waits there (a lane that holds the resource already grants another share itself).
-    fn lane_for(
-        &self,
-        resource: &C::Resource,
-        mode: Mode,
-    ) -> Result<(usize, mpsc::UnboundedSender<LaneCommand<C>>), LockError> {
+    fn lane_for(&self, resource: &C::Resource, mode: Mode) -> Result<(usize, Lane<C>), LockError> {
         let count = self.lanes.len().max(1);
         let n = self.next_lane.fetch_add(1, Ordering::Relaxed);
         let mut index = n % count;
@@ -106,26 +101,15 @@ impl<C: Connector> Lanes<C> {
         Ok((index, self.lane_at(index)?))
     }
 
-    /// Lane `index`'s command channel. A lane whose task has stopped (the runtime it ran on
-    /// was dropped; its locks were reported lost then) is started again on this runtime.
-    fn lane_at(&self, index: usize) -> Result<mpsc::UnboundedSender<LaneCommand<C>>, LockError> {
+    /// Lane `index`.
+    fn lane_at(&self, index: usize) -> Result<Lane<C>, LockError> {
         // Never empty (the settings are checked), but answer an error rather than panic.
-        let lane = self.lanes.get(index).ok_or_else(lane_gone::<C>)?;
-        let mut sender = lane.lock().unwrap_or_else(PoisonError::into_inner);
-        if sender.is_closed() {
-            Self::check_runtime()?;
-            *sender = Lane::spawn(&self.connector, &self.settings, None);
-        }
-        Ok(sender.clone())
+        self.lanes.get(index).cloned().ok_or_else(lane_gone::<C>)
     }
 
     /// A health check on a lane's session.
     pub(crate) async fn ping(&self) -> Result<(), LockError> {
-        let lane = self.lane()?;
-        let (reply, answer) = oneshot::channel();
-        lane.send(LaneCommand::Ping { reply })
-            .map_err(|_| lane_gone::<C>())?;
-        answer.await.map_err(|_| lane_gone::<C>())?
+        self.lane()?.ping().await
     }
 
     /// One try on a lane.
@@ -160,31 +144,16 @@ impl<C: Connector> Lanes<C> {
         claim.on_lane(index);
         let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
         let lost = CancellationToken::new();
-        let (reply, answer) = oneshot::channel();
-        // Marks the claim as being cleaned up if this future is dropped before the answer.
+        // Marks the claim as being cleaned up if this future is dropped before the answer
+        // (the try then ends on a task of its own, and gives back what it got).
         let abandoned = claim.abandon_guard();
-        lane.send(LaneCommand::Try {
-            resource,
-            mode,
-            claim,
-            handle,
-            lost: lost.clone(),
-            reply,
-        })
-        .map_err(|_| lane_gone::<C>())?;
-        // Armed from here on: if this future is dropped before the answer is turned into a
-        // guard (even after the lane has sent a grant), dropping `held` queues an unlock
-        // behind the try, which frees whatever the try got.
-        let held = LaneHeld::new(lane, handle);
-        let answer = answer.await;
+        let answer = lane
+            .try_lock(resource, mode, claim, handle, lost.clone())
+            .await;
         abandoned.disarm();
-        match answer.map_err(|_| lane_gone::<C>())?? {
-            Some(grant) => Ok(Some(Acquired::new(grant.token, lost, Box::new(held)))),
-            None => {
-                held.disarm();
-                Ok(None)
-            }
-        }
+        // Made in the poll that got the grant: no await lies between the two.
+        Ok(answer?
+            .map(|grant| Acquired::new(grant.token, lost, Box::new(LaneHeld::new(lane, handle)))))
     }
 
     async fn poll_lanes(
@@ -382,6 +351,36 @@ mod tests {
         held.handle.release().await.unwrap();
     }
 
+    /// A try whose caller leaves while the server grants it (the statement runs on the
+    /// caller's task) still ends: the lock is given back, the key is free again for the next
+    /// try, and the lane's session, which keeps other locks, lives on.
+    #[tokio::test]
+    async fn a_try_dropped_while_granted_gives_the_lock_back() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 1, 1).await;
+        let other = lanes.try_acquire_x("other").await.unwrap().expect("free");
+        let k = lanes.connector().resource("k");
+        server.slow.lock().unwrap().insert(k);
+        for _ in 0..3 {
+            // Dropped after the server granted it, before the answer arrived.
+            let cut = tokio::time::timeout(Duration::from_millis(10), lanes.try_acquire_x("k"));
+            assert!(cut.await.is_err(), "the try answered before it was dropped");
+            assert_eq!(
+                ModelSession::holders(&server, k),
+                1,
+                "granted on the server"
+            );
+            // The next try waits for the abandoned one to settle, then gets the key.
+            let again = lanes.try_acquire_x("k").await.unwrap().expect("given back");
+            assert_eq!(ModelSession::holders(&server, k), 1);
+            again.handle.release().await.unwrap();
+            assert_eq!(ModelSession::holders(&server, k), 0, "nothing stranded");
+        }
+        assert!(!other.lost.is_cancelled(), "the session was kept");
+        other.handle.release().await.unwrap();
+        assert!(server.locks.lock().unwrap().is_empty());
+    }
+
     /// Acquisitions of one backend (two providers on clones of it share its lanes) never both
     /// get a resource, although the one lane's session would let them re-enter.
     #[tokio::test]
@@ -456,8 +455,9 @@ mod tests {
         }
     }
 
-    /// The lane task that keeps a lock dies with the runtime it ran on: the lock's lost token
-    /// fires, and the backend keeps working from another runtime.
+    /// A lane session dies with the runtime it was opened on (whose reactor drives its
+    /// socket): the lock's lost token fires, and the backend keeps working from another
+    /// runtime.
     #[test]
     fn a_lane_stopped_with_its_runtime_reports_its_locks_lost() {
         let server = Arc::new(Server::default());

@@ -1,11 +1,25 @@
-//! Lanes: the multiplexed lock connections, each one session in one task.
+//! Lanes: the multiplexed lock connections. Each lane is one session behind an async mutex;
+//! an acquisition runs its statement on its own task, holding the mutex, so the uncontended
+//! path hands nothing to another task.
+//!
+//! What is cut off must not strand a lock: every operation is a [`Finish`], which, dropped
+//! after it started, runs the rest of its work on a task of its own (a try granted after its
+//! caller left gives the lock back). A statement dropped half-way (its runtime shut down)
+//! leaves the session's state unknown, so the session is dropped ([`Busy`]). A keeper task,
+//! on the runtime the session was opened on, checks the session every keepalive and reports
+//! its locks lost if that runtime stops.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot};
+use tokio::runtime::Handle;
+use tokio::sync::{Mutex, OwnedMutexGuard};
 use tokio_util::sync::CancellationToken;
 
 use super::acquire::lane_gone;
@@ -17,32 +31,24 @@ use crate::backend::{BoxFuture, HeldLock};
 
 // Lanes.
 
-pub(super) enum LaneCommand<C: Connector> {
-    /// One try; on success the lock is pinned to this lane under `handle`. A shared try of
-    /// a resource this lane holds shared already is granted without asking the server (the
-    /// session holds the resource once, however many read locks share it).
-    Try {
-        resource: C::Resource,
-        mode: Mode,
-        claim: Claim<C::Resource>,
-        handle: u64,
-        lost: CancellationToken,
-        reply: oneshot::Sender<Result<Option<Grant>, LockError>>,
-    },
-    /// Gives back the lock `handle` (if this lane still holds it), then acknowledges.
-    Unlock {
-        handle: u64,
-        done: oneshot::Sender<()>,
-    },
-    /// Runs an abandoned wait's interrupt request, then acknowledges.
-    Interrupt {
-        request: InterruptOf<C>,
-        done: oneshot::Sender<()>,
-    },
-    /// A health check: the lane's session answers a ping.
-    Ping {
-        reply: oneshot::Sender<Result<(), LockError>>,
-    },
+/// A handle to one lane; clones share it.
+pub(super) struct Lane<C: Connector> {
+    core: Arc<Core<C>>,
+}
+
+impl<C: Connector> Clone for Lane<C> {
+    fn clone(&self) -> Self {
+        Lane {
+            core: Arc::clone(&self.core),
+        }
+    }
+}
+
+struct Core<C: Connector> {
+    state: Arc<Mutex<LaneState<C>>>,
+    /// The runtime the lane's latest session was opened on: work that outlives its caller
+    /// runs there when the caller's thread is in no runtime.
+    runtime: std::sync::Mutex<Option<Handle>>,
 }
 
 /// A lock a lane holds.
@@ -54,13 +60,17 @@ pub(super) struct LaneLock<C: Connector> {
     _claim: Claim<C::Resource>,
 }
 
-pub(super) struct Lane<C: Connector> {
+pub(super) struct LaneState<C: Connector> {
     connector: Arc<C>,
+    /// The lane itself, for the keeper of each session it opens.
+    core: Weak<Core<C>>,
     keepalive: Duration,
     /// The most a lock or unlock statement may take before the session is presumed dead
     /// (`statement_timeout`; pings have [`Connector::PING_TIMEOUT`]).
     statement_timeout: Duration,
     session: Option<C::Session>,
+    /// Counts the sessions opened: a keeper looks after the one it was started for.
+    generation: u64,
     held: HashMap<u64, LaneLock<C>>,
     /// The resources the session holds shared: how many read locks share each, and the
     /// fencing token the server issued with the shared lock.
@@ -75,121 +85,303 @@ struct Share {
 }
 
 impl<C: Connector> Lane<C> {
-    /// Starts a lane task on the current runtime (with `session`, or opening one when first
-    /// needed) and returns its command channel.
-    pub(super) fn spawn(
+    /// A lane with `session` (or opening one when first needed). Runs inside a Tokio runtime,
+    /// where a given session's keeper starts.
+    pub(super) fn start(
         connector: &Arc<C>,
         settings: &LaneSettings,
         session: Option<C::Session>,
-    ) -> mpsc::UnboundedSender<LaneCommand<C>> {
-        let (tx, rx) = mpsc::unbounded_channel();
-        let lane = Lane {
-            connector: Arc::clone(connector),
-            keepalive: settings.keepalive,
-            statement_timeout: settings.statement_timeout,
-            session,
-            held: HashMap::new(),
-            shares: HashMap::new(),
-        };
-        tokio::spawn(lane.run(rx));
-        tx
+    ) -> Self {
+        let core = Arc::new_cyclic(|weak| Core {
+            state: Arc::new(Mutex::new(LaneState {
+                connector: Arc::clone(connector),
+                core: Weak::clone(weak),
+                keepalive: settings.keepalive,
+                statement_timeout: settings.statement_timeout,
+                session: None,
+                generation: 0,
+                held: HashMap::new(),
+                shares: HashMap::new(),
+            })),
+            runtime: std::sync::Mutex::new(Handle::try_current().ok()),
+        });
+        if let Some(session) = session
+            && let Ok(mut state) = core.state.try_lock()
+        {
+            state.adopt(session);
+        }
+        Lane { core }
     }
 
-    async fn run(mut self, mut commands: mpsc::UnboundedReceiver<LaneCommand<C>>) {
-        let mut ticker = tokio::time::interval_at(
-            crate::time::later_tokio(tokio::time::Instant::now(), self.keepalive),
-            self.keepalive,
-        );
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                command = commands.recv() => match command {
-                    Some(command) => self.handle(command).await,
-                    // The backend and every lock of this lane are gone.
-                    None => break,
-                },
-                _ = ticker.tick(), if self.session.is_some() => self.check().await,
-            }
+    /// Runs `work` on the lane's state, as a [`Finish`]. `eager`: dropped before its first
+    /// poll, the work still runs (an unlock, an interrupt).
+    fn run<T, F>(&self, eager: bool, work: F) -> Finish<T>
+    where
+        T: Send + 'static,
+        F: for<'a> FnOnce(&'a mut LaneState<C>, Arc<AtomicBool>) -> BoxFuture<'a, T>
+            + Send
+            + 'static,
+    {
+        let state = Arc::clone(&self.core.state);
+        let abandoned = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&abandoned);
+        let work = Box::pin(async move {
+            let mut busy = Busy {
+                state: state.lock_owned().await,
+                done: false,
+            };
+            let out = work(&mut busy.state, flag).await;
+            busy.done = true;
+            out
+        });
+        Finish {
+            work: Some(work),
+            started: eager,
+            abandoned,
+            runtime: self
+                .core
+                .runtime
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
         }
     }
 
-    async fn handle(&mut self, command: LaneCommand<C>) {
-        match command {
-            LaneCommand::Try {
-                resource,
-                mode,
-                claim,
-                handle,
-                lost,
-                reply,
-            } => {
-                if reply.is_closed() {
-                    return;
-                }
-                let joined = match self.shares.get_mut(&resource) {
-                    Some(share) if mode.is_shared() && self.session.is_some() => {
-                        share.count += 1;
-                        Some(share.grant)
-                    }
-                    _ => None,
-                };
-                let outcome = match joined {
-                    Some(grant) => Ok(Some(grant)),
-                    None => {
-                        let tried = self.try_lock(&resource, mode).await;
-                        if let (Ok(Some(grant)), Mode::Shared) = (&tried, mode) {
-                            self.shares.insert(
-                                resource.clone(),
-                                Share {
-                                    count: 1,
-                                    grant: *grant,
-                                },
-                            );
-                        }
-                        tried
-                    }
-                };
-                match outcome {
-                    Ok(Some(grant)) => {
-                        self.held.insert(
-                            handle,
-                            LaneLock {
-                                resource,
-                                mode,
-                                lost,
-                                _claim: claim,
-                            },
-                        );
-                        if reply.send(Ok(Some(grant))).is_err() {
-                            // Abandoned while the server granted it: give it back.
-                            self.unlock(handle).await;
-                        }
-                    }
-                    other => {
-                        // Free the claim before answering, so a retry can claim it again.
-                        drop(claim);
-                        let _ = reply.send(other);
-                    }
-                }
-            }
-            LaneCommand::Unlock { handle, done } => {
-                self.unlock(handle).await;
-                let _ = done.send(());
-            }
-            LaneCommand::Interrupt { request, done } => {
-                self.interrupt(request).await;
-                let _ = done.send(());
-            }
-            LaneCommand::Ping { reply } => {
-                let reused = self.session.is_some();
-                let mut outcome = self.ping().await;
-                // A session that died (a server restart, a killed session) is replaced once:
-                // the ping answers for the store, and the locks of the dead session have just
-                // been reported lost.
+    /// One try; on success the lock is pinned to this lane under `handle`. A shared try of a
+    /// resource this lane holds shared already is granted without asking the server (the
+    /// session holds the resource once, however many read locks share it). Dropped after it
+    /// started, the try still ends, and a lock it got is given back.
+    pub(super) fn try_lock(
+        &self,
+        resource: C::Resource,
+        mode: Mode,
+        claim: Claim<C::Resource>,
+        handle: u64,
+        lost: CancellationToken,
+    ) -> Finish<Result<Option<Grant>, LockError>> {
+        self.run(false, move |state, abandoned| {
+            Box::pin(state.try_for(resource, mode, claim, handle, lost, abandoned))
+        })
+    }
+
+    /// Gives back the lock `handle` (if this lane still holds it); runs even if dropped.
+    pub(super) fn unlock(&self, handle: u64) -> Finish<()> {
+        self.run(true, move |state, _| Box::pin(state.unlock(handle)))
+    }
+
+    /// Runs an abandoned wait's interrupt request; runs even if dropped.
+    pub(super) fn interrupt(&self, request: InterruptOf<C>) -> Finish<()> {
+        self.run(true, move |state, _| Box::pin(state.interrupt(request)))
+    }
+
+    /// A health check: the lane's session answers a ping. A session that died (a server
+    /// restart, a killed session) is replaced once: the ping answers for the store, and the
+    /// locks of the dead session have just been reported lost.
+    pub(super) fn ping(&self) -> Finish<Result<(), LockError>> {
+        self.run(false, |state, _| {
+            Box::pin(async move {
+                let reused = state.session.is_some();
+                let outcome = state.ping().await;
                 if outcome.is_err() && reused {
-                    outcome = self.ping().await;
+                    return state.ping().await;
                 }
-                let _ = reply.send(outcome);
+                outcome
+            })
+        })
+    }
+}
+
+/// A lane's state, locked for one piece of work. Dropped before the work is done (its task
+/// stopped mid-statement), the session's state is unknown: the session is dropped, and its
+/// locks reported lost.
+struct Busy<C: Connector> {
+    state: OwnedMutexGuard<LaneState<C>>,
+    done: bool,
+}
+
+impl<C: Connector> Drop for Busy<C> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.state
+                .die("a lock statement was cut off (its task stopped)");
+        }
+    }
+}
+
+/// Work on a lane that finishes even when its caller stops waiting: dropped after it started
+/// (or, `eager`, at any time), the rest runs on a task of the current runtime (or the lane's).
+pub(super) struct Finish<T: Send + 'static> {
+    work: Option<BoxFuture<'static, T>>,
+    started: bool,
+    /// Set when the caller left: the work gives back what it gets from then on.
+    abandoned: Arc<AtomicBool>,
+    runtime: Option<Handle>,
+}
+
+impl<T: Send + 'static> Future for Finish<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let this = &mut *self;
+        let Some(work) = this.work.as_mut() else {
+            // Polled after it finished: nothing more comes.
+            return Poll::Pending;
+        };
+        this.started = true;
+        match work.as_mut().poll(cx) {
+            Poll::Ready(out) => {
+                this.work = None;
+                Poll::Ready(out)
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl<T: Send + 'static> Drop for Finish<T> {
+    fn drop(&mut self) {
+        let Some(work) = self.work.take() else {
+            return;
+        };
+        if !self.started {
+            return;
+        }
+        self.abandoned.store(true, Ordering::SeqCst);
+        let rest = async move {
+            drop(work.await);
+        };
+        // Spawning onto a runtime that has shut down drops the work, and with it its session
+        // if the work was mid-statement ([`Busy`]).
+        if let Some(runtime) = Handle::try_current().ok().or_else(|| self.runtime.take()) {
+            drop(runtime.spawn(rest));
+        }
+    }
+}
+
+/// Checks the session of one generation every keepalive, on the runtime that session was
+/// opened on; dropped with that runtime, it drops the session and reports its locks lost.
+struct Keeper<C: Connector> {
+    core: Weak<Core<C>>,
+    generation: u64,
+}
+
+impl<C: Connector> Keeper<C> {
+    async fn run(self, keepalive: Duration) {
+        loop {
+            tokio::time::sleep(keepalive).await;
+            let Some(core) = self.core.upgrade() else {
+                return;
+            };
+            let state = Arc::clone(&core.state);
+            drop(core);
+            let mut busy = Busy {
+                state: state.lock_owned().await,
+                done: false,
+            };
+            if busy.state.generation != self.generation {
+                // A newer session has a keeper of its own.
+                busy.done = true;
+                return;
+            }
+            busy.state.check().await;
+            busy.done = true;
+        }
+    }
+}
+
+impl<C: Connector> Drop for Keeper<C> {
+    fn drop(&mut self) {
+        let Some(core) = self.core.upgrade() else {
+            return;
+        };
+        // A keeper stops early only with its runtime, whose reactor drives the session's
+        // socket. (Work in flight on that runtime holds the state; it stops too, and drops
+        // the session itself.)
+        if let Ok(mut state) = core.state.try_lock()
+            && state.generation == self.generation
+            && state.session.is_some()
+        {
+            state.die("the lock connection's runtime stopped (was its Tokio runtime dropped?)");
+        }
+    }
+}
+
+impl<C: Connector> LaneState<C> {
+    /// Takes `session` as the lane's, with a keeper on the current runtime.
+    fn adopt(&mut self, session: C::Session) {
+        self.session = Some(session);
+        self.generation += 1;
+        let keeper = Keeper {
+            core: Weak::clone(&self.core),
+            generation: self.generation,
+        };
+        if let Ok(runtime) = Handle::try_current() {
+            if let Some(core) = self.core.upgrade() {
+                *core.runtime.lock().unwrap_or_else(PoisonError::into_inner) =
+                    Some(runtime.clone());
+            }
+            drop(runtime.spawn(keeper.run(self.keepalive)));
+        }
+    }
+
+    async fn try_for(
+        &mut self,
+        resource: C::Resource,
+        mode: Mode,
+        claim: Claim<C::Resource>,
+        handle: u64,
+        lost: CancellationToken,
+        abandoned: Arc<AtomicBool>,
+    ) -> Result<Option<Grant>, LockError> {
+        if abandoned.load(Ordering::SeqCst) {
+            // Its caller left before the try reached the server.
+            return Ok(None);
+        }
+        let joined = match self.shares.get_mut(&resource) {
+            Some(share) if mode.is_shared() && self.session.is_some() => {
+                share.count += 1;
+                Some(share.grant)
+            }
+            _ => None,
+        };
+        let outcome = match joined {
+            Some(grant) => Ok(Some(grant)),
+            None => {
+                let tried = self.try_lock(&resource, mode).await;
+                if let (Ok(Some(grant)), Mode::Shared) = (&tried, mode) {
+                    self.shares.insert(
+                        resource.clone(),
+                        Share {
+                            count: 1,
+                            grant: *grant,
+                        },
+                    );
+                }
+                tried
+            }
+        };
+        match outcome {
+            Ok(Some(grant)) => {
+                self.held.insert(
+                    handle,
+                    LaneLock {
+                        resource,
+                        mode,
+                        lost,
+                        _claim: claim,
+                    },
+                );
+                if abandoned.load(Ordering::SeqCst) {
+                    // Its caller left while the server granted it: give it back.
+                    self.unlock(handle).await;
+                    return Ok(None);
+                }
+                Ok(Some(grant))
+            }
+            other => {
+                // Free the claim before answering, so a retry can claim it again.
+                drop(claim);
+                other
             }
         }
     }
@@ -221,7 +413,8 @@ impl<C: Connector> Lane<C> {
     /// The lane's session, opening a fresh one if there is none.
     async fn session(&mut self) -> Result<&mut C::Session, LockError> {
         if self.session.is_none() {
-            self.session = Some(self.connector.open().await?);
+            let session = self.connector.open().await?;
+            self.adopt(session);
         }
         self.session.as_mut().ok_or_else(lane_gone::<C>)
     }
@@ -375,49 +568,29 @@ impl From<LockError> for TryFailed {
     }
 }
 
-impl<C: Connector> Drop for Lane<C> {
-    /// The lane's task has stopped: normally only once the backend and every lock of the lane
-    /// are gone, but also when the runtime it ran on is dropped with locks still held. Its
-    /// session (and with it every lock it held) ends here, so their holders must hear it.
-    fn drop(&mut self) {
-        if !self.held.is_empty() {
-            self.die("the lock connection's task stopped (was its Tokio runtime dropped?)");
-        }
-    }
-}
-
-/// A lock pinned to a lane (or a try in flight that may become one). Dropped without
-/// [`HeldLock::release`], it queues an unlock for its handle without waiting for it; the lane
-/// runs commands in order, so that unlock comes after the try it answers.
+/// A lock pinned to a lane. Dropped without [`HeldLock::release`], it gives the lock back on a
+/// task of its own.
 pub(super) struct LaneHeld<C: Connector> {
-    lane: mpsc::UnboundedSender<LaneCommand<C>>,
+    lane: Lane<C>,
     handle: u64,
     armed: bool,
 }
 
 impl<C: Connector> LaneHeld<C> {
-    pub(super) fn new(lane: mpsc::UnboundedSender<LaneCommand<C>>, handle: u64) -> Self {
+    pub(super) fn new(lane: Lane<C>, handle: u64) -> Self {
         LaneHeld {
             lane,
             handle,
             armed: true,
         }
     }
-
-    /// For a try that was not granted: nothing to give back.
-    pub(super) fn disarm(mut self) {
-        self.armed = false;
-    }
 }
 
 impl<C: Connector> Drop for LaneHeld<C> {
     fn drop(&mut self) {
         if self.armed {
-            let (done, _) = oneshot::channel();
-            let _ = self.lane.send(LaneCommand::Unlock {
-                handle: self.handle,
-                done,
-            });
+            // An unlock runs even when dropped unpolled.
+            drop(self.lane.unlock(self.handle));
         }
     }
 }
@@ -432,21 +605,12 @@ impl<C: Connector> Debug for LaneHeld<C> {
 }
 
 impl<C: Connector> HeldLock for LaneHeld<C> {
+    /// Cancel safe: the unlock runs to its end even if this future is dropped.
     fn release(mut self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         self.armed = false;
+        let unlock = self.lane.unlock(self.handle);
         Box::pin(async move {
-            let (done, acknowledged) = oneshot::channel();
-            if self
-                .lane
-                .send(LaneCommand::Unlock {
-                    handle: self.handle,
-                    done,
-                })
-                .is_ok()
-            {
-                // The lane task ends only with its session, which frees the lock anyway.
-                let _ = acknowledged.await;
-            }
+            unlock.await;
             Ok(())
         })
     }

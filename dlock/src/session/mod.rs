@@ -17,12 +17,14 @@
 //! | `options.rs` | the options, their defaults, URL names and checks |
 //! | `acquire.rs` | how an acquisition runs: a try on a lane, then a wait or polling |
 //! | `claims.rs` | the in-process claim every acquisition takes first |
-//! | `lane.rs` | the lanes: lock connections, each one task |
+//! | `lane.rs` | the lanes: lock connections, each one session behind an async mutex, run on the caller's task |
 //! | `wait.rs` | native waits on their own sessions, and the idle wait sessions |
 //!
-//! - **Lanes** (`connections` of them) each own one session in one task. They run the tries
-//!   (a lock statement with a zero wait) and keep the locks so taken; statements run one at a
-//!   time per lane, never wait on the server, and are each bounded by `statement_timeout`
+//! - **Lanes** (`connections` of them) each own one session behind an async mutex. They run
+//!   the tries (a lock statement with a zero wait) on the caller's own task and keep the locks
+//!   so taken; a try or release whose caller leaves half-way finishes on a task of its own, and
+//!   a keeper task pings each lane session every keepalive. Statements run one at a time per
+//!   lane, never wait on the server, and are each bounded by `statement_timeout`
 //!   (default 10 s), as is the release of a lock a wait got.
 //! - **Waits** run on their own sessions (at most `wait_connections` at once), because a
 //!   server-side wait blocks its connection. A granted wait keeps its lock on that session

@@ -21,6 +21,9 @@ pub(super) struct Server {
     pub(super) locks: Mutex<HashMap<u64, Held>>,
     /// Resources whose lock statements never answer (a server that stopped responding).
     pub(super) hang: Mutex<std::collections::HashSet<u64>>,
+    /// Resources whose grant takes 50 ms to reach the client (a lock taken on the server
+    /// while its answer is still on the way).
+    pub(super) slow: Mutex<std::collections::HashSet<u64>>,
     next_session: AtomicU64,
 }
 
@@ -117,6 +120,9 @@ impl Session for ModelSession {
             let deadline = Instant::now() + wait;
             loop {
                 if self.take_mode(*resource, mode) {
+                    if self.server.slow.lock().unwrap().contains(resource) {
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
                     return Ok(Some(Grant::PLAIN));
                 }
                 if Instant::now() >= deadline {

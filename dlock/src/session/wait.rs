@@ -3,11 +3,11 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{Semaphore, oneshot};
 use tokio_util::sync::CancellationToken;
 
 use super::claims::Claim;
-use super::lane::LaneCommand;
+use super::lane::Lane;
 use super::traits::{Connector, Failure, Grant, Mode, Session};
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
@@ -102,7 +102,7 @@ pub(super) struct WaitTask<C: Connector> {
     pub(super) statement_timeout: Duration,
     pub(super) pool: Arc<WaitPool<C::Session>>,
     /// The lane that runs this wait's interrupt request if it is abandoned.
-    pub(super) interrupter: mpsc::UnboundedSender<LaneCommand<C>>,
+    pub(super) interrupter: Lane<C>,
     pub(super) lost: CancellationToken,
     /// The runtime the task's session was opened on (set when the task has its session).
     pub(super) tie: Mutex<Option<RuntimeTie>>,
@@ -203,16 +203,12 @@ impl<C: Connector> WaitTask<C> {
     /// task (and with it the claim) ends once the lane has run the interrupt.
     async fn abandon(&self, session: C::Session) {
         self.settling();
-        let finished = session.interrupt(&self.resource).and_then(|request| {
-            let (done, finished) = oneshot::channel();
-            self.interrupter
-                .send(LaneCommand::Interrupt { request, done })
-                .ok()
-                .map(|()| finished)
-        });
+        let finished = session
+            .interrupt(&self.resource)
+            .map(|request| self.interrupter.interrupt(request));
         drop(session);
         if let Some(finished) = finished {
-            let _ = finished.await;
+            finished.await;
         }
     }
 
