@@ -80,7 +80,8 @@ impl<E: Engine> SessionBuilder<E> {
     }
 
     /// The number of lock connections, which hold the locks taken without waiting (default 4,
-    /// 1 to 64).
+    /// 1 to 64). A try runs on the first of them that is idle, so a lightly loaded service
+    /// keeps to one warm connection and the others serve tries that come at once.
     pub fn connections(mut self, connections: usize) -> Self {
         self.options.connections = connections;
         self

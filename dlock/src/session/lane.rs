@@ -113,6 +113,16 @@ impl<C: Connector> Lane<C> {
         Lane { core }
     }
 
+    /// How many locks the lane holds, if no work runs on it at this moment (a hint: work may
+    /// start the next moment).
+    pub(super) fn idle_holding(&self) -> Option<usize> {
+        self.core
+            .state
+            .try_lock()
+            .ok()
+            .map(|state| state.held.len())
+    }
+
     /// Runs `work` on the lane's state, as a [`Finish`]. `eager`: dropped before its first
     /// poll, the work still runs (an unlock, an interrupt).
     fn run<T, F>(&self, eager: bool, work: F) -> Finish<T>
