@@ -368,3 +368,73 @@ async fn transaction_bound_acquisitions_and_holds_are_recorded() {
         recorder.points("distributed_lock.acquisitions")
     );
 }
+
+/// With a subscriber that takes them, an acquisition runs in its `dlock.acquire` span (its
+/// closing event inside it, with the outcome) and a release in its `dlock.release` span; with
+/// none (the first cycle), the same calls skip entering the spans and still work. (The
+/// acquisition's closing event is not asserted: tests running beside this one may have cached
+/// its callsite as of no interest.)
+#[test]
+fn acquisitions_and_releases_run_in_their_spans() {
+    use std::sync::{Arc, Mutex};
+    use tracing_subscriber::fmt::format::FmtSpan;
+
+    #[derive(Clone)]
+    struct Capture(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Capture {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("locks.db");
+    let key = unique_key("spans");
+    let cycle = |key: String| {
+        let file = file.clone();
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async move {
+                // A meter of its own: the global one is the transaction test's.
+                let recorder = Recorder::new();
+                let locks =
+                    LockProvider::builder(dlock::sqlite::SqliteBackend::open(&file).await.unwrap())
+                        .meter(recorder.provider.meter("dlock"))
+                        .build();
+                let guard = locks.try_acquire(&key).await.unwrap();
+                guard.release().await.unwrap();
+            })
+    };
+    // No subscriber: nothing to see, and nothing fails.
+    cycle(key.clone());
+
+    let logs = Arc::new(Mutex::new(Vec::new()));
+    let writer = Capture(Arc::clone(&logs));
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::DEBUG)
+        .with_ansi(false)
+        .with_span_events(FmtSpan::ENTER | FmtSpan::CLOSE)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, || cycle(key.clone()));
+    let text = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+    let entered = |span: &str| {
+        text.lines()
+            .filter(|l| l.contains(&format!("{span}{{key=\"{key}\"")) && l.ends_with(": enter"))
+            .count()
+    };
+    // The acquisition's span is entered while it runs, and once more for its closing event.
+    assert!(entered("dlock.acquire") >= 2, "{text}");
+    assert!(entered("dlock.release") >= 1, "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.contains("dlock.acquire{") && l.contains("outcome=\"acquired\"")),
+        "{text}"
+    );
+}

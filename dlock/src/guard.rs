@@ -6,7 +6,6 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock, LeaseControl, LeaseDeadline, ReleaseOutcome};
@@ -224,11 +223,13 @@ impl LockGuard {
             end: Some(self.hold_end(key)),
             runtime: self.runtime.clone(),
         };
-        let outcome = std::future::poll_fn(|cx| match releasing.future.as_mut() {
-            Some(future) => future.as_mut().poll(cx),
-            None => Poll::Ready(Ok(ReleaseOutcome::AlreadyReleased)),
-        })
-        .instrument(span)
+        let outcome = crate::metrics::in_span(
+            span,
+            std::future::poll_fn(|cx| match releasing.future.as_mut() {
+                Some(future) => future.as_mut().poll(cx),
+                None => Poll::Ready(Ok(ReleaseOutcome::AlreadyReleased)),
+            }),
+        )
         .await;
         if !matches!(outcome, Ok(ReleaseOutcome::Released) | Err(_)) {
             self.lost.cancel();

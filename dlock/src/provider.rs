@@ -8,7 +8,6 @@ use std::time::{Duration, Instant};
 
 use opentelemetry::metrics::Meter;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use crate::backend::{Acquired, LockBackend, LockRequest, ReleaseWatch, WaitTry};
 use crate::backoff::Pauses;
@@ -430,10 +429,11 @@ impl LockProvider {
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let outcome = self
-            .acquire_untraced(key, timeout, cancel, terms, backoff)
-            .instrument(span.clone())
-            .await;
+        let outcome = crate::metrics::in_span(
+            span.clone(),
+            self.acquire_untraced(key, timeout, cancel, terms, backoff),
+        )
+        .await;
         let waited = started.elapsed();
         self.inner
             .metrics
