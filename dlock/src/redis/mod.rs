@@ -1692,6 +1692,26 @@ struct UrlOptions {
 }
 
 impl UrlOptions {
+    /// The `protocol` passed on (`resp2`, the default, or `resp3`; any case), for the URLs
+    /// whose client dlock builds itself from the parts.
+    fn protocol(&self) -> Result<redis::ProtocolVersion, LockError> {
+        let mut protocol = redis::ProtocolVersion::RESP2;
+        for (name, value) in &self.passed_on {
+            if name == "protocol" {
+                protocol = match value.to_ascii_lowercase().as_str() {
+                    "resp2" => redis::ProtocolVersion::RESP2,
+                    "resp3" => redis::ProtocolVersion::RESP3,
+                    _ => {
+                        return Err(LockError::config(
+                            "the redis option `protocol` is `resp2` (the default) or `resp3`",
+                        ));
+                    }
+                };
+            }
+        }
+        Ok(protocol)
+    }
+
     fn apply(self, mut builder: RedisBuilder) -> RedisBuilder {
         builder = builder
             .lease(self.lease)
@@ -1838,20 +1858,7 @@ fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
         ));
     }
     let options = read_options(&parts.query, false, false)?;
-    let mut protocol = redis::ProtocolVersion::RESP2;
-    for (name, value) in &options.passed_on {
-        if name == "protocol" {
-            protocol = match value.to_ascii_lowercase().as_str() {
-                "resp2" => redis::ProtocolVersion::RESP2,
-                "resp3" => redis::ProtocolVersion::RESP3,
-                _ => {
-                    return Err(LockError::config(
-                        "the redis option `protocol` is `resp2` (the default) or `resp3`",
-                    ));
-                }
-            };
-        }
-    }
+    let protocol = options.protocol()?;
     let node = parts
         .hosts
         .credentials(redis::RedisConnectionInfo::default().set_protocol(protocol));
@@ -1892,22 +1899,11 @@ fn cluster_url_error(err: &RedisError) -> LockError {
 fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
     let parts = sentinel::split_url(url)?;
     let options = read_options(&parts.query, false, true)?;
-    let mut master = parts
-        .hosts
-        .credentials(redis::RedisConnectionInfo::default().set_db(parts.db));
-    for (name, value) in &options.passed_on {
-        if name == "protocol" {
-            master = master.set_protocol(match value.to_ascii_lowercase().as_str() {
-                "resp2" => redis::ProtocolVersion::RESP2,
-                "resp3" => redis::ProtocolVersion::RESP3,
-                _ => {
-                    return Err(LockError::config(
-                        "the redis option `protocol` is `resp2` (the default) or `resp3`",
-                    ));
-                }
-            });
-        }
-    }
+    let master = parts.hosts.credentials(
+        redis::RedisConnectionInfo::default()
+            .set_db(parts.db)
+            .set_protocol(options.protocol()?),
+    );
     let mut auth = redis::RedisConnectionInfo::default();
     if let Some(user) = &options.sentinel_username {
         auth = auth.set_username(user);
@@ -2467,6 +2463,26 @@ mod tests {
             let err = parse_url(bad).expect_err(bad);
             assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
             assert!(!err.to_string().contains("hunter2"), "{err}");
+        }
+    }
+
+    /// `protocol` reads alike on the URLs whose client dlock builds from the parts.
+    #[test]
+    fn protocol_option_on_cluster_and_sentinel_urls() {
+        let sentinel = |query: &str| parse_url(&format!("redis+sentinel://a:26379/m?{query}"));
+        for url in ["protocol=resp2", "protocol=RESP3", "lease=2s"] {
+            assert!(sentinel(url).is_ok(), "{url}");
+        }
+        for (bad, url) in [
+            ("sentinel", sentinel("protocol=resp4")),
+            ("cluster", parse_url("redis+cluster://a:7000?protocol=3")),
+        ] {
+            let err = url.expect_err(bad);
+            assert!(
+                err.to_string()
+                    .contains("`protocol` is `resp2` (the default) or `resp3`"),
+                "{bad}: {err}"
+            );
         }
     }
 
