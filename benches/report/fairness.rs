@@ -79,29 +79,23 @@ pub fn run(servers: &Servers, report: &mut Report) {
 }
 
 fn fair(url: &str, key: &str, processes: usize, tasks: usize, seconds: u64) -> Result<Run, String> {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dlock-worker"))
-        .args(["fairness", url, key])
-        .args(["--processes", &processes.to_string()])
-        .args(["--tasks", &tasks.to_string()])
-        .args(["--seconds", &seconds.to_string()])
-        .output()
-        .map_err(|e| format!("running dlock-worker: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
-    }
-    let field = |name: &str| -> Result<&str, String> {
-        text.split_whitespace()
-            .find_map(|part| part.strip_prefix(name)?.strip_prefix('='))
-            .ok_or_else(|| format!("no {name} in {text:?}"))
-    };
-    let number = |name: &str| -> Result<f64, String> {
-        field(name)?.parse().map_err(|e| format!("{name}: {e}"))
-    };
+    let (run, _) = dlock_suite::fairness::run(
+        env!("CARGO_BIN_EXE_dlock-worker"),
+        url,
+        key,
+        processes,
+        tasks,
+        seconds,
+    )?;
     Ok(Run {
-        counts: field("counts")?.replace(',', ", "),
-        spread: number("spread")?,
-        p50_ms: number("p50_ms")?,
-        p99_ms: number("p99_ms")?,
+        counts: run
+            .counts
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        spread: run.spread,
+        p50_ms: run.p50_ms,
+        p99_ms: run.p99_ms,
     })
 }

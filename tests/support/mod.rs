@@ -186,17 +186,7 @@ impl Drop for Holder {
     }
 }
 
-/// What a fairness run (`dlock-worker fairness`) measured.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Fairness {
-    /// Sections each process entered.
-    pub counts: Vec<usize>,
-    /// The largest distance of a process's count from an equal share, as a fraction of it.
-    pub spread: f64,
-    /// Median and 99th percentile of every wait, in milliseconds.
-    pub p50_ms: f64,
-    pub p99_ms: f64,
-}
+pub use dlock_suite::fairness::Fairness;
 
 /// Runs `processes` worker processes of `tasks` tasks each that all take `key` again and
 /// again for `seconds` (holding it 1 ms each time), and returns how evenly they were served.
@@ -207,35 +197,11 @@ pub fn run_fairness(
     tasks: usize,
     seconds: u64,
 ) -> Fairness {
-    let out = Command::new(worker_bin())
-        .args(["fairness", url, key])
-        .args(["--processes", &processes.to_string()])
-        .args(["--tasks", &tasks.to_string()])
-        .args(["--seconds", &seconds.to_string()])
-        .stderr(Stdio::piped())
-        .output()
-        .expect("run the fairness workers");
-    assert!(
-        out.status.success(),
-        "fairness run failed on {url}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let summary = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    eprintln!("{url}: {summary}");
-    let field = |name: &str| {
-        summary
-            .split_whitespace()
-            .find_map(|part| part.strip_prefix(name)?.strip_prefix('='))
-            .unwrap_or_else(|| panic!("no {name} in {summary:?}"))
-    };
-    let number = |name: &str| -> f64 { field(name).parse().expect("a number") };
-    Fairness {
-        counts: field("counts")
-            .split(',')
-            .map(|n| n.parse().expect("a count"))
-            .collect(),
-        spread: number("spread"),
-        p50_ms: number("p50_ms"),
-        p99_ms: number("p99_ms"),
+    match dlock_suite::fairness::run(worker_bin(), url, key, processes, tasks, seconds) {
+        Ok((run, summary)) => {
+            eprintln!("{url}: {summary}");
+            run
+        }
+        Err(err) => panic!("fairness run failed on {url}: {err}"),
     }
 }
