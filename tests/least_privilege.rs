@@ -535,7 +535,7 @@ mod mysql {
 mod redis_acl {
     use super::*;
     use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
-    use dlock_testkit::redis::{Flavor, RedisServer};
+    use dlock_testkit::redis::{Deployment, Flavor, LeaseHarness, RedisServer};
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex, OnceLock};
 
@@ -655,77 +655,40 @@ mod redis_acl {
             .unwrap()
     }
 
-    struct Harness {
+    /// The suite's ACL user on one server (keys `app:{*`): providers connect as that user, and
+    /// another owner takes a lock over through the admin connection.
+    struct AclUser {
         server: RedisServer,
-        url: String,
-        /// Computes storage keys (the tests' own plain connection).
-        keys: RedisBackend,
     }
 
-    impl Harness {
-        fn start(flavor: Flavor) -> Option<Harness> {
-            let server = server(flavor)?;
-            let rt = tokio::runtime::Handle::current();
-            let url = user_url(
-                &server,
-                "dlock_app",
-                "app:",
-                &format!("lease={}ms", LEASE.as_millis()),
-            );
-            let keys = tokio::task::block_in_place(|| {
-                rt.block_on(async {
-                    // The provider's commands, and those of the suite's `ping` and the
-                    // guard's `verify_still_held`.
-                    let mut granted = commands(flavor, true);
-                    granted.extend(["ping", "get"]);
-                    // And those of read locks.
-                    for command in READ_LOCKS {
-                        if !granted.contains(&command) {
-                            granted.push(command);
-                        }
-                    }
-                    set_user(&server, "dlock_app", "app:", &granted).await;
-                    RedisBackend::connect(&server.url("prefix=app:")).await
-                })
-            })
-            .expect("connect");
-            Some(Harness { server, url, keys })
-        }
-    }
+    impl Deployment for AclUser {
+        type Backend = RedisBackend;
 
-    impl dlock_testkit::Harness for Harness {
-        async fn provider(&self) -> LockProvider {
-            LockProvider::connect(&self.url).await.expect("connect")
+        fn url_with(&self, options: &str) -> String {
+            user_url(&self.server, "dlock_app", "app:", options)
         }
 
-        async fn break_lock(&self, guard: &LockGuard) {
+        async fn take_over(&self, backend: &RedisBackend, key: &str) {
             let mut conn = admin(&self.server).await;
-            let key = self.keys.storage_key(guard.key());
-            dlock_testkit::redis::take_over(&mut conn, key, "someone-else").await;
+            dlock_testkit::redis::take_over(&mut conn, backend.storage_key(key), "someone-else")
+                .await;
         }
+    }
 
-        fn lost_within(&self) -> Duration {
-            LEASE / 3 + Duration::from_secs(1)
+    /// The conformance harness on `flavor`'s server, as a user granted exactly the README's
+    /// commands, with those of the suite's `ping`, the guard's `verify_still_held` and read
+    /// locks.
+    async fn acl_harness(flavor: Flavor) -> Option<LeaseHarness<AclUser>> {
+        let server = server(flavor)?;
+        let mut granted = commands(flavor, true);
+        granted.extend(["ping", "get"]);
+        for command in READ_LOCKS {
+            if !granted.contains(&command) {
+                granted.push(command);
+            }
         }
-
-        fn retake_within(&self) -> Duration {
-            LEASE + Duration::from_secs(1)
-        }
-
-        fn fencing(&self) -> bool {
-            true
-        }
-
-        fn read_locks(&self) -> bool {
-            true
-        }
-
-        async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
-            let backend = RedisBackend::connect(&self.url).await.expect("connect");
-            (0..count)
-                .map(|_| LockProvider::from_backend(backend.clone()))
-                .collect()
-        }
+        set_user(&server, "dlock_app", "app:", &granted).await;
+        Some(LeaseHarness::start(AclUser { server }).await)
     }
 
     /// Everything logged at WARN and above by any test of this binary (renewal failures are
@@ -1232,7 +1195,7 @@ mod redis_acl {
                 /// Exactly the README's commands for this flavour, on keys `app:{*`.
                 mod conformance_as_acl_user {
                     use super::*;
-                    dlock_testkit::conformance_suite!(optional async { Harness::start($flavor) });
+                    dlock_testkit::conformance_suite!(optional async { acl_harness($flavor).await });
                 }
 
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
