@@ -379,7 +379,7 @@ async fn cluster_keeps_exclusion_when_the_leader_dies() {
     let run = {
         let (url, key) = (url.clone(), key.clone());
         std::thread::spawn(move || {
-            support::run_exclusion(&url, &key, 3, 2, 1, 150, support::Fencing::Every)
+            support::run_exclusion_through_faults(&url, &key, 3, 2, 1, 150, support::Fencing::Every)
         })
     };
     // Kill the leader once the run is under way.
@@ -428,7 +428,7 @@ async fn cluster_keeps_exclusion_when_a_follower_restarts() {
     let run = {
         let (url, key) = (url.clone(), key.clone());
         std::thread::spawn(move || {
-            support::run_exclusion(&url, &key, 3, 2, 1, 150, support::Fencing::Every)
+            support::run_exclusion_through_faults(&url, &key, 3, 2, 1, 150, support::Fencing::Every)
         })
     };
     tokio::time::sleep(Duration::from_millis(1000)).await;
@@ -490,7 +490,15 @@ async fn cut_off_leader_grants_nothing_and_its_holders_are_told() {
     let run = {
         let (url, prefix) = (cluster.url("lease=3s&timeout=3s"), unique_key("cut-run"));
         std::thread::spawn(move || {
-            support::run_exclusion(&url, &prefix, 3, 2, 1, 200, support::Fencing::Every)
+            support::run_exclusion_through_faults(
+                &url,
+                &prefix,
+                3,
+                2,
+                1,
+                200,
+                support::Fencing::Every,
+            )
         })
     };
     tokio::time::sleep(Duration::from_millis(800)).await;

@@ -11,7 +11,11 @@
 //! each critical section appends `enter KEY HOLDER TOKEN` and then `exit KEY HOLDER` to LOG,
 //! opened in append mode, so every line lands whole and in the order the writes happened.
 //! The checker reads that interleaving: per key, an `enter` while another holder is inside is
-//! an overlap, and fencing tokens (where issued) must strictly increase.
+//! an overlap, and fencing tokens (where issued) must strictly increase. A release that answers
+//! that the lock had run out comes after the exit line; it appends `lost KEY HOLDER`, which the
+//! checker counts (`lost=N` in its summary) and which fails no check of its own: the tests
+//! refuse it outside runs through faults (a partition may let a lease run out while a release
+//! is stuck).
 //!
 //! MIX (`--mix`) picks what the sections take, each with its own invariant:
 //! - `exclusive` (the default): one lock per section, as above;
@@ -309,13 +313,14 @@ fn exclusion(url: &str, prefix: &str, rest: &[&str]) -> Result<(), String> {
         ));
     }
     println!(
-        "ok sections={} keys={} processes={} tasks={} fenced={} shared={} mix={} seconds={:.2} per_second={:.0}",
+        "ok sections={} keys={} processes={} tasks={} fenced={} shared={} lost={} mix={} seconds={:.2} per_second={:.0}",
         summary.sections,
         run.keys,
         run.processes,
         run.tasks,
         summary.fenced,
         summary.most_shared,
+        summary.lost,
         run.mix.arg(),
         elapsed.as_secs_f64(),
         summary.sections as f64 / elapsed.as_secs_f64().max(1e-9),
@@ -326,6 +331,8 @@ fn exclusion(url: &str, prefix: &str, rest: &[&str]) -> Result<(), String> {
 /// What a clean log held.
 struct Summary {
     sections: usize,
+    /// Releases that answered that the lock had run out (after the section ended).
+    lost: usize,
     /// Sections that carried a fencing token.
     fenced: usize,
     /// The most holders one key had at once (readers, or a semaphore's slot holders).
@@ -354,6 +361,7 @@ fn check(log: &Path, expected: usize, fencing: Fencing) -> Result<Summary, Strin
     let mut keys: HashMap<String, KeyState> = HashMap::new();
     let mut summary = Summary {
         sections: 0,
+        lost: 0,
         fenced: 0,
         most_shared: 0,
     };
@@ -378,6 +386,7 @@ fn check(log: &Path, expected: usize, fencing: Fencing) -> Result<Summary, Strin
             _ => Ok(()),
         };
         match words.as_slice() {
+            ["lost", _key, _holder] => summary.lost += 1,
             ["enter", key, holder, t] => {
                 let t = token(t)?;
                 fenced(holder, key, t)?;
@@ -614,7 +623,7 @@ async fn storm(
                         write(format!("enter {key} {holder} {}\n", token_of(&guard)))?;
                         section().await;
                         write(format!("exit {key} {holder}\n"))?;
-                        guard.release().await.map_err(released)?;
+                        release(guard, &holder, &write).await.map_err(released)?;
                     }
                     Mix::ReadWrite if fastrand::u8(..4) != 0 => {
                         let guard = locks
@@ -624,14 +633,14 @@ async fn storm(
                         write(format!("read {key} {holder} {}\n", token_of(&guard)))?;
                         section().await;
                         write(format!("unread {key} {holder}\n"))?;
-                        guard.release().await.map_err(released)?;
+                        release(guard, &holder, &write).await.map_err(released)?;
                     }
                     Mix::ReadWrite => {
                         let guard = locks.acquire(key, ACQUIRE_TIMEOUT).await.map_err(failed)?;
                         write(format!("enter {key} {holder} {}\n", token_of(&guard)))?;
                         section().await;
                         write(format!("exit {key} {holder}\n"))?;
-                        guard.release().await.map_err(released)?;
+                        release(guard, &holder, &write).await.map_err(released)?;
                     }
                     Mix::Semaphore(permits) => {
                         let guard = locks
@@ -648,7 +657,7 @@ async fn storm(
                         ))?;
                         section().await;
                         write(format!("unslot {key} {slot} {holder}\n"))?;
-                        guard.release().await.map_err(released)?;
+                        release(guard, &holder, &write).await.map_err(released)?;
                     }
                     Mix::Many => {
                         let other = loop {
@@ -669,7 +678,7 @@ async fn storm(
                         section().await;
                         write(format!("exit-set {holder} {key} {other}\n"))?;
                         for guard in guards {
-                            guard.release().await.map_err(released)?;
+                            release(guard, &holder, &write).await.map_err(released)?;
                         }
                     }
                 }
@@ -681,6 +690,28 @@ async fn storm(
         done.map_err(|e| format!("a task failed: {e}"))??;
     }
     Ok(())
+}
+
+/// Gives `guard` back. A release that answers [`dlock::LockError::Lost`] comes after the
+/// section's exit line: the lock ran out (a partition, a stuck store) once the section was
+/// over, which breaks no exclusion, so it is logged as `lost KEY HOLDER` for the checker to
+/// count rather than failing the run (the tests refuse any outside fault runs).
+async fn release(
+    guard: dlock::LockGuard,
+    holder: &str,
+    write: &impl Fn(String) -> Result<(), String>,
+) -> Result<(), dlock::LockError> {
+    // Printable: a semaphore slot's internal name holds NUL bytes.
+    let key = guard
+        .key()
+        .replace(|c: char| c.is_control() || c == ' ', "_");
+    match guard.release().await {
+        Err(dlock::LockError::Lost { .. }) => {
+            let _ = write(format!("lost {key} {holder}\n"));
+            Ok(())
+        }
+        other => other,
+    }
 }
 
 /// A critical section: yields all along, so that a second holder (if exclusion were broken)
