@@ -535,9 +535,10 @@ mod mysql {
 mod redis_acl {
     use super::*;
     use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
+    use dlock_testkit::Captured;
     use dlock_testkit::redis::{Deployment, Flavor, LeaseHarness, RedisServer};
     use std::collections::HashMap;
-    use std::sync::{Arc, Mutex, OnceLock};
+    use std::sync::OnceLock;
 
     const LEASE: Duration = Duration::from_secs(1);
 
@@ -694,22 +695,11 @@ mod redis_acl {
     /// Everything logged at WARN and above by any test of this binary (renewal failures are
     /// reported only there: they happen in the background). Installed once, globally, since
     /// renewals run on runtime threads that a per-thread subscriber would not see.
-    fn logs() -> Arc<Mutex<Vec<u8>>> {
-        #[derive(Clone)]
-        struct Capture(Arc<Mutex<Vec<u8>>>);
-        impl std::io::Write for Capture {
-            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(buf);
-                Ok(buf.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-        Arc::clone(LOGS.get_or_init(|| {
-            let logs = Arc::new(Mutex::new(Vec::new()));
-            let writer = Capture(Arc::clone(&logs));
+    fn logs() -> Captured {
+        static LOGS: OnceLock<Captured> = OnceLock::new();
+        LOGS.get_or_init(|| {
+            let logs = Captured::default();
+            let writer = logs.clone();
             let subscriber = tracing_subscriber::fmt()
                 .with_max_level(tracing::Level::WARN)
                 .with_ansi(false)
@@ -717,7 +707,8 @@ mod redis_acl {
                 .finish();
             tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
             logs
-        }))
+        })
+        .clone()
     }
 
     /// Calls, rejected and failed calls of every command so far (`INFO commandstats`).
@@ -843,7 +834,7 @@ mod redis_acl {
                         .unwrap()
                 }
             };
-            let logged_before = logs.lock().unwrap().len();
+            let logged_before = logs.len();
             // The step that failed, its message and its `db_code`.
             let failed: (Step, String, Option<String>) = 'steps: {
                 let before = command_counts(&server);
@@ -885,8 +876,7 @@ mod redis_acl {
                 .await;
                 if guard.is_lost() {
                     // Only this case's renewals fail for want of this command.
-                    let text = String::from_utf8_lossy(&logs.lock().unwrap()[logged_before..])
-                        .into_owned();
+                    let text = logs.text_from(logged_before);
                     let line = text
                         .lines()
                         .find(|l| l.contains("renewing a lock") && l.contains(&format!("`{missing}`")))

@@ -843,8 +843,10 @@ fn the_scan_catches_formatted_sql_planted_at_each_real_call_site() {
 /// store holds, read back from it, in every form they could take (hex either case, `Debug` of
 /// the bytes, escaped bytes, the bytes as text).
 mod secrecy {
-    use std::sync::{Arc, Mutex, OnceLock};
+    use std::sync::OnceLock;
     use std::time::Duration;
+
+    use dlock_testkit::Captured;
 
     use dlock::{LockError, LockProvider};
     use opentelemetry::metrics::MeterProvider as _;
@@ -852,22 +854,11 @@ mod secrecy {
 
     /// Everything logged by any test of this binary, at TRACE. Global, so that what renewal
     /// tasks and blocking threads log is caught as well as the test thread's events.
-    fn logs() -> Arc<Mutex<Vec<u8>>> {
-        #[derive(Clone)]
-        struct Capture(Arc<Mutex<Vec<u8>>>);
-        impl std::io::Write for Capture {
-            fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(buf);
-                Ok(buf.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        static LOGS: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
-        Arc::clone(LOGS.get_or_init(|| {
-            let logs = Arc::new(Mutex::new(Vec::new()));
-            let writer = Capture(Arc::clone(&logs));
+    fn logs() -> Captured {
+        static LOGS: OnceLock<Captured> = OnceLock::new();
+        LOGS.get_or_init(|| {
+            let logs = Captured::default();
+            let writer = logs.clone();
             let subscriber = tracing_subscriber::fmt()
                 .with_max_level(tracing::Level::TRACE)
                 .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
@@ -876,7 +867,8 @@ mod secrecy {
                 .finish();
             tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
             logs
-        }))
+        })
+        .clone()
     }
 
     /// What a test saw leave the library.
@@ -884,7 +876,7 @@ mod secrecy {
         texts: Vec<String>,
         meters: SdkMeterProvider,
         exporter: InMemoryMetricExporter,
-        logs: Arc<Mutex<Vec<u8>>>,
+        logs: Captured,
     }
 
     impl Exposure {
@@ -936,7 +928,7 @@ mod secrecy {
                 metrics.contains("distributed_lock.acquisitions"),
                 "the metrics were recorded"
             );
-            let logged = String::from_utf8_lossy(&self.logs.lock().unwrap()).into_owned();
+            let logged = self.logs.text();
             assert!(logged.contains(key), "the logs were captured");
             let everything = [logged, metrics, self.texts.join("\n")];
             for token in tokens {

@@ -6,24 +6,9 @@
 //! tests on other threads that hit the same callsites meanwhile could leave a stale answer.
 #![cfg(feature = "sqlite")]
 
-use std::sync::{Arc, Mutex};
-
 use dlock::LockProvider;
-use dlock_testkit::unique_key;
+use dlock_testkit::{Captured, unique_key};
 use tracing_subscriber::fmt::format::FmtSpan;
-
-#[derive(Clone)]
-struct Capture(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Capture {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
 
 #[test]
 fn acquisitions_and_releases_run_in_their_spans() {
@@ -45,8 +30,8 @@ fn acquisitions_and_releases_run_in_their_spans() {
     // No subscriber: nothing to see, and nothing fails.
     cycle(key.clone());
 
-    let logs = Arc::new(Mutex::new(Vec::new()));
-    let writer = Capture(Arc::clone(&logs));
+    let logs = Captured::default();
+    let writer = logs.clone();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing::Level::DEBUG)
         .with_ansi(false)
@@ -54,7 +39,7 @@ fn acquisitions_and_releases_run_in_their_spans() {
         .with_writer(move || writer.clone())
         .finish();
     tracing::subscriber::with_default(subscriber, || cycle(key.clone()));
-    let text = String::from_utf8(logs.lock().unwrap().clone()).unwrap();
+    let text = logs.text();
     let entered = |span: &str| {
         text.lines()
             .filter(|l| l.contains(&format!("{span}{{key=\"{key}\"")) && l.ends_with(": enter"))

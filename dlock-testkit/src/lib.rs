@@ -61,6 +61,49 @@ pub use placement::{Placement, ServerTls};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+/// A writer that keeps all that is written to it, for a `tracing_subscriber` writer
+/// (`.with_writer(move || captured.clone())`); clones share one buffer.
+#[derive(Debug, Clone, Default)]
+pub struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Captured {
+    /// What was written so far, as text.
+    pub fn text(&self) -> String {
+        self.text_from(0)
+    }
+
+    /// How many bytes were written so far (a mark for [`text_from`](Captured::text_from)).
+    pub fn len(&self) -> usize {
+        self.bytes().len()
+    }
+
+    /// Whether nothing was written yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// What was written from byte `start` on, as text.
+    pub fn text_from(&self, start: usize) -> String {
+        let bytes = self.bytes();
+        String::from_utf8_lossy(bytes.get(start..).unwrap_or_default()).into_owned()
+    }
+
+    fn bytes(&self) -> std::sync::MutexGuard<'_, Vec<u8>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.bytes().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A key no other test (or earlier run against the same server) uses: `name`, this process's
 /// id, a counter and a random number.
 pub fn unique_key(name: &str) -> String {

@@ -136,12 +136,9 @@ impl<C: Connector> Lane<C> {
         let abandoned = Arc::new(AtomicBool::new(false));
         let flag = Arc::clone(&abandoned);
         let work = Box::pin(async move {
-            let mut busy = Busy {
-                state: state.lock_owned().await,
-                done: false,
-            };
+            let mut busy = Busy::lock(state).await;
             let out = work(&mut busy.state, flag).await;
-            busy.done = true;
+            busy.done();
             out
         });
         Finish {
@@ -207,6 +204,20 @@ impl<C: Connector> Lane<C> {
 struct Busy<C: Connector> {
     state: OwnedMutexGuard<LaneState<C>>,
     done: bool,
+}
+
+impl<C: Connector> Busy<C> {
+    async fn lock(state: Arc<Mutex<LaneState<C>>>) -> Self {
+        Busy {
+            state: state.lock_owned().await,
+            done: false,
+        }
+    }
+
+    /// The work ended: the session's state is known again.
+    fn done(mut self) {
+        self.done = true;
+    }
 }
 
 impl<C: Connector> Drop for Busy<C> {
@@ -284,17 +295,14 @@ impl<C: Connector> Keeper<C> {
             };
             let state = Arc::clone(&core.state);
             drop(core);
-            let mut busy = Busy {
-                state: state.lock_owned().await,
-                done: false,
-            };
+            let mut busy = Busy::lock(state).await;
             if busy.state.generation != self.generation {
                 // A newer session has a keeper of its own.
-                busy.done = true;
+                busy.done();
                 return;
             }
             busy.state.check().await;
-            busy.done = true;
+            busy.done();
         }
     }
 }
