@@ -121,11 +121,10 @@ pub struct MySqlSession {
 }
 
 /// `KILL` of an abandoned wait's connection; the killing lane then waits until that session
-/// no longer holds `name`.
+/// has ended.
 #[derive(Debug)]
 pub struct MySqlKill {
     id: u64,
-    name: Arc<str>,
 }
 
 impl MySqlSession {
@@ -224,33 +223,31 @@ impl Session for MySqlSession {
         Box::pin(ping::<MySql>(&mut self.conn))
     }
 
-    fn interrupt(&self, name: &Arc<str>) -> Option<MySqlKill> {
-        Some(MySqlKill {
-            id: self.id,
-            name: Arc::clone(name),
-        })
+    fn interrupt(&self, _name: &Arc<str>) -> Option<MySqlKill> {
+        Some(MySqlKill { id: self.id })
     }
 
-    /// Ends session `target.id` (an abandoned wait), and waits until it no longer holds
-    /// `target.name`.
+    /// Ends session `target.id` (an abandoned wait), and waits until the server has let it
+    /// go. `KILL` only flags the session: until its thread has woken and left, its wait stays
+    /// queued, and a release in that moment still grants it the lock, held until the thread
+    /// ends. Looking for the lock's holder would miss that (the session did not hold it yet
+    /// when looked at); a `KILL` answering "unknown thread" says the session is gone, with
+    /// whatever it held or waited for. Asking again is harmless: the session is being killed
+    /// anyway, and no other privilege than `KILL`'s own (a user's own sessions) is needed.
     fn run_interrupt(&mut self, target: MySqlKill) -> BoxFuture<'_, Result<(), Failure>> {
         Box::pin(settle::<MySql>("ending an abandoned wait", async move {
-            let MySqlKill { id, name } = target;
-            let kill = kill_sql(id);
-            match sqlx::query(sqlx::AssertSqlSafe(kill))
-                .execute(&mut self.conn)
-                .await
-            {
-                Ok(_) => {}
-                // No such session: it has ended.
-                Err(err) if error_number(&err) == Some(1094) => return Ok(()),
-                Err(err) => return Err(err),
-            }
+            let kill = kill_sql(target.id);
             let mut pauses = settle_pauses();
             loop {
-                let holder = sqlx::query_scalar::<_, Option<u64>>(HOLDER_SQL).bind(&*name);
-                if holder.fetch_one(&mut self.conn).await? != Some(id) {
-                    return Ok(());
+                match sqlx::query(sqlx::AssertSqlSafe(kill.clone()))
+                    .execute(&mut self.conn)
+                    .await
+                {
+                    // Still there (now flagged, if it was not already): look again.
+                    Ok(_) => {}
+                    // No such session: it has ended.
+                    Err(err) if error_number(&err) == Some(ER_NO_SUCH_THREAD) => return Ok(()),
+                    Err(err) => return Err(err),
                 }
                 tokio::time::sleep(pauses.next_pause().unwrap_or_default()).await;
             }

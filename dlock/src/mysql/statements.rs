@@ -16,8 +16,6 @@ pub(super) const TRY_SQL: &str = "SELECT GET_LOCK(?, 0)";
 pub(super) const WAIT_SQL: &str = "SELECT GET_LOCK(?, ?)";
 /// `?` name. 1 when released, 0 when another session holds it, NULL when nobody does.
 pub(super) const RELEASE_SQL: &str = "SELECT RELEASE_LOCK(?)";
-/// `?` name. The connection id of the session holding the lock, or NULL.
-pub(super) const HOLDER_SQL: &str = "SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)";
 /// `?` name. Increments the fencing counter of a lock this session holds; the statement's
 /// last insert id is the new token.
 pub(super) const FENCE_SQL: &str = "INSERT INTO dlock_fencing (name, token) VALUES (?, LAST_INSERT_ID(1)) \
@@ -49,6 +47,9 @@ pub(super) const MARIADB_SESSION_SQL: &str =
 
 /// MySQL's error for a `GET_LOCK` wait that would deadlock.
 pub(super) const ER_USER_LOCK_DEADLOCK: u16 = 3058;
+/// `KILL` of a connection id the server does not know ("Unknown thread id"): that session
+/// has ended.
+pub(super) const ER_NO_SUCH_THREAD: u16 = 1094;
 /// MariaDB's (and InnoDB's) deadlock error.
 pub(super) const ER_LOCK_DEADLOCK: u16 = 1213;
 
