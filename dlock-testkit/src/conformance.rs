@@ -103,7 +103,8 @@ macro_rules! conformance_suite {
     (@all $mode:ident [$(#[$attr:meta])*] $make:expr) => {
         $crate::conformance_suite!(@cases $mode [$(#[$attr])*] $make;
             try_vs_held, acquire_waits_then_gets, timeout_is_bounded, zero_timeout_is_one_try,
-            max_timeout_does_not_overflow, cancellation_ends_a_wait, precancelled_token,
+            max_timeout_does_not_overflow, cancellation_ends_a_wait, cancel_meets_release,
+            precancelled_token,
             release_on_drop, explicit_release_cycles, non_reentrant, local_waiters_queue,
             fencing_increases, with_lock_releases_on_error, with_lock_releases_on_panic,
             with_lock_returns_output, many_keys_at_once, bad_keys, distinct_keys_do_not_collide,
@@ -265,6 +266,62 @@ pub async fn cancellation_ends_a_wait(h: &impl Harness) {
     guard.release().await.expect("release");
     let again = b.try_acquire(&key).await.expect("nothing stranded");
     again.release().await.expect("release");
+}
+
+/// Rounds of [`cancel_meets_release`].
+pub const CANCEL_RACE_ROUNDS: usize = 40;
+
+/// A wait cancelled just as its key comes free leaves nothing held, whichever the server
+/// saw first: the wait ends with `Canceled` or with the lock, and once it has, the waiting
+/// provider's next try gets the key. (A server wait that was told to stop may still be
+/// granted the key while it winds down; the engine must not call the wait over before that
+/// grant, if any, has been given back.)
+pub async fn cancel_meets_release(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("cancelrace");
+    let seed = fastrand::u64(..);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    for round in 0..CANCEL_RACE_ROUNDS {
+        let guard = a
+            .acquire(&key, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("round {round} (seed {seed}): the holder: {e}"));
+        let token = CancellationToken::new();
+        let waiter = {
+            let (b, key, token) = (b.clone(), key.clone(), token.clone());
+            tokio::spawn(async move { b.lock(&key).cancel_on(&token).acquire().await })
+        };
+        waiting(&b, &waiter).await;
+        // Somewhere between the local queue and the server's own wait.
+        tokio::time::sleep(Duration::from_micros(rng.u64(0..4_000))).await;
+        let gap = Duration::from_micros(rng.u64(0..2_000));
+        let release_first = rng.bool();
+        let release = async {
+            if !release_first {
+                tokio::time::sleep(gap).await;
+            }
+            guard.release().await
+        };
+        let cancel = async {
+            if release_first {
+                tokio::time::sleep(gap).await;
+            }
+            token.cancel();
+        };
+        let (released, ()) = tokio::join!(release, cancel);
+        released.expect("release");
+        match tokio::time::timeout(Duration::from_secs(10), waiter).await {
+            Ok(Ok(Ok(got))) => got.release().await.expect("release"),
+            Ok(Ok(Err(LockError::Canceled { .. }))) => {}
+            other => {
+                panic!("round {round} (seed {seed}): expected Canceled or the lock, got {other:?}")
+            }
+        }
+        let again = b.try_acquire(&key).await.unwrap_or_else(|e| {
+            panic!("round {round} (seed {seed}): the cancelled wait left the key held: {e}")
+        });
+        again.release().await.expect("release");
+    }
 }
 
 /// A token cancelled before the call answers `Canceled` without trying.
