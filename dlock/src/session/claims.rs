@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use smallvec::SmallVec;
 use tokio::sync::Notify;
 
 use super::traits::Mode;
@@ -44,11 +45,15 @@ impl<R> Default for Claims<R> {
 /// The entry lives while it has a holder or a waiting exclusive acquisition.
 pub(super) struct ClaimState {
     shared: bool,
-    holders: Vec<Holder>,
+    /// Kept inline while there is one (a resource held by one acquisition, as nearly all
+    /// are, costs no allocation of its own).
+    holders: SmallVec<[Holder; 1]>,
     writers_waiting: usize,
     /// Moves on with every change a waiting acquisition may be waiting for.
     generation: u64,
-    ended: Arc<Notify>,
+    /// Wakes the acquisitions waiting for a change; made by the first of them (most claims
+    /// are never waited for).
+    ended: Option<Arc<Notify>>,
 }
 
 /// One claim of a resource: whether its abandoned acquisition is being cleaned up, and the
@@ -56,13 +61,15 @@ pub(super) struct ClaimState {
 struct Holder {
     id: u64,
     settling: bool,
-    lane: Option<usize>,
+    lane: Option<u32>,
 }
 
 impl ClaimState {
     fn changed(&mut self) {
         self.generation = self.generation.wrapping_add(1);
-        self.ended.notify_waiters();
+        if let Some(ended) = &self.ended {
+            ended.notify_waiters();
+        }
     }
 
     fn is_unused(&self) -> bool {
@@ -112,10 +119,10 @@ impl<R: Clone + Eq + Hash> Claims<R> {
                 let mut map = self.map();
                 let state = map.entry(resource.clone()).or_insert_with(|| ClaimState {
                     shared,
-                    holders: Vec::new(),
+                    holders: SmallVec::new(),
                     writers_waiting: 0,
                     generation: 0,
-                    ended: Arc::new(Notify::new()),
+                    ended: None,
                 });
                 let free = if shared {
                     state.writers_waiting == 0 && (state.holders.is_empty() || state.shared)
@@ -152,7 +159,8 @@ impl<R: Clone + Eq + Hash> Claims<R> {
                     waiting.armed = true;
                     state.writers_waiting += 1;
                 }
-                (Arc::clone(&state.ended), state.generation)
+                let ended = state.ended.get_or_insert_with(|| Arc::new(Notify::new()));
+                (Arc::clone(ended), state.generation)
             };
             if limit.is_some_and(|limit| Instant::now() >= limit) {
                 return None;
@@ -162,7 +170,11 @@ impl<R: Clone + Eq + Hash> Claims<R> {
             notified.as_mut().enable();
             // Re-check: the claims may have changed between the look and `enable`.
             let still = self.map().get(resource).is_some_and(|state| {
-                Arc::ptr_eq(&state.ended, &ended) && state.generation == generation
+                state
+                    .ended
+                    .as_ref()
+                    .is_some_and(|now| Arc::ptr_eq(now, &ended))
+                    && state.generation == generation
             });
             if still {
                 match limit {
@@ -214,7 +226,7 @@ impl<R: Clone + Eq + Hash> Claims<R> {
             state
                 .holders
                 .iter()
-                .filter_map(|holder| holder.lane)
+                .filter_map(|holder| usize::try_from(holder.lane?).ok())
                 .collect()
         })
     }
@@ -264,7 +276,8 @@ impl<R: Clone + Eq + Hash> Claim<R> {
         if let Some(state) = self.claims.map().get_mut(&self.resource)
             && let Some(holder) = state.holders.iter_mut().find(|h| h.id == self.id)
         {
-            holder.lane = Some(lane);
+            // A lane index past `u32` (never: lanes are a handful) is not recorded.
+            holder.lane = u32::try_from(lane).ok();
         }
     }
 
