@@ -292,7 +292,7 @@ const NAMED: &[(&str, &str, &str, &str)] = &[
         "mysql/session.rs",
         "sqlx::AssertSqlSafe(kill)",
         "mysql/session.rs",
-        "let kill = kill_sql(id);",
+        "let kill = kill_sql(target.id);",
     ),
     // SQL Server's fencing table statement is a `Call`, as below.
     (

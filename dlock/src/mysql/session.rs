@@ -236,10 +236,10 @@ impl Session for MySqlSession {
     /// anyway, and no other privilege than `KILL`'s own (a user's own sessions) is needed.
     fn run_interrupt(&mut self, target: MySqlKill) -> BoxFuture<'_, Result<(), Failure>> {
         Box::pin(settle::<MySql>("ending an abandoned wait", async move {
-            let kill = kill_sql(target.id);
             let mut pauses = settle_pauses();
             loop {
-                match sqlx::query(sqlx::AssertSqlSafe(kill.clone()))
+                let kill = kill_sql(target.id);
+                match sqlx::query(sqlx::AssertSqlSafe(kill))
                     .execute(&mut self.conn)
                     .await
                 {
