@@ -260,6 +260,12 @@ macro_rules! engine_tests {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_wait_cancelled_as_its_key_is_released_never_leaves_it_held() {
+                let Some(server) = server() else { return };
+                cancel_race(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn backend_from_an_existing_pool() {
                 let Some(server) = server() else { return };
                 from_pool(server).await;
@@ -270,6 +276,22 @@ macro_rules! engine_tests {
 
 engine_tests!(mariadb, Flavor::MariaDb);
 engine_tests!(oracle_mysql, Flavor::MySql);
+
+/// Races a wait's cancellation against its key's release, 100 times, once the wait is
+/// blocked in `GET_LOCK` on the server: the server may grant the key to the wait's session
+/// while the `KILL` that ends it takes effect, and the engine must not count the wait as over
+/// until that session has gone, or the waiting provider's next try finds the key held.
+async fn cancel_race(server: &DbServer) {
+    let (user, url) = own_user(server, "cancelrace", "").await;
+    let a = LockProvider::connect(&url).await.unwrap();
+    let b = LockProvider::connect(&url).await.unwrap();
+    let mut conn = admin(server).await;
+    let cancelled = dlock_testkit::conformance::cancel_race(&a, &b, 100, async |_key: &str| {
+        get_lock_waits(&mut conn, &user).await == 1
+    })
+    .await;
+    eprintln!("{cancelled} of 100 waits ended cancelled");
+}
 
 /// The server's statement counters: `Questions` and every `Com_*`.
 async fn statement_counters(conn: &mut MySqlConnection) -> std::collections::HashMap<String, u64> {

@@ -680,42 +680,11 @@ async fn a_wait_cancelled_as_its_key_is_released_never_leaves_it_held() {
     let a = LockProvider::connect(&server.url("")).await.unwrap();
     let b = LockProvider::connect(&server.url("")).await.unwrap();
     let mut conn = admin(server).await;
-    let mut granted_then_cancelled = 0;
-    for round in 0..100 {
-        let key = unique_key("cancel-race");
-        let held = a.try_acquire(&key).await.unwrap();
-        let cancel = dlock::CancellationToken::new();
-        let waiter = {
-            let (b, key, cancel) = (b.clone(), key.clone(), cancel.clone());
-            tokio::spawn(async move { b.lock(&key).cancel_on(&cancel).acquire().await })
-        };
-        dlock_testkit::wait_until(
-            "the wait is queued on the server",
-            Duration::from_secs(5),
-            async || waiting_for(&mut conn, &key).await == 1,
-        )
-        .await;
-        // Release and cancel at once, in either order.
-        if round % 2 == 0 {
-            let (released, ()) = tokio::join!(held.release(), async { cancel.cancel() });
-            released.unwrap();
-        } else {
-            let ((), released) = tokio::join!(async { cancel.cancel() }, held.release());
-            released.unwrap();
-        }
-        match waiter.await.unwrap() {
-            Ok(guard) => guard.release().await.unwrap(),
-            Err(LockError::Canceled { .. }) => granted_then_cancelled += 1,
-            Err(other) => panic!("round {round}: {other}"),
-        }
-        match b.try_acquire(&key).await {
-            Ok(guard) => guard.release().await.unwrap(),
-            Err(err) => {
-                panic!("round {round}: the key still looked held after the cancelled wait: {err}")
-            }
-        }
-    }
-    eprintln!("{granted_then_cancelled} of 100 waits ended cancelled");
+    let cancelled = dlock_testkit::conformance::cancel_race(&a, &b, 100, async |key: &str| {
+        waiting_for(&mut conn, key).await == 1
+    })
+    .await;
+    eprintln!("{cancelled} of 100 waits ended cancelled");
 }
 
 /// The fenced statements (`pg_try_advisory_lock` + `INSERT ... RETURNING token` in one

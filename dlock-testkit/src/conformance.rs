@@ -278,12 +278,37 @@ pub const CANCEL_RACE_ROUNDS: usize = 40;
 /// grant, if any, has been given back.)
 pub async fn cancel_meets_release(h: &impl Harness) {
     let (a, b) = (h.provider().await, h.provider().await);
-    let key = unique_key("cancelrace");
+    let mut rng = fastrand::Rng::new();
+    cancel_race(&a, &b, CANCEL_RACE_ROUNDS, async |_key: &str| {
+        if b.local_key_count() != 1 {
+            return false;
+        }
+        // Somewhere between the local queue and the server's own wait.
+        tokio::time::sleep(Duration::from_micros(rng.u64(0..4_000))).await;
+        true
+    })
+    .await;
+}
+
+/// Races the cancellation of `b`'s wait for a key `a` holds against `a`'s release of it,
+/// `rounds` times, each on a key of its own: once `queued(key)` says the wait is where the
+/// race should begin (a backend's own test can look for the wait on the server), the two go
+/// at once, in either order, half the time up to 2 ms apart. The wait must end with
+/// `Canceled` or the lock, and `b`'s next try must get the key. Returns how many waits ended
+/// `Canceled`. A failure names the round and the seed.
+pub async fn cancel_race(
+    a: &LockProvider,
+    b: &LockProvider,
+    rounds: usize,
+    mut queued: impl AsyncFnMut(&str) -> bool,
+) -> usize {
     let seed = fastrand::u64(..);
     let mut rng = fastrand::Rng::with_seed(seed);
-    for round in 0..CANCEL_RACE_ROUNDS {
+    let mut cancelled = 0;
+    for round in 0..rounds {
+        let key = unique_key("cancel-race");
         let guard = a
-            .acquire(&key, Duration::from_secs(10))
+            .try_acquire(&key)
             .await
             .unwrap_or_else(|e| panic!("round {round} (seed {seed}): the holder: {e}"));
         let token = CancellationToken::new();
@@ -291,10 +316,16 @@ pub async fn cancel_meets_release(h: &impl Harness) {
             let (b, key, token) = (b.clone(), key.clone(), token.clone());
             tokio::spawn(async move { b.lock(&key).cancel_on(&token).acquire().await })
         };
-        waiting(&b, &waiter).await;
-        // Somewhere between the local queue and the server's own wait.
-        tokio::time::sleep(Duration::from_micros(rng.u64(0..4_000))).await;
-        let gap = Duration::from_micros(rng.u64(0..2_000));
+        crate::wait_until("the wait is queued", Duration::from_secs(5), async || {
+            assert!(!waiter.is_finished(), "the waiter got a held lock");
+            queued(&key).await
+        })
+        .await;
+        let gap = if rng.bool() {
+            Duration::from_micros(rng.u64(0..2_000))
+        } else {
+            Duration::ZERO
+        };
         let release_first = rng.bool();
         let release = async {
             if !release_first {
@@ -312,7 +343,7 @@ pub async fn cancel_meets_release(h: &impl Harness) {
         released.expect("release");
         match tokio::time::timeout(Duration::from_secs(10), waiter).await {
             Ok(Ok(Ok(got))) => got.release().await.expect("release"),
-            Ok(Ok(Err(LockError::Canceled { .. }))) => {}
+            Ok(Ok(Err(LockError::Canceled { .. }))) => cancelled += 1,
             other => {
                 panic!("round {round} (seed {seed}): expected Canceled or the lock, got {other:?}")
             }
@@ -322,6 +353,7 @@ pub async fn cancel_meets_release(h: &impl Harness) {
         });
         again.release().await.expect("release");
     }
+    cancelled
 }
 
 /// A token cancelled before the call answers `Canceled` without trying.
