@@ -104,6 +104,8 @@ mod semaphore;
     feature = "mysql"
 ))]
 pub mod session;
+#[cfg(feature = "redis")]
+mod settling;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sqlx_engine;
 mod table;

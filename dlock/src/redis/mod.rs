@@ -574,7 +574,9 @@
 //! compare-and-delete of its own token, so it does not stay taken until its lease runs out. A
 //! dropped guard releases in the background, and its renewal stops at once. Both run on the
 //! runtime of the acquisition: when that runtime is itself shutting down, nothing more can run
-//! there, and such a lock frees itself when its lease runs out.
+//! there, and such a lock frees itself when its lease runs out. The key's next acquisition
+//! through the same backend waits for an abandoned acquisition's clean-up (up to the command
+//! timeout), so that it does not find the key taken by an acquisition that was called off.
 
 mod bounded;
 mod cluster;
@@ -604,6 +606,7 @@ use crate::backend::{
 use crate::key::validate_key;
 use crate::lease::safe_window;
 use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
+use crate::settling::Settling;
 use crate::time::{MAX_SETTING, check_setting};
 
 use commands::Conn;
@@ -663,6 +666,8 @@ struct Shared {
     wakes: Arc<wake::Wakes>,
     /// Keys given back to waiters elsewhere (see [Fair waiting](self#fair-waiting)).
     hold_offs: fair::HoldOffs,
+    /// The clean-ups of abandoned acquisitions under way (see [Cancellation](self#cancellation)).
+    settling: Arc<Settling<Arc<[u8]>>>,
 }
 
 impl Drop for Shared {
@@ -1117,6 +1122,7 @@ impl RedisBuilder {
                 intents: read::Intents::default(),
                 wakes: Arc::new(wake::Wakes::new(subscriber, self.timeout)),
                 hold_offs: fair::HoldOffs::default(),
+                settling: Arc::default(),
             }),
         })
     }
@@ -2050,6 +2056,9 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
             retry_within: Some(left),
         });
     }
+    // An abandoned acquisition of this key may still be giving it back: a try sent now would
+    // find it taken (see [Cancellation](self#cancellation)).
+    shared.settling.wait(&lock_key, shared.timeout).await;
     let token = OwnerToken::random()?;
     let plan = bounded::plan(shared, request.key, &lock_key).await?;
     // From here until the answer is read, a drop (or a failure) may leave the lock
@@ -2238,7 +2247,11 @@ impl Drop for Cleanup {
             self.token.clone(),
             self.read,
         );
+        // Registered before the acquisition's future is gone: the key's next acquisition
+        // through this backend waits until it has run.
+        let settle = shared.settling.begin(Arc::clone(&key));
         drop(runtime.spawn(async move {
+            let _settle = settle;
             let what = "cleaning up an abandoned acquisition";
             let outcome = if read {
                 shared

@@ -283,6 +283,8 @@ pub(super) async fn try_acquire(
     check_lease(lease)?;
     let token = OwnerToken::random()?;
     let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
+    // An abandoned acquisition of this key may still be giving it back.
+    shared.settling.wait(&lock_key, shared.timeout).await;
     let readers = readers_key(shared.layout, &lock_key);
     let intent = intent_key(shared.layout, &lock_key);
     let plan = super::bounded::plan(shared, request.key, &lock_key).await?;

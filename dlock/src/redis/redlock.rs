@@ -16,6 +16,7 @@ use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LeaseDeadline, LockBackend, LockRequest,
     ReleaseOutcome, ReleaseWatch, WaitTry,
 };
+use crate::settling::{SETTLE_LIMIT, Settling};
 
 const NAME: &str = "redlock";
 
@@ -103,6 +104,9 @@ struct Shared {
     lease: Duration,
     fencing: bool,
     raise: Script,
+    /// Node locks of abandoned acquisitions being given back, per lock name: the name's next
+    /// acquisition waits for them.
+    settling: Arc<Settling<Arc<str>>>,
 }
 
 /// One node: connected, or to be connected at first use.
@@ -231,6 +235,7 @@ impl RedlockBackend {
                 lease,
                 fencing,
                 raise: Script::new(RAISE_LUA, &["get", "set"]),
+                settling: Arc::default(),
             }),
         }
     }
@@ -345,24 +350,31 @@ enum Failure {
 
 /// A node lock taken during an acquisition: given back in the background if dropped before
 /// the acquisition hands it over (the acquisition was dropped, or failed to reach a quorum).
-struct Taken {
+struct Taken<'a> {
     node: usize,
     acquired: Option<Acquired>,
+    /// The lock's name, and where its release in the background is registered.
+    key: &'a str,
+    settling: &'a Arc<Settling<Arc<str>>>,
 }
 
-impl Taken {
+impl Taken<'_> {
     fn into_inner(mut self) -> Option<Acquired> {
         self.acquired.take()
     }
 }
 
-impl Drop for Taken {
+impl Drop for Taken<'_> {
     fn drop(&mut self) {
         if let Some(acquired) = self.acquired.take() {
             let release = acquired.handle.release();
             match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
-                    runtime.spawn(release);
+                    let settle = self.settling.begin(Arc::from(self.key));
+                    runtime.spawn(async move {
+                        let _ = release.await;
+                        drop(settle);
+                    });
                 }
                 // Without a runtime the node lock's lease frees it.
                 Err(_) => drop(release),
@@ -514,6 +526,9 @@ impl RedlockBackend {
             let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
                 LockError::config("dlock runs on Tokio: acquire locks from within a Tokio runtime")
             })?;
+            // Node locks of an abandoned acquisition of this name may still be being given
+            // back: a try sent now would find them taken.
+            shared.settling.wait(request.key, SETTLE_LIMIT).await;
             let started = Instant::now();
             let wait = node_wait(lease);
             let answers = join(shared.nodes.iter().enumerate().map(|(i, node)| {
@@ -540,6 +555,8 @@ impl RedlockBackend {
                             WaitTry::Acquired(acquired) => Ok(Taken {
                                 node: i,
                                 acquired: Some(acquired),
+                                key: request.key,
+                                settling: &shared.settling,
                             }),
                             WaitTry::Held { retry_within } => Err(retry_within),
                         })
@@ -679,7 +696,7 @@ impl RedlockBackend {
 impl RedlockBackend {
     /// The lock's fencing token, the largest of the granted nodes' tokens, once the counter of
     /// a quorum of nodes is at least that large; `None` when too few could be raised.
-    async fn raise_fences(&self, key: &str, taken: &[Taken]) -> Option<u64> {
+    async fn raise_fences(&self, key: &str, taken: &[Taken<'_>]) -> Option<u64> {
         let shared = &*self.shared;
         let tokens: Vec<u64> = taken
             .iter()

@@ -26,6 +26,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         intents: Default::default(),
         wakes: Arc::new(crate::redis::wake::Wakes::new(None, timeout)),
         hold_offs: Default::default(),
+        settling: Default::default(),
     })
 }
 
