@@ -1,8 +1,6 @@
 //! Fairness runs across processes (`dlock-worker fairness`), as the tests and the report start
 //! them and read their one-line summary back.
 
-use std::process::Command;
-
 /// What a fairness run measured.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fairness {
@@ -19,20 +17,9 @@ impl Fairness {
     /// Reads the worker's summary line (`ok processes=P counts=N,N,.. spread=X p50_ms=..
     /// p99_ms=.. ...`).
     pub fn parse(summary: &str) -> Result<Fairness, String> {
-        let field = |name: &str| -> Result<&str, String> {
-            summary
-                .split_whitespace()
-                .find_map(|part| part.strip_prefix(name)?.strip_prefix('='))
-                .ok_or_else(|| format!("no {name} in {summary:?}"))
-        };
-        let number = |name: &str| -> Result<f64, String> {
-            field(name)?.parse().map_err(|e| format!("{name}: {e}"))
-        };
+        let number = |name: &str| crate::summary_number(summary, name);
         Ok(Fairness {
-            counts: field("counts")?
-                .split(',')
-                .map(|n| n.parse().map_err(|e| format!("counts: {e}")))
-                .collect::<Result<_, _>>()?,
+            counts: crate::summary_list(summary, "counts")?,
             spread: number("spread")?,
             p50_ms: number("p50_ms")?,
             p99_ms: number("p99_ms")?,
@@ -51,17 +38,13 @@ pub fn run(
     tasks: usize,
     seconds: u64,
 ) -> Result<(Fairness, String), String> {
-    let out = Command::new(worker)
-        .args(["fairness", url, key])
-        .args(["--processes", &processes.to_string()])
-        .args(["--tasks", &tasks.to_string()])
-        .args(["--seconds", &seconds.to_string()])
-        .output()
-        .map_err(|e| format!("running dlock-worker: {e}"))?;
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).trim().to_owned());
-    }
-    let summary = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let summary = crate::run_worker(
+        worker,
+        ["fairness", url, key],
+        [processes as u64, tasks as u64, seconds],
+        &[],
+        || {},
+    )?;
     Ok((Fairness::parse(&summary)?, summary))
 }
 

@@ -1,6 +1,8 @@
 //! The raw-driver baselines of the benches: the statements or commands a backend's acquire +
-//! release runs, straight on the driver, without dlock. Shared by the per-backend benches and
-//! the report; each part is there with the feature of its backend.
+//! release runs, straight on the driver, without dlock, and their waiting forms for a key
+//! that others hold (the report's hot-key run, through `dlock-worker throughput --raw`).
+//! Shared by the per-backend benches, the report and the worker; each part is there with the
+//! feature of its backend.
 
 /// The Lua compare-and-delete a Redis release runs when the server has no native one.
 pub const REDIS_RELEASE_LUA: &str =
@@ -152,4 +154,90 @@ impl Sqlite {
             .execute(params![key, &owner[..]])
             .expect("release");
     }
+}
+
+/// How long a raw Redis acquisition sleeps between its `SET NX PX` polls of a held key.
+pub const REDIS_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// PostgreSQL, waiting: `pg_advisory_lock($1)` (which waits natively while another session
+/// holds `id`) + `pg_advisory_unlock($1)` on `conn`, a connection the caller keeps.
+#[cfg(feature = "postgres")]
+pub async fn postgres_wait_on(conn: &mut sqlx::PgConnection, id: i64) -> Result<(), String> {
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(id)
+        .execute(&mut *conn)
+        .await
+        .map_err(|e| format!("pg_advisory_lock: {e}"))?;
+    let released: bool = sqlx::query_scalar("SELECT pg_advisory_unlock($1)")
+        .bind(id)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| format!("pg_advisory_unlock: {e}"))?;
+    released
+        .then_some(())
+        .ok_or_else(|| "pg_advisory_unlock found the lock not held".to_owned())
+}
+
+/// MySQL / MariaDB, waiting: `GET_LOCK(?, timeout)` (which waits natively, up to `timeout`
+/// seconds, while another session holds `name`) + `RELEASE_LOCK(?)` on `conn`, a connection
+/// the caller keeps.
+#[cfg(feature = "mysql")]
+pub async fn mysql_wait_on(
+    conn: &mut sqlx::MySqlConnection,
+    name: &str,
+    timeout: u64,
+) -> Result<(), String> {
+    let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+        .bind(name)
+        .bind(timeout)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| format!("GET_LOCK: {e}"))?;
+    if got != Some(1) {
+        return Err(format!("GET_LOCK answered {got:?} after up to {timeout} s"));
+    }
+    let released: Option<i64> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+        .bind(name)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(|e| format!("RELEASE_LOCK: {e}"))?;
+    (released == Some(1))
+        .then_some(())
+        .ok_or_else(|| format!("RELEASE_LOCK answered {released:?}"))
+}
+
+/// Redis, waiting: `SET key token NX PX 30000` again every [`REDIS_POLL`] while the key is
+/// held, then the Lua compare-and-delete ([`REDIS_RELEASE_LUA`] in `script`) through
+/// `EVALSHA`. `token` tells this holder from the others.
+#[cfg(feature = "redis")]
+pub async fn redis_wait<C: redis::aio::ConnectionLike>(
+    conn: &mut C,
+    script: &redis::Script,
+    key: &str,
+    token: &str,
+) -> Result<(), String> {
+    loop {
+        let set: Option<String> = redis::cmd("SET")
+            .arg(key)
+            .arg(token)
+            .arg("NX")
+            .arg("PX")
+            .arg(30_000)
+            .query_async(conn)
+            .await
+            .map_err(|e| format!("SET NX PX: {e}"))?;
+        if set.is_some() {
+            break;
+        }
+        tokio::time::sleep(REDIS_POLL).await;
+    }
+    let deleted: i64 = script
+        .key(key)
+        .arg(token)
+        .invoke_async(conn)
+        .await
+        .map_err(|e| format!("compare-and-delete: {e}"))?;
+    (deleted == 1)
+        .then_some(())
+        .ok_or_else(|| "the compare-and-delete found another holder".to_owned())
 }

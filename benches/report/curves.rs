@@ -104,6 +104,28 @@ pub fn growth(points: &[(f64, f64)]) -> String {
     }
 }
 
+/// Measures a curve's sizes in turn (`measure(n)`, logged as `n what`) and stops at the first
+/// that fails: the points reached, and "; not reached at N: why" (empty when all were).
+pub fn grow<P>(
+    sizes: &[usize],
+    what: &str,
+    mut measure: impl FnMut(usize) -> Result<P, String>,
+) -> (Vec<P>, String) {
+    let mut points = Vec::new();
+    for &n in sizes {
+        let t = Instant::now();
+        match measure(n) {
+            Ok(p) => points.push(p),
+            Err(e) => {
+                eprintln!("  {n} {what}: {e}");
+                return (points, format!("; not reached at {}: {e}", count(n as f64)));
+            }
+        }
+        eprintln!("  {n} {what}: {:.1} s", t.elapsed().as_secs_f64());
+    }
+    (points, String::new())
+}
+
 /// "1: 1.2 KiB, 10: ..." for a row.
 pub fn listing(points: &[(f64, f64)], show: impl Fn(f64) -> String) -> String {
     points
@@ -312,8 +334,8 @@ pub fn run(rt: &Runtime, servers: &Servers, report: &mut Report) {
     }
 }
 
-/// The backends C1 and C2 measure, by label.
-fn backend<'a>(servers: &'a Servers, label: &str) -> Option<&'a Backend> {
+/// The backend labelled `label`, if this run started it (C1 to C5).
+pub(crate) fn backend<'a>(servers: &'a Servers, label: &str) -> Option<&'a Backend> {
     servers.backends.iter().find(|b| b.label == label)
 }
 
@@ -382,28 +404,11 @@ fn held_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
             continue;
         }
         eprintln!(" {label}");
-        let mut points = Vec::new();
-        let mut stopped = None;
-        for &n in sizes {
-            let t = Instant::now();
-            match rt.block_on(held(b, n, lease, window)) {
-                Ok(p) => points.push(p),
-                Err(e) => {
-                    eprintln!("  {n} held: {e}");
-                    stopped = Some(format!("at {}: {e}", count(n as f64)));
-                    break;
-                }
-            }
-            eprintln!("  {n} held: {:.1} s", t.elapsed().as_secs_f64());
-        }
-        let stop_text = stopped
-            .as_ref()
-            .map(|s| format!("; not reached {s}"))
-            .unwrap_or_default();
+        let (points, stop_text) = grow(sizes, "held", |n| rt.block_on(held(b, n, lease, window)));
         if points.is_empty() {
-            let why = stopped.unwrap_or_default();
+            let why = stop_text.trim_start_matches("; ");
             for (name, target) in names.iter().zip(["≤ 1024 B", "—", "—"]) {
-                report.add(b.not_measured(C1, name, &why, target));
+                report.add(b.not_measured(C1, name, why, target));
             }
             continue;
         }
@@ -577,11 +582,7 @@ async fn connections(b: &Backend, pg: Option<&sqlx::PgPool>) -> Result<f64, Stri
         .await
         .map(|n| n as f64)
         .map_err(|e| e.to_string()),
-        Store::Redis(server) => server
-            .info("clients")
-            .get("connected_clients")
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| "no connected_clients".to_owned()),
+        Store::Redis(server) => crate::servers::redis_clients(server).map(|n| n as f64),
         Store::Sqlite(_) => open_files(),
         Store::My(_) => Err("not measured here".to_owned()),
     }

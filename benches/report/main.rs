@@ -14,12 +14,17 @@
 //!    through the `benches/peers` workspace, run with `cargo run`);
 //! 8. semaphore slots and read locks against the raw driver, and a reader-heavy load;
 //! 9. fairness: 2 and 4 processes of 8 tasks contending for one key (`fairness.rs`);
+//! 10. multi-node deployments: Redis Cluster, Sentinel, Redlock, etcd (`deployments.rs`);
 //!
-//! and cost curves (`curves.rs`, `waiters.rs`): C1 client memory, server connections and
-//! keep-alive CPU against 1 to 100,000 locks held; C2 what the store keeps against 1 to
-//! 1,000,000 distinct keys ever locked; C3 server queries and handover against 1 to 1,000
-//! waiters on one key. `-- --only curves` (or `--only curves-held`, `curves-keys`,
-//! `curves-waiters`) runs those alone (see `measure::section_named`).
+//! and cost curves (`curves.rs`, `waiters.rs`, `scale.rs`): C1 client memory, server
+//! connections and keep-alive CPU against 1 to 100,000 locks held; C2 what the store keeps
+//! against 1 to 1,000,000 distinct keys ever locked; C3 server queries and handover against 1
+//! to 1,000 waiters on one key; C4 acquisitions/s and server connections against 1 to 64
+//! processes, each with a provider on the same store, taking keys of their own; C5 the
+//! acquisitions/s of 4 processes all taking one hot key, dlock against the raw driver in
+//! interleaved rounds (C4 and C5 run worker processes, `dlock-worker throughput`). `-- --only
+//! curves` (or `--only curves-held`, `curves-keys`, `curves-waiters`, `curves-providers`,
+//! `curves-hot`) runs those alone (see `measure::section_named`).
 //!
 //! Figures that are compared are measured in interleaved rounds (A, B, A, B, ...) and
 //! summarised by their medians, so that the machine's noise hits both sides alike. Prints a
@@ -44,11 +49,13 @@ use dlock::LockProvider;
 
 mod axum_layer;
 mod curves;
+mod deployments;
 mod fairness;
 mod measure;
 mod output;
 mod peers;
 mod primitives;
+mod scale;
 mod servers;
 mod waiters;
 
@@ -72,13 +79,14 @@ fn main() {
         eprintln!("report: quick mode: tiny sizes, checks only that every figure is produced");
     }
     // The peers build (first run) while the servers start.
-    let without_peers = std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0") || !section(7);
+    let without_peers =
+        std::env::var("DLOCK_REPORT_PEERS").is_ok_and(|v| v == "0") || !(section(7) || section(10));
     let peers = RefCell::new(match (without_peers, quick()) {
         (true, _) => {
-            let why = if section(7) {
+            let why = if section(7) || section(10) {
                 PEERS_SKIPPED
             } else {
-                "peers (section 7, other lock crates) left out: a partial run without section 7"
+                "peers (sections 7 and 10, other lock crates) left out: a partial run without them"
             };
             eprintln!("report: {why}");
             Peers::skip(why)
@@ -123,6 +131,10 @@ fn main() {
         eprintln!("report: 9 fairness across processes");
         fairness::run(&servers, &mut report);
     }
+    if section(10) {
+        eprintln!("report: 10 multi-node deployments");
+        deployments::run(&rt, &peers, &mut report);
+    }
     // Any one curve chosen (`--only curves-keys` does not start `curves`).
     if ["curves-held", "curves-keys", "curves-waiters"]
         .iter()
@@ -130,6 +142,13 @@ fn main() {
     {
         eprintln!("report: C1-C3 cost curves");
         curves_and_waiters(&rt, &servers, &mut report);
+    }
+    if ["curves-providers", "curves-hot"]
+        .iter()
+        .any(|name| section_named(name))
+    {
+        eprintln!("report: C4-C5 cost curves across processes");
+        scale::run(&rt, &servers, &mut report);
     }
 
     drop(peers);
@@ -181,6 +200,7 @@ fn main() {
          is dlock's own script or statement, beside dlock's exclusive lock. The reader-heavy \
          load: 16 tasks over 2 providers on one key, each holding the lock 0.2 ms, nine reads \
          to one write, against exclusive locks only; medians of 3 runs of 0.7 s each.",
+        deployments::NOTE,
     ] {
         report.note(note.to_owned());
     }
@@ -205,9 +225,12 @@ fn main() {
             servers::S7,
             primitives::S8,
             fairness::S9,
+            deployments::S10,
             curves::C1,
             curves::C2,
             waiters::C3,
+            scale::C4,
+            scale::C5,
         ])
     } else {
         Vec::new()

@@ -19,8 +19,9 @@ static ONLY: OnceLock<Option<(Vec<String>, Vec<String>)>> = OnceLock::new();
 
 /// A partial run's choice (`-- --only 1,8 --backend mysql,redis`, or `DLOCK_REPORT_ONLY` and
 /// `DLOCK_REPORT_BACKENDS`): the sections (numbers, or the start of a cost curve's name:
-/// `curves`, `curves-held`, `curves-keys`, `curves-waiters`) and the backends (lowercase parts
-/// of their labels) it measures; `None` for a full run. An empty list chooses all of its kind.
+/// `curves`, `curves-held`, `curves-keys`, `curves-waiters`, `curves-providers`, `curves-hot`)
+/// and the backends (lowercase parts of their labels) it measures; `None` for a full run. An
+/// empty list chooses all of its kind.
 fn only() -> &'static Option<(Vec<String>, Vec<String>)> {
     ONLY.get_or_init(|| {
         let args: Vec<String> = std::env::args().collect();
@@ -65,7 +66,7 @@ pub fn section(n: u32) -> bool {
 }
 
 /// Whether this run measures the cost curve named `name` (`curves-held`, ...): chosen by any
-/// start of its name (`curves` chooses all three). The group `curves` is measured when any of
+/// start of its name (`curves` chooses all five). The group `curves` is measured when any of
 /// its curves is chosen (`curves-held` alone runs the group for that one curve).
 pub fn section_named(name: &str) -> bool {
     only().as_ref().is_none_or(|(sections, _)| {

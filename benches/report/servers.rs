@@ -78,6 +78,15 @@ impl Backend {
         }
     }
 
+    /// A pool of one connection to this server (PostgreSQL, MySQL or MariaDB), for counting.
+    pub(crate) async fn pool<DB: sqlx::Database>(&self) -> Result<sqlx::Pool<DB>, String> {
+        sqlx::pool::PoolOptions::<DB>::new()
+            .max_connections(1)
+            .connect(&self.driver_url())
+            .await
+            .map_err(|e| e.to_string())
+    }
+
     /// The URL plain drivers (and the peers) use.
     pub(crate) fn driver_url(&self) -> String {
         match self.store.as_ref().expect("running") {
@@ -665,7 +674,7 @@ pub fn handover_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
             report.add(b.not_measured(S2, &name, e, "—"));
             continue;
         }
-        match rt.block_on(handover(&b.dlock_url(""))) {
+        match rt.block_on(handover(&b.dlock_url(""), "bench:handover")) {
             Ok(samples) if samples.is_empty() => {
                 report.add(b.not_measured(S2, &name, "no handover seen", "—"))
             }
@@ -689,7 +698,9 @@ pub fn handover_all(rt: &Runtime, servers: &Servers, report: &mut Report) {
     }
 }
 
-async fn handover(url: &str) -> Result<Vec<f64>, String> {
+/// Tasks over providers on `url` take `key` in turn; the time from one holder starting its
+/// release to the next holder having the lock, per handover, in nanoseconds.
+pub async fn handover(url: &str, key: &str) -> Result<Vec<f64>, String> {
     let (n_providers, n_tasks, turns, rounds) =
         (sized(4, 2), sized(16, 4), sized(4, 2), sized(3, 1));
     let mut providers = Vec::new();
@@ -700,18 +711,21 @@ async fn handover(url: &str) -> Result<Vec<f64>, String> {
                 .map_err(|e| e.to_string())?,
         );
     }
-    let key = "bench:handover";
     let mut samples = Vec::new();
     for _round in 0..rounds {
         // (acquired, release started) per critical section.
         let log = Arc::new(Mutex::new(Vec::new()));
         let tasks: Vec<_> = (0..n_tasks)
             .map(|i| {
-                let (p, log) = (providers[i % n_providers].clone(), log.clone());
+                let (p, log, key) = (
+                    providers[i % n_providers].clone(),
+                    log.clone(),
+                    key.to_owned(),
+                );
                 tokio::spawn(async move {
                     for _ in 0..turns {
                         let g = p
-                            .acquire(key, Duration::from_secs(60))
+                            .acquire(&key, Duration::from_secs(60))
                             .await
                             .map_err(|e| e.to_string())?;
                         let acquired = Instant::now();
@@ -746,18 +760,8 @@ impl Counter {
     async fn new(b: &Backend) -> Result<Counter, String> {
         match b.store.as_ref().map_err(Clone::clone)? {
             Store::Sqlite(_) => Err("no server: nothing to count".to_owned()),
-            Store::Postgres(_) => sqlx::postgres::PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&b.driver_url())
-                .await
-                .map(Counter::Postgres)
-                .map_err(|e| e.to_string()),
-            Store::My(_) => sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(1)
-                .connect(&b.driver_url())
-                .await
-                .map(Counter::My)
-                .map_err(|e| e.to_string()),
+            Store::Postgres(_) => b.pool().await.map(Counter::Postgres),
+            Store::My(_) => b.pool().await.map(Counter::My),
             Store::Redis(_) => Ok(Counter::Redis),
         }
     }
@@ -944,56 +948,65 @@ pub fn locks_per_connection_all(rt: &Runtime, servers: &Servers, report: &mut Re
     }
 }
 
-async fn connections(
-    b: &Backend,
-    pg: Option<&sqlx::PgPool>,
-    my: Option<&sqlx::MySqlPool>,
-) -> Result<u64, String> {
-    match b.store.as_ref().map_err(Clone::clone)? {
-        Store::Postgres(_) => sqlx::query_scalar::<_, i64>(
-            "SELECT count(*)::bigint FROM pg_stat_activity \
-             WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
-        )
-        .fetch_one(pg.expect("pool"))
-        .await
-        .map(|n| n as u64)
-        .map_err(|e| e.to_string()),
-        Store::My(_) => sqlx::raw_sql("SHOW PROCESSLIST")
-            .fetch_all(my.expect("pool"))
+/// Counts a server's client connections: PostgreSQL's client backends in `pg_stat_activity`,
+/// MySQL's and MariaDB's `SHOW PROCESSLIST`, Redis's `connected_clients`; through a counting
+/// connection of its own where the server needs one (PostgreSQL leaves it out of its count).
+pub(crate) struct Connections {
+    pg: Option<sqlx::PgPool>,
+    my: Option<sqlx::mysql::MySqlPool>,
+}
+
+impl Connections {
+    /// Opens the counting connection `b` needs.
+    pub(crate) async fn new(b: &Backend) -> Result<Connections, String> {
+        match b.store.as_ref().map_err(Clone::clone)? {
+            Store::Postgres(_) => Ok(Connections {
+                pg: Some(b.pool().await?),
+                my: None,
+            }),
+            Store::My(_) => Ok(Connections {
+                pg: None,
+                my: Some(b.pool().await?),
+            }),
+            Store::Redis(_) => Ok(Connections { pg: None, my: None }),
+            Store::Sqlite(_) => Err("no server".to_owned()),
+        }
+    }
+
+    /// The server's client connections now.
+    pub(crate) async fn count(&self, b: &Backend) -> Result<u64, String> {
+        match b.store.as_ref().map_err(Clone::clone)? {
+            Store::Postgres(_) => sqlx::query_scalar::<_, i64>(
+                "SELECT count(*)::bigint FROM pg_stat_activity \
+                 WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+            )
+            .fetch_one(self.pg.as_ref().ok_or("no counting connection")?)
             .await
-            .map(|rows| rows.len() as u64)
+            .map(|n| n as u64)
             .map_err(|e| e.to_string()),
-        Store::Redis(server) => server
-            .info("clients")
-            .get("connected_clients")
-            .and_then(|v| v.parse().ok())
-            .ok_or_else(|| "no connected_clients".to_owned()),
-        Store::Sqlite(_) => Err("no server".to_owned()),
+            Store::My(_) => sqlx::raw_sql("SHOW PROCESSLIST")
+                .fetch_all(self.my.as_ref().ok_or("no counting connection")?)
+                .await
+                .map(|rows| rows.len() as u64)
+                .map_err(|e| e.to_string()),
+            Store::Redis(server) => redis_clients(server),
+            Store::Sqlite(_) => Err("no server".to_owned()),
+        }
     }
 }
 
+/// Redis's `connected_clients` (`INFO clients`).
+pub(crate) fn redis_clients(server: &RedisServer) -> Result<u64, String> {
+    server
+        .info("clients")
+        .get("connected_clients")
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| "no connected_clients".to_owned())
+}
+
 async fn locks_per_connection(b: &Backend, n: usize) -> Result<u64, String> {
-    let pg = match b.store {
-        Ok(Store::Postgres(_)) => Some(
-            sqlx::postgres::PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&b.driver_url())
-                .await
-                .map_err(|e| e.to_string())?,
-        ),
-        _ => None,
-    };
-    let my = match b.store {
-        Ok(Store::My(_)) => Some(
-            sqlx::mysql::MySqlPoolOptions::new()
-                .max_connections(1)
-                .connect(&b.driver_url())
-                .await
-                .map_err(|e| e.to_string())?,
-        ),
-        _ => None,
-    };
-    let before = connections(b, pg.as_ref(), my.as_ref()).await?;
+    let counter = Connections::new(b).await?;
+    let before = counter.count(b).await?;
     let locks = LockProvider::connect(&b.dlock_url(""))
         .await
         .map_err(|e| e.to_string())?;
@@ -1009,8 +1022,8 @@ async fn locks_per_connection(b: &Backend, n: usize) -> Result<u64, String> {
         .into_iter()
         .collect::<Result<_, _>>()
         .map_err(|e| e.to_string())?;
-    let during = connections(b, pg.as_ref(), my.as_ref()).await?;
-    if let Some(pool) = &pg {
+    let during = counter.count(b).await?;
+    if let Some(pool) = &counter.pg {
         let held: i64 = sqlx::query_scalar(
             "SELECT count(*)::bigint FROM pg_locks WHERE locktype = 'advisory' AND granted",
         )

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use dlock::LockProvider;
 use tokio::runtime::Runtime;
 
-use crate::curves::{Panel, Series, chart, count, growth, listing};
+use crate::curves::{Panel, Series, chart, count, grow, growth, listing};
 use crate::measure::{median, quantile, sized};
 use crate::output::{Report, Row, Target, time};
 use crate::servers::{Backend, Servers, Store};
@@ -41,21 +41,7 @@ pub fn run(rt: &Runtime, servers: &Servers, report: &mut Report) {
             continue;
         }
         eprintln!(" {label}");
-        let mut points = Vec::new();
-        let mut stopped = None;
-        for &n in sizes {
-            let t = Instant::now();
-            match rt.block_on(waiters(b, n)) {
-                Ok(p) => points.push(p),
-                Err(e) => {
-                    eprintln!("  {n} waiters: {e}");
-                    stopped = Some(format!("; not reached at {}: {e}", count(n as f64)));
-                    break;
-                }
-            }
-            eprintln!("  {n} waiters: {:.1} s", t.elapsed().as_secs_f64());
-        }
-        let stop_text = stopped.unwrap_or_default();
+        let (points, stop_text) = grow(sizes, "waiters", |n| rt.block_on(waiters(b, n)));
         let Some(last) = points.last() else {
             report.add(b.not_measured(C3, &rate_name, &stop_text, "—"));
             report.add(b.not_measured(C3, &hand_name, &stop_text, "—"));

@@ -49,7 +49,10 @@ async fn setup(peer: &str, url: &str) -> Result<Peer, String> {
                 .await
                 .map_err(|x| e(&x))?,
         ),
-        "rslock" => Peer::Rslock(rslock::LockManager::new(vec![url.to_owned()])),
+        // One URL, or several separated by commas: the Redlock nodes.
+        "rslock" => Peer::Rslock(rslock::LockManager::new(
+            url.split(',').map(str::to_owned).collect(),
+        )),
         other => return Err(format!("unknown peer {other}")),
     })
 }

@@ -13,9 +13,9 @@
 //! from an equal share, as a fraction of that share (0.25 = within 25 %), and the
 //! percentiles are over every wait of every process.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::group::{Group, number, ready_then_go};
 
 /// What one run measured.
 struct Fairness {
@@ -43,77 +43,33 @@ pub(crate) fn run(url: &str, key: &str, rest: &[&str]) -> Result<(), String> {
     if processes == 0 || tasks == 0 || seconds == 0 {
         return Err("processes, tasks and seconds must be at least 1".to_owned());
     }
-    let me = std::env::current_exe().map_err(|e| format!("own path: {e}"))?;
-    let mut children = (0..processes)
-        .map(|_| {
-            Command::new(&me)
-                .arg("fair")
-                .args([url, key])
-                .args([tasks as u64, seconds, hold_us].map(|n| n.to_string()))
-                .stdin(Stdio::piped())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .map_err(|e| format!("spawning a worker: {e}"))
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut outputs = Vec::new();
-    for child in &mut children {
-        let mut out = BufReader::new(child.stdout.take().ok_or("a worker without stdout")?);
-        let mut line = String::new();
-        out.read_line(&mut line)
-            .map_err(|e| format!("reading a worker: {e}"))?;
-        if line.trim() != "ready" {
-            let _ = child.kill();
-            let mut why = String::new();
-            if let Some(mut err) = child.stderr.take() {
-                let _ = std::io::Read::read_to_string(&mut err, &mut why);
+    let mut group = Group::spawn(processes, |_| {
+        ["fair", url, key]
+            .map(str::to_owned)
+            .into_iter()
+            .chain([tasks as u64, seconds, hold_us].map(|n| n.to_string()))
+            .collect()
+    })?;
+    group.go()?;
+    let mut waits = Vec::new();
+    let mut counts = vec![None; processes];
+    group.finish(|i, line| {
+        if let Some(list) = line.strip_prefix("waits ") {
+            for wait in list.split(',').filter(|w| !w.is_empty()) {
+                waits.push(wait.parse().map_err(|e| format!("wait {wait:?}: {e}"))?);
             }
-            return Err(format!(
-                "a worker said {line:?} instead of ready: {}",
-                why.trim()
-            ));
+        } else if let Some(n) = line.strip_prefix("count ") {
+            counts[i] = Some(n.parse().map_err(|e| format!("count {n:?}: {e}"))?);
         }
-        outputs.push(out);
-    }
-    for child in &mut children {
-        let stdin = child.stdin.as_mut().ok_or("a worker without stdin")?;
-        stdin
-            .write_all(b"go\n")
-            .and_then(|()| stdin.flush())
-            .map_err(|e| format!("starting a worker: {e}"))?;
-    }
-    let mut measured = Fairness {
-        counts: Vec::new(),
-        waits: Vec::new(),
+        Ok(())
+    })?;
+    let measured = Fairness {
+        counts: counts
+            .into_iter()
+            .map(|c| c.ok_or("a worker printed no count"))
+            .collect::<Result<_, _>>()?,
+        waits,
     };
-    for (child, out) in children.into_iter().zip(outputs) {
-        let mut count = None;
-        for line in out.lines() {
-            let line = line.map_err(|e| format!("reading a worker: {e}"))?;
-            if let Some(waits) = line.strip_prefix("waits ") {
-                for wait in waits.split(',').filter(|w| !w.is_empty()) {
-                    measured
-                        .waits
-                        .push(wait.parse().map_err(|e| format!("wait {wait:?}: {e}"))?);
-                }
-            } else if let Some(n) = line.strip_prefix("count ") {
-                count = Some(n.parse().map_err(|e| format!("count {n:?}: {e}"))?);
-            }
-        }
-        let out = child
-            .wait_with_output()
-            .map_err(|e| format!("waiting for a worker: {e}"))?;
-        if !out.status.success() {
-            return Err(format!(
-                "a worker failed: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            ));
-        }
-        measured
-            .counts
-            .push(count.ok_or("a worker printed no count")?);
-    }
     println!("{}", measured.summary(processes));
     Ok(())
 }
@@ -150,7 +106,6 @@ pub(crate) async fn worker(
     seconds: &str,
     hold_us: &str,
 ) -> Result<(), String> {
-    let number = |what: &str, value: &str| value.parse::<u64>().map_err(|e| format!("{what}: {e}"));
     let (tasks, seconds, hold) = (
         number("tasks", tasks)?,
         number("seconds", seconds)?,
@@ -159,16 +114,7 @@ pub(crate) async fn worker(
     let locks = dlock::LockProvider::connect(url)
         .await
         .map_err(|e| e.to_string())?;
-    println!("ready");
-    std::io::stdout().flush().map_err(|e| e.to_string())?;
-    let mut go = String::new();
-    std::io::stdin()
-        .read_line(&mut go)
-        .map_err(|e| format!("waiting for go: {e}"))?;
-    if go.trim() != "go" {
-        // The run was called off (its parent is gone).
-        return Err("the run was called off before it began".to_owned());
-    }
+    ready_then_go()?;
     let end = Instant::now() + Duration::from_secs(seconds);
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..tasks {

@@ -52,6 +52,10 @@
 //! `dlock-worker fairness URL KEY ...` measures how evenly processes contending for one key are
 //! served; see the `fairness` module.
 //!
+//! `dlock-worker throughput URL PREFIX ...` measures the acquisitions per second of processes
+//! taking distinct keys or one hot key, through dlock or the raw driver; see the `throughput`
+//! module.
+//!
 //! `dlock-worker schedule --url URL ...` is one worker process of the schedule test
 //! (`tests/schedule/`), driven over stdin and stdout; see the `schedule` module.
 
@@ -63,7 +67,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod fairness;
+mod group;
 mod schedule;
+mod throughput;
 
 /// How long one acquisition may wait before the worker gives up (and fails the run).
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(120);
@@ -92,6 +98,12 @@ fn main() -> ExitCode {
         ["fair", url, key, tasks, seconds, hold_us] => runtime().and_then(|rt| {
             rt.block_on(fairness::worker(url, key, tasks, seconds, hold_us))
         }),
+        ["throughput", url, prefix, rest @ ..] => throughput::run(url, prefix, rest),
+        ["tput", url, prefix, index, tasks, seconds, mode] => runtime().and_then(|rt| {
+            rt.block_on(throughput::worker(
+                url, prefix, index, tasks, seconds, mode,
+            ))
+        }),
         ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, false))),
         ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, true))),
         ["take", url, key, timeout_ms] => timeout_ms
@@ -113,6 +125,7 @@ fn main() -> ExitCode {
                   [--mix exclusive|rw|semaphore:N|many] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG [MIX] \
                   | fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H] \
+                  | throughput URL PREFIX [--processes P] [--tasks T] [--seconds S] [--hot] [--raw] \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
                   | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
