@@ -291,8 +291,10 @@
 //!   replicas each master has.
 //! - **Waiting**: releases announce themselves as on one server; classic `PUBLISH` is
 //!   broadcast over the cluster bus to every node, so the subscriber listens on one node, the
-//!   first of the URL (it hears releases on every master). While that node is down, waiters
-//!   poll with backoff. A backend built on a `ClusterClient` has no node address to
+//!   first of the URL (it hears releases on every master). A release on another master
+//!   reaches it over the cluster bus: most arrive within a millisecond, but about 1 in 150
+//!   arrives some 40 ms late (the report's Cluster handover p99), which a subscriber on the
+//!   master itself does not see. While that node is down, waiters poll with backoff. A backend built on a `ClusterClient` has no node address to
 //!   subscribe at: its waiters poll.
 //! - **[`store_locks`](crate::LockProvider::store_locks)** scans each master that serves
 //!   slots (`CLUSTER NODES`, then `SCAN` on each; the user needs `+cluster|nodes`). A lock
