@@ -649,17 +649,62 @@ async fn exclusion_across_a_killed_master() {
     assert!(run.report.sections > 300, "{run:?}");
 }
 
-/// Releases wake waiters on every master: the subscriber listens on the URL's first node,
-/// and `PUBLISH` reaches it over the cluster bus from whichever master ran the release. The
-/// waiters' fallback poll is an hour and the holders' lease a minute, so only a wake-up
-/// lets them in within the limit.
+/// Releases wake waiters on every master, and each waiter listens on the master of its key's
+/// slot, which hears the release's `PUBLISH` first hand (`PUBSUB NUMSUB` counts only a node's
+/// own subscribers: 1 there, 0 on the other masters).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releases_on_every_master_wake_waiters() {
     let Some(cluster) = cluster(0) else {
         return;
     };
     let url = cluster.url("lease=60s");
-    let backend = RedisBackend::connect(&url).await.expect("connect");
+    wake_a_waiter_on_every_master(&cluster, &url, |owner| owner).await;
+}
+
+/// A user who may not read the slot map (`-cluster|nodes`) still has its waiters woken: they
+/// listen on the URL's first node, which hears every release over the cluster bus.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_slot_map_waiters_listen_on_the_first_node() {
+    let Some(cluster) = cluster(0) else {
+        return;
+    };
+    for port in cluster.ports() {
+        tokio::task::block_in_place(|| {
+            cluster.command(
+                port,
+                &[
+                    b"ACL",
+                    b"SETUSER",
+                    b"waiter",
+                    b"on",
+                    b">pw",
+                    b"~*",
+                    b"&*",
+                    b"+@all",
+                    b"-cluster|nodes",
+                ],
+            )
+        })
+        .expect("ACL SETUSER");
+    }
+    let url =
+        cluster
+            .url("lease=60s")
+            .replacen("redis+cluster://", "redis+cluster://waiter:pw@", 1);
+    let first = cluster.ports()[0];
+    wake_a_waiter_on_every_master(&cluster, &url, |_| first).await;
+}
+
+/// On a key of each master: a holder takes it, a waiter waits for it (fallback poll 1 h, the
+/// holder's lease a minute, so only a wake-up lets it in within the limit) and subscribes on
+/// the node `listens_on` names for the key's master, and on no other master; the release wakes
+/// it.
+async fn wake_a_waiter_on_every_master(
+    cluster: &RedisCluster,
+    url: &str,
+    listens_on: impl Fn(u16) -> u16,
+) {
+    let backend = RedisBackend::connect(url).await.expect("connect");
     let waiters = LockProvider::builder(backend.clone())
         .backoff(
             Backoff::default()
@@ -667,7 +712,7 @@ async fn releases_on_every_master_wake_waiters() {
                 .unwrap(),
         )
         .build();
-    let holder = LockProvider::connect(&url).await.expect("connect");
+    let holder = LockProvider::connect(url).await.expect("connect");
     // One key on each master.
     let prefix = unique_key("woken");
     let mut keys = BTreeMap::new();
@@ -680,24 +725,39 @@ async fn releases_on_every_master_wake_waiters() {
             break;
         }
     }
-    for key in keys.values() {
+    let numsub = |port: u16, channel: &[u8]| {
+        tokio::task::block_in_place(|| {
+            match cluster.command(port, &[b"PUBSUB", b"NUMSUB", channel]) {
+                Ok(redis::Value::Array(items)) => match items.get(1) {
+                    Some(redis::Value::Int(n)) => *n,
+                    other => panic!("PUBSUB NUMSUB answered {other:?}"),
+                },
+                other => panic!("PUBSUB NUMSUB answered {other:?}"),
+            }
+        })
+    };
+    for (&owner, key) in &keys {
         let guard = holder.try_acquire(key).await.expect("free");
         let waiter = {
             let (waiters, key) = (waiters.clone(), key.clone());
             tokio::spawn(async move { waiters.acquire(&key, Duration::from_secs(600)).await })
         };
-        // The waiter has tried once and subscribed (the first node counts its channel).
+        // The waiter has tried once and subscribed, where it should only.
         let channel = backend.storage_key(key);
-        let first = cluster.ports()[0];
-        wait_until("the waiter subscribes", Duration::from_secs(10), async || {
-            tokio::task::block_in_place(|| {
-                matches!(
-                    cluster.command(first, &[b"PUBSUB", b"NUMSUB", &channel]),
-                    Ok(redis::Value::Array(items)) if items.get(1) == Some(&redis::Value::Int(1))
-                )
-            })
-        })
+        let node = listens_on(owner);
+        wait_until(
+            "the waiter subscribes",
+            Duration::from_secs(10),
+            async || numsub(node, &channel) == 1,
+        )
         .await;
+        for other in keys.keys().filter(|&&port| port != node) {
+            assert_eq!(
+                numsub(*other, &channel),
+                0,
+                "subscribed on {other}, not {node}"
+            );
+        }
         guard.release().await.expect("release");
         tokio::time::timeout(Duration::from_secs(20), waiter)
             .await

@@ -122,6 +122,16 @@ pub(crate) fn cluster_config(timeout: Duration) -> ClusterConfig {
 /// The masters of the cluster and their addresses, from `CLUSTER NODES` (flags `master`,
 /// neither `fail` nor `handshake`, with slots).
 pub(crate) fn masters(nodes: &str) -> Vec<(String, u16)> {
+    masters_and_slots(nodes)
+        .into_iter()
+        .map(|(addr, _)| addr)
+        .collect()
+}
+
+/// The masters of the cluster, as [`masters`] finds them, each with the slot ranges it serves
+/// (first and last slot, both included). Slots in migration (`[slot->-node]`,
+/// `[slot-<-node]`) are left out: they stay with the ranges that list them.
+pub(crate) fn masters_and_slots(nodes: &str) -> Vec<((String, u16), Vec<(u16, u16)>)> {
     let mut found = Vec::new();
     for line in nodes.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -142,10 +152,32 @@ pub(crate) fn masters(nodes: &str) -> Vec<(String, u16)> {
             && let Ok(port) = port.parse::<u16>()
         {
             let host = host.trim_start_matches('[').trim_end_matches(']');
-            found.push((host.to_owned(), port));
+            let ranges = fields[8..]
+                .iter()
+                .filter_map(|range| {
+                    let (first, last) = range.split_once('-').unwrap_or((range, range));
+                    Some((first.parse().ok()?, last.parse().ok()?))
+                })
+                .filter(|&(first, last): &(u16, u16)| first <= last && last < SLOTS)
+                .collect();
+            found.push(((host.to_owned(), port), ranges));
         }
     }
     found
+}
+
+/// How many hash slots a Redis Cluster has.
+pub(crate) const SLOTS: u16 = 16_384;
+
+/// The hash slot of `key`: CRC16 (XMODEM) of its hash tag, the part between its first `{` and
+/// the first `}` after it when that part is not empty, or else of the whole key.
+pub(crate) fn slot(key: &[u8]) -> u16 {
+    let tag = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        let close = rest.iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    crc16::State::<crc16::XMODEM>::calculate(tag.unwrap_or(key)) % SLOTS
 }
 
 /// How soon a waiter tries again after a cluster refused its acquisition while a slot moves.
@@ -241,6 +273,28 @@ mod tests {
     }
 
     #[test]
+    fn slots_of_keys() {
+        // As a Redis 7 node in cluster mode answers `CLUSTER KEYSLOT`.
+        for (key, expected) in [
+            (&b"123456789"[..], 12739),
+            (b"foo", 12182),
+            (b"user1000", 3443),
+            (b"foo{user1000}", 3443),
+            (b"foo{}{bar}", 8363),
+            (b"foo{{bar}}zap", 4015),
+            (b"{bar", 4015),
+            (b"foo{bar}{zap}", 5061),
+            (b"bar", 5061),
+            (b"{", 4092),
+            (b"", 0),
+            (b"dlock:{k}", 7629),
+            (b"k", 7629),
+        ] {
+            assert_eq!(slot(key), expected, "{}", String::from_utf8_lossy(key));
+        }
+    }
+
+    #[test]
     fn masters_from_cluster_nodes() {
         let nodes = "\
 07c37dfeb235213a872192d90877d0cd55635b91 127.0.0.1:30004@31004 slave e7d1eecce10fd6bb5eb35b9f99a514335d9ba9ca 0 1426238317239 4 connected
@@ -255,6 +309,20 @@ aaaa 127.0.0.1:30005@31005 master,fail - 0 0 5 disconnected 1-2
                 ("127.0.0.1".to_owned(), 30002),
                 ("127.0.0.1".to_owned(), 30003),
                 ("127.0.0.1".to_owned(), 30001)
+            ]
+        );
+        let migrating = "\
+a 127.0.0.1:7000@17000 myself,master - 0 0 1 connected 0-5460 [5461->-b] 16383
+b 127.0.0.1:7001@17001 master - 0 0 2 connected 5461-10922 [5461-<-a] 9-x 20000
+";
+        assert_eq!(
+            masters_and_slots(migrating),
+            [
+                (
+                    ("127.0.0.1".to_owned(), 7000),
+                    vec![(0, 5460), (16383, 16383)]
+                ),
+                (("127.0.0.1".to_owned(), 7001), vec![(5461, 10922)])
             ]
         );
     }

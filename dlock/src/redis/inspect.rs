@@ -13,6 +13,19 @@ use crate::backend::StoreLock;
 /// Keys asked for per `SCAN` call.
 const SCAN_COUNT: u64 = 1000;
 
+/// The cluster's `CLUSTER NODES` answer, as text.
+pub(super) async fn cluster_nodes(shared: &Shared) -> Result<String, LockError> {
+    let nodes: Cmd = redis::cmd("CLUSTER").arg("NODES").clone();
+    let what = "reading the cluster's nodes";
+    Ok(
+        match shared.bounded(what, shared.conn.query(&nodes)).await? {
+            Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+            Value::VerbatimString { text, .. } => text,
+            _ => String::new(),
+        },
+    )
+}
+
 /// Every lock held under `shared`'s prefix now, in the backend's layout.
 pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockError> {
     let what = "listing the locks";
@@ -25,14 +38,7 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
     let now_ms = server_ms(&shared.bounded(what, shared.conn.query(&time)).await?);
     // On a cluster, each master's keys are scanned on that master.
     let masters = if shared.conn.is_cluster() {
-        let nodes: Cmd = redis::cmd("CLUSTER").arg("NODES").clone();
-        let reply = shared.bounded(what, shared.conn.query(&nodes)).await?;
-        let text = match reply {
-            Value::BulkString(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
-            Value::VerbatimString { text, .. } => text,
-            _ => String::new(),
-        };
-        let masters = masters(&text);
+        let masters = masters(&cluster_nodes(shared).await?);
         if masters.is_empty() {
             return Err(LockError::backend(
                 "redis",

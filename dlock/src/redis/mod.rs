@@ -143,8 +143,8 @@
 //!   a reader's release when it leaves the key without readers. Clients that are not dlock
 //!   and release a lock of the [plain layout](self#the-plain-layout-for-other-clients) wake
 //!   dlock's waiters by doing the same.
-//! - **One subscriber connection per backend**, opened on its first wait (with the client the
-//!   backend was built from), subscribes to the channel of each key its waiters wait for, and
+//! - **One subscriber connection per backend** (on a Cluster, one per master), opened on its
+//!   first wait (with the client the backend was built from), subscribes to the channel of each key its waiters wait for, and
 //!   unsubscribes when the last of them is gone; it closes after a minute without waiters. A
 //!   message wakes the key's waiters, which try again at once.
 //! - **A waiter's try reads the holder's time to live** (`PTTL`, in the acquisition script, or
@@ -289,19 +289,24 @@
 //! - **`wait_replicas`**: `WAIT` goes in the same pipeline as the acquisition, so it reaches
 //!   the master that took the write and counts **that master's** replicas: set it to the
 //!   replicas each master has.
-//! - **Waiting**: releases announce themselves as on one server; classic `PUBLISH` is
-//!   broadcast over the cluster bus to every node, so the subscriber listens on one node, the
-//!   first of the URL (it hears releases on every master). A release on another master
-//!   reaches it over the cluster bus: most arrive within a millisecond, but about 1 in 150
-//!   arrives some 40 ms late (the report's Cluster handover p99), which a subscriber on the
-//!   master itself does not see. While that node is down, waiters poll with backoff. A backend built on a `ClusterClient` has no node address to
-//!   subscribe at: its waiters poll.
+//! - **Waiting**: releases announce themselves as on one server, with `PUBLISH` on the master
+//!   of the key's slot. The backend keeps a subscriber on each master and subscribes a key's
+//!   channel on the master of its slot, which delivers the release's message first hand. The
+//!   slot map comes from `CLUSTER NODES`, read on the first wait and again when it is more
+//!   than 10 s old. Classic `PUBLISH` is also broadcast over the cluster bus to every node, so
+//!   a stale map (a slot just moved, a failover) costs only time: a message that crosses the
+//!   bus mostly arrives within a millisecond, but about 1 in 150 arrives some 40 ms late. Until
+//!   the map is read, or when the user may not read it (`+cluster|nodes`), channels are
+//!   subscribed on the URL's first node. While a subscriber's node is down, its waiters poll
+//!   with backoff. A backend built on a `ClusterClient` has no node address to subscribe at:
+//!   its waiters poll.
 //! - **[`store_locks`](crate::LockProvider::store_locks)** scans each master that serves
 //!   slots (`CLUSTER NODES`, then `SCAN` on each; the user needs `+cluster|nodes`). A lock
 //!   whose slot moves during the scan may be listed twice or missed.
 //! - **Permissions**: those of [Permissions](self#permissions), and `+cluster|slots
 //!   +readonly`, which the driver sends on every node connection (the slot map, and the mode
-//!   that lets it read from replicas; dlock reads only from masters).
+//!   that lets it read from replicas; dlock reads only from masters), and `+cluster|nodes`
+//!   for waits that wake on a key's own master (without it, on the URL's first node).
 //! - **[Connection fencing](self#connection-fencing) is off**: the cluster client holds a
 //!   connection per master, and `CLIENT ID` / `CLIENT KILL` name one connection on one node.
 //!   A renewal, extension or release whose outcome is unknown is answered as without fencing
@@ -591,6 +596,7 @@ mod read;
 mod redlock;
 mod renewals;
 mod sentinel;
+mod subscribers;
 mod token;
 mod wake;
 
@@ -664,8 +670,8 @@ struct Shared {
     renewals: Arc<Renewals>,
     /// Where this backend's waiting writers left intents (see [Read locks](self#read-locks)).
     intents: read::Intents,
-    /// The subscriber that wakes this backend's waiters (see [Waiting](self#waiting)).
-    wakes: Arc<wake::Wakes>,
+    /// The subscribers that wake this backend's waiters (see [Waiting](self#waiting)).
+    wakes: subscribers::Subscribers,
     /// Keys given back to waiters elsewhere (see [Fair waiting](self#fair-waiting)).
     hold_offs: fair::HoldOffs,
     /// The clean-ups of abandoned acquisitions under way (see [Cancellation](self#cancellation)).
@@ -684,8 +690,8 @@ enum Source {
     Client(Box<redis::Client>),
     Manager(ConnectionManager),
     Sentinel(Box<sentinel::Sentinels>),
-    /// A Redis Cluster; with a URL, a client for its first node, where the subscriber of
-    /// wake-ups listens.
+    /// A Redis Cluster; with a URL, a client for its first node, whose address and
+    /// credentials the subscribers of wake-ups connect with (see `subscribers.rs`).
     Cluster(Box<(redis::cluster::ClusterClient, Option<redis::Client>)>),
 }
 
@@ -1094,16 +1100,23 @@ impl RedisBuilder {
             conn = conn.with_sentinels(sentinels, addr);
         }
         // The subscriber reconnects with the client the connection uses at the time: behind
-        // Sentinel, the master's after a failover. On a cluster, the first node of the URL's.
-        let mut subscriber = own_client.then(|| conn.client_slot());
+        // Sentinel, the master's after a failover. On a cluster, each master's.
+        let mut wakes = subscribers::Subscribers::One(Arc::new(wake::Wakes::new(
+            own_client.then(|| conn.client_slot()),
+            self.timeout,
+        )));
         if let Some((cluster, subscribe)) = on_cluster {
             conn = conn.with_cluster(cluster);
-            subscriber = subscribe.map(|client| {
-                Arc::new(std::sync::Mutex::new(Some((
+            wakes = match subscribe {
+                Some(client) => subscribers::Subscribers::PerMaster(subscribers::PerMaster::new(
                     client,
                     manager_config(self.timeout),
-                ))))
-            });
+                    self.timeout,
+                )),
+                None => {
+                    subscribers::Subscribers::One(Arc::new(wake::Wakes::new(None, self.timeout)))
+                }
+            };
         }
         conn.watch_runtime(true);
         let counters = self
@@ -1122,7 +1135,7 @@ impl RedisBuilder {
                 wait,
                 renewals: Arc::default(),
                 intents: read::Intents::default(),
-                wakes: Arc::new(wake::Wakes::new(subscriber, self.timeout)),
+                wakes,
                 hold_offs: fair::HoldOffs::default(),
                 settling: Arc::default(),
             }),
@@ -2023,7 +2036,11 @@ impl LockBackend for RedisBackend {
     ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
         Box::pin(async move {
             let channel = self.shared.lock_key(request.key);
-            self.shared.wakes.watch(&channel).await
+            let shared = &self.shared;
+            shared
+                .wakes
+                .watch(&channel, || inspect::cluster_nodes(shared))
+                .await
         })
     }
 }

@@ -24,7 +24,9 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         wait: None,
         renewals: Arc::default(),
         intents: Default::default(),
-        wakes: Arc::new(crate::redis::wake::Wakes::new(None, timeout)),
+        wakes: crate::redis::subscribers::Subscribers::One(Arc::new(
+            crate::redis::wake::Wakes::new(None, timeout),
+        )),
         hold_offs: Default::default(),
         settling: Default::default(),
     })
