@@ -42,10 +42,12 @@ pub const NOTE: &str = "10: each deployment is started for this section on loopb
      (sentinels' pings and hellos, replicas' acknowledgements, members' own) is taken, \
      measured over the same window before any client connected; the count is first checked \
      to see 20 requests of another client. \
-     The Cluster's handover key lives on another master than the URL's first, where the \
-     waiters subscribe, so each release reaches them over the cluster bus: in a check of 400 `PUBLISH`es \
-     on another master, 1 to 3 arrived about 40 ms late, none when published on the \
-     subscriber's own node (at most 0.7 ms), and those late ones make the Cluster's p99.";
+     The Cluster's handover key lives on another master than the URL's first; the waiters \
+     subscribe on the key's own master, found in the slot map. Before they did (they \
+     subscribed on the URL's first node, and each release reached them over the cluster bus), \
+     the Cluster's p99 was 38-42 ms: in a check of 400 `PUBLISH`es on another master, 1 to 3 \
+     arrived about 40 ms late, none when published on the subscriber's own node (at most \
+     0.7 ms).";
 
 /// The key every dlock and raw acquisition of the uncontended comparison takes.
 const RAW_KEY: &str = "bench:deploy-raw";

@@ -265,22 +265,26 @@ fn hot_all(servers: &Servers, report: &mut Report) {
             continue;
         }
         eprintln!(" {label}");
-        // On Redis, the raw commands are dlock's with `fencing=false`, as in section 1.
-        let options = if label == "Redis 7" {
-            "fencing=false"
+        // On Redis, the raw commands are dlock's with `fencing=false`, as in section 1; dlock
+        // runs a second time without its fair-waiting hold-off (`fair_waits=false`).
+        let mut sides = vec![("raw", b.driver_url(), true)];
+        if label == "Redis 7" {
+            sides.push(("dlock", b.dlock_url("fencing=false"), false));
+            sides.push((
+                "dlock fair_waits=false",
+                b.dlock_url("fencing=false&fair_waits=false"),
+                false,
+            ));
         } else {
-            ""
-        };
-        let sides = [
-            ("raw", b.driver_url(), true),
-            ("dlock", b.dlock_url(options), false),
-        ];
-        let mut rates: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
+            sides.push(("dlock", b.dlock_url(""), false));
+        }
+        let mut rates: Vec<Vec<f64>> = vec![Vec::new(); sides.len()];
         let mut failed = None;
         'rounds: for round in 0..rounds {
             for (i, (side, url, raw)) in sides.iter().enumerate() {
                 let load = Load { raw: *raw, ..load };
-                match throughput(url, &format!("bench:hot:{side}:{round}"), load, || {}) {
+                let key = format!("bench:hot:{}:{round}", side.replace(' ', "-"));
+                match throughput(url, &key, load, || {}) {
                     Ok(measured) => {
                         eprintln!("  {side}: {:.0}/s", measured.per_s);
                         rates[i].push(measured.per_s);
@@ -297,25 +301,35 @@ fn hot_all(servers: &Servers, report: &mut Report) {
             report.add(b.not_measured(C5, &name, &e, "—"));
             continue;
         }
-        let [raw, dlock] = &rates;
-        let ratios: Vec<f64> = dlock.iter().zip(raw).map(|(d, r)| d / r).collect();
-        let r = median(&ratios);
-        report.add(Row::rate_ratio(
-            C5,
-            &name,
-            format!(
-                "{r:.2}× (dlock {:.0}/s / raw {:.0}/s; medians of {rounds} interleaved rounds)",
-                median(dlock),
-                median(raw)
-            ),
-            r,
-            Target::None,
-        ));
+        let raw = &rates[0];
+        for ((side, ..), dlock) in sides.iter().zip(&rates).skip(1) {
+            let ratios: Vec<f64> = dlock.iter().zip(raw).map(|(d, r)| d / r).collect();
+            let r = median(&ratios);
+            let name = if *side == "dlock" {
+                name.clone()
+            } else {
+                name.replace("dlock / raw", &format!("{side} / raw"))
+            };
+            report.add(Row::rate_ratio(
+                C5,
+                &name,
+                format!(
+                    "{r:.2}× ({side} {:.0}/s / raw {:.0}/s; medians of {rounds} interleaved \
+                     rounds)",
+                    median(dlock),
+                    median(raw)
+                ),
+                r,
+                Target::None,
+            ));
+        }
     }
     report.note(format!(
         "C5: per store, {} worker processes (`dlock-worker throughput --hot`) of {} tasks each \
          all take one key and give it back at once, again and again for {} s from a common \
-         start: through one provider per process (Redis: `fencing=false`), or on the raw \
+         start: through one provider per process (Redis: `fencing=false`, and a second time \
+         with `fair_waits=false` as well, without the hold-off that lets other processes' \
+         waiters go first), or on the raw \
          driver with a connection per task: PostgreSQL `pg_advisory_lock` (waiting natively) + \
          `pg_advisory_unlock`, MariaDB `GET_LOCK(?, 60)` + `RELEASE_LOCK(?)`, Redis `SET NX \
          PX` polled every {} ms while the key is held + the Lua compare-and-delete. Raw and \

@@ -181,9 +181,13 @@
 //! trips (1 ms to 50 ms), time for a woken waiter elsewhere to take it; if none does, the
 //! local waiter tries then. A release that woke nobody elsewhere costs nothing. The same
 //! run then gave 445, 466 and 451. A single [`try_acquire`](crate::LockProvider::try_acquire)
-//! never holds off. On a Cluster, `PUBLISH` counts only the subscribers of the node that ran
-//! it, and waiters subscribe on the URL's first node: a release of a key whose slot lives on
-//! another master counts nobody, so only keys on the first node get the hold-off.
+//! never holds off. A backend with `fair_waits=false`
+//! ([`RedisBuilder::fair_waits`]) never holds off either: on a key that several processes
+//! take in turn it makes more acquisitions per second, unevenly shared. On a Cluster, `PUBLISH` counts only the subscribers of the node that ran
+//! it, the key's master, which is where every backend's waiters of that key subscribe (see
+//! [Cluster](self#cluster)); while a backend subscribes elsewhere (its slot map
+//! not read yet, or stale), its waiters are not counted and the releaser does not hold off
+//! for them.
 //!
 //! # URL
 //!
@@ -205,6 +209,7 @@
 //! | `ca` | none | `rediss://` only: a PEM file of the CA certificates to trust **instead of** the system's roots (a private CA); read when the URL is parsed. The builder's [`RedisBuilder::ca_certificates`] takes the PEM itself |
 //! | `wait_replicas` | `0` | after each acquisition's write, `WAIT` until this many replicas have it, or give the lock back and answer [`LockError::Unavailable`] (see [Replicas and failover](self#replicas-and-failover)) |
 //! | `wait_timeout` | `1s` | the longest an acquisition waits for `wait_replicas` (above zero, below `timeout`) |
+//! | `fair_waits` | `true` | `false`: waiters never let other processes' waiters go first after a release (see [Fair waiting](self#fair-waiting)) |
 //! | `check_master_every` | `1s` | `redis+sentinel://` only: how often the sentinels are asked whether the master is still the master (see [Sentinel](self#sentinel)) |
 //! | `sentinel_username`, `sentinel_password` | none | `redis+sentinel://` only: the sentinels' own credentials (the URL's user and password are the master's) |
 //!
@@ -672,8 +677,9 @@ struct Shared {
     intents: read::Intents,
     /// The subscribers that wake this backend's waiters (see [Waiting](self#waiting)).
     wakes: subscribers::Subscribers,
-    /// Keys given back to waiters elsewhere (see [Fair waiting](self#fair-waiting)).
-    hold_offs: fair::HoldOffs,
+    /// Keys given back to waiters elsewhere (see [Fair waiting](self#fair-waiting)); `None`
+    /// with `fair_waits=false`.
+    hold_offs: Option<fair::HoldOffs>,
     /// The clean-ups of abandoned acquisitions under way (see [Cancellation](self#cancellation)).
     settling: Arc<Settling<Arc<[u8]>>>,
 }
@@ -717,6 +723,7 @@ pub struct RedisBuilder {
     wait_replicas: u32,
     wait_timeout: Duration,
     check_master_every: Duration,
+    fair_waits: bool,
     /// A Sentinel setting given to a builder that is not on sentinels.
     misuse: Option<&'static str>,
 }
@@ -733,6 +740,7 @@ impl std::fmt::Debug for RedisBuilder {
             .field("ca", &self.ca.as_ref().map(|_| "(PEM)"))
             .field("wait_replicas", &self.wait_replicas)
             .field("wait_timeout", &self.wait_timeout)
+            .field("fair_waits", &self.fair_waits)
             .finish_non_exhaustive()
     }
 }
@@ -752,6 +760,7 @@ impl RedisBuilder {
             wait_replicas: 0,
             wait_timeout: DEFAULT_WAIT_TIMEOUT,
             check_master_every: DEFAULT_CHECK_MASTER_EVERY,
+            fair_waits: true,
             misuse: None,
         }
     }
@@ -898,6 +907,16 @@ impl RedisBuilder {
     /// `fencing_counters=N`.
     pub fn fencing_counters(mut self, counters: u32) -> Self {
         self.fencing_counters = Some(counters);
+        self
+    }
+
+    /// Whether waiters of this backend let waiters of other backends go first after a release
+    /// that woke them (default `true`; see [Fair waiting](self#fair-waiting)). With `false`,
+    /// this process's next waiter tries at once after its own release, as a plain client
+    /// would: more acquisitions per second on a key that many processes take in turn, and an
+    /// uneven share among them. The URL option is `fair_waits=false`.
+    pub fn fair_waits(mut self, fair: bool) -> Self {
+        self.fair_waits = fair;
         self
     }
 
@@ -1136,7 +1155,7 @@ impl RedisBuilder {
                 renewals: Arc::default(),
                 intents: read::Intents::default(),
                 wakes,
-                hold_offs: fair::HoldOffs::default(),
+                hold_offs: self.fair_waits.then(fair::HoldOffs::default),
                 settling: Arc::default(),
             }),
         })
@@ -1271,6 +1290,12 @@ impl RedisBackend {
     /// Whether acquisitions issue fencing tokens.
     pub fn fencing(&self) -> bool {
         self.shared.fencing
+    }
+
+    /// Whether this backend's waiters let waiters of other backends go first after a release
+    /// that woke them ([`RedisBuilder::fair_waits`]).
+    pub fn fair_waits(&self) -> bool {
+        self.shared.hold_offs.is_some()
     }
 
     /// The number of shared fencing counters (`fencing_counters`), or `None` with one counter
@@ -1690,6 +1715,7 @@ url_keys! {
         SentinelUsername = "sentinel_username",
         SentinelPassword = "sentinel_password",
         CheckMasterEvery = "check_master_every",
+        FairWaits = "fair_waits",
     }
 }
 
@@ -1710,6 +1736,7 @@ struct UrlOptions {
     sentinel_username: Option<String>,
     sentinel_password: Option<String>,
     check_master_every: Option<Duration>,
+    fair_waits: bool,
 }
 
 impl UrlOptions {
@@ -1741,7 +1768,8 @@ impl UrlOptions {
             .fencing(self.fencing)
             .timeout(self.timeout)
             .wait_replicas(self.wait_replicas)
-            .wait_timeout(self.wait_timeout);
+            .wait_timeout(self.wait_timeout)
+            .fair_waits(self.fair_waits);
         if let Some(cadence) = self.renew_every {
             builder = builder.renew_every(cadence);
         }
@@ -1774,6 +1802,7 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
     let mut sentinel_username = None;
     let mut sentinel_password = None;
     let mut check_master_every = None;
+    let mut fair_waits = true;
     read_query(query, |key: RedisOption, value| {
         let name = key.as_ref();
         match key {
@@ -1816,6 +1845,7 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
                 renew_every = Some(cadence);
             }
             RedisOption::Fencing => fencing = parse_bool(name, &value)?,
+            RedisOption::FairWaits => fair_waits = parse_bool(name, &value)?,
             RedisOption::FencingCounters => {
                 fencing_counters = Some(crate::counters::parse(name, &value)?);
             }
@@ -1862,6 +1892,7 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
         sentinel_username,
         sentinel_password,
         check_master_every,
+        fair_waits,
     })
 }
 
@@ -2068,7 +2099,8 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
     check_lease(lease)?;
     let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
     if request.poll_pause.is_some()
-        && let Some(left) = shared.hold_offs.left(&lock_key)
+        && let Some(hold_offs) = &shared.hold_offs
+        && let Some(left) = hold_offs.left(&lock_key)
     {
         // This backend just gave the key to waiters elsewhere: one of them takes it first.
         return Ok(WaitTry::Held {
@@ -2347,11 +2379,11 @@ impl HeldLock for RedisHeld {
                     .conn
                     .release_waking(&self.key, &self.token)
                     .await?;
-                // The backend's own subscriber, if it watches the key, heard it too.
-                let own = u64::from(self.shared.wakes.wanted(&self.key));
-                self.shared
-                    .hold_offs
-                    .released(&self.key, woke.saturating_sub(own), sent.elapsed());
+                if let Some(hold_offs) = &self.shared.hold_offs {
+                    // The backend's own subscriber, if it watches the key, heard it too.
+                    let own = u64::from(self.shared.wakes.wanted(&self.key));
+                    hold_offs.released(&self.key, woke.saturating_sub(own), sent.elapsed());
+                }
                 Ok((outcome, path))
             };
             let what = "releasing a lock";
@@ -2515,6 +2547,21 @@ mod tests {
                     .contains("`protocol` is `resp2` (the default) or `resp3`"),
                 "{bad}: {err}"
             );
+        }
+    }
+
+    #[tokio::test]
+    async fn fair_waits_option() {
+        for url in [
+            "redis://h/",
+            "redis+cluster://a:7000",
+            "redis+sentinel://a:26379/m",
+        ] {
+            assert!(parse_url(url).unwrap().fair_waits, "{url}");
+            let off = parse_url(&format!("{url}?fair_waits=false")).unwrap();
+            assert!(!off.fair_waits, "{url}");
+            let err = parse_url(&format!("{url}?fair_waits=maybe")).expect_err(url);
+            assert!(err.to_string().contains("fair_waits"), "{url}: {err}");
         }
     }
 
