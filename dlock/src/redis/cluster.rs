@@ -119,6 +119,9 @@ pub(crate) fn cluster_config(timeout: Duration) -> ClusterConfig {
         .set_response_timeout(timeout)
 }
 
+/// A node's host and port.
+pub(crate) type NodeAddr = (String, u16);
+
 /// The masters of the cluster and their addresses, from `CLUSTER NODES` (flags `master`,
 /// neither `fail` nor `handshake`, with slots).
 pub(crate) fn masters(nodes: &str) -> Vec<(String, u16)> {
@@ -131,7 +134,7 @@ pub(crate) fn masters(nodes: &str) -> Vec<(String, u16)> {
 /// The masters of the cluster, as [`masters`] finds them, each with the slot ranges it serves
 /// (first and last slot, both included). Slots in migration (`[slot->-node]`,
 /// `[slot-<-node]`) are left out: they stay with the ranges that list them.
-pub(crate) fn masters_and_slots(nodes: &str) -> Vec<((String, u16), Vec<(u16, u16)>)> {
+pub(crate) fn masters_and_slots(nodes: &str) -> Vec<(NodeAddr, Vec<(u16, u16)>)> {
     let mut found = Vec::new();
     for line in nodes.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();

@@ -1127,10 +1127,8 @@ impl RedisBuilder {
         if let Some((cluster, subscribe)) = on_cluster {
             conn = conn.with_cluster(cluster);
             wakes = match subscribe {
-                Some(client) => subscribers::Subscribers::PerMaster(subscribers::PerMaster::new(
-                    client,
-                    manager_config(self.timeout),
-                    self.timeout,
+                Some(client) => subscribers::Subscribers::PerMaster(Box::new(
+                    subscribers::PerMaster::new(client, manager_config(self.timeout), self.timeout),
                 )),
                 None => {
                     subscribers::Subscribers::One(Arc::new(wake::Wakes::new(None, self.timeout)))

@@ -29,7 +29,7 @@ pub(crate) enum Subscribers {
     /// connection the application passed in, or a cluster built from a `ClusterClient`).
     One(Arc<Wakes>),
     /// A Redis Cluster reached by URL: a subscriber per master.
-    PerMaster(PerMaster),
+    PerMaster(Box<PerMaster>),
 }
 
 impl Subscribers {
