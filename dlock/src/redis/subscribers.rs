@@ -57,7 +57,10 @@ impl Subscribers {
     pub(crate) fn wanted(&self, channel: &[u8]) -> bool {
         match self {
             Subscribers::One(wakes) => wakes.wanted(channel),
-            Subscribers::PerMaster(masters) => masters.all().iter().any(|w| w.wanted(channel)),
+            Subscribers::PerMaster(masters) => {
+                masters.first.wanted(channel)
+                    || masters.routes().masters.values().any(|w| w.wanted(channel))
+            }
         }
     }
 
