@@ -545,7 +545,7 @@ fn uncontended(
 fn handover_row(rt: &Runtime, setup: &Setup, d: &Deployment, report: &mut Report) {
     let name = "release → next holder, median / p99";
     match rt.block_on(crate::servers::handover(
-        &d.dlock_url(""),
+        &d.dlock_url(&std::env::var("HANDOVER_OPTS").unwrap_or_default()),
         "bench:deploy-handover",
     )) {
         Ok(samples) if samples.is_empty() => {

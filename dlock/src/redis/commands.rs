@@ -84,14 +84,14 @@ redis.call('SET', KEYS[1], ARGV[1] .. ':' .. e)
 return e";
 
 /// Deletes the lock if `ARGV[1]` owns it: 1 + the subscribers woken when deleted, 0 no such
-/// key, -1 another owner. A deletion is announced on the channel named as the lock key,
-/// which wakes the lock's waiters (with `pcall`: a user refused `PUBLISH` still releases, and
-/// its waiters poll).
+/// key, -1 another owner. A deletion is announced on the channel named as the lock key, with
+/// the releasing backend's announcer id `ARGV[2]` as the message, which wakes the lock's
+/// waiters (with `pcall`: a user refused `PUBLISH` still releases, and its waiters poll).
 pub(crate) const RELEASE_LUA: &str = "\
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
-  local n = redis.pcall('PUBLISH', KEYS[1], '')
+  local n = redis.pcall('PUBLISH', KEYS[1], ARGV[2] or '')
   if type(n) == 'number' then
     return 1 + n
   end
@@ -291,6 +291,10 @@ pub(crate) struct Conn {
     pub(crate) fence: FenceState,
     /// Set once the server refused a release's `PUBLISH` (warned once).
     publish_refused: AtomicBool,
+    /// The message of this connection's release announcements, random per backend: its
+    /// subscribers tell their own backend's releases from others' by it (see
+    /// [Fair waiting](super#fair-waiting)).
+    announcer: Arc<[u8]>,
 }
 
 /// A connection's master behind Sentinel.
@@ -566,7 +570,13 @@ impl Conn {
             probe_first: AtomicBool::new(false),
             fence: FenceState::default(),
             publish_refused: AtomicBool::new(false),
+            announcer: Arc::from(format!("{:016x}", fastrand::u64(..)).into_bytes()),
         }
+    }
+
+    /// The message of this connection's release announcements.
+    pub(crate) fn announcer(&self) -> Arc<[u8]> {
+        Arc::clone(&self.announcer)
     }
 
     /// A connection to the master `addr` found through `sentinels`, made again for the master
@@ -971,7 +981,7 @@ impl Conn {
         outcome
     }
 
-    /// Sends `cmd` and, in the same pipeline, `PUBLISH channel ""`, the announcement that wakes
+    /// Sends `cmd` and, in the same pipeline, `PUBLISH channel <announcer>`, the announcement that wakes
     /// the waiters of a lock given back (see [Waiting](super#waiting)). `cmd`'s answer is the
     /// outcome; the announcement's is only logged (a user refused `PUBLISH` is warned once, and
     /// its releases wake nobody: waiters notice them at their next poll). The announcement is
@@ -983,7 +993,7 @@ impl Conn {
         channel: &[u8],
     ) -> Result<(Value, u64), RedisError> {
         let mut publish = redis::cmd("PUBLISH");
-        publish.arg(channel).arg("");
+        publish.arg(channel).arg(&self.announcer[..]);
         let (reply, announced) = self.query_then(cmd, Some(&publish)).await?;
         let woke = match announced.map(as_result) {
             Some(Ok(Value::Int(n))) => n.max(0).unsigned_abs(),
@@ -996,11 +1006,11 @@ impl Conn {
         Ok((reply, woke))
     }
 
-    /// `PUBLISH channel ""` on its own: a release's announcement (see
+    /// `PUBLISH channel <announcer>` on its own: a release's announcement (see
     /// [`Conn::query_announcing`]). Best effort: answers how many subscribers it reached.
     pub(crate) async fn announce(&self, channel: &[u8]) -> u64 {
         let mut publish = redis::cmd("PUBLISH");
-        publish.arg(channel).arg("");
+        publish.arg(channel).arg(&self.announcer[..]);
         match self.query(&publish).await {
             Ok(Value::Int(n)) => n.max(0).unsigned_abs(),
             Ok(_) => 0,
@@ -1419,7 +1429,11 @@ impl Conn {
             }
         }
         let reply = self
-            .eval(&self.scripts.release, &[key], &[token.as_bytes()])
+            .eval(
+                &self.scripts.release,
+                &[key],
+                &[token.as_bytes(), &self.announcer],
+            )
             .await?;
         let (outcome, woke) = match reply {
             Value::Int(n) if n >= 1 => (ReleaseOutcome::Released, (n - 1).unsigned_abs()),

@@ -6,7 +6,9 @@
 //! So when a release's announcement reached subscribers of other backends, this backend's
 //! next waiting try of that key holds off for a moment, long enough for a woken waiter
 //! elsewhere to take the key: about four of the release's round trips, from 1 ms to 50 ms.
-//! If nobody took it by then, the local waiter tries as usual.
+//! If nobody took it by then, the local waiter tries as usual. A release of the key by
+//! another backend, heard by this backend's subscriber, ends the hold-off at once: the key
+//! changed hands since.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -44,6 +46,15 @@ impl HoldOffs {
             until.retain(|_, at| *at > now);
         }
         until.insert(Arc::clone(key), now + hold_off);
+    }
+
+    /// Ends the hold-off on `key`, if any: another backend released it (see
+    /// [`Heard`](super::wake::Heard)).
+    pub(super) fn end(&self, key: &[u8]) {
+        let mut until = self.until();
+        if !until.is_empty() {
+            until.remove(key);
+        }
     }
 
     /// How long a waiting try of `key` still holds off, if it does.

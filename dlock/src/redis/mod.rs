@@ -136,13 +136,15 @@
 //! A waiting [`acquire`](crate::LockProvider::acquire) (or `acquire_read`) is woken by the
 //! release it waits for instead of polling the server:
 //!
-//! - **Every release announces itself**: `PUBLISH <lock key> ""` on the channel named as the
-//!   lock key (a string of `KEYS`, so it stays in the key's Cluster slot): inside the Lua
+//! - **Every release announces itself**: `PUBLISH <lock key> <announcer>` on the channel
+//!   named as the lock key (a string of `KEYS`, so it stays in the key's Cluster slot), where
+//!   the message is 16 hex digits drawn at random for each backend (a reader's release sends
+//!   an empty message; see [Fair waiting](self#fair-waiting) for its use): inside the Lua
 //!   release (with `redis.pcall`, so that a user refused `PUBLISH` still releases), in the same
 //!   pipeline as `DELEX` / `DELIFEQ` (one round trip; sent whatever the delete found), and in
 //!   a reader's release when it leaves the key without readers. Clients that are not dlock
 //!   and release a lock of the [plain layout](self#the-plain-layout-for-other-clients) wake
-//!   dlock's waiters by doing the same.
+//!   dlock's waiters by doing the same, with any message.
 //! - **One subscriber connection per backend** (on a Cluster, one per master), opened on its
 //!   first wait (with the client the backend was built from), subscribes to the channel of each key its waiters wait for, and
 //!   unsubscribes when the last of them is gone; it closes after a minute without waiters. A
@@ -180,7 +182,11 @@
 //! makes this backend's next waiting try of the key hold off for four of the release's round
 //! trips (1 ms to 50 ms), time for a woken waiter elsewhere to take it; if none does, the
 //! local waiter tries then. A release that woke nobody elsewhere costs nothing. The same
-//! run then gave 445, 466 and 451. A single [`try_acquire`](crate::LockProvider::try_acquire)
+//! run then gave 445, 466 and 451. The hold-off ends early when the backend's subscriber hears
+//! another release of the key (its message is not the backend's own announcer): the key
+//! changed hands since, and this backend's waiters compete with the others again. Otherwise
+//! backends that take a key in turn would hold each other off, and a release would wake only
+//! waiters that all hold off. A single [`try_acquire`](crate::LockProvider::try_acquire)
 //! never holds off. A backend with `fair_waits=false`
 //! ([`RedisBuilder::fair_waits`]) never holds off either: on a key that several processes
 //! take in turn it makes more acquisitions per second, unevenly shared. On a Cluster, `PUBLISH` counts only the subscribers of the node that ran
@@ -679,7 +685,7 @@ struct Shared {
     wakes: subscribers::Subscribers,
     /// Keys given back to waiters elsewhere (see [Fair waiting](self#fair-waiting)); `None`
     /// with `fair_waits=false`.
-    hold_offs: Option<fair::HoldOffs>,
+    hold_offs: Option<Arc<fair::HoldOffs>>,
     /// The clean-ups of abandoned acquisitions under way (see [Cancellation](self#cancellation)).
     settling: Arc<Settling<Arc<[u8]>>>,
 }
@@ -1120,19 +1126,32 @@ impl RedisBuilder {
         }
         // The subscriber reconnects with the client the connection uses at the time: behind
         // Sentinel, the master's after a failover. On a cluster, each master's.
+        let hold_offs = self.fair_waits.then(|| Arc::new(fair::HoldOffs::default()));
+        let heard = hold_offs.as_ref().map(|hold_offs| wake::Heard {
+            own: conn.announcer(),
+            hold_offs: Arc::clone(hold_offs),
+        });
         let mut wakes = subscribers::Subscribers::One(Arc::new(wake::Wakes::new(
             own_client.then(|| conn.client_slot()),
             self.timeout,
+            heard.clone(),
         )));
         if let Some((cluster, subscribe)) = on_cluster {
             conn = conn.with_cluster(cluster);
             wakes = match subscribe {
-                Some(client) => subscribers::Subscribers::PerMaster(Box::new(
-                    subscribers::PerMaster::new(client, manager_config(self.timeout), self.timeout),
-                )),
-                None => {
-                    subscribers::Subscribers::One(Arc::new(wake::Wakes::new(None, self.timeout)))
+                Some(client) => {
+                    subscribers::Subscribers::PerMaster(Box::new(subscribers::PerMaster::new(
+                        client,
+                        manager_config(self.timeout),
+                        self.timeout,
+                        heard,
+                    )))
                 }
+                None => subscribers::Subscribers::One(Arc::new(wake::Wakes::new(
+                    None,
+                    self.timeout,
+                    None,
+                ))),
             };
         }
         conn.watch_runtime(true);
@@ -1153,7 +1172,7 @@ impl RedisBuilder {
                 renewals: Arc::default(),
                 intents: read::Intents::default(),
                 wakes,
-                hold_offs: self.fair_waits.then(fair::HoldOffs::default),
+                hold_offs,
                 settling: Arc::default(),
             }),
         })

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use redis::aio::ConnectionManagerConfig;
 
 use super::cluster::{masters_and_slots, slot};
-use super::wake::Wakes;
+use super::wake::{Heard, Wakes};
 use crate::LockError;
 use crate::backend::ReleaseWatch;
 
@@ -81,6 +81,7 @@ pub(crate) struct PerMaster {
     client: redis::Client,
     config: ConnectionManagerConfig,
     timeout: Duration,
+    heard: Option<Heard>,
     routes: Mutex<Routes>,
     /// One reader of the slot map at a time; the others wait for its map.
     reading: tokio::sync::Mutex<()>,
@@ -102,13 +103,15 @@ impl PerMaster {
         client: redis::Client,
         config: ConnectionManagerConfig,
         timeout: Duration,
+        heard: Option<Heard>,
     ) -> PerMaster {
         let slot = Arc::new(Mutex::new(Some((client.clone(), config.clone()))));
         PerMaster {
-            first: Arc::new(Wakes::new(Some(slot), timeout)),
+            first: Arc::new(Wakes::new(Some(slot), timeout, heard.clone())),
             client,
             config,
             timeout,
+            heard,
             routes: Mutex::default(),
             reading: tokio::sync::Mutex::new(()),
         }
@@ -191,7 +194,7 @@ impl PerMaster {
             match redis::Client::open(info) {
                 Ok(client) => {
                     let slot = Arc::new(Mutex::new(Some((client, self.config.clone()))));
-                    Arc::new(Wakes::new(Some(slot), self.timeout))
+                    Arc::new(Wakes::new(Some(slot), self.timeout, self.heard.clone()))
                 }
                 Err(err) => {
                     tracing::debug!(
@@ -244,6 +247,7 @@ mod tests {
             client,
             ConnectionManagerConfig::new(),
             Duration::from_secs(1),
+            None,
         )
     }
 

@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::commands::ClientSlot;
+use super::fair::HoldOffs;
 use crate::backend::{BoxFuture, ReleaseWatch};
 
 /// What the watchers of one channel see.
@@ -64,6 +65,20 @@ pub(crate) struct Wakes {
     refused: AtomicBool,
     /// Cancelled when the backend is dropped: the driver ends.
     closed: CancellationToken,
+    /// What a release by another backend ends (see [`Heard`]); `None` with `fair_waits=false`.
+    heard: Option<Heard>,
+}
+
+/// What a subscriber does when it hears a release of another backend: the key changed hands
+/// since this backend's own release, so this backend's hold-off on the key (see
+/// [Fair waiting](super#fair-waiting)) has done its work and ends, and its waiters try at once
+/// with the others. Without this, backends that took a key in turn held each other off, and
+/// a release woke only waiters that were all holding off.
+#[derive(Clone)]
+pub(crate) struct Heard {
+    /// This backend's announcer id (the message of its own releases).
+    pub(crate) own: Arc<[u8]>,
+    pub(crate) hold_offs: Arc<HoldOffs>,
 }
 
 impl std::fmt::Debug for Wakes {
@@ -75,13 +90,18 @@ impl std::fmt::Debug for Wakes {
 }
 
 impl Wakes {
-    pub(crate) fn new(client: Option<ClientSlot>, timeout: Duration) -> Wakes {
+    pub(crate) fn new(
+        client: Option<ClientSlot>,
+        timeout: Duration,
+        heard: Option<Heard>,
+    ) -> Wakes {
         Wakes {
             registry: Mutex::default(),
             client,
             timeout,
             refused: AtomicBool::new(false),
             closed: CancellationToken::new(),
+            heard,
         }
     }
 
@@ -313,6 +333,11 @@ async fn session(
             message = stream.next() => match message {
                 Some(message) => {
                     if let Ok(channel) = message.get_channel::<Vec<u8>>() {
+                        if let Some(heard) = &wakes.heard
+                            && message.get_payload_bytes() != &heard.own[..]
+                        {
+                            heard.hold_offs.end(&channel);
+                        }
                         wakes.wake(&channel);
                     }
                 }
@@ -454,5 +479,83 @@ impl ReleaseWatch for RedisWatch {
                 std::future::pending::<()>().await;
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+    use crate::redis::commands::live_tests::{Flavor, Server};
+
+    /// A hold-off long enough to tell apart from a wake-up's round trip.
+    const CONCLUSIVE: Duration = Duration::from_millis(40);
+
+    /// Holds `key` off (50 ms, the longest), publishes `message` on its channel, and answers
+    /// whether the hold-off was still on once the watch saw the message; `None` when the
+    /// message took too long for the answer to mean anything (the hold-off may have run out).
+    async fn hold_off_outlives(
+        watch: &mut Box<dyn ReleaseWatch>,
+        hold_offs: &HoldOffs,
+        admin: &mut redis::aio::MultiplexedConnection,
+        key: &Arc<[u8]>,
+        message: &[u8],
+    ) -> Option<bool> {
+        watch.mark_seen();
+        hold_offs.released(key, 1, Duration::from_secs(1));
+        let set = Instant::now();
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(&key[..])
+            .arg(message)
+            .query_async(admin)
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(10), watch.woken())
+            .await
+            .expect("the message woke the watch");
+        let on = hold_offs.left(key).is_some();
+        (set.elapsed() < CONCLUSIVE).then_some(on)
+    }
+
+    /// A subscriber that hears a release of another backend (a message that is not its own
+    /// backend's announcer, an empty one included) ends that backend's hold-off on the key
+    /// before it wakes the key's watchers; a release of its own backend leaves it on.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_backends_release_ends_the_hold_off() {
+        let Some(server) = Server::start(Flavor::Redis7) else {
+            return;
+        };
+        let conn = server.conn("").await;
+        let own = conn.announcer();
+        let hold_offs = Arc::new(HoldOffs::default());
+        let heard = Heard {
+            own: Arc::clone(&own),
+            hold_offs: Arc::clone(&hold_offs),
+        };
+        let wakes = Arc::new(Wakes::new(
+            Some(conn.client_slot()),
+            Duration::from_secs(5),
+            Some(heard),
+        ));
+        let key: Arc<[u8]> = Arc::from(&b"t:{held-off}"[..]);
+        let mut watch = wakes.watch(&key).await.expect("wake-ups");
+        assert!(watch.is_live());
+        let mut admin = server.admin().await;
+        for (message, stays_on) in [(&own[..], true), (b"0123456789abcdef", false), (b"", false)] {
+            let mut answer = None;
+            for _ in 0..50 {
+                answer = hold_off_outlives(&mut watch, &hold_offs, &mut admin, &key, message).await;
+                if answer.is_some() {
+                    break;
+                }
+            }
+            assert_eq!(
+                answer,
+                Some(stays_on),
+                "message {:?}",
+                String::from_utf8_lossy(message)
+            );
+        }
     }
 }

@@ -25,7 +25,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         renewals: Arc::default(),
         intents: Default::default(),
         wakes: crate::redis::subscribers::Subscribers::One(Arc::new(
-            crate::redis::wake::Wakes::new(None, timeout),
+            crate::redis::wake::Wakes::new(None, timeout, None),
         )),
         hold_offs: Default::default(),
         settling: Default::default(),
