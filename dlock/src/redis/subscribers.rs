@@ -106,13 +106,21 @@ impl PerMaster {
         heard: Option<Heard>,
     ) -> PerMaster {
         let slot = Arc::new(Mutex::new(Some((client.clone(), config.clone()))));
+        let first = Arc::new(Wakes::new(Some(slot), timeout, heard.clone()));
+        // The first node is one of the masters (or was): its subscriber serves its slots too.
+        let mut routes = Routes::default();
+        if let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() {
+            routes
+                .masters
+                .insert((host.clone(), *port), Arc::clone(&first));
+        }
         PerMaster {
-            first: Arc::new(Wakes::new(Some(slot), timeout, heard.clone())),
+            first,
             client,
             config,
             timeout,
             heard,
-            routes: Mutex::default(),
+            routes: Mutex::new(routes),
             reading: tokio::sync::Mutex::new(()),
         }
     }
@@ -185,25 +193,18 @@ impl PerMaster {
             .get_connection_info()
             .clone()
             .set_addr(redis::ConnectionAddr::Tcp(addr.0.clone(), addr.1));
-        let wakes = if matches!(
-            self.client.get_connection_info().addr(),
-            redis::ConnectionAddr::Tcp(host, port) if (host, *port) == (&addr.0, addr.1)
-        ) {
-            Arc::clone(&self.first)
-        } else {
-            match redis::Client::open(info) {
-                Ok(client) => {
-                    let slot = Arc::new(Mutex::new(Some((client, self.config.clone()))));
-                    Arc::new(Wakes::new(Some(slot), self.timeout, self.heard.clone()))
-                }
-                Err(err) => {
-                    tracing::debug!(
-                        error = %err,
-                        "no subscriber for a redis cluster master; its keys' waiters subscribe \
-                         on the URL's first node"
-                    );
-                    return None;
-                }
+        let wakes = match redis::Client::open(info) {
+            Ok(client) => {
+                let slot = Arc::new(Mutex::new(Some((client, self.config.clone()))));
+                Arc::new(Wakes::new(Some(slot), self.timeout, self.heard.clone()))
+            }
+            Err(err) => {
+                tracing::debug!(
+                    error = %err,
+                    "no subscriber for a redis cluster master; its keys' waiters subscribe on \
+                     the URL's first node"
+                );
+                return None;
             }
         };
         routes.masters.insert(addr, Arc::clone(&wakes));
