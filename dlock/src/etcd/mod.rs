@@ -918,6 +918,22 @@ struct EtcdHeld {
     keeper: Option<Keeper>,
 }
 
+impl Drop for EtcdHeld {
+    /// Revokes the lease on the backend's own runtime: after a release, and just as well
+    /// without one (the guard went with its runtime's shutdown, which refused the release's
+    /// task, or the release future was dropped), when it takes the key with it at once rather
+    /// than when its TTL runs out.
+    fn drop(&mut self) {
+        drop(self.keeper.take());
+        let shared = Arc::clone(&self.entry.shared);
+        let lease_id = self.entry.lease_id();
+        self.entry
+            .shared
+            .io
+            .spawn(async move { shared.revoke(lease_id).await });
+    }
+}
+
 impl std::fmt::Debug for EtcdHeld {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EtcdHeld")
@@ -959,11 +975,8 @@ impl HeldLock for EtcdHeld {
             let (answer, attempts) = match answer {
                 Ok(answered) => answered,
                 Err(err) => {
-                    // The lease goes anyway (and with it the key, if the delete did not run).
-                    let revoker = Arc::clone(shared);
-                    shared
-                        .io
-                        .spawn(async move { revoker.revoke(lease_id).await });
+                    // The lease goes anyway (and with it the key, if the delete did not run):
+                    // dropping the handle revokes it.
                     return Err(err);
                 }
             };
@@ -978,13 +991,10 @@ impl HeldLock for EtcdHeld {
             } else {
                 ReleaseOutcome::AlreadyReleased
             };
-            let revoker = Arc::clone(shared);
-            shared
-                .io
-                .spawn(async move { revoker.revoke(lease_id).await });
             if outcome != ReleaseOutcome::Released {
                 entry.lost.cancel();
             }
+            // Dropping the handle revokes the lease.
             Ok(outcome)
         })
     }
