@@ -119,6 +119,8 @@ macro_rules! conformance_suite {
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
             background_runtime_dropped);
+        $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
+            guard_dropped_by_its_runtime);
     };
     (attributes [$(#[$attr:meta])*] $make:expr) => {
         $crate::conformance_suite!(@all required [$(#[$attr])*] $make);
@@ -996,6 +998,86 @@ where
         }
     });
     drop(second);
+}
+
+/// A guard held on a runtime that is then dropped goes with that runtime's shutdown, which
+/// refuses new tasks, while the provider's connections live on a runtime that stays: the key
+/// must come free (the release runs elsewhere, or the session or lease that held it ends),
+/// for another provider and for the same one, and never stays held by nobody. Once for a lock
+/// taken by a try, once for one granted to a waiting acquisition.
+pub fn guard_dropped_by_its_runtime<F, Fut, H>(make: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = Option<H>>,
+    H: Harness,
+{
+    let main = crate::runtime(1);
+    let Some(h) = main.block_on(make()) else {
+        return;
+    };
+    let (provider, outsider) = main.block_on(async {
+        let provider = h.provider().await;
+        // Its connections open here, on the runtime that stays.
+        let warm = provider
+            .try_acquire(&unique_key("warm"))
+            .await
+            .expect("warm-up");
+        warm.release().await.expect("release");
+        contended_wait(&h, &provider).await;
+        (provider, h.provider().await)
+    });
+    for waits in [false, true] {
+        let key = unique_key("dropped-with-its-runtime");
+        let blocker = waits.then(|| main.block_on(outsider.try_acquire(&key)).expect("free key"));
+        let doomed = crate::runtime(1);
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        let holder = doomed.spawn({
+            let (provider, key) = (provider.clone(), key.clone());
+            async move {
+                let guard = provider.acquire(&key, Duration::from_secs(30)).await;
+                let _ = held_tx.send(guard.as_ref().map(drop).map_err(ToString::to_string));
+                // Held until the runtime drops this task.
+                let _guard = guard;
+                std::future::pending::<()>().await;
+            }
+        });
+        if let Some(blocker) = blocker {
+            main.block_on(async {
+                waiting(&provider, &holder).await;
+                blocker.release().await.expect("release");
+            });
+        }
+        held_rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the acquisition ended")
+            .expect("the key was granted");
+        doomed.shutdown_timeout(Duration::from_secs(10));
+        main.block_on(async {
+            let limit = h.retake_within();
+            let started = Instant::now();
+            loop {
+                match outsider.try_acquire(&key).await {
+                    Ok(other) => {
+                        other.release().await.expect("release");
+                        break;
+                    }
+                    Err(LockError::AlreadyHeld { .. }) if started.elapsed() < limit => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                    }
+                    other => panic!(
+                        "the key stayed held {:?} after its guard's runtime was dropped \
+                         (waited: {waits}): {other:?}",
+                        started.elapsed()
+                    ),
+                }
+            }
+            let again = provider
+                .try_acquire(&key)
+                .await
+                .expect("the provider takes the key again after its guard's runtime was dropped");
+            again.release().await.expect("release");
+        });
+    }
 }
 
 /// `provider` waits for a key another provider holds until it lets go.

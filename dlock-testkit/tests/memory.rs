@@ -25,8 +25,10 @@ struct Held {
     owner: u64,
 }
 
-impl HeldLock for Held {
-    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+/// Gives the lock back when the handle goes: after `release`, and just as well without one
+/// (a guard dropped in its runtime's shutdown cannot run its release).
+impl Drop for Held {
+    fn drop(&mut self) {
         let mut store = self.store.lock().unwrap();
         if store
             .held
@@ -35,7 +37,13 @@ impl HeldLock for Held {
         {
             store.held.remove(&self.key);
         }
+    }
+}
+
+impl HeldLock for Held {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         // A key taken from its holder was lost; the provider reports that itself.
+        drop(self);
         Box::pin(async { Ok(()) })
     }
 }

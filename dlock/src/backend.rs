@@ -222,8 +222,13 @@ pub trait LeaseControl: Send + Sync {
 /// The backend's handle on one held lock.
 ///
 /// Dropping the handle without calling [`release`](HeldLock::release) must not leave the lock
-/// held forever: the provider always calls `release`, but a backend should still stop any
-/// renewal it runs for the lock when the handle is dropped.
+/// held. The provider calls `release` whenever it can, on a task of the guard's runtime; it
+/// cannot when the guard is dropped by that runtime's shutdown (a guard held in a task of a
+/// runtime that is being dropped), which refuses new tasks. Then the handle is dropped
+/// unreleased, and the backend ends the lock from its `Drop`: it stops any renewal it runs for
+/// the lock and gives the lock back where that needs no waiting (dlock's session engines run
+/// the unlock on the runtime of the lock's connection, etcd revokes the lease on its own
+/// runtime), or lets the lease run out.
 pub trait HeldLock: Send + Sync + Debug + 'static {
     /// Gives the lock back. A backend that finds the lock already gone (lease expired and taken
     /// over, connection closed) cancels the lock's lost token and may answer

@@ -369,13 +369,24 @@ impl Drop for Releasing {
     fn drop(&mut self) {
         let (slot, end) = (self.slot.take(), self.end.take());
         if let Some(future) = self.future.take() {
-            drop(self.runtime.spawn(async move {
+            let rest = async move {
                 let _ = future.await;
                 drop(slot);
                 drop(end);
-            }));
+            };
+            // Refused everywhere (its runtimes are shutting down), the release's future is
+            // dropped: the backend's handle ends the lock from its `Drop`.
+            drop(crate::detach::spawn_first(runtimes(&self.runtime), rest));
         }
     }
+}
+
+/// The guard's runtime, then the current one if that is another.
+fn runtimes(guard: &tokio::runtime::Handle) -> impl Iterator<Item = tokio::runtime::Handle> {
+    let current = tokio::runtime::Handle::try_current()
+        .ok()
+        .filter(|current| current.id() != guard.id());
+    std::iter::once(guard.clone()).chain(current)
 }
 
 /// The end of a hold, recorded when this is dropped: after the release has run, so that a
@@ -429,9 +440,10 @@ impl Drop for LockGuard {
                 drop(slot);
                 drop(end);
             };
-            // If the runtime is gone, the task is dropped unrun: the backend's handle stops its
-            // renewal and the lock goes with its lease or its connection.
-            drop(self.runtime.spawn(task));
+            // On the guard's runtime, else the current one. Refused by both (they are shutting
+            // down: the guard went with its runtime), the task is dropped unrun, and the
+            // backend's handle ends the lock from its `Drop` (see `HeldLock`).
+            drop(crate::detach::spawn_first(runtimes(&self.runtime), task));
         }
     }
 }

@@ -82,6 +82,7 @@ mod backoff;
 // Used by the backends that have the option; with none of them built, only the public hash.
 #[cfg_attr(not(any(feature = "postgres", feature = "redis")), allow(dead_code))]
 mod counters;
+mod detach;
 mod error;
 mod guard;
 mod inspect;

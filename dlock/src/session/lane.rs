@@ -26,8 +26,8 @@ use super::acquire::lane_gone;
 use super::claims::{Claim, SETTLE_LIMIT};
 use super::options::LaneSettings;
 use super::traits::{Connector, Grant, InterruptOf, Mode, Session};
-use crate::LockError;
 use crate::backend::{BoxFuture, HeldLock};
+use crate::{LockError, detach};
 
 // Lanes.
 
@@ -230,7 +230,8 @@ impl<C: Connector> Drop for Busy<C> {
 }
 
 /// Work on a lane that finishes even when its caller stops waiting: dropped after it started
-/// (or, `eager`, at any time), the rest runs on a task of the current runtime (or the lane's).
+/// (or, `eager`, at any time), the rest runs on a task of the current runtime (or, if that one
+/// is shutting down or there is none, the lane's).
 pub(super) struct Finish<T: Send + 'static> {
     work: Option<BoxFuture<'static, T>>,
     started: bool,
@@ -271,11 +272,16 @@ impl<T: Send + 'static> Drop for Finish<T> {
         let rest = async move {
             drop(work.await);
         };
-        // Spawning onto a runtime that has shut down drops the work, and with it its session
-        // if the work was mid-statement ([`Busy`]).
-        if let Some(runtime) = Handle::try_current().ok().or_else(|| self.runtime.take()) {
-            drop(runtime.spawn(rest));
-        }
+        // The current runtime, else the lane's: a finish dropped by its runtime's shutdown
+        // (a guard held on a runtime that is being dropped) is refused there, and runs on the
+        // runtime of the lane's session. Refused by both, the work is dropped, and with it its
+        // session if the work was mid-statement ([`Busy`]); a lane whose runtime has stopped
+        // has dropped its session already ([`Keeper`]).
+        let current = Handle::try_current().ok();
+        drop(detach::spawn_first(
+            current.into_iter().chain(self.runtime.take()),
+            rest,
+        ));
     }
 }
 
