@@ -432,15 +432,20 @@ impl Drop for OracleSession {
     /// A session dropped with a blocking call still in flight (a lane statement that outlived
     /// `statement_timeout`) would stay open, with its locks, until that call returned, since
     /// the call shares the connection: the call is broken off (`OCIBreak`), so the session
-    /// closes and the server frees its locks.
+    /// closes and the server frees its locks. The break runs on a thread of its own: the
+    /// session may be dropped outside a runtime, or by a runtime's shutdown, whose blocking
+    /// pool refuses new work.
     fn drop(&mut self) {
-        if Arc::strong_count(&self.conn) > 1
-            && let Ok(runtime) = tokio::runtime::Handle::try_current()
-        {
+        if Arc::strong_count(&self.conn) > 1 {
             let conn = Arc::clone(&self.conn);
-            drop(runtime.spawn_blocking(move || {
-                let _ = conn.break_execution();
-            }));
+            let spawned = std::thread::Builder::new()
+                .name("dlock-oracle-break".into())
+                .spawn(move || {
+                    let _ = conn.break_execution();
+                });
+            if let Err(err) = spawned {
+                tracing::warn!(error = %err, "an Oracle call in flight could not be broken off; its session closes when the call returns");
+            }
         }
     }
 }

@@ -155,13 +155,18 @@ impl Drop for InFlight {
             lost.cancel();
         }
         let (shared, ticket, what) = (Arc::clone(&self.shared), self.ticket, self.what);
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(async move {
-                fence(&shared, ticket, what, "cancelled").await;
-            })),
-            Err(_) => {
-                shared.conn.fence.not_fenced.fetch_add(1, Ordering::Relaxed);
-            }
+        let fencing = async move {
+            fence(&shared, ticket, what, "cancelled").await;
+        };
+        // Outside a runtime, or dropped by its runtime's shutdown (which refuses the task),
+        // the connection is not fenced: counted as such.
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        if crate::detach::spawn_first(runtime, fencing).is_err() {
+            self.shared
+                .conn
+                .fence
+                .not_fenced
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 }
