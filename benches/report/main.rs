@@ -54,6 +54,7 @@ mod fairness;
 mod measure;
 mod output;
 mod peers;
+mod pin;
 mod primitives;
 mod scale;
 mod servers;
@@ -101,7 +102,14 @@ fn main() {
 
     if section(1) || section(7) {
         eprintln!("report: 1+7 uncontended acquire + release, raw baselines and peers");
+        // On one CPU (see `pin`), with the peers' process started first so that it is pinned
+        // too. Quick mode measures nothing worth pinning for.
+        let pinned = (!quick()).then(|| {
+            peers.borrow_mut().start();
+            pin::OneCpu::pin()
+        });
         servers::uncontended_all(&rt, &servers, &peers, &mut report);
+        drop(pinned);
     }
     if section(2) {
         eprintln!("report: 2 handover");
@@ -156,7 +164,10 @@ fn main() {
         "Figures vary with the machine's load: quote them only from a run on a quiet machine.",
         "1, 7: per backend, the raw baseline, dlock and the peers run in 20 interleaved rounds of \
          ~40 ms batches on one key each; a ratio is the median of the rounds' ratios, the \
-         times beside it are medians per operation. Raw SQL baselines run both \
+         times beside it are medians per operation. The report's process, its servers and the \
+         peers run on one CPU for these sections (DLOCK_REPORT_PIN=0 turns that off): on a \
+         virtual machine a wake-up across CPUs costs 20 to 100 µs at random, more than a \
+         whole cycle, and unpinned batches of one raw baseline varied sevenfold. Raw SQL baselines run both \
          statements on a connection of their own, as dlock does on its lock connections; the \
          same statements on a connection taken from a sqlx pool each time are shown beside \
          them (sqlx pings every connection that goes back to its pool: a third round trip, \

@@ -61,7 +61,7 @@ impl Peers {
     }
 
     /// Waits for the build (if still running) and starts the child.
-    fn start(&mut self) {
+    pub fn start(&mut self) {
         let State::Building(_) = &self.state else {
             return;
         };
