@@ -501,6 +501,29 @@ fn renewal_restarts_on_a_new_runtime() {
     });
 }
 
+/// A guard taken on one runtime and dropped on another after the first is gone: its runtime
+/// refuses the release, which then runs on the runtime it is dropped on, so the key is free at
+/// once and not only when its lease runs out.
+#[test]
+fn a_guard_that_outlives_its_runtime_is_released_where_it_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}/moved.db?lease=30s", dir.path().display());
+    let first = tokio::runtime::Runtime::new().unwrap();
+    let locks = first.block_on(LockProvider::connect(&url)).unwrap();
+    let guard = first.block_on(locks.try_acquire("moved")).unwrap();
+    drop(first);
+
+    let second = tokio::runtime::Runtime::new().unwrap();
+    second.block_on(async {
+        let other = LockProvider::connect(&url).await.unwrap();
+        drop(guard);
+        // Well inside the 30 s lease: only a release frees it this soon.
+        let taken = other.acquire("moved", Duration::from_secs(5)).await;
+        let taken = taken.expect("the dropped guard's release ran on this runtime");
+        taken.release().await.unwrap();
+    });
+}
+
 /// A small tmpfs of its own, unmounted on drop: a place that can fill up or turn read-only.
 struct SmallDisk {
     dir: tempfile::TempDir,
