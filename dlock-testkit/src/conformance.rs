@@ -948,13 +948,7 @@ where
     let first = runtime(2);
     let (provider, key) = first.block_on(async {
         let provider = h.provider().await;
-        let warm = provider
-            .try_acquire(&unique_key("warm"))
-            .await
-            .expect("warm-up");
-        warm.release().await.expect("release");
-        // A wait too, so that whatever serves waits (wait connections) starts here as well.
-        contended_wait(&h, &provider).await;
+        warm_up(&h, &provider).await;
         (provider, unique_key("runtime-drop"))
     });
     let second = runtime(2);
@@ -1018,12 +1012,7 @@ where
     let (provider, outsider) = main.block_on(async {
         let provider = h.provider().await;
         // Its connections open here, on the runtime that stays.
-        let warm = provider
-            .try_acquire(&unique_key("warm"))
-            .await
-            .expect("warm-up");
-        warm.release().await.expect("release");
-        contended_wait(&h, &provider).await;
+        warm_up(&h, &provider).await;
         (provider, h.provider().await)
     });
     for waits in [false, true] {
@@ -1078,6 +1067,17 @@ where
             again.release().await.expect("release");
         });
     }
+}
+
+/// A lock taken and released, and a wait, through `provider`: whatever serves tries and waits
+/// (lock and wait connections, their tasks) starts on the current runtime.
+async fn warm_up(h: &impl Harness, provider: &LockProvider) {
+    let warm = provider
+        .try_acquire(&unique_key("warm"))
+        .await
+        .expect("warm-up");
+    warm.release().await.expect("release");
+    contended_wait(h, provider).await;
 }
 
 /// `provider` waits for a key another provider holds until it lets go.

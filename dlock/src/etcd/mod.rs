@@ -555,6 +555,12 @@ impl Shared {
         }
     }
 
+    /// Revokes `lease_id` in the background, on the backend's own runtime.
+    fn revoke_later(self: &Arc<Self>, lease_id: i64) {
+        let shared = Arc::clone(self);
+        self.io.spawn(async move { shared.revoke(lease_id).await });
+    }
+
     /// Whether `lease_id` still exists.
     async fn lease_alive(&self, lease_id: i64) -> Result<bool, LockError> {
         let answer = self
@@ -591,10 +597,7 @@ struct Claim {
 impl Drop for Claim {
     fn drop(&mut self) {
         if self.armed {
-            let (shared, lease_id) = (Arc::clone(&self.shared), self.lease_id);
-            self.shared
-                .io
-                .spawn(async move { shared.revoke(lease_id).await });
+            self.shared.revoke_later(self.lease_id);
         }
     }
 }
@@ -925,12 +928,7 @@ impl Drop for EtcdHeld {
     /// than when its TTL runs out.
     fn drop(&mut self) {
         drop(self.keeper.take());
-        let shared = Arc::clone(&self.entry.shared);
-        let lease_id = self.entry.lease_id();
-        self.entry
-            .shared
-            .io
-            .spawn(async move { shared.revoke(lease_id).await });
+        self.entry.shared.revoke_later(self.entry.lease_id());
     }
 }
 
@@ -1050,8 +1048,7 @@ impl LeaseControl for EtcdHeld {
             }
             claim.armed = false;
             let old = entry.moved(lease_id, lease, sent);
-            let revoker = Arc::clone(shared);
-            shared.io.spawn(async move { revoker.revoke(old).await });
+            shared.revoke_later(old);
             Ok(true)
         })
     }
