@@ -210,9 +210,13 @@ impl Session for MySqlSession {
         _mode: Mode,
     ) -> BoxFuture<'a, Result<(), Failure>> {
         Box::pin(async move {
+            // The answer's one row is read and dropped undecoded. `execute` would send the
+            // same statement but read the answer through sqlx's row stream: about 3,000 more
+            // instructions per release, a sixth of what the layer added to an uncontended
+            // cycle on MariaDB.
             sqlx::query(RELEASE_SQL)
                 .bind(&**name)
-                .execute(&mut self.conn)
+                .fetch_optional(&mut self.conn)
                 .await
                 .map(drop)
                 .map_err(|err| failure::<MySql>("releasing a lock", err))
