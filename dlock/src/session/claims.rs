@@ -2,6 +2,7 @@
 //! cleaning up after.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::hash::Hash;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -104,16 +105,15 @@ impl<R: Clone + Eq + Hash> Claims<R> {
         until: Until,
     ) -> Option<Claim<R>> {
         let shared = mode.is_shared();
-        let limit = match until {
-            Until::Try => crate::time::deadline(Instant::now(), SETTLE_LIMIT),
-            Until::Deadline(deadline) => deadline,
+        // A try's limit starts when it first has to wait: most tries never do, and so read
+        // no clock.
+        let mut limit = match until {
+            Until::Try => None,
+            Until::Deadline(deadline) => Some(deadline),
         };
-        // Counts this acquisition among the resource's waiting writers while it waits.
-        let mut waiting = WaitingWriter {
-            claims: Arc::clone(self),
-            resource: resource.clone(),
-            armed: false,
-        };
+        // Counts this acquisition among the resource's waiting writers while it waits (made
+        // when it starts to wait: most claims never do).
+        let mut waiting: Option<WaitingWriter<R>> = None;
         loop {
             let (ended, generation) = {
                 let mut map = self.map();
@@ -130,7 +130,9 @@ impl<R: Clone + Eq + Hash> Claims<R> {
                     state.holders.is_empty()
                 };
                 if free {
-                    if waiting.armed {
+                    if let Some(waiting) = waiting.as_mut()
+                        && waiting.armed
+                    {
                         waiting.armed = false;
                         state.writers_waiting -= 1;
                     }
@@ -155,13 +157,19 @@ impl<R: Clone + Eq + Hash> Claims<R> {
                     }
                     return None;
                 }
-                if !shared && !waiting.armed && matches!(until, Until::Deadline(_)) {
-                    waiting.armed = true;
+                if !shared && waiting.is_none() && matches!(until, Until::Deadline(_)) {
+                    waiting = Some(WaitingWriter {
+                        claims: Arc::clone(self),
+                        resource: resource.clone(),
+                        armed: true,
+                    });
                     state.writers_waiting += 1;
                 }
                 let ended = state.ended.get_or_insert_with(|| Arc::new(Notify::new()));
                 (Arc::clone(ended), state.generation)
             };
+            let limit =
+                *limit.get_or_insert_with(|| crate::time::deadline(Instant::now(), SETTLE_LIMIT));
             if limit.is_some_and(|limit| Instant::now() >= limit) {
                 return None;
             }
@@ -297,13 +305,15 @@ impl<R: Clone + Eq + Hash> Claim<R> {
 impl<R: Clone + Eq + Hash> Drop for Claim<R> {
     fn drop(&mut self) {
         let mut map = self.claims.map();
-        if let Some(state) = map.get_mut(&self.resource)
-            && let Some(at) = state.holders.iter().position(|h| h.id == self.id)
+        // One lookup (the key hashed once) both updates and, when unused, removes the entry.
+        if let Entry::Occupied(mut entry) = map.entry(self.resource.clone())
+            && let Some(at) = entry.get().holders.iter().position(|h| h.id == self.id)
         {
+            let state = entry.get_mut();
             state.holders.swap_remove(at);
             state.changed();
             if state.is_unused() {
-                map.remove(&self.resource);
+                entry.remove();
             }
         }
     }
