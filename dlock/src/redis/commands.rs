@@ -1081,13 +1081,10 @@ impl Conn {
     /// Cancel safe, and nothing uncertain is left by a timeout here: the fenced command has
     /// not been sent yet.
     pub(crate) async fn fence_ticket(&self) -> Option<i64> {
-        if !self.fencing_on() {
-            return None;
+        if let Some(known) = self.known_fence_ticket() {
+            return known;
         }
         let caps = self.caps();
-        if let Some(id) = caps.client_id {
-            return Some(id);
-        }
         self.repair().await;
         self.watch_if_reconnecting();
         let mut manager = self.manager();
@@ -1098,6 +1095,15 @@ impl Conn {
         self.forget_on_failure(&outcome);
         self.record_client_id(caps.generation, outcome);
         self.caps().client_id.filter(|_| self.fencing_on())
+    }
+
+    /// [`fence_ticket`](Conn::fence_ticket)'s answer when it needs no round trip (fencing off,
+    /// or the connection's `CLIENT ID` known); `None` when it must ask the server.
+    pub(crate) fn known_fence_ticket(&self) -> Option<Option<i64>> {
+        if !self.fencing_on() {
+            return Some(None);
+        }
+        self.caps().client_id.map(Some)
     }
 
     /// Kills the connection `id` from a connection of its own (opened for this, then closed),

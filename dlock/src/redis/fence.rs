@@ -7,6 +7,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use futures_util::future::{Either, FutureExt as _, ready};
 use redis::RedisError;
 use tokio_util::sync::CancellationToken;
 
@@ -44,42 +45,82 @@ pub(super) enum Fence {
 ///
 /// Cancel safe in the sense above: a drop after the command may have been sent kills its
 /// connection in the background.
-pub(super) async fn fenced<T>(
+///
+/// The command counts as in flight from this call (when the connection's `CLIENT ID` is
+/// known): await the future at once, as every caller does.
+///
+/// Built from combinators rather than as an `async fn`, so that its future holds `op` once
+/// (inside the timeout) and never moves it: an `async fn` keeps its argument beside the future
+/// it moves the argument into, which doubled the size of every fenced command's future (and
+/// every copy of it, such as the one into a `Box`).
+pub(super) fn fenced<T>(
     shared: &Arc<Shared>,
     what: &'static str,
     lost_on_cancel: Option<CancellationToken>,
     op: impl Future<Output = Result<T, RedisError>>,
-) -> Attempt<T> {
+) -> impl Future<Output = Attempt<T>> {
     // One deadline for both steps (one clock read).
     let deadline = tokio::time::Instant::now() + shared.timeout;
-    // Nothing is sent yet: a timeout here leaves nothing uncertain.
-    let ticket = match tokio::time::timeout_at(deadline, shared.conn.fence_ticket()).await {
-        Ok(ticket) => ticket,
-        Err(_) => return Attempt::Failed(timed_out(what, shared.timeout)),
-    };
-    let mut in_flight = InFlight {
+    match shared.conn.known_fence_ticket() {
+        Some(ticket) => Either::Left(run_fenced(
+            shared,
+            what,
+            lost_on_cancel,
+            ticket,
+            tokio::time::timeout_at(deadline, op),
+        )),
+        // A new connection's first command: its `CLIENT ID` is asked first (boxed: the
+        // question's future is as large as a command's, and this is rare).
+        None => Either::Right(Box::pin(async move {
+            // Nothing is sent yet: a timeout here leaves nothing uncertain.
+            let Ok(ticket) = tokio::time::timeout_at(deadline, shared.conn.fence_ticket()).await
+            else {
+                return Attempt::Failed(timed_out(what, shared.timeout));
+            };
+            let timed = tokio::time::timeout_at(deadline, op);
+            run_fenced(shared, what, lost_on_cancel, ticket, timed).await
+        })),
+    }
+}
+
+/// The rest of [`fenced`] once the connection's `ticket` is known: `timed` (the command under
+/// the deadline) is in flight until it ends, and fenced when its outcome is unknown.
+fn run_fenced<T>(
+    shared: &Arc<Shared>,
+    what: &'static str,
+    lost_on_cancel: Option<CancellationToken>,
+    ticket: Option<i64>,
+    timed: tokio::time::Timeout<impl Future<Output = Result<T, RedisError>>>,
+) -> impl Future<Output = Attempt<T>> {
+    let in_flight = InFlight {
         shared: Arc::clone(shared),
         ticket,
         what,
         lost: lost_on_cancel,
         armed: true,
     };
-    let outcome = tokio::time::timeout_at(deadline, op).await;
-    in_flight.armed = false;
-    match outcome {
-        Ok(Ok(value)) => Attempt::Done(value),
-        // The driver's own response timeout (the same length): the connection lives on, and
-        // the command with it.
-        Ok(Err(err)) if err.is_timeout() => Attempt::Unknown {
-            error: redis_error(what, err, &shared.prefix),
-            fence: fence(shared, ticket, what, "timed out").await,
-        },
-        Ok(Err(err)) => Attempt::Failed(redis_error(what, err, &shared.prefix)),
-        Err(_) => Attempt::Unknown {
-            error: timed_out(what, shared.timeout),
-            fence: fence(shared, ticket, what, "timed out").await,
-        },
-    }
+    timed.then(move |outcome| {
+        in_flight.disarm();
+        let error = match outcome {
+            Ok(Ok(value)) => return Either::Left(ready(Attempt::Done(value))),
+            // The driver's own response timeout (the same length): the connection lives on,
+            // and the command with it.
+            Ok(Err(err)) if err.is_timeout() => redis_error(what, err, &shared.prefix),
+            Ok(Err(err)) => {
+                return Either::Left(ready(Attempt::Failed(redis_error(
+                    what,
+                    err,
+                    &shared.prefix,
+                ))));
+            }
+            Err(_) => timed_out(what, shared.timeout),
+        };
+        // Boxed: the fence's future is large, and needed only after a timeout.
+        Either::Right(Box::pin(
+            fence(shared, ticket, what, "timed out")
+                .map(move |fence| Attempt::Unknown { error, fence }),
+        ))
+    })
 }
 
 /// Kills connection `ticket` after `what` ended with its outcome unknown (`cause`), counts
@@ -144,6 +185,13 @@ struct InFlight {
     what: &'static str,
     lost: Option<CancellationToken>,
     armed: bool,
+}
+
+impl InFlight {
+    /// The command ended (with any outcome): nothing is left in flight.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
 }
 
 impl Drop for InFlight {

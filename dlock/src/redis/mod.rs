@@ -1507,13 +1507,14 @@ impl Shared {
         }
     }
 
-    /// Runs one operation under the command timeout.
-    async fn bounded<T>(
+    /// Runs one operation under the command timeout (see [`within`] for why this is not an
+    /// `async fn`).
+    fn bounded<T>(
         &self,
         what: &str,
         operation: impl Future<Output = Result<T, RedisError>>,
-    ) -> Result<T, LockError> {
-        within(self.timeout, what, &self.prefix, operation).await
+    ) -> impl Future<Output = Result<T, LockError>> {
+        within(self.timeout, what, &self.prefix, operation)
     }
 }
 
@@ -1617,16 +1618,22 @@ fn check_timeout(timeout: Duration) -> Result<Duration, LockError> {
 
 /// Runs `operation` within `limit`: a driver error becomes `what`'s [`redis_error`], the limit
 /// running out `what`'s [`timed_out`].
-async fn within<T>(
+///
+/// A plain function whose future holds `operation` once, inside the timeout. As an `async fn`
+/// it held the argument and the timeout built from it side by side, so each layer of these
+/// wrappers doubled the size of the command's future (13 KB for one `SET` under
+/// [`Shared::bounded`]), and each move of it copied all of that.
+fn within<T>(
     limit: Duration,
     what: &str,
     prefix: &[u8],
     operation: impl Future<Output = Result<T, RedisError>>,
-) -> Result<T, LockError> {
-    match tokio::time::timeout(limit, operation).await {
+) -> impl Future<Output = Result<T, LockError>> {
+    use futures_util::FutureExt as _;
+    tokio::time::timeout(limit, operation).map(move |outcome| match outcome {
         Ok(outcome) => outcome.map_err(|err| redis_error(what, err, prefix)),
         Err(_) => Err(timed_out(what, limit)),
-    }
+    })
 }
 
 /// `what` did not finish within `limit`.
@@ -2376,6 +2383,36 @@ impl std::fmt::Debug for RedisHeld {
     }
 }
 
+impl RedisHeld {
+    /// The release's command (a script or compare-and-delete, and the wake-up of waiters).
+    async fn send_release(&self) -> Result<(ReleaseOutcome, CommandPath), RedisError> {
+        if self.read {
+            return read::release(&self.shared, &self.key, &self.token).await;
+        }
+        let sent = Instant::now();
+        let (outcome, path, woke) = self
+            .shared
+            .conn
+            .release_waking(&self.key, &self.token)
+            .await?;
+        if let Some(hold_offs) = &self.shared.hold_offs {
+            // The backend's own subscriber, if it watches the key, heard it too.
+            let own = u64::from(self.shared.wakes.wanted(&self.key));
+            hold_offs.released(&self.key, woke.saturating_sub(own), sent.elapsed());
+        }
+        Ok((outcome, path))
+    }
+
+    /// The extension's owner-checked command.
+    async fn send_extend(&self, lease: Duration) -> Result<(bool, CommandPath), RedisError> {
+        if self.read {
+            read::extend(&self.shared, &self.key, &self.token, lease).await
+        } else {
+            self.shared.conn.extend(&self.key, &self.token, lease).await
+        }
+    }
+}
+
 impl HeldLock for RedisHeld {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         let released = self.release_outcome();
@@ -2386,25 +2423,17 @@ impl HeldLock for RedisHeld {
     fn release_outcome(self: Box<Self>) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
         Box::pin(async move {
             self.shared.renewals.remove(self.renewal);
-            let release = async {
-                if self.read {
-                    return read::release(&self.shared, &self.key, &self.token).await;
-                }
-                let sent = Instant::now();
-                let (outcome, path, woke) = self
-                    .shared
-                    .conn
-                    .release_waking(&self.key, &self.token)
-                    .await?;
-                if let Some(hold_offs) = &self.shared.hold_offs {
-                    // The backend's own subscriber, if it watches the key, heard it too.
-                    let own = u64::from(self.shared.wakes.wanted(&self.key));
-                    hold_offs.released(&self.key, woke.saturating_sub(own), sent.elapsed());
-                }
-                Ok((outcome, path))
-            };
             let what = "releasing a lock";
-            match fenced(&self.shared, what, Some(self.lost.clone()), release).await {
+            // The command's future is made inside the call: held in a local, it would take
+            // room in this future beside the fenced one that it moves into.
+            match fenced(
+                &self.shared,
+                what,
+                Some(self.lost.clone()),
+                self.send_release(),
+            )
+            .await
+            {
                 Attempt::Done((outcome, _)) => {
                     if outcome != ReleaseOutcome::Released {
                         self.lost.cancel();
@@ -2447,14 +2476,8 @@ impl LeaseControl for RedisHeld {
         Box::pin(async move {
             check_lease(lease)?;
             let sent = Instant::now();
-            let extend = async {
-                if self.read {
-                    read::extend(&self.shared, &self.key, &self.token, lease).await
-                } else {
-                    self.shared.conn.extend(&self.key, &self.token, lease).await
-                }
-            };
-            let extended = match fenced(&self.shared, "extending a lock", None, extend).await {
+            let what = "extending a lock";
+            let extended = match fenced(&self.shared, what, None, self.send_extend(lease)).await {
                 Attempt::Done((extended, _)) => extended,
                 Attempt::Failed(err)
                 | Attempt::Unknown {
