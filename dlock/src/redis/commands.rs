@@ -747,7 +747,20 @@ impl Conn {
     /// the application passed in is checked with a `PING` instead, whose failure makes it
     /// reconnect; its outcome is otherwise ignored (a user without permission for `PING`
     /// gets an error that changes nothing).
+    ///
+    /// Every command starts here, and nearly always there is nothing to do: that is decided
+    /// without an await, and the work itself is boxed, so that its future (as large as a
+    /// command's, with a sentinel discovery and a `PING` in it) takes no room in every
+    /// command's future.
     async fn repair(&self) {
+        if self.sentinel.is_none() && !self.suspect.load(Ordering::SeqCst) {
+            return;
+        }
+        Box::pin(self.repair_now()).await;
+    }
+
+    /// [`repair`](Conn::repair)'s work.
+    async fn repair_now(&self) {
         self.rediscover().await;
         if self.suspect.swap(false, Ordering::SeqCst) {
             if self.replace() {
