@@ -486,7 +486,7 @@ impl LockProvider {
         if terms.shared {
             inner.backend.shared_locks()?;
         }
-        let slot = match inner.table.try_slot(key, terms.shared) {
+        let mut slot = match inner.table.try_slot(key, terms.shared) {
             Ok(slot) => slot,
             Err(stored) if one_try => return Err(LockError::AlreadyHeld { key: stored }),
             Err(stored) => tokio::select! {
@@ -508,12 +508,13 @@ impl LockProvider {
             .with_renewal(terms.renew.unwrap_or(inner.renew))
             .with_shared(terms.shared);
         let backend = &*inner.backend;
+        let stored = Arc::clone(slot.key());
         let attempt = async {
             if one_try {
                 return match backend.try_acquire(request).await? {
                     Some(acquired) => Ok(acquired),
                     None => Err(LockError::AlreadyHeld {
-                        key: Arc::clone(slot.key()),
+                        key: Arc::clone(&stored),
                     }),
                 };
             }
@@ -524,7 +525,7 @@ impl LockProvider {
                 return match backend.acquire_wait(request, remaining).await? {
                     Some(acquired) => Ok(acquired),
                     None => Err(LockError::Timeout {
-                        key: Arc::clone(slot.key()),
+                        key: Arc::clone(&stored),
                         timeout,
                     }),
                 };
@@ -532,7 +533,7 @@ impl LockProvider {
             poll(
                 backend,
                 request,
-                &slot,
+                &mut slot,
                 deadline,
                 timeout,
                 backoff.unwrap_or(&inner.backoff),
@@ -542,7 +543,7 @@ impl LockProvider {
         let acquired = tokio::select! {
             biased;
             () = cancelled(cancel, shutdown) => {
-                return Err(LockError::Canceled { key: Arc::clone(slot.key()) })
+                return Err(LockError::Canceled { key: stored })
             }
             acquired = attempt => acquired?,
         };
@@ -563,10 +564,39 @@ impl LockProvider {
 /// at each wake-up, and otherwise after the backend's `retry_within` (the holder's lease
 /// running out) or the backoff's fallback poll, whichever is shorter; while it is not (or
 /// without one), it polls with the backoff's pauses.
+///
+/// A watch goes on from one local waiter to the next: a wait starts with the watch the previous
+/// local holder left in the slot, if any, and leaves its own there when it ends while another
+/// local waiter is queued (see `table.rs`). Without that, each local waiter in turn dropped the
+/// subscription when it got the lock and asked for it again when its first try met contention:
+/// a release by another process in between went unheard, and on Redis the wait then slept out
+/// its whole fair-waiting hold-off (see `dlock::redis`, Fair waiting).
 async fn poll(
     backend: &dyn LockBackend,
     request: LockRequest<'_>,
+    slot: &mut Slot,
+    deadline: Option<Instant>,
+    timeout: Duration,
+    backoff: &Backoff,
+) -> Result<Acquired, LockError> {
+    let mut watch = slot.take_watch();
+    let outcome = poll_watched(
+        backend, request, slot, &mut watch, deadline, timeout, backoff,
+    )
+    .await;
+    if let Some(watch) = watch {
+        slot.leave_watch(watch);
+    }
+    outcome
+}
+
+/// [`poll`] with the watch it was handed (`None`: ask for one after the first try that meets
+/// contention).
+async fn poll_watched(
+    backend: &dyn LockBackend,
+    request: LockRequest<'_>,
     slot: &Slot,
+    watch: &mut Option<Box<dyn ReleaseWatch>>,
     deadline: Option<Instant>,
     timeout: Duration,
     backoff: &Backoff,
@@ -574,8 +604,7 @@ async fn poll(
     let mut pauses = Pauses::new(*backoff, deadline);
     // The longest pause the backoff takes, jitter included.
     let longest = backoff.max().mul_f64(1.0 + backoff.jitter());
-    let mut watch: Option<Box<dyn ReleaseWatch>> = None;
-    let mut asked_for_watch = false;
+    let mut asked_for_watch = watch.is_some();
     loop {
         let live = watch.as_ref().is_some_and(|watch| watch.is_live());
         let longest = if live {
@@ -587,7 +616,7 @@ async fn poll(
             deadline.saturating_duration_since(Instant::now())
         });
         let request = request.with_poll_pause(Some(longest.min(left)));
-        if let Some(watch) = &mut watch {
+        if let Some(watch) = watch {
             watch.mark_seen();
         }
         let retry_within = match backend.try_acquire_in_wait(request).await {
@@ -601,7 +630,7 @@ async fn poll(
         if !asked_for_watch {
             asked_for_watch = true;
             let watching = backend.watch_releases(request);
-            watch = match deadline {
+            *watch = match deadline {
                 Some(deadline) => tokio::time::timeout_at(deadline.into(), watching)
                     .await
                     .unwrap_or(None),
@@ -628,7 +657,7 @@ async fn poll(
                 timeout,
             });
         };
-        match &mut watch {
+        match watch {
             Some(watch) => tokio::select! {
                 () = tokio::time::sleep(pause) => {}
                 () = watch.woken() => {}
@@ -1181,6 +1210,100 @@ mod tests {
             .unwrap();
         assert_eq!(backend.store().tries, 3);
         drop(guard);
+    }
+
+    /// Lets the tasks spawned on this (current-thread) runtime run until each waits.
+    async fn let_tasks_run() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// A local waiter that got the lock leaves its watch to the local waiter queued behind it:
+    /// the store is asked for one watch, and the next waiter, meeting contention at its first
+    /// try, sleeps on that watch until woken (without it, it asked for a watch of its own and
+    /// tried once more). No watch outlives the waits.
+    #[tokio::test]
+    async fn the_next_local_waiter_takes_over_the_watch() {
+        let backend = watched();
+        let hour = Backoff::default()
+            .with_fallback_poll(Duration::from_secs(3600))
+            .unwrap();
+        let locks = LockProvider::builder(backend.clone()).backoff(hour).build();
+        backend.hold_elsewhere("a");
+        let wait = |locks: &LockProvider| {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        let first = wait(&locks);
+        tries_reach(&backend, 2).await;
+        let second = wait(&locks);
+        let_tasks_run().await;
+        assert_eq!(backend.store().watches, 1);
+
+        backend.free("a");
+        backend.wake();
+        let held = first.await.unwrap().unwrap();
+        assert_eq!(backend.store().tries, 3);
+        // Taken elsewhere again as soon as it is given back, before the next waiter's try
+        // (nothing else runs on this runtime in between).
+        held.release().await.unwrap();
+        backend.hold_elsewhere("a");
+        tries_reach(&backend, 4).await;
+        let_tasks_run().await;
+        assert!(!second.is_finished());
+        assert_eq!(
+            backend.store().tries,
+            4,
+            "tried once, then slept on the watch"
+        );
+        assert_eq!(backend.store().watches, 1, "took the watch over");
+
+        backend.free("a");
+        backend.wake();
+        let held = tokio::time::timeout(Duration::from_secs(20), second)
+            .await
+            .expect("woken")
+            .unwrap()
+            .unwrap();
+        assert_eq!(backend.store().tries, 5);
+        drop(held);
+        let_tasks_run().await;
+        let wakes = backend.wakes.as_ref().unwrap();
+        assert_eq!(wakes.receiver_count(), 0, "a watch outlived the waits");
+        assert_eq!(locks.local_key_count(), 0);
+    }
+
+    /// A watch left for a local waiter that then gave up ends with the last use of the key.
+    #[tokio::test]
+    async fn a_watch_left_for_a_waiter_that_gave_up_ends() {
+        let backend = watched();
+        let locks = provider(&backend);
+        backend.hold_elsewhere("a");
+        let first = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        tries_reach(&backend, 2).await;
+        let second = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(600)).await })
+        };
+        let_tasks_run().await;
+        backend.free("a");
+        backend.wake();
+        let held = first.await.unwrap().unwrap();
+        let wakes = backend.wakes.as_ref().unwrap();
+        assert_eq!(
+            wakes.receiver_count(),
+            1,
+            "the watch was left for the next waiter"
+        );
+        second.abort();
+        assert!(second.await.unwrap_err().is_cancelled());
+        held.release().await.unwrap();
+        assert_eq!(wakes.receiver_count(), 0, "the left watch outlived the key");
+        assert_eq!(locks.local_key_count(), 0);
     }
 
     /// Without a wake-up, a watched wait tries again after the `retry_within` its try

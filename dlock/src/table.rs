@@ -10,7 +10,11 @@
 //! - a backend never sees two acquisitions of one key from one provider at the same time,
 //!   except shared (read) ones, which it must let share;
 //! - a writer waiting here holds back readers that come after it (the queue is fair), so a
-//!   steady stream of local readers cannot starve a local writer.
+//!   steady stream of local readers cannot starve a local writer;
+//! - a waiter that polled the store and got the lock leaves its watch on the key's releases in
+//!   the slot when another local waiter is queued behind it, and that waiter takes it over
+//!   (see `provider::poll`): the backend's subscription stays in place from one local waiter to
+//!   the next, so a release elsewhere while the next one starts waiting is still heard.
 //!
 //! Providers made from clones of one backend have separate tables; backends whose sessions
 //! re-enter their own locks (PostgreSQL, MySQL, SQL Server, Oracle) keep them apart with claims
@@ -21,7 +25,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tokio::sync::{OwnedRwLockReadGuard, OwnedRwLockWriteGuard, RwLock};
 
-type Entry = Arc<RwLock<()>>;
+use crate::backend::ReleaseWatch;
+
+/// A watch on the key's releases that one local holder left for the next (in a `Mutex` only
+/// to be `Sync`: it is reached through the slot's exclusive guard, never locked while shared).
+type Parked = Mutex<Option<Box<dyn ReleaseWatch>>>;
+type Entry = Arc<RwLock<Parked>>;
 
 /// What inspection shows of the locks held through the table is kept with the provider's
 /// metrics, in one record per held lock (see `metrics.rs`).
@@ -63,7 +72,7 @@ impl LocalTable {
             };
         }
         let stored: Arc<str> = Arc::from(key);
-        let entry: Entry = Arc::new(RwLock::new(()));
+        let entry: Entry = Entry::default();
         let Some(guard) = Guard::try_take(&entry, shared) else {
             // A lock nobody else has seen is always free; answer contention rather than panic.
             return Err(stored);
@@ -83,7 +92,7 @@ impl LocalTable {
                 Some((stored, entry)) => (Arc::clone(stored), Arc::clone(entry)),
                 None => {
                     let stored: Arc<str> = Arc::from(key);
-                    let entry: Entry = Arc::new(RwLock::new(()));
+                    let entry: Entry = Entry::default();
                     map.insert(Arc::clone(&stored), Arc::clone(&entry));
                     (stored, entry)
                 }
@@ -113,8 +122,8 @@ impl LocalTable {
 /// A held slot: the whole key, or a share of it.
 #[derive(Debug)]
 enum Guard {
-    Write(#[allow(dead_code)] OwnedRwLockWriteGuard<()>),
-    Read(#[allow(dead_code)] OwnedRwLockReadGuard<()>),
+    Write(OwnedRwLockWriteGuard<Parked>),
+    Read(#[allow(dead_code)] OwnedRwLockReadGuard<Parked>),
 }
 
 impl Guard {
@@ -146,6 +155,31 @@ impl Slot {
     pub(crate) fn is_shared(&self) -> bool {
         matches!(self.guard, Guard::Read(_))
     }
+
+    /// Takes the watch on the key's releases that the previous local holder left (see
+    /// [`Slot::leave_watch`]). Always `None` for a share of the key.
+    pub(crate) fn take_watch(&mut self) -> Option<Box<dyn ReleaseWatch>> {
+        match &mut self.guard {
+            Guard::Write(parked) => parked
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take(),
+            Guard::Read(_) => None,
+        }
+    }
+
+    /// Leaves `watch` in the slot for the next local holder when another local waiter is
+    /// queued for the key (or about to be); drops it otherwise, and for a share of the key. A
+    /// watch nobody takes ends with the entry.
+    pub(crate) fn leave_watch(&mut self, watch: Box<dyn ReleaseWatch>) {
+        if let Guard::Write(parked) = &mut self.guard {
+            // The map's reference and this guard's; each queued waiter (and a contender that
+            // is looking) holds one more, taken under the map lock.
+            if Arc::strong_count(OwnedRwLockWriteGuard::rwlock(parked)) > 2 {
+                *parked.get_mut().unwrap_or_else(PoisonError::into_inner) = Some(watch);
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -159,12 +193,17 @@ impl Drop for EntryRef {
         let mut map = self.table.map();
         // Every clone of an entry is made under the map lock, and the map holds one itself:
         // a count of one means no slot, waiter or contender refers to it any more.
-        if map
+        let gone = if map
             .get(&*self.key)
             .is_some_and(|entry| Arc::strong_count(entry) == 1)
         {
-            map.remove(&*self.key);
-        }
+            map.remove(&*self.key)
+        } else {
+            None
+        };
+        drop(map);
+        // A watch left in it ends here, outside the map's lock.
+        drop(gone);
     }
 }
 

@@ -47,6 +47,8 @@ pub(crate) struct Store {
     pub(crate) lease_deadline: Option<Instant>,
     /// What a try of a wait reports on contention.
     pub(crate) retry_within: Option<Duration>,
+    /// Watches asked for ([`LockBackend::watch_releases`]).
+    pub(crate) watches: usize,
 }
 
 /// The backend: clones share one store.
@@ -179,6 +181,7 @@ impl LockBackend for MemoryBackend {
         _request: LockRequest<'a>,
     ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
         Box::pin(async move {
+            self.store().watches += 1;
             self.wakes
                 .as_ref()
                 .map(|wakes| Box::new(MemoryWatch(wakes.subscribe())) as Box<dyn ReleaseWatch>)
