@@ -204,10 +204,10 @@ fn main() {
          acquisition's of every process (a wait still going at the end counts up to the end). \
          Without queueing across processes, SQLite gave one process every acquisition and \
          Redis one process 2.8× another's.",
-        "8: as 1, on one key each: a semaphore of 5 permits (dlock tries its slots in a random \
+        "8: as 1 (on one CPU), on one key each: a semaphore of 5 permits (dlock tries its slots in a random \
          order; the raw side takes and frees one random slot's lock with the driver's \
-         statements, on Redis with `fencing=false` on both sides); a read lock against \
-         `pg_try_advisory_lock_shared` + `pg_advisory_unlock_shared`, or, where a read lock \
+         statements on a connection of its own, on Redis with `fencing=false` on both sides); \
+         a read lock against `pg_try_advisory_lock_shared` + `pg_advisory_unlock_shared`, or, where a read lock \
          is dlock's own script or statement, beside dlock's exclusive lock. The reader-heavy \
          load: 16 tasks over 2 providers on one key, each holding the lock 0.2 ms, nine reads \
          to one write, against exclusive locks only; medians of 3 runs of 0.7 s each.",

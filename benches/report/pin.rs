@@ -1,4 +1,4 @@
-//! Sections 1 and 7 on one CPU.
+//! Sections 1 and 7, and section 8's single-cycle comparisons, on one CPU.
 //!
 //! An uncontended cycle is two round trips to a server on loopback, about 20 µs. On a virtual
 //! machine a wake-up that crosses to another CPU costs from 20 to over 100 µs, at random from

@@ -1,7 +1,8 @@
 //! Section 8: the primitives beyond the mutex.
 //!
 //! - A semaphore slot (5 permits, uncontended) taken and given back, against the raw driver
-//!   taking and freeing one slot's lock with the same statements;
+//!   taking and freeing one slot's lock with the same statements (on a connection of its own,
+//!   as in section 1);
 //! - a read lock taken and given back: against `pg_try_advisory_lock_shared` +
 //!   `pg_advisory_unlock_shared` on PostgreSQL, and beside dlock's own exclusive lock on the
 //!   lease stores (their read lock is a script or statement of dlock's own, with no raw
@@ -45,8 +46,14 @@ pub fn run(rt: &Runtime, servers: &Servers, report: &mut Report) {
             }
         };
         eprintln!(" {}", b.label);
+        // The single-cycle comparisons on one CPU, as section 1 (see `pin`); the reader-heavy
+        // load is a throughput across tasks and keeps both CPUs.
+        let pinned = (!crate::measure::quick())
+            .then(crate::pin::OneCpu::pin)
+            .flatten();
         semaphore(rt, b, store, report);
         read_lock(rt, b, store, report);
+        drop(pinned);
         reader_heavy(rt, b, report);
     }
 }
@@ -112,30 +119,28 @@ fn semaphore(rt: &Runtime, b: &Backend, store: &Store, report: &mut Report) {
             })
         }
         Store::Postgres(_) => {
-            let pool = match pg_pool(rt, b) {
-                Ok(pool) => pool,
+            let conn = match pg_connection(rt, b) {
+                Ok(conn) => conn,
                 Err(e) => return report.add(b.not_measured(S8, &name, &e, "≤ 1.10×")),
             };
             let ids: Vec<i64> = slots.iter().map(|s| dlock::lock_id(s)).collect();
             Box::new(move |n| {
-                let (pool, ids) = (pool.clone(), ids.clone());
+                let (conn, ids) = (Arc::clone(&conn), ids.clone());
                 on_worker(rt, async move {
+                    let mut conn = conn.lock().await;
                     let t = Instant::now();
                     for _ in 0..n {
-                        raw::postgres(&pool, ids[fastrand::usize(..ids.len())]).await;
+                        raw::postgres_on(&mut conn, ids[fastrand::usize(..ids.len())]).await;
                     }
                     Ok(t.elapsed())
                 })
             })
         }
         Store::My(_) => {
-            let pool = match rt.block_on(
-                sqlx::mysql::MySqlPoolOptions::new()
-                    .max_connections(4)
-                    .test_before_acquire(false)
-                    .connect(&b.driver_url()),
-            ) {
-                Ok(pool) => pool,
+            let conn = match rt.block_on(<sqlx::MySqlConnection as sqlx::Connection>::connect(
+                &b.driver_url(),
+            )) {
+                Ok(conn) => Arc::new(tokio::sync::Mutex::new(conn)),
                 Err(e) => return report.add(b.not_measured(S8, &name, &e.to_string(), "≤ 1.10×")),
             };
             let names: Vec<String> = slots
@@ -143,11 +148,12 @@ fn semaphore(rt: &Runtime, b: &Backend, store: &Store, report: &mut Report) {
                 .map(|s| dlock::mysql::server_lock_name(s))
                 .collect();
             Box::new(move |n| {
-                let (pool, names) = (pool.clone(), names.clone());
+                let (conn, names) = (Arc::clone(&conn), names.clone());
                 on_worker(rt, async move {
+                    let mut conn = conn.lock().await;
                     let t = Instant::now();
                     for _ in 0..n {
-                        raw::mysql(&pool, &names[fastrand::usize(..names.len())]).await;
+                        raw::mysql_on(&mut conn, &names[fastrand::usize(..names.len())]).await;
                     }
                     Ok(t.elapsed())
                 })
@@ -224,17 +230,18 @@ fn read_lock(rt: &Runtime, b: &Backend, store: &Store, report: &mut Report) {
     let mut read = cycle(true);
     if let Store::Postgres(_) = store {
         let name = format!("{}: read lock, dlock / raw", b.label);
-        let pool = match pg_pool(rt, b) {
-            Ok(pool) => pool,
+        let conn = match pg_connection(rt, b) {
+            Ok(conn) => conn,
             Err(e) => return report.add(b.not_measured(S8, &name, &e, "≤ 1.10×")),
         };
         let id = dlock::lock_id("bench:raw-read");
         let mut raw_side: Box<Batch<'_>> = Box::new(move |n| {
-            let pool = pool.clone();
+            let conn = Arc::clone(&conn);
             on_worker(rt, async move {
+                let mut conn = conn.lock().await;
                 let t = Instant::now();
                 for _ in 0..n {
-                    raw_postgres_shared(&pool, id).await?;
+                    raw_postgres_shared(&mut conn, id).await?;
                 }
                 Ok(t.elapsed())
             })
@@ -265,22 +272,21 @@ fn read_lock(rt: &Runtime, b: &Backend, store: &Store, report: &mut Report) {
     }
 }
 
-/// A pool for the raw PostgreSQL side: the statements and nothing else (no health check when
-/// a connection leaves the pool), as in section 1.
-fn pg_pool(rt: &Runtime, b: &Backend) -> Result<sqlx::PgPool, String> {
-    rt.block_on(
-        sqlx::postgres::PgPoolOptions::new()
-            .max_connections(4)
-            .test_before_acquire(false)
-            .connect(&b.driver_url()),
-    )
+/// A connection of its own for the raw PostgreSQL side: the statements and nothing else, as
+/// dlock runs them on its lock connections and as in section 1.
+fn pg_connection(
+    rt: &Runtime,
+    b: &Backend,
+) -> Result<Arc<tokio::sync::Mutex<sqlx::PgConnection>>, String> {
+    rt.block_on(<sqlx::PgConnection as sqlx::Connection>::connect(
+        &b.driver_url(),
+    ))
+    .map(|conn| Arc::new(tokio::sync::Mutex::new(conn)))
     .map_err(|e| e.to_string())
 }
 
-/// `pg_try_advisory_lock_shared($1)` + `pg_advisory_unlock_shared($1)` on one pooled
-/// connection.
-async fn raw_postgres_shared(pool: &sqlx::PgPool, id: i64) -> Result<(), String> {
-    let mut conn = pool.acquire().await.map_err(|e| e.to_string())?;
+/// `pg_try_advisory_lock_shared($1)` + `pg_advisory_unlock_shared($1)` on `conn`.
+async fn raw_postgres_shared(conn: &mut sqlx::PgConnection, id: i64) -> Result<(), String> {
     let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock_shared($1)")
         .bind(id)
         .fetch_one(&mut *conn)
