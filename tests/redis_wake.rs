@@ -337,6 +337,65 @@ async fn waiter_elsewhere_goes_first(server: &RedisServer) {
     assert_eq!(*order.lock().unwrap(), ["away", "home"]);
 }
 
+/// How often `command` ran on the server.
+fn calls(server: &RedisServer, command: &str) -> u64 {
+    server.command_calls().get(command).copied().unwrap_or(0)
+}
+
+/// Waits (up to 20 s) until `command` has run `n` times on the server.
+async fn await_calls(server: &RedisServer, command: &str, n: u64) {
+    for _ in 0..2000 {
+        if tokio::task::block_in_place(|| calls(server, command)) >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{command} never ran {n} times");
+}
+
+/// A waiter that gets the key hands its subscription on to the next waiter of its provider:
+/// the channel stays subscribed while that one queues (a release elsewhere in between would
+/// be heard), and it is subscribed again (`UNSUBSCRIBE` + `SUBSCRIBE`), which puts the backend
+/// behind the other backends' subscribers for the next release. Once nobody waits, nothing
+/// stays subscribed.
+async fn subscription_handed_on(server: &RedisServer) {
+    let home = provider(server, LEASE).await;
+    let away = provider(server, LEASE).await;
+    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+    let key = unique_key("handed-on");
+    let channel = backend.storage_key(&key);
+    let held = away.try_acquire(&key).await.unwrap();
+    let first = spawn_waiter(&home, &key);
+    await_subscribers(server, &channel, 1).await;
+    let second = spawn_waiter(&home, &key);
+    // The second queues in its provider behind the first (a setup step: were it late, the
+    // first would drop the subscription and the assertions below fail, not pass).
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let (subscribes, unsubscribes) = (calls(server, "subscribe"), calls(server, "unsubscribe"));
+    held.release().await.unwrap();
+    let first = tokio::time::timeout(LIMIT, first)
+        .await
+        .expect("the release woke the first waiter")
+        .unwrap()
+        .unwrap();
+    await_calls(server, "subscribe", subscribes + 1).await;
+    assert_eq!(calls(server, "unsubscribe"), unsubscribes + 1);
+    assert_eq!(
+        subscribers(server, &channel).await,
+        1,
+        "the subscription was not kept for the queued waiter"
+    );
+    first.release().await.unwrap();
+    let second = tokio::time::timeout(LIMIT, second)
+        .await
+        .expect("the second waiter got the key")
+        .unwrap()
+        .unwrap();
+    second.release().await.unwrap();
+    await_subscribers(server, &channel, 0).await;
+    drop(backend);
+}
+
 macro_rules! flavor_tests {
     ($module:ident, $flavor:expr) => {
         mod $module {
@@ -356,6 +415,12 @@ macro_rules! flavor_tests {
             async fn a_waiter_elsewhere_goes_before_the_holders_own() {
                 let Some(server) = start() else { return };
                 waiter_elsewhere_goes_first(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_waiter_that_gets_the_key_hands_its_subscription_on() {
+                let Some(server) = start() else { return };
+                subscription_handed_on(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

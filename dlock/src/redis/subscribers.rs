@@ -64,6 +64,17 @@ impl Subscribers {
         }
     }
 
+    /// A waiter of this backend took the key of `channel`: its subscriber moves to the back of
+    /// the channel's delivery order (see [`Wakes::to_back`]).
+    pub(crate) fn to_back(&self, channel: &[u8]) {
+        match self {
+            Subscribers::One(wakes) => wakes.to_back(channel),
+            Subscribers::PerMaster(masters) => {
+                masters.all().iter().for_each(|w| w.to_back(channel));
+            }
+        }
+    }
+
     /// Ends every subscriber's driver (the backend is gone).
     pub(crate) fn shut_down(&self) {
         match self {
