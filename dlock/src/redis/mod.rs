@@ -204,9 +204,10 @@
 //! arrives first. A backend whose waiter got the key therefore subscribes the channel again
 //! (`UNSUBSCRIBE` and `SUBSCRIBE` on its subscriber connection), which puts it last for the
 //! next release. With four processes taking one key in turn, the largest distance from an
-//! equal share was 17-23 % while the subscriptions stayed in place, and 3-6 % with them
-//! moving to the back. A release during the two round trips this takes is not heard; the
-//! subscription wakes the key's waiters when it is back, as after a reconnection.
+//! equal share was 17-23 % while the subscriptions stayed in place, and 2-9 % with them
+//! moving to the back. The two commands are sent together, so the server runs them back to
+//! back and no release falls between them; the subscription then wakes the key's waiters
+//! once, as after a reconnection.
 //!
 //! # URL
 //!

@@ -231,8 +231,8 @@ impl Wakes {
     /// connection at the back of the server's list of the channel's subscribers. The server
     /// delivers a message to subscribers in that order, so without this the backend that
     /// subscribed first heard every release first and won most races for the key (with four
-    /// processes, one took 23 % more than an equal share). A message missed while the
-    /// channel is subscribed again wakes the watchers, as after a reconnection.
+    /// processes, one took 23 % more than an equal share). The watchers are woken once the
+    /// channel is subscribed again, as after a reconnection.
     pub(crate) fn to_back(self: &Arc<Self>, channel: &[u8]) {
         let mut registry = self.registry();
         let Some((channel, _)) = registry.channels.get_key_value(channel) else {
@@ -400,9 +400,15 @@ async fn reconcile(
     let wanted = wakes.wanted(&channel);
     let have = subscribed.contains(&channel);
     if wakes.take_to_back(&channel) && wanted && have {
+        // Both commands go out together (the second queued before the first is answered), so
+        // the server runs them back to back: no release falls between them.
+        let mut again_sink = sink.clone();
         let again = tokio::time::timeout(wakes.timeout, async {
-            sink.unsubscribe(&channel[..]).await?;
-            sink.subscribe(&channel[..]).await
+            let (out, again) = tokio::join!(
+                sink.unsubscribe(&channel[..]),
+                again_sink.subscribe(&channel[..])
+            );
+            out.and(again)
         })
         .await;
         return match again {
