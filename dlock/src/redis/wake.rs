@@ -399,31 +399,9 @@ async fn reconcile(
 ) -> Option<Ended> {
     let wanted = wakes.wanted(&channel);
     let have = subscribed.contains(&channel);
-    if wakes.take_to_back(&channel) && wanted && have {
-        // Both commands go out together (the second queued before the first is answered), so
-        // the server runs them back to back: no release falls between them.
-        let mut again_sink = sink.clone();
-        let again = tokio::time::timeout(wakes.timeout, async {
-            let (out, again) = tokio::join!(
-                sink.unsubscribe(&channel[..]),
-                again_sink.subscribe(&channel[..])
-            );
-            out.and(again)
-        })
-        .await;
-        return match again {
-            Ok(Ok(())) => {
-                wakes.up(&channel);
-                None
-            }
-            Ok(Err(err)) => {
-                tracing::debug!(error = %err, "the redis subscriber failed; reconnecting");
-                Some(Ended::Dropped)
-            }
-            Err(_) => Some(Ended::Dropped),
-        };
-    }
-    if wanted == have {
+    // Subscribed again to go to the back of the delivery order (see [`Wakes::to_back`]).
+    let to_back = wakes.take_to_back(&channel) && wanted && have;
+    if wanted == have && !to_back {
         if wanted {
             // Asked again for a channel that is up (a watcher that saw it down, racing the
             // resubscription): mark it live again.
@@ -431,7 +409,19 @@ async fn reconcile(
         }
         return None;
     }
-    let outcome = if wanted {
+    let outcome = if to_back {
+        // Both commands go out together (the second queued before the first is answered), so
+        // the server runs them back to back: no release falls between them.
+        let mut again_sink = sink.clone();
+        tokio::time::timeout(wakes.timeout, async {
+            let (out, again) = tokio::join!(
+                sink.unsubscribe(&channel[..]),
+                again_sink.subscribe(&channel[..])
+            );
+            out.and(again)
+        })
+        .await
+    } else if wanted {
         let first = subscribed.is_empty();
         tokio::time::timeout(wakes.timeout, async {
             sink.subscribe(&channel[..]).await?;
