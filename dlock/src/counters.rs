@@ -123,6 +123,7 @@ pub(crate) fn switched_away(backend: &str, ours: u32, epoch: u64, store: &str) -
 }
 
 /// The error of a backend with per-key counters on a store switched to `fencing_counters`.
+#[cfg(any(feature = "postgres", feature = "sqlite"))]
 pub(crate) fn per_key_refused(backend: &str, store: &str) -> LockError {
     LockError::config(format!(
         "{backend}: this backend keeps one fencing counter per key, but the store was switched \

@@ -161,6 +161,7 @@ impl Term {
     }
 
     /// Whether a renewal should start at `now`.
+    #[cfg(any(feature = "sqlite", feature = "etcd", test))]
     pub(crate) fn is_due(&self, now: Instant) -> bool {
         !self.in_flight && !self.stopped && self.next <= Mark::of(now)
     }
