@@ -314,6 +314,16 @@ impl RedisServer {
         panic!("the server did not come back on port {}", self.port);
     }
 
+    /// The server process's id, while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// The server's data directory (its log is `server.log` there).
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// Whether the server's process runs (it was not [`stop`](RedisServer::stop)ped).
     pub fn is_running(&self) -> bool {
         self.child.is_some()

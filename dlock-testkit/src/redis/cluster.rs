@@ -2,7 +2,8 @@
 //! `redis-server --cluster-enabled yes`, joined by `redis-cli --cluster create`.
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use super::{Flavor, RedisServer, free_port, on_path, sync_command};
@@ -82,6 +83,50 @@ impl RedisCluster {
         let cluster = RedisCluster { nodes };
         cluster.wait_settled(&[]);
         Some(cluster)
+    }
+
+    /// Three masters without replicas, started once and shared by the tests of this binary
+    /// that call it (each on keys of its own, for cases that neither stop nor reconfigure a
+    /// node): a cluster takes two seconds or more to settle, a case of the conformance suite
+    /// less. `None` as [`start`](RedisCluster::start) says. A static is never dropped, so a
+    /// reaper process kills the nodes and removes their directories when the test binary
+    /// exits. Call it off the runtime's worker threads (`block_in_place`): it blocks.
+    pub fn shared() -> Option<&'static RedisCluster> {
+        static SHARED: OnceLock<Option<(RedisCluster, ChildStdin)>> = OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                let cluster = RedisCluster::start_with(3, 0, Duration::from_secs(1))?;
+                let reaper = cluster.reaper();
+                Some((cluster, reaper))
+            })
+            .as_ref()
+            .map(|(cluster, _)| cluster)
+    }
+
+    /// A process that waits for its standard input to close (when this process exits), then
+    /// kills every node and removes its directory. Holding the returned end keeps it waiting.
+    fn reaper(&self) -> ChildStdin {
+        let mut script = String::from("cat >/dev/null;");
+        for node in &self.nodes {
+            if let Some(pid) = node.pid() {
+                script.push_str(&format!(" kill -KILL {pid} 2>/dev/null;"));
+            }
+        }
+        script.push_str(" sleep 0.2;");
+        for node in &self.nodes {
+            script.push_str(&format!(" rm -rf '{}';", node.dir().display()));
+        }
+        let mut reaper = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn the cluster's reaper");
+        let stdin = reaper.stdin.take().expect("the reaper's stdin");
+        // Not waited for: it outlives this process on purpose.
+        std::mem::forget(reaper);
+        stdin
     }
 
     /// `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...` (every node), with `options`.

@@ -131,6 +131,20 @@ async fn take_over_on(server: &RedisServer, storage_key: Vec<u8>) {
     take_over(&mut conn, storage_key, "someone-else").await;
 }
 
+/// A deployment shared by the harnesses of several tests (a static started once, such as
+/// [`RedisCluster::shared`]).
+impl<D: Deployment> Deployment for &'static D {
+    type Backend = D::Backend;
+
+    fn url_with(&self, options: &str) -> String {
+        (**self).url_with(options)
+    }
+
+    fn take_over(&self, backend: &D::Backend, key: &str) -> impl Future<Output = ()> + Send {
+        (**self).take_over(backend, key)
+    }
+}
+
 /// One server (`redis://`).
 impl Deployment for RedisServer {
     type Backend = RedisBackend;
