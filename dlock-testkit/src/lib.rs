@@ -104,6 +104,23 @@ impl std::io::Write for Captured {
     }
 }
 
+/// Spawns `sh -c script`, whose script starts with `cat >/dev/null`: it waits until the
+/// returned end of its standard input closes (when it is dropped, or when this process exits,
+/// even without dropping it), then stops what a fixture started and removes its files. Nobody
+/// waits for the process: it is tiny and ends by itself.
+pub(crate) fn reaper(script: &str) -> std::process::ChildStdin {
+    let mut reaper = std::process::Command::new("sh")
+        .args(["-c", script])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("spawn reaper");
+    let stdin = reaper.stdin.take().expect("reaper stdin");
+    std::mem::forget(reaper);
+    stdin
+}
+
 /// A key no other test (or earlier run against the same server) uses: `name`, this process's
 /// id, a counter and a random number.
 pub fn unique_key(name: &str) -> String {

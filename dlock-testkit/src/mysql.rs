@@ -165,15 +165,7 @@ impl DbServer {
              fi; rm -rf '{dir}'",
             dir = dir.display()
         );
-        let mut reaper = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn reaper");
-        let reaper_stdin = reaper.stdin.take().expect("reaper stdin");
-        std::mem::forget(reaper);
+        let reaper_stdin = crate::reaper(&script);
 
         let out = match flavor {
             Flavor::MariaDb => Command::new(find_on_path("mariadb-install-db").expect("installer"))

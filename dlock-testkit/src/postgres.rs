@@ -143,16 +143,7 @@ impl PgServer {
             data = data.display(),
             dir = dir.display()
         );
-        let mut reaper = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn reaper");
-        let reaper_stdin = reaper.stdin.take().expect("reaper stdin");
-        // The reaper is reaped by nobody; it is tiny and exits with this process.
-        std::mem::forget(reaper);
+        let reaper_stdin = crate::reaper(&script);
 
         let mut server = PgServer {
             dir,

@@ -103,8 +103,7 @@ impl RedisCluster {
             .map(|(cluster, _)| cluster)
     }
 
-    /// A process that waits for its standard input to close (when this process exits), then
-    /// kills every node and removes its directory. Holding the returned end keeps it waiting.
+    /// A [reaper](crate::reaper) that kills every node and removes its directory.
     fn reaper(&self) -> ChildStdin {
         let mut script = String::from("cat >/dev/null;");
         for node in &self.nodes {
@@ -116,17 +115,7 @@ impl RedisCluster {
         for node in &self.nodes {
             script.push_str(&format!(" rm -rf '{}';", node.dir().display()));
         }
-        let mut reaper = Command::new("sh")
-            .args(["-c", &script])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn the cluster's reaper");
-        let stdin = reaper.stdin.take().expect("the reaper's stdin");
-        // Not waited for: it outlives this process on purpose.
-        std::mem::forget(reaper);
-        stdin
+        crate::reaper(&script)
     }
 
     /// `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...` (every node), with `options`.
