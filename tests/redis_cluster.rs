@@ -17,11 +17,15 @@ use dlock::{Backoff, LockError, LockProvider};
 use dlock_testkit::redis::{LeaseHarness, RedisCluster};
 use dlock_testkit::{unique_key, wait_until};
 
-/// A cluster of `masters` masters with `replicas` replicas each, started off the runtime.
+/// A cluster of three masters with `replicas` replicas each, of the caller's own.
 fn cluster(replicas: usize) -> Option<RedisCluster> {
-    let cluster = tokio::task::block_in_place(|| {
-        RedisCluster::start_with(3, replicas, Duration::from_secs(1))
-    });
+    started(|| RedisCluster::start_with(3, replicas, Duration::from_secs(1)))
+}
+
+/// Runs `start` off the runtime's worker threads (it blocks), saying so when the binaries are
+/// missing.
+fn started<T>(start: impl FnOnce() -> Option<T>) -> Option<T> {
+    let cluster = tokio::task::block_in_place(start);
     if cluster.is_none() {
         eprintln!("skipped: redis-server or redis-cli is not installed");
     }
@@ -32,11 +36,7 @@ dlock_testkit::conformance_suite!(optional async {
     // One cluster of three masters for every case (no replicas: the suite is about the
     // protocol), each case on keys of its own: a cluster takes two seconds to settle, most
     // cases less.
-    let shared = tokio::task::block_in_place(RedisCluster::shared);
-    if shared.is_none() {
-        eprintln!("skipped: redis-server or redis-cli is not installed");
-    }
-    let harness = LeaseHarness::start(shared?).await;
+    let harness = LeaseHarness::start(started(RedisCluster::shared)?).await;
     assert!(harness.backend().is_cluster());
     Some(harness)
 });
