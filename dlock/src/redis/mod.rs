@@ -617,6 +617,7 @@ mod fair;
 mod fence;
 mod hosts;
 mod inspect;
+mod quorums;
 mod read;
 mod redlock;
 mod renewals;

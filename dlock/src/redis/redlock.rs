@@ -10,6 +10,7 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use super::commands::Script;
+use super::quorums::{Followed, Quorums};
 use super::{RedisBackend, check_lease};
 use crate::LockError;
 use crate::backend::{
@@ -18,7 +19,7 @@ use crate::backend::{
 };
 use crate::settling::{SETTLE_LIMIT, Settling};
 
-const NAME: &str = "redlock";
+pub(super) const NAME: &str = "redlock";
 
 /// Raises a fencing counter to at least `ARGV[1]`: `KEYS[1]` the counter.
 const RAISE_LUA: &str = "\
@@ -107,6 +108,8 @@ struct Shared {
     /// Node locks of abandoned acquisitions being given back, per lock name: the name's next
     /// acquisition waits for them.
     settling: Arc<Settling<Arc<str>>>,
+    /// The held locks, followed by one task.
+    quorums: Arc<Quorums>,
 }
 
 /// One node: connected, or to be connected at first use.
@@ -245,6 +248,7 @@ impl RedlockBackend {
                 fencing,
                 raise: Script::new(RAISE_LUA, &["get", "set"]),
                 settling: Arc::default(),
+                quorums: Arc::default(),
             }),
         }
     }
@@ -261,7 +265,7 @@ impl RedlockBackend {
 }
 
 /// The allowance for clocks that run at different rates: 1 % of the lease, plus 2 ms.
-fn drift(lease: Duration) -> Duration {
+pub(super) fn drift(lease: Duration) -> Duration {
     lease / 100 + Duration::from_millis(2)
 }
 
@@ -532,7 +536,7 @@ impl RedlockBackend {
             let shared = &*self.shared;
             let lease = request.lease.unwrap_or(shared.lease);
             check_lease(lease)?;
-            let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            tokio::runtime::Handle::try_current().map_err(|_| {
                 LockError::config("dlock runs on Tokio: acquire locks from within a Tokio runtime")
             })?;
             // Node locks of an abandoned acquisition of this name may still be being given
@@ -671,19 +675,17 @@ impl RedlockBackend {
                 .collect();
             let lost = CancellationToken::new();
             let deadline = LeaseDeadline::new(quorum_deadline(&nodes, shared.quorum, lease));
-            let done = CancellationToken::new();
-            runtime.spawn(watch(
-                nodes
+            let followed = Followed {
+                nodes: nodes
                     .iter()
                     .map(|n| (n.acquired.lost.clone(), n.acquired.lease_deadline.clone()))
                     .collect(),
-                shared.quorum,
+                quorum: shared.quorum,
                 lease,
-                lost.clone(),
-                deadline.clone(),
-                done.clone(),
-            ));
-            let held = RedlockHeld {
+                lost: lost.clone(),
+                deadline: deadline.clone(),
+            };
+            let mut held = RedlockHeld {
                 key: Arc::from(request.key),
                 nodes: nodes
                     .into_iter()
@@ -693,8 +695,12 @@ impl RedlockBackend {
                 lease,
                 lost: lost.clone(),
                 deadline: deadline.clone(),
-                done,
+                quorums: Arc::clone(&shared.quorums),
+                followed: None,
             };
+            // An error means the runtime is shutting down, and nothing could give the node
+            // locks back now: they stop being renewed as `held` drops, and their leases end them.
+            held.followed = Some(shared.quorums.follow(followed)?);
             Ok(WaitTry::Acquired(
                 Acquired::new(fencing_token, lost, Box::new(held)).with_lease_deadline(deadline),
             ))
@@ -756,43 +762,9 @@ fn quorum_deadline(nodes: &[NodeLock], quorum: usize, lease: Duration) -> Instan
 }
 
 /// The `n`-th latest of `times` (1 is the latest), if there are that many.
-fn nth_latest(mut times: Vec<Instant>, n: usize) -> Option<Instant> {
+pub(super) fn nth_latest(mut times: Vec<Instant>, n: usize) -> Option<Instant> {
     times.sort_unstable_by(|a, b| b.cmp(a));
     n.checked_sub(1).and_then(|i| times.get(i).copied())
-}
-
-/// Follows the node locks of one Redlock lock until it is released: moves its deadline with
-/// their renewals, and cancels `lost` once fewer than `quorum` of them are held.
-async fn watch(
-    nodes: Vec<(CancellationToken, Option<LeaseDeadline>)>,
-    quorum: usize,
-    lease: Duration,
-    lost: CancellationToken,
-    deadline: LeaseDeadline,
-    done: CancellationToken,
-) {
-    let tick = (lease / 20).clamp(Duration::from_millis(10), Duration::from_secs(1));
-    loop {
-        let now = Instant::now();
-        let alive: Vec<Instant> = nodes
-            .iter()
-            .filter(|(lost, _)| !lost.is_cancelled())
-            .map(|(_, d)| d.as_ref().map_or(now + lease, LeaseDeadline::at))
-            .filter(|at| *at > now)
-            .collect();
-        match nth_latest(alive, quorum) {
-            Some(at) => deadline.set(at.checked_sub(drift(lease)).unwrap_or(now)),
-            None => {
-                lost.cancel();
-                return;
-            }
-        }
-        tokio::select! {
-            () = done.cancelled() => return,
-            () = lost.cancelled() => return,
-            () = tokio::time::sleep(tick) => {}
-        }
-    }
 }
 
 /// A Redlock lock: its node locks.
@@ -803,8 +775,9 @@ struct RedlockHeld {
     lease: Duration,
     lost: CancellationToken,
     deadline: LeaseDeadline,
-    /// Ends the watcher.
-    done: CancellationToken,
+    /// What follows the node locks, and this lock's id there (`None` until it is followed).
+    quorums: Arc<Quorums>,
+    followed: Option<u64>,
 }
 
 impl fmt::Debug for RedlockHeld {
@@ -822,11 +795,18 @@ impl fmt::Debug for RedlockHeld {
 
 impl Drop for RedlockHeld {
     fn drop(&mut self) {
-        self.done.cancel();
+        self.forget();
     }
 }
 
 impl RedlockHeld {
+    /// Ends the following of the node locks (released, or the guard dropped).
+    fn forget(&mut self) {
+        if let Some(id) = self.followed.take() {
+            self.quorums.forget(id);
+        }
+    }
+
     /// Counts the node operations that answered `Ok(true)`; the lock counts as lost when fewer
     /// than a quorum did.
     async fn quorum_of<'a>(
@@ -911,7 +891,7 @@ impl HeldLock for RedlockHeld {
     fn release_outcome(
         mut self: Box<Self>,
     ) -> BoxFuture<'static, Result<ReleaseOutcome, LockError>> {
-        self.done.cancel();
+        self.forget();
         let nodes = std::mem::take(&mut self.nodes);
         let (quorum, lost) = (self.quorum, self.lost.clone());
         Box::pin(async move {
