@@ -1129,19 +1129,8 @@ impl Shared {
                         Ok(counted::CountedTake::Refused) => {
                             return Err(Busy::Failed(counted.refusal(&conn)));
                         }
-                        Err(err) if is_busy(&err) => {
-                            if held(&conn)? {
-                                Some(Take::Held)
-                            } else {
-                                None
-                            }
-                        }
                         Err(err) => {
-                            return Err(Busy::Failed(sqlite_error(
-                                &self.path,
-                                "acquiring a lock",
-                                err,
-                            )));
+                            self.after_failed_try(err, "acquiring a lock", || held(&conn))?
                         }
                     }
                 } else {
@@ -1171,34 +1160,15 @@ impl Shared {
                             fenced,
                         }),
                         Ok(None) => Some(Take::Held),
-                        Err(err) if is_busy(&err) => {
-                            if held(&conn)? {
-                                Some(Take::Held)
-                            } else {
-                                None
-                            }
-                        }
                         Err(err) => {
-                            return Err(Busy::Failed(sqlite_error(
-                                &self.path,
-                                "acquiring a lock",
-                                err,
-                            )));
+                            self.after_failed_try(err, "acquiring a lock", || held(&conn))?
                         }
                     }
                 }
             };
             drop(pass);
-            match attempt {
-                Some(Take::Held) => {
-                    self.note_held(name);
-                    return Ok(Take::Held);
-                }
-                Some(taken) => {
-                    self.forget_held(name);
-                    return Ok(taken);
-                }
-                None => {}
+            if let Some(take) = attempt {
+                return Ok(self.noted(name, take));
             }
             if waiting_since.elapsed() >= self.busy_timeout {
                 return Err(Busy::Timeout);
@@ -1207,6 +1177,33 @@ impl Shared {
             tokio::time::sleep(jitter).await;
             pause = (pause * 2).min(longest);
         }
+    }
+
+    /// A try's statement failed with `err`: a busy file makes the try end as held when
+    /// `held` reads the key held, or be tried again (`None`); any other error ends the
+    /// acquisition, as the error of `what`.
+    fn after_failed_try(
+        &self,
+        err: rusqlite::Error,
+        what: &str,
+        held: impl FnOnce() -> Result<bool, Busy>,
+    ) -> Result<Option<Take>, Busy> {
+        if is_busy(&err) {
+            Ok(held()?.then_some(Take::Held))
+        } else {
+            Err(Busy::Failed(sqlite_error(&self.path, what, err)))
+        }
+    }
+
+    /// The end of a try for `name`: a key found held is remembered for a while (the next
+    /// try reads before it writes), any other end forgets it.
+    fn noted(&self, name: &[u8], take: Take) -> Take {
+        if matches!(take, Take::Held) {
+            self.note_held(name);
+        } else {
+            self.forget_held(name);
+        }
+        take
     }
 
     fn held_recently(&self) -> MutexGuard<'_, HashMap<Box<[u8]>, Instant>> {

@@ -65,32 +65,14 @@ impl Shared {
                         again_now = true;
                         None
                     }
-                    Err(err) if is_busy(&err) => {
-                        if self.read_blocked(&conn, name)? {
-                            Some(Take::Held)
-                        } else {
-                            None
-                        }
-                    }
-                    Err(err) => {
-                        return Err(Busy::Failed(sqlite_error(
-                            &self.path,
-                            "acquiring a read lock",
-                            err,
-                        )));
-                    }
+                    Err(err) => self.after_failed_try(err, "acquiring a read lock", || {
+                        self.read_blocked(&conn, name)
+                    })?,
                 }
             };
             drop(pass);
             match attempt {
-                Some(Take::Held) => {
-                    self.note_held(name);
-                    return Ok(Take::Held);
-                }
-                Some(taken) => {
-                    self.forget_held(name);
-                    return Ok(taken);
-                }
+                Some(take) => return Ok(self.noted(name, take)),
                 None if again_now => continue,
                 None => {}
             }
