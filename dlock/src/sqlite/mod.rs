@@ -1170,13 +1170,27 @@ impl Shared {
             if let Some(take) = attempt {
                 return Ok(self.noted(name, take));
             }
-            if waiting_since.elapsed() >= self.busy_timeout {
-                return Err(Busy::Timeout);
-            }
-            let jitter = Backoff::new(pause, pause, 0.5).map_or(pause, |b| b.delay(0));
-            tokio::time::sleep(jitter).await;
-            pause = (pause * 2).min(longest);
+            self.pause_between_tries(waiting_since, &mut pause, longest)
+                .await?;
         }
+    }
+
+    /// Between two tries of one acquisition: [`Busy::Timeout`] once the busy timeout has
+    /// passed since `since`; otherwise a jittered `pause`, doubled for the next time up to
+    /// `longest`.
+    async fn pause_between_tries(
+        &self,
+        since: Instant,
+        pause: &mut Duration,
+        longest: Duration,
+    ) -> Result<(), Busy> {
+        if since.elapsed() >= self.busy_timeout {
+            return Err(Busy::Timeout);
+        }
+        let jitter = Backoff::new(*pause, *pause, 0.5).map_or(*pause, |b| b.delay(0));
+        tokio::time::sleep(jitter).await;
+        *pause = (*pause * 2).min(longest);
+        Ok(())
     }
 
     /// A try's statement failed with `err`: a busy file makes the try end as held when

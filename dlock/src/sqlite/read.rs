@@ -76,12 +76,8 @@ impl Shared {
                 None if again_now => continue,
                 None => {}
             }
-            if waiting_since.elapsed() >= self.busy_timeout {
-                return Err(Busy::Timeout);
-            }
-            let jitter = Backoff::new(pause, pause, 0.5).map_or(pause, |b| b.delay(0));
-            tokio::time::sleep(jitter).await;
-            pause = (pause * 2).min(longest);
+            self.pause_between_tries(waiting_since, &mut pause, longest)
+                .await?;
         }
     }
 
