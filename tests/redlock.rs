@@ -143,6 +143,63 @@ async fn one_node_down_still_locks_two_down_do_not() {
     again.release().await.expect("release");
 }
 
+/// Pauses (`STOP`) or resumes (`CONT`) node `i`'s process: its connections stay open, and it
+/// answers nothing meanwhile.
+fn signal(nodes: &Nodes, i: usize, signal: &str) {
+    let pid = nodes.servers[i].pid().expect("a running node");
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill -{signal} {pid}");
+}
+
+/// A node that stops answering, with its connection open, costs an acquisition at most the
+/// node wait (a fifth of the lease), not the node's command timeout: with one node paused the
+/// other two grant the lock; with two paused a try gives up within the wait, and the key comes
+/// free once they answer again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_nodes_cost_an_acquisition_at_most_the_node_wait() {
+    let Some(nodes) = nodes() else { return };
+    // Lease 1 s: the node wait is 200 ms, the command timeout 5 s.
+    let locks = LockProvider::connect(&nodes.url()).await.expect("connect");
+    let key = unique_key("paused");
+    // Every node connected before any is paused.
+    let warm = locks.try_acquire(&key).await.expect("free");
+    warm.release().await.expect("release");
+    signal(&nodes, 0, "STOP");
+    let started = std::time::Instant::now();
+    let guard = locks.try_acquire(&key).await.expect("two nodes answer");
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "one paused node cost {took:?}"
+    );
+    // Released on the two that answer; the paused one's release runs out its timeout.
+    let _ = guard.release().await;
+    signal(&nodes, 1, "STOP");
+    let started = std::time::Instant::now();
+    match locks.try_acquire(&key).await {
+        Err(LockError::Lost { reason, .. }) => {
+            assert!(reason.contains("did not answer"), "{reason}");
+        }
+        other => panic!("one node of three answering cannot lock: {other:?}"),
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "two paused nodes cost {took:?}"
+    );
+    signal(&nodes, 0, "CONT");
+    signal(&nodes, 1, "CONT");
+    let again = locks
+        .acquire(&key, Duration::from_secs(10))
+        .await
+        .expect("the key comes free once the nodes answer");
+    again.release().await.expect("release");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_holder_loses_its_lock_when_a_quorum_of_nodes_goes_down() {
     let Some(mut nodes) = nodes() else { return };

@@ -328,8 +328,23 @@ fn node_urls(url: &str) -> Result<Vec<String>, LockError> {
 
 /// Runs `futures` at once and gives their outputs in order.
 async fn join<'a, T>(futures: impl IntoIterator<Item = BoxFuture<'a, T>>) -> Vec<T> {
+    join_within(None, futures)
+        .await
+        .into_iter()
+        .flatten()
+        .collect()
+}
+
+/// Runs `futures` at once, for at most `limit` when given, and gives their outputs in order:
+/// `None` for those still running at the limit, which are dropped. One timer for all of
+/// them: they start together, so it is the timer each would have had.
+async fn join_within<'a, T>(
+    limit: Option<Duration>,
+    futures: impl IntoIterator<Item = BoxFuture<'a, T>>,
+) -> Vec<Option<T>> {
     let mut pending: Vec<Option<BoxFuture<'a, T>>> = futures.into_iter().map(Some).collect();
     let mut done: Vec<Option<T>> = pending.iter().map(|_| None).collect();
+    let mut timer = std::pin::pin!(limit.map(tokio::time::sleep));
     poll_fn(|cx| {
         let mut waiting = false;
         for (slot, out) in pending.iter_mut().zip(done.iter_mut()) {
@@ -343,14 +358,21 @@ async fn join<'a, T>(futures: impl IntoIterator<Item = BoxFuture<'a, T>>) -> Vec
                 }
             }
         }
-        if waiting {
+        // Polled only while some future still runs: its waker then wakes this join.
+        let out_of_time = waiting
+            && timer
+                .as_mut()
+                .as_pin_mut()
+                .is_some_and(|timer| timer.poll(cx).is_ready());
+        if waiting && !out_of_time {
             Poll::Pending
         } else {
             Poll::Ready(())
         }
     })
     .await;
-    done.into_iter().flatten().collect()
+    drop(pending);
+    done
 }
 
 /// Why a node gave no answer to an acquisition.
@@ -544,49 +566,49 @@ impl RedlockBackend {
             shared.settling.wait(request.key, SETTLE_LIMIT).await;
             let started = Instant::now();
             let wait = node_wait(lease);
-            let answers = join(shared.nodes.iter().enumerate().map(|(i, node)| {
-                Box::pin(async move {
-                    let attempt = async {
-                        let backend = node.get().await?;
-                        let once = || async {
-                            if in_wait {
-                                backend.try_acquire_in_wait(request).await
-                            } else {
-                                Ok(match backend.try_acquire(request).await? {
-                                    Some(acquired) => WaitTry::Acquired(acquired),
-                                    None => WaitTry::Held { retry_within: None },
-                                })
-                            }
+            let answers = join_within(
+                Some(wait),
+                shared.nodes.iter().enumerate().map(|(i, node)| {
+                    Box::pin(async move {
+                        let attempt = async {
+                            let backend = node.get().await?;
+                            let once = || async {
+                                if in_wait {
+                                    backend.try_acquire_in_wait(request).await
+                                } else {
+                                    Ok(match backend.try_acquire(request).await? {
+                                        Some(acquired) => WaitTry::Acquired(acquired),
+                                        None => WaitTry::Held { retry_within: None },
+                                    })
+                                }
+                            };
+                            let taken = match once().await {
+                                // A connection found broken is opened again by the next
+                                // command (a node that restarted): one more try, within the wait.
+                                Err(LockError::Unavailable { .. }) => once().await?,
+                                other => other?,
+                            };
+                            Ok::<_, LockError>(match taken {
+                                WaitTry::Acquired(acquired) => Ok(Taken {
+                                    node: i,
+                                    acquired: Some(acquired),
+                                    key: request.key,
+                                    settling: &shared.settling,
+                                }),
+                                WaitTry::Held { retry_within } => Err(retry_within),
+                            })
                         };
-                        let taken = match once().await {
-                            // A connection found broken is opened again by the next
-                            // command (a node that restarted): one more try, within the wait.
-                            Err(LockError::Unavailable { .. }) => once().await?,
-                            other => other?,
-                        };
-                        Ok::<_, LockError>(match taken {
-                            WaitTry::Acquired(acquired) => Ok(Taken {
-                                node: i,
-                                acquired: Some(acquired),
-                                key: request.key,
-                                settling: &shared.settling,
-                            }),
-                            WaitTry::Held { retry_within } => Err(retry_within),
-                        })
-                    };
-                    match tokio::time::timeout(wait, attempt).await {
-                        Ok(answer) => answer.map_err(Failure::Failed),
-                        Err(_) => Err(Failure::Slow),
-                    }
-                }) as BoxFuture<'_, _>
-            }))
+                        attempt.await.map_err(Failure::Failed)
+                    }) as BoxFuture<'_, _>
+                }),
+            )
             .await;
             let mut taken = Vec::new();
             let mut failures = Vec::new();
             let mut hints = Vec::new();
             let (mut refused, mut slow) = (0, 0);
             for answer in answers {
-                match answer {
+                match answer.unwrap_or(Err(Failure::Slow)) {
                     Ok(Ok(t)) => taken.push(t),
                     Ok(Err(hint)) => {
                         refused += 1;
