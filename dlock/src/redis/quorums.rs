@@ -39,6 +39,26 @@ pub(super) struct Followed {
     pub(super) deadline: LeaseDeadline,
 }
 
+/// Until when a lock can be counted on, as its node locks (`nodes`: each one's lost token and
+/// local deadline) say at `now`: the `quorum`-th latest deadline of those still held, a node
+/// lock without one counting as lasting `lease`, less the drift. `None` once fewer than
+/// `quorum` are held.
+pub(super) fn held_until(
+    nodes: &[(CancellationToken, Option<LeaseDeadline>)],
+    quorum: usize,
+    lease: Duration,
+    now: Instant,
+) -> Option<Instant> {
+    let alive: Vec<Instant> = nodes
+        .iter()
+        .filter(|(lost, _)| !lost.is_cancelled())
+        .map(|(_, d)| d.as_ref().map_or(now + lease, LeaseDeadline::at))
+        .filter(|at| *at > now)
+        .collect();
+    let at = super::redlock::nth_latest(alive, quorum)?;
+    Some(at.checked_sub(super::redlock::drift(lease)).unwrap_or(now))
+}
+
 impl Followed {
     /// Moves the deadline to what the node locks say now; `false` when the lock is lost (or
     /// was declared lost elsewhere) and needs following no more.
@@ -46,17 +66,9 @@ impl Followed {
         if self.lost.is_cancelled() {
             return false;
         }
-        let alive: Vec<Instant> = self
-            .nodes
-            .iter()
-            .filter(|(lost, _)| !lost.is_cancelled())
-            .map(|(_, d)| d.as_ref().map_or(now + self.lease, LeaseDeadline::at))
-            .filter(|at| *at > now)
-            .collect();
-        match super::redlock::nth_latest(alive, self.quorum) {
+        match held_until(&self.nodes, self.quorum, self.lease, now) {
             Some(at) => {
-                let drift = super::redlock::drift(self.lease);
-                self.deadline.set(at.checked_sub(drift).unwrap_or(now));
+                self.deadline.set(at);
                 true
             }
             None => false,

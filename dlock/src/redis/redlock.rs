@@ -10,7 +10,7 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use super::commands::Script;
-use super::quorums::{Followed, Quorums};
+use super::quorums::{Followed, Quorums, held_until};
 use super::{RedisBackend, check_lease};
 use crate::LockError;
 use crate::backend::{
@@ -696,12 +696,17 @@ impl RedlockBackend {
                 })
                 .collect();
             let lost = CancellationToken::new();
-            let deadline = LeaseDeadline::new(quorum_deadline(&nodes, shared.quorum, lease));
+            let followed_nodes: Vec<_> = nodes
+                .iter()
+                .map(|n| (n.acquired.lost.clone(), n.acquired.lease_deadline.clone()))
+                .collect();
+            // Fewer than a quorum still held already: a deadline passed, the lock is lost.
+            let now = Instant::now();
+            let deadline = LeaseDeadline::new(
+                held_until(&followed_nodes, shared.quorum, lease, now).unwrap_or(now),
+            );
             let followed = Followed {
-                nodes: nodes
-                    .iter()
-                    .map(|n| (n.acquired.lost.clone(), n.acquired.lease_deadline.clone()))
-                    .collect(),
+                nodes: followed_nodes,
                 quorum: shared.quorum,
                 lease,
                 lost: lost.clone(),
@@ -765,22 +770,6 @@ impl RedlockBackend {
 struct NodeLock {
     node: usize,
     acquired: Acquired,
-}
-
-/// When the lock stops being safe to count on: the `quorum`-th latest of the node locks'
-/// local deadlines, less the drift (node locks without one count as lasting the lease).
-fn quorum_deadline(nodes: &[NodeLock], quorum: usize, lease: Duration) -> Instant {
-    let now = Instant::now();
-    let deadlines: Vec<Instant> = nodes
-        .iter()
-        .map(|n| {
-            n.acquired
-                .lease_deadline
-                .as_ref()
-                .map_or(now + lease, LeaseDeadline::at)
-        })
-        .collect();
-    nth_latest(deadlines, quorum).map_or(now, |at| at.checked_sub(drift(lease)).unwrap_or(now))
 }
 
 /// The `n`-th latest of `times` (1 is the latest), if there are that many.
