@@ -153,10 +153,11 @@ async fn commands_per_cycle(server: &RedisServer) {
         guard.release().await.unwrap();
         let after = server.commands_sent();
         let delta = |c: &str| after.calls(c) - before.calls(c);
-        // And the release's announcement (`PUBLISH`): inside the Lua release, or in the
-        // native delete's pipeline; after the first native delete of a connection, a round
-        // trip of its own, left out too.
-        let in_scripts = delta("get") + delta("del") + delta("publish");
+        // And the release's announcement (`PUBLISH`): in the native delete's pipeline; after
+        // the first native delete of a connection, a round trip of its own, left out too. The
+        // Lua release reads the key's waiting mark (`EXISTS`) instead, and announces nothing
+        // when no waiter marked the key.
+        let in_scripts = delta("get") + delta("del") + delta("publish") + delta("exists");
         (
             after.total() - before.total() - in_scripts,
             delta("client|id"),
@@ -181,7 +182,8 @@ async fn commands_per_cycle(server: &RedisServer) {
 /// What an acquire + release costs with fencing tokens (the default), once the connection is
 /// warm: two round trips, the fenced acquisition script (`SET NX PX` and `INCR` inside it) and
 /// the release (the flavour's native delete, or the Lua one), what a raw client issuing fencing
-/// tokens sends, plus the release's `PUBLISH` that wakes waiters. No `CLIENT ID` (learnt once per connection, pipelined), no `EVAL`
+/// tokens sends, plus the native release's `PUBLISH` that wakes waiters (the Lua release's
+/// `EXISTS` of the waiting mark instead). No `CLIENT ID` (learnt once per connection, pipelined), no `EVAL`
 /// (scripts stay loaded), no `PTTL`, no separate `INCR`, no error answer.
 async fn fenced_commands_per_cycle(server: &RedisServer) {
     let backend = RedisBackend::connect(&server.url("lease=10s"))
@@ -196,10 +198,11 @@ async fn fenced_commands_per_cycle(server: &RedisServer) {
         assert!(guard.fencing_token().is_some());
         guard.release().await.unwrap();
     }
-    // Every release announces itself to waiters (`PUBLISH`, inside the Lua release or
-    // pipelined with the native delete), still within the release's round trip.
+    // A native delete announces the release to waiters in its pipeline (`PUBLISH`), still
+    // within the release's round trip; the Lua release reads the key's waiting mark
+    // (`EXISTS`) and, since nobody waits, announces nothing.
     let release: &[(&str, u64)] = match expect(server.flavor).release {
-        "evalsha" => &[("evalsha", 2), ("get", 1), ("del", 1), ("publish", 1)],
+        "evalsha" => &[("evalsha", 2), ("get", 1), ("del", 1), ("exists", 1)],
         native => &[("evalsha", 1), (native, 1), ("publish", 1)],
     };
     let mut expected: Vec<(String, u64)> = [("set", 1), ("incr", 1)]

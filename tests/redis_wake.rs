@@ -54,10 +54,16 @@ async fn await_subscribers(server: &RedisServer, channel: &[u8], n: i64) {
     panic!("the channel never had {n} subscriber(s)");
 }
 
-/// The tries the server saw: calls of the acquisition script (the locks are fenced).
-fn tries(server: &RedisServer) -> u64 {
+/// The tries the server saw: calls of the acquisition script when the locks are fenced, of
+/// `SET` when not (a waiter's try that meets contention also sets the key's waiting mark).
+fn tries(server: &RedisServer, fenced: bool) -> u64 {
     let calls = server.command_calls();
-    calls.get("evalsha").copied().unwrap_or(0) + calls.get("eval").copied().unwrap_or(0)
+    let count = |name: &str| calls.get(name).copied().unwrap_or(0);
+    if fenced {
+        count("evalsha") + count("eval")
+    } else {
+        count("set")
+    }
 }
 
 fn spawn_waiter(
@@ -69,20 +75,22 @@ fn spawn_waiter(
 }
 
 /// A release wakes the waiter: it gets the key although its fallback poll is an hour and the
-/// holder's lease a minute, and it did not poll meanwhile.
-async fn woken_by_release(server: &RedisServer) {
-    let holder = provider(server, LEASE).await;
-    let waiters = provider(server, LEASE).await;
-    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+/// holder's lease a minute, and it did not poll meanwhile. `options` are the providers' URL
+/// options (fenced or not: the waiter marks the key in its script, or with a `SET` of its own).
+async fn woken_by_release(server: &RedisServer, options: &str) {
+    let fenced = !options.contains("fencing=false");
+    let holder = provider(server, options).await;
+    let waiters = provider(server, options).await;
+    let backend = RedisBackend::connect(&server.url(options)).await.unwrap();
     let key = unique_key("woken");
     let channel = backend.storage_key(&key);
     let guard = holder.try_acquire(&key).await.unwrap();
     let waiter = spawn_waiter(&waiters, &key);
     await_subscribers(server, &channel, 1).await;
-    let before = tries(server);
+    let before = tries(server, fenced);
     // Held for a while: a polling waiter would try again meanwhile.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let polled = tries(server) - before;
+    let polled = tries(server, fenced) - before;
     assert_eq!(polled, 0, "the waiter polled while the key was held");
     guard.release().await.unwrap();
     let got = tokio::time::timeout(LIMIT, waiter)
@@ -90,12 +98,96 @@ async fn woken_by_release(server: &RedisServer) {
         .expect("the release woke the waiter")
         .unwrap()
         .unwrap();
-    // Its tries after the release: one, or a few when woken early by the subscription.
-    let after = tries(server) - before;
-    assert!(after <= 4, "{after} tries after the release");
+    // Its tries after the release: one, or a few when woken early by the subscription (two
+    // commands each without fencing: the try and its mark).
+    let after = tries(server, fenced) - before;
+    let most = if fenced { 4 } else { 8 };
+    assert!(after <= most, "{after} tries after the release");
     got.release().await.unwrap();
     // The waiter's watch ended with its wait.
     await_subscribers(server, &channel, 0).await;
+}
+
+/// Releases that nobody waits for announce nothing (on a Cluster, each announcement is a
+/// broadcast to every node): a waiter's try marks the key, and only a release of a marked key
+/// publishes. The mark lapses soon after its waiter gives up, and releases fall silent again.
+/// Servers with a native conditional delete (`DELIFEQ`, `DELEX`) announce every release in
+/// the same pipeline (`gated` false); the mark still comes and goes.
+async fn unwaited_releases_announce_nothing(server: &RedisServer, gated: bool) {
+    let locks = provider(server, LEASE).await;
+    let others = provider(server, LEASE).await;
+    let backend = RedisBackend::connect(&server.url(LEASE)).await.unwrap();
+    let key = unique_key("unwaited");
+    let mark = [backend.storage_key(&key), b":waiting".to_vec()].concat();
+    let publishes = || calls(server, "publish");
+    let before = publishes();
+    for _ in 0..20 {
+        locks
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    let expected = if gated { 0 } else { 20 };
+    assert_eq!(publishes() - before, expected, "releases nobody waited for");
+    // A waiter that gives up leaves a mark that lapses within its pause and a second.
+    let guard = locks.try_acquire(&key).await.unwrap();
+    let gave_up = others.acquire(&key, Duration::from_millis(300)).await;
+    assert!(
+        matches!(gave_up, Err(LockError::Timeout { .. })),
+        "{gave_up:?}"
+    );
+    let mut admin = admin(server).await;
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&mark)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(
+        (1..=1_300).contains(&pttl),
+        "the waiting mark lives {pttl} ms"
+    );
+    let before = publishes();
+    let mut lapsed = false;
+    for _ in 0..500 {
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(&mark)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        if exists == 0 {
+            lapsed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(lapsed, "the waiting mark never lapsed");
+    guard.release().await.unwrap();
+    assert_eq!(
+        publishes() - before,
+        u64::from(!gated),
+        "a release after the mark lapsed"
+    );
+}
+
+/// With `key_layout=plain`, the layout other clients share, every release announces itself:
+/// a client that is not dlock may wait for the key without marking it.
+async fn plain_releases_always_announce(server: &RedisServer) {
+    let locks = provider(server, "lease=60s&key_layout=plain").await;
+    let key = unique_key("plain");
+    let before = calls(server, "publish");
+    for _ in 0..5 {
+        locks
+            .try_acquire(&key)
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+    assert_eq!(calls(server, "publish") - before, 5);
 }
 
 /// A holder that never releases (its lease simply runs out, not renewed): the waiter, woken by
@@ -397,7 +489,7 @@ async fn subscription_handed_on(server: &RedisServer) {
 }
 
 macro_rules! flavor_tests {
-    ($module:ident, $flavor:expr) => {
+    ($module:ident, $flavor:expr, gated = $gated:expr) => {
         mod $module {
             use super::*;
 
@@ -408,7 +500,25 @@ macro_rules! flavor_tests {
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn a_release_wakes_the_waiter() {
                 let Some(server) = start() else { return };
-                woken_by_release(&server).await;
+                woken_by_release(&server, LEASE).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_release_wakes_an_unfenced_waiter() {
+                let Some(server) = start() else { return };
+                woken_by_release(&server, "lease=60s&fencing=false").await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn releases_nobody_waits_for_announce_nothing() {
+                let Some(server) = start() else { return };
+                unwaited_releases_announce_nothing(&server, $gated).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn plain_layout_releases_always_announce() {
+                let Some(server) = start() else { return };
+                plain_releases_always_announce(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -462,5 +572,5 @@ macro_rules! flavor_tests {
     };
 }
 
-flavor_tests!(redis7, Flavor::Redis7);
-flavor_tests!(valkey91, Flavor::Valkey91);
+flavor_tests!(redis7, Flavor::Redis7, gated = true);
+flavor_tests!(valkey91, Flavor::Valkey91, gated = false);

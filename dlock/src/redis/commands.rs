@@ -17,16 +17,20 @@ use super::sentinel::{Sentinels, points_elsewhere};
 use super::token::OwnerToken;
 
 /// Takes a free lock and bumps its fencing counter in one step.
-/// `KEYS[1]` lock, `KEYS[2]` counter; `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]`
-/// (optional, a waiter's try) asks for the holder's time to live on contention.
-/// Returns the new counter value; when the lock is held, nil, or for a waiter's try
+/// `KEYS[1]` lock, `KEYS[2]` counter, `KEYS[3]` (optional) the lock's waiting mark; `ARGV[1]`
+/// token, `ARGV[2]` lease in ms, `ARGV[3]` (optional, a waiter's try) the mark's time to live
+/// in ms. Returns the new counter value; when the lock is held, nil, or for a waiter's try
 /// `{pttl}` (-3 when the user may not run `PTTL`: asked with `pcall`, so that the grant stays
-/// optional).
+/// optional), after setting the waiting mark for `ARGV[3]` ms (also with `pcall`), which
+/// tells the holder's release that someone waits (see [`RELEASE_LUA`]).
 pub(crate) const ACQUIRE_FENCED_LUA: &str = "\
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
 if ARGV[3] then
+  if KEYS[3] then
+    redis.pcall('SET', KEYS[3], '1', 'PX', ARGV[3])
+  end
   local t = redis.pcall('PTTL', KEYS[1])
   if type(t) ~= 'number' then
     t = -3
@@ -36,11 +40,11 @@ end
 return false";
 
 /// [`ACQUIRE_FENCED_LUA`] with a shared counter (`fencing_counters`): `KEYS[1]` lock,
-/// `KEYS[2]` the key's counter, `KEYS[3]` the store's record of its counters' mode;
-/// `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]` the mode this backend joined
-/// (`N:epoch`), `ARGV[4]` (optional) as `ARGV[3]` above. When the record holds another
-/// mode, nothing is taken and the answer is the error `DLOCKCOUNTERS <the record>` (see
-/// [`crate::counters`]). Otherwise as [`ACQUIRE_FENCED_LUA`].
+/// `KEYS[2]` the key's counter, `KEYS[3]` the store's record of its counters' mode, `KEYS[4]`
+/// (optional) the lock's waiting mark; `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]` the
+/// mode this backend joined (`N:epoch`), `ARGV[4]` (optional) as `ARGV[3]` above. When the
+/// record holds another mode, nothing is taken and the answer is the error `DLOCKCOUNTERS
+/// <the record>` (see [`crate::counters`]). Otherwise as [`ACQUIRE_FENCED_LUA`].
 pub(crate) const ACQUIRE_COUNTED_LUA: &str = "\
 local m = redis.call('GET', KEYS[3])
 if m ~= ARGV[3] then
@@ -50,6 +54,9 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
 if ARGV[4] then
+  if KEYS[4] then
+    redis.pcall('SET', KEYS[4], '1', 'PX', ARGV[4])
+  end
   local t = redis.pcall('PTTL', KEYS[1])
   if type(t) ~= 'number' then
     t = -3
@@ -87,10 +94,16 @@ return e";
 /// key, -1 another owner. A deletion is announced on the channel named as the lock key, with
 /// the releasing backend's announcer id `ARGV[2]` as the message, which wakes the lock's
 /// waiters (with `pcall`: a user refused `PUBLISH` still releases, and its waiters poll).
+/// With `KEYS[2]`, the lock's waiting mark, the announcement is sent only while the mark
+/// lives (a waiter's try set it), or when it cannot be read: a release nobody waits for
+/// publishes nothing, which on a Cluster is a broadcast to every node.
 pub(crate) const RELEASE_LUA: &str = "\
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
   redis.call('DEL', KEYS[1])
+  if KEYS[2] and redis.pcall('EXISTS', KEYS[2]) == 0 then
+    return 1
+  end
   local n = redis.pcall('PUBLISH', KEYS[1], ARGV[2] or '')
   if type(n) == 'number' then
     return 1 + n
@@ -295,6 +308,30 @@ pub(crate) struct Conn {
     /// subscribers tell their own backend's releases from others' by it (see
     /// [Fair waiting](super#fair-waiting)).
     announcer: Arc<[u8]>,
+    /// Whether waiters mark the locks they wait for, and releases announce themselves only
+    /// to marked locks (the tagged key layout, whose mark `<lock key>:waiting` shares the
+    /// lock's Cluster slot; see [Waiting](super#waiting)).
+    marks_waits: bool,
+}
+
+/// The suffix of a lock's waiting mark (see [`Conn::marks_waits`]): `<lock key>:waiting`.
+pub(crate) const WAITING_MARK: &[u8] = b":waiting";
+
+/// How long a waiting mark outlives the waiter's planned pause before its next try, which
+/// sets it again: time for a late try.
+const MARK_SLACK: Duration = Duration::from_secs(1);
+
+/// A waiter's try (see [`Conn::take`]): `pause` is the longest it waits before its next try.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WaiterTry {
+    pub(crate) pause: Duration,
+}
+
+impl WaiterTry {
+    /// The waiting mark's time to live in ms, as text: the pause and [`MARK_SLACK`].
+    pub(crate) fn mark_ms(self) -> String {
+        millis(self.pause.saturating_add(MARK_SLACK)).to_string()
+    }
 }
 
 /// A connection's master behind Sentinel.
@@ -571,7 +608,21 @@ impl Conn {
             fence: FenceState::default(),
             publish_refused: AtomicBool::new(false),
             announcer: Arc::from(format!("{:016x}", fastrand::u64(..)).into_bytes()),
+            marks_waits: false,
         }
+    }
+
+    /// Waiters set a waiting mark on the locks they wait for, and releases announce
+    /// themselves only while a lock's mark lives (the tagged key layout; see
+    /// [Waiting](super#waiting)).
+    pub(crate) fn marking_waits(mut self, marks: bool) -> Conn {
+        self.marks_waits = marks;
+        self
+    }
+
+    /// The waiting mark of the lock under `key`, when this connection marks waits.
+    fn waiting_mark(&self, key: &[u8]) -> Option<Vec<u8>> {
+        self.marks_waits.then(|| [key, WAITING_MARK].concat())
     }
 
     /// The message of this connection's release announcements.
@@ -1230,21 +1281,25 @@ impl Conn {
 
     /// `SET key token NX PX lease`, or with a fencing counter, the script that also bumps it.
     /// `Taken(fencing)` when taken; `Held(ttl)` when the lock is held, with the holder's
-    /// time to live in ms when `ttl` was asked for (a waiter's try) and could be read. With
-    /// `wait`, `WAIT replicas timeout` follows on the same connection: the second value is how
-    /// many replicas acknowledged the write (`None` without `wait`). `WAIT` counts the replicas
-    /// that have every write of the connection so far, the acquisition's included.
+    /// time to live in ms when `waiter` is set (a waiter's try) and it could be read. A
+    /// waiter's try that finds the lock held also sets its waiting mark, when this connection
+    /// marks waits (see [`Conn::marking_waits`]), for the waiter's pause and [`MARK_SLACK`].
+    /// With `wait`, `WAIT replicas timeout` follows on the same connection: the second value
+    /// is how many replicas acknowledged the write (`None` without `wait`). `WAIT` counts the
+    /// replicas that have every write of the connection so far, the acquisition's included.
     pub(crate) async fn take(
         &self,
         key: &[u8],
         fence_key: Option<Counter<'_>>,
         token: &OwnerToken,
         lease: Duration,
-        ttl: bool,
+        waiter: Option<WaiterTry>,
         wait: Option<(u32, Duration)>,
     ) -> Result<(Taking, Option<u64>), RedisError> {
         let ms = millis(lease).to_string();
         let wait_cmd = wait_command(wait);
+        let mark = waiter.and_then(|_| self.waiting_mark(key));
+        let mark_ms = waiter.map(WaiterTry::mark_ms);
         match fence_key {
             None => {
                 let mut set = redis::cmd("SET");
@@ -1255,12 +1310,25 @@ impl Conn {
                     .arg(&ms);
                 let (reply, waited) = self.query_then(&set, wait_cmd.as_ref()).await?;
                 match reply {
-                    Value::Nil if ttl => {
-                        // A separate read: the plain `SET` path runs no script. Best effort.
+                    Value::Nil if waiter.is_some() => {
+                        // Separate commands: the plain `SET` path runs no script. Best
+                        // effort. The mark goes first: a release after the `SET` that
+                        // missed it is seen by the `PTTL` as a key gone.
                         let mut pttl = redis::cmd("PTTL");
                         pttl.arg(key);
-                        let ms = match self.query(&pttl).await {
-                            Ok(Value::Int(ms)) => Some(ms),
+                        let ttl = match (&mark, &mark_ms) {
+                            (Some(mark), Some(mark_ms)) => {
+                                let mut set_mark = redis::cmd("SET");
+                                set_mark.arg(&mark[..]).arg("1").arg("PX").arg(mark_ms);
+                                self.pipeline(vec![set_mark, pttl])
+                                    .await
+                                    .ok()
+                                    .and_then(|mut replies| replies.pop())
+                            }
+                            _ => self.query(&pttl).await.ok(),
+                        };
+                        let ms = match ttl {
+                            Some(Value::Int(ms)) => Some(ms),
                             _ => None,
                         };
                         Ok((Taking::Held(ms), None))
@@ -1271,7 +1339,7 @@ impl Conn {
             }
             Some(counter) => {
                 let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes()];
-                let (script, keys) = match counter {
+                let (script, mut keys) = match counter {
                     Counter::PerKey(fence_key) => {
                         (&self.scripts.acquire_fenced, vec![key, fence_key])
                     }
@@ -1284,8 +1352,9 @@ impl Conn {
                         (&self.scripts.acquire_counted, vec![key, counter, record])
                     }
                 };
-                if ttl {
-                    args.push(b"1");
+                if let Some(mark_ms) = &mark_ms {
+                    args.push(mark_ms.as_bytes());
+                    keys.extend(mark.as_deref());
                 }
                 let (reply, waited) = self
                     .eval_then(script, &keys, &args, wait_cmd.as_ref())
@@ -1322,7 +1391,7 @@ impl Conn {
                     fence_key.map(Counter::PerKey),
                     token,
                     lease,
-                    false,
+                    None,
                     None,
                 )
                 .await?
@@ -1447,10 +1516,13 @@ impl Conn {
                 return Ok((outcome, command.path(), woke));
             }
         }
+        let mark = self.waiting_mark(key);
+        let mut keys = vec![key];
+        keys.extend(mark.as_deref());
         let reply = self
             .eval(
                 &self.scripts.release,
-                &[key],
+                &keys,
                 &[token.as_bytes(), &self.announcer],
             )
             .await?;

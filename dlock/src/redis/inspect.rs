@@ -185,7 +185,7 @@ fn scan_page(reply: Value) -> Option<(u64, Vec<Vec<u8>>)> {
 }
 
 /// The lock name a Redis key stands for, or `None` for a key that is no lock (a fencing
-/// counter, a readers set, a writer's intent, anything else under the prefix).
+/// counter, a readers set, a writer's intent, a waiting mark, anything else under the prefix).
 pub(super) fn lock_name(layout: KeyLayout, prefix: &[u8], key: &[u8]) -> Option<String> {
     let rest = key.strip_prefix(prefix)?;
     match layout {
@@ -230,6 +230,8 @@ mod tests {
             assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &fence), None);
             let readers = readers_key(KeyLayout::Tagged, &key);
             assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &readers), None);
+            let mark = [&key[..], super::super::commands::WAITING_MARK].concat();
+            assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &mark), None);
             // The shared counters (`fencing_counters`) and their mode are no locks either.
             let record = super::super::bounded::record_key(b"p:", KeyLayout::Tagged);
             assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &record), None);
@@ -246,6 +248,12 @@ mod tests {
             );
             let fence = fence_key(KeyLayout::Plain, &plain);
             assert_eq!(lock_name(KeyLayout::Plain, b"p:", &fence), None);
+            let mark = super::super::read::companion_key(
+                KeyLayout::Plain,
+                &plain,
+                super::super::commands::WAITING_MARK,
+            );
+            assert_eq!(lock_name(KeyLayout::Plain, b"p:", &mark), None);
         }
         assert_eq!(lock_name(KeyLayout::Tagged, b"p:", b"q:{a}"), None);
         assert_eq!(glob_escaped(b"a*b?[c]\\"), b"a\\*b\\?\\[c\\]\\\\".to_vec());

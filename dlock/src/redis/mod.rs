@@ -136,15 +136,31 @@
 //! A waiting [`acquire`](crate::LockProvider::acquire) (or `acquire_read`) is woken by the
 //! release it waits for instead of polling the server:
 //!
-//! - **Every release announces itself**: `PUBLISH <lock key> <announcer>` on the channel
-//!   named as the lock key (a string of `KEYS`, so it stays in the key's Cluster slot), where
-//!   the message is 16 hex digits drawn at random for each backend (a reader's release sends
-//!   an empty message; see [Fair waiting](self#fair-waiting) for its use): inside the Lua
-//!   release (with `redis.pcall`, so that a user refused `PUBLISH` still releases), in the same
-//!   pipeline as `DELEX` / `DELIFEQ` (one round trip; sent whatever the delete found), and in
-//!   a reader's release when it leaves the key without readers. Clients that are not dlock
-//!   and release a lock of the [plain layout](self#the-plain-layout-for-other-clients) wake
-//!   dlock's waiters by doing the same, with any message.
+//! - **A release that someone waits for announces itself**: `PUBLISH <lock key> <announcer>`
+//!   on the channel named as the lock key (a string of `KEYS`, so it stays in the key's
+//!   Cluster slot), where the message is 16 hex digits drawn at random for each backend (a
+//!   reader's release sends an empty message; see [Fair waiting](self#fair-waiting) for its
+//!   use): inside the Lua release (with `redis.pcall`, so that a user refused `PUBLISH` still
+//!   releases), in the same pipeline as `DELEX` / `DELIFEQ` (one round trip; sent whatever the
+//!   delete found), and in a reader's release when it leaves the key without readers. Clients
+//!   that are not dlock and release a lock of the
+//!   [plain layout](self#the-plain-layout-for-other-clients) wake dlock's waiters by doing the
+//!   same, with any message.
+//! - **Waiters mark the key**: a waiter's try that finds the key taken also sets
+//!   `<lock key>:waiting` (in the acquisition script, or with a `SET` of its own before the
+//!   `PTTL` without fencing), with a time to live of the waiter's pause before its next try
+//!   and one second; each try sets it again. The Lua release announces itself only while that
+//!   mark lives (or when it cannot read it, `EXISTS` being asked with `pcall`): a release
+//!   nobody waits for publishes nothing, which on a [Cluster](self#cluster) saves a broadcast
+//!   to every node. A waiter subscribes before the try that sets the mark counts (its first
+//!   try is followed by the subscription and one more try at once), and the script that
+//!   finds the key taken sets the mark in the same step, so every release after it is
+//!   announced. Without fencing, the mark's `SET` goes before the `PTTL`: a release between
+//!   the try and the mark is seen as a key already gone, and the waiter tries again at once.
+//!   Releases through `DELEX` / `DELIFEQ` (Redis 8.4+, Valkey 9.0+) announce themselves
+//!   whether marked or not (the pipeline cannot ask first), as do releases of the
+//!   [plain layout](self#the-plain-layout-for-other-clients), whose waiters may be other
+//!   clients that set no mark. A reader's try marks the key in both layouts.
 //! - **One subscriber connection per backend** (on a Cluster, one per master), opened on its
 //!   first wait (with the client the backend was built from), subscribes to the channel of each key its waiters wait for, and
 //!   unsubscribes when the last of them is gone; it closes after a minute without waiters. A
@@ -172,8 +188,8 @@
 //! passed in cannot open the subscriber: its waiters poll; so do those of a backend with
 //! `protocol=resp3`, whose subscriber cannot confirm its subscriptions (a refused `SUBSCRIBE`
 //! is told apart from a granted one by a `PING` that only a RESP2 subscriber answers as a
-//! subscriber). [Redlock](RedlockBackend) waits
-//! poll with backoff (each node's release still announces itself). Semaphores poll their slots
+//! subscriber). [Redlock](RedlockBackend) waiters subscribe on every node, and their tries
+//! mark the key on each node that has it taken, whose release then announces itself. Semaphores poll their slots
 //! with backoff.
 //!
 //! # Fair waiting
@@ -326,12 +342,15 @@
 //!   with backoff. A backend built on a `ClusterClient` has no node address to subscribe at:
 //!   its waiters poll.
 //!
-//!   **The broadcast has a cost on every node**, paid by each release, waiters or not:
-//!   measured on a loopback cluster of 3 masters with a replica each, the `PUBLISH` in a
-//!   release script added about 30 µs of server CPU per release summed over the cluster,
-//!   about 3.5 µs on each node that does not serve the key (`redis-benchmark`, one client).
-//!   It grows with the number of nodes. Sharded pub/sub (`SPUBLISH`, Redis 7) would keep it
-//!   on the key's own shard; this version does not use it.
+//!   **The broadcast has a cost on every node**: measured on a loopback cluster of 3 masters
+//!   with a replica each, the `PUBLISH` in a release script added about 30 µs of server CPU
+//!   per release summed over the cluster, about 3.5 µs on each node that does not serve the
+//!   key (`redis-benchmark`, one client). It grows with the number of nodes. So a release
+//!   publishes only while [waiters mark the key](self#waiting): a lock nobody waits for costs
+//!   no broadcast. On Redis 8.4+ or Valkey 9.0+, whose releases are `DELEX` / `DELIFEQ`
+//!   pipelined with their announcement, every release still broadcasts. Sharded pub/sub
+//!   (`SPUBLISH`, Redis 7) would keep the announcement on the key's own shard; this version
+//!   does not use it.
 //! - **[`store_locks`](crate::LockProvider::store_locks)** scans each master that serves
 //!   slots (`CLUSTER NODES`, then `SCAN` on each; the user needs `+cluster|nodes`). A lock
 //!   whose slot moves during the scan may be listed twice or missed.
@@ -431,8 +450,8 @@
 //!
 //! dlock runs only the commands of the path it finds on the server (see [Native commands
 //! first](self#native-commands-first-per-connection)), so an ACL user needs exactly these, on
-//! the keys `~<prefix>{*` (the lock key `<prefix>{<key>}` and its counter
-//! `<prefix>{<key>}:fence`). Scripts run with the caller's permissions, so the commands they
+//! the keys `~<prefix>{*` (the lock key `<prefix>{<key>}`, its counter
+//! `<prefix>{<key>}:fence`, and its waiting mark `<prefix>{<key>}:waiting`). Scripts run with the caller's permissions, so the commands they
 //! call are listed too. A native command the server does not know is refused before the ACL
 //! is checked, so finding out what the server has needs no permission of its own.
 //!
@@ -466,7 +485,8 @@
 //! +unsubscribe` (the subscriber), on the channels `&<prefix>{*` (`resetchannels` refuses them
 //! all), and `+pttl` (a waiter's try reads the holder's lease left); without them waits poll,
 //! and nothing fails (without `+pttl` alone, a waiter notices a holder that died only at its
-//! fallback poll).
+//! fallback poll). The Lua release reads the [waiting mark](self#waiting) with `+exists`;
+//! without it, every release announces itself.
 //!
 //! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
 //! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
@@ -1142,7 +1162,7 @@ impl RedisBuilder {
             }
         };
         let own_client = rebuild.is_some();
-        let mut conn = Conn::new(manager, rebuild);
+        let mut conn = Conn::new(manager, rebuild).marking_waits(self.layout == KeyLayout::Tagged);
         if let Some((sentinels, addr)) = found_master {
             conn = conn.with_sentinels(sentinels, addr);
         }
@@ -2177,7 +2197,9 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
                 plan.counter(),
                 &token,
                 lease,
-                waiting,
+                request
+                    .poll_pause
+                    .map(|pause| commands::WaiterTry { pause }),
                 shared.wait,
             ),
         )

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use redis::{ErrorKind, RedisError, Value};
 
-use super::commands::{CommandPath, Counter, Script};
+use super::commands::{CommandPath, Counter, Script, WAITING_MARK, WaiterTry};
 use super::{Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease};
 use crate::LockError;
 use crate::backend::{LockRequest, ReleaseOutcome, WaitTry};
@@ -42,25 +42,28 @@ end
 }
 
 /// Takes a reader's share: `KEYS[1]` lock, `KEYS[2]` readers, `KEYS[3]` writer's intent,
-/// `KEYS[4]` fencing counter (absent without fencing), `KEYS[5]` the store's record of its
-/// shared counters' mode (with `fencing_counters` only); `ARGV[1]` token, `ARGV[2]` lease in
-/// ms, `ARGV[3]` (optional) `1` for a waiter's try, which asks for how long the contention may
-/// last, `ARGV[4]` (with `KEYS[5]`) the mode this backend joined: when the record holds
-/// another, nothing is taken and the answer is the error `DLOCKCOUNTERS <the record>`.
+/// `KEYS[4]` the lock's waiting mark, `KEYS[5]` fencing counter (absent without fencing),
+/// `KEYS[6]` the store's record of its shared counters' mode (with `fencing_counters` only);
+/// `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]` `0`, or for a waiter's try the waiting
+/// mark's time to live in ms (the try then asks for how long the contention may last, and
+/// sets the mark, see [`ACQUIRE_FENCED_LUA`](super::commands::ACQUIRE_FENCED_LUA)), `ARGV[4]`
+/// (with `KEYS[6]`) the mode this backend joined: when the record holds another, nothing is
+/// taken and the answer is the error `DLOCKCOUNTERS <the record>`.
 /// Returns the new counter value (0 without fencing), or when a writer holds the key (any
 /// non-empty value) or waits for it, nil, or for a waiter's try `{pttl}` of the writer's lock
 /// or intent (-3 when the user may not run `PTTL`, asked with `pcall`).
 pub(crate) const READ_ACQUIRE_LUA: &str = concat!(
-    "if KEYS[5] then
-  local m = redis.call('GET', KEYS[5])
+    "if KEYS[6] then
+  local m = redis.call('GET', KEYS[6])
   if m ~= ARGV[4] then
     return redis.error_reply('DLOCKCOUNTERS ' .. (m or 'none'))
   end
 end
 local function held(k)
-  if ARGV[3] ~= '1' then
+  if (ARGV[3] or '0') == '0' then
     return false
   end
+  redis.pcall('SET', KEYS[4], '1', 'PX', ARGV[3])
   local t = redis.pcall('PTTL', k)
   if type(t) ~= 'number' then
     t = -3
@@ -79,8 +82,8 @@ end
     "redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
 ",
     settle!(),
-    "if KEYS[4] then
-  return redis.call('INCR', KEYS[4])
+    "if KEYS[5] then
+  return redis.call('INCR', KEYS[5])
 end
 return 0"
 );
@@ -288,7 +291,8 @@ pub(super) async fn try_acquire(
     let readers = readers_key(shared.layout, &lock_key);
     let intent = intent_key(shared.layout, &lock_key);
     let plan = super::bounded::plan(shared, request.key, &lock_key).await?;
-    let mut keys: Vec<&[u8]> = vec![&lock_key, &readers, &intent];
+    let mark = companion_key(shared.layout, &lock_key, WAITING_MARK);
+    let mut keys: Vec<&[u8]> = vec![&lock_key, &readers, &intent, &mark];
     let mut mode = None;
     match plan.counter() {
         None => {}
@@ -312,16 +316,11 @@ pub(super) async fn try_acquire(
         armed: true,
         read: true,
     };
-    let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes()];
-    if request.poll_pause.is_some() {
-        args.push(b"1");
-    }
-    if let Some(mode) = mode {
-        if request.poll_pause.is_none() {
-            args.push(b"0");
-        }
-        args.push(mode);
-    }
+    let mark_ms = request
+        .poll_pause
+        .map_or_else(|| "0".to_owned(), |pause| WaiterTry { pause }.mark_ms());
+    let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes(), mark_ms.as_bytes()];
+    args.extend(mode);
     let sent = Instant::now();
     let eval = shared
         .conn
