@@ -99,10 +99,11 @@ where
     K: MakeLockKeys,
 {
     let (mut parts, body) = request.into_parts();
-    let instance = parts.uri.path().to_owned();
+    // The path is copied only for a rejection: a `Uri` from the server shares its bytes.
+    let uri = parts.uri.clone();
     let reject = |err: LockRejection| {
         Ok(err
-            .with_instance(instance.as_str())
+            .with_instance(uri.path())
             .with_retry_after(shared.retry_after)
             .into_response())
     };
@@ -148,10 +149,15 @@ where
     let cancel_on_loss = shared.on_lost == OnLost::Cancel;
     // In a block of its own: the handler's future is dropped at its end, before the guards.
     let outcome = {
-        let mut signals: Vec<_> = guards
-            .iter()
-            .map(|guard| Box::pin(guard.lost_token().cancelled()))
-            .collect();
+        // One lock: its token is `lost`, watched without a box. Several: each guard's.
+        let mut signal = pin!(lost.cancelled());
+        let mut signals: Vec<_> = match guards.as_slice() {
+            [_] => Vec::new(),
+            _ => guards
+                .iter()
+                .map(|guard| Box::pin(guard.lost_token().cancelled()))
+                .collect(),
+        };
         let mut call = pin!(inner.call(Request::from_parts(parts, body)));
         poll_fn(|cx| {
             // `is_lost` also compares the clock with a leased lock's deadline, and cancels
@@ -160,7 +166,8 @@ where
             let lost_now = guards.iter().any(LockGuard::is_lost)
                 | signals.iter_mut().fold(false, |any, signal| {
                     signal.as_mut().poll(cx).is_ready() | any
-                });
+                })
+                | (guards.len() == 1 && signal.as_mut().poll(cx).is_ready());
             if lost_now {
                 lost.cancel();
                 if cancel_on_loss {
