@@ -2,7 +2,7 @@
 //! kit: the conformance suite on one cluster shared by its cases, and, each on a cluster of
 //! its own (with a replica per master where it needs them), keys on every master, the plain
 //! key layout's slots, the cluster builder and `wait_replicas`, wake-ups from every master, a
-//! slot migrated under load, and failovers (takeover with and without `wait_replicas`, a
+//! slot migrated under load, releases in a moving slot, and failovers (takeover with and without `wait_replicas`, a
 //! killed master). A cluster of its own costs a case two seconds or more: a Redis master turns
 //! its cluster state ok only two seconds after it started.
 #![cfg(feature = "redis")]
@@ -511,6 +511,75 @@ async fn slot_migration_under_load() {
         cluster.command(third, &[b"EXISTS", &backend.fencing_key(&hot)])
     });
     assert_eq!(on_third.ok(), Some(redis::Value::Int(1)));
+}
+
+/// A lock nobody waits for is released while its slot moves. Its release script also reads the
+/// key's waiting mark, which is on neither master, so they refuse it (`TRYAGAIN`: a script's
+/// keys must all be on the node asked while the slot migrates); past the driver's retries the
+/// release goes again with the lock's key alone, and the backend's next releases leave the
+/// mark out for a while, so they are not refused. Once with the lock's key on the old master,
+/// once with it taken on the new one (an unfenced `SET`, which follows `ASK`): each release
+/// succeeds and leaves no key behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_go_through_while_the_slot_moves() {
+    let Some(cluster) = cluster(0) else {
+        return;
+    };
+    let url = cluster.url("lease=10s&fencing=false");
+    let locks = LockProvider::connect(&url).await.expect("connect");
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    let key = unique_key("moving-release");
+    let storage = backend.storage_key(&key);
+    let (slot, from) = tokio::task::block_in_place(|| {
+        let slot = cluster.slot_of(&storage);
+        (slot, cluster.owner_of(slot))
+    });
+    let to = tokio::task::block_in_place(|| cluster.masters())
+        .into_iter()
+        .find(|p| *p != from)
+        .expect("another master");
+    // Whether the lock's key is on the master on `port`: a migrating master answers `ASK`
+    // for a key it does not have.
+    let exists = |port: u16| match tokio::task::block_in_place(|| {
+        cluster.command(port, &[b"EXISTS".as_slice(), storage.as_slice()])
+    }) {
+        Ok(redis::Value::Int(n)) => n == 1,
+        Err(err) if err.code() == Some("ASK") => false,
+        other => panic!("EXISTS answered {other:?}"),
+    };
+    let refusals = || {
+        tokio::task::block_in_place(|| {
+            [from, to]
+                .iter()
+                .map(|p| {
+                    let counts = cluster.node(*p).error_counts();
+                    counts.get("TRYAGAIN").copied().unwrap_or(0)
+                })
+                .sum::<u64>()
+        })
+    };
+    let held = locks
+        .try_acquire(&key)
+        .await
+        .expect("taken before the move");
+    tokio::task::block_in_place(|| cluster.begin_migration(slot, from, to));
+    let (before, started) = (refusals(), Instant::now());
+    held.release().await.expect("released on the old master");
+    let on_old = started.elapsed();
+    assert!(refusals() > before, "the marked release was refused");
+    assert!(!exists(from), "released on the old master");
+    let held = locks
+        .try_acquire(&key)
+        .await
+        .expect("taken on the new master");
+    assert!(!exists(from), "taken on the new master, not the old");
+    let (before, started) = (refusals(), Instant::now());
+    held.release().await.expect("released on the new master");
+    let on_new = started.elapsed();
+    assert_eq!(refusals(), before, "the next release left the mark out");
+    tokio::task::block_in_place(|| cluster.finish_migration(slot, from, to));
+    assert!(!exists(to), "nothing left behind");
+    eprintln!("cluster-figures releases in a moving slot took {on_old:?} and {on_new:?}");
 }
 
 /// What a failover run found, besides the sections.

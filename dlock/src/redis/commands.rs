@@ -312,7 +312,15 @@ pub(crate) struct Conn {
     /// to marked locks (the tagged key layout, whose mark `<lock key>:waiting` shares the
     /// lock's Cluster slot; see [Waiting](super#waiting)).
     marks_waits: bool,
+    /// On a Cluster: until when releases leave the waiting mark out, after one was refused
+    /// for it while a slot moved (see [`Conn::release_waking`]).
+    unmarked_until: Mutex<Option<Instant>>,
 }
+
+/// How long a Cluster backend's releases leave the waiting mark out after a slot's migration
+/// refused one for it: one refusal costs the driver's retries (about 3 s), and migrations
+/// move many slots one after another.
+const UNMARKED_AFTER_TRYAGAIN: Duration = Duration::from_secs(10);
 
 /// The suffix of a lock's waiting mark (see [`Conn::marks_waits`]): `<lock key>:waiting`.
 pub(crate) const WAITING_MARK: &[u8] = b":waiting";
@@ -609,6 +617,7 @@ impl Conn {
             publish_refused: AtomicBool::new(false),
             announcer: Arc::from(format!("{:016x}", fastrand::u64(..)).into_bytes()),
             marks_waits: false,
+            unmarked_until: Mutex::new(None),
         }
     }
 
@@ -618,6 +627,17 @@ impl Conn {
     pub(crate) fn marking_waits(mut self, marks: bool) -> Conn {
         self.marks_waits = marks;
         self
+    }
+
+    /// Whether releases leave the waiting mark out for now (a Cluster's slot migration
+    /// refused one for it lately).
+    fn unmarked_for_now(&self) -> bool {
+        self.is_cluster()
+            && self
+                .unmarked_until
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_some_and(|until| Instant::now() < until)
     }
 
     /// The waiting mark of the lock under `key`, when this connection marks waits.
@@ -1516,16 +1536,25 @@ impl Conn {
                 return Ok((outcome, command.path(), woke));
             }
         }
-        let mark = self.waiting_mark(key);
+        let mark = self.waiting_mark(key).filter(|_| !self.unmarked_for_now());
         let mut keys = vec![key];
         keys.extend(mark.as_deref());
-        let reply = self
-            .eval(
-                &self.scripts.release,
-                &keys,
-                &[token.as_bytes(), &self.announcer],
-            )
-            .await?;
+        let args: [&[u8]; 2] = [token.as_bytes(), &self.announcer];
+        let reply = match self.eval(&self.scripts.release, &keys, &args).await {
+            // A Cluster slot in migration refuses a script whose keys are not all on the node
+            // asked (`TRYAGAIN`), as the mark of a lock nobody waits for never is: released
+            // again with the lock's key alone (which follows `ASK`), announced unmarked, as
+            // are the backend's releases for a while.
+            Err(err) if mark.is_some() && err.code() == Some("TRYAGAIN") => {
+                *self
+                    .unmarked_until
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) =
+                    Some(Instant::now() + UNMARKED_AFTER_TRYAGAIN);
+                self.eval(&self.scripts.release, &[key], &args).await?
+            }
+            other => other?,
+        };
         let (outcome, woke) = match reply {
             Value::Int(n) if n >= 1 => (ReleaseOutcome::Released, (n - 1).unsigned_abs()),
             Value::Int(0) => (ReleaseOutcome::AlreadyReleased, 0),

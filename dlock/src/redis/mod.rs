@@ -311,17 +311,22 @@
 //! `db_code` `"CROSSSLOT"` that says to put a tag in the names or set `fencing=false`.
 //!
 //! **Resharding.** While a lock's slot migrates (`CLUSTER SETSLOT ... MIGRATING` /
-//! `IMPORTING`, until `SETSLOT ... NODE`), its renewals and releases (one key each) follow
-//! the `ASK` redirections, but its acquisitions, which run a script on the lock and its
-//! fencing counter, are refused by both masters (`TRYAGAIN`) whenever one of the two keys is
-//! missing on the node asked, which a free lock's key always is: **a slot's locks cannot be
-//! taken until its migration ends** (with `fencing=false`, a plain `SET` follows `ASK` and
-//! is not refused). The driver retries; past its retries a waiting
+//! `IMPORTING`, until `SETSLOT ... NODE`), its renewals (one key) follow the `ASK`
+//! redirections, but its acquisitions, which run a script on the lock and its fencing
+//! counter, are refused by both masters (`TRYAGAIN`) whenever one of the two keys is missing
+//! on the node asked, which a free lock's key always is: **a slot's locks cannot be taken
+//! until its migration ends** (with `fencing=false`, a plain `SET` follows `ASK` and is not
+//! refused). The driver retries; past its retries a waiting
 //! [`acquire`](crate::LockProvider::acquire) tries again every 20 ms until its timeout, and a
 //! [`try_acquire`](crate::LockProvider::try_acquire) answers the [`LockError::Backend`]
-//! (`db_code` `"TRYAGAIN"`). `tests/redis_cluster.rs` moves a contended lock's slot twice
-//! under load (one key at a time, then at once), holding the first migration for about 4 s:
-//! no error, no overlap, and fencing tokens strictly increase across both.
+//! (`db_code` `"TRYAGAIN"`). A release's script also reads the key's
+//! [waiting mark](self#waiting), which a lock nobody waits for lacks, so it is refused in the
+//! same way: past the driver's retries (about 3 s) it goes again with the lock's key alone,
+//! which follows `ASK`, and announces itself unmarked, as the backend's releases then do for
+//! 10 s (a resharding moves slot after slot). `tests/redis_cluster.rs` moves a
+//! contended lock's slot twice under load (one key at a time, then at once), holding the
+//! first migration for about 4 s: no error, no overlap, and fencing tokens strictly increase
+//! across both; and releases a lock nobody waits for in a moving slot, on either master.
 //!
 //! What carries over, and what does not:
 //!
