@@ -11,7 +11,7 @@ use std::time::Duration;
 use dlock::redis::RedisBackend;
 use dlock::{Backoff, LockError, LockGuard, LockProvider};
 use dlock_testkit::redis::{Flavor, RedisServer};
-use dlock_testkit::unique_key;
+use dlock_testkit::{unique_key, wait_until};
 
 /// Far longer than any wait below may take.
 const FALLBACK: Duration = Duration::from_secs(3600);
@@ -121,15 +121,7 @@ async fn unwaited_releases_announce_nothing(server: &RedisServer, gated: bool) {
     let mark = [backend.storage_key(&key), b":waiting".to_vec()].concat();
     let publishes = || calls(server, "publish");
     let before = publishes();
-    for _ in 0..20 {
-        locks
-            .try_acquire(&key)
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
-    }
+    cycles(&locks, &key, 20).await;
     let expected = if gated { 0 } else { 20 };
     assert_eq!(publishes() - before, expected, "releases nobody waited for");
     // A waiter that gives up leaves a mark that lapses within its pause and a second.
@@ -150,20 +142,15 @@ async fn unwaited_releases_announce_nothing(server: &RedisServer, gated: bool) {
         "the waiting mark lives {pttl} ms"
     );
     let before = publishes();
-    let mut lapsed = false;
-    for _ in 0..500 {
+    wait_until("the waiting mark lapses", LIMIT, async || {
         let exists: i64 = redis::cmd("EXISTS")
             .arg(&mark)
             .query_async(&mut admin)
             .await
             .unwrap();
-        if exists == 0 {
-            lapsed = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(lapsed, "the waiting mark never lapsed");
+        exists == 0
+    })
+    .await;
     guard.release().await.unwrap();
     assert_eq!(
         publishes() - before,
@@ -172,21 +159,21 @@ async fn unwaited_releases_announce_nothing(server: &RedisServer, gated: bool) {
     );
 }
 
+/// `n` acquisitions and releases of `key`, one after the other, nobody waiting.
+async fn cycles(locks: &LockProvider, key: &str, n: usize) {
+    for _ in 0..n {
+        let guard = locks.try_acquire(key).await.unwrap();
+        guard.release().await.unwrap();
+    }
+}
+
 /// With `key_layout=plain`, the layout other clients share, every release announces itself:
 /// a client that is not dlock may wait for the key without marking it.
 async fn plain_releases_always_announce(server: &RedisServer) {
     let locks = provider(server, "lease=60s&key_layout=plain").await;
     let key = unique_key("plain");
     let before = calls(server, "publish");
-    for _ in 0..5 {
-        locks
-            .try_acquire(&key)
-            .await
-            .unwrap()
-            .release()
-            .await
-            .unwrap();
-    }
+    cycles(&locks, &key, 5).await;
     assert_eq!(calls(server, "publish") - before, 5);
 }
 
