@@ -4,14 +4,14 @@
 //! (Lua release) and Valkey 9.1 (`DELIFEQ` release, announced in the same pipeline).
 #![cfg(feature = "redis")]
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use dlock::redis::RedisBackend;
 use dlock::{Backoff, LockError, LockGuard, LockProvider};
 use dlock_testkit::redis::{Flavor, RedisServer};
-use dlock_testkit::{unique_key, wait_until};
+use dlock_testkit::{Captured, unique_key, wait_until};
 
 /// Far longer than any wait below may take.
 const FALLBACK: Duration = Duration::from_secs(3600);
@@ -157,6 +157,104 @@ async fn unwaited_releases_announce_nothing(server: &RedisServer, gated: bool) {
         u64::from(!gated),
         "a release after the mark lapsed"
     );
+}
+
+/// Everything logged at WARN and above by any test of this binary, from every thread (a
+/// waiter's try runs on a runtime thread). Installed once, globally.
+fn logs() -> Captured {
+    static LOGS: OnceLock<Captured> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Captured::default();
+        let writer = logs.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        logs
+    })
+    .clone()
+}
+
+/// A user whose key patterns cover the lock keys (and, with fencing, their counters and read
+/// locks' keys) but not their waiting marks: its waiter's mark is refused, which is warned once
+/// per backend (releases will not wake it), and the waiter still gets the key, when the
+/// holder's lease ends (2 s, not renewed) at the latest. Without fencing the mark is a `SET` of
+/// its own; with fencing it is a key of the acquisition script, which the server refuses as a
+/// whole, and which goes again without it: for a lock and for a read lock.
+async fn refused_mark(server: &RedisServer, fenced: bool) {
+    let logs = logs();
+    let mut admin = admin(server).await;
+    let mut acl = redis::cmd("ACL");
+    acl.arg("SETUSER")
+        .arg("nomark")
+        .arg("reset")
+        .arg("on")
+        .arg(">secret")
+        .arg("~*}")
+        .arg("&*")
+        .arg("+@all");
+    if fenced {
+        acl.arg("~*}:fence").arg("~*}:readers").arg("~*}:writer");
+    }
+    let () = acl.query_async(&mut admin).await.unwrap();
+    let options = if fenced {
+        "lease=60s"
+    } else {
+        "lease=60s&fencing=false"
+    };
+    let url = server
+        .url(options)
+        .replacen("redis://", "redis://nomark:secret@", 1);
+    let holder = provider(server, options).await;
+    let warning = "redis waiters cannot mark the keys they wait for";
+    let readers = if fenced {
+        [false, true].as_slice()
+    } else {
+        &[false]
+    };
+    for &read in readers {
+        let waiters = LockProvider::builder(RedisBackend::connect(&url).await.unwrap())
+            .backoff(slow_backoff())
+            .build();
+        let key = unique_key("nomark");
+        let guard = holder
+            .lock(&key)
+            .lease(Duration::from_secs(2))
+            .renewal(false)
+            .try_acquire()
+            .await
+            .unwrap();
+        let from = logs.len();
+        let waiter = {
+            let (locks, key) = (waiters.clone(), key.clone());
+            tokio::spawn(async move {
+                let wait = Duration::from_secs(600);
+                if read {
+                    locks.acquire_read(&key, wait).await
+                } else {
+                    locks.acquire(&key, wait).await
+                }
+            })
+        };
+        wait_until("the refused mark is warned", LIMIT, async || {
+            logs.text_from(from).contains(warning)
+        })
+        .await;
+        let got = tokio::time::timeout(LIMIT, waiter)
+            .await
+            .expect("the waiter got the key")
+            .unwrap()
+            .unwrap();
+        drop(guard);
+        got.release().await.unwrap();
+        assert_eq!(
+            logs.text_from(from).matches(warning).count(),
+            1,
+            "warned once per backend"
+        );
+    }
 }
 
 /// `n` acquisitions and releases of `key`, one after the other, nobody waiting.
@@ -500,6 +598,18 @@ macro_rules! flavor_tests {
             async fn releases_nobody_waits_for_announce_nothing() {
                 let Some(server) = start() else { return };
                 unwaited_releases_announce_nothing(&server, $gated).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_refused_waiting_mark_is_warned() {
+                let Some(server) = start() else { return };
+                refused_mark(&server, false).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn a_refused_waiting_mark_in_a_script_is_warned() {
+                let Some(server) = start() else { return };
+                refused_mark(&server, true).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,22 +20,24 @@ use super::token::OwnerToken;
 /// `KEYS[1]` lock, `KEYS[2]` counter, `KEYS[3]` (optional) the lock's waiting mark; `ARGV[1]`
 /// token, `ARGV[2]` lease in ms, `ARGV[3]` (optional, a waiter's try) the mark's time to live
 /// in ms. Returns the new counter value; when the lock is held, nil, or for a waiter's try
-/// `{pttl}` (-3 when the user may not run `PTTL`: asked with `pcall`, so that the grant stays
-/// optional), after setting the waiting mark for `ARGV[3]` ms (also with `pcall`), which
-/// tells the holder's release that someone waits (see [`RELEASE_LUA`]).
+/// `{pttl, marked}` (pttl -3 when the user may not run `PTTL`: asked with `pcall`, so that the
+/// grant stays optional), after setting the waiting mark for `ARGV[3]` ms (also with `pcall`;
+/// `marked` 0 when the server refused it), which tells the holder's release that someone
+/// waits (see [`RELEASE_LUA`]).
 pub(crate) const ACQUIRE_FENCED_LUA: &str = "\
 if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
 if ARGV[3] then
-  if KEYS[3] then
-    redis.pcall('SET', KEYS[3], '1', 'PX', ARGV[3])
+  local m = 1
+  if KEYS[3] and redis.pcall('SET', KEYS[3], '1', 'PX', ARGV[3]).err then
+    m = 0
   end
   local t = redis.pcall('PTTL', KEYS[1])
   if type(t) ~= 'number' then
     t = -3
   end
-  return {t}
+  return {t, m}
 end
 return false";
 
@@ -54,14 +56,15 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
   return redis.call('INCR', KEYS[2])
 end
 if ARGV[4] then
-  if KEYS[4] then
-    redis.pcall('SET', KEYS[4], '1', 'PX', ARGV[4])
+  local m = 1
+  if KEYS[4] and redis.pcall('SET', KEYS[4], '1', 'PX', ARGV[4]).err then
+    m = 0
   end
   local t = redis.pcall('PTTL', KEYS[1])
   if type(t) ~= 'number' then
     t = -3
   end
-  return {t}
+  return {t, m}
 end
 return false";
 
@@ -304,6 +307,8 @@ pub(crate) struct Conn {
     pub(crate) fence: FenceState,
     /// Set once the server refused a release's `PUBLISH` (warned once).
     publish_refused: AtomicBool,
+    /// Set once the server refused a waiter's mark (warned once).
+    mark_refused: AtomicBool,
     /// The message of this connection's release announcements, random per backend: its
     /// subscribers tell their own backend's releases from others' by it (see
     /// [Fair waiting](super#fair-waiting)).
@@ -615,6 +620,7 @@ impl Conn {
             probe_first: AtomicBool::new(false),
             fence: FenceState::default(),
             publish_refused: AtomicBool::new(false),
+            mark_refused: AtomicBool::new(false),
             announcer: Arc::from(format!("{:016x}", fastrand::u64(..)).into_bytes()),
             marks_waits: false,
             unmarked_until: Mutex::new(None),
@@ -640,9 +646,11 @@ impl Conn {
                 .is_some_and(|until| Instant::now() < until)
     }
 
-    /// The waiting mark of the lock under `key`, when this connection marks waits.
-    fn waiting_mark(&self, key: &[u8]) -> Option<Vec<u8>> {
-        self.marks_waits.then(|| [key, WAITING_MARK].concat())
+    /// The waiting mark of the lock under `key`, when this connection marks waits (and the
+    /// server did not refuse a mark, see [`Conn::refuse_marks`]).
+    pub(crate) fn waiting_mark(&self, key: &[u8]) -> Option<Vec<u8>> {
+        (self.marks_waits && !self.mark_refused.load(Ordering::Relaxed))
+            .then(|| [key, WAITING_MARK].concat())
     }
 
     /// The message of this connection's release announcements.
@@ -1120,6 +1128,41 @@ impl Conn {
         }
     }
 
+    /// The server refused a waiting mark (see [`Conn::marking_waits`]): a user whose key
+    /// pattern covers the locks but not their marks. Warned once; from then on the backend
+    /// marks nothing, and its releases announce themselves unmarked. Other backends' releases
+    /// do not wake its waiters, which notice a release when the holder's lease would have
+    /// ended or at their fallback poll.
+    pub(crate) fn refuse_marks(&self, why: &str) {
+        if !self.mark_refused.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                error = why,
+                "redis waiters cannot mark the keys they wait for: the server refused \
+                 `<lock key>:waiting` (grant the Redis user the keys `~<prefix>{{*`, see \
+                 Permissions in the dlock::redis docs); releases elsewhere then do not wake \
+                 them, and they notice a release when the holder's lease would have ended or \
+                 at their fallback poll"
+            );
+        }
+    }
+
+    /// Whether `err`, the answer to a command that carried a waiting mark, may be the server
+    /// refusing the mark (`NOPERM`, a user whose key pattern covers the locks but not their
+    /// marks): the refused command ran nothing, and the caller sends it once more without the
+    /// mark, then hands the outcome to [`Conn::after_unmarked`].
+    pub(crate) fn mark_maybe_refused(err: &RedisError) -> bool {
+        err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+    }
+
+    /// The outcome `again` of a command sent once more without its mark after `first`: when
+    /// it was not refused as well, the mark was what the user may not touch (see
+    /// [`Conn::refuse_marks`]).
+    pub(crate) fn after_unmarked<T>(&self, first: &RedisError, again: &Result<T, RedisError>) {
+        if !again.as_ref().is_err_and(Conn::mark_maybe_refused) {
+            self.refuse_marks(&first.to_string());
+        }
+    }
+
     /// Whether uncertain commands are fenced: the backend can open another connection (it
     /// was built from a client), and the user may run `CLIENT ID` and `CLIENT KILL`.
     pub(crate) fn fencing_on(&self) -> bool {
@@ -1340,10 +1383,12 @@ impl Conn {
                             (Some(mark), Some(mark_ms)) => {
                                 let mut set_mark = redis::cmd("SET");
                                 set_mark.arg(&mark[..]).arg("1").arg("PX").arg(mark_ms);
-                                self.pipeline(vec![set_mark, pttl])
-                                    .await
-                                    .ok()
-                                    .and_then(|mut replies| replies.pop())
+                                let replies = self.pipeline(vec![set_mark, pttl]).await.ok();
+                                let mut replies = replies.into_iter().flatten();
+                                if let Some(Value::ServerError(err)) = replies.next() {
+                                    self.refuse_marks(&format!("{err:?}"));
+                                }
+                                replies.next()
                             }
                             _ => self.query(&pttl).await.ok(),
                         };
@@ -1359,7 +1404,7 @@ impl Conn {
             }
             Some(counter) => {
                 let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes()];
-                let (script, mut keys) = match counter {
+                let (script, keys) = match counter {
                     Counter::PerKey(fence_key) => {
                         (&self.scripts.acquire_fenced, vec![key, fence_key])
                     }
@@ -1374,21 +1419,37 @@ impl Conn {
                 };
                 if let Some(mark_ms) = &mark_ms {
                     args.push(mark_ms.as_bytes());
-                    keys.extend(mark.as_deref());
                 }
-                let (reply, waited) = self
-                    .eval_then(script, &keys, &args, wait_cmd.as_ref())
-                    .await?;
+                let mut marked = keys.clone();
+                marked.extend(mark.as_deref());
+                let (reply, waited) = match self
+                    .eval_then(script, &marked, &args, wait_cmd.as_ref())
+                    .await
+                {
+                    Err(err) if mark.is_some() && Conn::mark_maybe_refused(&err) => {
+                        let again = self
+                            .eval_then(script, &keys, &args, wait_cmd.as_ref())
+                            .await;
+                        self.after_unmarked(&err, &again);
+                        again?
+                    }
+                    other => other?,
+                };
                 match reply {
                     Value::Nil => Ok((Taking::Held(None), None)),
                     Value::Int(n) => Ok((Taking::Taken(u64::try_from(n).ok()), acked(waited)?)),
-                    Value::Array(items) => Ok((
-                        Taking::Held(match items.first() {
-                            Some(Value::Int(ms)) => Some(*ms),
-                            _ => None,
-                        }),
-                        None,
-                    )),
+                    Value::Array(items) => {
+                        if let Some(Value::Int(0)) = items.get(1) {
+                            self.refuse_marks("the acquisition script's SET of the mark");
+                        }
+                        Ok((
+                            Taking::Held(match items.first() {
+                                Some(Value::Int(ms)) => Some(*ms),
+                                _ => None,
+                            }),
+                            None,
+                        ))
+                    }
                     other => Err(unexpected("the acquisition script", &other)),
                 }
             }
@@ -1537,10 +1598,15 @@ impl Conn {
             }
         }
         let mark = self.waiting_mark(key).filter(|_| !self.unmarked_for_now());
+        let args: [&[u8]; 2] = [token.as_bytes(), &self.announcer];
         let mut keys = vec![key];
         keys.extend(mark.as_deref());
-        let args: [&[u8]; 2] = [token.as_bytes(), &self.announcer];
         let reply = match self.eval(&self.scripts.release, &keys, &args).await {
+            Err(err) if mark.is_some() && Conn::mark_maybe_refused(&err) => {
+                let again = self.eval(&self.scripts.release, &[key], &args).await;
+                self.after_unmarked(&err, &again);
+                again?
+            }
             // A Cluster slot in migration refuses a script whose keys are not all on the node
             // asked (`TRYAGAIN`), as the mark of a lock nobody waits for never is: released
             // again with the lock's key alone (which follows `ASK`), announced unmarked, as

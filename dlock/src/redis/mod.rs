@@ -160,7 +160,11 @@
 //!   Releases through `DELEX` / `DELIFEQ` (Redis 8.4+, Valkey 9.0+) announce themselves
 //!   whether marked or not (the pipeline cannot ask first), as do releases of the
 //!   [plain layout](self#the-plain-layout-for-other-clients), whose waiters may be other
-//!   clients that set no mark. A reader's try marks the key in both layouts.
+//!   clients that set no mark. A user the server refuses the mark (a key pattern that covers
+//!   the locks but not `<lock key>:waiting`) is warned once; its backend then marks nothing,
+//!   its releases announce themselves unmarked, and other backends' releases do not wake its
+//!   waiters (they notice a release when the holder's lease would have ended, or at their
+//!   fallback poll). A command refused for its mark ran nothing and goes again without it.
 //! - **One subscriber connection per backend** (on a Cluster, one per master), opened on its
 //!   first wait (with the client the backend was built from), subscribes to the channel of each key its waiters wait for, and
 //!   unsubscribes when the last of them is gone; it closes after a minute without waiters. A

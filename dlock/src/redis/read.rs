@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use redis::{ErrorKind, RedisError, Value};
 
-use super::commands::{CommandPath, Counter, Script, WAITING_MARK, WaiterTry};
+use super::commands::{CommandPath, Conn, Counter, Script, WaiterTry};
 use super::{Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease};
 use crate::LockError;
 use crate::backend::{LockRequest, ReleaseOutcome, WaitTry};
@@ -42,7 +42,8 @@ end
 }
 
 /// Takes a reader's share: `KEYS[1]` lock, `KEYS[2]` readers, `KEYS[3]` writer's intent,
-/// `KEYS[4]` the lock's waiting mark, `KEYS[5]` fencing counter (absent without fencing),
+/// `KEYS[4]` the lock's waiting mark (the lock's key again when the backend marks nothing),
+/// `KEYS[5]` fencing counter (absent without fencing),
 /// `KEYS[6]` the store's record of its shared counters' mode (with `fencing_counters` only);
 /// `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]` `0`, or for a waiter's try the waiting
 /// mark's time to live in ms (the try then asks for how long the contention may last, and
@@ -50,8 +51,9 @@ end
 /// (with `KEYS[6]`) the mode this backend joined: when the record holds another, nothing is
 /// taken and the answer is the error `DLOCKCOUNTERS <the record>`.
 /// Returns the new counter value (0 without fencing), or when a writer holds the key (any
-/// non-empty value) or waits for it, nil, or for a waiter's try `{pttl}` of the writer's lock
-/// or intent (-3 when the user may not run `PTTL`, asked with `pcall`).
+/// non-empty value) or waits for it, nil, or for a waiter's try `{pttl, marked}` of the
+/// writer's lock or intent (pttl -3 when the user may not run `PTTL`, asked with `pcall`;
+/// `marked` 0 when the server refused the mark).
 pub(crate) const READ_ACQUIRE_LUA: &str = concat!(
     "if KEYS[6] then
   local m = redis.call('GET', KEYS[6])
@@ -63,12 +65,15 @@ local function held(k)
   if (ARGV[3] or '0') == '0' then
     return false
   end
-  redis.pcall('SET', KEYS[4], '1', 'PX', ARGV[3])
+  local m = 1
+  if KEYS[4] ~= KEYS[1] and redis.pcall('SET', KEYS[4], '1', 'PX', ARGV[3]).err then
+    m = 0
+  end
   local t = redis.pcall('PTTL', k)
   if type(t) ~= 'number' then
     t = -3
   end
-  return {t}
+  return {t, m}
 end
 local v = redis.call('GET', KEYS[1])
 if v and v ~= '' then
@@ -291,18 +296,19 @@ pub(super) async fn try_acquire(
     let readers = readers_key(shared.layout, &lock_key);
     let intent = intent_key(shared.layout, &lock_key);
     let plan = super::bounded::plan(shared, request.key, &lock_key).await?;
-    let mark = companion_key(shared.layout, &lock_key, WAITING_MARK);
-    let mut keys: Vec<&[u8]> = vec![&lock_key, &readers, &intent, &mark];
+    let mark = shared.conn.waiting_mark(&lock_key);
+    let keys: Vec<&[u8]> = vec![&lock_key, &readers, &intent];
+    let mut counters: Vec<&[u8]> = Vec::new();
     let mut mode = None;
     match plan.counter() {
         None => {}
-        Some(Counter::PerKey(fence)) => keys.push(fence),
+        Some(Counter::PerKey(fence)) => counters.push(fence),
         Some(Counter::Shared {
             counter,
             record,
             mode: joined,
         }) => {
-            keys.extend([counter, record]);
+            counters.extend([counter, record]);
             mode = Some(joined);
         }
     }
@@ -322,9 +328,29 @@ pub(super) async fn try_acquire(
     let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes(), mark_ms.as_bytes()];
     args.extend(mode);
     let sent = Instant::now();
-    let eval = shared
-        .conn
-        .eval_waiting(&SCRIPTS.acquire, &keys, &args, shared.wait);
+    // Without a mark, the lock's key again in its place (see [`READ_ACQUIRE_LUA`]).
+    let mut marked = keys.clone();
+    marked.push(mark.as_deref().unwrap_or(&lock_key));
+    marked.extend(&counters);
+    let mut unmarked = keys;
+    unmarked.push(&lock_key);
+    unmarked.extend(&counters);
+    let eval = async {
+        let conn = &shared.conn;
+        match conn
+            .eval_waiting(&SCRIPTS.acquire, &marked, &args, shared.wait)
+            .await
+        {
+            Err(err) if mark.is_some() && Conn::mark_maybe_refused(&err) => {
+                let again = conn
+                    .eval_waiting(&SCRIPTS.acquire, &unmarked, &args, shared.wait)
+                    .await;
+                conn.after_unmarked(&err, &again);
+                again
+            }
+            other => other,
+        }
+    };
     let (reply, acked) = shared
         .bounded("acquiring a read lock", eval)
         .await
@@ -336,6 +362,11 @@ pub(super) async fn try_acquire(
         }
         Value::Array(items) => {
             cleanup.armed = false;
+            if let Some(Value::Int(0)) = items.get(1) {
+                shared
+                    .conn
+                    .refuse_marks("the read acquisition script's SET of the mark");
+            }
             let ttl = match items.first() {
                 Some(Value::Int(ms)) => Some(*ms),
                 _ => None,
