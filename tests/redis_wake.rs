@@ -184,6 +184,9 @@ fn logs() -> Captured {
 /// its own; with fencing it is a key of the acquisition script, which the server refuses as a
 /// whole, and which goes again without it: for a lock and for a read lock.
 async fn refused_mark(server: &RedisServer, fenced: bool) {
+    // One at a time: the logs are the whole binary's, and these tests count their warnings.
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _alone = ONE_AT_A_TIME.lock().await;
     let logs = logs();
     let mut admin = admin(server).await;
     let mut acl = redis::cmd("ACL");
