@@ -1149,15 +1149,15 @@ impl Conn {
     /// Whether `err`, the answer to a command that carried a waiting mark, may be the server
     /// refusing the mark (`NOPERM`, a user whose key pattern covers the locks but not their
     /// marks): the refused command ran nothing, and the caller sends it once more without the
-    /// mark, then hands the outcome to [`Conn::after_unmarked`].
-    pub(crate) fn mark_maybe_refused(err: &RedisError) -> bool {
+    /// mark, then hands the outcome to [`Conn::after_unmarked`] (see [`Conn::eval_marked`]).
+    fn mark_maybe_refused(err: &RedisError) -> bool {
         err.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
     }
 
     /// The outcome `again` of a command sent once more without its mark after `first`: when
     /// it was not refused as well, the mark was what the user may not touch (see
     /// [`Conn::refuse_marks`]).
-    pub(crate) fn after_unmarked<T>(&self, first: &RedisError, again: &Result<T, RedisError>) {
+    fn after_unmarked<T>(&self, first: &RedisError, again: &Result<T, RedisError>) {
         if !again.as_ref().is_err_and(Conn::mark_maybe_refused) {
             self.refuse_marks(&first.to_string());
         }
@@ -1325,19 +1325,41 @@ impl Conn {
         }
     }
 
-    /// [`Conn::eval`], with `WAIT` behind it on the same connection when `wait` asks for it
+    /// [`Conn::eval_then`] on `marked`, keys that carry a lock's waiting mark, and once more on
+    /// `unmarked`, the same without it, when the server refuses the first for the mark (see
+    /// [`Conn::mark_maybe_refused`]). Equal key lists run once.
+    async fn eval_marked(
+        &self,
+        script: &Script,
+        marked: &[&[u8]],
+        unmarked: &[&[u8]],
+        args: &[&[u8]],
+        then: Option<&Cmd>,
+    ) -> Result<(Value, Option<Value>), RedisError> {
+        match self.eval_then(script, marked, args, then).await {
+            Err(err) if marked != unmarked && Conn::mark_maybe_refused(&err) => {
+                let again = self.eval_then(script, unmarked, args, then).await;
+                self.after_unmarked(&err, &again);
+                again
+            }
+            other => other,
+        }
+    }
+
+    /// [`Conn::eval_marked`], with `WAIT` behind it on the same connection when `wait` asks for it
     /// (see [`Conn::take`]): the second value is how many replicas acknowledged the writes of
     /// the connection so far, the script's included (`None` without `wait`).
     pub(crate) async fn eval_waiting(
         &self,
         script: &Script,
-        keys: &[&[u8]],
+        marked: &[&[u8]],
+        unmarked: &[&[u8]],
         args: &[&[u8]],
         wait: Option<(u32, Duration)>,
     ) -> Result<(Value, Option<u64>), RedisError> {
         let wait_cmd = wait_command(wait);
         let (reply, waited) = self
-            .eval_then(script, keys, args, wait_cmd.as_ref())
+            .eval_marked(script, marked, unmarked, args, wait_cmd.as_ref())
             .await?;
         Ok((reply, acked(waited)?))
     }
@@ -1422,19 +1444,9 @@ impl Conn {
                 }
                 let mut marked = keys.clone();
                 marked.extend(mark.as_deref());
-                let (reply, waited) = match self
-                    .eval_then(script, &marked, &args, wait_cmd.as_ref())
-                    .await
-                {
-                    Err(err) if mark.is_some() && Conn::mark_maybe_refused(&err) => {
-                        let again = self
-                            .eval_then(script, &keys, &args, wait_cmd.as_ref())
-                            .await;
-                        self.after_unmarked(&err, &again);
-                        again?
-                    }
-                    other => other?,
-                };
+                let (reply, waited) = self
+                    .eval_marked(script, &marked, &keys, &args, wait_cmd.as_ref())
+                    .await?;
                 match reply {
                     Value::Nil => Ok((Taking::Held(None), None)),
                     Value::Int(n) => Ok((Taking::Taken(u64::try_from(n).ok()), acked(waited)?)),
@@ -1601,12 +1613,10 @@ impl Conn {
         let args: [&[u8]; 2] = [token.as_bytes(), &self.announcer];
         let mut keys = vec![key];
         keys.extend(mark.as_deref());
-        let reply = match self.eval(&self.scripts.release, &keys, &args).await {
-            Err(err) if mark.is_some() && Conn::mark_maybe_refused(&err) => {
-                let again = self.eval(&self.scripts.release, &[key], &args).await;
-                self.after_unmarked(&err, &again);
-                again?
-            }
+        let marked = self
+            .eval_marked(&self.scripts.release, &keys, &[key], &args, None)
+            .await;
+        let reply = match marked.map(|(reply, _)| reply) {
             // A Cluster slot in migration refuses a script whose keys are not all on the node
             // asked (`TRYAGAIN`), as the mark of a lock nobody waits for never is: released
             // again with the lock's key alone (which follows `ASK`), announced unmarked, as

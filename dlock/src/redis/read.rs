@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use redis::{ErrorKind, RedisError, Value};
 
-use super::commands::{CommandPath, Conn, Counter, Script, WaiterTry};
+use super::commands::{CommandPath, Counter, Script, WaiterTry};
 use super::{Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease};
 use crate::LockError;
 use crate::backend::{LockRequest, ReleaseOutcome, WaitTry};
@@ -335,22 +335,9 @@ pub(super) async fn try_acquire(
     let mut unmarked = keys;
     unmarked.push(&lock_key);
     unmarked.extend(&counters);
-    let eval = async {
-        let conn = &shared.conn;
-        match conn
-            .eval_waiting(&SCRIPTS.acquire, &marked, &args, shared.wait)
-            .await
-        {
-            Err(err) if mark.is_some() && Conn::mark_maybe_refused(&err) => {
-                let again = conn
-                    .eval_waiting(&SCRIPTS.acquire, &unmarked, &args, shared.wait)
-                    .await;
-                conn.after_unmarked(&err, &again);
-                again
-            }
-            other => other,
-        }
-    };
+    let eval = shared
+        .conn
+        .eval_waiting(&SCRIPTS.acquire, &marked, &unmarked, &args, shared.wait);
     let (reply, acked) = shared
         .bounded("acquiring a read lock", eval)
         .await
