@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
 use dlock::{Backoff, LockError, LockProvider};
-use dlock_testkit::redis::{LeaseHarness, SentinelDeployment};
+use dlock_testkit::redis::{LeaseHarness, SentinelDeployment, counts_one_subscriber};
 use dlock_testkit::{unique_key, wait_until};
 
 /// Down-after for the deployments whose master is never killed: long, so that a loaded
@@ -181,20 +181,7 @@ async fn killed_master_backend_recovers_on_the_promoted_replica() {
 
 /// Whether the node on `port` counts one subscriber of `channel` (`PUBSUB NUMSUB`).
 async fn subscribed(deployment: &SentinelDeployment, port: u16, channel: &str) -> bool {
-    let Ok(mut conn) = deployment
-        .node(port)
-        .client()
-        .get_multiplexed_async_connection()
-        .await
-    else {
-        return false;
-    };
-    let counted: Result<(Vec<u8>, i64), _> = redis::cmd("PUBSUB")
-        .arg("NUMSUB")
-        .arg(channel)
-        .query_async(&mut conn)
-        .await;
-    matches!(counted, Ok((_, 1)))
+    counts_one_subscriber(&deployment.node(port).client(), channel).await
 }
 
 /// A holder from a provider of its own takes `key`, a waiter of `waiters` waits for it until

@@ -334,6 +334,11 @@ impl RedisServer {
         self.port
     }
 
+    /// Whether `port` is its plain port or its TLS port.
+    pub fn answers_on(&self, port: u16) -> bool {
+        self.port == port || self.tls.as_ref().is_some_and(|(tls, _, _)| *tls == port)
+    }
+
     /// The server's URL, with `options` (`lease=1s&...`) appended.
     pub fn url(&self, options: &str) -> String {
         self.url_at(self.placement.host(), options)
@@ -685,6 +690,8 @@ pub const SENTINEL_SERVICE: &str = "mymaster";
 #[derive(Debug)]
 struct SentinelProcess {
     port: u16,
+    /// Its TLS port, in a deployment with TLS.
+    tls_port: Option<u16>,
     child: Child,
     _dir: tempfile::TempDir,
 }
@@ -706,6 +713,8 @@ pub struct SentinelDeployment {
     /// one is the master now, [`master_port`](SentinelDeployment::master_port) says.
     pub nodes: Vec<RedisServer>,
     sentinels: Vec<SentinelProcess>,
+    /// With TLS ([`start_tls`](SentinelDeployment::start_tls)): the CA file clients trust.
+    tls_ca: Option<PathBuf>,
 }
 
 impl SentinelDeployment {
@@ -733,10 +742,49 @@ impl SentinelDeployment {
         let binary = master.binary.clone();
         let mut sentinels = Vec::new();
         for _ in 0..3 {
-            sentinels.push(start_sentinel(&binary, master.port(), down_after));
+            sentinels.push(start_sentinel(&binary, master.port(), down_after, None));
         }
         nodes.insert(0, master);
-        Some(SentinelDeployment { nodes, sentinels })
+        Some(SentinelDeployment {
+            nodes,
+            sentinels,
+            tls_ca: None,
+        })
+    }
+
+    /// [`start`](SentinelDeployment::start) where every data node and sentinel also has a
+    /// TLS port presenting `tls`'s certificate, and replication and the sentinels' links go
+    /// over TLS (`tls-replication yes`): the sentinels monitor and name the nodes' TLS ports.
+    /// The plain ports stay open for the fixture's own commands.
+    /// [`url`](SentinelDeployment::url) gives a `rediss+sentinel://` URL that trusts `tls`'s
+    /// CA.
+    pub fn start_tls(down_after: Duration, tls: &ServerTls) -> Option<SentinelDeployment> {
+        let over_tls = |node: &mut RedisServer, replica_of: Option<u16>| {
+            node.set_tls(Some(tls), false);
+            node.extra
+                .extend(["--tls-replication", "yes"].map(str::to_owned));
+            if let Some(master) = replica_of {
+                node.extra.extend([
+                    "--replicaof".to_owned(),
+                    "127.0.0.1".to_owned(),
+                    master.to_string(),
+                ]);
+            }
+            node.restart();
+        };
+        let mut master = RedisServer::start(Flavor::Redis7)?;
+        over_tls(&mut master, None);
+        let mut replica = RedisServer::start(Flavor::Redis7)?;
+        over_tls(&mut replica, Some(master.tls_port()));
+        let binary = master.binary.clone();
+        let sentinels = (0..3)
+            .map(|_| start_sentinel(&binary, master.tls_port(), down_after, Some(tls)))
+            .collect();
+        Some(SentinelDeployment {
+            nodes: vec![master, replica],
+            sentinels,
+            tls_ca: Some(tls.ca.clone()),
+        })
     }
 
     /// The sentinels' ports.
@@ -744,19 +792,21 @@ impl SentinelDeployment {
         self.sentinels.iter().map(|s| s.port).collect()
     }
 
-    /// `redis+sentinel://127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3/mymaster`, with `options`.
+    /// `redis+sentinel://127.0.0.1:p1,127.0.0.1:p2,127.0.0.1:p3/mymaster`, with `options`;
+    /// with TLS, `rediss+sentinel://` with the sentinels' TLS ports and `ca=` the CA file.
     pub fn url(&self, options: &str) -> String {
         let hosts: Vec<String> = self
             .sentinels
             .iter()
-            .map(|s| format!("127.0.0.1:{}", s.port))
+            .map(|s| format!("127.0.0.1:{}", s.tls_port.unwrap_or(s.port)))
             .collect();
-        let mut url = format!("redis+sentinel://{}/{SENTINEL_SERVICE}", hosts.join(","));
-        if !options.is_empty() {
-            url.push('?');
-            url.push_str(options);
-        }
-        url
+        deployment_url(
+            "redis+sentinel",
+            &hosts,
+            &format!("/{SENTINEL_SERVICE}"),
+            self.tls_ca.as_deref(),
+            options,
+        )
     }
 
     /// One command to sentinel `i`.
@@ -784,17 +834,18 @@ impl SentinelDeployment {
         self.master_port_by(0).expect("the sentinel names a master")
     }
 
-    /// The data node on `port`.
+    /// The data node on `port` (its plain port, or its TLS port with TLS).
     pub fn node(&self, port: u16) -> &RedisServer {
         self.nodes
             .iter()
-            .find(|n| n.port() == port)
+            .find(|n| n.answers_on(port))
             .expect("a data node of the deployment")
     }
 
     /// The role (`master`, `slave`) the data node on `port` reports; `None` when it does not
     /// answer.
     pub fn role(&self, port: u16) -> Option<String> {
+        let port = self.node(port).port();
         let role: Vec<redis::Value> = sync_command(port, &["ROLE"]).ok()?;
         match role.first()? {
             redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
@@ -821,7 +872,7 @@ impl SentinelDeployment {
             }) && self
                 .nodes
                 .iter()
-                .filter(|n| Some(n.port()) != self.master_port_by(0))
+                .filter(|n| !self.master_port_by(0).is_some_and(|p| n.answers_on(p)))
                 .all(|n| {
                     n.info("replication")
                         .get("master_link_status")
@@ -921,6 +972,49 @@ impl SentinelDeployment {
 }
 
 /// One command over a fresh synchronous connection to loopback `port`.
+/// Whether the server `client` reaches counts exactly one subscriber of `channel`
+/// (`PUBSUB NUMSUB`); `false` when it does not answer.
+pub async fn counts_one_subscriber(client: &redis::Client, channel: &str) -> bool {
+    let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+        return false;
+    };
+    let counted: Result<(Vec<u8>, i64), _> = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(&mut conn)
+        .await;
+    matches!(counted, Ok((_, 1)))
+}
+
+/// `scheme://hosts` (`redis+cluster`, or with `tls_ca` its TLS form with `ca=` that file),
+/// then `path` and the query `options`: the URL of a multi-host deployment.
+fn deployment_url(
+    scheme: &str,
+    hosts: &[String],
+    path: &str,
+    tls_ca: Option<&std::path::Path>,
+    options: &str,
+) -> String {
+    let mut query: Vec<String> = Vec::new();
+    let mut url = match tls_ca {
+        Some(ca) => {
+            query.push(format!("ca={}", ca.display()));
+            format!("{}://", scheme.replacen("redis", "rediss", 1))
+        }
+        None => format!("{scheme}://"),
+    };
+    url.push_str(&hosts.join(","));
+    url.push_str(path);
+    if !options.is_empty() {
+        query.push(options.to_owned());
+    }
+    if !query.is_empty() {
+        url.push('?');
+        url.push_str(&query.join("&"));
+    }
+    url
+}
+
 fn sync_command<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
     let mut conn = client.get_connection_with_timeout(Duration::from_secs(5))?;
@@ -934,7 +1028,12 @@ fn sync_command<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::Re
 
 /// Starts a sentinel monitoring the master on loopback port `master`, and waits until it
 /// answers.
-fn start_sentinel(binary: &std::path::Path, master: u16, down_after: Duration) -> SentinelProcess {
+fn start_sentinel(
+    binary: &std::path::Path,
+    master: u16,
+    down_after: Duration,
+    tls: Option<&ServerTls>,
+) -> SentinelProcess {
     for _ in 0..5 {
         let dir = tempfile::tempdir().expect("temp dir");
         let port = free_port();
@@ -942,10 +1041,25 @@ fn start_sentinel(binary: &std::path::Path, master: u16, down_after: Duration) -
         let down_ms = down_after.as_millis().max(100);
         // A failover that stalls is given up after this; short, so tests move on.
         let failover_ms = (down_ms * 4).max(3000);
+        let tls_port = tls.map(|_| free_port());
+        let tls_lines = match (tls, tls_port) {
+            (Some(tls), Some(tls_port)) => {
+                let files = tls.copy_into(dir.path());
+                format!(
+                    "tls-port {tls_port}\ntls-cert-file {}\ntls-key-file {}\n\
+                     tls-ca-cert-file {}\ntls-auth-clients no\ntls-replication yes\n",
+                    files.cert.display(),
+                    files.key.display(),
+                    files.ca.display()
+                )
+            }
+            _ => String::new(),
+        };
         std::fs::write(
             &conf,
             format!(
                 "port {port}\nbind 127.0.0.1\ndir {dir}\nlogfile {dir}/sentinel.log\n\
+                 {tls_lines}\
                  sentinel monitor {SENTINEL_SERVICE} 127.0.0.1 {master} 2\n\
                  sentinel down-after-milliseconds {SENTINEL_SERVICE} {down_ms}\n\
                  sentinel failover-timeout {SENTINEL_SERVICE} {failover_ms}\n\
@@ -976,6 +1090,7 @@ fn start_sentinel(binary: &std::path::Path, master: u16, down_after: Duration) -
         if up {
             return SentinelProcess {
                 port,
+                tls_port,
                 child,
                 _dir: dir,
             };

@@ -84,7 +84,12 @@ impl Pki {
             params
                 .distinguished_name
                 .push(DnType::CommonName, "dlock test server");
-            params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
+            // Client authentication too: Redis nodes present it on the cluster bus, where
+            // the accepting node always asks for a client certificate.
+            params.extended_key_usages = vec![
+                ExtendedKeyUsagePurpose::ServerAuth,
+                ExtendedKeyUsagePurpose::ClientAuth,
+            ];
             params.key_usages = vec![
                 KeyUsagePurpose::DigitalSignature,
                 KeyUsagePurpose::KeyEncipherment,

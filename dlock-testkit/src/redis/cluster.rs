@@ -20,6 +20,8 @@ pub struct RedisCluster {
     /// The nodes, in the order they were started (which are masters now,
     /// [`masters`](RedisCluster::masters) says).
     pub nodes: Vec<RedisServer>,
+    /// With TLS ([`start_tls`](RedisCluster::start_tls)): the CA file clients trust.
+    tls_ca: Option<std::path::PathBuf>,
 }
 
 impl RedisCluster {
@@ -37,6 +39,30 @@ impl RedisCluster {
         replicas: usize,
         node_timeout: Duration,
     ) -> Option<RedisCluster> {
+        RedisCluster::start_on(masters, replicas, node_timeout, None)
+    }
+
+    /// [`start_with`](RedisCluster::start_with) where every node also has a TLS port
+    /// presenting `tls`'s certificate, and the cluster bus and replication go over TLS
+    /// (`tls-cluster yes`, `tls-replication yes`): the nodes then name each other's TLS ports
+    /// to clients that reach them over TLS, and their plain ports to the others (the
+    /// fixture's own commands). [`url`](RedisCluster::url) gives a `rediss+cluster://` URL
+    /// that trusts `tls`'s CA.
+    pub fn start_tls(
+        masters: usize,
+        replicas: usize,
+        node_timeout: Duration,
+        tls: &crate::ServerTls,
+    ) -> Option<RedisCluster> {
+        RedisCluster::start_on(masters, replicas, node_timeout, Some(tls))
+    }
+
+    fn start_on(
+        masters: usize,
+        replicas: usize,
+        node_timeout: Duration,
+        tls: Option<&crate::ServerTls>,
+    ) -> Option<RedisCluster> {
         let Some(cli) = on_path("redis-cli") else {
             assert!(
                 std::env::var_os("CI").is_none(),
@@ -49,7 +75,7 @@ impl RedisCluster {
         let mut nodes = Vec::new();
         for _ in 0..masters * (1 + replicas) {
             let bus = free_port().to_string();
-            nodes.push(RedisServer::start_args(
+            let mut node = RedisServer::start_args(
                 Flavor::Redis7,
                 Placement::default(),
                 &[
@@ -62,7 +88,15 @@ impl RedisCluster {
                     "--cluster-port",
                     &bus,
                 ],
-            )?);
+            )?;
+            if let Some(tls) = tls {
+                node.set_tls(Some(tls), false);
+                node.extra.extend(
+                    ["--tls-cluster", "yes", "--tls-replication", "yes"].map(str::to_owned),
+                );
+                node.restart();
+            }
+            nodes.push(node);
         }
         let mut create = Command::new(cli);
         create.arg("--cluster").arg("create");
@@ -80,7 +114,10 @@ impl RedisCluster {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        let cluster = RedisCluster { nodes };
+        let cluster = RedisCluster {
+            nodes,
+            tls_ca: tls.map(|tls| tls.ca.clone()),
+        };
         cluster.wait_settled(&[]);
         Some(cluster)
     }
@@ -103,6 +140,22 @@ impl RedisCluster {
             .map(|(cluster, _)| cluster)
     }
 
+    /// [`shared`](RedisCluster::shared) with TLS ([`start_tls`](RedisCluster::start_tls),
+    /// the good certificate of [`Pki::shared`](crate::tls::Pki::shared)): three masters
+    /// without replicas, shared by the tests of this binary that call it.
+    pub fn shared_tls() -> Option<&'static RedisCluster> {
+        static SHARED: OnceLock<Option<(RedisCluster, ChildStdin)>> = OnceLock::new();
+        SHARED
+            .get_or_init(|| {
+                let tls = crate::tls::Pki::shared().server(crate::tls::ServerCert::Good);
+                let cluster = RedisCluster::start_tls(3, 0, Duration::from_secs(1), &tls)?;
+                let reaper = cluster.reaper();
+                Some((cluster, reaper))
+            })
+            .as_ref()
+            .map(|(cluster, _)| cluster)
+    }
+
     /// A [reaper](crate::reaper) that kills every node and removes its directory.
     fn reaper(&self) -> ChildStdin {
         let mut script = String::from("cat >/dev/null;");
@@ -118,19 +171,22 @@ impl RedisCluster {
         crate::reaper(&script)
     }
 
-    /// `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...` (every node), with `options`.
+    /// `redis+cluster://127.0.0.1:p1,127.0.0.1:p2,...` (every node), with `options`; on a
+    /// cluster with TLS, `rediss+cluster://` with the nodes' TLS ports and `ca=` the CA file.
     pub fn url(&self, options: &str) -> String {
         let hosts: Vec<String> = self
             .nodes
             .iter()
-            .map(|n| format!("127.0.0.1:{}", n.port()))
+            .map(|n| {
+                let port = if self.tls_ca.is_some() {
+                    n.tls_port()
+                } else {
+                    n.port()
+                };
+                format!("127.0.0.1:{port}")
+            })
             .collect();
-        let mut url = format!("redis+cluster://{}", hosts.join(","));
-        if !options.is_empty() {
-            url.push('?');
-            url.push_str(options);
-        }
-        url
+        super::deployment_url("redis+cluster", &hosts, "", self.tls_ca.as_deref(), options)
     }
 
     /// The ports of every node.
