@@ -86,7 +86,7 @@ impl Terms {
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
-pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redis+sentinel://, redis+cluster://, redlock://, etcd://";
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redis+sentinel:// (rediss+sentinel://), redis+cluster:// (rediss+cluster://), redlock://, etcd://";
 
 impl LockProvider {
     /// Connects to the lock store named by `url`; the scheme picks the backend.
@@ -99,8 +99,8 @@ impl LockProvider {
     /// | `mssql://`, `sqlserver://` | SQL Server | `mssql` |
     /// | `oracle://` | Oracle | `oracle` |
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
-    /// | `redis+sentinel://host:port,host:port/SERVICE` | [Redis behind Sentinel](crate::redis#sentinel): the master the sentinels name | `redis` |
-    /// | `redis+cluster://host:port,host:port` | [Redis Cluster](crate::redis#cluster) | `redis` |
+    /// | `redis+sentinel://host:port,host:port/SERVICE`, `rediss+sentinel://...` (TLS) | [Redis behind Sentinel](crate::redis#sentinel): the master the sentinels name | `redis` |
+    /// | `redis+cluster://host:port,host:port`, `rediss+cluster://...` (TLS) | [Redis Cluster](crate::redis#cluster) | `redis` |
     /// | `redlock://host:port,host:port,host:port` | [Redlock](crate::redis::RedlockBackend) over independent Redis / Valkey nodes | `redis` |
     /// | `etcd://host:port[,host:port...]` | [etcd](crate::etcd) | `etcd` |
     ///
@@ -130,7 +130,8 @@ impl LockProvider {
             "mysql" | "mariadb" => connect_mysql(url).await,
             "mssql" | "sqlserver" => connect_mssql(url).await,
             "oracle" => connect_oracle(url).await,
-            "redis" | "rediss" | "redis+sentinel" | "redis+cluster" => connect_redis(url).await,
+            "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster"
+            | "rediss+cluster" => connect_redis(url).await,
             "redlock" => connect_redlock(url).await,
             "etcd" => connect_etcd(url).await,
             _ => Err(LockError::config(format!(

@@ -118,6 +118,31 @@ pub(crate) fn describe(err: &(dyn StdError + 'static), ca_option: &str) -> Optio
     })
 }
 
+/// [`describe`] for a driver that passes on a TLS failure only as text, as the Redis cluster
+/// client does ("... invalid peer certificate: UnknownIssuer"): the refused certificate of
+/// rustls's message, if `text` carries one.
+#[cfg(feature = "redis")]
+pub(crate) fn describe_text(text: &str, ca_option: &str) -> Option<Failure> {
+    const REFUSED: &str = "invalid peer certificate: ";
+    let (_, rest) = text.split_once(REFUSED)?;
+    let name: String = rest
+        .chars()
+        .take_while(char::is_ascii_alphanumeric)
+        .collect();
+    let error = match name.as_str() {
+        "UnknownIssuer" => CertificateError::UnknownIssuer,
+        "NotValidForName" | "NotValidForNameContext" => CertificateError::NotValidForName,
+        "Expired" | "ExpiredContext" => CertificateError::Expired,
+        "NotValidYet" | "NotValidYetContext" => CertificateError::NotValidYet,
+        "Revoked" => CertificateError::Revoked,
+        "InvalidPurpose" | "InvalidPurposeContext" => CertificateError::InvalidPurpose,
+        _ => CertificateError::Other(rustls::OtherError(std::sync::Arc::new(
+            std::io::Error::other(rest.trim_end_matches(')').to_owned()),
+        ))),
+    };
+    describe(&rustls::Error::InvalidCertificate(error), ca_option)
+}
+
 /// The error sqlx gives when the URL requires TLS (`sslmode=require` and up, `ssl-mode=REQUIRED`
 /// and up) and the server offers none: nothing was sent in clear.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
@@ -150,6 +175,32 @@ fn utc(secs: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(feature = "redis")]
+    #[test]
+    fn refusals_passed_on_as_text() {
+        let text = "Failed to create initial connections - Io: invalid peer certificate: \
+                    UnknownIssuer";
+        let failure = describe_text(text, "ca").expect("a refused certificate");
+        assert!(failure.certificate);
+        assert!(
+            failure.message.contains("unknown issuer"),
+            "{}",
+            failure.message
+        );
+        assert!(failure.message.contains("`ca`"), "{}", failure.message);
+        let expired = describe_text(
+            "Io: invalid peer certificate: ExpiredContext { time: 1, not_after: 0 }",
+            "ca",
+        )
+        .expect("a refused certificate");
+        assert!(expired.message.contains("expired"), "{}", expired.message);
+        let other = describe_text("Io: invalid peer certificate: BadSignature)", "ca")
+            .expect("a refused certificate");
+        assert!(other.certificate);
+        assert!(other.message.contains("BadSignature"), "{}", other.message);
+        assert!(describe_text("Io: connection refused", "ca").is_none());
+    }
 
     #[test]
     fn dates() {

@@ -208,6 +208,8 @@ pub(crate) fn is_cross_slot(err: &RedisError) -> bool {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct ClusterUrl {
     pub(crate) hosts: Hosts,
+    /// `rediss+cluster://`: every node is reached over TLS.
+    pub(crate) tls: bool,
     /// The query, without `?`.
     pub(crate) query: String,
 }
@@ -215,6 +217,7 @@ pub(crate) struct ClusterUrl {
 /// How a `redis+cluster://` URL is written.
 const URL: HostListUrl = HostListUrl {
     scheme: "redis+cluster",
+    tls_scheme: "rediss+cluster",
     leads_to: "Redis Cluster",
     noun: "node",
     default_port: DEFAULT_PORT,
@@ -232,6 +235,7 @@ pub(crate) fn split_url(url: &str) -> Result<ClusterUrl, LockError> {
     }
     Ok(ClusterUrl {
         hosts: URL.hosts(&split)?,
+        tls: split.tls,
         query: split.query.to_owned(),
     })
 }

@@ -1,5 +1,5 @@
-//! The URLs that list several hosts (`redis+cluster://`, `redis+sentinel://`): scheme,
-//! `user:password@`, the host list `host:port,host:port,...` (IPv6 as `[v6]:port`), path and
+//! The URLs that list several hosts (`redis+cluster://`, `redis+sentinel://`, and their TLS
+//! forms `rediss+cluster://`, `rediss+sentinel://`): scheme, `user:password@`, the host list `host:port,host:port,...` (IPv6 as `[v6]:port`), path and
 //! query. Each URL kind says what its hosts are called, their default port and its example;
 //! its path is its own.
 
@@ -12,6 +12,8 @@ use crate::options::{percent_decode, shown};
 pub(crate) struct HostListUrl {
     /// The scheme, in lower case (`redis+cluster`).
     pub(crate) scheme: &'static str,
+    /// The scheme of the same URL over TLS (`rediss+cluster`).
+    pub(crate) tls_scheme: &'static str,
     /// What the URL leads to, as the wrong-scheme message names it (`Redis Cluster`).
     pub(crate) leads_to: &'static str,
     /// What each host is (`node`).
@@ -24,6 +26,8 @@ pub(crate) struct HostListUrl {
 
 /// A URL split at its scheme, path and query (each without its `/` or `?`).
 pub(crate) struct Split<'a> {
+    /// Whether the scheme is the TLS one.
+    pub(crate) tls: bool,
     authority: &'a str,
     pub(crate) path: &'a str,
     pub(crate) query: &'a str,
@@ -48,14 +52,21 @@ impl HostListUrl {
 
     /// Checks the scheme and splits off the path and the query.
     pub(crate) fn split<'a>(&self, url: &'a str) -> Result<Split<'a>, LockError> {
-        let rest = url
+        let (tls, rest) = url
             .split_once("://")
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case(self.scheme))
-            .map(|(_, rest)| rest)
+            .and_then(|(scheme, rest)| {
+                if scheme.eq_ignore_ascii_case(self.scheme) {
+                    Some((false, rest))
+                } else if scheme.eq_ignore_ascii_case(self.tls_scheme) {
+                    Some((true, rest))
+                } else {
+                    None
+                }
+            })
             .ok_or_else(|| {
                 LockError::config(format!(
-                    "a {} URL starts with {}://; write it like {}",
-                    self.leads_to, self.scheme, self.example
+                    "a {} URL starts with {}:// ({}:// over TLS); write it like {}",
+                    self.leads_to, self.scheme, self.tls_scheme, self.example
                 ))
             })?;
         let (main, query) = rest.split_once('?').unwrap_or((rest, ""));
@@ -64,6 +75,7 @@ impl HostListUrl {
             None => (main, ""),
         };
         Ok(Split {
+            tls,
             authority,
             path,
             query,

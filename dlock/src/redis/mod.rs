@@ -260,8 +260,11 @@
 //! given) and the name they monitor the master by. The user and password are the master's
 //! (and those of any replica promoted in its place); the sentinels' own, if they ask for any,
 //! are the options `sentinel_username` and `sentinel_password`
-//! ([`RedisBuilder::sentinel_credentials`]). Every option of `redis://` applies except `ca`:
-//! this version reaches Sentinel deployments without TLS. A URL without sentinels, without a
+//! ([`RedisBuilder::sentinel_credentials`]). Every option of `redis://` applies.
+//! `rediss+sentinel://` (or [`RedisBuilder::sentinel_tls`]) reaches the sentinels and the
+//! master over TLS, with `ca` as on `rediss://` (see [TLS](self#tls)); the sentinels must then
+//! name the nodes' TLS ports (`tls-replication yes` in their configuration, as in the nodes').
+//! A URL without sentinels, without a
 //! service name, or with a port that is not a number from 1 to 65535 is a
 //! [`LockError::Config`].
 //!
@@ -303,8 +306,10 @@
 //! the master of its key's slot, and follows the cluster's redirections by itself (`MOVED`
 //! after a slot moved, `ASK` while it moves, `TRYAGAIN` while a lock's keys are split
 //! between the two masters of a migration), up to 16 times, with backoff, within the
-//! command `timeout`. Every option of `redis://` applies except `ca` (this version reaches
-//! clusters without TLS), and the Sentinel ones. A URL without nodes, with a port that is not
+//! command `timeout`. Every option of `redis://` applies except the Sentinel ones.
+//! `rediss+cluster://` reaches every node (and each master's subscriber) over TLS, with `ca`
+//! as on `rediss://` (see [TLS](self#tls)); the nodes must then name each other's TLS ports
+//! to clients (`tls-cluster yes`). A URL without nodes, with a port that is not
 //! a number from 1 to 65535, or with a database other than 0 is a [`LockError::Config`].
 //!
 //! **Keys.** Every key of one lock (the lock, its fencing counter, its readers' set, a
@@ -439,16 +444,22 @@
 //!
 //! # TLS
 //!
-//! `rediss://` never falls back to a connection in clear, and the server's certificate must
+//! `rediss://` (and `rediss+cluster://`, `rediss+sentinel://`) never falls back to a
+//! connection in clear, and the server's certificate must
 //! be signed by a trusted CA and carry the host name or IP address of the URL (rustls checks
 //! no other way; there is no option to skip the check). A refused certificate is a
 //! [`LockError::Config`] that says which check failed: "not signed by a CA this client trusts
 //! (unknown issuer)", "not valid for the host name `h` the URL names (it is for ...)", "has
 //! expired (valid until ...)". A `rediss://` URL aimed at a port without TLS times out while
 //! the handshake waits ([`LockError::Unavailable`] saying so), and a `redis://` client at a TLS
-//! port is cut off by the server. Client certificates (mutual TLS) are not configured by
-//! dlock: build the `redis::Client` with `redis::Client::build_with_tls` and pass it to
-//! [`RedisBackend::builder`].
+//! port is cut off by the server. On a Cluster, the nodes are reached at the addresses the
+//! slot map names, and behind Sentinel the master at the address the sentinels name: their
+//! certificates must carry those (IP addresses, or host names where the deployment announces
+//! them, `cluster-announce-hostname` with `cluster-preferred-endpoint-type hostname`).
+//! Client certificates (mutual TLS) are not configured by dlock: build the `redis::Client`
+//! with `redis::Client::build_with_tls` and pass it to [`RedisBackend::builder`] (on a
+//! Cluster, a `ClusterClient` with `ClusterClientBuilder::certs` to
+//! [`RedisBackend::cluster_builder`]).
 //!
 //! redis-rs takes the process-wide rustls `CryptoProvider`. Before its first `rediss://`
 //! connection, dlock installs ring as that provider unless the application installed one
@@ -864,6 +875,19 @@ impl RedisBuilder {
         self
     }
 
+    /// Behind Sentinel: reaches the sentinels and the master (and any replica promoted in its
+    /// place) over TLS, as a `rediss+sentinel://` URL does, trusting the system's root
+    /// certificates or those of [`ca_certificates`](RedisBuilder::ca_certificates). See
+    /// [TLS](self#tls). On a builder that is not on sentinels,
+    /// [`connect`](RedisBuilder::connect) answers [`LockError::Config`] (a `redis::Client`
+    /// carries its own TLS settings).
+    pub fn sentinel_tls(mut self) -> Self {
+        if let Some(sentinels) = self.sentinels("sentinel_tls") {
+            sentinels.tls.get_or_insert_with(HostTls::default);
+        }
+        self
+    }
+
     /// Behind Sentinel: how often the sentinels are asked whether the master in use still is
     /// the master (default 1 s; 10 ms to 365 days), besides right after any failure that may
     /// mean it moved. Each check opens a connection to a sentinel and asks one question; a
@@ -1055,8 +1079,9 @@ impl RedisBuilder {
         let (manager, rebuild): (cluster::Link, _) = match self.source {
             Source::Cluster(_) if self.ca.is_some() => {
                 return Err(LockError::config(
-                    "the redis `ca` applies to rediss:// connections; Cluster deployments \
-                     are reached without TLS by this version of dlock",
+                    "the redis `ca` applies to connections dlock opens; a ClusterClient brings \
+                     its own TLS settings (ClusterClientBuilder::certs), or use a \
+                     rediss+cluster:// URL with the option `ca`",
                 ));
             }
             Source::Cluster(source) => {
@@ -1075,10 +1100,10 @@ impl RedisBuilder {
                 on_cluster = Some((cluster, subscribe));
                 (cluster::Link::Cluster(connection), None)
             }
-            Source::Sentinel(_) if self.ca.is_some() => {
+            Source::Sentinel(ref sentinels) if self.ca.is_some() && sentinels.tls.is_none() => {
                 return Err(LockError::config(
-                    "the redis `ca` applies to rediss:// connections; Sentinel deployments \
-                     are reached without TLS by this version of dlock",
+                    "the redis `ca` needs a TLS connection: use a rediss+sentinel:// URL (or \
+                     RedisBuilder::sentinel_tls)",
                 ));
             }
             Source::Sentinel(sentinels) if sentinels.nodes.is_empty() => {
@@ -1096,6 +1121,10 @@ impl RedisBuilder {
                 let mut sentinels = *sentinels;
                 sentinels.timeout = self.timeout;
                 sentinels.check_every = self.check_master_every;
+                if let (Some(tls), Some(pem)) = (&mut sentinels.tls, self.ca.clone()) {
+                    check_ca(&pem)?;
+                    tls.ca = Some(pem);
+                }
                 let found = within(
                     self.timeout * 2,
                     "finding the master through the sentinels",
@@ -1140,10 +1169,7 @@ impl RedisBuilder {
                     redis::ConnectionAddr::TcpTls { .. }
                 );
                 if tls {
-                    // redis-rs uses rustls's process-wide crypto provider, which rustls cannot
-                    // choose by itself once both ring and aws-lc-rs are built in (the SQL
-                    // Server driver brings aws-lc-rs): ring, unless the application chose.
-                    let _ = rustls::crypto::ring::default_provider().install_default();
+                    use_ring();
                 }
                 let config = manager_config(self.timeout);
                 let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
@@ -1273,6 +1299,7 @@ impl RedisBackend {
             service,
             auth: redis::RedisConnectionInfo::default(),
             master: redis::RedisConnectionInfo::default(),
+            tls: None,
             timeout: DEFAULT_TIMEOUT,
             check_every: DEFAULT_CHECK_MASTER_EVERY,
             first: Arc::default(),
@@ -1569,11 +1596,18 @@ impl Shared {
     }
 }
 
-/// `client` again, trusting the CA certificates in `pem` instead of the system's roots.
-fn with_ca(client: &redis::Client, pem: Vec<u8>) -> Result<redis::Client, LockError> {
+/// redis-rs uses rustls's process-wide crypto provider, which rustls cannot choose by itself
+/// once both ring and aws-lc-rs are built in (the SQL Server driver brings aws-lc-rs): ring,
+/// unless the application chose. Called before the first TLS connection.
+fn use_ring() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Checks that `pem` holds CA certificates.
+fn check_ca(pem: &[u8]) -> Result<(), LockError> {
     use rustls::pki_types::CertificateDer;
     use rustls::pki_types::pem::PemObject;
-    let certificates = CertificateDer::pem_slice_iter(&pem)
+    let certificates = CertificateDer::pem_slice_iter(pem)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|err| LockError::config(format!("the redis `ca` is not valid PEM ({err})")))?;
     if certificates.is_empty() {
@@ -1581,6 +1615,91 @@ fn with_ca(client: &redis::Client, pem: Vec<u8>) -> Result<redis::Client, LockEr
             "the redis `ca` holds no certificate (expected PEM: -----BEGIN CERTIFICATE-----)",
         ));
     }
+    Ok(())
+}
+
+/// TLS to the hosts of a `rediss+cluster://` or `rediss+sentinel://` URL: the CA certificates
+/// to trust instead of the system's roots (PEM, checked), if any.
+#[derive(Clone, Default)]
+pub(crate) struct HostTls {
+    pub(crate) ca: Option<Vec<u8>>,
+}
+
+impl HostTls {
+    /// The driver's form of the certificates to trust.
+    fn certificates(&self) -> Option<redis::TlsCertificates> {
+        self.ca.clone().map(|pem| redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(pem),
+        })
+    }
+}
+
+/// A client for the host `host:port` of a multi-host URL, with `settings` (database, user,
+/// password, protocol): over TLS with `tls`, in clear without.
+pub(crate) fn host_client(
+    tls: Option<&HostTls>,
+    host: &str,
+    port: u16,
+    settings: redis::RedisConnectionInfo,
+) -> Result<redis::Client, RedisError> {
+    use redis::IntoConnectionInfo as _;
+    let Some(tls) = tls else {
+        let info = redis::ConnectionAddr::Tcp(host.to_owned(), port)
+            .into_connection_info()?
+            .set_redis_settings(settings);
+        return redis::Client::open(info);
+    };
+    use_ring();
+    let info = redis::ConnectionAddr::TcpTls {
+        host: host.to_owned(),
+        port,
+        insecure: false,
+        tls_params: None,
+    }
+    .into_connection_info()?
+    .set_redis_settings(settings);
+    match tls.certificates() {
+        Some(certificates) => redis::Client::build_with_tls(info, certificates),
+        None => redis::Client::open(info),
+    }
+}
+
+/// `client`'s settings and TLS (CA included) for the node at `host:port`.
+pub(crate) fn client_at(
+    client: &redis::Client,
+    host: &str,
+    port: u16,
+) -> Result<redis::Client, RedisError> {
+    let info = client.get_connection_info();
+    let addr = match info.addr() {
+        redis::ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => redis::ConnectionAddr::TcpTls {
+            host: host.to_owned(),
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => redis::ConnectionAddr::Tcp(host.to_owned(), port),
+    };
+    redis::Client::open(info.clone().set_addr(addr))
+}
+
+/// The host and port `client` connects to, over TCP with or without TLS.
+pub(crate) fn host_port_of(client: &redis::Client) -> Option<(String, u16)> {
+    match client.get_connection_info().addr() {
+        redis::ConnectionAddr::Tcp(host, port)
+        | redis::ConnectionAddr::TcpTls { host, port, .. } => Some((host.clone(), *port)),
+        _ => None,
+    }
+}
+
+/// `client` again, trusting the CA certificates in `pem` instead of the system's roots.
+fn with_ca(client: &redis::Client, pem: Vec<u8>) -> Result<redis::Client, LockError> {
+    check_ca(&pem)?;
     if !matches!(
         client.get_connection_info().addr(),
         redis::ConnectionAddr::TcpTls { .. }
@@ -1694,7 +1813,9 @@ fn timed_out(what: &str, limit: Duration) -> LockError {
 
 /// Maps a driver error to a [`LockError`], saying what was being done.
 fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
-    if let Some(failure) = crate::tls::describe(&err, "ca") {
+    let failure = crate::tls::describe(&err, "ca")
+        .or_else(|| crate::tls::describe_text(&err.to_string(), "ca"));
+    if let Some(failure) = failure {
         return failure.into_error(NAME, what, Box::new(err));
     }
     match err.kind() {
@@ -1905,12 +2026,6 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
                 crate::lease::check_cadence("the redis `check_master_every`", every)?;
                 check_master_every = Some(every);
             }
-            RedisOption::Ca if sentinel => {
-                return Err(LockError::config(
-                    "the redis option `ca` needs a TLS connection, which redis+sentinel:// \
-                     does not make in this version of dlock",
-                ));
-            }
             RedisOption::Lease => lease = check_lease(parse_duration(name, &value)?)?,
             RedisOption::Prefix => prefix = value,
             RedisOption::Timeout => timeout = check_timeout(parse_duration(name, &value)?)?,
@@ -1939,7 +2054,8 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
             }
             RedisOption::Ca if !tls => {
                 return Err(LockError::config(
-                    "the redis option `ca` needs a TLS connection: use a rediss:// URL",
+                    "the redis option `ca` needs a TLS connection: use a rediss:// URL \
+                     (rediss+cluster://, rediss+sentinel://)",
                 ));
             }
             RedisOption::Ca => {
@@ -1974,43 +2090,41 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
 /// Parses a `redis+cluster://` URL into a builder, without connecting.
 fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
     let parts = cluster::split_url(url)?;
-    if parts
-        .query
-        .split('&')
-        .any(|pair| pair.split('=').next() == Some(RedisOption::Ca.as_ref()))
-    {
-        return Err(LockError::config(
-            "the redis option `ca` needs a TLS connection, which redis+cluster:// does not \
-             make in this version of dlock",
-        ));
-    }
-    let options = read_options(&parts.query, false, false)?;
+    let mut options = read_options(&parts.query, parts.tls, false)?;
     let protocol = options.protocol()?;
     let node = parts
         .hosts
         .credentials(redis::RedisConnectionInfo::default().set_protocol(protocol));
-    let mut infos = Vec::with_capacity(parts.hosts.nodes.len());
-    for (host, port) in &parts.hosts.nodes {
-        let info = redis::IntoConnectionInfo::into_connection_info(redis::ConnectionAddr::Tcp(
-            host.clone(),
-            *port,
-        ))
-        .map_err(|err| cluster_url_error(&err))?
-        .set_redis_settings(node.clone());
-        infos.push(info);
+    // `rediss+cluster://`: every node over TLS, the CA (if any) given to the cluster client
+    // here, since the builder cannot change a client's TLS afterwards.
+    let tls = parts.tls.then(|| HostTls {
+        ca: options.ca.take(),
+    });
+    if let Some(pem) = tls.as_ref().and_then(|tls| tls.ca.as_deref()) {
+        check_ca(pem)?;
     }
-    // The driver's messages are not repeated: they may quote the password.
-    let subscribe = redis::Client::open(infos[0].clone()).map_err(|err| cluster_url_error(&err))?;
+    let mut clients = Vec::with_capacity(parts.hosts.nodes.len());
+    for (host, port) in &parts.hosts.nodes {
+        // The driver's messages are not repeated: they may quote the password.
+        let client = host_client(tls.as_ref(), host, *port, node.clone())
+            .map_err(|err| cluster_url_error(&err))?;
+        clients.push(client);
+    }
+    let subscribe = clients[0].clone();
     // Redirections are retried quickly (20 ms doubling to 500 ms, jittered, 16 times): a
     // lock's keys are split between two masters only for the moment of a migration, and the
     // driver's default (at least 1.28 s per retry) would outlast the command timeout.
-    let client = redis::cluster::ClusterClient::builder(infos)
-        .use_protocol(protocol)
-        .retry_wait_formula(10, 2)
-        .min_retry_wait(5)
-        .max_retry_wait(500)
-        .build()
-        .map_err(|err| cluster_url_error(&err))?;
+    let mut client = redis::cluster::ClusterClient::builder(
+        clients.iter().map(|c| c.get_connection_info().clone()),
+    )
+    .use_protocol(protocol)
+    .retry_wait_formula(10, 2)
+    .min_retry_wait(5)
+    .max_retry_wait(500);
+    if let Some(certificates) = tls.as_ref().and_then(HostTls::certificates) {
+        client = client.certs(certificates);
+    }
+    let client = client.build().map_err(|err| cluster_url_error(&err))?;
     let builder = RedisBuilder::on(Source::Cluster(Box::new((client, Some(subscribe)))));
     Ok(options.apply(builder))
 }
@@ -2025,7 +2139,7 @@ fn cluster_url_error(err: &RedisError) -> LockError {
 /// Parses a `redis+sentinel://` URL into a builder, without connecting.
 fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
     let parts = sentinel::split_url(url)?;
-    let options = read_options(&parts.query, false, true)?;
+    let options = read_options(&parts.query, parts.tls, true)?;
     let master = parts.hosts.credentials(
         redis::RedisConnectionInfo::default()
             .set_db(parts.db)
@@ -2043,6 +2157,7 @@ fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
         service: parts.service,
         auth,
         master,
+        tls: parts.tls.then(HostTls::default),
         timeout: DEFAULT_TIMEOUT,
         check_every: DEFAULT_CHECK_MASTER_EVERY,
         first: Arc::default(),
@@ -2051,16 +2166,16 @@ fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
 }
 
 fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
-    if url
-        .split_once("://")
-        .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+sentinel"))
-    {
+    if url.split_once("://").is_some_and(|(scheme, _)| {
+        scheme.eq_ignore_ascii_case("redis+sentinel")
+            || scheme.eq_ignore_ascii_case("rediss+sentinel")
+    }) {
         return parse_sentinel_url(url);
     }
-    if url
-        .split_once("://")
-        .is_some_and(|(scheme, _)| scheme.eq_ignore_ascii_case("redis+cluster"))
-    {
+    if url.split_once("://").is_some_and(|(scheme, _)| {
+        scheme.eq_ignore_ascii_case("redis+cluster")
+            || scheme.eq_ignore_ascii_case("rediss+cluster")
+    }) {
         return parse_cluster_url(url);
     }
     let mut parsed = FORM.parse(url)?;
@@ -2673,6 +2788,7 @@ mod tests {
         assert!(parse_url("redis+cluster://u:hunter2@a:7000/?protocol=resp3").is_ok());
         for bad in [
             "redis+cluster://a:7000?ca=/x.pem",
+            "rediss+cluster://a:7000?sentinel_username=x",
             "redis+cluster://a:7000?sentinel_username=x",
             "redis+cluster://a:7000?check_master_every=1s",
             "redis+cluster://a:7000?protocol=resp4",
@@ -2694,6 +2810,57 @@ mod tests {
         for code in ["TRYAGAIN", "MOVED", "ASK", "CLUSTERDOWN", "READONLY"] {
             assert!(cluster::is_in_motion(code));
         }
+        // Over TLS: the CA goes to the cluster client and the subscriber's client, not to the
+        // builder (which would refuse it for a cluster); a CA file that is not PEM, or that
+        // cannot be read, is refused before connecting.
+        let dir = std::env::temp_dir().join(format!("dlock-ca-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let not_pem = dir.join("not.pem");
+        std::fs::write(&not_pem, "hello").unwrap();
+        let b = parse_url("rediss+cluster://a:7000,b:7001?lease=2s").unwrap();
+        assert!(b.ca.is_none());
+        match &b.source {
+            Source::Cluster(source) => assert!(matches!(
+                source.1.as_ref().map(|c| c.get_connection_info().addr()),
+                Some(redis::ConnectionAddr::TcpTls { host, port: 7000, .. }) if host == "a"
+            )),
+            _ => panic!("a cluster"),
+        }
+        for (url, says) in [
+            (
+                format!("rediss+cluster://a:7000?ca={}", not_pem.display()),
+                "holds no certificate",
+            ),
+            (
+                "rediss+cluster://a:7000?ca=/no/such.pem".to_owned(),
+                "cannot be read",
+            ),
+            (
+                "redis+sentinel://a:1/s?ca=/x.pem".to_owned(),
+                "needs a TLS connection",
+            ),
+        ] {
+            let err = parse_url(&url).expect_err(&url);
+            assert!(err.to_string().contains(says), "{url}: {err}");
+        }
+        let b = parse_url("REDISS+SENTINEL://a:1,b:2/mymaster?lease=2s").unwrap();
+        assert!(matches!(&b.source, Source::Sentinel(s) if s.tls.is_some()));
+        let b = parse_url("redis+sentinel://a:1/mymaster").unwrap();
+        assert!(matches!(&b.source, Source::Sentinel(s) if s.tls.is_none()));
+        // `sentinel_tls` and a CA without TLS on a sentinel builder.
+        let err = RedisBackend::builder(redis::Client::open("redis://127.0.0.1:1").unwrap())
+            .sentinel_tls()
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("`sentinel_tls`"), "{err}");
+        let err = RedisBackend::sentinel_builder([("127.0.0.1", 1)], "s")
+            .ca_certificates(b"x".to_vec())
+            .connect()
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("rediss+sentinel://"), "{err}");
+        std::fs::remove_dir_all(&dir).unwrap();
         assert!(!cluster::is_in_motion("NOPERM") && !cluster::is_in_motion("UNBLOCKED"));
     }
 

@@ -6,13 +6,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use redis::{ConnectionAddr, ConnectionInfo, ErrorKind, IntoConnectionInfo, RedisConnectionInfo};
+use redis::{ErrorKind, RedisConnectionInfo};
 use redis::{RedisError, ServerErrorKind, Value};
 
 use crate::LockError;
 use crate::options::{percent_decode, shown};
 
 use super::hosts::{HostListUrl, Hosts};
+use super::{HostTls, host_client};
 
 /// The port a sentinel listens on when the URL names none.
 pub(crate) const DEFAULT_SENTINEL_PORT: u16 = 26379;
@@ -28,6 +29,8 @@ pub(crate) struct Sentinels {
     pub(crate) auth: RedisConnectionInfo,
     /// The master's database, user name, password and protocol.
     pub(crate) master: RedisConnectionInfo,
+    /// TLS to the sentinels and the master (`rediss+sentinel://`); `None`: in clear.
+    pub(crate) tls: Option<HostTls>,
     /// Limit for connecting to each sentinel or master candidate, and for each answer.
     pub(crate) timeout: Duration,
     /// How often the sentinels are asked where the master is, besides after failures.
@@ -70,10 +73,19 @@ impl Sentinels {
         known: Option<&(String, u16)>,
     ) -> Result<Found, RedisError> {
         let mut answers = Vec::with_capacity(self.nodes.len());
+        // A refused certificate of every sentinel is a mistake in the configuration: the first
+        // such refusal is the answer (see `refused_certificate`).
+        let mut refused = (None, 0);
         let first = self.first.load(Ordering::Relaxed) % self.nodes.len().max(1);
         for i in (first..self.nodes.len()).chain(0..first) {
             let (host, port) = &self.nodes[i];
             let answer = match self.ask(host, *port).await {
+                Err(err) if refused_certificate(&err) => {
+                    let text = format!("could not be asked ({})", describe(&err));
+                    refused.1 += 1;
+                    refused.0.get_or_insert(err);
+                    text
+                }
                 Ok(Some(addr)) if Some(&addr) == known => {
                     self.first.store(i, Ordering::Relaxed);
                     return Ok(Found { addr, client: None });
@@ -95,6 +107,11 @@ impl Sentinels {
         }
         // Start from the top again next time.
         self.first.store(0, Ordering::Relaxed);
+        if let (Some(err), n) = refused
+            && n == self.nodes.len()
+        {
+            return Err(err);
+        }
         Err(RedisError::from((
             ErrorKind::Io,
             "no master",
@@ -108,12 +125,10 @@ impl Sentinels {
     /// The master's address as one sentinel sees it; `None` when it does not monitor the
     /// service.
     async fn ask(&self, host: &str, port: u16) -> Result<Option<(String, u16)>, RedisError> {
-        let info = ConnectionAddr::Tcp(host.to_owned(), port)
-            .into_connection_info()?
-            .set_redis_settings(self.auth.clone());
+        let client = host_client(self.tls.as_ref(), host, port, self.auth.clone())?;
         let mut cmd = redis::cmd("SENTINEL");
         cmd.arg("get-master-addr-by-name").arg(&self.service);
-        let reply = self.one_command(info, &cmd).await?;
+        let reply = self.one_command(&client, &cmd).await?;
         match reply {
             Value::Nil => Ok(None),
             Value::Array(items) if items.len() == 2 => {
@@ -131,9 +146,10 @@ impl Sentinels {
 
     /// A client for `addr` if the node there reports `ROLE` master; why not otherwise.
     async fn check_master(&self, addr: &(String, u16)) -> Result<redis::Client, String> {
-        let info = self.master_info(addr).map_err(|err| describe(&err))?;
+        let client = host_client(self.tls.as_ref(), &addr.0, addr.1, self.master.clone())
+            .map_err(|err| describe(&err))?;
         let reply = self
-            .one_command(info.clone(), &redis::cmd("ROLE"))
+            .one_command(&client, &redis::cmd("ROLE"))
             .await
             .map_err(|err| format!("could not be asked its ROLE ({})", describe(&err)))?;
         let role = match &reply {
@@ -145,30 +161,22 @@ impl Sentinels {
             _ => None,
         };
         match role.as_deref() {
-            Some("master") => redis::Client::open(info).map_err(|err| describe(&err)),
+            Some("master") => Ok(client),
             Some(other) => Err(format!("reports ROLE {other}")),
             None => Err(format!("answered ROLE with {reply:?}")),
         }
     }
 
-    /// How to connect to the master at `addr`.
-    pub(crate) fn master_info(&self, addr: &(String, u16)) -> Result<ConnectionInfo, RedisError> {
-        Ok(ConnectionAddr::Tcp(addr.0.clone(), addr.1)
-            .into_connection_info()?
-            .set_redis_settings(self.master.clone()))
-    }
-
     /// One command on a connection of its own, opened for it and closed after.
     async fn one_command(
         &self,
-        info: ConnectionInfo,
+        client: &redis::Client,
         cmd: &redis::Cmd,
     ) -> Result<Value, RedisError> {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout));
         let asked = async {
-            let client = redis::Client::open(info)?;
             let mut conn = client
                 .get_multiplexed_async_connection_with_config(&config)
                 .await?;
@@ -185,8 +193,17 @@ impl Sentinels {
     }
 }
 
-/// An error in a few words, never quoting a URL or password.
+/// Whether `err` is a TLS refusal of the server's certificate.
+fn refused_certificate(err: &RedisError) -> bool {
+    crate::tls::describe(err, "ca").is_some_and(|failure| failure.certificate)
+}
+
+/// An error in a few words, never quoting a URL or password; a TLS failure as what failed
+/// and what to do.
 fn describe(err: &RedisError) -> String {
+    if let Some(failure) = crate::tls::describe(err, "ca") {
+        return failure.message;
+    }
     match err.detail() {
         Some(detail) => format!("{}: {detail}", err.code().unwrap_or("error")),
         None => format!("{:?}", err.kind()),
@@ -212,6 +229,8 @@ pub(crate) fn points_elsewhere(err: &RedisError) -> bool {
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct SentinelUrl {
     pub(crate) hosts: Hosts,
+    /// `rediss+sentinel://`: the sentinels and the master are reached over TLS.
+    pub(crate) tls: bool,
     pub(crate) service: String,
     pub(crate) db: i64,
     /// The query, without `?`.
@@ -221,6 +240,7 @@ pub(crate) struct SentinelUrl {
 /// How a `redis+sentinel://` URL is written.
 const URL: HostListUrl = HostListUrl {
     scheme: "redis+sentinel",
+    tls_scheme: "rediss+sentinel",
     leads_to: "Redis Sentinel",
     noun: "sentinel",
     default_port: DEFAULT_SENTINEL_PORT,
@@ -253,6 +273,7 @@ pub(crate) fn split_url(url: &str) -> Result<SentinelUrl, LockError> {
     };
     Ok(SentinelUrl {
         hosts,
+        tls: split.tls,
         service,
         db,
         query: split.query.to_owned(),

@@ -120,10 +120,8 @@ impl PerMaster {
         let first = Arc::new(Wakes::new(Some(slot), timeout, heard.clone()));
         // The first node is one of the masters (or was): its subscriber serves its slots too.
         let mut routes = Routes::default();
-        if let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() {
-            routes
-                .masters
-                .insert((host.clone(), *port), Arc::clone(&first));
+        if let Some(addr) = super::host_port_of(&client) {
+            routes.masters.insert(addr, Arc::clone(&first));
         }
         PerMaster {
             first,
@@ -199,12 +197,8 @@ impl PerMaster {
         if let Some(wakes) = routes.masters.get(&addr) {
             return Some(Arc::clone(wakes));
         }
-        let info = self
-            .client
-            .get_connection_info()
-            .clone()
-            .set_addr(redis::ConnectionAddr::Tcp(addr.0.clone(), addr.1));
-        let wakes = match redis::Client::open(info) {
+        // The first node's settings, TLS included.
+        let wakes = match super::client_at(&self.client, &addr.0, addr.1) {
             Ok(client) => {
                 let slot = Arc::new(Mutex::new(Some((client, self.config.clone()))));
                 Arc::new(Wakes::new(Some(slot), self.timeout, self.heard.clone()))

@@ -1,0 +1,238 @@
+//! Redis Cluster and Sentinel over TLS (`rediss+cluster://`, `rediss+sentinel://`), on real
+//! deployments whose nodes, cluster bus, replication and sentinels speak TLS with a
+//! certificate of a test CA: the conformance suite on a TLS cluster, wake-ups through
+//! subscribers that connect over TLS, a forced failover behind TLS sentinels, and the
+//! refusals (a certificate of another CA, the system's roots, `ca` without TLS).
+#![cfg(feature = "redis")]
+
+use std::time::{Duration, Instant};
+
+use dlock::redis::RedisBackend;
+use dlock::{Backoff, LockError, LockProvider};
+use dlock_testkit::redis::{LeaseHarness, RedisCluster, SentinelDeployment, counts_one_subscriber};
+use dlock_testkit::tls::{Pki, ServerCert};
+use dlock_testkit::{unique_key, wait_until};
+
+/// The shared TLS cluster, started off the runtime's worker threads.
+fn cluster() -> Option<&'static RedisCluster> {
+    let cluster = tokio::task::block_in_place(RedisCluster::shared_tls);
+    if cluster.is_none() {
+        eprintln!("skipped: redis-server or redis-cli is not installed");
+    }
+    cluster
+}
+
+dlock_testkit::conformance_suite!(optional async {
+    let harness = LeaseHarness::start(cluster()?).await;
+    assert!(harness.backend().is_cluster());
+    Some(harness)
+});
+
+/// A provider whose waiters poll once an hour when nothing wakes them: a waiter that gets a
+/// released key within seconds was woken.
+fn woken_only(backend: RedisBackend) -> LockProvider {
+    LockProvider::builder(backend)
+        .backoff(
+            Backoff::default()
+                .with_fallback_poll(Duration::from_secs(3600))
+                .unwrap(),
+        )
+        .build()
+}
+
+/// `holder` takes `key`; a waiter of `waiters` waits until `node` (a plain client of the
+/// node that serves the key) counts its subscription; the release wakes it. Returns how long
+/// the waiter took after the release.
+async fn woken(
+    holder: &LockProvider,
+    waiters: &LockProvider,
+    backend: &RedisBackend,
+    node: redis::Client,
+    key: &str,
+) -> Duration {
+    let limit = Duration::from_secs(20);
+    let guard = holder.try_acquire(key).await.unwrap();
+    let waiter = {
+        let (waiters, key) = (waiters.clone(), key.to_owned());
+        tokio::spawn(async move { waiters.acquire(&key, Duration::from_secs(600)).await })
+    };
+    let channel = String::from_utf8_lossy(&backend.storage_key(key)).into_owned();
+    wait_until("the waiter subscribes over TLS", limit, async || {
+        counts_one_subscriber(&node, &channel).await
+    })
+    .await;
+    let released = Instant::now();
+    guard.release().await.unwrap();
+    let next = tokio::time::timeout(limit, waiter)
+        .await
+        .expect("the release woke the waiter")
+        .unwrap()
+        .unwrap();
+    let took = released.elapsed();
+    next.release().await.unwrap();
+    took
+}
+
+/// On a TLS cluster, locks spread over the masters, each key's tokens increase, and a waiter
+/// whose subscriber connects over TLS to the master of the key's slot is woken by the
+/// release (its fallback poll is an hour).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_locks_on_every_master_and_wakes_waiters() {
+    let Some(cluster) = cluster() else {
+        return;
+    };
+    let url = cluster.url("lease=60s");
+    assert!(url.starts_with("rediss+cluster://"), "{url}");
+    let backend = RedisBackend::connect(&url).await.expect("connect over TLS");
+    let locks = LockProvider::from_backend(backend.clone());
+    let mut masters = std::collections::HashSet::new();
+    for i in 0..24 {
+        let key = unique_key(&format!("tls-spread-{i}"));
+        let first = locks.try_acquire(&key).await.unwrap();
+        let token = first.fencing_token().expect("a fencing token");
+        first.release().await.unwrap();
+        let second = locks.try_acquire(&key).await.unwrap();
+        assert!(second.fencing_token().expect("a fencing token") > token);
+        second.release().await.unwrap();
+        let storage = backend.storage_key(&key);
+        masters.insert(tokio::task::block_in_place(|| {
+            cluster.owner_of(cluster.slot_of(&storage))
+        }));
+    }
+    assert_eq!(masters.len(), 3, "24 keys land on every master");
+
+    let holder = LockProvider::connect(&url).await.unwrap();
+    let waiters = woken_only(backend.clone());
+    for i in 0..3 {
+        let key = unique_key(&format!("tls-woken-{i}"));
+        let storage = backend.storage_key(&key);
+        let master = tokio::task::block_in_place(|| cluster.owner_of(cluster.slot_of(&storage)));
+        let took = woken(
+            &holder,
+            &waiters,
+            &backend,
+            cluster.node(master).client(),
+            &key,
+        )
+        .await;
+        assert!(took < Duration::from_secs(5), "woken after {took:?}");
+    }
+}
+
+/// `rediss+cluster://` checks the nodes' certificates: signed by another CA, or by a CA
+/// that only the URL's `ca` names (the system's roots then), the connection is refused with
+/// a configuration error that says why; `ca` without TLS is refused before connecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_refuses_certificates_it_cannot_trust() {
+    let Some(cluster) = cluster() else {
+        return;
+    };
+    let url = cluster.url("timeout=3s");
+    let (good_ca, other_ca) = (
+        Pki::shared().ca.display().to_string(),
+        Pki::shared().other_ca.display().to_string(),
+    );
+    let wrong = url.replace(&good_ca, &other_ca);
+    assert_ne!(wrong, url);
+    let refused = RedisBackend::connect(&wrong)
+        .await
+        .expect_err("a certificate of another CA");
+    assert_refused_certificate(&refused);
+    let system_roots = url.replace(&format!("ca={good_ca}&"), "");
+    assert!(!system_roots.contains("ca="), "{system_roots}");
+    let refused = RedisBackend::connect(&system_roots)
+        .await
+        .expect_err("a test CA is not among the system's roots");
+    assert_refused_certificate(&refused);
+
+    let plain = url.replace("rediss+cluster://", "redis+cluster://");
+    let err = RedisBackend::connect(&plain)
+        .await
+        .expect_err("ca without TLS");
+    assert!(matches!(err, LockError::Config { .. }), "{err}");
+    assert!(err.to_string().contains("needs a TLS connection"), "{err}");
+}
+
+fn assert_refused_certificate(err: &LockError) {
+    let text = err.to_string();
+    assert!(
+        text.contains("certificate") || text.contains("issuer") || text.contains("Certificate"),
+        "the refusal names the certificate: {text}"
+    );
+    assert!(
+        matches!(err, LockError::Config { .. }),
+        "a refused certificate is a configuration error: {text}"
+    );
+}
+
+/// Behind TLS sentinels (`rediss+sentinel://`): the sentinels are asked over TLS, name the
+/// master's TLS port, and the backend locks there; a waiter is woken over TLS; after a
+/// forced failover the same backend locks on the promoted replica, over TLS, and wakes
+/// waiters there. A certificate of another CA is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_sentinels_lead_to_the_master_and_follow_a_failover() {
+    let tls = Pki::shared().server(ServerCert::Good);
+    let Some(deployment) = tokio::task::block_in_place(|| {
+        SentinelDeployment::start_tls(Duration::from_secs(20), &tls)
+    }) else {
+        eprintln!("skipped: redis-server is not installed");
+        return;
+    };
+    tokio::task::block_in_place(|| deployment.wait_ready());
+    let url = deployment.url("lease=60s");
+    assert!(url.starts_with("rediss+sentinel://"), "{url}");
+    let backend = RedisBackend::connect(&url).await.expect("connect over TLS");
+    let old = deployment.master_port();
+    assert_eq!(backend.sentinel_master().map(|m| m.1), Some(old));
+    assert_eq!(old, deployment.nodes[0].tls_port(), "the master's TLS port");
+    let holder = LockProvider::connect(&url).await.unwrap();
+    let waiters = woken_only(backend.clone());
+    let took = woken(
+        &holder,
+        &waiters,
+        &backend,
+        deployment.node(old).client(),
+        &unique_key("tls-sentinel-woken"),
+    )
+    .await;
+    assert!(took < Duration::from_secs(5), "woken after {took:?}");
+
+    let new = tokio::task::block_in_place(|| deployment.failover());
+    assert_ne!(new, old);
+    assert_eq!(
+        new,
+        deployment.nodes[1].tls_port(),
+        "the replica's TLS port"
+    );
+    let key = unique_key("tls-sentinel-after");
+    wait_until(
+        "acquisitions work on the new master",
+        Duration::from_secs(15),
+        async || {
+            let on_new = backend.sentinel_master().map(|m| m.1) == Some(new);
+            match waiters.try_acquire(&key).await {
+                Ok(guard) => guard.release().await.is_ok() && on_new,
+                Err(_) => false,
+            }
+        },
+    )
+    .await;
+    let took = woken(
+        &holder,
+        &waiters,
+        &backend,
+        deployment.node(new).client(),
+        &unique_key("tls-sentinel-woken-after"),
+    )
+    .await;
+    assert!(took < Duration::from_secs(5), "woken after {took:?}");
+
+    let wrong = url.replace(
+        &Pki::shared().ca.display().to_string(),
+        &Pki::shared().other_ca.display().to_string(),
+    );
+    let err = RedisBackend::connect(&format!("{wrong}&timeout=3s"))
+        .await
+        .expect_err("sentinels with a certificate of another CA");
+    assert_refused_certificate(&err);
+}
