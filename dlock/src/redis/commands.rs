@@ -1163,6 +1163,19 @@ impl Conn {
         }
     }
 
+    /// The lease left (ms) in a waiter's try answered `{pttl, marked}` by `script`, which
+    /// found the key held; a refused mark (`marked` 0) is taken note of (see
+    /// [`Conn::refuse_marks`]).
+    pub(crate) fn waiter_reply(&self, items: &[Value], script: &str) -> Option<i64> {
+        if let Some(Value::Int(0)) = items.get(1) {
+            self.refuse_marks(&format!("{script}'s SET of the mark"));
+        }
+        match items.first() {
+            Some(Value::Int(ms)) => Some(*ms),
+            _ => None,
+        }
+    }
+
     /// Whether uncertain commands are fenced: the backend can open another connection (it
     /// was built from a client), and the user may run `CLIENT ID` and `CLIENT KILL`.
     pub(crate) fn fencing_on(&self) -> bool {
@@ -1450,18 +1463,10 @@ impl Conn {
                 match reply {
                     Value::Nil => Ok((Taking::Held(None), None)),
                     Value::Int(n) => Ok((Taking::Taken(u64::try_from(n).ok()), acked(waited)?)),
-                    Value::Array(items) => {
-                        if let Some(Value::Int(0)) = items.get(1) {
-                            self.refuse_marks("the acquisition script's SET of the mark");
-                        }
-                        Ok((
-                            Taking::Held(match items.first() {
-                                Some(Value::Int(ms)) => Some(*ms),
-                                _ => None,
-                            }),
-                            None,
-                        ))
-                    }
+                    Value::Array(items) => Ok((
+                        Taking::Held(self.waiter_reply(&items, "the acquisition script")),
+                        None,
+                    )),
                     other => Err(unexpected("the acquisition script", &other)),
                 }
             }

@@ -1628,10 +1628,15 @@ pub(crate) struct HostTls {
 impl HostTls {
     /// The driver's form of the certificates to trust.
     fn certificates(&self) -> Option<redis::TlsCertificates> {
-        self.ca.clone().map(|pem| redis::TlsCertificates {
-            client_tls: None,
-            root_cert: Some(pem),
-        })
+        self.ca.clone().map(trusting)
+    }
+}
+
+/// The driver's TLS settings that trust the CA certificates in `pem` (no client certificate).
+fn trusting(pem: Vec<u8>) -> redis::TlsCertificates {
+    redis::TlsCertificates {
+        client_tls: None,
+        root_cert: Some(pem),
     }
 }
 
@@ -1708,10 +1713,7 @@ fn with_ca(client: &redis::Client, pem: Vec<u8>) -> Result<redis::Client, LockEr
             "the redis `ca` needs a TLS connection: use a rediss:// URL",
         ));
     }
-    let certificates = redis::TlsCertificates {
-        client_tls: None,
-        root_cert: Some(pem),
-    };
+    let certificates = trusting(pem);
     redis::Client::build_with_tls(client.get_connection_info().clone(), certificates).map_err(
         |err| {
             LockError::config(format!(

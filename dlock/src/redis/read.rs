@@ -349,15 +349,9 @@ pub(super) async fn try_acquire(
         }
         Value::Array(items) => {
             cleanup.armed = false;
-            if let Some(Value::Int(0)) = items.get(1) {
-                shared
-                    .conn
-                    .refuse_marks("the read acquisition script's SET of the mark");
-            }
-            let ttl = match items.first() {
-                Some(Value::Int(ms)) => Some(*ms),
-                _ => None,
-            };
+            let ttl = shared
+                .conn
+                .waiter_reply(&items, "the read acquisition script");
             return Ok(WaitTry::Held {
                 retry_within: super::expiry_hint(ttl),
             });
