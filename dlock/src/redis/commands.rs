@@ -1163,12 +1163,12 @@ impl Conn {
         }
     }
 
-    /// The lease left (ms) in a waiter's try answered `{pttl, marked}` by `script`, which
-    /// found the key held; a refused mark (`marked` 0) is taken note of (see
+    /// The lease left (ms) in a waiter's try answered `{pttl, marked}` by a script that found
+    /// the key held; a refused mark (`marked` 0) is taken note of, `refused` saying where (see
     /// [`Conn::refuse_marks`]).
-    pub(crate) fn waiter_reply(&self, items: &[Value], script: &str) -> Option<i64> {
+    pub(crate) fn waiter_reply(&self, items: &[Value], refused: &str) -> Option<i64> {
         if let Some(Value::Int(0)) = items.get(1) {
-            self.refuse_marks(&format!("{script}'s SET of the mark"));
+            self.refuse_marks(refused);
         }
         match items.first() {
             Some(Value::Int(ms)) => Some(*ms),
@@ -1464,7 +1464,9 @@ impl Conn {
                     Value::Nil => Ok((Taking::Held(None), None)),
                     Value::Int(n) => Ok((Taking::Taken(u64::try_from(n).ok()), acked(waited)?)),
                     Value::Array(items) => Ok((
-                        Taking::Held(self.waiter_reply(&items, "the acquisition script")),
+                        Taking::Held(
+                            self.waiter_reply(&items, "the acquisition script's SET of the mark"),
+                        ),
                         None,
                     )),
                     other => Err(unexpected("the acquisition script", &other)),

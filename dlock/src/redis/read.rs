@@ -351,7 +351,7 @@ pub(super) async fn try_acquire(
             cleanup.armed = false;
             let ttl = shared
                 .conn
-                .waiter_reply(&items, "the read acquisition script");
+                .waiter_reply(&items, "the read acquisition script's SET of the mark");
             return Ok(WaitTry::Held {
                 retry_within: super::expiry_hint(ttl),
             });
