@@ -168,7 +168,8 @@ fn assert_refused_certificate(err: &LockError) {
 /// Behind TLS sentinels (`rediss+sentinel://`): the sentinels are asked over TLS, name the
 /// master's TLS port, and the backend locks there; a waiter is woken over TLS; after a
 /// forced failover the same backend locks on the promoted replica, over TLS, and wakes
-/// waiters there. A certificate of another CA is refused.
+/// waiters there. The periodic master check keeps its TLS connection to a sentinel. A
+/// certificate of another CA is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_sentinels_lead_to_the_master_and_follow_a_failover() {
     let tls = Pki::shared().server(ServerCert::Good);
@@ -196,6 +197,20 @@ async fn tls_sentinels_lead_to_the_master_and_follow_a_failover() {
     )
     .await;
     assert!(took < Duration::from_secs(5), "woken after {took:?}");
+
+    // The periodic master check asks on a TLS connection it keeps: no handshake per check.
+    let checking = LockProvider::connect(&deployment.url("lease=60s&check_master_every=10ms"))
+        .await
+        .unwrap();
+    let mut traffic = tokio::task::block_in_place(|| deployment.traffic()).expect("meter");
+    let key = unique_key("tls-sentinel-checks");
+    let opened = traffic
+        .connections_for(40, async || {
+            let guard = checking.try_acquire(&key).await.expect("acquired");
+            guard.release().await.expect("released");
+        })
+        .await;
+    assert!(opened <= 1, "{opened} TLS connections for 40 checks");
 
     let new = tokio::task::block_in_place(|| deployment.failover());
     assert_ne!(new, old);

@@ -611,3 +611,48 @@ async fn unknown_service_or_no_sentinel_is_an_error() {
         .await
         .unwrap();
 }
+
+/// Behind Sentinel, the periodic master check (`check_master_every`) asks on a connection
+/// it keeps: many checks open no new connection to the sentinels (over TLS, no handshake
+/// each). When the sentinels drop that connection, the next check opens one again, and
+/// acquisitions go on without an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn periodic_master_checks_keep_their_sentinel_connection() {
+    let Some(deployment) = deployment(CALM) else {
+        return;
+    };
+    let locks = LockProvider::connect(&deployment.url("check_master_every=10ms&lease=5s"))
+        .await
+        .expect("connect");
+    let key = unique_key("checks");
+    let mut traffic = tokio::task::block_in_place(|| deployment.traffic()).expect("meter");
+    // 40 checks: one command each on the kept connection; one connection at most, opened
+    // by the first of them (discovery at connect closed its own).
+    let opened = traffic
+        .connections_for(40, take_and_release(&locks, &key))
+        .await;
+    assert!(opened <= 1, "{opened} connections for 40 checks");
+
+    // The sentinels close every client connection but the meter's.
+    for i in 0..deployment.sentinel_ports().len() {
+        let killed: redis::RedisResult<i64> =
+            deployment.sentinel_command(i, &["CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes"]);
+        killed.expect("CLIENT KILL");
+    }
+    let mut traffic = tokio::task::block_in_place(|| deployment.traffic()).expect("meter");
+    let opened = traffic
+        .connections_for(40, take_and_release(&locks, &key))
+        .await;
+    assert!(
+        (1..=2).contains(&opened),
+        "{opened} connections for 40 checks after the kept one was closed"
+    );
+}
+
+/// Takes and releases `key`; each must succeed.
+fn take_and_release(locks: &LockProvider, key: &str) -> impl AsyncFnMut() {
+    async move || {
+        let guard = locks.try_acquire(key).await.expect("acquired");
+        guard.release().await.expect("released");
+    }
+}

@@ -887,6 +887,29 @@ impl SentinelDeployment {
         }
     }
 
+    /// A meter of what clients (the fixture's own reads aside) did to the sentinels:
+    /// connections opened and commands sent. It reads them on one connection per sentinel,
+    /// kept open for it.
+    pub fn traffic(&self) -> redis::RedisResult<SentinelTraffic> {
+        let links = self
+            .sentinels
+            .iter()
+            .map(|s| {
+                let client = redis::Client::open(format!("redis://127.0.0.1:{}/", s.port))?;
+                let conn = client.get_connection_with_timeout(Duration::from_secs(5))?;
+                conn.set_read_timeout(Some(Duration::from_secs(5)))?;
+                Ok(conn)
+            })
+            .collect::<redis::RedisResult<Vec<_>>>()?;
+        let mut traffic = SentinelTraffic {
+            links,
+            reads: 0,
+            start: (0, 0),
+        };
+        traffic.start = traffic.totals()?;
+        Ok(traffic)
+    }
+
     /// Forces a failover (`SENTINEL FAILOVER`, asked of the first sentinel) and waits (up to
     /// 30 s) until every sentinel names another data node and it reports `ROLE` master.
     /// Returns the new master's port.
@@ -1099,4 +1122,70 @@ fn start_sentinel(
         let _ = child.wait();
     }
     panic!("could not start a sentinel");
+}
+
+/// What clients did to a deployment's sentinels since [`SentinelDeployment::traffic`]: see
+/// [`read`](SentinelTraffic::read).
+pub struct SentinelTraffic {
+    links: Vec<redis::Connection>,
+    /// The `INFO` commands the meter sent on each link.
+    reads: u64,
+    start: (u64, u64),
+}
+
+impl std::fmt::Debug for SentinelTraffic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SentinelTraffic")
+            .field("sentinels", &self.links.len())
+            .field("reads", &self.reads)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SentinelTraffic {
+    /// Connections opened to the sentinels, and commands they processed, since the meter was
+    /// made, summed over the sentinels; the meter's own connections and commands are not
+    /// counted.
+    pub fn read(&mut self) -> redis::RedisResult<(u64, u64)> {
+        let (connections, commands) = self.totals()?;
+        Ok((
+            connections - self.start.0,
+            commands - self.start.1 - (self.reads - 1) * self.links.len() as u64,
+        ))
+    }
+
+    /// Runs `work` again and again until the sentinels have processed `commands` more
+    /// commands from clients than when it started (for at most 60 s), and says how many
+    /// connections were opened to them meanwhile.
+    pub async fn connections_for(&mut self, commands: u64, mut work: impl AsyncFnMut()) -> u64 {
+        let (connections, before) = self.read().expect("the sentinels' stats");
+        let limit = Duration::from_secs(60);
+        crate::wait_until("the sentinels see the commands", limit, async || {
+            work().await;
+            let (_, now) = tokio::task::block_in_place(|| self.read()).expect("stats");
+            now >= before + commands
+        })
+        .await;
+        let (after, _) = self.read().expect("the sentinels' stats");
+        after - connections
+    }
+
+    /// `total_connections_received` and `total_commands_processed`, summed (`INFO stats`
+    /// does not count itself, only the reads before it).
+    fn totals(&mut self) -> redis::RedisResult<(u64, u64)> {
+        let mut sums = (0, 0);
+        for conn in &mut self.links {
+            let info: String = redis::cmd("INFO").arg("stats").query(conn)?;
+            let field = |name: &str| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                    .and_then(|v| v.trim().parse::<u64>().ok())
+                    .unwrap_or(0)
+            };
+            sums.0 += field("total_connections_received");
+            sums.1 += field("total_commands_processed");
+        }
+        self.reads += 1;
+        Ok(sums)
+    }
 }

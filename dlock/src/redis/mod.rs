@@ -890,8 +890,9 @@ impl RedisBuilder {
 
     /// Behind Sentinel: how often the sentinels are asked whether the master in use still is
     /// the master (default 1 s; 10 ms to 365 days), besides right after any failure that may
-    /// mean it moved. Each check opens a connection to a sentinel and asks one question; a
-    /// command that finds a check due waits for it. After a failover that leaves the old
+    /// mean it moved. Each check asks a sentinel one question, on a connection the backend
+    /// keeps open to it (opened again only after it failed); a command that finds a check
+    /// due waits for that one round trip. After a failover that leaves the old
     /// master running, this is how long the backend may go on writing to it (see
     /// [Sentinel](self#sentinel)). URL option `check_master_every`. On a builder that is not
     /// on sentinels, [`connect`](RedisBuilder::connect) answers [`LockError::Config`].
@@ -1121,6 +1122,7 @@ impl RedisBuilder {
                 let mut sentinels = *sentinels;
                 sentinels.timeout = self.timeout;
                 sentinels.check_every = self.check_master_every;
+                sentinels.links = Arc::default();
                 if let (Some(tls), Some(pem)) = (&mut sentinels.tls, self.ca.clone()) {
                     check_ca(&pem)?;
                     tls.ca = Some(pem);
@@ -1303,6 +1305,7 @@ impl RedisBackend {
             timeout: DEFAULT_TIMEOUT,
             check_every: DEFAULT_CHECK_MASTER_EVERY,
             first: Arc::default(),
+            links: Arc::default(),
         })))
     }
 
@@ -2163,6 +2166,7 @@ fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
         timeout: DEFAULT_TIMEOUT,
         check_every: DEFAULT_CHECK_MASTER_EVERY,
         first: Arc::default(),
+        links: Arc::default(),
     })));
     Ok(options.apply(builder))
 }

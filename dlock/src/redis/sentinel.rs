@@ -2,10 +2,11 @@
 //! `redis+sentinel://` URL.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use redis::aio::MultiplexedConnection;
 use redis::{ErrorKind, RedisConnectionInfo};
 use redis::{RedisError, ServerErrorKind, Value};
 
@@ -38,6 +39,10 @@ pub(crate) struct Sentinels {
     /// The sentinel that answered last: asked first next time, so that a sentinel that is
     /// down slows one discovery, not every one.
     pub(crate) first: Arc<AtomicUsize>,
+    /// Connections to the sentinels, by their place in `nodes`, kept open between asks: the
+    /// periodic check is then one round trip, without a new connection (over TLS, a
+    /// handshake) each time. Made anew for each backend.
+    pub(crate) links: Arc<Mutex<Vec<Option<MultiplexedConnection>>>>,
 }
 
 impl fmt::Debug for Sentinels {
@@ -79,7 +84,7 @@ impl Sentinels {
         let first = self.first.load(Ordering::Relaxed) % self.nodes.len().max(1);
         for i in (first..self.nodes.len()).chain(0..first) {
             let (host, port) = &self.nodes[i];
-            let answer = match self.ask(host, *port).await {
+            let answer = match self.ask(i).await {
                 Err(err) if refused_certificate(&err) => {
                     let text = format!("could not be asked ({})", describe(&err));
                     refused.1 += 1;
@@ -122,13 +127,12 @@ impl Sentinels {
         )))
     }
 
-    /// The master's address as one sentinel sees it; `None` when it does not monitor the
+    /// The master's address as sentinel `i` sees it; `None` when it does not monitor the
     /// service.
-    async fn ask(&self, host: &str, port: u16) -> Result<Option<(String, u16)>, RedisError> {
-        let client = host_client(self.tls.as_ref(), host, port, self.auth.clone())?;
+    async fn ask(&self, i: usize) -> Result<Option<(String, u16)>, RedisError> {
         let mut cmd = redis::cmd("SENTINEL");
         cmd.arg("get-master-addr-by-name").arg(&self.service);
-        let reply = self.one_command(&client, &cmd).await?;
+        let reply = self.on_sentinel(i, &cmd).await?;
         match reply {
             Value::Nil => Ok(None),
             Value::Array(items) if items.len() == 2 => {
@@ -142,6 +146,54 @@ impl Sentinels {
                 format!("SENTINEL get-master-addr-by-name answered {other:?}"),
             ))),
         }
+    }
+
+    /// `cmd` to sentinel `i`, on the connection kept for it. A kept connection that fails
+    /// (the sentinel restarted, the runtime that drove it ended) is closed, and unless it
+    /// timed out, `cmd` goes out once more on a new connection; a new connection that answers
+    /// is kept. A server's error reply keeps the connection: it works.
+    async fn on_sentinel(&self, i: usize, cmd: &redis::Cmd) -> Result<Value, RedisError> {
+        if let Some(mut conn) = self.kept(i) {
+            match self.bounded(cmd.query_async::<Value>(&mut conn)).await {
+                Err(err) if err.is_io_error() => {
+                    self.keep(i, None);
+                    if err.is_timeout() {
+                        return Err(err);
+                    }
+                }
+                outcome => return outcome,
+            }
+        }
+        let (host, port) = &self.nodes[i];
+        let client = host_client(self.tls.as_ref(), host, *port, self.auth.clone())?;
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(self.timeout))
+            .set_response_timeout(Some(self.timeout));
+        let asked = async {
+            let mut conn = client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await?;
+            let reply = cmd.query_async::<Value>(&mut conn).await?;
+            Ok((conn, reply))
+        };
+        let (conn, reply) = self.bounded(asked).await?;
+        self.keep(i, Some(conn));
+        Ok(reply)
+    }
+
+    /// The connection kept for sentinel `i`, if any.
+    fn kept(&self, i: usize) -> Option<MultiplexedConnection> {
+        let links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
+        links.get(i).cloned().flatten()
+    }
+
+    /// Keeps `link` (`None`: no connection) for sentinel `i`.
+    fn keep(&self, i: usize, link: Option<MultiplexedConnection>) {
+        let mut links = self.links.lock().unwrap_or_else(PoisonError::into_inner);
+        if links.len() <= i {
+            links.resize(i + 1, None);
+        }
+        links[i] = link;
     }
 
     /// A client for `addr` if the node there reports `ROLE` master; why not otherwise.
@@ -176,17 +228,24 @@ impl Sentinels {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout));
-        let asked = async {
+        self.bounded(async {
             let mut conn = client
                 .get_multiplexed_async_connection_with_config(&config)
                 .await?;
             cmd.query_async::<Value>(&mut conn).await
-        };
-        match tokio::time::timeout(self.timeout, asked).await {
+        })
+        .await
+    }
+
+    /// `work`, given up after `timeout`.
+    async fn bounded<T>(
+        &self,
+        work: impl Future<Output = Result<T, RedisError>>,
+    ) -> Result<T, RedisError> {
+        match tokio::time::timeout(self.timeout, work).await {
             Ok(outcome) => outcome,
-            Err(_) => Err(RedisError::from((
-                ErrorKind::Io,
-                "timed out",
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
                 format!("no answer within {:?}", self.timeout),
             ))),
         }
@@ -206,7 +265,7 @@ fn describe(err: &RedisError) -> String {
     }
     match err.detail() {
         Some(detail) => format!("{}: {detail}", err.code().unwrap_or("error")),
-        None => format!("{:?}", err.kind()),
+        None => err.to_string(),
     }
 }
 
