@@ -1,15 +1,17 @@
-//! Redis Cluster and Sentinel over TLS (`rediss+cluster://`, `rediss+sentinel://`), on real
-//! deployments whose nodes, cluster bus, replication and sentinels speak TLS with a
-//! certificate of a test CA: the conformance suite on a TLS cluster, wake-ups through
-//! subscribers that connect over TLS, a forced failover behind TLS sentinels, and the
-//! refusals (a certificate of another CA, the system's roots, `ca` without TLS).
+//! Redis Cluster, Sentinel and Redlock over TLS (`rediss+cluster://`, `rediss+sentinel://`,
+//! `rediss+redlock://`), on real deployments whose nodes, cluster bus, replication and
+//! sentinels speak TLS with a certificate of a test CA: the conformance suite on a TLS
+//! cluster, wake-ups through subscribers that connect over TLS, a forced failover behind TLS
+//! sentinels, a Redlock quorum over TLS nodes, and the refusals (a certificate of another CA, the system's roots, `ca` without TLS).
 #![cfg(feature = "redis")]
 
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
 use dlock::{Backoff, LockError, LockProvider};
-use dlock_testkit::redis::{LeaseHarness, RedisCluster, SentinelDeployment, counts_one_subscriber};
+use dlock_testkit::redis::{
+    Flavor, LeaseHarness, RedisCluster, RedisServer, SentinelDeployment, counts_one_subscriber,
+};
 use dlock_testkit::tls::{Pki, ServerCert};
 use dlock_testkit::{unique_key, wait_until};
 
@@ -250,4 +252,70 @@ async fn tls_sentinels_lead_to_the_master_and_follow_a_failover() {
         .await
         .expect_err("sentinels with a certificate of another CA");
     assert_refused_certificate(&err);
+}
+
+/// Redlock over three nodes that speak TLS (`rediss+redlock://`): the lock is taken on every
+/// node over TLS, a second provider is refused while it is held, a waiter is woken by the
+/// release with a larger token. A certificate of another CA is refused as configuration, and
+/// so is `ca` on `redlock://`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_redlock_takes_its_quorum_over_tls() {
+    let tls = Pki::shared().server(ServerCert::Good);
+    let Some(servers) = tokio::task::block_in_place(|| {
+        (0..3)
+            .map(|_| RedisServer::start_tls(Flavor::Redis7, &tls, false))
+            .collect::<Option<Vec<_>>>()
+    }) else {
+        eprintln!("skipped: redis-server is not installed");
+        return;
+    };
+    let hosts: Vec<String> = servers
+        .iter()
+        .map(|s| format!("127.0.0.1:{}", s.tls_port()))
+        .collect();
+    let ca = Pki::shared().ca.display().to_string();
+    let url = format!("rediss+redlock://{}/?ca={ca}&lease=5s", hosts.join(","));
+    let holder = LockProvider::connect(&url).await.expect("connect over TLS");
+    let other = LockProvider::connect(&url).await.unwrap();
+    let key = unique_key("tls-redlock");
+    let guard = holder.try_acquire(&key).await.expect("free");
+    let first = guard.fencing_token().expect("a token");
+    assert!(matches!(
+        other.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    // Every node holds the key: each was reached over TLS.
+    for server in &servers {
+        let plain = RedisBackend::connect(&server.url("")).await.unwrap();
+        let mut conn = server
+            .client()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(plain.storage_key(&key))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(exists, "the node on {} holds the key", server.tls_port());
+    }
+    let waiter = {
+        let (other, key) = (other.clone(), key.clone());
+        tokio::spawn(async move { other.acquire(&key, Duration::from_secs(20)).await })
+    };
+    guard.release().await.unwrap();
+    let next = waiter.await.unwrap().expect("the waiter gets the lock");
+    assert!(next.fencing_token().expect("a token") > first);
+    next.release().await.unwrap();
+
+    let wrong = url.replace(&ca, &Pki::shared().other_ca.display().to_string());
+    let err = LockProvider::connect(&format!("{wrong}&timeout=3s"))
+        .await
+        .expect_err("nodes with a certificate of another CA");
+    assert_refused_certificate(&err);
+    let plain = url.replace("rediss+redlock://", "redlock://");
+    let err = LockProvider::connect(&plain)
+        .await
+        .expect_err("ca without TLS");
+    assert!(matches!(err, LockError::Config { .. }), "{err}");
 }

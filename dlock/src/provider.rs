@@ -86,7 +86,7 @@ impl Terms {
 }
 
 /// The URL schemes [`LockProvider::connect`] understands.
-pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redis+sentinel:// (rediss+sentinel://), redis+cluster:// (rediss+cluster://), redlock://, etcd://";
+pub const SUPPORTED_SCHEMES: &str = "sqlite://, postgres:// (postgresql://), mysql://, mariadb://, mssql:// (sqlserver://), oracle://, redis:// (rediss://), redis+sentinel:// (rediss+sentinel://), redis+cluster:// (rediss+cluster://), redlock:// (rediss+redlock://), etcd://";
 
 impl LockProvider {
     /// Connects to the lock store named by `url`; the scheme picks the backend.
@@ -101,7 +101,7 @@ impl LockProvider {
     /// | `redis://`, `rediss://` | [Redis / Valkey](crate::redis) | `redis` |
     /// | `redis+sentinel://host:port,host:port/SERVICE`, `rediss+sentinel://...` (TLS) | [Redis behind Sentinel](crate::redis#sentinel): the master the sentinels name | `redis` |
     /// | `redis+cluster://host:port,host:port`, `rediss+cluster://...` (TLS) | [Redis Cluster](crate::redis#cluster) | `redis` |
-    /// | `redlock://host:port,host:port,host:port` | [Redlock](crate::redis::RedlockBackend) over independent Redis / Valkey nodes | `redis` |
+    /// | `redlock://host:port,host:port,host:port`, `rediss+redlock://...` (TLS) | [Redlock](crate::redis::RedlockBackend) over independent Redis / Valkey nodes | `redis` |
     /// | `etcd://host:port[,host:port...]` | [etcd](crate::etcd) | `etcd` |
     ///
     /// Each backend documents its own query options (for example `?lease=30s`). Their values
@@ -132,7 +132,7 @@ impl LockProvider {
             "oracle" => connect_oracle(url).await,
             "redis" | "rediss" | "redis+sentinel" | "rediss+sentinel" | "redis+cluster"
             | "rediss+cluster" => connect_redis(url).await,
-            "redlock" => connect_redlock(url).await,
+            "redlock" | "rediss+redlock" => connect_redlock(url).await,
             "etcd" => connect_etcd(url).await,
             _ => Err(LockError::config(format!(
                 "unknown lock store URL scheme `{}`; expected one of {SUPPORTED_SCHEMES}",

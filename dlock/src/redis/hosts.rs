@@ -1,6 +1,7 @@
-//! The URLs that list several hosts (`redis+cluster://`, `redis+sentinel://`, and their TLS
-//! forms `rediss+cluster://`, `rediss+sentinel://`): scheme, `user:password@`, the host list `host:port,host:port,...` (IPv6 as `[v6]:port`), path and
-//! query. Each URL kind says what its hosts are called, their default port and its example;
+//! The URLs that list several hosts (`redis+cluster://`, `redis+sentinel://`, `redlock://`,
+//! and their TLS forms `rediss+cluster://`, `rediss+sentinel://`, `rediss+redlock://`):
+//! scheme, `user:password@`, the host list `host:port,host:port,...` (IPv6 as `[v6]:port`),
+//! path and query. Each URL kind says what its hosts are called, their default port and its example;
 //! its path is its own.
 
 use std::fmt;
@@ -39,6 +40,15 @@ pub(crate) struct Hosts {
     pub(crate) nodes: Vec<(String, u16)>,
     pub(crate) user: Option<String>,
     pub(crate) password: Option<String>,
+}
+
+impl Split<'_> {
+    /// The URL's `user:password` as written (still percent-encoded), if it has one.
+    pub(crate) fn userinfo(&self) -> Option<&str> {
+        self.authority
+            .rsplit_once('@')
+            .map(|(userinfo, _)| userinfo)
+    }
 }
 
 impl HostListUrl {
@@ -121,7 +131,11 @@ impl HostListUrl {
                 )));
             }
             let node = self.host_port(host)?;
-            if nodes.contains(&node) {
+            // Host names are case-insensitive: `a:1` and `A:1` are one server.
+            if nodes
+                .iter()
+                .any(|(h, p): &(String, u16)| h.eq_ignore_ascii_case(&node.0) && *p == node.1)
+            {
                 return Err(self.error(format_args!("lists the {noun} `{}` twice", shown(host))));
             }
             nodes.push(node);

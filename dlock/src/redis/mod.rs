@@ -444,8 +444,8 @@
 //!
 //! # TLS
 //!
-//! `rediss://` (and `rediss+cluster://`, `rediss+sentinel://`) never falls back to a
-//! connection in clear, and the server's certificate must
+//! `rediss://` (and `rediss+cluster://`, `rediss+sentinel://`, `rediss+redlock://`) never
+//! falls back to a connection in clear, and the server's certificate must
 //! be signed by a trusted CA and carry the host name or IP address of the URL (rustls checks
 //! no other way; there is no option to skip the check). A refused certificate is a
 //! [`LockError::Config`] that says which check failed: "not signed by a CA this client trusts

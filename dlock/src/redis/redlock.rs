@@ -10,6 +10,7 @@ use tokio::sync::OnceCell;
 use tokio_util::sync::CancellationToken;
 
 use super::commands::Script;
+use super::hosts::HostListUrl;
 use super::quorums::{Followed, Quorums, held_until};
 use super::{RedisBackend, check_lease};
 use crate::LockError;
@@ -67,6 +68,11 @@ fn refuse_shared_counters(set: bool) -> Result<(), LockError> {
 /// three nodes survive the loss of one, five the loss of two. Nodes that cannot be reached when
 /// the backend is made are connected later, at first use, as long as a quorum answered.
 /// [`RedlockBackend::from_nodes`] takes backends the application built itself.
+///
+/// `rediss+redlock://...` reaches every node over TLS, as `rediss://` does one node: the
+/// option `ca` (a PEM file) names the CA that signed the nodes' certificates (the system's
+/// roots without it), and a certificate that fails verification is a
+/// [`LockError::Config`] saying which check failed.
 ///
 /// # Where the guarantee ends
 ///
@@ -162,7 +168,8 @@ impl fmt::Debug for RedlockBackend {
 }
 
 impl RedlockBackend {
-    /// Connects to the nodes named by a `redlock://` URL (see [URL](RedlockBackend#url)).
+    /// Connects to the nodes named by a `redlock://` or `rediss+redlock://` URL (see
+    /// [URL](RedlockBackend#url)).
     /// Fails when fewer than a quorum of nodes could be reached; the others are connected at
     /// first use.
     ///
@@ -183,22 +190,31 @@ impl RedlockBackend {
                 backend: OnceCell::new(),
             })
             .collect();
-        let connected = join(
+        let outcomes: Vec<Result<&RedisBackend, LockError>> = join(
             nodes
                 .iter()
                 .map(|node| Box::pin(node.get()) as BoxFuture<'_, _>),
         )
-        .await
-        .into_iter()
-        .filter(Result::is_ok)
-        .count();
+        .await;
+        let connected = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
         let quorum = nodes.len() / 2 + 1;
         if connected < quorum {
+            let failures: Vec<LockError> = outcomes.into_iter().filter_map(Result::err).collect();
+            // A configuration every failed node refused (a certificate of the wrong CA, a
+            // wrong password) is said as such, not as nodes out of reach.
+            let refused = failures
+                .iter()
+                .all(|err| matches!(err, LockError::Config { .. }));
+            let why = match failures.into_iter().next() {
+                Some(err) if refused => return Err(err),
+                Some(err) => format!(" (the first: {err})"),
+                None => String::new(),
+            };
             return Err(LockError::unavailable(
                 NAME,
                 format!(
                     "only {connected} of the {} nodes could be reached, fewer than the quorum of \
-                     {quorum}",
+                     {quorum}{why}",
                     nodes.len()
                 ),
                 None,
@@ -274,52 +290,43 @@ fn node_wait(lease: Duration) -> Duration {
     (lease / 5).max(Duration::from_millis(50))
 }
 
-/// Splits a `redlock://` URL into one `redis://` URL per node.
+/// How a `redlock://` URL is written.
+const URL: HostListUrl = HostListUrl {
+    scheme: "redlock",
+    tls_scheme: "rediss+redlock",
+    leads_to: "Redlock",
+    noun: "node",
+    default_port: 6379,
+    example: "redlock://[user:password@]host:6379,host:6379,host:6379[/db][?lease=30s]",
+};
+
+/// Splits a `redlock://` URL into one `redis://` URL per node (`rediss+redlock://`: one
+/// `rediss://` URL per node), each with the URL's credentials, database and options.
 fn node_urls(url: &str) -> Result<Vec<String>, LockError> {
-    let rest = url
-        .split_once("://")
-        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("redlock"))
-        .map(|(_, rest)| rest)
-        .ok_or_else(|| LockError::config("a redlock URL starts with `redlock://`"))?;
-    let (main, query) = match rest.split_once('?') {
-        Some((main, query)) => (main, Some(query)),
-        None => (rest, None),
-    };
-    let (main, path) = match main.find('/') {
-        Some(at) => main.split_at(at),
-        None => (main, ""),
-    };
-    let (userinfo, hosts) = match main.rsplit_once('@') {
-        Some((userinfo, hosts)) => (Some(userinfo), hosts),
-        None => (None, main),
-    };
-    let hosts: Vec<&str> = hosts.split(',').map(str::trim).collect();
-    if hosts.iter().any(|h| h.is_empty()) {
-        return Err(LockError::config(
-            "a redlock URL lists its nodes as host:port,host:port,...; one of them is empty",
-        ));
-    }
-    for (i, host) in hosts.iter().enumerate() {
-        if hosts[..i].iter().any(|h| h.eq_ignore_ascii_case(host)) {
-            return Err(LockError::config(format!(
-                "the redlock node `{}` is listed twice; each node must be an independent server",
-                crate::options::shown(host)
-            )));
-        }
-    }
+    let split = URL.split(url)?;
+    // Checks the credentials and the host list; the nodes' URLs repeat them as written.
+    let hosts = URL.hosts(&split)?;
     Ok(hosts
+        .nodes
         .iter()
-        .map(|host| {
-            let mut node = String::from("redis://");
-            if let Some(userinfo) = userinfo {
+        .map(|(host, port)| {
+            let mut node = String::from(if split.tls { "rediss://" } else { "redis://" });
+            if let Some(userinfo) = split.userinfo() {
                 node.push_str(userinfo);
                 node.push('@');
             }
-            node.push_str(host);
-            node.push_str(path);
-            if let Some(query) = query {
+            if host.contains(':') {
+                node.push_str(&format!("[{host}]:{port}"));
+            } else {
+                node.push_str(&format!("{host}:{port}"));
+            }
+            if !split.path.is_empty() || !split.query.is_empty() {
+                node.push('/');
+                node.push_str(split.path);
+            }
+            if !split.query.is_empty() {
                 node.push('?');
-                node.push_str(query);
+                node.push_str(split.query);
             }
             node
         })
@@ -983,16 +990,26 @@ mod tests {
             ]
         );
         assert_eq!(node_urls("REDLOCK://a:1").expect("valid"), ["redis://a:1"]);
+        // The default port, IPv6, an empty path.
+        assert_eq!(
+            node_urls("redlock://a,[::1]:7/?lease=2s").expect("valid"),
+            ["redis://a:6379/?lease=2s", "redis://[::1]:7/?lease=2s"]
+        );
+        // Over TLS: every node, with the URL's CA.
+        assert_eq!(
+            node_urls("rediss+redlock://a:1,b:2?ca=/ca.pem").expect("valid"),
+            ["rediss://a:1/?ca=/ca.pem", "rediss://b:2/?ca=/ca.pem"]
+        );
         for bad in [
             "redis://a:1",
             "redlock://a:1,,b:2",
             "redlock://a:1,A:1",
             "redlock://",
+            "redlock://a:0",
+            "redlock://[::1",
+            "redlock://u:hunter2@",
         ] {
-            assert!(
-                matches!(node_urls(bad), Err(LockError::Config { .. })),
-                "{bad}"
-            );
+            super::super::hosts::config_error(bad, node_urls);
         }
     }
 
