@@ -75,9 +75,9 @@ async fn woken(
     took
 }
 
-/// On a TLS cluster, locks spread over the masters, each key's tokens increase, and a waiter
-/// whose subscriber connects over TLS to the master of the key's slot is woken by the
-/// release (its fallback poll is an hour).
+/// On a TLS cluster, locks spread over the masters, each key's tokens increase, and on each
+/// master a waiter whose subscriber connects over TLS to the master of the key's slot is
+/// woken by the release (its fallback poll is an hour).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_cluster_locks_on_every_master_and_wakes_waiters() {
     let Some(cluster) = cluster() else {
@@ -103,12 +103,22 @@ async fn a_tls_cluster_locks_on_every_master_and_wakes_waiters() {
     }
     assert_eq!(masters.len(), 3, "24 keys land on every master");
 
-    let holder = LockProvider::connect(&url).await.unwrap();
-    let waiters = woken_only(backend.clone());
-    for i in 0..3 {
+    // One key on each master: every master's subscriber connects over TLS, not only the
+    // one of the URL's first node.
+    let mut on_master = std::collections::HashMap::new();
+    for i in 0..300 {
         let key = unique_key(&format!("tls-woken-{i}"));
         let storage = backend.storage_key(&key);
         let master = tokio::task::block_in_place(|| cluster.owner_of(cluster.slot_of(&storage)));
+        on_master.entry(master).or_insert(key);
+        if on_master.len() == 3 {
+            break;
+        }
+    }
+    assert_eq!(on_master.len(), 3, "keys found for every master");
+    let holder = LockProvider::connect(&url).await.unwrap();
+    let waiters = woken_only(backend.clone());
+    for (master, key) in on_master {
         let took = woken(
             &holder,
             &waiters,
