@@ -845,3 +845,100 @@ async fn wake_a_waiter_on_every_master(
             .unwrap();
     }
 }
+
+/// `PUBLISH` commands the cluster's nodes ran.
+fn publishes(cluster: &RedisCluster) -> u64 {
+    tokio::task::block_in_place(|| {
+        cluster
+            .nodes
+            .iter()
+            .map(|n| n.command_calls().get("publish").copied().unwrap_or(0))
+            .sum()
+    })
+}
+
+/// On a Cluster of servers with a native conditional delete (`DELEX` on Redis 8.4+,
+/// `DELIFEQ` on Valkey 9), a release nobody waits for publishes nothing (classic `PUBLISH`
+/// is broadcast to every node), and one that a waiter waits for still wakes it: the delete's
+/// pipeline reads the waiting mark, and the announcement follows only while it lives.
+async fn native_releases_announce_only_when_awaited(flavor: dlock_testkit::redis::Flavor) {
+    let Some(cluster) =
+        started(|| RedisCluster::start_flavor(flavor, 3, 0, Duration::from_secs(1)))
+    else {
+        return;
+    };
+    for fencing in [false, true] {
+        let url = cluster.url(&format!("lease=30s&fencing={fencing}"));
+        let backend = RedisBackend::connect(&url).await.expect("connect");
+        let locks = LockProvider::builder(backend.clone())
+            .backoff(
+                Backoff::default()
+                    .with_fallback_poll(Duration::from_secs(3600))
+                    .unwrap(),
+            )
+            .build();
+        // The first release finds out that the server has the command.
+        let guard = locks.try_acquire(&unique_key("first")).await.unwrap();
+        guard.release().await.unwrap();
+        let before = publishes(&cluster);
+        for i in 0..20 {
+            let guard = locks
+                .try_acquire(&unique_key(&format!("alone-{i}")))
+                .await
+                .unwrap();
+            guard.release().await.unwrap();
+        }
+        let after = publishes(&cluster);
+        assert_eq!(
+            after - before,
+            0,
+            "{flavor:?}, fencing={fencing}: releases nobody waited for published"
+        );
+
+        let key = unique_key("awaited");
+        let holder = LockProvider::connect(&url).await.unwrap();
+        let guard = holder.try_acquire(&key).await.unwrap();
+        let waiter = {
+            let (locks, key) = (locks.clone(), key.clone());
+            tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(600)).await })
+        };
+        let mark = [backend.storage_key(&key), b":waiting".to_vec()].concat();
+        wait_until(
+            "the waiter marks the key",
+            Duration::from_secs(20),
+            async || {
+                let port = cluster.owner_of(cluster.slot_of(&mark));
+                let exists = cluster.command(port, &[b"EXISTS", &mark]);
+                matches!(exists, Ok(redis::Value::Int(1)))
+            },
+        )
+        .await;
+        let released = Instant::now();
+        guard.release().await.unwrap();
+        let next = tokio::time::timeout(Duration::from_secs(20), waiter)
+            .await
+            .expect("the release woke the waiter")
+            .unwrap()
+            .unwrap();
+        assert!(
+            released.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            released.elapsed()
+        );
+        next.release().await.unwrap();
+        assert!(
+            publishes(&cluster) > after,
+            "{flavor:?}: the awaited release was announced"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delifeq_releases_announce_only_when_awaited() {
+    native_releases_announce_only_when_awaited(dlock_testkit::redis::Flavor::Valkey91).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delex_releases_announce_only_when_awaited() {
+    native_releases_announce_only_when_awaited(dlock_testkit::redis::Flavor::Redis8).await;
+}

@@ -39,7 +39,19 @@ impl RedisCluster {
         replicas: usize,
         node_timeout: Duration,
     ) -> Option<RedisCluster> {
-        RedisCluster::start_on(masters, replicas, node_timeout, None)
+        RedisCluster::start_on(Flavor::Redis7, masters, replicas, node_timeout, None)
+    }
+
+    /// [`start_with`](RedisCluster::start_with) on servers of `flavor` (joined by Redis 7's
+    /// `redis-cli`). `None` (after saying so) when that server is not installed and `CI` is
+    /// not set.
+    pub fn start_flavor(
+        flavor: Flavor,
+        masters: usize,
+        replicas: usize,
+        node_timeout: Duration,
+    ) -> Option<RedisCluster> {
+        RedisCluster::start_on(flavor, masters, replicas, node_timeout, None)
     }
 
     /// [`start_with`](RedisCluster::start_with) where every node also has a TLS port
@@ -54,10 +66,11 @@ impl RedisCluster {
         node_timeout: Duration,
         tls: &crate::ServerTls,
     ) -> Option<RedisCluster> {
-        RedisCluster::start_on(masters, replicas, node_timeout, Some(tls))
+        RedisCluster::start_on(Flavor::Redis7, masters, replicas, node_timeout, Some(tls))
     }
 
     fn start_on(
+        flavor: Flavor,
         masters: usize,
         replicas: usize,
         node_timeout: Duration,
@@ -76,7 +89,7 @@ impl RedisCluster {
         for _ in 0..masters * (1 + replicas) {
             let bus = free_port().to_string();
             let mut node = RedisServer::start_args(
-                Flavor::Redis7,
+                flavor,
                 Placement::default(),
                 &[
                     "--cluster-enabled",

@@ -593,6 +593,16 @@ fn quoted_args_are_text(args: &[&[u8]]) -> bool {
 /// when the sentinels name another master; `None` for a manager the application passed in.
 pub(crate) type ClientSlot = Arc<Mutex<Option<(redis::Client, ConnectionManagerConfig)>>>;
 
+/// What went in a native delete's round trip besides the delete.
+enum Behind {
+    /// Nothing: the announcement, if any, follows.
+    Nothing,
+    /// The announcement, which reached this many subscribers.
+    Announced(u64),
+    /// A read of the lock's waiting mark (`EXISTS`), with its answer.
+    Mark(Option<Value>),
+}
+
 impl Conn {
     /// The client the connection is made with, as it is replaced: the subscriber of
     /// wake-ups reconnects with it, so that behind Sentinel it follows the master too.
@@ -1553,20 +1563,42 @@ impl Conn {
             return Ok(None);
         }
         // Where the command is known, the announcement of the release goes in the same
-        // round trip (see [`Conn::query_announcing`]); on a first call, after it.
+        // round trip (see [`Conn::query_announcing`]); on a first call, after it. On a
+        // Cluster, where `PUBLISH` reaches every node over the cluster bus, the waiting mark
+        // is read in that round trip instead, and the announcement follows only while the
+        // mark lives (a waiter whose try found the lock taken set it in the same step), as
+        // the release script does.
         let announced = known == Support::Yes;
-        let answer = if announced {
-            self.query_announcing(&cmd, key).await
-        } else {
-            self.query(&cmd).await.map(|reply| (reply, 0))
+        let mark = self
+            .waiting_mark(key)
+            .filter(|_| announced && self.is_cluster() && !self.unmarked_for_now());
+        let answer = match &mark {
+            Some(mark) => {
+                let mut exists = redis::cmd("EXISTS");
+                exists.arg(mark);
+                self.query_then(&cmd, Some(&exists))
+                    .await
+                    .map(|(reply, marked)| (reply, Behind::Mark(marked)))
+            }
+            None if announced => self
+                .query_announcing(&cmd, key)
+                .await
+                .map(|(reply, woke)| (reply, Behind::Announced(woke))),
+            None => self.query(&cmd).await.map(|reply| (reply, Behind::Nothing)),
         };
         match answer {
-            Ok((reply, mut woke)) => {
+            Ok((reply, behind)) => {
                 self.learn(caps.generation, |c| *command.support(c) = Support::Yes);
                 let outcome = self.native_outcome(key, reply).await?;
-                if !announced && outcome == ReleaseOutcome::Released {
-                    woke = self.announce(key).await;
-                }
+                let released = outcome == ReleaseOutcome::Released;
+                let woke = match behind {
+                    Behind::Announced(woke) => woke,
+                    // Nobody waits.
+                    Behind::Mark(Some(Value::Int(0))) => 0,
+                    // A waiter's mark, or no answer about it: announced.
+                    Behind::Mark(_) | Behind::Nothing if released => self.announce(key).await,
+                    Behind::Mark(_) | Behind::Nothing => 0,
+                };
                 Ok(Some((outcome, woke)))
             }
             Err(err) if is_unknown_command(&err) => {

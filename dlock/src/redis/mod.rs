@@ -142,7 +142,7 @@
 //!   reader's release sends an empty message; see [Fair waiting](self#fair-waiting) for its
 //!   use): inside the Lua release (with `redis.pcall`, so that a user refused `PUBLISH` still
 //!   releases), in the same pipeline as `DELEX` / `DELIFEQ` (one round trip; sent whatever the
-//!   delete found), and in a reader's release when it leaves the key without readers. Clients
+//!   delete found; on a Cluster, see below), and in a reader's release when it leaves the key without readers. Clients
 //!   that are not dlock and release a lock of the
 //!   [plain layout](self#the-plain-layout-for-other-clients) wake dlock's waiters by doing the
 //!   same, with any message.
@@ -157,10 +157,13 @@
 //!   finds the key taken sets the mark in the same step, so every release after it is
 //!   announced. Without fencing, the mark's `SET` goes before the `PTTL`: a release between
 //!   the try and the mark is seen as a key already gone, and the waiter tries again at once.
-//!   Releases through `DELEX` / `DELIFEQ` (Redis 8.4+, Valkey 9.0+) announce themselves
-//!   whether marked or not (the pipeline cannot ask first), as do releases of the
+//!   Releases through `DELEX` / `DELIFEQ` (Redis 8.4+, Valkey 9.0+) on one server announce
+//!   themselves whether marked or not (the pipeline cannot ask first: asking would cost
+//!   contended releases a second round trip); on a Cluster, the pipeline reads the mark
+//!   (`EXISTS`) behind the delete instead, and the announcement follows, in a second round
+//!   trip, only while it lives (or when the read failed). Releases of the
 //!   [plain layout](self#the-plain-layout-for-other-clients), whose waiters may be other
-//!   clients that set no mark. A user the server refuses the mark (a key pattern that covers
+//!   clients that set no mark, always announce themselves. A user the server refuses the mark (a key pattern that covers
 //!   the locks but not `<lock key>:waiting`) is warned once; its backend then marks nothing,
 //!   its releases announce themselves unmarked, and other backends' releases do not wake its
 //!   waiters (they notice a release when the holder's lease would have ended, or at their
