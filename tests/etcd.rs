@@ -543,3 +543,60 @@ async fn cut_off_leader_grants_nothing_and_its_holders_are_told() {
         "the lost lock's release says so: {released:?}"
     );
 }
+
+/// The watch streams the members have opened (`grpc_server_started_total` of the `Watch`
+/// method, from each member's `/metrics`).
+async fn watches_opened(cluster: &EtcdCluster) -> u64 {
+    let mut sum = 0.0;
+    for endpoint in cluster.endpoints() {
+        let text = reqwest::get(format!("{endpoint}/metrics"))
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics text");
+        sum += text
+            .lines()
+            .filter(|l| l.starts_with("grpc_server_started_total{"))
+            .filter(|l| l.contains("grpc_method=\"Watch\""))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+    }
+    sum as u64
+}
+
+/// A lock released within moments of its acquisition opens no watch stream (a stream and a
+/// round trip each); one held on does, and a delete of its key made before the watch opened
+/// is still reported: the watch reads the key's history from its creation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brief_locks_open_no_watch_and_an_early_delete_is_still_seen() {
+    let Some(h) = EtcdHarness::start().await else {
+        return;
+    };
+    let locks = LockProvider::from_backend(h.backend.clone());
+    let before = watches_opened(&h.cluster).await;
+    for i in 0..20 {
+        let guard = locks
+            .try_acquire(&unique_key(&format!("brief-{i}")))
+            .await
+            .expect("free key");
+        guard.release().await.expect("release");
+    }
+    let after = watches_opened(&h.cluster).await;
+    assert_eq!(after - before, 0, "watches opened for 20 brief locks");
+
+    let guard = locks
+        .try_acquire(&unique_key("held"))
+        .await
+        .expect("free key");
+    // Deleted at once, before the watch opens; the lease lives on, so only the watch can
+    // tell.
+    dlock_testkit::Harness::break_lock(&h, &guard).await;
+    tokio::time::timeout(Duration::from_secs(2), guard.lost_token().cancelled())
+        .await
+        .expect("the delete made before the watch opened is reported");
+    assert!(
+        watches_opened(&h.cluster).await > after,
+        "the held lock's watch opened"
+    );
+}

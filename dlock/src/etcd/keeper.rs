@@ -132,13 +132,21 @@ enum Renewal {
     Failed,
 }
 
+/// How long after its acquisition a held lock's key starts to be watched. Opening a watch is
+/// a stream and a round trip of its own, which most locks, held for less, would pay for
+/// nothing; the watch reads the key's history from its creation, so a delete before it
+/// opens is reported when it opens.
+const WATCH_AFTER: Duration = Duration::from_millis(100);
+
 /// Keeps `entry` until `stop` fires or the lock is lost.
 async fn keep(entry: Arc<Entry>, stop: CancellationToken) {
     let mut renewer: Option<Renewer> = None;
     let mut watch: Option<WatchStream> = None;
-    // Watching starts right after the key's creation; a compaction moves it on.
+    // Watching starts from the key's creation, so a delete before the watch opens is still
+    // seen; a compaction moves it on. The watch opens `WATCH_AFTER` in: a lock held shorter
+    // costs no watch stream.
     let mut watch_from = entry.revision + 1;
-    let mut watch_at = tokio::time::Instant::now();
+    let mut watch_at = tokio::time::Instant::now() + WATCH_AFTER;
     loop {
         let wake = entry.state().term.wake_at();
         let watching = watch.is_some();

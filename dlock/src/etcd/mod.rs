@@ -44,10 +44,13 @@
 //!
 //! # Lost locks
 //!
-//! One task per held lock renews its lease and watches its key. The lost token fires when
+//! One task per held lock renews its lease and watches its key (from 100 ms after the
+//! acquisition, with the key's history from its creation: a lock held shorter opens no
+//! watch). The lost token fires when
 //!
 //! - a keep-alive answers that the lease is gone (it expired: TTL 0, or it was revoked),
-//! - the key is deleted (by an operator, `etcdctl del`, or the lease's expiry),
+//! - the key is deleted (by an operator, `etcdctl del`, or the lease's expiry; seen within
+//!   a round trip once the watch is open, and a delete in the first 100 ms when it opens),
 //! - or no keep-alive has been confirmed for four fifths of the lease, measured from before
 //!   the last confirmed one was sent (the *local deadline*, the same rule as every lease
 //!   backend): the holder then hears of the loss at least a fifth of a lease before etcd can
