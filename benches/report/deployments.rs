@@ -31,7 +31,9 @@ pub const NOTE: &str = "10: each deployment is started for this section on loopb
      required (Redlock); on etcd, dlock's default against `etcd-client` sending `LeaseGrant`, a \
      transaction that puts a key on the lease if none is under the lock's prefix, a \
      transaction that deletes it if still the one put, and `LeaseRevoke` in the background, as \
-     dlock releases. `rslock` (benches/peers) takes the lock on the same 3 Redlock nodes. \
+     dlock releases. `rslock` (benches/peers) takes the lock on the same 3 Redlock nodes; on \
+     etcd, etcd's own Lock service (the one `etcdctl lock` uses) through `etcd-client`: \
+     `LeaseGrant`, `Lock` on the lease, `Unlock`, `LeaseRevoke` in the background. \
      Handover as 2; its p99 is held to 2 ms where one node's release announcement wakes the \
      waiters (Cluster, Sentinel). The herd as 3, with a 20 s window for every deployment: \
      `INFO commandstats` (less `INFO`) summed over the masters that serve slots (Cluster), \
@@ -54,6 +56,10 @@ const RAW_KEY: &str = "bench:deploy-raw";
 
 /// The key dlock takes in the uncontended comparison.
 const DLOCK_KEY: &str = "bench:deploy-dlock";
+
+/// The lock name a peer takes in the uncontended comparison.
+#[cfg(feature = "etcd")]
+const PEER_KEY: &str = "bench:deploy-peer";
 
 /// One throwaway deployment.
 enum Deployment {
@@ -474,24 +480,32 @@ fn uncontended(
         }
     };
     let mut dlock_side = dlock_batch(rt, &locks, DLOCK_KEY);
-    // rslock on the Redlock nodes, through the peers' workspace.
+    // The peer where one supports the deployment: rslock on the Redlock nodes, through the
+    // peers' workspace; etcd's own Lock service, through `etcd-client`.
     let mut peer: Option<Result<Box<Batch<'_>>, String>> = None;
+    let mut peer_name = "";
     if let Deployment::Redlock(nodes) = d {
         let urls: Vec<String> = nodes
             .iter()
             .map(|n| format!("redis://127.0.0.1:{}/", n.port()))
             .collect();
         let set_up = peers.borrow_mut().setup("rslock", &urls.join(","));
+        peer_name = "rslock";
         peer = Some(set_up.map(|()| -> Box<Batch<'_>> {
             Box::new(move |n| peers.borrow_mut().run("rslock", n))
         }));
+    }
+    #[cfg(feature = "etcd")]
+    if let Deployment::Etcd(e) = d {
+        peer_name = "etcd Lock service";
+        peer = Some(etcd_lock_service_batch(rt, e));
     }
     let mut contenders = vec![
         Contender::new("raw", &mut *raw_side),
         Contender::new("dlock", &mut *dlock_side),
     ];
     if let Some(Ok(p)) = peer.as_mut() {
-        contenders.push(Contender::new("rslock", &mut **p));
+        contenders.push(Contender::new(peer_name, &mut **p));
     }
     // etcd answers in milliseconds (each write is agreed and synced to disk): longer
     // batches, so that each holds more than a few cycles.
@@ -518,27 +532,62 @@ fn uncontended(
         (Err(e), _) | (_, Err(e)) => report.add(setup.not_measured(name, e, "≤ 1.10×")),
     }
     let skipped = peers.borrow().skipped();
+    let peer_row = format!("{peer_name} / dlock");
     match (peer, results.get(2), &results[1]) {
         (None, _, _) => {}
         (Some(Err(e)), _, _) => report.add(
             setup
-                .not_measured("rslock / dlock", &e, "≥ 1.00×")
+                .not_measured(&peer_row, &e, "≥ 1.00×")
                 .excused_if(setup.excused || skipped),
         ),
         (Some(Ok(_)), Some(Ok(p)), Ok(dl)) => report.add(Row::ratio(
             S10,
-            &format!("{}: rslock / dlock", setup.label),
-            ("rslock", p),
+            &format!("{}: {peer_row}", setup.label),
+            (peer_name, p),
             (dlock_label, dl),
             Target::AtLeast(1.0),
         )),
         (Some(Ok(_)), Some(Err(e)), _) | (Some(Ok(_)), _, Err(e)) => {
-            report.add(setup.not_measured("rslock / dlock", e, "≥ 1.00×"))
+            report.add(setup.not_measured(&peer_row, e, "≥ 1.00×"))
         }
-        (Some(Ok(_)), None, _) => {
-            report.add(setup.not_measured("rslock / dlock", "no result", "≥ 1.00×"))
-        }
+        (Some(Ok(_)), None, _) => report.add(setup.not_measured(&peer_row, "no result", "≥ 1.00×")),
     }
+}
+
+/// etcd's own Lock service (`etcdctl lock`'s, server-side: a key on the caller's lease under
+/// the lock's prefix, granted once every earlier key is gone) through `etcd-client`, doing
+/// what dlock does for one uncontended lock: `LeaseGrant`, `Lock`, `Unlock`, and
+/// `LeaseRevoke` in the background.
+#[cfg(feature = "etcd")]
+fn etcd_lock_service_batch<'a>(
+    rt: &'a Runtime,
+    e: &dlock_testkit::etcd::EtcdCluster,
+) -> Result<Box<Batch<'a>>, String> {
+    use dlock::etcd::etcd_client::{Client, LockOptions};
+    let client = rt
+        .block_on(Client::connect(e.endpoints(), None))
+        .map_err(|e| e.to_string())?;
+    Ok(Box::new(move |n| {
+        let client = client.clone();
+        on_worker(rt, async move {
+            let e = |e: dlock::etcd::etcd_client::Error| e.to_string();
+            let t = Instant::now();
+            for _ in 0..n {
+                let lease = client.lease_client().grant(30, None).await.map_err(e)?.id();
+                let locked = client
+                    .lock_client()
+                    .lock(PEER_KEY, Some(LockOptions::new().with_lease(lease)))
+                    .await
+                    .map_err(e)?;
+                client.lock_client().unlock(locked.key()).await.map_err(e)?;
+                let mut leases = client.lease_client();
+                tokio::spawn(async move {
+                    let _ = leases.revoke(lease).await;
+                });
+            }
+            Ok(t.elapsed())
+        })
+    }))
 }
 
 /// Handover on one deployment: 16 waiters over 4 providers (as section 2).
