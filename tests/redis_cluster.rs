@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
-use dlock::{Backoff, LockError, LockProvider};
-use dlock_testkit::redis::{LeaseHarness, RedisCluster};
+use dlock::{LockError, LockProvider};
+use dlock_testkit::redis::{LeaseHarness, RedisCluster, woken_only};
 use dlock_testkit::{unique_key, wait_until};
 
 /// A cluster of three masters with `replicas` replicas each, of the caller's own.
@@ -781,13 +781,7 @@ async fn wake_a_waiter_on_every_master(
     listens_on: impl Fn(u16) -> u16,
 ) {
     let backend = RedisBackend::connect(url).await.expect("connect");
-    let waiters = LockProvider::builder(backend.clone())
-        .backoff(
-            Backoff::default()
-                .with_fallback_poll(Duration::from_secs(3600))
-                .unwrap(),
-        )
-        .build();
+    let waiters = woken_only(backend.clone());
     let holder = LockProvider::connect(url).await.expect("connect");
     // One key on each master.
     let prefix = unique_key("woken");
@@ -870,13 +864,7 @@ async fn native_releases_announce_only_when_awaited(flavor: dlock_testkit::redis
     for fencing in [false, true] {
         let url = cluster.url(&format!("lease=30s&fencing={fencing}"));
         let backend = RedisBackend::connect(&url).await.expect("connect");
-        let locks = LockProvider::builder(backend.clone())
-            .backoff(
-                Backoff::default()
-                    .with_fallback_poll(Duration::from_secs(3600))
-                    .unwrap(),
-            )
-            .build();
+        let locks = woken_only(backend.clone());
         // The first release finds out that the server has the command.
         let guard = locks.try_acquire(&unique_key("first")).await.unwrap();
         guard.release().await.unwrap();

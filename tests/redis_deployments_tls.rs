@@ -8,9 +8,10 @@
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
-use dlock::{Backoff, LockError, LockProvider};
+use dlock::{LockError, LockProvider};
 use dlock_testkit::redis::{
     Flavor, LeaseHarness, RedisCluster, RedisServer, SentinelDeployment, counts_one_subscriber,
+    woken_only,
 };
 use dlock_testkit::tls::{Pki, ServerCert};
 use dlock_testkit::{unique_key, wait_until};
@@ -29,18 +30,6 @@ dlock_testkit::conformance_suite!(optional async {
     assert!(harness.backend().is_cluster());
     Some(harness)
 });
-
-/// A provider whose waiters poll once an hour when nothing wakes them: a waiter that gets a
-/// released key within seconds was woken.
-fn woken_only(backend: RedisBackend) -> LockProvider {
-    LockProvider::builder(backend)
-        .backoff(
-            Backoff::default()
-                .with_fallback_poll(Duration::from_secs(3600))
-                .unwrap(),
-        )
-        .build()
-}
 
 /// `holder` takes `key`; a waiter of `waiters` waits until `node` (a plain client of the
 /// node that serves the key) counts its subscription; the release wakes it. Returns how long

@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use dlock::redis::RedisBackend;
-use dlock::{Backoff, LockError, LockProvider};
-use dlock_testkit::redis::{LeaseHarness, SentinelDeployment, counts_one_subscriber};
+use dlock::{LockError, LockProvider};
+use dlock_testkit::redis::{LeaseHarness, SentinelDeployment, counts_one_subscriber, woken_only};
 use dlock_testkit::{unique_key, wait_until};
 
 /// Down-after for the deployments whose master is never killed: long, so that a loaded
@@ -230,13 +230,7 @@ async fn waiters_are_woken_on_the_new_master_after_a_kill() {
     let backend = RedisBackend::connect(&deployment.url("lease=60s"))
         .await
         .expect("connect");
-    let waiters = LockProvider::builder(backend.clone())
-        .backoff(
-            Backoff::default()
-                .with_fallback_poll(Duration::from_secs(3600))
-                .unwrap(),
-        )
-        .build();
+    let waiters = woken_only(backend.clone());
     // A wait before the kill: the subscriber runs on the first master.
     let old = deployment.master_port();
     woken_on(

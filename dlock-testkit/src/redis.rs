@@ -994,7 +994,18 @@ impl SentinelDeployment {
     }
 }
 
-/// One command over a fresh synchronous connection to loopback `port`.
+/// A provider on `backend` whose waiters poll once an hour when nothing wakes them: a waiter
+/// that gets a released key within seconds was woken by the release.
+pub fn woken_only(backend: dlock::redis::RedisBackend) -> dlock::LockProvider {
+    dlock::LockProvider::builder(backend)
+        .backoff(
+            dlock::Backoff::default()
+                .with_fallback_poll(Duration::from_secs(3600))
+                .expect("an hour is a valid fallback poll"),
+        )
+        .build()
+}
+
 /// Whether the server `client` reaches counts exactly one subscriber of `channel`
 /// (`PUBSUB NUMSUB`); `false` when it does not answer.
 pub async fn counts_one_subscriber(client: &redis::Client, channel: &str) -> bool {
@@ -1038,6 +1049,7 @@ fn deployment_url(
     url
 }
 
+/// One command over a fresh synchronous connection to loopback `port`.
 fn sync_command<T: redis::FromRedisValue>(port: u16, args: &[&str]) -> redis::RedisResult<T> {
     let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
     let mut conn = client.get_connection_with_timeout(Duration::from_secs(5))?;
