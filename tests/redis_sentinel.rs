@@ -650,3 +650,33 @@ fn take_and_release(locks: &LockProvider, key: &str) -> impl AsyncFnMut() {
         guard.release().await.expect("released");
     }
 }
+
+/// The sentinel a backend keeps its connection to is killed, then a second one: the checks
+/// move to the sentinel left (the kept connection fails, a new one is refused, the next
+/// sentinel is asked), and acquisitions go on without an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_sentinels_move_the_checks_to_the_one_left() {
+    let Some(mut deployment) = deployment(CALM) else {
+        return;
+    };
+    let locks = LockProvider::connect(&deployment.url("check_master_every=10ms&lease=5s"))
+        .await
+        .expect("connect");
+    let key = unique_key("sentinels-killed");
+    let mut all = tokio::task::block_in_place(|| deployment.traffic()).expect("meter");
+    all.connections_for(10, take_and_release(&locks, &key))
+        .await;
+    drop(all);
+    tokio::task::block_in_place(|| {
+        deployment.kill_sentinel(0);
+        deployment.kill_sentinel(1);
+    });
+    let mut left = tokio::task::block_in_place(|| deployment.traffic_of(&[2])).expect("meter");
+    let opened = left
+        .connections_for(20, take_and_release(&locks, &key))
+        .await;
+    assert!(
+        (1..=2).contains(&opened),
+        "{opened} connections to the sentinel left for 20 checks"
+    );
+}

@@ -887,13 +887,25 @@ impl SentinelDeployment {
         }
     }
 
+    /// Kills sentinel `i` (`SIGKILL`) and waits for it to be gone; the others go on.
+    pub fn kill_sentinel(&mut self, i: usize) {
+        let sentinel = &mut self.sentinels[i];
+        let _ = sentinel.child.kill();
+        let _ = sentinel.child.wait();
+    }
+
     /// A meter of what clients (the fixture's own reads aside) did to the sentinels:
     /// connections opened and commands sent. It reads them on one connection per sentinel,
     /// kept open for it.
     pub fn traffic(&self) -> redis::RedisResult<SentinelTraffic> {
-        let links = self
-            .sentinels
+        self.traffic_of(&(0..self.sentinels.len()).collect::<Vec<_>>())
+    }
+
+    /// [`traffic`](SentinelDeployment::traffic) of the sentinels `which` only.
+    pub fn traffic_of(&self, which: &[usize]) -> redis::RedisResult<SentinelTraffic> {
+        let links = which
             .iter()
+            .map(|&i| &self.sentinels[i])
             .map(|s| {
                 let client = redis::Client::open(format!("redis://127.0.0.1:{}/", s.port))?;
                 let conn = client.get_connection_with_timeout(Duration::from_secs(5))?;
