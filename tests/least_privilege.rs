@@ -6,6 +6,8 @@
 //! are the README's, word for word (`readme_gives_the_tested_grants`).
 #![cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 
+mod support;
+
 use std::time::Duration;
 
 use dlock::{LockError, LockGuard, LockProvider};
@@ -535,10 +537,8 @@ mod mysql {
 mod redis_acl {
     use super::*;
     use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
-    use dlock_testkit::Captured;
     use dlock_testkit::redis::{Deployment, Flavor, LeaseHarness, RedisServer};
     use std::collections::HashMap;
-    use std::sync::OnceLock;
 
     const LEASE: Duration = Duration::from_secs(1);
 
@@ -692,25 +692,6 @@ mod redis_acl {
         Some(LeaseHarness::start(AclUser { server }).await)
     }
 
-    /// Everything logged at WARN and above by any test of this binary (renewal failures are
-    /// reported only there: they happen in the background). Installed once, globally, since
-    /// renewals run on runtime threads that a per-thread subscriber would not see.
-    fn logs() -> Captured {
-        static LOGS: OnceLock<Captured> = OnceLock::new();
-        LOGS.get_or_init(|| {
-            let logs = Captured::default();
-            let writer = logs.clone();
-            let subscriber = tracing_subscriber::fmt()
-                .with_max_level(tracing::Level::WARN)
-                .with_ansi(false)
-                .with_writer(move || writer.clone())
-                .finish();
-            tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
-            logs
-        })
-        .clone()
-    }
-
     /// Calls, rejected and failed calls of every command so far (`INFO commandstats`).
     fn command_counts(server: &RedisServer) -> HashMap<String, u64> {
         server
@@ -803,7 +784,7 @@ mod redis_acl {
     /// other command runs after the refused one, and a refused release leaves the lock in place.
     async fn missing_commands(flavor: Flavor) {
         let Some(server) = server(flavor) else { return };
-        let logs = logs();
+        let logs = super::support::logs(tracing::Level::WARN, false);
         let mut conn = admin(&server).await;
         let all = commands(flavor, true);
         for (n, missing) in all.iter().enumerate() {

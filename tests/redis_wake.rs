@@ -4,14 +4,16 @@
 //! (Lua release) and Valkey 9.1 (`DELIFEQ` release, announced in the same pipeline).
 #![cfg(feature = "redis")]
 
+mod support;
+
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use dlock::redis::RedisBackend;
 use dlock::{Backoff, LockError, LockGuard, LockProvider};
 use dlock_testkit::redis::{Flavor, RedisServer};
-use dlock_testkit::{Captured, unique_key, wait_until};
+use dlock_testkit::{unique_key, wait_until};
 
 /// Far longer than any wait below may take.
 const FALLBACK: Duration = Duration::from_secs(3600);
@@ -159,24 +161,6 @@ async fn unwaited_releases_announce_nothing(server: &RedisServer, gated: bool) {
     );
 }
 
-/// Everything logged at WARN and above by any test of this binary, from every thread (a
-/// waiter's try runs on a runtime thread). Installed once, globally.
-fn logs() -> Captured {
-    static LOGS: OnceLock<Captured> = OnceLock::new();
-    LOGS.get_or_init(|| {
-        let logs = Captured::default();
-        let writer = logs.clone();
-        let subscriber = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::WARN)
-            .with_ansi(false)
-            .with_writer(move || writer.clone())
-            .finish();
-        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
-        logs
-    })
-    .clone()
-}
-
 /// A user whose key patterns cover the lock keys (and, with fencing, their counters and read
 /// locks' keys) but not their waiting marks: its waiter's mark is refused, which is warned once
 /// per backend (releases will not wake it), and the waiter still gets the key, when the
@@ -187,7 +171,7 @@ async fn refused_mark(server: &RedisServer, fenced: bool) {
     // One at a time: the logs are the whole binary's, and these tests count their warnings.
     static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
     let _alone = ONE_AT_A_TIME.lock().await;
-    let logs = logs();
+    let logs = support::logs(tracing::Level::WARN, false);
     let mut admin = admin(server).await;
     let mut acl = redis::cmd("ACL");
     acl.arg("SETUSER")

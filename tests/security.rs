@@ -1,6 +1,8 @@
 //! Security checks on the library itself: SQL is never built from formatted text, owner tokens
 //! are never logged.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 
 /// Every `.rs` file of the library.
@@ -843,7 +845,6 @@ fn the_scan_catches_formatted_sql_planted_at_each_real_call_site() {
 /// store holds, read back from it, in every form they could take (hex either case, `Debug` of
 /// the bytes, escaped bytes, the bytes as text).
 mod secrecy {
-    use std::sync::OnceLock;
     use std::time::Duration;
 
     use dlock_testkit::Captured;
@@ -851,25 +852,6 @@ mod secrecy {
     use dlock::{LockError, LockProvider};
     use opentelemetry::metrics::MeterProvider as _;
     use opentelemetry_sdk::metrics::{InMemoryMetricExporter, PeriodicReader, SdkMeterProvider};
-
-    /// Everything logged by any test of this binary, at TRACE. Global, so that what renewal
-    /// tasks and blocking threads log is caught as well as the test thread's events.
-    fn logs() -> Captured {
-        static LOGS: OnceLock<Captured> = OnceLock::new();
-        LOGS.get_or_init(|| {
-            let logs = Captured::default();
-            let writer = logs.clone();
-            let subscriber = tracing_subscriber::fmt()
-                .with_max_level(tracing::Level::TRACE)
-                .with_span_events(tracing_subscriber::fmt::format::FmtSpan::FULL)
-                .with_ansi(false)
-                .with_writer(move || writer.clone())
-                .finish();
-            tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
-            logs
-        })
-        .clone()
-    }
 
     /// What a test saw leave the library.
     pub struct Exposure {
@@ -889,7 +871,7 @@ mod secrecy {
                 texts: Vec::new(),
                 meters,
                 exporter,
-                logs: logs(),
+                logs: super::support::logs(tracing::Level::TRACE, true),
             }
         }
 
@@ -905,6 +887,7 @@ mod secrecy {
             self.texts.push(format!("{value:?} {value:#?}"));
         }
 
+        #[cfg_attr(not(feature = "redis"), allow(dead_code))]
         pub fn text(&mut self, text: String) {
             self.texts.push(text);
         }

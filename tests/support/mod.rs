@@ -1,13 +1,43 @@
 //! What only this repository's tests do: run its `dlock-worker` binary (lock holders in other
-//! processes, the multi-process exclusion checker). Everything else the tests share (the
-//! conformance suite, throwaway servers, keys, waits) is in `dlock-testkit`.
+//! processes, the multi-process exclusion checker), and capture what a test binary logs.
+//! Everything else the tests share (the conformance suite, throwaway servers, keys, waits) is
+//! in `dlock-testkit`.
 //!
 //! Each test binary that runs workers includes this module and uses part of it.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
 use std::time::Duration;
+
+use dlock_testkit::Captured;
+
+/// Everything any thread of this test binary logs at `level` and above (with span events
+/// where `spans`), captured by a subscriber set once, globally: what renewal tasks and
+/// blocking threads log is caught as well as the test thread's events. The first call of the
+/// binary sets the level.
+pub fn logs(level: tracing::Level, spans: bool) -> Captured {
+    static LOGS: OnceLock<Captured> = OnceLock::new();
+    LOGS.get_or_init(|| {
+        let logs = Captured::default();
+        let writer = logs.clone();
+        let events = if spans {
+            tracing_subscriber::fmt::format::FmtSpan::FULL
+        } else {
+            tracing_subscriber::fmt::format::FmtSpan::NONE
+        };
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(level)
+            .with_span_events(events)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+        logs
+    })
+    .clone()
+}
 
 /// The path of the worker binary built with the tests.
 pub fn worker_bin() -> &'static str {
