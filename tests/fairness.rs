@@ -28,6 +28,10 @@ const SECONDS: u64 = 3;
 
 /// The tail bound where a store's own queue is not in question (the session engines and
 /// etcd queue on the server; see the report for their figures).
+#[cfg_attr(
+    not(any(feature = "postgres", feature = "mysql", feature = "etcd")),
+    allow(dead_code)
+)]
 const LOOSE_TAIL: f64 = 20.0;
 /// The tail bound for the stores whose fairness is dlock's own doing (SQLite's waiters
 /// queue, Redis's hold-off after a release that woke waiters elsewhere).

@@ -108,6 +108,7 @@ impl std::io::Write for Captured {
 /// returned end of its standard input closes (when it is dropped, or when this process exits,
 /// even without dropping it), then stops what a fixture started and removes its files. Nobody
 /// waits for the process: it is tiny and ends by itself.
+#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 pub(crate) fn reaper(script: &str) -> std::process::ChildStdin {
     let mut reaper = std::process::Command::new("sh")
         .args(["-c", script])

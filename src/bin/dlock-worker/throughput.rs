@@ -148,6 +148,10 @@ enum Taker {
 
 impl Taker {
     /// The raw driver's taker of `key` for the store at `url`, on a connection of its own.
+    #[cfg_attr(
+        not(any(feature = "postgres", feature = "mysql", feature = "redis")),
+        allow(unused_variables)
+    )]
     async fn raw(url: &str, key: String) -> Result<Taker, String> {
         let scheme = url.split("://").next().unwrap_or_default();
         match scheme {
