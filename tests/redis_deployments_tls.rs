@@ -146,12 +146,17 @@ async fn a_tls_cluster_refuses_certificates_it_cannot_trust() {
         .expect_err("a test CA is not among the system's roots");
     assert_refused_certificate(&refused);
 
-    let plain = url.replace("rediss+cluster://", "redis+cluster://");
-    let err = RedisBackend::connect(&plain)
+    let err = refused_as_config(&url.replace("rediss+cluster://", "redis+cluster://")).await;
+    assert!(err.to_string().contains("needs a TLS connection"), "{err}");
+}
+
+/// The error of a URL with `ca` but without TLS: a configuration error.
+async fn refused_as_config(url: &str) -> LockError {
+    let err = LockProvider::connect(url)
         .await
         .expect_err("ca without TLS");
     assert!(matches!(err, LockError::Config { .. }), "{err}");
-    assert!(err.to_string().contains("needs a TLS connection"), "{err}");
+    err
 }
 
 fn assert_refused_certificate(err: &LockError) {
@@ -312,9 +317,5 @@ async fn tls_redlock_takes_its_quorum_over_tls() {
         .await
         .expect_err("nodes with a certificate of another CA");
     assert_refused_certificate(&err);
-    let plain = url.replace("rediss+redlock://", "redlock://");
-    let err = LockProvider::connect(&plain)
-        .await
-        .expect_err("ca without TLS");
-    assert!(matches!(err, LockError::Config { .. }), "{err}");
+    refused_as_config(&url.replace("rediss+redlock://", "redlock://")).await;
 }

@@ -166,19 +166,26 @@ impl Sentinels {
         }
         let (host, port) = &self.nodes[i];
         let client = host_client(self.tls.as_ref(), host, *port, self.auth.clone())?;
+        let (conn, reply) = self.bounded(self.connect_and_ask(&client, cmd)).await?;
+        self.keep(i, Some(conn));
+        Ok(reply)
+    }
+
+    /// Opens a connection with `client` (each step bounded by `timeout`) and sends `cmd` on
+    /// it: the connection and the answer.
+    async fn connect_and_ask(
+        &self,
+        client: &redis::Client,
+        cmd: &redis::Cmd,
+    ) -> Result<(MultiplexedConnection, Value), RedisError> {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Some(self.timeout))
             .set_response_timeout(Some(self.timeout));
-        let asked = async {
-            let mut conn = client
-                .get_multiplexed_async_connection_with_config(&config)
-                .await?;
-            let reply = cmd.query_async::<Value>(&mut conn).await?;
-            Ok((conn, reply))
-        };
-        let (conn, reply) = self.bounded(asked).await?;
-        self.keep(i, Some(conn));
-        Ok(reply)
+        let mut conn = client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?;
+        let reply = cmd.query_async::<Value>(&mut conn).await?;
+        Ok((conn, reply))
     }
 
     /// The connection kept for sentinel `i`, if any.
@@ -225,16 +232,8 @@ impl Sentinels {
         client: &redis::Client,
         cmd: &redis::Cmd,
     ) -> Result<Value, RedisError> {
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(self.timeout))
-            .set_response_timeout(Some(self.timeout));
-        self.bounded(async {
-            let mut conn = client
-                .get_multiplexed_async_connection_with_config(&config)
-                .await?;
-            cmd.query_async::<Value>(&mut conn).await
-        })
-        .await
+        let (_, reply) = self.bounded(self.connect_and_ask(client, cmd)).await?;
+        Ok(reply)
     }
 
     /// `work`, given up after `timeout`.
