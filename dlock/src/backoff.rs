@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::LockError;
-use crate::time::{MAX_SETTING, check_setting};
+use crate::time::{MAX_SETTING, check_limit, check_setting};
 
 /// How a waiting acquisition polls a backend that has no blocking wait of its own.
 ///
@@ -106,12 +106,7 @@ impl Backoff {
     /// # Ok::<(), dlock::LockError>(())
     /// ```
     pub fn with_fallback_poll(mut self, fallback: Duration) -> Result<Self, LockError> {
-        check_setting(
-            "backoff: the fallback poll",
-            fallback,
-            Duration::from_nanos(1),
-            MAX_SETTING,
-        )?;
+        check_limit("backoff: the fallback poll", fallback)?;
         self.fallback = fallback;
         Ok(self)
     }

@@ -18,6 +18,20 @@ use std::time::{Duration, Instant};
 
 use crate::time::later;
 
+/// A lease backend's default lease.
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
+pub(crate) const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
+/// The shortest lease a lease backend takes: 100 ms.
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
+pub(crate) const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// Checks the lease setting named `what`: [`MIN_LEASE`] to 365 days.
+#[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
+pub(crate) fn check_lease(what: &str, lease: Duration) -> Result<Duration, crate::LockError> {
+    crate::time::check_setting(what, lease, MIN_LEASE, crate::time::MAX_SETTING)
+}
+
 /// How often a lock is renewed: every third of its lease.
 #[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 pub(crate) fn renew_every(lease: Duration) -> Duration {

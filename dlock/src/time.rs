@@ -50,6 +50,11 @@ pub(crate) fn later_tokio(now: tokio::time::Instant, after: Duration) -> tokio::
     later(now.into_std(), after).into()
 }
 
+/// Checks a limit named `what` (a timeout, a poll): above zero and at most [`MAX_SETTING`].
+pub(crate) fn check_limit(what: &str, limit: Duration) -> Result<Duration, LockError> {
+    check_setting(what, limit, Duration::from_nanos(1), MAX_SETTING)
+}
+
 /// Checks a duration setting named `what`: at least `min` and at most `max`. The error names
 /// the setting, the value and the bound it broke.
 pub(crate) fn check_setting(

@@ -152,17 +152,15 @@ use crate::LockError;
 use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
 };
-use crate::lease::{retry_after, safe_window};
+use crate::lease::{DEFAULT_LEASE, retry_after, safe_window};
 use crate::options::{UrlForm, parse_duration, percent_decode, read_query, url_keys};
-use crate::time::{MAX_SETTING, check_setting};
+use crate::time::check_limit;
 
 use io::Io;
 use keeper::{Entry, Keeper};
 
 const NAME: &str = "etcd";
-const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
-const MIN_LEASE: Duration = Duration::from_millis(100);
 const DEFAULT_PREFIX: &str = "dlock/";
 const DEFAULT_PORT: u16 = 2379;
 
@@ -282,8 +280,8 @@ impl EtcdBuilder {
     /// Cancel safe: dropping the future drops the connection it was opening.
     pub async fn connect(self) -> Result<EtcdBackend, LockError> {
         check_lease(self.lease)?;
-        check_timeout("the etcd `timeout`", self.timeout)?;
-        check_timeout("the etcd `connect_timeout`", self.connect_timeout)?;
+        check_limit("the etcd `timeout`", self.timeout)?;
+        check_limit("the etcd `connect_timeout`", self.connect_timeout)?;
         if let Some(cadence) = self.renew_every {
             crate::lease::check_cadence("the etcd `renew_every`", cadence)?;
         }
@@ -1084,14 +1082,9 @@ impl LeaseControl for EtcdHeld {
     }
 }
 
-/// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`].
+/// A lease is 100 ms to 365 days.
 fn check_lease(lease: Duration) -> Result<Duration, LockError> {
-    check_setting("the etcd `lease`", lease, MIN_LEASE, MAX_SETTING)
-}
-
-/// A timeout is above zero and at most [`MAX_SETTING`].
-fn check_timeout(what: &str, timeout: Duration) -> Result<Duration, LockError> {
-    check_setting(what, timeout, Duration::from_nanos(1), MAX_SETTING)
+    crate::lease::check_lease("the etcd `lease`", lease)
 }
 
 /// Maps a client error to a [`LockError`], saying what was being done.
@@ -1184,12 +1177,11 @@ fn parse_url(url: &str) -> Result<EtcdBuilder, LockError> {
             EtcdOption::Lease => builder.lease = check_lease(parse_duration(name, &value)?)?,
             EtcdOption::Prefix => builder.prefix = value,
             EtcdOption::Timeout => {
-                builder.timeout =
-                    check_timeout("the etcd `timeout`", parse_duration(name, &value)?)?;
+                builder.timeout = check_limit("the etcd `timeout`", parse_duration(name, &value)?)?;
             }
             EtcdOption::ConnectTimeout => {
                 builder.connect_timeout =
-                    check_timeout("the etcd `connect_timeout`", parse_duration(name, &value)?)?;
+                    check_limit("the etcd `connect_timeout`", parse_duration(name, &value)?)?;
             }
             EtcdOption::RenewEvery => {
                 let cadence = parse_duration(name, &value)?;
@@ -1305,6 +1297,6 @@ mod tests {
         assert_eq!(ttl_seconds(Duration::from_millis(100)), 1);
         assert_eq!(ttl_seconds(Duration::from_secs(2)), 2);
         assert_eq!(ttl_seconds(Duration::from_millis(2001)), 3);
-        assert_eq!(ttl_seconds(MAX_SETTING), 365 * 86_400);
+        assert_eq!(ttl_seconds(crate::time::MAX_SETTING), 365 * 86_400);
     }
 }

@@ -688,10 +688,10 @@ use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseWatch, WaitTry,
 };
 use crate::key::validate_key;
-use crate::lease::safe_window;
+use crate::lease::{DEFAULT_LEASE, safe_window};
 use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
 use crate::settling::Settling;
-use crate::time::{MAX_SETTING, check_setting};
+use crate::time::check_limit;
 
 use commands::Conn;
 pub use commands::{CommandPath, ReleaseOutcome};
@@ -702,9 +702,7 @@ use renewals::Renewals;
 pub use token::OwnerToken;
 
 const NAME: &str = "redis";
-const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
-const MIN_LEASE: Duration = Duration::from_millis(100);
 const DEFAULT_PREFIX: &str = "dlock:";
 
 /// The longest an acquisition's answer may take, from before the command was sent, for the
@@ -1031,7 +1029,7 @@ impl RedisBuilder {
     /// Cancel safe: dropping the future closes the connection it was opening.
     pub async fn connect(self) -> Result<RedisBackend, LockError> {
         check_lease(self.lease)?;
-        check_timeout(self.timeout)?;
+        check_limit("the redis `timeout`", self.timeout)?;
         if let Some(cadence) = self.renew_every {
             crate::lease::check_cadence("the redis `renew_every`", cadence)?;
         }
@@ -1778,20 +1776,9 @@ pub enum KeyLayout {
     Plain,
 }
 
-/// A lease is at least [`MIN_LEASE`] and at most [`MAX_SETTING`] (365 days, whose
-/// milliseconds `PX` takes easily).
+/// A lease is 100 ms to 365 days (whose milliseconds `PX` takes easily).
 fn check_lease(lease: Duration) -> Result<Duration, LockError> {
-    check_setting("the redis `lease`", lease, MIN_LEASE, MAX_SETTING)
-}
-
-/// A command timeout is above zero and at most [`MAX_SETTING`].
-fn check_timeout(timeout: Duration) -> Result<Duration, LockError> {
-    check_setting(
-        "the redis `timeout`",
-        timeout,
-        Duration::from_nanos(1),
-        MAX_SETTING,
-    )
+    crate::lease::check_lease("the redis `lease`", lease)
 }
 
 /// Runs `operation` within `limit`: a driver error becomes `what`'s [`redis_error`], the limit
@@ -2036,7 +2023,9 @@ fn read_options(query: &str, tls: bool, sentinel: bool) -> Result<UrlOptions, Lo
             }
             RedisOption::Lease => lease = check_lease(parse_duration(name, &value)?)?,
             RedisOption::Prefix => prefix = value,
-            RedisOption::Timeout => timeout = check_timeout(parse_duration(name, &value)?)?,
+            RedisOption::Timeout => {
+                timeout = check_limit("the redis `timeout`", parse_duration(name, &value)?)?
+            }
             RedisOption::RenewEvery => {
                 let cadence = parse_duration(name, &value)?;
                 crate::lease::check_cadence("the redis `renew_every`", cadence)?;

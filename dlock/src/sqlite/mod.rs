@@ -224,6 +224,7 @@ use crate::backend::{
 };
 use crate::backoff::Pauses;
 use crate::key::validate_key;
+use crate::lease::DEFAULT_LEASE;
 use crate::options::{UrlForm, parse_duration, read_query, url_keys};
 use crate::time::{MAX_SETTING, check_setting};
 use crate::{Backoff, LockError};
@@ -260,9 +261,7 @@ const FENCING_SUFFIX: &str = "-fencing";
 /// so that no backend can still trust an earlier look (see [`Fencing`]).
 const FENCING_LOOK: Duration = Duration::from_millis(50);
 
-const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
-const MIN_LEASE: Duration = Duration::from_millis(100);
 
 /// How long a key found held makes the backend read before it writes, and how many such keys
 /// it remembers.

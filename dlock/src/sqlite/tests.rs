@@ -1,6 +1,7 @@
 //! Unit tests of the SQLite backend.
 
 use super::*;
+use crate::lease::MIN_LEASE;
 
 #[test]
 fn url_forms() {

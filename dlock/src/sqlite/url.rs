@@ -49,11 +49,5 @@ pub(super) fn parse_url(url: &str) -> Result<SqliteBuilder, LockError> {
 }
 
 pub(super) fn check_lease(lease: Duration) -> Result<(), LockError> {
-    check_setting(
-        "the SQLite lease (renewed every third of it)",
-        lease,
-        MIN_LEASE,
-        MAX_SETTING,
-    )
-    .map(drop)
+    crate::lease::check_lease("the SQLite lease (renewed every third of it)", lease).map(drop)
 }
