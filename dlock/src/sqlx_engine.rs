@@ -4,6 +4,7 @@
 
 use std::future::Future;
 use std::marker::PhantomData;
+use std::str::FromStr;
 use std::time::Duration;
 
 use sqlx::error::DatabaseError;
@@ -11,7 +12,10 @@ use sqlx::error::DatabaseError;
 use crate::LockError;
 use crate::backoff::{Backoff, Pauses};
 use crate::options::{ConfigKey, UrlForm, parse_key};
-use crate::session::{Failure, OwnKey, SETTLE_LIMIT, SessionOptions, read_engine_query};
+use crate::session::{
+    Driver, Failure, SETTLE_LIMIT, SessionBackend, SessionBuilder, SessionKey, SessionOptions,
+    read_engine_query,
+};
 
 /// How an engine's server errors read, for [`driver_error`].
 pub(crate) trait SqlxErrors {
@@ -193,16 +197,12 @@ impl<E: SqlxUrl> ConfigKey for DriverOption<E> {
     }
 }
 
-impl<E: SqlxUrl> std::str::FromStr for DriverOption<E> {
+impl<E: SqlxUrl> FromStr for DriverOption<E> {
     type Err = LockError;
 
     fn from_str(name: &str) -> Result<Self, LockError> {
         parse_key(name)
     }
-}
-
-impl<E: SqlxUrl> OwnKey for DriverOption<E> {
-    const FENCING: bool = true;
 }
 
 impl<E> AsRef<str> for DriverOption<E> {
@@ -213,7 +213,7 @@ impl<E> AsRef<str> for DriverOption<E> {
 
 /// Reads the query of a sqlx engine's URL: the session options, and the driver's own options,
 /// which go to the driver as they are.
-pub(crate) fn split_query<E: SqlxUrl>(
+fn split_query<E: SqlxUrl>(
     query: &str,
 ) -> Result<(SessionOptions, Vec<(String, String)>), LockError> {
     let mut passthrough = Vec::new();
@@ -224,8 +224,76 @@ pub(crate) fn split_query<E: SqlxUrl>(
     Ok((session, passthrough))
 }
 
+/// An engine built on sqlx (PostgreSQL, MySQL): its target is its driver's connect options,
+/// which a pool of the application's can lend.
+pub trait SqlxEngine:
+    Driver<Target = <<Self::Database as sqlx::Database>::Connection as sqlx::Connection>::Options>
+{
+    /// The driver's database.
+    type Database: sqlx::Database;
+}
+
+/// Reads the URL of a sqlx engine: the driver's connect options (the URL under the engine's
+/// first scheme, with the driver's own options), those options, and the session options,
+/// which are checked by the caller.
+pub(crate) fn parse_url<E: SqlxEngine + SqlxUrl>(url: &str) -> Result<ParsedUrl<E>, LockError> {
+    let form = E::FORM;
+    let (rest, query) = form.split(url)?;
+    if !rest.starts_with("//") {
+        return Err(form.error("has no `//` after its scheme"));
+    }
+    let (session, passthrough) = split_query::<E>(query)?;
+    let base = format!("{}:{rest}", form.schemes[0]);
+    let target = E::Target::from_str(&driver_url(base, &passthrough)).map_err(|err| {
+        // Only the driver's words on a setting: its other errors could repeat the URL.
+        let why = match err {
+            sqlx::Error::Configuration(inner) => inner.to_string(),
+            _ => "malformed URL".to_owned(),
+        };
+        let names: Vec<_> = SessionKey::names().collect();
+        form.error(format!(
+            "is not valid ({why}) (options: {})",
+            names.join(", ")
+        ))
+    })?;
+    Ok((target, passthrough, session))
+}
+
+/// A sqlx engine's URL, read: see [`parse_url`].
+pub(crate) type ParsedUrl<E> = (<E as Driver>::Target, Vec<(String, String)>, SessionOptions);
+
+impl<E: SqlxEngine> SessionBackend<E> {
+    /// A builder that connects with `options`.
+    pub fn builder(options: E::Target) -> SessionBuilder<E> {
+        SessionBuilder::new(options)
+    }
+
+    /// A builder that connects like `pool` does (same server, user, password, TLS, database
+    /// and options). The backend opens its own connections and never takes any from the pool.
+    pub fn builder_from_pool(pool: &sqlx::Pool<E::Database>) -> SessionBuilder<E> {
+        SessionBuilder::new((*pool.connect_options()).clone())
+    }
+
+    /// A backend with the default settings that connects like `pool` does.
+    ///
+    /// ```no_run
+    /// # #[cfg(feature = "postgres")]
+    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), dlock::LockError> {
+    /// let backend = dlock::postgres::PostgresBackend::new(pool.clone()).await?;
+    /// let locks = dlock::LockProvider::from_backend(backend);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe, as [`SessionBuilder::open`].
+    pub async fn new(pool: sqlx::Pool<E::Database>) -> Result<SessionBackend<E>, LockError> {
+        Self::builder_from_pool(&pool).open().await
+    }
+}
+
 /// Appends the driver's own URL options to `base`, for the driver to read.
-pub(crate) fn driver_url(mut base: String, passthrough: &[(String, String)]) -> String {
+fn driver_url(mut base: String, passthrough: &[(String, String)]) -> String {
     if !passthrough.is_empty() {
         let encoded: String = url::form_urlencoded::Serializer::new(String::new())
             .extend_pairs(passthrough.iter())

@@ -167,7 +167,7 @@ use tiberius::Config;
 use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::session::{
-    Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions, contention,
+    Dial, Driver, Opened, SessionBackend, SessionBuilder, SessionOptions, contention,
 };
 use session::{MssqlConnector, create_fencing_table};
 pub use statements::resource_name;
@@ -191,12 +191,9 @@ pub type MssqlBackend = SessionBackend<Mssql>;
 /// Builds an [`MssqlBackend`] with options.
 pub type MssqlBuilder = SessionBuilder<Mssql>;
 
-impl Fencing for Mssql {}
-
 impl Driver for Mssql {
     const BACKEND: &'static str = "MssqlBackend";
     const BUILDER: &'static str = "MssqlBuilder";
-    const FENCING: bool = true;
 
     type Target = Config;
     type Connector = MssqlConnector;
@@ -207,15 +204,13 @@ impl Driver for Mssql {
 
     fn open(config: Config, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
         let connector = MssqlConnector {
-            config,
-            connect_timeout: options.connect_timeout,
-            fencing: options.fencing,
+            dial: Dial::new(config, options),
         };
         let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {
             refused?;
             let mut first = crate::session::Connector::open(&connector).await?;
-            if connector.fencing {
+            if connector.dial.fencing {
                 create_fencing_table(&mut first.client).await?;
             }
             Ok((connector, first))

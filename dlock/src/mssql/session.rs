@@ -11,6 +11,7 @@ use tiberius::{Client, Config, ToSql};
 use tokio::net::TcpStream;
 use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
+use super::Mssql;
 use super::statements::{
     ALREADY_EXISTS_ERROR, CREATE_DENIED_ERRORS, Call, Grant as AppLock, MAX_WAIT, NAME,
     NOT_HELD_ERROR, Param, fenced_result, fencing_create_error, fencing_privilege_error,
@@ -20,7 +21,7 @@ use super::statements::{
 };
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant, Mode, Session};
+use crate::session::{Connector, Dial, Failure, Grant, Mode, Session};
 
 /// A connection opened by the backend.
 pub(crate) type MssqlClient = Client<Compat<TcpStream>>;
@@ -237,19 +238,9 @@ pub struct Resource {
 }
 
 /// Opens backend connections.
+#[derive(Debug)]
 pub struct MssqlConnector {
-    pub(super) config: Config,
-    pub(super) connect_timeout: Duration,
-    pub(super) fencing: bool,
-}
-
-impl std::fmt::Debug for MssqlConnector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The config carries the password: show only where it points.
-        f.debug_struct("MssqlConnector")
-            .field("addr", &self.config.get_addr())
-            .finish_non_exhaustive()
-    }
+    pub(super) dial: Dial<Mssql>,
 }
 
 impl Connector for MssqlConnector {
@@ -277,10 +268,10 @@ impl Connector for MssqlConnector {
 
     fn open(&self) -> BoxFuture<'_, Result<MssqlSession, LockError>> {
         Box::pin(async move {
-            let client = open_client(&self.config, self.connect_timeout).await?;
+            let client = open_client(&self.dial.target, self.dial.connect_timeout).await?;
             Ok(MssqlSession {
                 client,
-                fencing: self.fencing,
+                fencing: self.dial.fencing,
             })
         })
     }

@@ -4,7 +4,7 @@ use tiberius::{AuthMethod, Config, EncryptionLevel};
 
 use crate::LockError;
 use crate::options::{UrlForm, bad_value, parse_bool, url_keys};
-use crate::session::{OwnKey, SessionOptions, read_engine_query};
+use crate::session::{SessionOptions, read_engine_query};
 
 const DEFAULT_PORT: u16 = 1433;
 
@@ -21,10 +21,6 @@ url_keys! {
         TrustServerCertificate = "trust_server_certificate",
         ApplicationName = "application_name",
     }
-}
-
-impl OwnKey for MssqlOption {
-    const FENCING: bool = true;
 }
 
 /// The `key=value` pairs of an ADO.NET connection string, keys trimmed and in lower case,
@@ -214,35 +210,12 @@ mod tests {
         assert_eq!(url.password, "secret");
         assert_eq!(url.encryption, Encryption::Required);
         assert!(!url.trust_server_certificate);
-        assert_eq!(url.options.keepalive, Duration::from_secs(5));
-        assert_eq!(url.options.connections, 4);
-        assert_eq!(url.options.wait_connections, 4);
-        assert_eq!(url.options.connect_timeout, Duration::from_secs(10));
-        assert_eq!(url.options.statement_timeout, Duration::from_secs(10));
-        assert!(!url.options.fencing);
+        assert_eq!(url.options, crate::session::SessionOptions::default());
     }
 
     #[test]
-    fn fencing_and_statement_timeout_from_the_url_and_the_builder() {
-        let url =
-            parse_url("mssql://app:secret@db/app?fencing=true&statement_timeout=750ms").unwrap();
-        assert!(url.options.fencing);
-        assert_eq!(url.options.statement_timeout, Duration::from_millis(750));
-        let builder = MssqlBackend::builder_from_url("mssql://app:secret@db/app")
-            .unwrap()
-            .fencing(true)
-            .statement_timeout(Duration::from_secs(2));
-        assert!(builder.options.fencing);
-        assert_eq!(builder.options.statement_timeout, Duration::from_secs(2));
-        let shown = format!("{builder:?}");
-        assert!(shown.contains("fencing: true"), "{shown}");
-        let err = MssqlBackend::builder_from_url("mssql://app:secret@db/app?statement_timeout=5ms")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("statement_timeout is 5ms, but it must be at least 10ms"),
-            "{err}"
-        );
+    fn session_options() {
+        crate::session::check_session_url::<crate::mssql::Mssql>("mssql://app:hunter2@db/app");
     }
 
     #[test]
@@ -281,17 +254,6 @@ mod tests {
         let cases = [
             "mssql://app:hunter2@db/app?bogus=1",
             "mssql://app:hunter2@db/app?encrypt=maybe",
-            "mssql://app:hunter2@db/app?keepalive=soon",
-            "mssql://app:hunter2@db/app?connections=0",
-            "mssql://app:hunter2@db/app?connections=many",
-            "mssql://app:hunter2@db/app?wait_connections=65",
-            "mssql://app:hunter2@db/app?connect_timeout=0",
-            "mssql://app:hunter2@db/app?connect_timeout=10000000000000000s",
-            "mssql://app:hunter2@db/app?keepalive=10000000000000000s",
-            "mssql://app:hunter2@db/app?statement_timeout=soon",
-            "mssql://app:hunter2@db/app?statement_timeout=1ms",
-            "mssql://app:hunter2@db/app?statement_timeout=10000000000000000s",
-            "mssql://app:hunter2@db/app?fencing=maybe",
             "mssql://app:hunter2@db:99999/app",
             "mssql://:hunter2@db/app",
             "mssql://app:hunter2@/app",

@@ -178,12 +178,13 @@ mod url;
 
 use std::time::Duration;
 
-use sqlx::mysql::{MySqlConnectOptions, MySqlConnection, MySqlPool};
+use sqlx::mysql::{MySqlConnectOptions, MySqlConnection};
 
 use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::session::{Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions};
+use crate::session::{Dial, Driver, Opened, SessionBackend, SessionBuilder, SessionOptions};
+use crate::sqlx_engine::SqlxEngine;
 use session::{MySqlConnector, create_fencing_table, open_connection};
 use statements::NAME;
 pub use statements::server_lock_name;
@@ -200,12 +201,9 @@ pub type MySqlBackend = SessionBackend<MySql>;
 /// Builds a [`MySqlBackend`] with options.
 pub type MySqlBuilder = SessionBuilder<MySql>;
 
-impl Fencing for MySql {}
-
 impl Driver for MySql {
     const BACKEND: &'static str = "MySqlBackend";
     const BUILDER: &'static str = "MySqlBuilder";
-    const FENCING: bool = true;
 
     type Target = MySqlConnectOptions;
     type Connector = MySqlConnector;
@@ -218,20 +216,16 @@ impl Driver for MySql {
         options: MySqlConnectOptions,
         session: &SessionOptions,
     ) -> BoxFuture<'static, Opened<Self>> {
-        let (fencing, connect_timeout) = (session.fencing, session.connect_timeout);
+        let dial = Dial::new(options, session);
         let refused = crate::session::refuse_fencing_counters(NAME, session);
         Box::pin(async move {
             refused?;
-            let (mut conn, id, server) = open_connection(&options, connect_timeout).await?;
-            if fencing {
+            let (mut conn, id, server) =
+                open_connection(&dial.target, dial.connect_timeout).await?;
+            if dial.fencing {
                 create_fencing_table(&mut conn).await?;
             }
-            let connector = MySqlConnector {
-                options,
-                server,
-                fencing,
-                connect_timeout,
-            };
+            let connector = MySqlConnector { dial, server };
             let first = connector.session(conn, id);
             Ok((connector, first))
         })
@@ -244,34 +238,11 @@ impl Driver for MySql {
     }
 }
 
+impl SqlxEngine for MySql {
+    type Database = sqlx::MySql;
+}
+
 impl SessionBackend<MySql> {
-    /// A builder that connects with `options`.
-    pub fn builder(options: MySqlConnectOptions) -> MySqlBuilder {
-        SessionBuilder::new(options)
-    }
-
-    /// A builder that connects like `pool` does (same server, user, password, TLS, database).
-    /// The backend opens its own connections and never takes any from the pool.
-    pub fn builder_from_pool(pool: &MySqlPool) -> MySqlBuilder {
-        MySqlBackend::builder((*pool.connect_options()).clone())
-    }
-
-    /// A backend with the default settings that connects like `pool` does.
-    ///
-    /// ```no_run
-    /// # async fn demo(pool: sqlx::MySqlPool) -> Result<(), dlock::LockError> {
-    /// let backend = dlock::mysql::MySqlBackend::new(pool.clone()).await?;
-    /// let locks = dlock::LockProvider::from_backend(backend);
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe, as [`MySqlBuilder::open`].
-    pub async fn new(pool: MySqlPool) -> Result<MySqlBackend, LockError> {
-        MySqlBackend::builder_from_pool(&pool).open().await
-    }
-
     /// The server's version string, as `VERSION()` answered when the backend opened.
     pub fn server_version(&self) -> &str {
         &self.connector().server.version

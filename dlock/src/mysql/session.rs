@@ -11,7 +11,7 @@ use super::MySql;
 use super::statements::*;
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant, Mode, Session};
+use crate::session::{Connector, Dial, Failure, Grant, Mode, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, driver_error, failure, ping, settle, settle_pauses,
 };
@@ -48,22 +48,10 @@ impl ServerInfo {
 // Sessions: what the shared connection machinery runs on a MySQL connection.
 
 /// Opens lock and wait connections.
+#[derive(Debug)]
 pub struct MySqlConnector {
-    pub(super) options: MySqlConnectOptions,
+    pub(super) dial: Dial<MySql>,
     pub(super) server: ServerInfo,
-    pub(super) fencing: bool,
-    pub(super) connect_timeout: Duration,
-}
-
-impl std::fmt::Debug for MySqlConnector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The connect options carry the password: show only where they point.
-        f.debug_struct("MySqlConnector")
-            .field("host", &self.options.get_host())
-            .field("port", &self.options.get_port())
-            .field("server", &self.server.version)
-            .finish_non_exhaustive()
-    }
 }
 
 impl MySqlConnector {
@@ -71,7 +59,7 @@ impl MySqlConnector {
         MySqlSession {
             conn,
             id,
-            fencing: self.fencing,
+            fencing: self.dial.fencing,
             fractional: self.server.fractional_waits(),
         }
     }
@@ -105,7 +93,8 @@ impl Connector for MySqlConnector {
 
     fn open(&self) -> BoxFuture<'_, Result<MySqlSession, LockError>> {
         Box::pin(async move {
-            let (conn, id, _) = open_connection(&self.options, self.connect_timeout).await?;
+            let (conn, id, _) =
+                open_connection(&self.dial.target, self.dial.connect_timeout).await?;
             Ok(self.session(conn, id))
         })
     }

@@ -1,13 +1,11 @@
 //! The `mysql://` and `mariadb://` URL.
 
-use std::str::FromStr;
-
 use sqlx::mysql::MySqlConnectOptions;
 
 use crate::LockError;
 use crate::options::UrlForm;
-use crate::session::{SessionKey, SessionOptions};
-use crate::sqlx_engine::{SqlxUrl, driver_url, split_query};
+use crate::session::SessionOptions;
+use crate::sqlx_engine::{self, SqlxUrl};
 
 use super::MySql;
 
@@ -35,85 +33,37 @@ impl SqlxUrl for MySql {
     ];
 }
 
-/// Reads a `mysql://` or `mariadb://` URL; its options are checked by the caller.
+/// Reads a `mysql://` or `mariadb://` URL (the same protocol to the driver); its options are
+/// checked by the caller.
 pub(super) fn parse_url(url: &str) -> Result<(MySqlConnectOptions, SessionOptions), LockError> {
-    let form = MySql::FORM;
-    let (rest, query) = form.split(url)?;
-    let Some(rest) = rest.strip_prefix("//") else {
-        return Err(form.error("has no `//` after its scheme"));
-    };
-    let (session, passthrough) = split_query::<MySql>(query)?;
-    // The driver reads `mysql://`; `mariadb://` is the same protocol.
-    let driver_url = driver_url(format!("mysql://{rest}"), &passthrough);
-    let options = MySqlConnectOptions::from_str(&driver_url).map_err(|e| {
-        form.error(format!(
-            "is not valid ({}) (options: {})",
-            describe_url_error(&e),
-            SessionKey::names_of(true).collect::<Vec<_>>().join(", ")
-        ))
-    })?;
+    let (options, _, session) = sqlx_engine::parse_url::<MySql>(url)?;
     Ok((options, session))
-}
-
-/// The driver's URL error, without anything that could repeat the URL.
-fn describe_url_error(err: &sqlx::Error) -> String {
-    match err {
-        sqlx::Error::Configuration(inner) => inner.to_string(),
-        _ => "malformed URL".to_owned(),
-    }
 }
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
-    use crate::mysql::MySqlBackend;
+    use crate::mysql::{MySql, MySqlBackend};
 
     #[test]
     fn urls() {
+        crate::session::check_session_url::<MySql>("mariadb://u:hunter2@127.0.0.1:5/db");
         crate::options::assert_keys::<
-            crate::session::EngineKey<crate::sqlx_engine::DriverOption<crate::mysql::MySql>>,
+            crate::session::EngineKey<crate::sqlx_engine::DriverOption<MySql>>,
             _,
         >(MySqlBackend::builder_from_url("mysql://h/db?bogus=1"));
-        let b = MySqlBackend::builder_from_url(
-            "mariadb://u:secret@127.0.0.1:5/db?fencing=true&keepalive=250ms&connections=2&wait_connections=0&ssl-mode=disabled",
-        )
-        .unwrap();
-        assert!(b.options.fencing);
-        assert_eq!(b.options.keepalive, Duration::from_millis(250));
-        assert_eq!((b.options.connections, b.options.wait_connections), (2, 0));
+        let b =
+            MySqlBackend::builder_from_url("mariadb://u:secret@127.0.0.1:5/db?ssl-mode=disabled")
+                .unwrap();
         assert_eq!(b.target.get_port(), 5);
         assert_eq!(b.target.get_database(), Some("db"));
-        assert!(!format!("{b:?}").contains("secret"));
         for bad in [
-            "mysql://h/db?fencing=maybe",
-            "mysql://h/db?keepalive=soon",
-            "mysql://h/db?connections=0",
-            "mysql://h/db?connections=100",
-            "mysql://h/db?keepalive=1ms",
-            "mysql://h/db?nonsense=1",
-            "mysql://h:notaport/db",
+            "mysql://u:secret@h:notaport/db",
+            "mysql:h/db",
             "postgres://h/db",
-            "mysql://h/db?statement_timeout=later",
-            "mysql://h/db?statement_timeout=0",
-            "mariadb://h/db?statement_timeout=10000000000000000s",
         ] {
             let err = MySqlBackend::builder_from_url(bad).unwrap_err();
             assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
             assert!(!err.to_string().contains("secret"));
         }
-    }
-
-    #[test]
-    fn statement_timeout_from_the_url_and_the_builder() {
-        let b = MySqlBackend::builder_from_url("mysql://h/db").unwrap();
-        assert_eq!(b.options.statement_timeout, Duration::from_secs(10));
-        let b = MySqlBackend::builder_from_url("mariadb://h/db?statement_timeout=2s").unwrap();
-        assert_eq!(b.options.statement_timeout, Duration::from_secs(2));
-        let b = b.statement_timeout(Duration::from_millis(250));
-        assert_eq!(b.options.statement_timeout, Duration::from_millis(250));
-        let err = MySqlBackend::builder_from_url("mysql://h/db?statement_timeout=1h%2030m")
-            .map(|b| b.options.statement_timeout);
-        assert_eq!(err.unwrap(), Duration::from_secs(5400));
     }
 }

@@ -160,7 +160,7 @@ use std::time::{Duration, Instant};
 use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::session::{
-    Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions, contention,
+    Dial, Driver, Opened, SessionBackend, SessionBuilder, SessionOptions, contention,
 };
 use session::{OracleConnector, OracleTarget, map_error, run_call};
 pub use statements::dbms_lock_id;
@@ -183,12 +183,9 @@ pub type OracleBackend = SessionBackend<Oracle>;
 /// Builds an [`OracleBackend`] with options.
 pub type OracleBuilder = SessionBuilder<Oracle>;
 
-impl Fencing for Oracle {}
-
 impl Driver for Oracle {
     const BACKEND: &'static str = "OracleBackend";
     const BUILDER: &'static str = "OracleBuilder";
-    const FENCING: bool = true;
 
     type Target = OracleTarget;
     type Connector = OracleConnector;
@@ -199,15 +196,13 @@ impl Driver for Oracle {
 
     fn open(target: OracleTarget, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
         let connector = OracleConnector {
-            target,
-            connect_timeout: options.connect_timeout,
-            fencing: options.fencing,
+            dial: Dial::new(target, options),
         };
         let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {
             refused?;
             let first = crate::session::Connector::open(&connector).await?;
-            if connector.fencing {
+            if connector.dial.fencing {
                 first.create_fencing_table().await?;
             }
             Ok((connector, first))

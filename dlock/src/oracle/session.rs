@@ -4,10 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::Oracle;
 use super::statements::*;
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Failure, Grant as LaneGrant, Mode, Session};
+use crate::session::{Connector, Dial, Failure, Grant as LaneGrant, Mode, Session};
 
 /// Which kind of failure an Oracle error is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,9 +229,7 @@ impl std::fmt::Debug for OracleTarget {
 /// Opens sessions.
 #[derive(Debug)]
 pub struct OracleConnector {
-    pub(super) target: OracleTarget,
-    pub(super) connect_timeout: Duration,
-    pub(super) fencing: bool,
+    pub(super) dial: Dial<Oracle>,
 }
 
 impl Connector for OracleConnector {
@@ -260,9 +259,9 @@ impl Connector for OracleConnector {
             user,
             password,
             connect_string,
-        } = self.target.clone();
-        let timeout = self.connect_timeout;
-        let fencing = self.fencing;
+        } = self.dial.target.clone();
+        let timeout = self.dial.connect_timeout;
+        let fencing = self.dial.fencing;
         Box::pin(async move {
             let opening = tokio::task::spawn_blocking(move || {
                 oracle::Connector::new(user, password, connect_string).connect()

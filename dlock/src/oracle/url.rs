@@ -2,7 +2,7 @@
 
 use crate::LockError;
 use crate::options::{UrlForm, url_keys};
-use crate::session::{OwnKey, SessionOptions, read_engine_query};
+use crate::session::{SessionOptions, read_engine_query};
 
 use super::session::OracleTarget;
 
@@ -17,10 +17,6 @@ const FORM: UrlForm = UrlForm {
 url_keys! {
     /// Oracle's own URL options: none, beside the session options.
     pub(super) enum OracleOption for FORM {}
-}
-
-impl OwnKey for OracleOption {
-    const FENCING: bool = true;
 }
 
 /// Reads an `oracle://` URL; its options are checked by the caller.
@@ -76,43 +72,16 @@ mod tests {
     }
 
     #[test]
-    fn fencing_and_statement_timeout_from_the_url_and_the_builder() {
-        let b = OracleBackend::builder_from_url("oracle://u:p@h/svc").unwrap();
-        assert!(!b.options.fencing);
-        assert_eq!(b.options.statement_timeout, Duration::from_secs(10));
-        let b =
-            OracleBackend::builder_from_url("oracle://u:p@h/svc?fencing=on&statement_timeout=2s")
-                .unwrap();
+    fn session_options() {
+        crate::session::check_session_url::<crate::oracle::Oracle>("oracle://app:hunter2@db/x");
+        let b = OracleBackend::builder("u", "p", "//h/svc").fencing(true);
         assert!(b.options.fencing);
-        assert_eq!(b.options.statement_timeout, Duration::from_secs(2));
-        let b = OracleBackend::builder("u", "p", "//h/svc")
-            .fencing(true)
-            .statement_timeout(Duration::from_millis(500));
-        assert!(b.options.fencing);
-        assert_eq!(b.options.statement_timeout, Duration::from_millis(500));
-        let err = OracleBackend::builder_from_url("oracle://u:p@h/svc?statement_timeout=1ms")
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("statement_timeout is 1ms, but it must be at least 10ms"),
-            "{err}"
-        );
     }
 
     #[test]
     fn url_errors_never_show_the_password() {
         for case in [
             "oracle://app:hunter2@db/x?bogus=1",
-            "oracle://app:hunter2@db/x?keepalive=soon",
-            "oracle://app:hunter2@db/x?connections=0",
-            "oracle://app:hunter2@db/x?wait_connections=99",
-            "oracle://app:hunter2@db/x?connect_timeout=0",
-            "oracle://app:hunter2@db/x?connect_timeout=10000000000000000s",
-            "oracle://app:hunter2@db/x?keepalive=10000000000000000s",
-            "oracle://app:hunter2@db/x?statement_timeout=soon",
-            "oracle://app:hunter2@db/x?statement_timeout=1ms",
-            "oracle://app:hunter2@db/x?statement_timeout=10000000000000000s",
-            "oracle://app:hunter2@db/x?fencing=perhaps",
             "oracle://:hunter2@db/x",
             "oracle://app:hunter2@/x",
             "oracle://app:hunter2@db/x/y",

@@ -223,12 +223,12 @@ mod url;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgConnection, PgPool};
+use sqlx::postgres::{PgConnectOptions, PgConnection};
 
 use crate::backend::BoxFuture;
 use crate::key::validate_key;
-use crate::session::{Driver, Fencing, Opened, SessionBackend, SessionBuilder, SessionOptions};
-use crate::sqlx_engine::{db_code, driver_error};
+use crate::session::{Dial, Driver, Opened, SessionBackend, SessionBuilder, SessionOptions};
+use crate::sqlx_engine::{SqlxEngine, db_code, driver_error};
 use crate::{LockError, lock_id};
 use session::{
     Counted, PgConnector, create_fencing_table, is_wait_ended, join_counters, refuse_if_switched,
@@ -247,12 +247,9 @@ pub type PostgresBackend = SessionBackend<Postgres>;
 /// Builds a [`PostgresBackend`] with options.
 pub type PostgresBuilder = SessionBuilder<Postgres>;
 
-impl Fencing for Postgres {}
-
 impl Driver for Postgres {
     const BACKEND: &'static str = "PostgresBackend";
     const BUILDER: &'static str = "PostgresBuilder";
-    const FENCING: bool = true;
 
     type Target = PgConnectOptions;
     type Connector = PgConnector;
@@ -266,15 +263,13 @@ impl Driver for Postgres {
         session: &SessionOptions,
     ) -> BoxFuture<'static, Opened<Self>> {
         let mut connector = PgConnector {
-            options,
-            fencing: session.fencing,
+            dial: Dial::new(options, session),
             counted: None,
-            connect_timeout: session.connect_timeout,
         };
         let counters = session.fencing_counters;
         Box::pin(async move {
             let mut first = connector.open_session().await?;
-            if connector.fencing {
+            if connector.dial.fencing {
                 create_fencing_table(&mut first.conn).await?;
                 match counters {
                     Some(n) => {
@@ -296,33 +291,8 @@ impl Driver for Postgres {
     }
 }
 
-impl SessionBackend<Postgres> {
-    /// A builder that connects with `options`.
-    pub fn builder(options: PgConnectOptions) -> PostgresBuilder {
-        SessionBuilder::new(options)
-    }
-
-    /// A builder that connects like `pool` does (same server, user, password, TLS and
-    /// options). The backend opens its own connections and never takes any from the pool.
-    pub fn builder_from_pool(pool: &PgPool) -> PostgresBuilder {
-        PostgresBackend::builder((*pool.connect_options()).clone())
-    }
-
-    /// A backend with the default settings that connects like `pool` does.
-    ///
-    /// ```no_run
-    /// # async fn demo(pool: sqlx::PgPool) -> Result<(), dlock::LockError> {
-    /// let backend = dlock::postgres::PostgresBackend::new(pool.clone()).await?;
-    /// let locks = dlock::LockProvider::from_backend(backend);
-    /// # Ok(()) }
-    /// ```
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe, as [`PostgresBuilder::open`].
-    pub async fn new(pool: PgPool) -> Result<PostgresBackend, LockError> {
-        PostgresBackend::builder_from_pool(&pool).open().await
-    }
+impl SqlxEngine for Postgres {
+    type Database = sqlx::Postgres;
 }
 
 // ---------------------------------------------------------------------------------------------

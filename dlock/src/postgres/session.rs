@@ -9,7 +9,7 @@ use sqlx::{Connection, Row};
 use super::Postgres;
 use super::statements::*;
 use crate::backend::{BoxFuture, StoreLock};
-use crate::session::{Connector, Failure, Grant, Mode, Session};
+use crate::session::{Connector, Dial, Failure, Grant, Mode, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, db_code, driver_error, is_connection_error, ping, settle,
     settle_pauses,
@@ -20,34 +20,23 @@ use crate::{LockError, lock_id};
 // Sessions: what the shared connection machinery runs on a PostgreSQL connection.
 
 /// Opens lock and wait connections.
+#[derive(Debug)]
 pub struct PgConnector {
-    pub(super) options: PgConnectOptions,
-    pub(super) fencing: bool,
+    pub(super) dial: Dial<Postgres>,
     /// The shared counters the backend joined (`fencing_counters`), if any.
     pub(super) counted: Option<Counted>,
-    pub(super) connect_timeout: Duration,
-}
-
-impl std::fmt::Debug for PgConnector {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // The connect options carry the password: show only where they point.
-        f.debug_struct("PgConnector")
-            .field("host", &self.options.get_host())
-            .field("port", &self.options.get_port())
-            .finish_non_exhaustive()
-    }
 }
 
 impl PgConnector {
     pub(super) async fn open_session(&self) -> Result<PgSession, LockError> {
-        let mut conn = open_connection(&self.options, self.connect_timeout).await?;
+        let mut conn = open_connection(&self.dial.target, self.dial.connect_timeout).await?;
         let (pid, started, _): (i32, String, i64) = sqlx::query_as(IDENTITY_SQL)
             .fetch_one(&mut conn)
             .await
             .map_err(|e| driver_error::<Postgres>("opening a connection", e))?;
         Ok(PgSession {
             conn,
-            fencing: self.fencing,
+            fencing: self.dial.fencing,
             counted: self.counted,
             identity: PgCancel { pid, started },
         })
@@ -89,7 +78,7 @@ impl Connector for PgConnector {
         known: &'a [&'a str],
     ) -> BoxFuture<'a, Result<Vec<StoreLock>, LockError>> {
         Box::pin(async move {
-            let mut conn = open_connection(&self.options, self.connect_timeout).await?;
+            let mut conn = open_connection(&self.dial.target, self.dial.connect_timeout).await?;
             let rows: Vec<(i64, String, i64)> = sqlx::query_as(STORE_LOCKS_SQL)
                 .fetch_all(&mut conn)
                 .await

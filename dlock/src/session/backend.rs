@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use super::acquire::Lanes;
 use super::options::SessionOptions;
-use super::traits::{Connector, Engine, Fencing, Mode};
+use super::traits::{Connector, Engine, Mode};
 use crate::LockError;
 use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
 
@@ -112,15 +112,6 @@ impl<E: Engine> SessionBuilder<E> {
         })
     }
 
-    /// Reads a URL of the engine's scheme, and checks its options.
-    pub(crate) fn from_url(url: &str) -> Result<Self, LockError> {
-        let (target, options) = E::parse_url(url)?;
-        options.check()?;
-        Ok(SessionBuilder { target, options })
-    }
-}
-
-impl<E: Fencing> SessionBuilder<E> {
     /// Issue fencing tokens from the `dlock_fencing` counter table (default off).
     pub fn fencing(mut self, fencing: bool) -> Self {
         self.options.fencing = fencing;
@@ -137,6 +128,13 @@ impl<E: Fencing> SessionBuilder<E> {
     pub fn fencing_counters(mut self, counters: u32) -> Self {
         self.options.fencing_counters = Some(counters);
         self
+    }
+
+    /// Reads a URL of the engine's scheme, and checks its options.
+    pub(crate) fn from_url(url: &str) -> Result<Self, LockError> {
+        let (target, options) = E::parse_url(url)?;
+        options.check()?;
+        Ok(SessionBuilder { target, options })
     }
 }
 
@@ -183,17 +181,15 @@ impl<E: Engine> SessionBackend<E> {
         self.options.statement_timeout
     }
 
+    /// Whether this backend issues fencing tokens.
+    pub fn fencing(&self) -> bool {
+        self.options.fencing
+    }
+
     /// The open backend's connector.
     #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
     pub(crate) fn connector(&self) -> &E::Connector {
         self.lanes.connector()
-    }
-}
-
-impl<E: Fencing> SessionBackend<E> {
-    /// Whether this backend issues fencing tokens.
-    pub fn fencing(&self) -> bool {
-        self.options.fencing
     }
 }
 
@@ -209,11 +205,10 @@ impl<E: Engine> Clone for SessionBackend<E> {
 impl<E: Engine> fmt::Debug for SessionBackend<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut out = f.debug_struct(E::BACKEND);
-        out.field("connector", self.lanes.connector());
-        if E::FENCING {
-            out.field("fencing", &self.options.fencing);
-        }
-        out.field("lanes", &self.lanes).finish()
+        out.field("connector", self.lanes.connector())
+            .field("fencing", &self.options.fencing)
+            .field("lanes", &self.lanes)
+            .finish()
     }
 }
 
@@ -262,4 +257,59 @@ impl<E: Engine> LockBackend for SessionBackend<E> {
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(self.lanes.ping())
     }
+}
+
+/// Checks how engine `E` reads the session options of its URL `base` (a URL without a query,
+/// whose password is `hunter2`): the defaults, every option, the builder's setters, and the
+/// refusals, none of which may show the password.
+#[cfg(test)]
+pub(crate) fn check_session_url<E: Engine>(base: &str) {
+    let read = |query: &str| SessionBackend::<E>::builder_from_url(&format!("{base}?{query}"));
+    assert_eq!(read("").unwrap().options, SessionOptions::default());
+    let b = read(
+        "fencing=true&keepalive=250ms&connections=2&wait_connections=0&connect_timeout=3s\
+         &statement_timeout=1h%2030m",
+    )
+    .unwrap();
+    assert!(b.options.fencing);
+    assert_eq!(b.options.keepalive, Duration::from_millis(250));
+    assert_eq!((b.options.connections, b.options.wait_connections), (2, 0));
+    assert_eq!(b.options.connect_timeout, Duration::from_secs(3));
+    assert_eq!(b.options.statement_timeout, Duration::from_secs(5400));
+    let shown = format!("{b:?}");
+    assert!(
+        shown.contains("fencing: true") && !shown.contains("hunter2"),
+        "{shown}"
+    );
+    let b = b
+        .fencing(false)
+        .statement_timeout(Duration::from_millis(250));
+    assert!(!b.options.fencing);
+    assert_eq!(b.options.statement_timeout, Duration::from_millis(250));
+    for bad in [
+        "bogus=1",
+        "fencing=maybe",
+        "fencing_counters=0",
+        "keepalive=soon",
+        "keepalive=1ms",
+        "keepalive=10000000000000000s",
+        "connections=0",
+        "connections=many",
+        "connections=100",
+        "wait_connections=65",
+        "connect_timeout=0",
+        "connect_timeout=10000000000000000s",
+        "statement_timeout=soon",
+        "statement_timeout=0",
+        "statement_timeout=10000000000000000s",
+    ] {
+        let err = read(bad).unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{bad}: {err}");
+        assert!(!err.to_string().contains("hunter2"), "{bad}: {err}");
+    }
+    let err = read("statement_timeout=5ms").unwrap_err().to_string();
+    assert!(
+        err.contains("statement_timeout is 5ms, but it must be at least 10ms"),
+        "{err}"
+    );
 }

@@ -73,6 +73,8 @@ mod wait;
 #[cfg(test)]
 mod model;
 
+#[cfg(test)]
+pub(crate) use backend::check_session_url;
 pub use backend::{SessionBackend, SessionBuilder};
 pub use traits::{Engine, Fencing};
 
@@ -84,8 +86,8 @@ pub(crate) use options::EngineKey;
 pub(crate) use options::SessionKey;
 #[cfg(any(feature = "mysql", feature = "mssql", feature = "oracle"))]
 pub(crate) use options::refuse_fencing_counters;
-pub(crate) use options::{OwnKey, SessionOptions, read_engine_query};
-pub(crate) use traits::{Connector, Driver, Failure, Grant, Mode, Opened, Session};
+pub(crate) use options::{SessionOptions, read_engine_query};
+pub(crate) use traits::{Connector, Dial, Driver, Failure, Grant, Mode, Opened, Session};
 
 /// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a
 /// zero timeout), [`LockError::Timeout`] for a wait.

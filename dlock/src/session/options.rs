@@ -9,7 +9,7 @@ use crate::options::{
     ConfigKey, check_count, parse_bool, parse_count, parse_duration, parse_key, read_query,
     url_keys,
 };
-use crate::time::{MAX_SETTING, check_setting};
+use crate::time::{MAX_SETTING, check_limit, check_setting};
 
 /// How many connections, how often they are checked, and how long a short statement may take.
 #[derive(Debug, Clone, Copy)]
@@ -54,8 +54,7 @@ impl LaneSettings {
     }
 }
 
-/// The options every session engine takes, from its URL or its builder (`fencing` only where
-/// the engine issues fencing tokens).
+/// The options every session engine takes, from its URL or its builder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SessionOptions {
     pub(crate) fencing: bool,
@@ -124,19 +123,13 @@ impl SessionOptions {
                 ));
             }
         }
-        check_setting(
-            "connect_timeout",
-            self.connect_timeout,
-            Duration::from_nanos(1),
-            MAX_SETTING,
-        )?;
+        check_limit("connect_timeout", self.connect_timeout)?;
         self.settings().check()
     }
 }
 
 url_keys! {
-    /// A URL option that every session engine reads (`fencing` only where the engine issues
-    /// fencing tokens).
+    /// A URL option that every session engine reads.
     pub(crate) enum SessionKey {
         Fencing = "fencing",
         FencingCounters = "fencing_counters",
@@ -149,33 +142,15 @@ url_keys! {
 }
 
 impl SessionKey {
-    /// The key `name` of an engine that does (`fencing`) or does not issue fencing tokens.
-    fn find_of(name: &str, fencing: bool) -> Option<SessionKey> {
-        Self::ALL
-            .iter()
-            .copied()
-            .find(|key| key.name() == name && (fencing || !key.is_fencing()))
+    /// The key called `name`.
+    fn find(name: &str) -> Option<SessionKey> {
+        Self::ALL.iter().copied().find(|key| key.name() == name)
     }
 
-    /// Whether only engines that issue fencing tokens read the key.
-    fn is_fencing(self) -> bool {
-        matches!(self, SessionKey::Fencing | SessionKey::FencingCounters)
+    /// The names of the keys.
+    pub(crate) fn names() -> impl Iterator<Item = &'static str> {
+        Self::ALL.iter().map(|key| key.name())
     }
-
-    /// The names of the keys of such an engine.
-    pub(crate) fn names_of(fencing: bool) -> impl Iterator<Item = &'static str> {
-        Self::ALL
-            .iter()
-            .filter(move |key| fencing || !key.is_fencing())
-            .map(|key| key.name())
-    }
-}
-
-/// The options of a session engine that are its own (beside the [`SessionKey`]s), as
-/// [`EngineKey`] reads them.
-pub(crate) trait OwnKey: ConfigKey {
-    /// Whether the engine issues fencing tokens (and so reads `fencing`).
-    const FENCING: bool;
 }
 
 /// A URL option of a session engine: one that every engine reads, or one of the engine's own.
@@ -185,21 +160,21 @@ pub(crate) enum EngineKey<K> {
     Own(K),
 }
 
-impl<K: OwnKey> ConfigKey for EngineKey<K> {
+impl<K: ConfigKey> ConfigKey for EngineKey<K> {
     const BACKEND: &'static str = K::BACKEND;
 
     fn find(name: &str) -> Option<Self> {
-        SessionKey::find_of(name, K::FENCING)
+        SessionKey::find(name)
             .map(EngineKey::Session)
             .or_else(|| K::find(name).map(EngineKey::Own))
     }
 
     fn names() -> Vec<&'static str> {
-        SessionKey::names_of(K::FENCING).chain(K::names()).collect()
+        SessionKey::names().chain(K::names()).collect()
     }
 }
 
-impl<K: OwnKey> FromStr for EngineKey<K> {
+impl<K: ConfigKey> FromStr for EngineKey<K> {
     type Err = LockError;
 
     fn from_str(name: &str) -> Result<Self, LockError> {
@@ -207,7 +182,7 @@ impl<K: OwnKey> FromStr for EngineKey<K> {
     }
 }
 
-impl<K: OwnKey> AsRef<str> for EngineKey<K> {
+impl<K: ConfigKey> AsRef<str> for EngineKey<K> {
     fn as_ref(&self) -> &str {
         match self {
             EngineKey::Session(key) => key.name(),
@@ -218,7 +193,7 @@ impl<K: OwnKey> AsRef<str> for EngineKey<K> {
 
 /// Reads a session engine's URL `query`: the session options into the answer, each of the
 /// engine's own to `own`.
-pub(crate) fn read_engine_query<K: OwnKey>(
+pub(crate) fn read_engine_query<K: ConfigKey>(
     query: &str,
     mut own: impl FnMut(K, String) -> Result<(), LockError>,
 ) -> Result<SessionOptions, LockError> {
@@ -249,17 +224,17 @@ pub(crate) fn refuse_fencing_counters(
 mod tests {
     use super::*;
 
-    /// An engine with no options of its own, issuing fencing tokens or not.
+    /// An engine with no options of its own.
     #[derive(Debug, PartialEq, Eq)]
-    enum NoOwn<const FENCING: bool> {}
+    enum NoOwn {}
 
-    impl<const FENCING: bool> AsRef<str> for NoOwn<FENCING> {
+    impl AsRef<str> for NoOwn {
         fn as_ref(&self) -> &str {
             match *self {}
         }
     }
 
-    impl<const FENCING: bool> ConfigKey for NoOwn<FENCING> {
+    impl ConfigKey for NoOwn {
         const BACKEND: &'static str = "test";
         fn find(_: &str) -> Option<Self> {
             None
@@ -269,43 +244,28 @@ mod tests {
         }
     }
 
-    impl<const FENCING: bool> FromStr for NoOwn<FENCING> {
+    impl FromStr for NoOwn {
         type Err = LockError;
         fn from_str(name: &str) -> Result<Self, LockError> {
             parse_key(name)
         }
     }
 
-    impl<const FENCING: bool> OwnKey for NoOwn<FENCING> {
-        const FENCING: bool = FENCING;
-    }
-
-    type Fenced = EngineKey<NoOwn<true>>;
-    type Unfenced = EngineKey<NoOwn<false>>;
+    type Keys = EngineKey<NoOwn>;
 
     #[test]
-    fn fencing_is_an_option_only_where_tokens_are_issued() {
-        let options =
-            read_engine_query::<NoOwn<true>>("fencing=on", |key, _| match key {}).unwrap();
+    fn fencing_is_an_option() {
+        let options = read_engine_query::<NoOwn>("fencing=on", |key, _| match key {}).unwrap();
         assert!(options.fencing);
-        let err = read_engine_query::<NoOwn<false>>("fencing=true", |key, _| match key {})
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("unknown test URL option `fencing`"), "{err}");
-        assert!(!Unfenced::names().contains(&"fencing"));
-        assert!(!Unfenced::names().contains(&"fencing_counters"));
-        assert_eq!(Fenced::names().len(), 7);
+        assert_eq!(Keys::names().len(), 7);
     }
 
     #[test]
     fn keys_round_trip_through_their_names() {
-        for name in Fenced::names() {
-            assert_eq!(name.parse::<Fenced>().unwrap().as_ref(), name);
+        for name in Keys::names() {
+            assert_eq!(name.parse::<Keys>().unwrap().as_ref(), name);
         }
-        for name in Unfenced::names() {
-            assert_eq!(name.parse::<Unfenced>().unwrap().as_ref(), name);
-        }
-        let err = "Keepalive".parse::<Fenced>().unwrap_err().to_string();
+        let err = "Keepalive".parse::<Keys>().unwrap_err().to_string();
         assert!(
             err.ends_with("valid options are: fencing, fencing_counters, keepalive, connections, wait_connections, connect_timeout, statement_timeout"),
             "{err}"
@@ -314,12 +274,12 @@ mod tests {
 
     #[test]
     fn counts_and_durations() {
-        let mut options = read_engine_query::<NoOwn<false>>(
+        let mut options = read_engine_query::<NoOwn>(
             "connections=+7+&wait_connections=0&keepalive=250ms&connect_timeout=3s&statement_timeout=1.5s",
             |key, _| match key {},
         )
         .unwrap();
-        assert!(read_engine_query::<NoOwn<false>>("bogus=1", |key, _| match key {}).is_err());
+        assert!(read_engine_query::<NoOwn>("bogus=1", |key, _| match key {}).is_err());
         assert_eq!((options.connections, options.wait_connections), (7, 0));
         assert_eq!(options.keepalive, Duration::from_millis(250));
         assert_eq!(options.connect_timeout, Duration::from_secs(3));
@@ -340,7 +300,7 @@ mod tests {
 
     #[test]
     fn statement_timeout_default_and_bounds() {
-        let defaults = read_engine_query::<NoOwn<false>>("", |key, _| match key {}).unwrap();
+        let defaults = read_engine_query::<NoOwn>("", |key, _| match key {}).unwrap();
         assert_eq!(defaults.statement_timeout, Duration::from_secs(10));
         assert_eq!(
             defaults.settings().statement_timeout,

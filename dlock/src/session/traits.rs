@@ -179,10 +179,12 @@ pub trait Engine: Driver {}
 
 impl<T: Driver> Engine for T {}
 
-/// An engine that issues fencing tokens (PostgreSQL, MySQL, SQL Server, Oracle: every one of
-/// them, opt-in): its builder has [`fencing`](super::SessionBuilder::fencing), and its URL the
-/// `fencing` option.
+/// An engine that issues fencing tokens: every engine (PostgreSQL, MySQL, SQL Server, Oracle),
+/// opt-in through [`fencing`](super::SessionBuilder::fencing) or the URL's `fencing` option.
+/// Kept for code that names it in bounds; [`Engine`] says as much.
 pub trait Fencing: Engine {}
+
+impl<T: Engine> Fencing for T {}
 
 /// What an engine gives the session engine, beside its [`Connector`] and [`Session`]: where it
 /// connects, how its URL reads, and how it opens its first session. Not nameable outside the
@@ -192,8 +194,6 @@ pub trait Driver: Sized + Send + Sync + 'static {
     const BACKEND: &'static str;
     /// The builder's type name in `Debug` output (`"PostgresBuilder"`).
     const BUILDER: &'static str;
-    /// Whether the engine issues fencing tokens, and so takes the `fencing` option.
-    const FENCING: bool;
 
     /// Where and as whom the engine connects (the driver's connect options).
     type Target: Clone + Send + Sync + 'static;
@@ -209,6 +209,34 @@ pub trait Driver: Sized + Send + Sync + 'static {
 
     /// Adds where `target` points to a `Debug` output; never a password.
     fn fmt_target(target: &Self::Target, f: &mut std::fmt::DebugStruct<'_, '_>);
+}
+
+/// Where and how an engine's connector connects: the engine's target, the bound of opening a
+/// connection, and whether its sessions issue fencing tokens. Its `Debug` output shows where
+/// the target points ([`Driver::fmt_target`]), never a password.
+pub(crate) struct Dial<E: Driver> {
+    pub(crate) target: E::Target,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) fencing: bool,
+}
+
+impl<E: Driver> Dial<E> {
+    /// The dial of a backend built with `options`.
+    pub(crate) fn new(target: E::Target, options: &SessionOptions) -> Self {
+        Dial {
+            target,
+            connect_timeout: options.connect_timeout,
+            fencing: options.fencing,
+        }
+    }
+}
+
+impl<E: Driver> Debug for Dial<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut out = f.debug_struct("Dial");
+        E::fmt_target(&self.target, &mut out);
+        out.field("fencing", &self.fencing).finish_non_exhaustive()
+    }
 }
 
 /// An engine's connector and first session, or why they could not be had.
