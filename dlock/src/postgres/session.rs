@@ -239,6 +239,15 @@ impl PgSession {
 }
 
 impl PgSession {
+    /// Gives back lock `id` after `error`, with the `unlock` statement of its mode: the session
+    /// stays usable when the unlock goes through.
+    async fn give_back(&mut self, id: i64, unlock: &'static str, error: LockError) -> Failure {
+        match sqlx::query(unlock).bind(id).execute(&mut self.conn).await {
+            Ok(_) => Failure::statement(error),
+            Err(_) => Failure::connection(error),
+        }
+    }
+
     /// Why a shared counter refused an increment: the store was switched to another mode
     /// (or, in theory, the counter ran out of counts in this epoch).
     async fn refusal(&mut self) -> LockError {
@@ -376,14 +385,7 @@ impl Session for PgSession {
                     // The shared counter refused the increment: no token lower than one
                     // issued already. Give the lock back and say why.
                     let refusal = self.refusal().await;
-                    match sqlx::query(sql.unlock)
-                        .bind(*id)
-                        .execute(&mut self.conn)
-                        .await
-                    {
-                        Ok(_) => Err(Failure::statement(refusal)),
-                        Err(_) => Err(Failure::connection(refusal)),
-                    }
+                    Err(self.give_back(*id, sql.unlock, refusal).await)
                 }
                 Ok(grant) => Ok(grant),
                 Err(err) if !is_connection_error::<Postgres>(&err) => {
@@ -393,14 +395,7 @@ impl Session for PgSession {
                     // exclusive acquisition per lock id at a time, however many providers
                     // share it, and a session is never asked for a shared lock it holds.
                     let error = driver_error::<Postgres>(what, err);
-                    match sqlx::query(sql.unlock)
-                        .bind(*id)
-                        .execute(&mut self.conn)
-                        .await
-                    {
-                        Ok(_) => Err(Failure::statement(error)),
-                        Err(_) => Err(Failure::connection(error)),
-                    }
+                    Err(self.give_back(*id, sql.unlock, error).await)
                 }
                 Err(err) => Err(Failure::connection(driver_error::<Postgres>(what, err))),
             }
