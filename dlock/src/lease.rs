@@ -32,6 +32,46 @@ pub(crate) fn check_lease(what: &str, lease: Duration) -> Result<Duration, crate
     crate::time::check_setting(what, lease, MIN_LEASE, crate::time::MAX_SETTING)
 }
 
+/// The longest an acquisition's answer may take, from before its request was sent, for the
+/// lock to be handed out: half the safe window, 40 % of the lease. What is left of the window
+/// is at least as long again, time for the first renewal to make a round trip as slow. (One
+/// renewal is in flight at a time, so round trips longer than this could not keep the lock
+/// anyway.)
+#[cfg(any(feature = "redis", feature = "etcd"))]
+pub(crate) fn answer_window(lease: Duration) -> Duration {
+    safe_window(lease) / 2
+}
+
+/// Whether a lock of `key` whose request was sent `took` ago came in time to be handed out
+/// ([`answer_window`]): `Err(Lost)` when it did not, which the caller answers after giving the
+/// lock back. `what` is "lock" or "read lock", `store` the backend's name.
+#[cfg(any(feature = "redis", feature = "etcd"))]
+pub(crate) fn check_answer_time(
+    key: &str,
+    lease: Duration,
+    took: Duration,
+    what: &str,
+    store: &str,
+) -> Result<(), crate::LockError> {
+    let window = answer_window(lease);
+    if took <= window {
+        return Ok(());
+    }
+    tracing::warn!(
+        took_ms = took.as_millis() as u64,
+        lease_ms = lease.as_millis() as u64,
+        "a {store} {what} was taken, but the answer came too late to count on its lease; giving it back"
+    );
+    Err(crate::LockError::Lost {
+        key: Arc::from(key),
+        reason: format!(
+            "the {store} answer took {took:?}, more than {window:?} (40% of the {lease:?} \
+             lease), so the lease could run out before its first renewal; the {what} was given \
+             back (use a longer lease for a store this slow)"
+        ),
+    })
+}
+
 /// How often a lock is renewed: every third of its lease.
 #[cfg(any(feature = "sqlite", feature = "redis", feature = "etcd"))]
 pub(crate) fn renew_every(lease: Duration) -> Duration {

@@ -152,7 +152,7 @@ use crate::LockError;
 use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
 };
-use crate::lease::{DEFAULT_LEASE, retry_after, safe_window};
+use crate::lease::{DEFAULT_LEASE, retry_after};
 use crate::options::{UrlForm, parse_duration, percent_decode, read_query, url_keys};
 use crate::time::check_limit;
 
@@ -464,12 +464,6 @@ fn entry_key(queue: &[u8], lease_id: i64) -> Vec<u8> {
 fn ttl_seconds(lease: Duration) -> i64 {
     let seconds = lease.as_secs() + u64::from(lease.subsec_nanos() > 0);
     i64::try_from(seconds.max(1)).unwrap_or(i64::MAX)
-}
-
-/// The longest an acquisition may take, from before its lease was granted, for the lock to
-/// be handed out: half the safe window, 40% of the lease, as on Redis.
-fn answer_window(lease: Duration) -> Duration {
-    safe_window(lease) / 2
 }
 
 impl Shared {
@@ -859,23 +853,7 @@ impl LockBackend for EtcdBackend {
             // The lease began when the server granted it, at some moment after `sent`: an
             // answer that comes late leaves too little of it to count on. Such a lock is
             // given back (the claim revokes the lease) and reported lost.
-            let took = sent.elapsed();
-            let window = answer_window(lease);
-            if took > window {
-                tracing::warn!(
-                    took_ms = took.as_millis() as u64,
-                    lease_ms = lease.as_millis() as u64,
-                    "an etcd lock was taken, but the answers came too late to count on its lease; giving it back"
-                );
-                return Err(LockError::Lost {
-                    key: Arc::from(request.key),
-                    reason: format!(
-                        "the cluster's answers took {took:?}, more than {window:?} (40% of the \
-                         {lease:?} lease), so the lease could run out before its first renewal; \
-                         the lock was given back (use a longer lease for a cluster this slow)"
-                    ),
-                });
-            }
+            crate::lease::check_answer_time(request.key, lease, sent.elapsed(), "lock", NAME)?;
             Ok(Some(queued.into_acquired(request.key)))
         })
     }

@@ -688,7 +688,7 @@ use crate::backend::{
     Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseWatch, WaitTry,
 };
 use crate::key::validate_key;
-use crate::lease::{DEFAULT_LEASE, safe_window};
+use crate::lease::DEFAULT_LEASE;
 use crate::options::{UrlForm, parse_bool, parse_duration, read_query, url_keys};
 use crate::settling::Settling;
 use crate::time::check_limit;
@@ -704,15 +704,6 @@ pub use token::OwnerToken;
 const NAME: &str = "redis";
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
 const DEFAULT_PREFIX: &str = "dlock:";
-
-/// The longest an acquisition's answer may take, from before the command was sent, for the
-/// lock to be handed out: half the safe window, 40% of the lease. What is left of the window is
-/// at least as long again, time for the first renewal to make a round trip as slow. (One
-/// renewal is in flight at a time, so round trips longer than this could not keep the lock
-/// anyway.)
-fn answer_window(lease: Duration) -> Duration {
-    safe_window(lease) / 2
-}
 
 /// The Redis / Valkey backend. Usually made through
 /// [`LockProvider::connect`](crate::LockProvider::connect) with a `redis://` or `rediss://` URL;
@@ -2383,23 +2374,7 @@ async fn hold(
     // an answer that comes late leaves too little of it to hold the lock, or none (the
     // server may have let someone else take it already). Such a lock is given back,
     // by the still armed cleanup, and reported lost: a wait tries again.
-    let took = sent.elapsed();
-    let window = answer_window(lease);
-    if took > window {
-        tracing::warn!(
-            took_ms = took.as_millis() as u64,
-            lease_ms = lease.as_millis() as u64,
-            "a redis {what} was taken, but the answer came too late to count on its lease; giving it back"
-        );
-        return Err(LockError::Lost {
-            key: Arc::from(request.key),
-            reason: format!(
-                "the server's answer took {took:?}, more than {window:?} (40% of the \
-                 {lease:?} lease), so the lease could run out before its first renewal; \
-                 the {what} was given back (use a longer lease for a server this slow)"
-            ),
-        });
-    }
+    crate::lease::check_answer_time(request.key, lease, sent.elapsed(), what, NAME)?;
     if let (Some((wanted, wait)), Some(acked)) = (shared.wait, acked)
         && acked < u64::from(wanted)
     {
