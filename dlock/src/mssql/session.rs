@@ -101,6 +101,15 @@ pub(crate) fn connect_error(addr: &str, err: TdsError) -> LockError {
 }
 
 fn tls_error(addr: &str, message: &str) -> LockError {
+    if let Some(check) = refused_certificate(message) {
+        // A configuration to fix, not a passing fault: the same answer as the other engines'.
+        return LockError::config(format!(
+            "connecting to SQL Server at {addr}: TLS: the server's certificate was refused \
+             ({check}); trust the CA that signed it (`TrustServerCertificateCA` in an ADO.NET \
+             string, `trust_cert_ca` on a `tiberius::Config`), connect by a name the \
+             certificate carries, or, on a trusted network only, set trust_server_certificate=true"
+        ));
+    }
     LockError::unavailable(
         NAME,
         format!(
@@ -110,6 +119,26 @@ fn tls_error(addr: &str, message: &str) -> LockError {
         ),
         None,
     )
+}
+
+/// The check a refused server certificate failed, as the driver words it (`UnknownIssuer`,
+/// `certificate expired: …`), when `message` says the certificate was refused: tiberius's own
+/// sentence under a validating trust setting, or rustls's words passed on as I/O.
+fn refused_certificate(message: &str) -> Option<&str> {
+    const REFUSED: [&str; 2] = [
+        "the server's certificate was rejected during the TLS handshake: ",
+        "invalid peer certificate: ",
+    ];
+    let rest = REFUSED
+        .iter()
+        .find_map(|words| message.split_once(words).map(|(_, rest)| rest))?;
+    // tiberius follows the check with its advice, which names its own API.
+    let end = [". To connect", ". The SQL Server"]
+        .iter()
+        .filter_map(|advice| rest.find(advice))
+        .min()
+        .unwrap_or(rest.len());
+    Some(rest[..end].trim_end_matches('.'))
 }
 
 /// Whether an I/O error's text comes from the TLS layer.
@@ -451,6 +480,31 @@ mod tests {
             tls.to_string().contains("trust_server_certificate"),
             "{tls}"
         );
+        assert_eq!(tls.code(), "DistributedLock.Configuration");
+        // tiberius 0.13's words for a certificate its verifier refused, with its advice.
+        for (check, hint) in [
+            ("UnknownIssuer", ""),
+            (
+                "certificate expired: verification time 1800000000 (UNIX), but certificate is \
+                 not valid after 1700000000 (100000000 seconds ago)",
+                "",
+            ),
+            (
+                "Other(OtherError(UnsupportedCertVersion))",
+                " The SQL Server presented a certificate rustls considers too old.",
+            ),
+        ] {
+            let text = format!(
+                "the server's certificate was rejected during the TLS handshake: {check}.{hint} \
+                 To connect anyway you can: (1) trust a specific CA certificate with \
+                 `Config::trust_cert_ca(path)`"
+            );
+            let err = connect_error("h:1", TdsError::Tls(text));
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+            let shown = err.to_string();
+            assert!(shown.contains(&format!("refused ({check});")), "{shown}");
+            assert!(!shown.contains("To connect anyway"), "{shown}");
+        }
         let tls = connect_error("h:1", TdsError::Tls("bad".into()));
         assert_eq!(tls.code(), "DistributedLock.Unavailable");
         let tds = connect_error(
