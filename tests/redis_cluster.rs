@@ -930,3 +930,66 @@ async fn delifeq_releases_announce_only_when_awaited() {
 async fn delex_releases_announce_only_when_awaited() {
     native_releases_announce_only_when_awaited(dlock_testkit::redis::Flavor::Redis8).await;
 }
+
+/// The last reader's release frees the key, and publishes only while someone waits for it: the
+/// read release script reads the waiting mark, as the lock's release does (`PUBLISH` is a
+/// broadcast to every node of a Cluster). A writer that waits for the readers is still woken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_releases_announce_only_when_awaited() {
+    let Some(cluster) = started(|| RedisCluster::start_with(3, 0, Duration::from_secs(1))) else {
+        return;
+    };
+    let url = cluster.url("lease=30s");
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    let locks = woken_only(backend.clone());
+    let before = publishes(&cluster);
+    for i in 0..20 {
+        let key = unique_key(&format!("read-alone-{i}"));
+        let first = locks.try_acquire_read(&key).await.unwrap();
+        let second = locks.try_acquire_read(&key).await.unwrap();
+        first.release().await.unwrap();
+        second.release().await.unwrap();
+    }
+    let after = publishes(&cluster);
+    assert_eq!(
+        after - before,
+        0,
+        "read releases nobody waited for published"
+    );
+
+    let key = unique_key("read-awaited");
+    let holder = LockProvider::connect(&url).await.unwrap();
+    let reader = holder.try_acquire_read(&key).await.unwrap();
+    let writer = {
+        let (locks, key) = (locks.clone(), key.clone());
+        tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(600)).await })
+    };
+    let mark = [backend.storage_key(&key), b":waiting".to_vec()].concat();
+    wait_until(
+        "the writer marks the key",
+        Duration::from_secs(20),
+        async || {
+            let port = cluster.owner_of(cluster.slot_of(&mark));
+            let exists = cluster.command(port, &[b"EXISTS", &mark]);
+            matches!(exists, Ok(redis::Value::Int(1)))
+        },
+    )
+    .await;
+    let released = Instant::now();
+    reader.release().await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(20), writer)
+        .await
+        .expect("the last reader's release woke the writer")
+        .unwrap()
+        .unwrap();
+    assert!(
+        released.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        released.elapsed()
+    );
+    next.release().await.unwrap();
+    assert!(
+        publishes(&cluster) > after,
+        "the awaited read release was announced"
+    );
+}

@@ -1648,28 +1648,10 @@ impl Conn {
                 return Ok((outcome, command.path(), woke));
             }
         }
-        let mark = self.waiting_mark(key).filter(|_| !self.unmarked_for_now());
         let args: [&[u8]; 2] = [token.as_bytes(), &self.announcer];
-        let mut keys = vec![key];
-        keys.extend(mark.as_deref());
-        let marked = self
-            .eval_marked(&self.scripts.release, &keys, &[key], &args, None)
-            .await;
-        let reply = match marked.map(|(reply, _)| reply) {
-            // A Cluster slot in migration refuses a script whose keys are not all on the node
-            // asked (`TRYAGAIN`), as the mark of a lock nobody waits for never is: released
-            // again with the lock's key alone (which follows `ASK`), announced unmarked, as
-            // are the backend's releases for a while.
-            Err(err) if mark.is_some() && err.code() == Some("TRYAGAIN") => {
-                *self
-                    .unmarked_until
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner) =
-                    Some(Instant::now() + UNMARKED_AFTER_TRYAGAIN);
-                self.eval(&self.scripts.release, &[key], &args).await?
-            }
-            other => other?,
-        };
+        let reply = self
+            .eval_release(&self.scripts.release, key, &[key], &args)
+            .await?;
         let (outcome, woke) = match reply {
             Value::Int(n) if n >= 1 => (ReleaseOutcome::Released, (n - 1).unsigned_abs()),
             Value::Int(0) => (ReleaseOutcome::AlreadyReleased, 0),
@@ -1677,6 +1659,36 @@ impl Conn {
             other => return Err(unexpected("the release script", &other)),
         };
         Ok((outcome, CommandPath::Lua, woke))
+    }
+
+    /// Runs a release `script` on `keys` (the lock's `key` first), with the lock's waiting mark
+    /// as the last key when this connection marks waits: the script announces the release
+    /// only while the mark lives. A Cluster slot in migration refuses a script whose keys are
+    /// not all on the node asked (`TRYAGAIN`), as the mark of a lock nobody waits for never
+    /// is: the script runs again on `keys` alone (which follow `ASK`) and announces unmarked,
+    /// as do the backend's releases for a while.
+    pub(crate) async fn eval_release(
+        &self,
+        script: &Script,
+        key: &[u8],
+        keys: &[&[u8]],
+        args: &[&[u8]],
+    ) -> Result<Value, RedisError> {
+        let mark = self.waiting_mark(key).filter(|_| !self.unmarked_for_now());
+        let mut marked = keys.to_vec();
+        marked.extend(mark.as_deref());
+        let reply = self.eval_marked(script, &marked, keys, args, None).await;
+        match reply.map(|(reply, _)| reply) {
+            Err(err) if mark.is_some() && err.code() == Some("TRYAGAIN") => {
+                *self
+                    .unmarked_until
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) =
+                    Some(Instant::now() + UNMARKED_AFTER_TRYAGAIN);
+                self.eval(script, keys, args).await
+            }
+            other => other,
+        }
     }
 
     /// A native conditional delete answers 1 or 0; a 0 is told apart (missing or another

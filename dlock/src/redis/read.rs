@@ -114,9 +114,11 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
 );
 
 /// Gives a reader's share back: 1 released, 0 its share was gone or expired and no writer
-/// holds the key, -1 a writer holds it. `KEYS[1]` lock, `KEYS[2]` readers; `ARGV[1]` token.
-/// When no reader is left, the key is free: announced on the channel named as the lock key,
-/// which wakes its waiters (with `pcall`, as the lock's release).
+/// holds the key, -1 a writer holds it. `KEYS[1]` lock, `KEYS[2]` readers, `KEYS[3]`
+/// (optional) the lock's waiting mark; `ARGV[1]` token. When no reader is left, the key is
+/// free: announced on the channel named as the lock key, which wakes its waiters (with
+/// `pcall`, as the lock's release), and with `KEYS[3]` only while the mark lives or cannot be
+/// read, as [`RELEASE_LUA`](super::commands::RELEASE_LUA) does.
 pub(crate) const READ_RELEASE_LUA: &str = concat!(
     "local v = redis.call('GET', KEYS[1])
 local s = redis.call('ZSCORE', KEYS[2], ARGV[1])
@@ -132,7 +134,7 @@ end
 ",
     now_ms!(),
     settle!(),
-    "if not last[2] then
+    "if not last[2] and not (KEYS[3] and redis.pcall('EXISTS', KEYS[3]) == 0) then
   redis.pcall('PUBLISH', KEYS[1], '')
 end
 if s and tonumber(s) > now then
@@ -378,7 +380,7 @@ pub(super) async fn release(
     let readers = readers_key(shared.layout, key);
     let reply = shared
         .conn
-        .eval(&SCRIPTS.release, &[key, &readers], &[token.as_bytes()])
+        .eval_release(&SCRIPTS.release, key, &[key, &readers], &[token.as_bytes()])
         .await?;
     let outcome = match reply {
         Value::Int(1) => ReleaseOutcome::Released,
