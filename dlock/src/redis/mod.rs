@@ -2155,17 +2155,13 @@ fn parse_sentinel_url(url: &str) -> Result<RedisBuilder, LockError> {
 }
 
 fn parse_url(url: &str) -> Result<RedisBuilder, LockError> {
-    if url.split_once("://").is_some_and(|(scheme, _)| {
-        scheme.eq_ignore_ascii_case("redis+sentinel")
-            || scheme.eq_ignore_ascii_case("rediss+sentinel")
-    }) {
-        return parse_sentinel_url(url);
-    }
-    if url.split_once("://").is_some_and(|(scheme, _)| {
-        scheme.eq_ignore_ascii_case("redis+cluster")
-            || scheme.eq_ignore_ascii_case("rediss+cluster")
-    }) {
-        return parse_cluster_url(url);
+    let scheme = url
+        .split_once("://")
+        .map(|(scheme, _)| scheme.to_ascii_lowercase());
+    match scheme.as_deref() {
+        Some("redis+sentinel" | "rediss+sentinel") => return parse_sentinel_url(url),
+        Some("redis+cluster" | "rediss+cluster") => return parse_cluster_url(url),
+        _ => {}
     }
     let mut parsed = FORM.parse(url)?;
     let tls = parsed.scheme() == "rediss";

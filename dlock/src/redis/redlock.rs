@@ -425,6 +425,21 @@ impl Drop for Taken<'_> {
     }
 }
 
+/// The answer when fewer nodes than the quorum answered: `answered` says how many, and the
+/// first failure is quoted.
+fn short_of_quorum(
+    shared: &Shared,
+    answered: String,
+    first: Option<impl std::fmt::Display>,
+) -> LockError {
+    let first = first
+        .map(|e| format!(" (first failure: {e})"))
+        .unwrap_or_default();
+    let quorum = shared.quorum;
+    let message = format!("{answered}, fewer than the quorum of {quorum}{first}");
+    LockError::unavailable(NAME, message, None)
+}
+
 impl LockBackend for RedlockBackend {
     fn name(&self) -> &'static str {
         NAME
@@ -455,18 +470,8 @@ impl LockBackend for RedlockBackend {
                 return Ok(());
             }
             let first = answers.into_iter().find_map(Result::err);
-            Err(LockError::unavailable(
-                NAME,
-                format!(
-                    "{up} of {} nodes answered, fewer than the quorum of {}{}",
-                    shared.nodes.len(),
-                    shared.quorum,
-                    first
-                        .map(|e| format!(" (first failure: {e})"))
-                        .unwrap_or_default()
-                ),
-                None,
-            ))
+            let answered = format!("{up} of {} nodes answered", shared.nodes.len());
+            Err(short_of_quorum(shared, answered, first))
         })
     }
 
@@ -650,21 +655,13 @@ impl RedlockBackend {
                     });
                 }
                 if refused + taken.len() < shared.quorum {
+                    let answered = format!(
+                        "only {} of {} nodes answered ({slow} too slowly)",
+                        refused + taken.len(),
+                        shared.nodes.len()
+                    );
                     let first = failures.into_iter().next();
-                    return Err(LockError::unavailable(
-                        NAME,
-                        format!(
-                            "only {} of {} nodes answered ({slow} too slowly), fewer than the \
-                             quorum of {}{}",
-                            refused + taken.len(),
-                            shared.nodes.len(),
-                            shared.quorum,
-                            first
-                                .map(|e| format!(" (first failure: {e})"))
-                                .unwrap_or_default()
-                        ),
-                        None,
-                    ));
+                    return Err(short_of_quorum(shared, answered, first));
                 }
                 return Ok(WaitTry::Held {
                     retry_within: quorum_free_within(hints, taken.len(), shared.quorum),

@@ -1080,6 +1080,20 @@ impl Shared {
         Ok(owner)
     }
 
+    /// What a look at the file without its write lock found: a busy file is "not known"
+    /// (`false`), for the write to tell.
+    fn peeked(&self, peek: rusqlite::Result<bool>) -> Result<bool, Busy> {
+        match peek {
+            Ok(seen) => Ok(seen),
+            Err(err) if is_busy(&err) => Ok(false),
+            Err(err) => Err(Busy::Failed(sqlite_error(
+                &self.path,
+                "checking a lock",
+                err,
+            ))),
+        }
+    }
+
     /// Takes the key's row if it is free or expired. A held key is answered by a read,
     /// without the file's write lock, whenever there is reason to expect it held: the key was
     /// found held in the last second, or the write lock is taken (then the poll does not wait
@@ -1091,16 +1105,7 @@ impl Shared {
                 let mut rows = peek.query(params![name, clock.now_ms(), clock.boot()])?;
                 Ok(rows.next()?.is_some())
             });
-            match peek {
-                Ok(held) => Ok(held),
-                // Not known: the write will tell.
-                Err(err) if is_busy(&err) => Ok(false),
-                Err(err) => Err(Busy::Failed(sqlite_error(
-                    &self.path,
-                    "checking a lock",
-                    err,
-                ))),
-            }
+            self.peeked(peek)
         };
         if self.seen_held(name) && held(&self.inline())? {
             self.note_held(name);

@@ -143,15 +143,7 @@ impl Shared {
         let peek = conn
             .prepare_cached(READ_BLOCKED_SQL)
             .and_then(|mut peek| peek.exists(params![name, clock.now_ms(), clock.boot()]));
-        match peek {
-            Ok(blocked) => Ok(blocked),
-            Err(err) if is_busy(&err) => Ok(false),
-            Err(err) => Err(Busy::Failed(sqlite_error(
-                &self.path,
-                "checking a lock",
-                err,
-            ))),
-        }
+        self.peeked(peek)
     }
 
     /// Gives back reader `owner`'s share of `name` and sets the lock row from the readers
