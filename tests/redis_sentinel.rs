@@ -680,3 +680,50 @@ async fn killed_sentinels_move_the_checks_to_the_one_left() {
         "{opened} connections to the sentinel left for 20 checks"
     );
 }
+
+/// The sentinel a backend keeps its check connection to stops answering (`SIGSTOP`: the
+/// connection stays open and new ones are accepted, as behind a silent network). The check
+/// that finds it silent costs one command at most the `timeout`; the checks then go to
+/// another sentinel, and every acquisition succeeds meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_sentinel_costs_one_bounded_check() {
+    let Some(deployment) = deployment(CALM) else {
+        return;
+    };
+    let timeout = Duration::from_millis(500);
+    let url = deployment.url("check_master_every=10ms&lease=5s&timeout=500ms");
+    let locks = LockProvider::connect(&url).await.expect("connect");
+    let key = unique_key("sentinel-silent");
+    let mut all = tokio::task::block_in_place(|| deployment.traffic()).expect("meter");
+    all.connections_for(10, take_and_release(&locks, &key))
+        .await;
+    drop(all);
+    // The checks so far went to the first sentinel, which answered: it is asked first.
+    deployment.pause_sentinel(0);
+    let mut others = tokio::task::block_in_place(|| deployment.traffic_of(&[1, 2])).expect("meter");
+    let mut slow = Vec::new();
+    others
+        .connections_for(20, async || {
+            let started = Instant::now();
+            let guard = tokio::time::timeout(Duration::from_secs(10), locks.try_acquire(&key))
+                .await
+                .expect("an acquisition behind a silent sentinel ends")
+                .expect("acquired");
+            guard.release().await.expect("released");
+            if started.elapsed() >= timeout / 2 {
+                slow.push(started.elapsed());
+            }
+        })
+        .await;
+    deployment.resume_sentinel(0);
+    assert!(
+        slow.len() <= 1,
+        "{} acquisitions waited for the silent sentinel: {slow:?}",
+        slow.len()
+    );
+    assert!(
+        slow.iter()
+            .all(|took| *took < timeout + Duration::from_secs(1)),
+        "{slow:?}"
+    );
+}

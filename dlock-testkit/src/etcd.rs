@@ -20,7 +20,7 @@
 use std::io::{Read, Write};
 use std::net::{IpAddr, Ipv4Addr, TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::Placement;
@@ -327,15 +327,10 @@ impl EtcdCluster {
     /// Sends `signal` to member `i`'s process; whether it was delivered (a member that is not
     /// running counts as delivered, one whose process has exited as not).
     fn signal(&self, i: usize, signal: &str) -> bool {
-        let Some(child) = &self.members[i].child else {
-            return true;
-        };
-        Command::new("kill")
-            .arg(format!("-{signal}"))
-            .arg(child.id().to_string())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|status| status.success())
+        self.members[i]
+            .child
+            .as_ref()
+            .is_none_or(|child| crate::signal(child, signal))
     }
 
     /// Starts a killed member `i` again on its data, and waits until the cluster is healthy.

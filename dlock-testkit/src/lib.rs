@@ -208,6 +208,18 @@ pub fn runtime(workers: usize) -> tokio::runtime::Runtime {
         .expect("a Tokio runtime")
 }
 
+/// Sends `signal` (`"STOP"`, `"CONT"`) to the process `child`: whether it was delivered (not
+/// when the process has exited). A stopped server holds its connections open and answers
+/// nothing, as one behind a silent network or in a long pause.
+pub fn signal(child: &std::process::Child, signal: &str) -> bool {
+    std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
+}
+
 /// Waits for `condition` to hold, checking every few milliseconds, for at most `limit`: whether
 /// it did.
 pub async fn eventually(limit: Duration, mut condition: impl FnMut() -> bool) -> bool {

@@ -894,6 +894,25 @@ impl SentinelDeployment {
         let _ = sentinel.child.wait();
     }
 
+    /// Stops sentinel `i` (`SIGSTOP`): it keeps its connections and accepts new ones (the
+    /// kernel does), but answers nothing, as a sentinel behind a silent network.
+    pub fn pause_sentinel(&self, i: usize) {
+        let sentinel = &self.sentinels[i];
+        assert!(
+            crate::signal(&sentinel.child, "STOP"),
+            "kill -STOP sentinel {i}"
+        );
+    }
+
+    /// Lets a paused sentinel `i` run again (`SIGCONT`).
+    pub fn resume_sentinel(&self, i: usize) {
+        let sentinel = &self.sentinels[i];
+        assert!(
+            crate::signal(&sentinel.child, "CONT"),
+            "kill -CONT sentinel {i}"
+        );
+    }
+
     /// A meter of what clients (the fixture's own reads aside) did to the sentinels:
     /// connections opened and commands sent. It reads them on one connection per sentinel,
     /// kept open for it.

@@ -718,7 +718,8 @@ impl Conn {
     /// master never sees. The caps learnt about the old master are forgotten with it. When no
     /// sentinel leads to a master (a failover under way), the command goes out on the
     /// manager it has, and the next one asks again. Only one command at a time asks; the
-    /// others go on meanwhile.
+    /// others go on meanwhile. A periodic check (not one after a failure) takes at most half
+    /// the `timeout`, whatever the sentinels do.
     async fn rediscover(&self) {
         let Some(Following {
             sentinels,
@@ -748,7 +749,27 @@ impl Conn {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        match sentinels.discover(Some(&known)).await {
+        let asking = sentinels.discover(Some(&known));
+        let answer = if failed {
+            asking.await
+        } else {
+            // A periodic check rides on a caller's command, whose limit is `timeout` as well:
+            // it takes at most half of it, so that a silent sentinel cannot make the command
+            // fail. The master in use stays; the next check asks the next sentinel.
+            match tokio::time::timeout(sentinels.timeout / 2, asking).await {
+                Ok(answer) => answer,
+                Err(_) => {
+                    unfinished.disarm();
+                    tracing::warn!(
+                        limit = ?sentinels.timeout / 2,
+                        "a redis sentinel did not answer the periodic master check in time; \
+                         the next check asks the next sentinel"
+                    );
+                    return;
+                }
+            }
+        };
+        match answer {
             Ok(found) => {
                 let moved = {
                     let mut current = current.lock().unwrap_or_else(PoisonError::into_inner);

@@ -283,7 +283,10 @@
 //! the sentinels close every client's connection to the nodes they reconfigure) or an answer
 //! that the node is no writable master (`READONLY`, also from inside a script,
 //! `MASTERDOWN`, `LOADING`), or an acquisition whose `WAIT` fell short; and (b) every
-//! `check_master_every` (default 1 s), on the first command after it is due. When they name
+//! `check_master_every` (default 1 s), on the first command after it is due. Such a periodic
+//! check takes at most half the `timeout`: a sentinel that does not answer (paused, behind a
+//! silent network) costs that one command up to half its limit, never the command itself,
+//! and the next check asks the next sentinel. When they name
 //! another node, the connection is made again for it: the next command goes to the new
 //! master, through the same backend, with no restart. (b) matters because after a failover
 //! that leaves the old master running, the sentinels demote it only some seconds later, and

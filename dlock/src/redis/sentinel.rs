@@ -84,6 +84,9 @@ impl Sentinels {
         let first = self.first.load(Ordering::Relaxed) % self.nodes.len().max(1);
         for i in (first..self.nodes.len()).chain(0..first) {
             let (host, port) = &self.nodes[i];
+            // A discovery dropped while this sentinel is silent starts from the next one.
+            self.first
+                .store((i + 1) % self.nodes.len(), Ordering::Relaxed);
             let answer = match self.ask(i).await {
                 Err(err) if refused_certificate(&err) => {
                     let text = format!("could not be asked ({})", describe(&err));
