@@ -30,7 +30,7 @@
 //! # Connections
 //!
 //! The backend opens its own connections (from the URL, or with the connect options of a
-//! [`MySqlPool`] the application already has; it never takes connections from that pool):
+//! [`MySqlPool`](sqlx::MySqlPool) the application already has; it never takes connections from that pool):
 //!
 //! | connections | how many | what they do |
 //! |---|---|---|

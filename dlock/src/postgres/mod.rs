@@ -9,7 +9,7 @@
 //! # Connections
 //!
 //! The backend opens its own connections (from the URL, or with the connect options of a
-//! [`PgPool`] the application already has, so it never takes connections out of that pool):
+//! [`PgPool`](sqlx::PgPool) the application already has, so it never takes connections out of that pool):
 //!
 //! | connections | how many | what they do |
 //! |---|---|---|

@@ -239,10 +239,14 @@ impl PgSession {
 }
 
 impl PgSession {
-    /// Gives back lock `id` after `error`, with the `unlock` statement of its mode: the session
-    /// stays usable when the unlock goes through.
-    async fn give_back(&mut self, id: i64, unlock: &'static str, error: LockError) -> Failure {
-        match sqlx::query(unlock).bind(id).execute(&mut self.conn).await {
+    /// Gives back lock `id` after `error`, with the unlock statement of its mode's `sql`: the
+    /// session stays usable when the unlock goes through.
+    async fn give_back(&mut self, id: i64, sql: ModeSql, error: LockError) -> Failure {
+        match sqlx::query(sql.unlock)
+            .bind(id)
+            .execute(&mut self.conn)
+            .await
+        {
             Ok(_) => Failure::statement(error),
             Err(_) => Failure::connection(error),
         }
@@ -385,7 +389,7 @@ impl Session for PgSession {
                     // The shared counter refused the increment: no token lower than one
                     // issued already. Give the lock back and say why.
                     let refusal = self.refusal().await;
-                    Err(self.give_back(*id, sql.unlock, refusal).await)
+                    Err(self.give_back(*id, sql, refusal).await)
                 }
                 Ok(grant) => Ok(grant),
                 Err(err) if !is_connection_error::<Postgres>(&err) => {
@@ -395,7 +399,7 @@ impl Session for PgSession {
                     // exclusive acquisition per lock id at a time, however many providers
                     // share it, and a session is never asked for a shared lock it holds.
                     let error = driver_error::<Postgres>(what, err);
-                    Err(self.give_back(*id, sql.unlock, error).await)
+                    Err(self.give_back(*id, sql, error).await)
                 }
                 Err(err) => Err(Failure::connection(driver_error::<Postgres>(what, err))),
             }
