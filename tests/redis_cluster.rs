@@ -883,42 +883,59 @@ async fn native_releases_announce_only_when_awaited(flavor: dlock_testkit::redis
             "{flavor:?}, fencing={fencing}: releases nobody waited for published"
         );
 
-        let key = unique_key("awaited");
-        let holder = LockProvider::connect(&url).await.unwrap();
-        let guard = holder.try_acquire(&key).await.unwrap();
-        let waiter = {
-            let (locks, key) = (locks.clone(), key.clone());
-            tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(600)).await })
-        };
-        let mark = [backend.storage_key(&key), b":waiting".to_vec()].concat();
-        wait_until(
-            "the waiter marks the key",
-            Duration::from_secs(20),
-            async || {
-                let port = cluster.owner_of(cluster.slot_of(&mark));
-                let exists = cluster.command(port, &[b"EXISTS", &mark]);
-                matches!(exists, Ok(redis::Value::Int(1)))
-            },
-        )
-        .await;
-        let released = Instant::now();
-        guard.release().await.unwrap();
-        let next = tokio::time::timeout(Duration::from_secs(20), waiter)
-            .await
-            .expect("the release woke the waiter")
-            .unwrap()
-            .unwrap();
-        assert!(
-            released.elapsed() < Duration::from_secs(5),
-            "{:?}",
-            released.elapsed()
-        );
-        next.release().await.unwrap();
+        awaited_release_wakes(&cluster, &url, &locks, false).await;
         assert!(
             publishes(&cluster) > after,
             "{flavor:?}: the awaited release was announced"
         );
     }
+}
+
+/// A provider on `url` holds a key (a reader's share with `read`); a waiter of `locks` (whose
+/// backend marks waits, and whose fallback poll is an hour) waits for it, and once its waiting
+/// mark is on the key, the holder's release must wake it within 5 s.
+async fn awaited_release_wakes(
+    cluster: &RedisCluster,
+    url: &str,
+    locks: &LockProvider,
+    read: bool,
+) {
+    let key = unique_key("awaited");
+    let holder = LockProvider::connect(url).await.unwrap();
+    let guard = if read {
+        holder.try_acquire_read(&key).await.unwrap()
+    } else {
+        holder.try_acquire(&key).await.unwrap()
+    };
+    let waiter = {
+        let (locks, key) = (locks.clone(), key.clone());
+        tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(600)).await })
+    };
+    let backend = RedisBackend::connect(url).await.expect("connect");
+    let mark = [backend.storage_key(&key), b":waiting".to_vec()].concat();
+    wait_until(
+        "the waiter marks the key",
+        Duration::from_secs(20),
+        async || {
+            let port = cluster.owner_of(cluster.slot_of(&mark));
+            let exists = cluster.command(port, &[b"EXISTS", &mark]);
+            matches!(exists, Ok(redis::Value::Int(1)))
+        },
+    )
+    .await;
+    let released = Instant::now();
+    guard.release().await.unwrap();
+    let next = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("the release woke the waiter")
+        .unwrap()
+        .unwrap();
+    assert!(
+        released.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        released.elapsed()
+    );
+    next.release().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -957,37 +974,7 @@ async fn read_releases_announce_only_when_awaited() {
         "read releases nobody waited for published"
     );
 
-    let key = unique_key("read-awaited");
-    let holder = LockProvider::connect(&url).await.unwrap();
-    let reader = holder.try_acquire_read(&key).await.unwrap();
-    let writer = {
-        let (locks, key) = (locks.clone(), key.clone());
-        tokio::spawn(async move { locks.acquire(&key, Duration::from_secs(600)).await })
-    };
-    let mark = [backend.storage_key(&key), b":waiting".to_vec()].concat();
-    wait_until(
-        "the writer marks the key",
-        Duration::from_secs(20),
-        async || {
-            let port = cluster.owner_of(cluster.slot_of(&mark));
-            let exists = cluster.command(port, &[b"EXISTS", &mark]);
-            matches!(exists, Ok(redis::Value::Int(1)))
-        },
-    )
-    .await;
-    let released = Instant::now();
-    reader.release().await.unwrap();
-    let next = tokio::time::timeout(Duration::from_secs(20), writer)
-        .await
-        .expect("the last reader's release woke the writer")
-        .unwrap()
-        .unwrap();
-    assert!(
-        released.elapsed() < Duration::from_secs(5),
-        "{:?}",
-        released.elapsed()
-    );
-    next.release().await.unwrap();
+    awaited_release_wakes(&cluster, &url, &locks, true).await;
     assert!(
         publishes(&cluster) > after,
         "the awaited read release was announced"
