@@ -125,7 +125,7 @@
 //!
 //! # TLS
 //!
-//! The driver speaks TLS with rustls and ring. Verify the server: `ssl-mode=VERIFY_IDENTITY`
+//! The driver speaks TLS with rustls and aws-lc-rs. Verify the server: `ssl-mode=VERIFY_IDENTITY`
 //! with `ssl-ca=/path/ca.pem` (trusted besides the system's roots); `VERIFY_CA` skips the host
 //! name, `REQUIRED` and the default `PREFERRED` check nothing. A refused certificate is a
 //! [`LockError::Config`] saying which check failed (unknown issuer, a host name the certificate

@@ -171,7 +171,7 @@
 //!
 //! # TLS
 //!
-//! The driver speaks TLS with rustls and ring. Verify the server: `sslmode=verify-full` with
+//! The driver speaks TLS with rustls and aws-lc-rs. Verify the server: `sslmode=verify-full` with
 //! `sslrootcert=/path/ca.pem` (the CA that signed the server's certificate, trusted besides
 //! the system's roots); `verify-ca` skips the host name, and `require` or the default `prefer`
 //! check nothing. A refused certificate is a [`LockError::Config`] saying which check failed

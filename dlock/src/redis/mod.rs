@@ -234,7 +234,7 @@
 //!
 //! # URL
 //!
-//! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and ring,
+//! `redis://[user[:password]@]host[:port][/db]` or `rediss://...` (TLS with rustls and aws-lc-rs,
 //! the server's certificate always verified: by the system's root certificates, or by the CA of
 //! `ca`), or `redis+sentinel://...` (see [Sentinel](self#sentinel)), or `redis+cluster://...`
 //! (see [Cluster](self#cluster)), with options:
@@ -468,9 +468,9 @@
 //! [`RedisBackend::cluster_builder`]).
 //!
 //! redis-rs takes the process-wide rustls `CryptoProvider`. Before its first `rediss://`
-//! connection, dlock installs ring as that provider unless the application installed one
-//! already: with ring and aws-lc-rs both built into the program (the `mssql` feature brings
-//! aws-lc-rs), rustls would not choose by itself.
+//! connection, dlock installs aws-lc-rs, rustls's default (with post-quantum key exchange), as
+//! that provider unless the application installed one already: with aws-lc-rs and ring both
+//! built into the program (another crate may bring ring), rustls would not choose by itself.
 //!
 //! # Permissions
 //!
@@ -1166,7 +1166,7 @@ impl RedisBuilder {
                     redis::ConnectionAddr::TcpTls { .. }
                 );
                 if tls {
-                    use_ring();
+                    use_default_crypto();
                 }
                 let config = manager_config(self.timeout);
                 let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
@@ -1595,10 +1595,11 @@ impl Shared {
 }
 
 /// redis-rs uses rustls's process-wide crypto provider, which rustls cannot choose by itself
-/// once both ring and aws-lc-rs are built in (the SQL Server driver brings aws-lc-rs): ring,
-/// unless the application chose. Called before the first TLS connection.
-fn use_ring() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+/// once both aws-lc-rs and ring are built in (another crate of the application may bring ring):
+/// aws-lc-rs, rustls's default (with post-quantum key exchange), unless the application chose.
+/// Called before the first TLS connection.
+fn use_default_crypto() {
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
 }
 
 /// Checks that `pem` holds CA certificates.
@@ -1653,7 +1654,7 @@ pub(crate) fn host_client(
             .set_redis_settings(settings);
         return redis::Client::open(info);
     };
-    use_ring();
+    use_default_crypto();
     let info = redis::ConnectionAddr::TcpTls {
         host: host.to_owned(),
         port,
