@@ -94,6 +94,16 @@ pub(crate) fn driver_error<E: SqlxErrors>(what: &str, err: sqlx::Error) -> LockE
         sqlx::Error::Configuration(_) => {
             LockError::config(format!("{what}: invalid connection settings: {err}"))
         }
+        sqlx::Error::Io(io) if io.kind() == std::io::ErrorKind::ConnectionRefused => {
+            LockError::unavailable(
+                E::NAME,
+                format!(
+                    "{what}: the connection was refused ({io}); is the server running, and \
+                     listening there?"
+                ),
+                Some(Box::new(err)),
+            )
+        }
         sqlx::Error::Io(io) => LockError::unavailable(
             E::NAME,
             format!("{what}: cannot reach the server: {io}"),
@@ -112,16 +122,18 @@ pub(crate) fn driver_error<E: SqlxErrors>(what: &str, err: sqlx::Error) -> LockE
     }
 }
 
-/// Runs `connect` (opening a connection and setting up its session) within `timeout`.
+/// Runs `connect` (opening a connection to `address` and setting up its session) within
+/// `timeout`; errors name the address (never the URL, which may hold a password).
 pub(crate) async fn connect_within<E: SqlxErrors, T>(
+    address: &str,
     timeout: Duration,
     connect: impl Future<Output = Result<T, sqlx::Error>>,
 ) -> Result<T, LockError> {
     match tokio::time::timeout(timeout, connect).await {
-        Ok(result) => result.map_err(|e| driver_error::<E>("connecting", e)),
+        Ok(result) => result.map_err(|e| driver_error::<E>(&format!("connecting to {address}"), e)),
         Err(_) => Err(LockError::unavailable(
             E::NAME,
-            format!("connecting to the server took longer than {timeout:?} (connect_timeout)"),
+            format!("connecting to {address} took longer than {timeout:?} (connect_timeout)"),
             None,
         )),
     }

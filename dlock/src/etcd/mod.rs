@@ -286,6 +286,13 @@ impl EtcdBuilder {
             crate::lease::check_cadence("the etcd `renew_every`", cadence)?;
         }
         let io = Io::start()?;
+        // Errors name the endpoints (never the user or password).
+        let what = match &self.source {
+            Source::Endpoints { endpoints, .. } => {
+                format!("connecting to {}", endpoints.join(", "))
+            }
+            Source::Client(_) => "connecting".to_owned(),
+        };
         let client = match self.source {
             Source::Client(client) => *client,
             Source::Endpoints { endpoints, user } => {
@@ -305,18 +312,18 @@ impl EtcdBuilder {
                     );
                 match tokio::time::timeout(self.connect_timeout, connecting).await {
                     Ok(Some(Ok(client))) => client,
-                    Ok(Some(Err(err))) => return Err(etcd_error("connecting", err)),
+                    Ok(Some(Err(err))) => return Err(etcd_error(&what, err)),
                     Ok(None) => {
                         return Err(LockError::unavailable(
                             NAME,
-                            "connecting: the etcd I/O thread stopped",
+                            format!("{what}: the etcd I/O thread stopped"),
                             None,
                         ));
                     }
                     Err(_) => {
                         return Err(LockError::unavailable(
                             NAME,
-                            format!("connecting timed out after {:?}", self.connect_timeout),
+                            format!("{what} timed out after {:?}", self.connect_timeout),
                             None,
                         ));
                     }
@@ -333,14 +340,14 @@ impl EtcdBuilder {
                 io,
             }),
         };
-        let check = backend.shared.check("connecting");
+        let check = backend.shared.check(&what);
         match tokio::time::timeout(self.connect_timeout, check).await {
             Ok(outcome) => outcome?,
             Err(_) => {
                 return Err(LockError::unavailable(
                     NAME,
                     format!(
-                        "connecting: the cluster did not answer within {:?} (is a majority of \
+                        "{what}: the cluster did not answer within {:?} (is a majority of \
                          its members up?)",
                         self.connect_timeout
                     ),
@@ -1066,10 +1073,35 @@ fn check_lease(lease: Duration) -> Result<Duration, LockError> {
 }
 
 /// Maps a client error to a [`LockError`], saying what was being done.
+/// Whether the cause of `err` is a connection the other side refused.
+fn refused(err: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(err);
+    while let Some(err) = cause {
+        if err
+            .downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return true;
+        }
+        cause = err.source();
+    }
+    false
+}
+
 fn etcd_error(what: &str, err: etcd_client::Error) -> LockError {
     use etcd_client::Error;
     use tonic::Code;
     match &err {
+        Error::GRpcStatus(status) if status.code() == Code::Unavailable && refused(status) => {
+            LockError::unavailable(
+                NAME,
+                format!(
+                    "{what}: the connection was refused ({}); is an etcd member listening there?",
+                    status.message()
+                ),
+                Some(Box::new(err)),
+            )
+        }
         Error::GRpcStatus(status) => {
             let code = status.code();
             let message = format!("{what}: the server answered {code:?}: {}", status.message());

@@ -271,7 +271,11 @@ pub(super) async fn open_connection(
         sqlx::query(server.session_sql()).execute(&mut conn).await?;
         Ok::<_, sqlx::Error>((conn, id, server))
     };
-    connect_within::<MySql, _>(timeout, connect).await
+    let address = match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    };
+    connect_within::<MySql, _>(&address, timeout, connect).await
 }
 
 /// Makes sure the fencing table is there: a table this user sees needs only its own

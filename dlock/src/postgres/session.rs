@@ -466,7 +466,11 @@ async fn open_connection(
         sqlx::query(SESSION_SQL).execute(&mut conn).await?;
         Ok::<_, sqlx::Error>(conn)
     };
-    connect_within::<Postgres, _>(timeout, connect).await
+    let address = match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    };
+    connect_within::<Postgres, _>(&address, timeout, connect).await
 }
 
 /// Makes sure the fencing table is there and usable: a table this role sees needs only its

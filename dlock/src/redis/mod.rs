@@ -760,8 +760,9 @@ enum Source {
     Manager(ConnectionManager),
     Sentinel(Box<sentinel::Sentinels>),
     /// A Redis Cluster; with a URL, a client for its first node, whose address and
-    /// credentials the subscribers of wake-ups connect with (see `subscribers.rs`).
-    Cluster(Box<(redis::cluster::ClusterClient, Option<redis::Client>)>),
+    /// credentials the subscribers of wake-ups connect with (see `subscribers.rs`), and the
+    /// addresses of the URL's nodes, for error messages.
+    Cluster(Box<(redis::cluster::ClusterClient, Option<redis::Client>, String)>),
 }
 
 /// The default [`RedisBuilder::check_master_every`].
@@ -1081,14 +1082,19 @@ impl RedisBuilder {
                 ));
             }
             Source::Cluster(source) => {
-                let (client, subscribe) = *source;
+                let (client, subscribe, nodes) = *source;
                 let cluster = cluster::Cluster {
                     client,
                     config: cluster::cluster_config(self.timeout),
                 };
-                let connection = within(
+                let what = if nodes.is_empty() {
+                    "connecting to the cluster".to_owned()
+                } else {
+                    format!("connecting to the cluster at {nodes}")
+                };
+                let connection = within_connect(
                     self.timeout,
-                    "connecting to the cluster",
+                    &what,
                     self.prefix.as_bytes(),
                     cluster.connect(),
                 )
@@ -1122,7 +1128,7 @@ impl RedisBuilder {
                     check_ca(&pem)?;
                     tls.ca = Some(pem);
                 }
-                let found = within(
+                let found = within_connect(
                     self.timeout * 2,
                     "finding the master through the sentinels",
                     self.prefix.as_bytes(),
@@ -1138,9 +1144,12 @@ impl RedisBuilder {
                     ));
                 };
                 let connecting = ConnectionManager::new_with_config(client.clone(), config.clone());
-                let manager = within(
+                let manager = within_connect(
                     self.timeout,
-                    "connecting to the master",
+                    &format!(
+                        "connecting to the master {}",
+                        client.get_connection_info().addr()
+                    ),
                     self.prefix.as_bytes(),
                     connecting,
                 )
@@ -1173,7 +1182,8 @@ impl RedisBuilder {
                 match tokio::time::timeout(self.timeout, connecting).await {
                     Ok(Ok(manager)) => (manager.into(), Some((client, config))),
                     Ok(Err(err)) => {
-                        return Err(redis_error("connecting", err, self.prefix.as_bytes()));
+                        let what = format!("connecting to {}", client.get_connection_info().addr());
+                        return Err(connect_error(&what, err, self.prefix.as_bytes()));
                     }
                     Err(_) => {
                         // A port that does not speak TLS never answers the client's
@@ -1332,7 +1342,7 @@ impl RedisBackend {
     /// # Ok(()) }
     /// ```
     pub fn cluster_builder(client: redis::cluster::ClusterClient) -> RedisBuilder {
-        RedisBuilder::on(Source::Cluster(Box::new((client, None))))
+        RedisBuilder::on(Source::Cluster(Box::new((client, None, String::new()))))
     }
 
     /// Whether the backend is on a Redis Cluster.
@@ -1796,6 +1806,38 @@ fn within<T>(
     })
 }
 
+/// [`within`] for opening the backend's connections: a driver error becomes `what`'s
+/// [`connect_error`].
+async fn within_connect<T>(
+    limit: Duration,
+    what: &str,
+    prefix: &[u8],
+    operation: impl Future<Output = Result<T, RedisError>>,
+) -> Result<T, LockError> {
+    match tokio::time::timeout(limit, operation).await {
+        Ok(outcome) => outcome.map_err(|err| connect_error(what, err, prefix)),
+        Err(_) => Err(timed_out(what, limit)),
+    }
+}
+
+/// Maps a driver error met while opening the backend's connections, `what` naming where to
+/// ("connecting to 10.0.0.5:6379"): a refused connection says so, and a connection that failed
+/// before it was ready says that, without the remark [`redis_error`] makes on established
+/// connections (which close with the runtime that ran them).
+fn connect_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
+    let tls = crate::tls::describe(&err, "ca").is_some()
+        || crate::tls::describe_text(&err.to_string(), "ca").is_some();
+    if tls || !err.is_connection_dropped() {
+        return redis_error(what, err, prefix);
+    }
+    let message = if err.is_connection_refusal() {
+        format!("{what}: the connection was refused ({err}); is a server listening there?")
+    } else {
+        format!("{what}: the connection failed ({err})")
+    };
+    LockError::unavailable(NAME, message, Some(Box::new(err)))
+}
+
 /// `what` did not finish within `limit`.
 fn timed_out(what: &str, limit: Duration) -> LockError {
     LockError::unavailable(NAME, format!("{what} timed out after {limit:?}"), None)
@@ -1865,6 +1907,13 @@ fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
         ErrorKind::InvalidClientConfig => {
             LockError::config(format!("{what}: the redis client configuration is invalid"))
         }
+        _ if err.is_connection_refusal() => LockError::unavailable(
+            NAME,
+            format!(
+                "{what}: the server refused the connection ({err}); the next command tries again"
+            ),
+            Some(Box::new(err)),
+        ),
         _ if err.is_connection_dropped() => LockError::unavailable(
             NAME,
             format!(
@@ -2103,6 +2152,11 @@ fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
         clients.push(client);
     }
     let subscribe = clients[0].clone();
+    let nodes = clients
+        .iter()
+        .map(|c| c.get_connection_info().addr().to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
     // Redirections are retried quickly (20 ms doubling to 500 ms, jittered, 16 times): a
     // lock's keys are split between two masters only for the moment of a migration, and the
     // driver's default (at least 1.28 s per retry) would outlast the command timeout.
@@ -2117,7 +2171,7 @@ fn parse_cluster_url(url: &str) -> Result<RedisBuilder, LockError> {
         client = client.certs(certificates);
     }
     let client = client.build().map_err(|err| cluster_url_error(&err))?;
-    let builder = RedisBuilder::on(Source::Cluster(Box::new((client, Some(subscribe)))));
+    let builder = RedisBuilder::on(Source::Cluster(Box::new((client, Some(subscribe), nodes))));
     Ok(options.apply(builder))
 }
 

@@ -199,16 +199,30 @@ impl RedlockBackend {
         let connected = outcomes.iter().filter(|outcome| outcome.is_ok()).count();
         let quorum = nodes.len() / 2 + 1;
         if connected < quorum {
-            let failures: Vec<LockError> = outcomes.into_iter().filter_map(Result::err).collect();
+            let mut failures: Vec<LockError> =
+                outcomes.into_iter().filter_map(Result::err).collect();
             // A configuration every failed node refused (a certificate of the wrong CA, a
             // wrong password) is said as such, not as nodes out of reach.
             let refused = failures
                 .iter()
                 .all(|err| matches!(err, LockError::Config { .. }));
-            let why = match failures.into_iter().next() {
-                Some(err) if refused => return Err(err),
-                Some(err) => format!(" (the first: {err})"),
-                None => String::new(),
+            if refused && !failures.is_empty() {
+                return Err(failures.swap_remove(0));
+            }
+            // Each node's own failure, which names its address.
+            let why = if failures.is_empty() {
+                String::new()
+            } else {
+                let each: Vec<String> = failures
+                    .iter()
+                    .map(|err| match err {
+                        LockError::Unavailable { message, .. }
+                        | LockError::Backend { message, .. }
+                        | LockError::Config { message } => message.clone(),
+                        other => other.to_string(),
+                    })
+                    .collect();
+                format!(" ({})", each.join("; "))
             };
             return Err(LockError::unavailable(
                 NAME,
