@@ -1,7 +1,7 @@
 //! Parsing: the attribute's arguments and the key template.
 
 use proc_macro2::{Span, TokenStream};
-use quote::quote;
+use quote::{ToTokens, quote};
 use syn::ext::IdentExt;
 use syn::parse::{Parse, ParseStream};
 use syn::spanned::Spanned;
@@ -18,7 +18,7 @@ mod kw {
 }
 
 /// The options, as listed in error messages.
-const OPTIONS: &str = "`timeout = <seconds>`, `provider = <expr>`, `guard = <name>`, \
+const OPTIONS: &str = "`timeout = <seconds or \"duration\">`, `provider = <expr>`, `guard = <name>`, \
                        `on_lost = cancel | finish`, `permits = <n>` and `mode = read | write`";
 
 /// An example of `keys(...)`, for error messages.
@@ -348,7 +348,8 @@ fn reject_duplicate(seen: bool, span: Span, name: &str) -> syn::Result<()> {
     }
 }
 
-/// `timeout = <seconds>`: a non-negative integer or decimal literal.
+/// `timeout = <seconds>`: a non-negative integer or decimal literal, or a string in the duration
+/// grammar of URL options (`"10s"`, `"500ms"`, `"1m 30s"`).
 pub(crate) struct Timeout {
     secs: u64,
     nanos: u32,
@@ -357,7 +358,8 @@ pub(crate) struct Timeout {
 impl Timeout {
     fn parse(value: Expr) -> syn::Result<Self> {
         const HELP: &str = "the timeout is a number of seconds, such as `timeout = 10` or \
-                            `timeout = 0.25` (`timeout = 0` tries once)";
+                            `timeout = 0.25`, or a duration as in URL options, such as \
+                            `timeout = \"10s\"` or `timeout = \"500ms\"` (0 tries once)";
         let bad = |message: &str| Err(syn::Error::new(value.span(), message));
         let duration = match &value {
             Expr::Lit(ExprLit {
@@ -376,6 +378,29 @@ impl Timeout {
                     Err(_) => return bad("the timeout is too large"),
                 }
             }
+            Expr::Lit(ExprLit {
+                lit: Lit::Str(text),
+                ..
+            }) => match dlock_template::parse_duration(&text.value()) {
+                Ok(duration) => duration,
+                Err(err) => {
+                    return bad(&format!(
+                        "the timeout {:?} is {err} (a bare number is seconds)",
+                        text.value()
+                    ));
+                }
+            },
+            // `timeout = 500ms`: a literal with a unit as its suffix.
+            Expr::Lit(ExprLit {
+                lit: lit @ (Lit::Int(_) | Lit::Float(_)),
+                ..
+            }) if dlock_template::DURATION_UNITS.contains(&lit_suffix(lit)) => {
+                let written = lit.to_token_stream().to_string();
+                return bad(&format!(
+                    "write a duration with its unit as a string: `timeout = \"{written}\"` \
+                     (a bare number is seconds: `timeout = 10`)"
+                ));
+            }
             Expr::Unary(ExprUnary {
                 op: UnOp::Neg(_), ..
             }) => return bad(&format!("the timeout cannot be negative; {HELP}")),
@@ -391,6 +416,15 @@ impl Timeout {
     pub(crate) fn tokens(timeout: Option<&Timeout>) -> TokenStream {
         let (secs, nanos) = timeout.map_or((0, 0), |t| (t.secs, t.nanos));
         quote!(::core::time::Duration::new(#secs, #nanos))
+    }
+}
+
+/// The suffix of a number literal (`ms` of `500ms`), empty if it has none.
+fn lit_suffix(lit: &Lit) -> &str {
+    match lit {
+        Lit::Int(int) => int.suffix(),
+        Lit::Float(float) => float.suffix(),
+        _ => "",
     }
 }
 
@@ -513,7 +547,20 @@ mod tests {
         assert_eq!(secs("0.25"), Ok((0, 250_000_000)));
         assert_eq!(secs("1_000"), Ok((1000, 0)));
         assert!(secs("-1").unwrap_err().contains("cannot be negative"));
-        assert!(secs("10ms").unwrap_err().contains("number of seconds"));
+        assert!(secs("10ms").unwrap_err().contains("`timeout = \"10ms\"`"));
+        assert!(secs("1.5s").unwrap_err().contains("`timeout = \"1.5s\"`"));
+        assert!(secs("10u64").unwrap_err().contains("number of seconds"));
+        assert_eq!(secs("\"10s\""), Ok((10, 0)));
+        assert_eq!(secs("\"500ms\""), Ok((0, 500_000_000)));
+        assert_eq!(secs("\"1m 30s\""), Ok((90, 0)));
+        assert_eq!(secs("\" 2.5 \""), Ok((2, 500_000_000)));
+        assert_eq!(secs("\"0\""), Ok((0, 0)));
+        assert!(secs("\"2d\"").unwrap_err().contains("is not a duration"));
+        assert!(
+            secs("\"soon\"")
+                .unwrap_err()
+                .contains("write it like `30s`")
+        );
         assert!(secs("1e300").unwrap_err().contains("too large"));
         assert!(secs("x").unwrap_err().contains("number of seconds"));
     }

@@ -13,7 +13,7 @@ mod expand;
 /// Takes a distributed lock around an `async fn`, or names the lock of a command struct.
 ///
 /// ```text
-/// #[distributed_lock("<key template>", timeout = <seconds>, provider = <expr>, guard = <name>,
+/// #[distributed_lock("<key template>", timeout = <seconds> | "<duration>", provider = <expr>, guard = <name>,
 ///                   on_lost = cancel | finish, permits = <n>, mode = read | write)]
 /// #[distributed_lock(keys("<template>", "<template>", ...), timeout = ..., provider = ...,
 ///                   guard = ..., on_lost = ...)]
@@ -293,8 +293,10 @@ mod expand;
 ///
 /// # Options
 ///
-/// - `timeout = <seconds>`: how long to wait for the lock, a non-negative integer or decimal
-///   literal (`timeout = 10`, `timeout = 0.25`). `timeout = 0` tries once: a held lock fails at
+/// - `timeout = <seconds>` or `timeout = "<duration>"`: how long to wait for the lock, a
+///   non-negative integer or decimal literal of seconds (`timeout = 10`, `timeout = 0.25`), or a
+///   string in the duration grammar of URL options (`timeout = "10s"`, `"500ms"`, `"1m 30s"`;
+///   see `dlock::parse_duration`). `timeout = 0` tries once: a held lock fails at
 ///   once with `LockError::AlreadyHeld`. **Without `timeout`, the lock is tried once**, so a
 ///   forgotten timeout fails fast rather than leaving callers waiting.
 /// - `provider = <expr>`: the provider to lock with (functions only).

@@ -5,7 +5,8 @@
 //! renders from path parameters) and the `#[distributed_lock]` attribute (which renders from
 //! arguments and fields) both parse with [`Template::parse`] and encode values with
 //! [`encode_component`], so a template means the same in both, and one set of tests and one
-//! fuzz target hold the promise that distinct values make distinct keys.
+//! fuzz target hold the promise that distinct values make distinct keys. Both also read
+//! durations (`?lease=30s`, `timeout = "10s"`) with [`parse_duration`].
 //!
 //! # Grammar
 //!
@@ -70,6 +71,10 @@
 use std::borrow::Cow;
 use std::fmt::{self, Display, Write as _};
 use std::str::FromStr;
+
+mod duration;
+
+pub use duration::{DURATION_UNITS, DurationError, parse_duration};
 
 /// Whether `c` keeps two placeholders apart: `:` `{` `}` `<` `>` and control characters
 /// ([`char::is_control`]). Encoded values never contain one, so a separator in the literal

@@ -32,18 +32,11 @@ use std::time::Duration;
 
 use crate::LockError;
 
-/// The units a duration may be written in: humantime's names from nanoseconds to hours.
-/// Longer ones are refused: a month and a year are approximations there, `M` (months) is one
-/// shift key from `m` (minutes), and no setting may exceed 365 days anyway.
-const DURATION_UNITS: &[&str] = &[
-    "nanos", "nsec", "ns", "usec", "us", "µs", "millis", "msec", "ms", "seconds", "second", "secs",
-    "sec", "s", "minutes", "minute", "min", "mins", "m", "hours", "hour", "hr", "hrs", "h",
-];
-
 /// Parses a duration option: a number with a unit from `ns` to `h`, such as `30s`, `500ms`,
 /// `2m`, `1h` or `1.5s`; several of them, summed (`1h 30m`, `1m30s`); or a bare number, which
 /// is seconds (`10`, `0.5`). Units are humantime's (`ms`/`msec`, `s`/`sec`, `m`/`min`,
 /// `h`/`hr`, …); days and longer are refused. `option` names the option in the error message.
+/// The `#[distributed_lock]` attribute reads `timeout = "10s"` with the same grammar.
 ///
 /// ```
 /// use std::time::Duration;
@@ -56,21 +49,7 @@ const DURATION_UNITS: &[&str] = &[
 /// # Ok::<(), dlock::LockError>(())
 /// ```
 pub fn parse_duration(option: &str, value: &str) -> Result<Duration, LockError> {
-    let value = value.trim();
-    let bare = !value.is_empty()
-        && value.chars().all(|c| c.is_ascii_digit() || c == '.')
-        && value.chars().filter(|&c| c == '.').count() <= 1;
-    let units_known = value
-        .split(|c: char| !(c.is_ascii_alphabetic() || c == 'µ'))
-        .all(|unit| unit.is_empty() || DURATION_UNITS.contains(&unit));
-    let parsed = if bare {
-        humantime::parse_duration(&format!("{value}s"))
-    } else if units_known {
-        humantime::parse_duration(value)
-    } else {
-        return Err(bad_duration(option, value));
-    };
-    parsed.map_err(|_| bad_duration(option, value))
+    dlock_template::parse_duration(value).map_err(|_| bad_duration(option, value))
 }
 
 fn bad_duration(option: &str, value: &str) -> LockError {

@@ -7,8 +7,13 @@ async fn negative(locks: &LockProvider, id: u64) -> Result<(), LockError> {
     Ok(())
 }
 
-#[distributed_lock("a:{id}", timeout = "10s")]
+#[distributed_lock("a:{id}", timeout = "10 parsecs")]
 async fn string(locks: &LockProvider, id: u64) -> Result<(), LockError> {
+    Ok(())
+}
+
+#[distributed_lock("a:{id}", timeout = "2d")]
+async fn days(locks: &LockProvider, id: u64) -> Result<(), LockError> {
     Ok(())
 }
 

@@ -19,6 +19,17 @@ async fn full_path(id: u64, mut locks: &::dlock::LockProvider) -> std::result::R
     Ok(())
 }
 
+// A duration as in URL options: the same as `timeout = 0.25` and `timeout = 90`.
+#[distributed_lock("a:{id}", timeout = "250ms")]
+async fn duration_text(locks: &dlock::LockProvider, id: u64) -> AppResult<()> {
+    Ok(())
+}
+
+#[distributed_lock("a:<id>", timeout = "1m 30s")]
+struct DurationCommand {
+    id: u64,
+}
+
 #[distributed_lock("a:{r#type}")]
 async fn raw_ident(r#type: &str, locks: &&dlock::LockProvider) -> AppResult<()> {
     Ok(())
@@ -72,7 +83,10 @@ struct Generic<T: std::fmt::Display> {
 struct Unit;
 
 fn main() {
-    let _ = (owned, full_path, raw_ident, arc_provider, expression, hygiene, keywords);
+    let _ = (owned, full_path, raw_ident, arc_provider, expression, hygiene, keywords, duration_text);
+    let command = DurationCommand { id: 4 };
+    assert_eq!(command.lock_key(), "a:4");
+    assert_eq!(command.lock_timeout(), Duration::from_secs(90));
     let tuple = Tuple(7, Named { name: "a:b".to_owned() });
     assert_eq!(tuple.lock_key(), "jobs:7:a%3Ab");
     assert_eq!(tuple.lock_timeout(), Duration::from_secs(3));
