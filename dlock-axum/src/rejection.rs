@@ -13,7 +13,7 @@ use problem_details::ProblemDetails;
 pub const TOO_MANY_WAITERS_CODE: &str = "DistributedLock.TooManyWaiters";
 
 /// The prefix of every problem `type` this crate answers with: `type` is this prefix followed
-/// by a slug (`already-held`, `timeout`, `lost`, `canceled`, `invalid-key`, `unavailable`,
+/// by a slug (`already-held`, `timeout`, `lost`, `canceled`, `reentrant`, `invalid-key`, `unavailable`,
 /// `too-many-waiters`, `configuration`, `unsupported`, `backend-error`, `error`).
 ///
 /// The `type` is a relative URI reference (RFC 9457 §3.1.1 allows them; they resolve against the
@@ -52,6 +52,7 @@ pub const PROBLEM_TYPE_PREFIX: &str = "/problems/distributed-lock/";
 /// | [`Timeout`](LockError::Timeout) | 408 | Lock Acquisition Timeout | yes |
 /// | [`Lost`](LockError::Lost) | 500 | Distributed Lock Lost | |
 /// | [`Canceled`](LockError::Canceled) | 499 | Lock Acquisition Canceled | |
+/// | [`Reentrant`](LockError::Reentrant) | 500 | Lock Already Held By This Request | |
 /// | [`InvalidKey`](LockError::InvalidKey) | 400 | Invalid Lock Key | |
 /// | [`Unavailable`](LockError::Unavailable) | 503 | Lock Store Unavailable | yes |
 /// | too many waiters (layer) | 503 | Too Many Lock Waiters | yes |
@@ -195,6 +196,13 @@ impl LockRejection {
                 "Distributed Lock Lost",
                 "The lock protecting this request was lost before the response was ready; the \
                  request may have been carried out partly, or alongside another one."
+                    .to_owned(),
+            ),
+            LockError::Reentrant { .. } => (
+                "reentrant",
+                "Lock Already Held By This Request",
+                "The lock this request asked for is already held by this request (locks are not \
+                 reentrant): the server takes it twice."
                     .to_owned(),
             ),
             LockError::Canceled { .. } => (
@@ -391,6 +399,12 @@ mod tests {
                 LockError::InvalidKey { reason: "r".into() },
                 400,
                 "Invalid Lock Key",
+                false,
+            ),
+            (
+                LockError::Reentrant { key: "k".into() },
+                500,
+                "Lock Already Held By This Request",
                 false,
             ),
             (

@@ -158,7 +158,13 @@ where
                 .map(|guard| Box::pin(guard.lost_token().cancelled()))
                 .collect(),
         };
-        let mut call = pin!(inner.call(Request::from_parts(parts, body)));
+        // The handler runs as the holder of the request's locks: taking one of them again
+        // (a `#[distributed_lock]` function on the same key) fails at once with `Reentrant`
+        // instead of waiting for a lock this request holds.
+        let mut call = pin!(dlock::run_holding(
+            &guards,
+            inner.call(Request::from_parts(parts, body))
+        ));
         poll_fn(|cx| {
             // `is_lost` also compares the clock with a leased lock's deadline, and cancels
             // the lost token when it has passed: the handler's `HeldLock` sees what the

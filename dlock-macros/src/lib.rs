@@ -83,6 +83,13 @@ mod expand;
 /// - **`guard = <name>`** binds the held lock as `&dlock::LockGuard` for the body: its
 ///   `fencing_token()` for the resource the lock protects, its `lost_token()` to stop when the
 ///   lock is lost.
+/// - **Not reentrant.** The body runs as the holder of its lock (`dlock::run_holding`): taking
+///   the same key again inside it, by calling another `#[distributed_lock]` function on the
+///   key or by hand, through the same provider or a clone, fails at once with
+///   `LockError::Reentrant` ("already held by this request (locks are not reentrant)") rather
+///   than wait out its timeout for itself. The same holds for an axum handler behind a
+///   `dlock_axum::LockLayer` that holds the key. Take the lock in one place and pass what
+///   needs it the guard (`guard = g`).
 /// - **`on_lost = cancel`** stops the body as soon as the lock is lost (the body's future is
 ///   dropped at its next `.await`) and returns `LockError::Lost`, converted with
 ///   `From<LockError>`, at once. Without it (or with `on_lost = finish`, the default) the body

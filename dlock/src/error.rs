@@ -58,6 +58,20 @@ pub enum LockError {
         reason: String,
     },
 
+    /// The lock asked for is already held by the task asking (by this request, behind
+    /// `dlock_axum::LockLayer`): locks are not reentrant, and waiting would wait for itself.
+    /// Found where the holder runs its work through [`run_holding`](crate::run_holding), as
+    /// the axum layer and `#[distributed_lock]` do; take the lock once, and pass its guard (or
+    /// `HeldLock`) to what needs it.
+    #[error(
+        "lock `{key}` is already held by this request (locks are not reentrant): the task that \
+         asks for it holds it already, so waiting would only wait for itself; take it once"
+    )]
+    Reentrant {
+        /// The key that was asked for.
+        key: Arc<str>,
+    },
+
     /// The acquisition was canceled through its cancellation token before it completed.
     #[error("acquisition of lock `{key}` was canceled")]
     Canceled {
@@ -135,6 +149,7 @@ impl LockError {
             LockError::Timeout { .. } => "DistributedLock.Timeout",
             LockError::Lost { .. } => "DistributedLock.Lost",
             LockError::Canceled { .. } => "DistributedLock.Canceled",
+            LockError::Reentrant { .. } => "DistributedLock.Reentrant",
             LockError::InvalidKey { .. } => "DistributedLock.InvalidKey",
             LockError::Config { .. } => "DistributedLock.Configuration",
             LockError::Unsupported { .. } => "DistributedLock.Unsupported",
@@ -145,13 +160,14 @@ impl LockError {
 
     /// The HTTP status that best answers a request that failed with this error:
     /// 409 held, 408 timeout, 500 lost, 499 canceled, 400 invalid key, 503 store unreachable,
-    /// 501 unsupported, 500 otherwise.
+    /// 501 unsupported, 500 otherwise (a reentrant acquisition included: a server mistake).
     pub fn status(&self) -> u16 {
         match self {
             LockError::AlreadyHeld { .. } => 409,
             LockError::Timeout { .. } => 408,
             LockError::Lost { .. } => 500,
             LockError::Canceled { .. } => 499,
+            LockError::Reentrant { .. } => 500,
             LockError::InvalidKey { .. } => 400,
             LockError::Config { .. } => 500,
             LockError::Unsupported { .. } => 501,
@@ -187,6 +203,7 @@ impl LockError {
             LockError::AlreadyHeld { key }
             | LockError::Timeout { key, .. }
             | LockError::Lost { key, .. }
+            | LockError::Reentrant { key }
             | LockError::Canceled { key } => Some(key),
             _ => None,
         }
@@ -287,6 +304,11 @@ mod tests {
                 LockError::InvalidKey { reason: "x".into() },
                 "DistributedLock.InvalidKey",
                 400,
+            ),
+            (
+                LockError::Reentrant { key: k.clone() },
+                "DistributedLock.Reentrant",
+                500,
             ),
             (
                 LockError::unavailable("sqlite", "down", None),

@@ -82,6 +82,17 @@ impl LockGuard {
         self.state.as_ref().map_or("", |held| held.slot.key())
     }
 
+    /// The table, key and mode of the held lock, for [`run_holding`](crate::run_holding):
+    /// `None` once released.
+    pub(crate) fn held_entry(&self) -> Option<(usize, Arc<str>, bool)> {
+        let held = self.state.as_ref()?;
+        Some((
+            held.slot.table_id(),
+            Arc::clone(held.slot.key()),
+            held.slot.is_shared(),
+        ))
+    }
+
     /// The key, shared (for errors and the end of the hold).
     fn shared_key(&self) -> Arc<str> {
         self.state

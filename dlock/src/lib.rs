@@ -97,6 +97,7 @@ pub mod metrics;
 pub mod mysql;
 mod options;
 mod provider;
+mod reentry;
 mod semaphore;
 #[cfg(any(
     feature = "mssql",
@@ -144,6 +145,7 @@ pub use key::lock_id;
 pub use leader::{Leader, LeaderTerm};
 pub use options::parse_duration;
 pub use provider::{LockBuilder, LockProvider, LockedCommand, ProviderBuilder, SUPPORTED_SCHEMES};
+pub use reentry::run_holding;
 pub use tokio_util::sync::CancellationToken;
 pub use transaction::TransactionLock;
 

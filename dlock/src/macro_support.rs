@@ -2,6 +2,7 @@
 //! signatures here change whenever the macro needs them to.
 
 pub use crate::key_template::KeyBuilder;
+pub use crate::run_holding;
 pub use crate::{LockError, LockGuard, LockProvider, LockedCommand};
 pub use core::time::Duration;
 
@@ -31,14 +32,24 @@ where
     }
 }
 
+/// Runs the body of a one-key function as the holder of its lock (see [`run_holding`]): the
+/// body taking the same key again fails at once with [`LockError::Reentrant`].
+pub fn holding<F: core::future::Future>(
+    guard: &LockGuard,
+    body: F,
+) -> impl core::future::Future<Output = F::Output> + use<F> {
+    run_holding(core::slice::from_ref(guard), body)
+}
+
 /// Runs `body` until it completes or the lock of `guard` is lost, whichever comes first
 /// (`on_lost = cancel`): `None` when the lock was lost, and `body` has then been dropped.
 ///
 /// The loss is checked before each poll of the body, with [`LockGuard::is_lost`] (which also
 /// notices a leased lock whose local deadline has passed), and awaited through the lost token.
+/// The body runs as the holder of the lock, as with [`holding`].
 pub async fn until_lost<F: core::future::Future>(guard: &LockGuard, body: F) -> Option<F::Output> {
     let mut lost = core::pin::pin!(guard.lost_token().cancelled());
-    let mut body = core::pin::pin!(body);
+    let mut body = core::pin::pin!(holding(guard, body));
     core::future::poll_fn(|cx| {
         if guard.is_lost() || lost.as_mut().poll(cx).is_ready() {
             return core::task::Poll::Ready(None);
@@ -141,7 +152,8 @@ where
     }
 }
 
-/// [`until_lost`] for several guards: `None` as soon as any of them is lost.
+/// [`until_lost`] for several guards: `None` as soon as any of them is lost. The body runs as
+/// the holder of every lock (see [`run_holding`]).
 pub async fn until_any_lost<F: core::future::Future>(
     guards: &[LockGuard],
     body: F,
@@ -150,7 +162,7 @@ pub async fn until_any_lost<F: core::future::Future>(
         .iter()
         .map(|guard| Box::pin(guard.lost_token().cancelled()))
         .collect();
-    let mut body = core::pin::pin!(body);
+    let mut body = core::pin::pin!(run_holding(guards, body));
     core::future::poll_fn(|cx| {
         if guards.iter().any(LockGuard::is_lost)
             || lost

@@ -465,10 +465,11 @@ impl LockProvider {
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
         validate_key(key)?;
+        let inner = &*self.inner;
         if !terms.internal {
             crate::key::refuse_reserved(key)?;
+            crate::reentry::check(Arc::as_ptr(&inner.table) as usize, key, terms.shared)?;
         }
-        let inner = &*self.inner;
         let shutdown = inner.shutdown.as_ref();
         let one_try = timeout.is_zero();
         // `None` when the timeout is too long to represent: wait without limit. A single try

@@ -151,6 +151,11 @@ impl Slot {
         &self.entry.key
     }
 
+    /// The table the slot is in, as an address: providers that share a table are one holder.
+    pub(crate) fn table_id(&self) -> usize {
+        Arc::as_ptr(&self.entry.table) as usize
+    }
+
     /// Whether this is a share of the key (a read lock's slot).
     pub(crate) fn is_shared(&self) -> bool {
         matches!(self.guard, Guard::Read(_))
