@@ -29,6 +29,13 @@ pub trait MakeLockKey: Send + Sync + 'static {
         &self,
         parts: &mut Parts,
     ) -> impl Future<Output = Result<Option<String>, KeyRejection>> + Send;
+
+    /// As [`MakeLockKeys::check_route`]: whether this strategy can make keys on the route
+    /// `path`, checked when the router is built. The default accepts every route.
+    fn check_route(&self, path: &str) -> Result<(), LockError> {
+        let _ = path;
+        Ok(())
+    }
 }
 
 /// Makes the lock keys for a request: what [`LockLayer`](crate::LockLayer) asks of its key
@@ -46,11 +53,27 @@ pub trait MakeLockKeys: Send + Sync + 'static {
         &self,
         parts: &mut Parts,
     ) -> impl Future<Output = Result<Vec<String>, KeyRejection>> + Send;
+
+    /// Checks, when the router is built, that this strategy can make keys on the route `path`
+    /// (axum's syntax, `/accounts/{id}/debit`): [`LockedRouter::locked_route`] calls it and
+    /// refuses to build a router on which every request would fail. The default accepts every
+    /// route; [`PathKey`] checks that each placeholder of its template names a parameter of
+    /// the route.
+    ///
+    /// [`LockedRouter::locked_route`]: crate::LockedRouter::locked_route
+    fn check_route(&self, path: &str) -> Result<(), LockError> {
+        let _ = path;
+        Ok(())
+    }
 }
 
 impl<K: MakeLockKey> MakeLockKeys for K {
     async fn make_keys(&self, parts: &mut Parts) -> Result<Vec<String>, KeyRejection> {
         Ok(self.make_key(parts).await?.into_iter().collect())
+    }
+
+    fn check_route(&self, path: &str) -> Result<(), LockError> {
+        self.check_route(path)
     }
 }
 
@@ -97,7 +120,9 @@ impl From<LockError> for KeyRejection {
 /// only for the canonical spelling (`acct:42`, not `acct:042`).
 ///
 /// A placeholder that names no parameter of the route is a configuration mistake, answered
-/// with 500 and logged; a parameter that is not UTF-8 once decoded is answered with 400.
+/// with 500 and logged at `error` level; add the route with
+/// [`LockedRouter::locked_route`](crate::LockedRouter::locked_route) to have it found when the
+/// router is built instead. A parameter that is not UTF-8 once decoded is answered with 400.
 #[derive(Clone)]
 pub struct PathKey {
     template: KeyTemplate,
@@ -124,6 +149,35 @@ impl fmt::Debug for PathKey {
 }
 
 impl MakeLockKey for PathKey {
+    fn check_route(&self, path: &str) -> Result<(), LockError> {
+        let params = route_params(path);
+        let missing: Vec<&str> = self
+            .template
+            .placeholders()
+            .filter(|name| !params.contains(name))
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let known = if params.is_empty() {
+            "it has no parameters".to_owned()
+        } else {
+            let names: Vec<String> = params.iter().map(|p| format!("`{p}`")).collect();
+            format!("its parameters are {}", names.join(", "))
+        };
+        Err(LockError::config(format!(
+            "the lock key template `{}` names {}, which the route `{}` does not have ({known}); \
+             placeholders must name the route's `{{param}}` segments",
+            self.template.as_str().escape_debug(),
+            missing
+                .iter()
+                .map(|name| format!("`{}`", name.escape_debug()))
+                .collect::<Vec<_>>()
+                .join(", "),
+            path.escape_debug(),
+        )))
+    }
+
     async fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, KeyRejection> {
         if self.template.placeholders().next().is_none() {
             return Ok(Some(
@@ -143,7 +197,11 @@ impl MakeLockKey for PathKey {
             Ok(key) => Ok(Some(key)),
             Err(TemplateError::Missing { name }) => Err(LockError::config(format!(
                 "the lock key template `{}` names `{}`, which is not a path parameter of the \
-                 route `{}`; placeholders must name the route's `{{param}}` segments",
+                 route `{}`; placeholders must name the route's `{{param}}` segments. A layer \
+                 added with `Router::layer` wraps every route: add it with \
+                 `Router::route_layer` after the routes it locks (it wraps only the routes \
+                 added before it), or add each route with `LockedRouter::locked_route`, which \
+                 checks the template when the router is built",
                 self.template.as_str().escape_debug(),
                 name.escape_debug(),
                 matched_path(parts).escape_debug(),
@@ -152,6 +210,15 @@ impl MakeLockKey for PathKey {
             Err(other) => Err(LockError::from(other).into()),
         }
     }
+}
+
+/// The names of the parameters of an axum route path: `{id}` and `{*rest}` segments.
+fn route_params(path: &str) -> Vec<&str> {
+    path.split('/')
+        .filter_map(|segment| segment.strip_prefix('{')?.strip_suffix('}'))
+        .filter(|name| !name.starts_with('{'))
+        .map(|name| name.strip_prefix('*').unwrap_or(name))
+        .collect()
 }
 
 fn matched_path(parts: &Parts) -> &str {
@@ -264,10 +331,11 @@ where
 {
     async fn make_key(&self, parts: &mut Parts) -> Result<Option<String>, KeyRejection> {
         let mut copy = parts.clone();
-        match E::from_request_parts(&mut copy, &self.state).await {
-            Ok(value) => Ok(Some((self.key_fn)(value))),
-            Err(rejection) => Err(KeyRejection::Response(rejection.into_response())),
-        }
+        let rejection = match E::from_request_parts(&mut copy, &self.state).await {
+            Ok(value) => return Ok(Some((self.key_fn)(value))),
+            Err(rejection) => rejection.into_response(),
+        };
+        Err(extractor_rejection::<E>(parts, rejection).await)
     }
 }
 
@@ -316,9 +384,41 @@ where
 {
     async fn make_keys(&self, parts: &mut Parts) -> Result<Vec<String>, KeyRejection> {
         let mut copy = parts.clone();
-        match E::from_request_parts(&mut copy, &self.state).await {
-            Ok(value) => Ok((self.key_fn)(value)),
-            Err(rejection) => Err(KeyRejection::Response(rejection.into_response())),
-        }
+        let rejection = match E::from_request_parts(&mut copy, &self.state).await {
+            Ok(value) => return Ok((self.key_fn)(value)),
+            Err(rejection) => rejection.into_response(),
+        };
+        Err(extractor_rejection::<E>(parts, rejection).await)
     }
+}
+
+/// How the layer answers a key extractor's rejection: a client error (a malformed path) as
+/// the extractor answers it; a server error, which no request can fix (the extractor cannot
+/// run on this route: `Path<u64>` on `/health`, or on a request that matched no route, as
+/// under `Router::layer`), as the configuration problem, with a message that says so.
+async fn extractor_rejection<E>(parts: &Parts, response: Response) -> KeyRejection {
+    let status = response.status();
+    if !status.is_server_error() {
+        return KeyRejection::Response(response);
+    }
+    let text = axum::body::to_bytes(response.into_body(), 1024)
+        .await
+        .map(|bytes| String::from_utf8_lossy(&bytes).trim().to_owned())
+        .unwrap_or_default();
+    let route = match parts.extensions.get::<axum::extract::MatchedPath>() {
+        Some(path) => format!("the route `{}`", path.as_str().escape_debug()),
+        None => format!(
+            "`{}`, which matches no route",
+            parts.uri.path().escape_debug()
+        ),
+    };
+    KeyRejection::Lock(LockError::config(format!(
+        "the lock layer's key extractor `{}` failed on {route} with {status} ({}): the layer \
+         wraps a route it cannot make a key for. A layer added with `Router::layer` wraps every \
+         route, and the requests that match none: add it with `Router::route_layer` after the \
+         routes it locks (it wraps only the routes added before it), or give the locked routes \
+         a router of their own and merge it",
+        std::any::type_name::<E>(),
+        text.escape_debug(),
+    )))
 }

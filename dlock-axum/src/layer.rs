@@ -18,11 +18,37 @@ use crate::service::LockService;
 /// A tower [`Layer`] that takes a distributed lock before the handler runs and holds it until
 /// the handler's response is produced.
 ///
-/// Add it with [`Router::route_layer`](axum::Router::route_layer), so that it runs after
-/// routing, for matched routes only, and sees the route's path parameters. (Under
-/// [`Router::layer`](axum::Router::layer) it also sees requests that match no route; a key
-/// cannot be made from path parameters for those, and they are answered with a 500
-/// configuration problem, or the extractor's rejection, rather than let through unlocked.)
+/// Add it with [`Router::route_layer`](axum::Router::route_layer), right after the routes it
+/// locks, or add each route with [`LockedRouter::locked_route`](crate::LockedRouter::locked_route),
+/// which also checks a key template against the route when the router is built.
+///
+/// **Why `route_layer`.** `route_layer` wraps the routes added before it, and runs after
+/// routing, so the layer sees each route's path parameters, and only routes it was meant for.
+/// [`Router::layer`](axum::Router::layer) wraps every route of the router, and the requests
+/// that match none: a `/health` route, or a 404, has no `{id}` to make a key from. The layer
+/// never lets such a request through unlocked (a route that should be locked but names its
+/// parameter differently would then run unlocked, silently): it answers it with the 500
+/// configuration problem, and logs at `error` level what went wrong and that `route_layer`
+/// is the fix. A key extractor's server-error rejection (axum's "Wrong number of path
+/// arguments" for a `Path<u64>` on `/health`) is such a mistake too, and is answered the same
+/// way; its client-error rejections (`/accounts/abc` for a `Path<u64>`) are the client's, and
+/// are answered as the extractor answers them (wrap it in [`Problem`](crate::Problem) for
+/// problem details).
+///
+/// **Install a `tracing` subscriber** (`tracing_subscriber::fmt::init()`, or the one your
+/// service uses). Mistakes in the server's own set-up (a template placeholder the route
+/// lacks, the `Router::layer` mistake, a [`HeldLock`](crate::HeldLock) on a route without the
+/// layer) are answered to the client with a generic 500 problem, which must not describe the
+/// server; what is wrong, and how to fix it, goes only to the log.
+///
+/// **Not reentrant.** The handler runs as the holder of the request's locks
+/// ([`dlock::run_holding`]): taking one of their keys again in the handler, through the same
+/// provider or a clone (a `#[distributed_lock]` function on the same key, or by hand), fails
+/// at once with [`LockError::Reentrant`](dlock::LockError::Reentrant), answered as a 500
+/// problem "already held by this request (locks are not reentrant)", instead of waiting its
+/// whole timeout for a lock the request itself holds. Read locks may be read again. Pass the
+/// handler's [`HeldLock`](crate::HeldLock) (its key and fencing token) to what needs them
+/// instead of locking again.
 ///
 /// ```no_run
 /// use std::time::Duration;
@@ -247,6 +273,11 @@ where
     ///   better in an extractor of your own that the handler and the layer both use.
     /// - **A rejection** (`/accounts/abc/debit` for a `Path<u64>`) is answered with the
     ///   extractor's own response, as the handler would answer it, before any lock is taken.
+    ///   Wrap the extractor in [`Problem`](crate::Problem)
+    ///   (`|Problem(Path(id)): Problem<Path<u64>>|`) to answer it as problem details. A
+    ///   server-error rejection (the extractor cannot run on this route at all) is a mistake
+    ///   in the router, answered with the configuration problem and logged (see
+    ///   [`LockLayer`]).
     /// - **The key** is checked like every key of the layer: empty or longer than
     ///   [`max_key_len`](LockLayer::max_key_len), it is answered with a 400 problem. It is
     ///   locked as the closure returns it: encode strings with

@@ -63,8 +63,23 @@
 //! | [`LockService`], [`ResponseFuture`](future::ResponseFuture) | what it wraps around each route; the future owns the lock guard |
 //! | [`MakeLockKey`], [`ExtractorKey`], [`PathKey`], [`KeyFn`], [`KeyRejection`] | how a request becomes a key: an extractor and a closure, a template over the path's text, or a closure over the request head |
 //! | [`MakeLockKeys`], [`ExtractorKeys`] | several keys for a request, taken all or none |
-//! | [`LockRejection`] | lock errors as `application/problem+json`, also for handlers that lock by hand |
+//! | [`LockRejection`] | lock errors as `application/problem+json`, also for handlers that lock by hand or with `#[distributed_lock]` |
 //! | [`problem_instance`] | middleware that gives handler-returned lock problems their `instance` |
+//! | [`Problem`] | any extractor, its rejections answered as problem details (for the layer's key extractor and the handler's own) |
+//! | [`LockedRouter`] | `router.locked_route(path, handler, layer)`: a route and its lock, the key checked against the route when the router is built |
+//!
+//! # Mistakes, answered loudly
+//!
+//! - **Install a `tracing` subscriber.** A mistake in the server's set-up (the layer added
+//!   with `Router::layer` instead of `Router::route_layer`, a template placeholder its route
+//!   lacks, a [`HeldLock`] on a route without the layer) is answered with a generic 500
+//!   problem, and explained, with the fix, only in the log.
+//! - **Locks are not reentrant.** A handler behind the layer that takes its own key again (a
+//!   `#[distributed_lock]` function on the same key) is answered at once with a 500 problem
+//!   "already held by this request (locks are not reentrant)" (code
+//!   `DistributedLock.Reentrant`), not after its timeout.
+//! - **Templates against routes.** [`LockedRouter::locked_route`] refuses, when the router is
+//!   built, a template whose placeholder names no parameter of the route.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
@@ -73,7 +88,9 @@ mod held;
 mod instance;
 mod key;
 mod layer;
+mod problem;
 mod rejection;
+mod router;
 mod service;
 
 pub use held::{HeldLock, NO_LOCK_LAYER_CODE, NoLockLayer};
@@ -82,7 +99,9 @@ pub use key::{
     ExtractorKey, ExtractorKeys, KeyFn, KeyRejection, MakeLockKey, MakeLockKeys, PathKey,
 };
 pub use layer::{LockLayer, OnLost};
+pub use problem::Problem;
 pub use rejection::{LockRejection, PROBLEM_TYPE_PREFIX, ProblemCode, TOO_MANY_WAITERS_CODE};
+pub use router::LockedRouter;
 pub use service::LockService;
 
 /// The workspace README's Rust snippets, compiled as doctests here: this crate's tests have

@@ -23,8 +23,8 @@
 //!
 //! Every error is answered as `application/problem+json` (RFC 9457): lock failures by
 //! dlock-axum, the service's own by [`AppError`], axum's rejections of a malformed path or
-//! body through [`ApiPath`] and [`ApiJson`], and anything else (an unknown route, a method a
-//! route does not take) by the [`problem_errors`] middleware.
+//! body through dlock-axum's [`Problem`] wrapper of the extractors, and anything else (an
+//! unknown route, a method a route does not take) by the [`problem_errors`] middleware.
 //!
 //! Balance writes carry the fencing token of the account's lock, and the [`Ledger`] refuses
 //! a write whose token is lower than one it has already seen for the account: the write of a
@@ -45,16 +45,14 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use axum::extract::rejection::{JsonRejection, PathRejection};
-use axum::extract::{FromRequest, FromRequestParts, Request, State};
-use axum::http::request::Parts;
+use axum::extract::{Path, Request, State};
 use axum::http::{HeaderValue, StatusCode, header};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use dlock::{CancellationToken, LockProvider};
-use dlock_axum::{HeldLock, LockLayer, LockRejection, OnLost};
+use dlock_axum::{HeldLock, LockLayer, LockRejection, OnLost, Problem};
 use problem_details::ProblemDetails;
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
@@ -259,12 +257,12 @@ pub struct Account {
 
 async fn debit(
     State(state): State<AppState>,
-    ApiPath(id): ApiPath<String>,
+    Problem(Path(id)): Problem<Path<String>>,
     // The layer's lock: its fencing token goes with the write, so the ledger refuses the write
     // of a debit whose lock was lost and taken by another request that has written since.
     // (`None` only with `DEBIT_LOCK=off`, which removes the layer.)
     lock: Option<HeldLock>,
-    ApiJson(req): ApiJson<Amount>,
+    Problem(Json(req)): Problem<Json<Amount>>,
 ) -> Result<Json<Account>, AppError> {
     check_amount(req.amount)?;
     // Read, work, write: three steps the account lock keeps together.
@@ -287,8 +285,8 @@ async fn debit(
 #[dlock::distributed_lock("account:{id}", timeout = 10, provider = state.locks, guard = lock)]
 async fn credit(
     State(state): State<AppState>,
-    ApiPath(id): ApiPath<String>,
-    ApiJson(req): ApiJson<Amount>,
+    Problem(Path(id)): Problem<Path<String>>,
+    Problem(Json(req)): Problem<Json<Amount>>,
 ) -> Result<Response, LockRejection> {
     Ok(apply_credit(&state, id, req.amount, lock.fencing_token())
         .await
@@ -310,7 +308,7 @@ async fn apply_credit(
 
 async fn account(
     State(state): State<AppState>,
-    ApiPath(id): ApiPath<String>,
+    Problem(Path(id)): Problem<Path<String>>,
 ) -> Result<Json<Account>, AppError> {
     let balance = state.ledger.balance(&id).await?.ok_or(AppError::NotFound)?;
     Ok(Json(Account { id, balance }))
@@ -450,63 +448,9 @@ pub enum AppError {
         /// The balance.
         balance: i64,
     },
-    /// The request is malformed: axum's rejection of its path or body (`status` is 400,
-    /// 415, 422, ...), answered as problem details rather than axum's plain text.
-    #[error("{detail}")]
-    BadRequest {
-        /// The rejection's status.
-        status: StatusCode,
-        /// The rejection's text, such as "Failed to parse the request body as JSON: ...".
-        detail: String,
-    },
     /// The balance database failed.
     #[error(transparent)]
     Ledger(#[from] ledger::LedgerError),
-}
-
-/// [`axum::Json`], whose rejections (malformed JSON, a missing `content-type`, a body of the
-/// wrong shape) are answered as problem details.
-#[derive(Debug)]
-pub struct ApiJson<T>(pub T);
-
-impl<T, S> FromRequest<S> for ApiJson<T>
-where
-    Json<T>: FromRequest<S, Rejection = JsonRejection>,
-    S: Send + Sync,
-{
-    type Rejection = AppError;
-
-    async fn from_request(request: Request, state: &S) -> Result<Self, AppError> {
-        match Json::<T>::from_request(request, state).await {
-            Ok(Json(value)) => Ok(ApiJson(value)),
-            Err(rejection) => Err(AppError::BadRequest {
-                status: rejection.status(),
-                detail: rejection.body_text(),
-            }),
-        }
-    }
-}
-
-/// [`axum::extract::Path`], whose rejections are answered as problem details.
-#[derive(Debug)]
-pub struct ApiPath<T>(pub T);
-
-impl<T, S> FromRequestParts<S> for ApiPath<T>
-where
-    axum::extract::Path<T>: FromRequestParts<S, Rejection = PathRejection>,
-    S: Send + Sync,
-{
-    type Rejection = AppError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, AppError> {
-        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
-            Ok(axum::extract::Path(value)) => Ok(ApiPath(value)),
-            Err(rejection) => Err(AppError::BadRequest {
-                status: rejection.status(),
-                detail: rejection.body_text(),
-            }),
-        }
-    }
 }
 
 /// The longest error body [`problem_errors`] reads to turn into a problem's `detail`.
@@ -565,7 +509,6 @@ impl IntoResponse for AppError {
             AppError::BadAmount | AppError::InsufficientFunds { .. } => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
-            AppError::BadRequest { status, .. } => *status,
             AppError::Ledger(err @ ledger::LedgerError::StaleToken { .. }) => {
                 // The fencing check did its job: this request's lock was lost and a later
                 // holder of it has written. Nothing was written; the client may retry.
