@@ -1,56 +1,49 @@
-//! Two "replicas" of a service race for the same jobs on one SQLite lock file; each job runs
-//! on exactly one of them at a time.
+//! The README's core-API snippet, as it is there (a test in `tests/docs.rs` keeps the two
+//! the same): one try, a wait with a closure, a wait under a cancellation token.
 //!
-//! Run with `cargo run -p dlock-rs --example quickstart` (the lock file goes to `target/`).
+//! Run with `cargo run -p dlock-rs --example quickstart` (the lock file `locks.db` goes to the
+//! current directory). On another store: `DLOCK_URL=redis://127.0.0.1:6379 cargo run -p
+//! dlock-rs --features redis --example quickstart` (or `postgres`, `mysql`, `etcd`, ... with
+//! their URLs).
 
+use dlock::{CancellationToken, LockError, LockProvider};
 use std::time::Duration;
-
-use dlock::{LockError, LockProvider};
 
 #[tokio::main]
 async fn main() -> Result<(), LockError> {
-    let url = std::env::var("DLOCK_URL")
-        .unwrap_or_else(|_| "sqlite://target/quickstart-locks.db".to_owned());
-    // Two providers stand for two replicas; in production each process has one.
-    let replica_a = LockProvider::connect(&url).await?;
-    let replica_b = LockProvider::connect(&url).await?;
+    // SQLite by default; DLOCK_URL=redis://127.0.0.1:6379 (with `--features redis`) or any
+    // other store's URL runs the same code there.
+    let url = std::env::var("DLOCK_URL").unwrap_or_else(|_| "sqlite://locks.db".to_owned());
+    let locks = LockProvider::connect(&url).await?;
 
-    let billing = replica_a.try_acquire("jobs:monthly-billing").await?;
-    println!(
-        "replica A runs monthly billing (fencing token {:?})",
-        billing.fencing_token()
-    );
-    match replica_b.try_acquire("jobs:monthly-billing").await {
-        Err(LockError::AlreadyHeld { key }) => {
-            println!("replica B skips `{key}`: another replica holds it")
+    // One try: contention is Err(LockError::AlreadyHeld { .. }).
+    match locks.try_acquire("jobs:monthly-billing").await {
+        Ok(guard) => {
+            // ... run the job, passing guard.fencing_token() to what it writes;
+            // stop if guard.lost_token() fires ...
+            guard.release().await?;
         }
-        other => println!("unexpected: {other:?}"),
+        Err(LockError::AlreadyHeld { .. }) => println!("another replica runs it"),
+        Err(other) => return Err(other),
     }
 
-    let waiter = {
-        let replica_b = replica_b.clone();
-        tokio::spawn(async move {
-            replica_b
-                .with_lock(
-                    "jobs:monthly-billing",
-                    Duration::from_secs(10),
-                    |_lost| async {
-                        println!("replica B got the lock once A let go");
-                    },
-                )
-                .await
+    // Wait up to 10 s; the closure gets the lost-lock token.
+    let total = locks
+        .with_lock("reports:daily", Duration::from_secs(10), |_lost| async {
+            42
         })
-    };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    billing.release().await?;
-    waiter
-        .await
-        .map_err(|e| LockError::config(e.to_string()))??;
+        .await?;
 
-    let timeout = replica_b
-        .acquire("jobs:never-free", Duration::ZERO)
-        .await
-        .map(|guard| guard.fencing_token());
-    println!("one try on a free key: {timeout:?}");
+    // The same under the caller's cancellation token: cancelling it ends the wait with
+    // Err(LockError::Canceled { .. }); once held, the closure's token fires on either
+    // the caller's token or the loss of the lock.
+    let shutdown = CancellationToken::new();
+    let sent = locks
+        .lock("reports:weekly")
+        .timeout(Duration::from_secs(10))
+        .cancel_on(&shutdown)
+        .with_lock(|stop| async move { if stop.is_cancelled() { 0 } else { 7 } })
+        .await?;
+    println!("{total} {sent}");
     Ok(())
 }
