@@ -1,9 +1,9 @@
-//! dlock run as accounts that hold exactly the grants the README's "Production setup" lists and
+//! dlock run as accounts that hold exactly the grants `docs/production.md` lists and
 //! nothing more, over verified TLS where the server has it: the conformance suite as those
 //! accounts on PostgreSQL, MariaDB, MySQL 9 and every Redis / Valkey flavour; what each
 //! missing Redis command does (a clear `NOPERM` naming it, and no other code path); tenants of
 //! one Redis that cannot touch each other's locks. The statements and ACL rules the tests run
-//! are the README's, word for word (`readme_gives_the_tested_grants`).
+//! are the production page's, word for word (`readme_gives_the_tested_grants`).
 #![cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 
 mod support;
@@ -31,9 +31,10 @@ fn block_on_own_runtime<T: Send + 'static, F: std::future::Future<Output = T>>(
     .expect("the set-up thread")
 }
 
-/// The README, where the grants are documented.
+/// `docs/production.md`, where the grants are documented (the README links to it).
 fn readme() -> String {
-    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).expect("README.md")
+    std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/production.md"))
+        .expect("docs/production.md")
 }
 
 #[cfg(feature = "postgres")]
@@ -42,7 +43,7 @@ mod postgres {
     use dlock_testkit::postgres::PgServer;
     use sqlx::{Connection, PgConnection};
 
-    /// Run by an administrator once, as the README says: a database whose `PUBLIC` may do
+    /// Run by an administrator once, as the production page says: a database whose `PUBLIC` may do
     /// nothing, and two roles (after `CREATE DATABASE locks`, the application's database).
     pub(crate) const ADMIN_SQL: &[&str] = &[
         "REVOKE ALL ON DATABASE locks FROM PUBLIC",
@@ -81,7 +82,7 @@ mod postgres {
         }
     }
 
-    /// A TLS-only server (good certificate) with the README's roles.
+    /// A TLS-only server (good certificate) with the production page's roles.
     pub(crate) fn prod() -> &'static Prod {
         static PROD: std::sync::OnceLock<Prod> = std::sync::OnceLock::new();
         static STARTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
@@ -113,7 +114,7 @@ mod postgres {
         })
     }
 
-    /// Nothing beyond the README's grants: no role attribute, no role membership, no `TEMP`
+    /// Nothing beyond the production page's grants: no role attribute, no role membership, no `TEMP`
     /// or `CREATE` anywhere, no schema for the role without fencing, and only `SELECT`,
     /// `INSERT`, `UPDATE` on the table for the other.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,7 +281,7 @@ mod mysql {
     use sqlx::mysql::MySqlConnection;
     use sqlx::{Connection, Executor};
 
-    /// Run by an administrator once, as the README says (`dlock_test` is the application's
+    /// Run by an administrator once, as the production page says (`dlock_test` is the application's
     /// database here).
     pub(crate) const ADMIN_SQL: &[&str] = &[
         "CREATE TABLE dlock_test.dlock_fencing (\
@@ -312,7 +313,7 @@ mod mysql {
         }
     }
 
-    /// A TLS-only server (`require_secure_transport`, good certificate) with the README's
+    /// A TLS-only server (`require_secure_transport`, good certificate) with the production page's
     /// users; `None` when the server is missing outside CI.
     fn prod(flavor: Flavor) -> Option<&'static Prod> {
         static MARIADB: std::sync::OnceLock<Option<Prod>> = std::sync::OnceLock::new();
@@ -547,7 +548,7 @@ mod redis_acl {
     pub(crate) const RAW_READS: [&str; 4] = ["get", "pttl", "multi", "exec"];
 
     /// What read locks add, on every flavour (their scripts' commands; `incr` with fencing):
-    /// what the README grants for them.
+    /// what the production page grants for them.
     pub(crate) const READ_LOCKS: [&str; 14] = [
         "evalsha",
         "eval",
@@ -565,7 +566,7 @@ mod redis_acl {
         "incr",
     ];
 
-    /// The commands dlock's provider runs on `flavor`: what the README grants, in its order.
+    /// The commands dlock's provider runs on `flavor`: what the production page grants, in its order.
     pub(crate) fn commands(flavor: Flavor, fencing: bool) -> Vec<&'static str> {
         let mut commands = vec!["set"];
         let lua = ["evalsha", "eval"];
@@ -590,7 +591,7 @@ mod redis_acl {
         commands
     }
 
-    /// The README's rule: the commands, as `+cmd` words.
+    /// The production page's rule: the commands, as `+cmd` words.
     pub(crate) fn grant_words(flavor: Flavor, fencing: bool) -> String {
         commands(flavor, fencing)
             .iter()
@@ -676,7 +677,7 @@ mod redis_acl {
         }
     }
 
-    /// The conformance harness on `flavor`'s server, as a user granted exactly the README's
+    /// The conformance harness on `flavor`'s server, as a user granted exactly the production page's
     /// commands, with those of the suite's `ping`, the guard's `verify_still_held` and read
     /// locks.
     async fn acl_harness(flavor: Flavor) -> Option<LeaseHarness<AclUser>> {
@@ -1019,7 +1020,7 @@ mod redis_acl {
     /// Two tenants of one server, each an ACL user limited to its own prefix: one cannot
     /// release, extend or read the other's lock through dlock (their namespaces are apart), nor
     /// through a backend pointed at the other's prefix, nor with raw commands; the lock and its
-    /// token stay as they were. The README's key pattern ends in `{*`: a prefix that begins
+    /// token stay as they were. The production page's key pattern ends in `{*`: a prefix that begins
     /// another (`t:` and `t:x:`) would otherwise reach into it.
     async fn tenants(flavor: Flavor) {
         let Some(server) = server(flavor) else { return };
@@ -1163,7 +1164,7 @@ mod redis_acl {
             mod $module {
                 use super::*;
 
-                /// Exactly the README's commands for this flavour, on keys `app:{*`.
+                /// Exactly the production page's commands for this flavour, on keys `app:{*`.
                 mod conformance_as_acl_user {
                     use super::*;
                     dlock_testkit::conformance_suite!(optional async { acl_harness($flavor).await });
@@ -1193,7 +1194,7 @@ mod redis_acl {
     flavor!(redis8, Flavor::Redis8);
 }
 
-/// The README's "Production setup" gives, word for word, the statements and ACL rules these
+/// `docs/production.md` gives, word for word, the statements and ACL rules these
 /// tests grant.
 #[test]
 fn readme_gives_the_tested_grants() {
@@ -1201,7 +1202,7 @@ fn readme_gives_the_tested_grants() {
     let mut missing = Vec::new();
     #[cfg(feature = "postgres")]
     for statement in postgres::ADMIN_SQL.iter().chain(postgres::FENCING_SQL) {
-        // The README's database is the application's, `app`; its roles have passwords.
+        // The production page's database is the application's, `app`; its roles have passwords.
         let documented = statement
             .replace(" locks", " app")
             .replace(" LOGIN", " LOGIN PASSWORD '…'");
@@ -1247,7 +1248,7 @@ fn readme_gives_the_tested_grants() {
     }
     assert!(
         missing.is_empty(),
-        "not in the README:\n{}",
+        "not in docs/production.md:\n{}",
         missing.join("\n")
     );
 }

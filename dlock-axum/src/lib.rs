@@ -105,7 +105,15 @@ pub use router::LockedRouter;
 pub use service::LockService;
 
 /// The workspace README's Rust snippets, compiled as doctests here: this crate's tests have
-/// every dependency they use (dlock with SQLite and the macro, axum, tokio).
+/// every dependency they use (dlock with SQLite and the macro, axum, tokio, tracing-subscriber).
 #[cfg(doctest)]
 #[doc = include_str!("../../README.md")]
 struct ReadmeDoctests;
+
+/// The pages of `docs/`, for any Rust snippet they hold (today: shell, SQL and text only).
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/backends.md")]
+#[doc = include_str!("../../docs/production.md")]
+#[doc = include_str!("../../docs/observability.md")]
+#[doc = include_str!("../../docs/benchmarks.md")]
+struct DocsDoctests;

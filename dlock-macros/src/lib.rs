@@ -1,4 +1,5 @@
-//! The `#[distributed_lock]` attribute of [dlock](https://docs.rs/dlock).
+//! The `#[distributed_lock]` attribute of [dlock](https://docs.rs/dlock-rs) (the crate
+//! `dlock-rs`, whose library is named `dlock`).
 //!
 //! Use it as `dlock::distributed_lock` (cargo feature `macros` of `dlock`, on by default)
 //! rather than from this crate: the code it generates refers to `::dlock`.

@@ -2,8 +2,14 @@
 //!
 //! Services run as many replicas; billing runs, webhook handlers, ledger updates and cron jobs
 //! must run on exactly one of them at a time. `dlock` puts mutual exclusion on a store the
-//! replicas already share: a SQLite file (the embedded default, for processes on one machine),
-//! PostgreSQL, MySQL/MariaDB, SQL Server, Oracle, Redis/Valkey and etcd.
+//! replicas already share: a SQLite file (the embedded default, for the processes of **one
+//! machine only**), PostgreSQL, MySQL/MariaDB, SQL Server, Oracle, Redis/Valkey and etcd.
+//! Across hosts, lock on a store they all reach; where exclusion must survive the loss of a
+//! machine, on an etcd cluster.
+//!
+//! The crate is `dlock-rs` (`cargo add dlock-rs`); its library is `dlock`. For axum services,
+//! [`dlock-axum`](https://docs.rs/dlock-axum) takes the lock before a handler runs and answers
+//! contention with RFC 9457 problem details.
 //!
 //! ```
 //! use std::time::Duration;
@@ -46,17 +52,26 @@
 //! - Keys are any non-empty strings. [`lock_id`] is the 64-bit id that integer-keyed engines
 //!   lock.
 //!
+//! # Features
+//!
+//! | cargo feature | what it adds |
+//! |---|---|
+//! | `sqlite` (default) | the `sqlite://` backend (`dlock::sqlite`), SQLite bundled |
+//! | `macros` (default) | the [`distributed_lock`] attribute |
+//! | `postgres` | `postgres://` (`dlock::postgres`), with transaction-bound locks |
+//! | `mysql` | `mysql://` and `mariadb://` (`dlock::mysql`) |
+//! | `mssql` | `mssql://` and `sqlserver://` (`dlock::mssql`) |
+//! | `oracle` | `oracle://` (`dlock::oracle`; the Oracle client library at run time) |
+//! | `redis` | `redis://`, `rediss://`, `redis+sentinel://`, `redis+cluster://`, `redlock://` (`dlock::redis`) |
+//! | `etcd` | `etcd://` (`dlock::etcd`; `protoc` to build) |
+//! | `full` | all of the above |
+//!
 //! # Backends
 //!
-//! | backend | feature | waiting | lost detection | fencing |
-//! |---|---|---|---|---|
-//! | [SQLite](sqlite) | `sqlite` (default) | polling with backoff | lease renewal | built in |
-//! | [PostgreSQL](postgres) | `postgres` | native (`pg_advisory_lock` under `lock_timeout`) | connection liveness checks | opt-in (counter table) |
-//! | [MySQL / MariaDB](mysql) | `mysql` | native (`GET_LOCK(name, seconds)`) | connection liveness checks | opt-in (counter table) |
-//! | SQL Server (`dlock::mssql`) | `mssql` | native (`sp_getapplock`) | keepalive per connection | opt-in (counter table) |
-//! | Oracle (`dlock::oracle`) | `oracle` | native (`DBMS_LOCK.REQUEST`) | keepalive per session | opt-in (counter table) |
-//! | [Redis / Valkey](redis) | `redis` | polling with backoff | lease renewal, local deadline | built in (optional) |
-//! | [etcd] | `etcd` | native, FIFO (a watch of the key ahead) | lease keep-alive, local deadline, watch of the key | built in (create revision) |
+//! The same table as the README's (a test keeps the two the same); each backend's module
+//! gives its URL options.
+//!
+#![doc = include_str!("backends.md")]
 //!
 //! SQLite, PostgreSQL, MariaDB, MySQL, Redis, Valkey and etcd are verified against real
 //! servers in CI; SQL Server and Oracle are not (their servers cannot run there): their statements,

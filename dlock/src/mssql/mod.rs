@@ -102,7 +102,7 @@
 //! answers [`LockError::AlreadyHeld`]), and the writer gets the key once the readers before it
 //! have left. In one backend, a waiting writer also holds back later readers of the same
 //! backend. This ordering is the server's; it has not been checked against a live server
-//! here (see the crate README). Transaction-bound locks have no read form.
+//! here (see `docs/backends.md` in the repository). Transaction-bound locks have no read form.
 //!
 //! # URL
 //!
@@ -145,7 +145,7 @@
 //! GRANT SELECT, INSERT, UPDATE ON dbo.dlock_fencing TO dlock_app;
 //! ```
 //!
-//! (From the SQL Server documentation; not verified here, see the README.)
+//! (From the SQL Server documentation; not verified here, see `docs/production.md`.)
 //!
 //! # Transaction-bound locks
 //!

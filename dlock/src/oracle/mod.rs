@@ -117,7 +117,7 @@
 //! and a request that conflicts with a waiter ahead of it waits behind it, so readers that ask
 //! while a writer waits follow the writer. In one backend, a waiting writer also holds back
 //! later readers of the same backend. This ordering is the server's; it has not been checked
-//! against a live server here (see the crate README). Transaction-bound locks have no read
+//! against a live server here (see `docs/backends.md`). Transaction-bound locks have no read
 //! form.
 //!
 //! # URL
@@ -133,7 +133,7 @@
 //! missing, which needs `CREATE TABLE` and a quota on a tablespace; a user that may neither
 //! see nor create it gets a [`LockError::Config`] with the statements to run when the backend
 //! opens). (From Oracle's
-//! documentation; not verified here, see the README.) Options:
+//! documentation; not verified here, see `docs/production.md`.) Options:
 //!
 //! | option | default | meaning |
 //! |---|---|---|
