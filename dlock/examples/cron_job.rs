@@ -5,6 +5,8 @@
 //! the program stops after three firings.
 //!
 //! Run with `cargo run -p dlock-rs --example cron_job` (the lock file goes to `target/`).
+//! On another store: `DLOCK_URL=redis://127.0.0.1:6379 cargo run -p dlock-rs --features redis
+//! --example cron_job` (or `postgres`, `mysql`, `etcd`, ... with their URLs).
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -2,6 +2,8 @@
 //! The leader steps down on shutdown, and the other takes over at once.
 //!
 //! Run with `cargo run -p dlock-rs --example leader` (the lock file goes to `target/`).
+//! On another store: `DLOCK_URL=redis://127.0.0.1:6379 cargo run -p dlock-rs --features redis
+//! --example leader` (or `postgres`, `mysql`, `etcd`, ... with their URLs).
 
 use std::time::Duration;
 

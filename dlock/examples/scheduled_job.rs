@@ -6,6 +6,8 @@
 //! again for the same tick.
 //!
 //! Run with `cargo run -p dlock-rs --example scheduled_job` (the lock file goes to `target/`).
+//! On another store: `DLOCK_URL=redis://127.0.0.1:6379 cargo run -p dlock-rs --features redis
+//! --example scheduled_job` (or `postgres`, `mysql`, `etcd`, ... with their URLs).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
