@@ -430,11 +430,14 @@ impl LockProvider {
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
+        // A wait is counted as waiting until its answer (or its drop); a single try is not.
+        let waiting = (!timeout.is_zero()).then(|| self.inner.metrics.wait_started(backend, key));
         let outcome = crate::metrics::in_span(
             span.clone(),
             self.acquire_untraced(key, timeout, cancel, terms, backoff),
         )
         .await;
+        drop(waiting);
         let waited = started.elapsed();
         self.inner
             .metrics
