@@ -114,7 +114,7 @@ macro_rules! conformance_suite {
             leader_hands_over, semaphore_bounds_holders, semaphore_under_contention,
             held_locks_are_listed, read_locks_share, read_write_exclusion,
             writer_not_starved, read_shared_backend, read_cancellation_sweep,
-            store_locks_list_holders
+            store_locks_list_holders, renewal_started_later
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1228,6 +1228,63 @@ pub async fn lease_control(h: &impl Harness) {
         Err(LockError::Lost { .. })
     ));
     drop(unrenewed);
+}
+
+/// Renewals started later ([`LockGuard::start_renewal`](dlock::LockGuard::start_renewal)): a
+/// leased lock taken without renewal, whose renewals then start, is still held (and another
+/// provider is refused) well past the end of the lease it was taken with. Once its local
+/// deadline has passed, renewals do not start (a renewal must not revive a lease another owner
+/// may hold by then): `Lost`. A session lock answers `Unsupported`.
+pub async fn renewal_started_later(h: &impl Harness) {
+    let a = h.provider().await;
+    let lease = Duration::from_millis(600);
+    let key = unique_key("started");
+    let guard = a
+        .lock(&key)
+        .lease(lease)
+        .renewal(false)
+        .try_acquire()
+        .await
+        .expect("free key");
+    if guard.remaining_lease().is_none() {
+        assert!(
+            matches!(guard.start_renewal(), Err(LockError::Unsupported { .. })),
+            "a session lock has no lease to renew"
+        );
+        guard.release().await.expect("release");
+        return;
+    }
+    guard.start_renewal().expect("start renewals");
+    guard
+        .start_renewal()
+        .expect("starting them again does nothing");
+    let b = h.provider().await;
+    let started = std::time::Instant::now();
+    // Three leases: without renewals, the lock would have been presumed lost at four fifths
+    // of the first and freed in the store at its end.
+    while started.elapsed() < lease * 3 {
+        assert!(!guard.is_lost(), "lost {:?} in", started.elapsed());
+        assert_held(b.try_acquire(&key).await);
+        tokio::time::sleep(lease / 4).await;
+    }
+    assert!(guard.verify_still_held().await.expect("verify"));
+    guard.release().await.expect("release");
+
+    let late = a
+        .lock(&unique_key("late"))
+        .lease(lease)
+        .renewal(false)
+        .try_acquire()
+        .await
+        .expect("free key");
+    tokio::time::timeout(Duration::from_secs(10), late.lost_token().cancelled())
+        .await
+        .expect("a lock taken without renewal is presumed lost at its deadline");
+    assert!(
+        matches!(late.start_renewal(), Err(LockError::Lost { .. })),
+        "renewals never start on a lock presumed lost"
+    );
+    drop(late);
 }
 
 /// Multi-key acquisitions are all or none: a set with one held key leaves none of its other

@@ -217,6 +217,21 @@ pub trait LeaseControl: Send + Sync {
     /// Stops renewing the lock without releasing it: the lock then expires with its lease,
     /// and its lost token fires at the local deadline. Idempotent.
     fn stop_renewal(&self);
+
+    /// Starts renewing the lock again (or for the first time, for a lock taken with renewal
+    /// off), the first renewal at once, on the backend's schedule from then on. `Ok(true)`
+    /// when renewals run (also when they already did); `Ok(false)` when the lock's local
+    /// deadline has passed or it is known lost: nothing was started (a renewal must never
+    /// revive a lease another owner may have taken over since), and the caller reports the
+    /// loss. The default answers [`LockError::Unsupported`], for lease controls written before
+    /// this method.
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Err(LockError::unsupported(
+            "this backend",
+            "starting lease renewals",
+            "its lease control cannot start renewals once they are off; take the lock with renewal on, or extend it",
+        ))
+    }
 }
 
 /// The backend's handle on one held lock.

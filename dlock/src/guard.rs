@@ -355,6 +355,56 @@ impl LockGuard {
         self.lease_control("stop_renewal")?.stop_renewal();
         Ok(())
     }
+
+    /// Starts renewing a leased lock whose renewals are off: one taken with
+    /// [`renewal(false)`](crate::LockBuilder::renewal) (or a provider's
+    /// [`renewal(false)`](crate::ProviderBuilder::renewal)), or stopped with
+    /// [`stop_renewal`](LockGuard::stop_renewal). The first renewal is sent at once, then
+    /// they follow the backend's schedule (every third of the lease), and a failed renewal
+    /// fires the lost token as for any renewed lock. Idempotent: on a lock that is renewed
+    /// already, it does nothing.
+    ///
+    /// A job that knows it is short takes its lock without renewals (nothing runs for it
+    /// in the background); once it finds it will run longer, it starts them:
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// use std::time::Duration;
+    /// let locks = dlock::LockProvider::connect(&url).await?;
+    /// let guard = locks
+    ///     .lock("jobs:import")
+    ///     .lease(Duration::from_secs(10))
+    ///     .renewal(false)
+    ///     .try_acquire()
+    ///     .await?;
+    /// // ... more work than expected: keep the lock for as long as it takes.
+    /// guard.start_renewal()?;
+    /// guard.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors with [`LockError::Lost`] when the lock is lost already, or its lease's local
+    /// deadline has passed (the store may have let another owner in: renewals never revive
+    /// such a lease; the lost token fires), and with [`LockError::Unsupported`] on backends
+    /// whose locks are session locks (PostgreSQL, MySQL, SQL Server, Oracle: they are held as
+    /// long as their session, with nothing to renew).
+    pub fn start_renewal(&self) -> Result<(), LockError> {
+        let control = self.lease_control("start_renewal")?;
+        if self.is_lost() {
+            return Err(self.lost_error("the lock was lost before its renewals could start"));
+        }
+        if control.start_renewal()? {
+            Ok(())
+        } else {
+            self.mark_lost();
+            Err(self.lost_error(
+                "the lock's lease could no longer be counted on when its renewals were to start",
+            ))
+        }
+    }
 }
 
 /// A release in flight. If its owner stops polling it (the `release` future was dropped), the

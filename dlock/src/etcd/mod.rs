@@ -1058,6 +1058,10 @@ impl LeaseControl for EtcdHeld {
     fn stop_renewal(&self) {
         self.entry.stop_renewal();
     }
+
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Ok(self.entry.start_renewal())
+    }
 }
 
 /// A lease is 100 ms to 365 days.

@@ -2681,6 +2681,10 @@ impl LeaseControl for RedisHeld {
     fn stop_renewal(&self) {
         self.shared.renewals.stop(self.renewal);
     }
+
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Ok(self.shared.renewals.resume(self.renewal))
+    }
 }
 
 #[cfg(test)]

@@ -878,6 +878,23 @@ impl LeaseControl for RedlockHeld {
             }
         }
     }
+
+    /// Every node lock still held renews again; the lock is counted on while a quorum of them
+    /// do (and its own deadline has not passed).
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        if self.lost.is_cancelled() || self.deadline.has_passed() {
+            return Ok(false);
+        }
+        let mut renewed = 0;
+        for (_, handle) in &self.nodes {
+            if let Some(control) = handle.lease_control()
+                && control.start_renewal()?
+            {
+                renewed += 1;
+            }
+        }
+        Ok(renewed >= self.quorum)
+    }
 }
 
 impl HeldLock for RedlockHeld {

@@ -1015,6 +1015,10 @@ impl LeaseControl for SqliteHeld {
     fn stop_renewal(&self) {
         self.shared.renewer.stop(self.id);
     }
+
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Ok(self.shared.renewer.resume(self.id))
+    }
 }
 
 impl Drop for SqliteHeld {
