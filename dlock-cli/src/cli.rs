@@ -24,7 +24,9 @@ Exit status:
     69   the store could not be reached, or failed
     78   the store or this build cannot do what was asked (a bad URL, an unsupported option)
     126  CMD could not be run; 127 CMD was not found
-  dlock ping exits 0 when the store answers, 1 otherwise."
+  dlock ping exits 0 when the store answers, 1 otherwise. dlock release exits 0 when a lock
+  was ended, 1 when none was held or the confirmation was declined, 78 when the store cannot
+  end one lock (session stores), 64 when it was not confirmed."
     };
 }
 
@@ -47,6 +49,9 @@ Examples:
 
   # Who holds what, as JSON lines:
   dlock ls --prefix jobs: --json
+
+  # Clear a lock left by a stuck deployment (its holder finds it lost at its next renewal):
+  dlock release --force jobs:sync --yes
 
   # Check the store from a health probe:
   dlock ping"
@@ -119,6 +124,20 @@ pub enum Command {
     /// etcd) answer with an error.
     Ls(LsArgs),
 
+    /// End a lock in the store, whoever holds it (needs --force).
+    ///
+    /// For a lock left by a stuck or dead process. On a lease store (SQLite, Redis, etcd) the
+    /// lock is deleted; its holder is not told at once, but finds the lock lost at its next
+    /// renewal (a third of its lease later; at once on etcd), and a holder run by `dlock run`
+    /// then ends its command and exits 79. Fencing tokens stay increasing: the next holder's
+    /// is greater. Session stores (PostgreSQL, MySQL, SQL Server, Oracle) refuse: a lock there
+    /// ends only with the session that holds it, and ending the session ends every other lock
+    /// it holds; the message says how to find that session.
+    ///
+    /// Asks for confirmation on a terminal unless --yes is given; refuses (exit 64) when it
+    /// cannot ask and --yes is not given.
+    Release(ReleaseArgs),
+
     /// Check that the store answers: exit 0, or 1 with the reason.
     Ping,
 }
@@ -178,6 +197,22 @@ pub struct LsArgs {
     /// lease_left_ms, fencing_token, readers (null where unknown).
     #[arg(long)]
     pub json: bool,
+}
+
+/// `dlock release`.
+#[derive(Debug, Args)]
+pub struct ReleaseArgs {
+    /// End the lock whoever holds it (required: dlock never ends another's lock otherwise).
+    #[arg(long, required = true)]
+    pub force: bool,
+
+    /// Do not ask for confirmation.
+    #[arg(long)]
+    pub yes: bool,
+
+    /// The lock's key.
+    #[arg(value_name = "KEY")]
+    pub key: String,
 }
 
 /// A parser of durations as dlock reads them in URLs (`dlock::parse_duration`).

@@ -14,6 +14,7 @@ pub mod cli;
 pub mod exit;
 mod ls;
 mod redact;
+mod release;
 mod run;
 
 pub use redact::redact;
@@ -50,6 +51,7 @@ pub fn main() -> u8 {
         match cli.command {
             cli::Command::Run(args) => run::run(&store, args).await,
             cli::Command::Ls(args) => ls::ls(&store, args).await,
+            cli::Command::Release(args) => release::release(&store, args).await,
             cli::Command::Ping => ping(&store).await,
         }
     })

@@ -570,6 +570,13 @@ fn postgres_one_run_at_a_time() {
             ]),
     );
     assert_eq!(String::from_utf8_lossy(&seen.stdout), "[]\n", "{seen:?}");
+    // A session lock cannot be ended alone: refused, saying what to do instead.
+    let refused = output(dlock(&server.url("")).args(["release", "--force", "k", "--yes"]));
+    assert_eq!(code(refused.status), 78, "{refused:?}");
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("pg_terminate_backend"),
+        "{refused:?}"
+    );
 }
 
 #[test]
@@ -628,4 +635,104 @@ fn a_waiting_run_says_so_on_a_terminal() {
     assert!(!shown.contains("waiting"), "{shown}");
     marks.set("holder.go");
     assert_eq!(code(wait(&mut holder)), 0);
+}
+
+/// `release --force` ends a lock whoever holds it: the holding run finds it lost at its next
+/// renewal and ends its command (exit 79); without a lock it exits 1; it asks first, and
+/// refuses without a terminal to ask on unless --yes.
+fn release_ends_a_held_lock(url: &str) {
+    let marks = Marks::new();
+    let d = marks.dir.path().display().to_string();
+    let mut holder = dlock(url)
+        .args(["run", "--key", "jobs:stuck", "--lease", "3s", "--"])
+        .args(script(&format!(
+            "trap 'touch {d}/termed; exit 0' TERM; touch {d}/started; while :; do sleep 0.02; done"
+        )))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    until("the holder started", || marks.has("started"));
+    let unconfirmed = output(dlock(url).args(["release", "--force", "jobs:stuck"]));
+    assert_eq!(code(unconfirmed.status), 64, "{unconfirmed:?}");
+    assert!(String::from_utf8_lossy(&unconfirmed.stderr).contains("--yes"));
+    let unforced = output(dlock(url).args(["release", "jobs:stuck", "--yes"]));
+    assert_eq!(code(unforced.status), 64, "{unforced:?}");
+    assert!(
+        holder.try_wait().unwrap().is_none(),
+        "still held and running"
+    );
+
+    let released = output(dlock(url).args(["release", "--force", "jobs:stuck", "--yes"]));
+    assert_eq!(code(released.status), 0, "{released:?}");
+    assert!(String::from_utf8_lossy(&released.stdout).contains("ended the lock `jobs:stuck`"));
+    let started = Instant::now();
+    assert_eq!(code(wait(&mut holder)), 79);
+    assert!(marks.has("termed"));
+    // At its next renewal (a third of the 3 s lease), not at the lease's end.
+    assert!(
+        started.elapsed() < Duration::from_millis(2400),
+        "{:?}",
+        started.elapsed()
+    );
+    let again = output(dlock(url).args(["release", "--force", "jobs:stuck", "--yes"]));
+    assert_eq!(code(again.status), 1, "{again:?}");
+}
+
+#[test]
+fn sqlite_release_force_ends_a_held_lock() {
+    let dir = tempfile::tempdir().unwrap();
+    release_ends_a_held_lock(&sqlite_url(dir.path()));
+}
+
+/// On a terminal, `release --force` asks, and only a yes ends the lock.
+#[test]
+fn release_asks_on_a_terminal() {
+    if Command::new("script").arg("--version").output().is_err() {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "script(1) (util-linux) is missing"
+        );
+        eprintln!("skipped: script(1) (util-linux) is not installed");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let marks = Marks::new();
+    let mut holder = dlock(&url)
+        .args(["run", "--key", "k", "--lease", "3s", "--"])
+        .args(marks.holder("holder", 0))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    until("the holder started", || marks.has("holder.started"));
+    let answer = |text: &str| {
+        let mut child = Command::new("script")
+            .args([
+                "-qec",
+                &format!("{} release --force k", env!("CARGO_BIN_EXE_dlock")),
+                "/dev/null",
+            ])
+            .env("DLOCK_URL", &url)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("script runs");
+        std::io::Write::write_all(child.stdin.as_mut().unwrap(), text.as_bytes()).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    let declined = answer("n\n");
+    let shown = String::from_utf8_lossy(&declined.stdout);
+    assert_eq!(code(declined.status), 1, "{shown}");
+    assert!(
+        shown.contains("End the lock `k`") && shown.contains("[y/N]"),
+        "{shown}"
+    );
+    assert!(
+        holder.try_wait().unwrap().is_none(),
+        "a declined release ended nothing"
+    );
+    let confirmed = answer("y\n");
+    let shown = String::from_utf8_lossy(&confirmed.stdout);
+    assert_eq!(code(confirmed.status), 0, "{shown}");
+    assert_eq!(code(wait(&mut holder)), 79);
 }

@@ -266,6 +266,19 @@ pub trait HeldLock: Send + Sync + Debug + 'static {
     }
 }
 
+/// Ending one lock in the store whoever holds it, for a backend whose store can do that
+/// without ending other locks (see [`LockBackend::force_releases`] and
+/// [`LockProvider::force_release`](crate::LockProvider::force_release)).
+pub trait ForceRelease: Send + Sync {
+    /// Ends the lock of `key` (validated) in the store, whoever holds it, exclusive or held by
+    /// readers: `Ok(true)` when a lock was held and is now ended, `Ok(false)` when none was.
+    /// Its holders learn of it at their next renewal (their lost tokens fire then), or sooner
+    /// where the store tells them. It must leave the key's fencing counter as it was (delete
+    /// the lock, never its counter), so that the next holder's token is still greater than
+    /// every token issued before.
+    fn force_release<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool, LockError>>;
+}
+
 /// What one try of a polled wait found (see [`LockBackend::try_acquire_in_wait`]).
 #[derive(Debug)]
 #[non_exhaustive]
@@ -412,6 +425,18 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
                 "this backend cannot list the locks in its store",
             ))
         })
+    }
+
+    /// Whether this backend can end one lock whoever holds it: its [`ForceRelease`] when it
+    /// can, or the [`LockError::Unsupported`] that
+    /// [`LockProvider::force_release`](crate::LockProvider::force_release) answers, saying why
+    /// and what to do instead. The default answers `Unsupported`: a backend opts in.
+    fn force_releases(&self) -> Result<&dyn ForceRelease, LockError> {
+        Err(LockError::unsupported(
+            self.name(),
+            "force release",
+            "this backend cannot end a lock another owner holds; stop the process that holds it, or let its lease run out",
+        ))
     }
 
     /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a

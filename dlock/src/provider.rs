@@ -408,6 +408,68 @@ impl LockProvider {
         self.inner.backend.ping().await
     }
 
+    /// Ends the lock of `key` in the store, **whoever holds it**: for an operator clearing a
+    /// lock left by a stuck or dead deployment (`dlock release --force KEY` on the command
+    /// line). `Ok(true)` when a lock was held and is now ended (every reader's share, for a
+    /// read lock), `Ok(false)` when none was held.
+    ///
+    /// - **Lease stores** (SQLite, Redis and Valkey in every topology, Redlock on every node,
+    ///   etcd) delete the lock. Its holder is not told at once: its
+    ///   [lost token](crate::LockGuard::lost_token) fires at its next renewal (within a third of
+    ///   its lease; on etcd at once, through its watch of the key), and its release then reports
+    ///   [`LockError::Lost`]. Until then it may still be working as if it held the lock, so pass
+    ///   [fencing tokens](crate::LockGuard::fencing_token) to what the lock protects: the key's
+    ///   fencing counter is left as it was, so the next holder's token is greater than the
+    ///   ended holder's, and a forced release never lets a token be issued twice or go down.
+    /// - **Session engines** (PostgreSQL, MySQL/MariaDB, SQL Server, Oracle) answer
+    ///   [`LockError::Unsupported`]: their locks belong to the session that took them, and the
+    ///   server can end one only by ending that session with every other lock it holds. The
+    ///   message says how to find and end the session, if that is what you want.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let stuck = dlock::LockProvider::connect(&url).await?;
+    /// let operator = dlock::LockProvider::connect(&url).await?;
+    /// let guard = stuck.try_acquire("jobs:billing").await?;
+    /// assert!(operator.force_release("jobs:billing").await?);
+    /// assert!(!operator.force_release("jobs:billing").await?, "nothing left to end");
+    /// let next = operator.try_acquire("jobs:billing").await?;
+    /// assert!(next.fencing_token() > guard.fencing_token());
+    /// # next.release().await?; drop(guard);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a dropped future may or may not have ended the lock (run it again:
+    /// `Ok(false)` then says it is gone).
+    pub async fn force_release(&self, key: &str) -> Result<bool, LockError> {
+        validate_key(key)?;
+        crate::key::refuse_reserved(key)?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(LockError::config(
+                "LockProvider::force_release must run inside a Tokio runtime",
+            ));
+        }
+        let ended = self
+            .inner
+            .backend
+            .force_releases()?
+            .force_release(key)
+            .await?;
+        if ended {
+            tracing::warn!(
+                key,
+                backend = self.backend_name(),
+                "a lock was ended by force; its holder finds it lost at its next renewal"
+            );
+        }
+        Ok(ended)
+    }
+
     /// How many keys this provider holds or is acquiring right now.
     pub fn local_key_count(&self) -> usize {
         self.inner.table.len()

@@ -668,6 +668,7 @@ mod cluster;
 mod commands;
 mod fair;
 mod fence;
+mod force;
 mod hosts;
 mod inspect;
 mod quorums;
@@ -2202,6 +2203,10 @@ impl LockBackend for RedisBackend {
         _known: &'a [&'a str],
     ) -> BoxFuture<'a, Result<Vec<crate::StoreLock>, LockError>> {
         Box::pin(inspect::store_locks(&self.shared))
+    }
+
+    fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
+        Ok(self)
     }
 
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {

@@ -195,6 +195,7 @@
 mod clock;
 mod counted;
 mod file;
+mod force;
 mod queue;
 mod read;
 mod renewer;
@@ -644,6 +645,10 @@ impl LockBackend for SqliteBackend {
     }
 
     /// The held rows of the lock table, with their readers.
+    fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
+        Ok(self)
+    }
+
     fn store_locks<'a>(
         &'a self,
         _known: &'a [&'a str],
