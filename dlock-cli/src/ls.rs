@@ -52,7 +52,7 @@ impl Row {
         Row {
             key: lock.key.clone().unwrap_or_else(|| lock.resource.clone()),
             resource: lock.resource.clone(),
-            owner: None,
+            owner: lock.owner().map(str::to_owned),
             since: None,
             lease_left: lock.remaining_lease,
             fencing_token: lock.fencing_token,

@@ -470,6 +470,9 @@ fn ls_lists_the_held_locks_as_a_table_and_json_lines() {
     );
     let left = a["lease_left_ms"].as_u64().unwrap();
     assert!(left > 0 && left <= 10_000, "{a}");
+    // Held by the first `dlock run`, whose owner label is its host and process id.
+    let owner = a["owner"].as_str().expect("an owner");
+    assert!(owner.ends_with(&format!(":{}", holders[0].id())), "{a}");
 
     let only = output(dlock(&url).args(["ls", "--json", "--prefix", "jobs:"]));
     let only = String::from_utf8(only.stdout).unwrap();

@@ -161,6 +161,8 @@ pub struct StoreLock {
     pub remaining_lease: Option<Duration>,
     /// Whether this provider holds it (filled in by the provider).
     pub held_here: bool,
+    /// The holder's owner label, where the store keeps one (see [`StoreLock::owner`]).
+    owner: Option<String>,
 }
 
 impl StoreLock {
@@ -173,7 +175,23 @@ impl StoreLock {
             fencing_token: None,
             remaining_lease: None,
             held_here: false,
+            owner: None,
         }
+    }
+
+    /// Who holds it: the [owner label](crate::ProviderBuilder::owner_label) of the provider
+    /// that took it (by default its host name and process id), where the store keeps labels
+    /// (SQLite, Redis, PostgreSQL's `application_name`); for a lock held by several readers,
+    /// their labels, comma-separated. `None` where the store cannot say (other stores, or a
+    /// lock taken by an earlier version of dlock or another client).
+    pub fn owner(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+
+    /// The same lock, with its owner label.
+    pub fn with_owner(mut self, owner: Option<String>) -> Self {
+        self.owner = owner.filter(|owner| !owner.is_empty());
+        self
     }
 
     /// The same lock, with its key.
@@ -437,6 +455,17 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
             "force release",
             "this backend cannot end a lock another owner holds; stop the process that holds it, or let its lease run out",
         ))
+    }
+
+    /// Keeps `label`, the [owner label](crate::ProviderBuilder::owner_label) of the provider
+    /// being built on this backend, to store with the locks it takes where the store can keep
+    /// one, and to return from [`StoreLock::owner`]. Called once by
+    /// [`ProviderBuilder::build`](crate::ProviderBuilder::build), before any acquisition; a
+    /// backend shared by several providers keeps the last label set. It must not add a round
+    /// trip to acquisitions (write it once, apart, or in what an acquisition writes anyway).
+    /// The default ignores it: such a store's locks have no owner.
+    fn set_owner_label(&self, label: &str) {
+        let _ = label;
     }
 
     /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a

@@ -96,6 +96,7 @@ pub mod metrics;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 mod options;
+mod owner;
 mod provider;
 mod semaphore;
 #[cfg(any(
