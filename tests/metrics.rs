@@ -50,6 +50,14 @@ impl Recorder {
                             points.push((attrs(p.attributes()), p.value()));
                         }
                     }
+                    AggregatedMetrics::I64(MetricData::Sum(sum)) => {
+                        for p in sum.data_points() {
+                            let value = u64::try_from(p.value()).unwrap_or_else(|_| {
+                                panic!("{name} went below zero: {}", p.value())
+                            });
+                            points.push((attrs(p.attributes()), value));
+                        }
+                    }
                     AggregatedMetrics::F64(MetricData::Histogram(h)) => {
                         for p in h.data_points() {
                             points.push((attrs(p.attributes()), p.count()));
@@ -180,6 +188,14 @@ async fn hold_is_recorded_on_drop_and_loss_counted_at_detection_once() {
         ]
     };
 
+    // The loss also carries the key's 64-bit id, as the .NET library tags it.
+    let lost_attributes = |key: &str| {
+        let mut v = attributes(key);
+        v.push(("lock_id".to_owned(), dlock::lock_id(key).to_string()));
+        v.sort();
+        v
+    };
+
     let dropped = locks.try_acquire("jobs:dropped").await.unwrap();
     drop(dropped);
 
@@ -198,7 +214,7 @@ async fn hold_is_recorded_on_drop_and_loss_counted_at_detection_once() {
         &recorder,
         "dlock",
         "distributed_lock.lost",
-        vec![(attributes("jobs:lost"), 1)],
+        vec![(lost_attributes("jobs:lost"), 1)],
     )
     .await;
     until(
@@ -219,7 +235,7 @@ async fn hold_is_recorded_on_drop_and_loss_counted_at_detection_once() {
     );
     assert_eq!(
         recorder.points("distributed_lock.lost"),
-        vec![(attributes("jobs:lost"), 1)]
+        vec![(lost_attributes("jobs:lost"), 1)]
     );
     let acquired = |key: &str| {
         let mut v = attributes(key);
@@ -367,4 +383,89 @@ async fn transaction_bound_acquisitions_and_holds_are_recorded() {
         recorder.points("distributed_lock.wait_duration"),
         recorder.points("distributed_lock.acquisitions")
     );
+}
+
+/// The gauges on a real store, with the opt-in attributes: `distributed_lock.held` counts the
+/// locks held now (a lost one until its guard is released), `distributed_lock.waiting` the
+/// acquisitions waiting now (here for a lock another provider of the file holds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gauges_count_held_locks_and_waiting_acquisitions() {
+    let dir = tempfile::tempdir().unwrap();
+    let recorder = Recorder::new();
+    let locks = provider(&dir, &recorder, true).await;
+    // Another process's provider, recording elsewhere (the global meter is another test's).
+    let other_recorder = Recorder::new();
+    let elsewhere = LockProvider::builder(
+        dlock::sqlite::SqliteBackend::open(dir.path().join("m.db"))
+            .await
+            .unwrap(),
+    )
+    .meter(other_recorder.provider.meter("dlock"))
+    .build();
+    let attributes = |key: &str| {
+        vec![
+            ("key_prefix".to_owned(), "jobs".to_owned()),
+            ("lock_type".to_owned(), "sqlite".to_owned()),
+            ("resource_id".to_owned(), key.to_owned()),
+        ]
+    };
+
+    let a = locks.try_acquire("jobs:a").await.unwrap();
+    let b = locks.try_acquire_read("jobs:b").await.unwrap();
+    let other = elsewhere.try_acquire("jobs:c").await.unwrap();
+    assert_eq!(
+        recorder.points("distributed_lock.held"),
+        vec![(attributes("jobs:a"), 1), (attributes("jobs:b"), 1)]
+    );
+    let waiter = {
+        let locks = locks.clone();
+        tokio::spawn(async move { locks.acquire("jobs:c", Duration::from_secs(20)).await })
+    };
+    until(
+        &recorder,
+        "dlock",
+        "distributed_lock.waiting",
+        vec![(attributes("jobs:c"), 1)],
+    )
+    .await;
+    other.release().await.unwrap();
+    let c = waiter.await.unwrap().unwrap();
+    assert_eq!(
+        recorder.points("distributed_lock.waiting"),
+        vec![(attributes("jobs:c"), 0)]
+    );
+    assert_eq!(
+        recorder.points("distributed_lock.held"),
+        vec![
+            (attributes("jobs:a"), 1),
+            (attributes("jobs:b"), 1),
+            (attributes("jobs:c"), 1)
+        ]
+    );
+
+    // A lost lock stays counted until its guard is released.
+    let conn = rusqlite::Connection::open(dir.path().join("m.db")).unwrap();
+    conn.execute(
+        "DELETE FROM __distributed_locks WHERE name = ?1",
+        [b"jobs:a".as_slice()],
+    )
+    .unwrap();
+    tokio::time::timeout(Duration::from_secs(3), a.lost_token().cancelled())
+        .await
+        .expect("lost detected");
+    assert_eq!(recorder.points("distributed_lock.held").len(), 3);
+    assert!(matches!(a.release().await, Err(LockError::Lost { .. })));
+    b.release().await.unwrap();
+    drop(c);
+    until(
+        &recorder,
+        "dlock",
+        "distributed_lock.held",
+        vec![
+            (attributes("jobs:a"), 0),
+            (attributes("jobs:b"), 0),
+            (attributes("jobs:c"), 0),
+        ],
+    )
+    .await;
 }

@@ -114,7 +114,7 @@ macro_rules! conformance_suite {
             leader_hands_over, semaphore_bounds_holders, semaphore_under_contention,
             held_locks_are_listed, read_locks_share, read_write_exclusion,
             writer_not_starved, read_shared_backend, read_cancellation_sweep,
-            store_locks_list_holders
+            store_locks_list_holders, renewal_started_later, force_release_ends_a_lock
         );
         // Cases that make and drop Tokio runtimes of their own.
         $crate::conformance_suite!(@sync_case $mode [$(#[$attr])*] $make;
@@ -1228,6 +1228,153 @@ pub async fn lease_control(h: &impl Harness) {
         Err(LockError::Lost { .. })
     ));
     drop(unrenewed);
+}
+
+/// Renewals started later ([`LockGuard::start_renewal`](dlock::LockGuard::start_renewal)): a
+/// leased lock taken without renewal, whose renewals then start, is still held (and another
+/// provider is refused) well past the end of the lease it was taken with. Once its local
+/// deadline has passed, renewals do not start (a renewal must not revive a lease another owner
+/// may hold by then): `Lost`. A session lock answers `Unsupported`, and so may a lease control
+/// of another crate's written before the method (dlock's own lease backends must not).
+pub async fn renewal_started_later(h: &impl Harness) {
+    let a = h.provider().await;
+    let lease = Duration::from_millis(600);
+    let key = unique_key("started");
+    let guard = a
+        .lock(&key)
+        .lease(lease)
+        .renewal(false)
+        .try_acquire()
+        .await
+        .expect("free key");
+    if guard.remaining_lease().is_none() {
+        assert!(
+            matches!(guard.start_renewal(), Err(LockError::Unsupported { .. })),
+            "a session lock has no lease to renew"
+        );
+        guard.release().await.expect("release");
+        return;
+    }
+    match guard.start_renewal() {
+        // A lease control written before `start_renewal` (dlock's own all have it).
+        Err(LockError::Unsupported { .. })
+            if !["sqlite", "redis", "redlock", "etcd"].contains(&a.backend_name()) =>
+        {
+            guard.release().await.expect("release");
+            return;
+        }
+        started => started.expect("start renewals"),
+    }
+    guard
+        .start_renewal()
+        .expect("starting them again does nothing");
+    let b = h.provider().await;
+    let started = std::time::Instant::now();
+    // Three leases: without renewals, the lock would have been presumed lost at four fifths
+    // of the first and freed in the store at its end.
+    while started.elapsed() < lease * 3 {
+        assert!(!guard.is_lost(), "lost {:?} in", started.elapsed());
+        assert_held(b.try_acquire(&key).await);
+        tokio::time::sleep(lease / 4).await;
+    }
+    assert!(guard.verify_still_held().await.expect("verify"));
+    guard.release().await.expect("release");
+
+    let late = a
+        .lock(&unique_key("late"))
+        .lease(lease)
+        .renewal(false)
+        .try_acquire()
+        .await
+        .expect("free key");
+    tokio::time::timeout(Duration::from_secs(10), late.lost_token().cancelled())
+        .await
+        .expect("a lock taken without renewal is presumed lost at its deadline");
+    assert!(
+        matches!(late.start_renewal(), Err(LockError::Lost { .. })),
+        "renewals never start on a lock presumed lost"
+    );
+    drop(late);
+}
+
+/// Force release ([`LockProvider::force_release`]): another provider ends a lock held with a
+/// 3 s lease; the holder's lost token fires at its next renewal (a third of the lease), before
+/// the lease's local deadline (at 2.4 s) could have fired it; the next holder's token is
+/// greater; a free key answers `false`. Read locks, where the backend has them, end for every
+/// reader. A backend that refuses says why (dlock's own lease backends must not refuse).
+pub async fn force_release_ends_a_lock(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let lease = Duration::from_secs(3);
+    let key = unique_key("forced");
+    let guard = a
+        .lock(&key)
+        .lease(lease)
+        .try_acquire()
+        .await
+        .expect("free key");
+    let forced = std::time::Instant::now();
+    let ended = match b.force_release(&key).await {
+        Err(LockError::Unsupported { message, .. }) => {
+            assert!(
+                guard.remaining_lease().is_none()
+                    || !["sqlite", "redis", "redlock", "etcd"].contains(&a.backend_name()),
+                "dlock's lease stores all end a lock by force: {message}"
+            );
+            assert!(message.len() > 40, "the refusal says what to do: {message}");
+            guard.release().await.expect("release");
+            return;
+        }
+        other => other.expect("force release"),
+    };
+    assert!(ended, "a held lock was ended");
+    tokio::time::timeout(Duration::from_secs(2), guard.lost_token().cancelled())
+        .await
+        .expect("the holder hears of it at its next renewal");
+    assert!(forced.elapsed() < Duration::from_secs(2));
+    let next = b.try_acquire(&key).await.expect("the key is free");
+    if let (Some(ended), Some(next)) = (guard.fencing_token(), next.fencing_token()) {
+        assert!(next > ended, "token {next} after the ended {ended}");
+    }
+    assert!(matches!(guard.release().await, Err(LockError::Lost { .. })));
+    next.release().await.expect("release");
+    assert!(
+        !b.force_release(&key).await.expect("force release"),
+        "nothing was held"
+    );
+    assert!(matches!(
+        b.force_release("").await,
+        Err(LockError::InvalidKey { .. })
+    ));
+
+    let key = unique_key("forced-read");
+    let Ok(first) = a.lock(&key).lease(lease).read().try_acquire().await else {
+        return;
+    };
+    let second = b
+        .lock(&key)
+        .lease(lease)
+        .read()
+        .try_acquire()
+        .await
+        .expect("readers share");
+    assert!(b.force_release(&key).await.expect("force release"));
+    for reader in [&first, &second] {
+        tokio::time::timeout(Duration::from_secs(2), reader.lost_token().cancelled())
+            .await
+            .expect("each reader hears of it at its next renewal");
+    }
+    let read = second.fencing_token();
+    for reader in [first, second] {
+        assert!(matches!(
+            reader.release().await,
+            Err(LockError::Lost { .. })
+        ));
+    }
+    let writer = a.try_acquire(&key).await.expect("the key is free");
+    if let (Some(read), Some(written)) = (read, writer.fencing_token()) {
+        assert!(written > read);
+    }
+    writer.release().await.expect("release");
 }
 
 /// Multi-key acquisitions are all or none: a set with one held key leaves none of its other

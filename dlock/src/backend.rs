@@ -161,6 +161,8 @@ pub struct StoreLock {
     pub remaining_lease: Option<Duration>,
     /// Whether this provider holds it (filled in by the provider).
     pub held_here: bool,
+    /// The holder's owner label, where the store keeps one (see [`StoreLock::owner`]).
+    owner: Option<String>,
 }
 
 impl StoreLock {
@@ -173,7 +175,23 @@ impl StoreLock {
             fencing_token: None,
             remaining_lease: None,
             held_here: false,
+            owner: None,
         }
+    }
+
+    /// Who holds it: the [owner label](crate::ProviderBuilder::owner_label) of the provider
+    /// that took it (by default its host name and process id), where the store keeps labels
+    /// (SQLite, Redis, PostgreSQL's `application_name`); for a lock held by several readers,
+    /// their labels, comma-separated. `None` where the store cannot say (other stores, or a
+    /// lock taken by an earlier version of dlock or another client).
+    pub fn owner(&self) -> Option<&str> {
+        self.owner.as_deref()
+    }
+
+    /// The same lock, with its owner label.
+    pub fn with_owner(mut self, owner: Option<String>) -> Self {
+        self.owner = owner.filter(|owner| !owner.is_empty());
+        self
     }
 
     /// The same lock, with its key.
@@ -217,6 +235,21 @@ pub trait LeaseControl: Send + Sync {
     /// Stops renewing the lock without releasing it: the lock then expires with its lease,
     /// and its lost token fires at the local deadline. Idempotent.
     fn stop_renewal(&self);
+
+    /// Starts renewing the lock again (or for the first time, for a lock taken with renewal
+    /// off), the first renewal at once, on the backend's schedule from then on. `Ok(true)`
+    /// when renewals run (also when they already did); `Ok(false)` when the lock's local
+    /// deadline has passed or it is known lost: nothing was started (a renewal must never
+    /// revive a lease another owner may have taken over since), and the caller reports the
+    /// loss. The default answers [`LockError::Unsupported`], for lease controls written before
+    /// this method.
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Err(LockError::unsupported(
+            "this backend",
+            "starting lease renewals",
+            "its lease control cannot start renewals once they are off; take the lock with renewal on, or extend it",
+        ))
+    }
 }
 
 /// The backend's handle on one held lock.
@@ -249,6 +282,19 @@ pub trait HeldLock: Send + Sync + Debug + 'static {
     fn lease_control(&self) -> Option<&dyn LeaseControl> {
         None
     }
+}
+
+/// Ending one lock in the store whoever holds it, for a backend whose store can do that
+/// without ending other locks (see [`LockBackend::force_releases`] and
+/// [`LockProvider::force_release`](crate::LockProvider::force_release)).
+pub trait ForceRelease: Send + Sync {
+    /// Ends the lock of `key` (validated) in the store, whoever holds it, exclusive or held by
+    /// readers: `Ok(true)` when a lock was held and is now ended, `Ok(false)` when none was.
+    /// Its holders learn of it at their next renewal (their lost tokens fire then), or sooner
+    /// where the store tells them. It must leave the key's fencing counter as it was (delete
+    /// the lock, never its counter), so that the next holder's token is still greater than
+    /// every token issued before.
+    fn force_release<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool, LockError>>;
 }
 
 /// What one try of a polled wait found (see [`LockBackend::try_acquire_in_wait`]).
@@ -397,6 +443,29 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
                 "this backend cannot list the locks in its store",
             ))
         })
+    }
+
+    /// Whether this backend can end one lock whoever holds it: its [`ForceRelease`] when it
+    /// can, or the [`LockError::Unsupported`] that
+    /// [`LockProvider::force_release`](crate::LockProvider::force_release) answers, saying why
+    /// and what to do instead. The default answers `Unsupported`: a backend opts in.
+    fn force_releases(&self) -> Result<&dyn ForceRelease, LockError> {
+        Err(LockError::unsupported(
+            self.name(),
+            "force release",
+            "this backend cannot end a lock another owner holds; stop the process that holds it, or let its lease run out",
+        ))
+    }
+
+    /// Keeps `label`, the [owner label](crate::ProviderBuilder::owner_label) of the provider
+    /// being built on this backend, to store with the locks it takes where the store can keep
+    /// one, and to return from [`StoreLock::owner`]. Called once by
+    /// [`ProviderBuilder::build`](crate::ProviderBuilder::build), before any acquisition; a
+    /// backend shared by several providers keeps the last label set. It must not add a round
+    /// trip to acquisitions (write it once, apart, or in what an acquisition writes anyway).
+    /// The default ignores it: such a store's locks have no owner.
+    fn set_owner_label(&self, label: &str) {
+        let _ = label;
     }
 
     /// Checks that the store answers, with one cheap round trip (a `SELECT 1`, a `PING`, a

@@ -61,6 +61,7 @@ impl LockGuard {
             lost: acquired.lost.clone(),
             shared: slot.is_shared(),
         };
+        metrics.hold_started(metrics.backend(), slot.key());
         let hold = metrics.watch(&runtime, shown);
         LockGuard {
             hold,
@@ -365,6 +366,56 @@ impl LockGuard {
         self.lease_control("stop_renewal")?.stop_renewal();
         Ok(())
     }
+
+    /// Starts renewing a leased lock whose renewals are off: one taken with
+    /// [`renewal(false)`](crate::LockBuilder::renewal) (or a provider's
+    /// [`renewal(false)`](crate::ProviderBuilder::renewal)), or stopped with
+    /// [`stop_renewal`](LockGuard::stop_renewal). The first renewal is sent at once, then
+    /// they follow the backend's schedule (every third of the lease), and a failed renewal
+    /// fires the lost token as for any renewed lock. Idempotent: on a lock that is renewed
+    /// already, it does nothing.
+    ///
+    /// A job that knows it is short takes its lock without renewals (nothing runs for it
+    /// in the background); once it finds it will run longer, it starts them:
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// use std::time::Duration;
+    /// let locks = dlock::LockProvider::connect(&url).await?;
+    /// let guard = locks
+    ///     .lock("jobs:import")
+    ///     .lease(Duration::from_secs(10))
+    ///     .renewal(false)
+    ///     .try_acquire()
+    ///     .await?;
+    /// // ... more work than expected: keep the lock for as long as it takes.
+    /// guard.start_renewal()?;
+    /// guard.release().await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors with [`LockError::Lost`] when the lock is lost already, or its lease's local
+    /// deadline has passed (the store may have let another owner in: renewals never revive
+    /// such a lease; the lost token fires), and with [`LockError::Unsupported`] on backends
+    /// whose locks are session locks (PostgreSQL, MySQL, SQL Server, Oracle: they are held as
+    /// long as their session, with nothing to renew).
+    pub fn start_renewal(&self) -> Result<(), LockError> {
+        let control = self.lease_control("start_renewal")?;
+        if self.is_lost() {
+            return Err(self.lost_error("the lock was lost before its renewals could start"));
+        }
+        if control.start_renewal()? {
+            Ok(())
+        } else {
+            self.mark_lost();
+            Err(self.lost_error(
+                "the lock's lease could no longer be counted on when its renewals were to start",
+            ))
+        }
+    }
 }
 
 /// A release in flight. If its owner stops polling it (the `release` future was dropped), the
@@ -641,10 +692,66 @@ mod tests {
             recorder.points("distributed_lock.hold_duration"),
             vec![(attributes(None), 1)]
         );
-        assert_eq!(
-            recorder.points("distributed_lock.lost"),
-            vec![(attributes(None), 1)]
+        let mut lost = attributes(None);
+        lost.insert(
+            0,
+            ("lock_id".to_owned(), crate::lock_id("jobs:a").to_string()),
         );
+        assert_eq!(recorder.points("distributed_lock.lost"), vec![(lost, 1)]);
+        assert_eq!(
+            recorder.points("distributed_lock.held"),
+            vec![(attributes(None), 0)]
+        );
+    }
+
+    /// `distributed_lock.held` counts the guards from acquisition until their release has
+    /// finished (a dropped guard's in the background); `distributed_lock.waiting` the
+    /// acquisitions with a timeout until their answer, or until their future is dropped.
+    #[tokio::test]
+    async fn the_gauges_count_holds_and_waits() {
+        let backend = MemoryBackend::default();
+        let recorder = Recorder::new();
+        let locks = provider(&backend, &recorder);
+        let gauge = |n| vec![(lock_type(), n)];
+        let a = locks.try_acquire("a").await.unwrap();
+        let b = locks.try_acquire("b").await.unwrap();
+        assert_eq!(recorder.points("distributed_lock.held"), gauge(2));
+        // A single try that meets contention never waits.
+        assert!(locks.try_acquire("a").await.is_err());
+        assert!(recorder.points("distributed_lock.waiting").is_empty());
+
+        let waiter = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("a", Duration::from_secs(30)).await })
+        };
+        recorder.until("distributed_lock.waiting", &gauge(1)).await;
+        let gave_up = {
+            let locks = locks.clone();
+            tokio::spawn(async move { locks.acquire("b", Duration::from_secs(30)).await })
+        };
+        recorder.until("distributed_lock.waiting", &gauge(2)).await;
+        gave_up.abort();
+        assert!(gave_up.await.unwrap_err().is_cancelled());
+        recorder.until("distributed_lock.waiting", &gauge(1)).await;
+
+        a.release().await.unwrap();
+        let a = waiter.await.unwrap().unwrap();
+        assert_eq!(recorder.points("distributed_lock.waiting"), gauge(0));
+        assert_eq!(recorder.points("distributed_lock.held"), gauge(2));
+        // Timed out: counted while it waited, and not held.
+        let err = locks
+            .acquire("a", Duration::from_millis(20))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Timeout { .. }), "{err:?}");
+        assert_eq!(recorder.points("distributed_lock.waiting"), gauge(0));
+
+        let released = backend.released.clone();
+        let notified = released.notified();
+        drop(a);
+        within(notified).await;
+        b.release().await.unwrap();
+        recorder.until("distributed_lock.held", &gauge(0)).await;
     }
 
     #[tokio::test]

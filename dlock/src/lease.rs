@@ -187,6 +187,21 @@ impl Term {
         self.stopped = true;
     }
 
+    /// Renewals start again at `now` (the holder asked for them), the first one at once:
+    /// what is left of the lease may be short. `false` (and nothing changes) when the local
+    /// deadline has passed: the lock is presumed lost, and a renewal must not revive it.
+    pub(crate) fn resume(&mut self, now: Instant) -> bool {
+        if self.is_overdue(now) {
+            return false;
+        }
+        if self.stopped {
+            self.stopped = false;
+            self.in_flight = false;
+            self.next = Mark::of(now);
+        }
+        true
+    }
+
     /// The holder set the lease to `lease` with a command sent at `sent` and confirmed:
     /// later renewals ask for `lease`.
     pub(crate) fn extended(&mut self, lease: Duration, sent: Instant) {
@@ -367,6 +382,36 @@ mod tests {
         assert_eq!(retry_after(lease), 150 * MS);
         assert_eq!(retry_after(100 * MS), 10 * MS, "at least 10 ms");
         assert_eq!(safe_window(100 * MS), 80 * MS);
+    }
+
+    /// Stopped renewals start again due at once; a term past its deadline stays stopped.
+    #[test]
+    fn a_stopped_term_resumes_until_its_deadline() {
+        let sent = Instant::now();
+        let mut term = Term::new(3000 * MS, sent, None);
+        term.stop();
+        assert!(!term.is_due(sent + 1500 * MS), "stopped");
+        assert_eq!(
+            term.wake_at(),
+            sent + 2400 * MS,
+            "stopped: only the deadline"
+        );
+        assert!(term.resume(sent + 1500 * MS));
+        assert!(term.is_due(sent + 1500 * MS), "the first renewal at once");
+        assert_eq!(term.wake_at(), sent + 1500 * MS);
+        assert!(term.resume(sent + 1600 * MS), "idempotent");
+        assert_eq!(
+            term.next(),
+            sent + 1500 * MS,
+            "a running schedule is left alone"
+        );
+        let mut late = Term::new(3000 * MS, sent, None);
+        late.stop();
+        assert!(!late.resume(sent + 2400 * MS));
+        assert!(
+            !late.is_due(sent + 2400 * MS),
+            "a lease past its deadline is never revived"
+        );
     }
 
     #[test]

@@ -111,6 +111,7 @@ pub mod metrics;
 #[cfg(feature = "mysql")]
 pub mod mysql;
 mod options;
+mod owner;
 mod provider;
 mod reentry;
 mod semaphore;

@@ -11,7 +11,18 @@
 //! | `distributed_lock.acquisitions` | counter | `{acquisition}` | `lock_type`, `status` (`acquired`, `already_held`, `timeout`, `canceled`, `error`) |
 //! | `distributed_lock.wait_duration` | histogram | `ms` | `lock_type`, `status` |
 //! | `distributed_lock.hold_duration` | histogram | `ms` | `lock_type` |
-//! | `distributed_lock.lost` | counter | `{lock}` | `lock_type` |
+//! | `distributed_lock.lost` | counter | `{lock}` | `lock_type` (and `lock_id` with `resource_id`, below) |
+//! | `distributed_lock.held` | up-down counter (a gauge) | `{lock}` | `lock_type` |
+//! | `distributed_lock.waiting` | up-down counter (a gauge) | `{acquisition}` | `lock_type` |
+//!
+//! `distributed_lock.held` is the number of locks held now: one from the moment an acquisition
+//! hands out its guard until the guard's release has finished (or its background release,
+//! after a drop), as [`LockProvider::held_locks`](crate::LockProvider::held_locks) lists them;
+//! a lost lock counts until its guard is released. `distributed_lock.waiting` is the number of
+//! acquisitions waiting now: those with a timeout (not single tries), from their start until
+//! they have their answer, including the time they queue behind a holder in this process.
+//! Semaphore waits ([`acquire_semaphore`](crate::LockProvider::acquire_semaphore)) are rounds
+//! of single tries and are not counted there.
 //!
 //! `lock_type` is the backend's name. Two attributes are opt-in, on every instrument:
 //!
@@ -22,7 +33,9 @@
 //!   the SDK keeps each one for the life of the process: turn it on only when the keys are few
 //!   and fixed (a handful of job names), never for keys made from ids (`account:{id}`). The
 //!   SDK's cardinality limit (2,000 series per instrument by default) then folds the rest into
-//!   one overflow series, and the totals per key are lost.
+//!   one overflow series, and the totals per key are lost. `distributed_lock.lost` then also
+//!   carries `lock_id`, the key's 64-bit id ([`lock_id`](crate::lock_id)), as the .NET library
+//!   dlock follows tags it.
 //!
 //! # When a loss is counted
 //!
@@ -40,7 +53,8 @@
 //! # Transaction-bound locks
 //!
 //! [`TransactionLock`](crate::TransactionLock)s record `distributed_lock.acquisitions`,
-//! `distributed_lock.wait_duration` and `distributed_lock.hold_duration` with the same
+//! `distributed_lock.wait_duration`, `distributed_lock.hold_duration` and
+//! `distributed_lock.held` (not `distributed_lock.waiting`) with the same
 //! attributes (`lock_type`, `status`; no opt-in attributes), into the meter given to
 //! [`set_transaction_meter`], or else the global meter provider's meter named `dlock` as it is
 //! at the first transaction-bound acquisition. Their hold runs from the acquisition until the
@@ -79,7 +93,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use opentelemetry::KeyValue;
-use opentelemetry::metrics::{Counter, Histogram, Meter};
+use opentelemetry::metrics::{Counter, Histogram, Meter, UpDownCounter};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::LockError;
@@ -105,6 +119,10 @@ pub(crate) struct Metrics {
     wait: Histogram<f64>,
     hold: Histogram<f64>,
     lost: Counter<u64>,
+    /// The locks held now.
+    held_now: UpDownCounter<i64>,
+    /// The acquisitions waiting now.
+    waiting: UpDownCounter<i64>,
     opt_in: OptIn,
     /// The provider's backend, named by its guards (empty for transaction-bound locks, which
     /// name theirs at each point).
@@ -134,6 +152,16 @@ impl Metrics {
                 .u64_counter("distributed_lock.lost")
                 .with_description("Locks lost while held, counted when the loss is detected")
                 .with_unit("{lock}")
+                .build(),
+            held_now: meter
+                .i64_up_down_counter("distributed_lock.held")
+                .with_description("Locks held now, from acquisition until their release ends")
+                .with_unit("{lock}")
+                .build(),
+            waiting: meter
+                .i64_up_down_counter("distributed_lock.waiting")
+                .with_description("Acquisitions with a timeout waiting for their answer now")
+                .with_unit("{acquisition}")
                 .build(),
             opt_in,
             backend,
@@ -203,11 +231,33 @@ impl Metrics {
         });
     }
 
-    /// Records the duration of a hold that ended.
+    /// A hold began: counted in `distributed_lock.held` until [`held`](Metrics::held) records
+    /// its end (once for each hold).
+    pub(crate) fn hold_started(&self, backend: &'static str, key: &str) {
+        self.with_attributes(backend, None, key, |attributes| {
+            self.held_now.add(1, attributes);
+        });
+    }
+
+    /// Records the duration of a hold that ended, and takes it out of `distributed_lock.held`.
     pub(crate) fn held(&self, backend: &'static str, key: &str, held: Duration) {
         self.with_attributes(backend, None, key, |attributes| {
             self.hold.record(millis(held), attributes);
+            self.held_now.add(-1, attributes);
         });
+    }
+
+    /// An acquisition of `key` starts waiting: counted in `distributed_lock.waiting` until the
+    /// returned mark is dropped (its answer came, or its future was dropped).
+    pub(crate) fn wait_started<'a>(&'a self, backend: &'static str, key: &'a str) -> Waiting<'a> {
+        self.with_attributes(backend, None, key, |attributes| {
+            self.waiting.add(1, attributes);
+        });
+        Waiting {
+            metrics: self,
+            backend,
+            key,
+        }
     }
 
     /// Starts keeping a lock just acquired: what inspection shows of it, and a waiter on its
@@ -321,8 +371,31 @@ impl Metrics {
     fn count_lost(&self, backend: &'static str, key: &str) {
         tracing::warn!(key, backend, "the lock was lost while held");
         self.with_attributes(backend, None, key, |attributes| {
-            self.lost.add(1, attributes);
+            if self.opt_in.resource_id {
+                // With the key, its 64-bit id, as the .NET library tags its losses.
+                let mut attributes = attributes.to_vec();
+                attributes.push(KeyValue::new("lock_id", crate::lock_id(key)));
+                self.lost.add(1, &attributes);
+            } else {
+                self.lost.add(1, attributes);
+            }
         });
+    }
+}
+
+/// An acquisition counted in `distributed_lock.waiting`, until this is dropped.
+pub(crate) struct Waiting<'a> {
+    metrics: &'a Metrics,
+    backend: &'static str,
+    key: &'a str,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.metrics
+            .with_attributes(self.backend, None, self.key, |attributes| {
+                self.metrics.waiting.add(-1, attributes);
+            });
     }
 }
 

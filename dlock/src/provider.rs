@@ -62,6 +62,8 @@ struct Inner {
     renew: bool,
     shutdown: Option<CancellationToken>,
     metrics: Arc<Metrics>,
+    /// The owner label stored with this provider's locks.
+    owner_label: Arc<str>,
 }
 
 /// The lease terms one acquisition asks for: `None` takes the provider's.
@@ -159,6 +161,7 @@ impl LockProvider {
             meter: None,
             meter_name: None,
             metrics: OptIn::default(),
+            owner_label: None,
         }
     }
 
@@ -355,6 +358,7 @@ impl LockProvider {
                 renew: self.inner.renew,
                 shutdown: Some(shutdown.clone()),
                 metrics: Arc::clone(&self.inner.metrics),
+                owner_label: Arc::clone(&self.inner.owner_label),
             }),
         }
     }
@@ -384,6 +388,12 @@ impl LockProvider {
         self.inner.backend.name()
     }
 
+    /// The label stored with this provider's locks where the store keeps one (see
+    /// [`ProviderBuilder::owner_label`]).
+    pub fn owner_label(&self) -> &str {
+        &self.inner.owner_label
+    }
+
     /// Checks that the lock store answers, with one cheap round trip: a `SELECT 1` on a lock
     /// connection (PostgreSQL, MySQL, SQL Server, Oracle), a `PING` (Redis), a read of the lock
     /// table (SQLite). For health checks: `Ok(())` when the store can be reached, otherwise
@@ -408,6 +418,68 @@ impl LockProvider {
         self.inner.backend.ping().await
     }
 
+    /// Ends the lock of `key` in the store, **whoever holds it**: for an operator clearing a
+    /// lock left by a stuck or dead deployment (`dlock release --force KEY` on the command
+    /// line). `Ok(true)` when a lock was held and is now ended (every reader's share, for a
+    /// read lock), `Ok(false)` when none was held.
+    ///
+    /// - **Lease stores** (SQLite, Redis and Valkey in every topology, Redlock on every node,
+    ///   etcd) delete the lock. Its holder is not told at once: its
+    ///   [lost token](crate::LockGuard::lost_token) fires at its next renewal (within a third of
+    ///   its lease; on etcd at once, through its watch of the key), and its release then reports
+    ///   [`LockError::Lost`]. Until then it may still be working as if it held the lock, so pass
+    ///   [fencing tokens](crate::LockGuard::fencing_token) to what the lock protects: the key's
+    ///   fencing counter is left as it was, so the next holder's token is greater than the
+    ///   ended holder's, and a forced release never lets a token be issued twice or go down.
+    /// - **Session engines** (PostgreSQL, MySQL/MariaDB, SQL Server, Oracle) answer
+    ///   [`LockError::Unsupported`]: their locks belong to the session that took them, and the
+    ///   server can end one only by ending that session with every other lock it holds. The
+    ///   message says how to find and end the session, if that is what you want.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let stuck = dlock::LockProvider::connect(&url).await?;
+    /// let operator = dlock::LockProvider::connect(&url).await?;
+    /// let guard = stuck.try_acquire("jobs:billing").await?;
+    /// assert!(operator.force_release("jobs:billing").await?);
+    /// assert!(!operator.force_release("jobs:billing").await?, "nothing left to end");
+    /// let next = operator.try_acquire("jobs:billing").await?;
+    /// assert!(next.fencing_token() > guard.fencing_token());
+    /// # next.release().await?; drop(guard);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: a dropped future may or may not have ended the lock (run it again:
+    /// `Ok(false)` then says it is gone).
+    pub async fn force_release(&self, key: &str) -> Result<bool, LockError> {
+        validate_key(key)?;
+        crate::key::refuse_reserved(key)?;
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(LockError::config(
+                "LockProvider::force_release must run inside a Tokio runtime",
+            ));
+        }
+        let ended = self
+            .inner
+            .backend
+            .force_releases()?
+            .force_release(key)
+            .await?;
+        if ended {
+            tracing::warn!(
+                key,
+                backend = self.backend_name(),
+                "a lock was ended by force; its holder finds it lost at its next renewal"
+            );
+        }
+        Ok(ended)
+    }
+
     /// How many keys this provider holds or is acquiring right now.
     pub fn local_key_count(&self) -> usize {
         self.inner.table.len()
@@ -430,11 +502,14 @@ impl LockProvider {
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
+        // A wait is counted as waiting until its answer (or its drop); a single try is not.
+        let waiting = (!timeout.is_zero()).then(|| self.inner.metrics.wait_started(backend, key));
         let outcome = crate::metrics::in_span(
             span.clone(),
             self.acquire_untraced(key, timeout, cancel, terms, backoff),
         )
         .await;
+        drop(waiting);
         let waited = started.elapsed();
         self.inner
             .metrics
@@ -762,9 +837,49 @@ pub struct ProviderBuilder {
     meter: Option<Meter>,
     meter_name: Option<Cow<'static, str>>,
     metrics: OptIn,
+    owner_label: Option<String>,
 }
 
 impl ProviderBuilder {
+    /// The label stored with each lock this provider takes, where the store can keep one, so
+    /// that [`LockProvider::store_locks`] (and `dlock ls`) can say who holds a lock. Default:
+    /// the host name and the process id, `host:pid`. Give it something an operator can act
+    /// on: a deployment, a pod, a job name.
+    ///
+    /// Where it is kept, and what it costs (nothing is added to an uncontended acquisition's
+    /// round trips):
+    ///
+    /// | store | kept | how |
+    /// |---|---|---|
+    /// | SQLite | yes | a row of the table `__distributed_lock_owners (id, label, written)`; each lock row's owner token starts with the backend's random 8-byte id |
+    /// | Redis, Valkey (single, Sentinel, Cluster) | yes | the key `<prefix>` + byte `0xFF` + `owner:<id>`, with a day to live; each owner token starts with the backend's random id (16 hex digits), and is 32 digits long as before |
+    /// | PostgreSQL | the session's `application_name` | read from `pg_stat_activity` (the URL's `application_name`, `dlock` by default); this label is not sent |
+    /// | Redlock, MySQL, SQL Server, Oracle, etcd | no | Redlock does not pass it to its nodes; the others cannot list their locks |
+    ///
+    /// The record is written by the backend's first acquisition after the label is set (on
+    /// SQLite in the acquisition's task, after its statement; on Redis by a task of its own),
+    /// then by the first acquisition 12 hours after the last write; records not written for a
+    /// day go (on SQLite, only those of backends that hold nothing). An acquisition pays one
+    /// atomic load for it: its statement, command and owner token are as long as before.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// let backend = dlock::sqlite::SqliteBackend::open(dir.path().join("locks.db")).await?;
+    /// let locks = dlock::LockProvider::builder(backend)
+    ///     .owner_label("billing-worker-7")
+    ///     .build();
+    /// let guard = locks.try_acquire("jobs:billing").await?;
+    /// let held = locks.store_locks().await?;
+    /// assert_eq!(held[0].owner(), Some("billing-worker-7"));
+    /// # drop(guard); Ok(()) }
+    /// ```
+    pub fn owner_label(mut self, label: impl Into<String>) -> Self {
+        self.owner_label = Some(label.into());
+        self
+    }
+
     /// The OpenTelemetry meter to record into, instead of the global provider's meter named
     /// `dlock` (see the [`metrics` docs](crate::metrics) for the instruments). It takes
     /// precedence over [`meter_name`](ProviderBuilder::meter_name).
@@ -859,6 +974,11 @@ impl ProviderBuilder {
             )
         });
         let metrics = Arc::new(Metrics::new(&meter, self.metrics, self.backend.name()));
+        let owner_label: Arc<str> = match self.owner_label {
+            Some(label) => Arc::from(label),
+            None => default_owner_label(),
+        };
+        self.backend.set_owner_label(&owner_label);
         LockProvider {
             inner: Arc::new(Inner {
                 backend: self.backend,
@@ -868,9 +988,27 @@ impl ProviderBuilder {
                 renew: self.renew,
                 shutdown: self.shutdown,
                 metrics,
+                owner_label,
             }),
         }
     }
+}
+
+/// This process's default owner label: `host:pid`, the host name as the kernel has it (or
+/// `HOSTNAME`, else `unknown-host`).
+/// Read at each build: a process forked after an earlier build has a process id of its own.
+fn default_owner_label() -> Arc<str> {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|host| host.trim().to_owned())
+        .filter(|host| !host.is_empty())
+        .or_else(|| {
+            std::env::var("HOSTNAME")
+                .ok()
+                .filter(|host| !host.is_empty())
+        })
+        .unwrap_or_else(|| "unknown-host".to_owned());
+    Arc::from(format!("{host}:{}", std::process::id()))
 }
 
 /// One acquisition with options, started by [`LockProvider::lock`].

@@ -279,6 +279,14 @@ impl Recorder {
                             points.push((attrs(p.attributes()), p.value()));
                         }
                     }
+                    AggregatedMetrics::I64(MetricData::Sum(sum)) => {
+                        for p in sum.data_points() {
+                            let value = u64::try_from(p.value()).unwrap_or_else(|_| {
+                                panic!("{name} went below zero: {}", p.value())
+                            });
+                            points.push((attrs(p.attributes()), value));
+                        }
+                    }
                     AggregatedMetrics::F64(MetricData::Histogram(h)) => {
                         for p in h.data_points() {
                             points.push((attrs(p.attributes()), p.count()));

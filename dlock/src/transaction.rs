@@ -84,6 +84,7 @@ impl TransactionLock {
     ))]
     pub(crate) fn new(backend: &'static str, key: &str, fencing_token: Option<u64>) -> Self {
         let key: Arc<str> = Arc::from(key);
+        crate::metrics::transaction_metrics().hold_started(backend, &key);
         TransactionLock {
             _hold: Arc::new(TransactionHold {
                 key: Arc::clone(&key),

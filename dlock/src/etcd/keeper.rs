@@ -87,6 +87,19 @@ impl Entry {
         self.changed.notify_one();
     }
 
+    /// Renewals start again, the first one at once: whether the lock is still counted on
+    /// (not lost, deadline not passed).
+    pub(super) fn start_renewal(&self) -> bool {
+        if self.lost.is_cancelled() {
+            return false;
+        }
+        let resumed = self.state().term.resume(Instant::now());
+        if resumed {
+            self.changed.notify_one();
+        }
+        resumed
+    }
+
     /// The key now lives on `lease_id`, of `lease`, granted with a request sent at `sent`;
     /// returns the lease it left.
     pub(super) fn moved(&self, lease_id: i64, lease: Duration, sent: Instant) -> i64 {

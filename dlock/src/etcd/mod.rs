@@ -845,6 +845,10 @@ impl LockBackend for EtcdBackend {
         Box::pin(self.shared.check("checking the cluster"))
     }
 
+    fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
+        Ok(self)
+    }
+
     fn try_acquire<'a>(
         &'a self,
         request: LockRequest<'a>,
@@ -1064,6 +1068,47 @@ impl LeaseControl for EtcdHeld {
 
     fn stop_renewal(&self) {
         self.entry.stop_renewal();
+    }
+
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Ok(self.entry.start_renewal())
+    }
+}
+
+impl crate::backend::ForceRelease for EtcdBackend {
+    /// Deletes the head of the key's queue (the holder's key, on the holder's lease): the
+    /// holder's watch of its key sees the delete and fires its lost token, and the next key in
+    /// the queue, whose waiter watches the key ahead of it, holds the lock. Fencing tokens are
+    /// create revisions, which only grow. The delete is conditional on the head's create
+    /// revision, so a holder that gave the lock back meanwhile is not mistaken for another.
+    fn force_release<'a>(&'a self, key: &'a str) -> BoxFuture<'a, Result<bool, LockError>> {
+        Box::pin(async move {
+            let shared = &self.shared;
+            let queue = self.queue_prefix(key);
+            let head = GetOptions::new()
+                .with_prefix()
+                .with_sort(SortTarget::Create, SortOrder::Ascend)
+                .with_limit(1);
+            let (answer, _) = shared
+                .txn(
+                    "ending a lock by force",
+                    Txn::new().and_then([TxnOp::get(queue.clone(), Some(head))]),
+                )
+                .await?;
+            let Some(holder) = first_kv(&answer) else {
+                return Ok(false);
+            };
+            let (holder_key, revision) = (holder.key().to_vec(), holder.create_revision());
+            let delete = Txn::new()
+                .when([Compare::create_revision(
+                    holder_key.clone(),
+                    CompareOp::Equal,
+                    revision,
+                )])
+                .and_then([TxnOp::delete(holder_key, None)]);
+            let (answer, _) = shared.txn("ending a lock by force", delete).await?;
+            Ok(answer.succeeded())
+        })
     }
 }
 

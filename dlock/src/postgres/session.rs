@@ -79,7 +79,7 @@ impl Connector for PgConnector {
     ) -> BoxFuture<'a, Result<Vec<StoreLock>, LockError>> {
         Box::pin(async move {
             let mut conn = open_connection(&self.dial.target, self.dial.connect_timeout).await?;
-            let rows: Vec<(i64, String, i64)> = sqlx::query_as(STORE_LOCKS_SQL)
+            let rows: Vec<(i64, String, i64, String)> = sqlx::query_as(STORE_LOCKS_SQL)
                 .fetch_all(&mut conn)
                 .await
                 .map_err(|e| driver_error::<Postgres>("listing the locks", e))?;
@@ -88,7 +88,7 @@ impl Connector for PgConnector {
                 known.iter().map(|key| (lock_id(key), *key)).collect();
             Ok(rows
                 .into_iter()
-                .map(|(id, mode, holders)| {
+                .map(|(id, mode, holders, names)| {
                     let readers = if mode == "ShareLock" {
                         u32::try_from(holders).unwrap_or(u32::MAX)
                     } else {
@@ -97,6 +97,8 @@ impl Connector for PgConnector {
                     StoreLock::new(id.to_string())
                         .with_key(keys.get(&id).map(|key| (*key).to_owned()))
                         .with_readers(readers)
+                        // The holding sessions' `application_name`: PostgreSQL's owner.
+                        .with_owner(Some(names))
                 })
                 .collect())
         })

@@ -246,11 +246,14 @@ pub(super) fn lock_timeout_setting(timeout: Duration) -> String {
 }
 
 /// The advisory locks granted in this database now, for store inspection: the lock id (the
-/// two 32-bit halves put back together), the mode (`ShareLock` or `ExclusiveLock`) and how
-/// many sessions hold it so.
-pub(super) const STORE_LOCKS_SQL: &str = "SELECT (classid::bigint << 32) | objid::bigint, mode, \
-    count(*)::bigint FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 AND granted \
-    AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+/// two 32-bit halves put back together), the mode (`ShareLock` or `ExclusiveLock`), how
+/// many sessions hold it so, and their `application_name`s (comma-separated; empty when
+/// none is set or the user may not see the sessions).
+pub(super) const STORE_LOCKS_SQL: &str = "SELECT (l.classid::bigint << 32) | l.objid::bigint, l.mode, \
+    count(*)::bigint, coalesce(string_agg(DISTINCT a.application_name, ','), '') \
+    FROM pg_locks l LEFT JOIN pg_stat_activity a ON a.pid = l.pid \
+    WHERE l.locktype = 'advisory' AND l.objsubid = 1 AND l.granted \
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
     GROUP BY 1, 2";
 
 #[cfg(test)]

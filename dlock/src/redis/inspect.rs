@@ -6,7 +6,7 @@ use redis::{Cmd, Value};
 
 use super::cluster::masters;
 use super::read::readers_key;
-use super::{KeyLayout, Shared, fence_key};
+use super::{KeyLayout, Shared, fence_key, owner};
 use crate::LockError;
 use crate::backend::StoreLock;
 
@@ -83,6 +83,9 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
         }
     }
     let mut locks = Vec::new();
+    // Owner labels by backend id, each read once.
+    let mut labels: std::collections::HashMap<Vec<u8>, Option<String>> =
+        std::collections::HashMap::new();
     for (key, name) in found {
         let mut get: Cmd = redis::cmd("GET");
         get.arg(&key);
@@ -97,19 +100,52 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
             Value::Int(ms) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
             _ => None,
         };
-        let readers = if owner.is_empty() {
-            let mut count: Cmd = redis::cmd("ZCOUNT");
-            count
-                .arg(readers_key(shared.layout, &key))
+        // The holder's token, or the live readers' tokens.
+        let tokens: Vec<Vec<u8>> = if owner.is_empty() {
+            let mut live: Cmd = redis::cmd("ZRANGEBYSCORE");
+            live.arg(readers_key(shared.layout, &key))
                 .arg(format!("({now_ms}"))
                 .arg("+inf");
-            match shared.bounded(what, shared.conn.query(&count)).await? {
-                Value::Int(n) => u32::try_from(n).unwrap_or(u32::MAX),
-                _ => 0,
+            match shared.bounded(what, shared.conn.query(&live)).await? {
+                Value::Array(members) => members
+                    .into_iter()
+                    .filter_map(|member| match member {
+                        Value::BulkString(token) => Some(token),
+                        _ => None,
+                    })
+                    .collect(),
+                _ => Vec::new(),
             }
+        } else {
+            vec![owner.clone()]
+        };
+        let readers = if owner.is_empty() {
+            u32::try_from(tokens.len()).unwrap_or(u32::MAX)
         } else {
             0
         };
+        let mut owners: Vec<String> = Vec::new();
+        for token in &tokens {
+            let Some(id) = owner::id_of(token) else {
+                continue;
+            };
+            if !labels.contains_key(id) {
+                let mut get: Cmd = redis::cmd("GET");
+                get.arg(owner::label_key(&shared.prefix, id));
+                let label = match shared.bounded(what, shared.conn.query(&get)).await {
+                    Ok(Value::BulkString(label)) => {
+                        Some(String::from_utf8_lossy(&label).into_owned())
+                    }
+                    _ => None,
+                };
+                labels.insert(id.to_vec(), label);
+            }
+            if let Some(Some(label)) = labels.get(id)
+                && !owners.contains(label)
+            {
+                owners.push(label.clone());
+            }
+        }
         // A shared counter (`fencing_counters`) says nothing of this holder's token.
         let fencing_token = if shared.counters.is_some() {
             None
@@ -128,7 +164,8 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
                 .with_key(Some(name))
                 .with_readers(readers)
                 .with_fencing_token(fencing_token)
-                .with_remaining_lease(remaining),
+                .with_remaining_lease(remaining)
+                .with_owner((!owners.is_empty()).then(|| owners.join(","))),
         );
     }
     Ok(locks)
@@ -239,6 +276,10 @@ mod tests {
             assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &counter), None);
             let record = super::super::bounded::record_key(b"p:", KeyLayout::Plain);
             assert_eq!(lock_name(KeyLayout::Plain, b"p:", &record), None);
+            // Nor are the owner labels.
+            let label = super::super::owner::label_key(b"p:", b"0123456789abcdef");
+            assert_eq!(lock_name(KeyLayout::Tagged, b"p:", &label), None);
+            assert_eq!(lock_name(KeyLayout::Plain, b"p:", &label), None);
             let counter = super::super::bounded::counter_key(&record, 3);
             assert_eq!(lock_name(KeyLayout::Plain, b"p:", &counter), None);
             let plain = [b"p:".as_slice(), name.as_bytes()].concat();

@@ -668,8 +668,10 @@ mod cluster;
 mod commands;
 mod fair;
 mod fence;
+mod force;
 mod hosts;
 mod inspect;
+mod owner;
 mod quorums;
 mod read;
 mod redlock;
@@ -745,6 +747,8 @@ struct Shared {
     hold_offs: Option<Arc<fair::HoldOffs>>,
     /// The clean-ups of abandoned acquisitions under way (see [Cancellation](self#cancellation)).
     settling: Arc<Settling<Arc<[u8]>>>,
+    /// The backend's id (the first half of its owner tokens) and owner label.
+    owner_label: owner::OwnerLabel,
 }
 
 impl Drop for Shared {
@@ -1258,6 +1262,7 @@ impl RedisBuilder {
                 wakes,
                 hold_offs,
                 settling: Arc::default(),
+                owner_label: owner::OwnerLabel::new()?,
             }),
         })
     }
@@ -2259,6 +2264,14 @@ impl LockBackend for RedisBackend {
         Box::pin(inspect::store_locks(&self.shared))
     }
 
+    fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
+        Ok(self)
+    }
+
+    fn set_owner_label(&self, label: &str) {
+        self.shared.owner_label.set(label);
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
             let cmd = redis::cmd("PING");
@@ -2343,7 +2356,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
     // An abandoned acquisition of this key may still be giving it back: a try sent now would
     // find it taken (see [Cancellation](self#cancellation)).
     shared.settling.wait(&lock_key, shared.timeout).await;
-    let token = OwnerToken::random()?;
+    let token = shared.owner_label.token()?;
     let plan = bounded::plan(shared, request.key, &lock_key).await?;
     // From here until the answer is read, a drop (or a failure) may leave the lock
     // taken under our token: the cleanup deletes it again in the background.
@@ -2480,6 +2493,7 @@ async fn hold(
             return Err(err);
         }
     };
+    shared.write_owner_label(sent);
     Ok(WaitTry::Acquired(
         Acquired::new(
             fencing_token,
@@ -2735,6 +2749,10 @@ impl LeaseControl for RedisHeld {
 
     fn stop_renewal(&self) {
         self.shared.renewals.stop(self.renewal);
+    }
+
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Ok(self.shared.renewals.resume(self.renewal))
     }
 }
 

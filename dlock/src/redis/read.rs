@@ -291,7 +291,7 @@ pub(super) async fn try_acquire(
 ) -> Result<WaitTry, LockError> {
     let lease = request.lease.unwrap_or(shared.lease);
     check_lease(lease)?;
-    let token = OwnerToken::random()?;
+    let token = shared.owner_label.token()?;
     let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
     // An abandoned acquisition of this key may still be giving it back.
     shared.settling.wait(&lock_key, shared.timeout).await;

@@ -454,9 +454,32 @@ fn short_of_quorum(
     LockError::unavailable(NAME, message, None)
 }
 
+impl RedlockBackend {
+    /// Ends the lock of `key` on every node at once (see `force.rs`).
+    pub(super) async fn force_release_nodes(&self, key: &str) -> Result<bool, LockError> {
+        use crate::backend::ForceRelease as _;
+        let shared = &*self.shared;
+        let answers: Vec<Result<bool, LockError>> = join(shared.nodes.iter().map(|node| {
+            Box::pin(async move { node.get().await?.force_release(key).await }) as BoxFuture<'_, _>
+        }))
+        .await;
+        if answers.iter().any(|answer| matches!(answer, Ok(true))) {
+            return Ok(true);
+        }
+        match answers.into_iter().find_map(Result::err) {
+            Some(err) => Err(err),
+            None => Ok(false),
+        }
+    }
+}
+
 impl LockBackend for RedlockBackend {
     fn name(&self) -> &'static str {
         NAME
+    }
+
+    fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
+        Ok(self)
     }
 
     fn shared_locks(&self) -> Result<(), LockError> {
@@ -891,6 +914,23 @@ impl LeaseControl for RedlockHeld {
                 control.stop_renewal();
             }
         }
+    }
+
+    /// Every node lock still held renews again; the lock is counted on while a quorum of them
+    /// do (and its own deadline has not passed).
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        if self.lost.is_cancelled() || self.deadline.has_passed() {
+            return Ok(false);
+        }
+        let mut renewed = 0;
+        for (_, handle) in &self.nodes {
+            if let Some(control) = handle.lease_control()
+                && control.start_renewal()?
+            {
+                renewed += 1;
+            }
+        }
+        Ok(renewed >= self.quorum)
     }
 }
 

@@ -229,6 +229,20 @@ impl Renewals {
         }
     }
 
+    /// Starts renewing lock `id` again, the first renewal at once: whether it is still
+    /// counted on (renewed by the driver, its deadline not passed).
+    pub(super) fn resume(&self, id: u64) -> bool {
+        let mut state = self.state();
+        let resumed = state
+            .entries
+            .get_mut(&id)
+            .is_some_and(|entry| entry.term.resume(Instant::now()));
+        if resumed && let Some(wake_at) = state.requeue(id) {
+            self.plan(state, wake_at);
+        }
+        resumed
+    }
+
     /// Lock `id` was found lost: its renewals end, and its lost token fires.
     pub(super) fn lose(&self, id: u64) {
         if let Some(entry) = self.state().take(id) {

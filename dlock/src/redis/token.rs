@@ -7,8 +7,10 @@ use crate::LockError;
 
 /// The bytes that say who holds a Redis lock: the value stored under the lock's key.
 ///
-/// Acquisitions through a [`LockProvider`](crate::LockProvider) make a fresh token of 128
-/// unpredictable bits each time ([`OwnerToken::random`]), written as 32 lowercase hex digits: text, so that other clients and `redis-cli` show it as it is, and so
+/// Acquisitions through a [`LockProvider`](crate::LockProvider) make a fresh token each time:
+/// the backend's random 64-bit id (which names its [owner
+/// label](crate::ProviderBuilder::owner_label)) and 64 unpredictable bits from
+/// [`OwnerToken::random`], written as 32 lowercase hex digits: text, so that other clients and `redis-cli` show it as it is, and so
 /// that a server's answer quoting it is readable (see
 /// [Native commands first](super#native-commands-first-per-connection)). Processes that
 /// share one lock between them (one takes it, another renews or releases it) pass a token

@@ -254,6 +254,42 @@ impl<E: Engine> LockBackend for SessionBackend<E> {
         self.lanes.connector().shared_locks()
     }
 
+    /// Refused: a session lock ends only with its session, which holds other locks too.
+    fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
+        let name = self.name();
+        let instead = match name {
+            "postgres" => {
+                "the server ends an advisory lock only with the session that holds it; \
+                 `pg_terminate_backend(pid)` ends that whole session and every other lock it \
+                 holds (find it with `SELECT pid, application_name FROM pg_locks JOIN \
+                 pg_stat_activity USING (pid) WHERE locktype = 'advisory'`). Prefer stopping \
+                 the process that holds the lock"
+            }
+            "mysql" => {
+                "the server ends a user lock only with the session that holds it; \
+                 `KILL <id>` (the id from `SELECT IS_USED_LOCK(name)`) ends that whole session \
+                 and every other lock it holds. Prefer stopping the process that holds the lock"
+            }
+            "mssql" => {
+                "the server ends an application lock only with the session that holds it; \
+                 `KILL <session id>` (from `sys.dm_tran_locks` where resource_type = \
+                 'APPLICATION') ends that whole session and every other lock it holds. Prefer \
+                 stopping the process that holds the lock"
+            }
+            "oracle" => {
+                "the server ends a DBMS_LOCK lock only with the session that holds it; \
+                 `ALTER SYSTEM KILL SESSION 'sid,serial#'` (from `V$LOCK` where type = 'UL') \
+                 ends that whole session and every other lock it holds. Prefer stopping the \
+                 process that holds the lock"
+            }
+            _ => {
+                "the server ends a session lock only with its session, which may hold other \
+                 locks too; stop the process that holds the lock"
+            }
+        };
+        Err(LockError::unsupported(name, "force release", instead))
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(self.lanes.ping())
     }

@@ -150,6 +150,7 @@ pub(super) fn retry_busy<T>(
 /// the caller's transaction, it is part of it.
 pub(super) fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> {
     conn.execute_batch(SCHEMA)?;
+    conn.execute_batch(super::owners::OWNERS_SCHEMA)?;
     let legacy = |conn: &Connection| -> rusqlite::Result<bool> {
         conn.prepare_cached(LEGACY_SQL)?
             .query_row([], |row| row.get::<_, i64>(0))

@@ -11,6 +11,11 @@
 //! | `boot` (BLOB) | the boot of the machine that `lease_end` belongs to (Linux's boot id; empty elsewhere) |
 //! | `fencing` (INTEGER) | the last fencing token issued for the key |
 //!
+//! The owner tokens of one backend share their first 8 bytes, the backend's id, which names
+//! its [owner label](crate::ProviderBuilder::owner_label) in `__distributed_lock_owners (id,
+//! label, written)`, a table created on open and written once per backend (then every 12
+//! hours); the other 8 bytes are random for each acquisition.
+//!
 //! An acquisition takes a free or expired row with one atomic statement. Polls of a key that
 //! is held elsewhere are answered by a read, without the file's write lock, once the key has
 //! been found held in the last second or whenever another connection is writing, so processes
@@ -195,6 +200,8 @@
 mod clock;
 mod counted;
 mod file;
+mod force;
+mod owners;
 mod queue;
 mod read;
 mod renewer;
@@ -308,6 +315,8 @@ struct Shared {
     held_recently: Mutex<HashMap<Box<[u8]>, Instant>>,
     /// Random bytes for owner tokens, not handed out yet.
     owners: Mutex<Owners>,
+    /// The backend's id (the first 8 bytes of its owner tokens) and owner label.
+    owner_label: owners::OwnerLabel,
     /// The `-fencing` file, once it exists.
     fencing: Fencing,
     /// The shared counters the backend joined (`fencing_counters`), if any.
@@ -555,6 +564,7 @@ impl SqliteBuilder {
                     bytes: [0; 16 * OWNERS_PER_FETCH],
                     used: OWNERS_PER_FETCH,
                 }),
+                owner_label: owners::OwnerLabel::new()?,
                 path: self.path,
             }),
         })
@@ -644,6 +654,14 @@ impl LockBackend for SqliteBackend {
     }
 
     /// The held rows of the lock table, with their readers.
+    fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
+        Ok(self)
+    }
+
+    fn set_owner_label(&self, label: &str) {
+        self.shared.owner_label.set(label);
+    }
+
     fn store_locks<'a>(
         &'a self,
         _known: &'a [&'a str],
@@ -655,24 +673,28 @@ impl LockBackend for SqliteBackend {
                 .with_busy_retry("listing the locks", RELEASE_PAUSES, |conn| {
                     let (now, boot) = (clock.now_ms(), clock.boot());
                     let mut readers = HashMap::new();
-                    let mut query = conn.prepare_cached(STORE_READERS_SQL)?;
+                    let mut query = conn.prepare_cached(owners::STORE_READERS_SQL)?;
                     let mut rows = query.query(params![now, boot])?;
                     while let Some(row) = rows.next()? {
-                        readers.insert(row.get::<_, Vec<u8>>(0)?, row.get::<_, i64>(1)?);
+                        readers.insert(
+                            row.get::<_, Vec<u8>>(0)?,
+                            (row.get::<_, i64>(1)?, row.get::<_, Option<String>>(2)?),
+                        );
                     }
                     let mut locks = Vec::new();
-                    let mut query = conn.prepare_cached(STORE_LOCKS_SQL)?;
+                    let mut query = conn.prepare_cached(owners::STORE_LOCKS_SQL)?;
                     let mut rows = query.query(params![now, boot])?;
                     while let Some(row) = rows.next()? {
                         let name: Vec<u8> = row.get(0)?;
                         let by_readers: bool = row.get(1)?;
                         let lease_end: i64 = row.get(2)?;
                         let fencing: i64 = row.get(3)?;
+                        let label: Option<String> = row.get(4)?;
                         let key = String::from_utf8_lossy(&name).into_owned();
-                        let count = if by_readers {
-                            readers.get(&name).copied().unwrap_or(0)
+                        let (count, owner) = if by_readers {
+                            readers.remove(&name).unwrap_or((0, None))
                         } else {
-                            0
+                            (0, label)
                         };
                         let left = u64::try_from(lease_end.saturating_sub(now)).unwrap_or(0);
                         locks.push(
@@ -680,7 +702,8 @@ impl LockBackend for SqliteBackend {
                                 .with_key(Some(key))
                                 .with_readers(u32::try_from(count).unwrap_or(u32::MAX))
                                 .with_fencing_token(u64::try_from(fencing).ok().filter(|t| *t > 0))
-                                .with_remaining_lease(Some(Duration::from_millis(left))),
+                                .with_remaining_lease(Some(Duration::from_millis(left)))
+                                .with_owner(owner),
                         );
                     }
                     Ok(locks)
@@ -760,6 +783,7 @@ impl LockBackend for SqliteBackend {
             if !request.shared {
                 self.shared.writer_got(name).await;
             }
+            self.shared.write_owner_label(started).await;
             // The row (or the reader's share) is ours from here on: a failure must give it
             // back. A reader's token is final (see `read_once`).
             let fencing = match fencing {
@@ -1015,6 +1039,10 @@ impl LeaseControl for SqliteHeld {
     fn stop_renewal(&self) {
         self.shared.renewer.stop(self.id);
     }
+
+    fn start_renewal(&self) -> Result<bool, LockError> {
+        Ok(self.shared.renewer.resume(self.id))
+    }
 }
 
 impl Drop for SqliteHeld {
@@ -1077,6 +1105,8 @@ impl Shared {
         // Not used again: overwritten before the next fetch is handed out.
         owners.bytes[at..at + 16].fill(0);
         owners.used += 1;
+        // The backend's id first, for its owner label (see `owners.rs`); 64 random bits stay.
+        owner[..8].copy_from_slice(&self.owner_label.id);
         Ok(owner)
     }
 

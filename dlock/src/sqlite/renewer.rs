@@ -244,6 +244,22 @@ impl Renewer {
         }
     }
 
+    /// Starts renewing lock `id` again, the first renewal at once: whether it is still
+    /// counted on (registered, its deadline not passed).
+    pub(super) fn resume(&self, id: u64) -> bool {
+        let mut registry = self.state.registry();
+        let resumed = registry
+            .renewals
+            .get_mut(&id)
+            .is_some_and(|renewal| renewal.term.resume(Instant::now()));
+        if resumed {
+            registry.woken = true;
+            drop(registry);
+            self.state.wake.notify_one();
+        }
+        resumed
+    }
+
     /// Lock `id` was found lost: its renewals end, and its lost token fires.
     pub(super) fn lose(&self, id: u64) {
         let removed = self.state.registry().renewals.remove(&id);

@@ -262,12 +262,3 @@ pub(super) const QUEUE_JOIN_SQL: &str = "INSERT INTO main.__distributed_lock_wai
 /// `?4` boot).
 pub(super) const QUEUE_LEAVE_SQL: &str = "DELETE FROM main.__distributed_lock_waiters \
     WHERE name = ?1 AND (owner = ?2 OR boot IS NOT ?4 OR until <= ?3)";
-
-/// The rows held now (`?1` now, `?2` boot), for store inspection: name, whether readers hold it
-/// (the empty owner), lease end, fencing counter.
-pub(super) const STORE_LOCKS_SQL: &str = "SELECT name, owner = x'', lease_end, fencing \
-    FROM main.__distributed_locks WHERE owner IS NOT NULL AND boot = ?2 AND lease_end > ?1";
-
-/// The live readers of each name (`?1` now, `?2` boot), for store inspection.
-pub(super) const STORE_READERS_SQL: &str = "SELECT name, count(*) FROM main.__distributed_lock_readers \
-    WHERE boot = ?2 AND lease_end > ?1 GROUP BY name";

@@ -56,7 +56,14 @@ fn owners_are_unique() {
     let a = backend.shared.new_owner().unwrap();
     let b = backend.shared.new_owner().unwrap();
     assert_ne!(a, b);
-    assert_ne!(a[..8], b[..8], "no shared prefix: every bit is random");
+    // The backend's id first (for its owner label), then 64 random bits.
+    assert_eq!(a[..8], backend.shared.owner_label.id);
+    assert_eq!(b[..8], backend.shared.owner_label.id);
+    assert_ne!(a[8..], b[8..], "the rest is random");
+    let other = rt
+        .block_on(SqliteBackend::open(dir.path().join("l.db")))
+        .unwrap();
+    assert_ne!(other.shared.owner_label.id, backend.shared.owner_label.id);
 }
 
 async fn open(dir: &tempfile::TempDir, lease: Duration) -> SqliteBackend {

@@ -8,7 +8,7 @@
 //! | `GET /accounts/{id}` | none |
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
 //! | `GET /admin/locks` | none; the locks this instance holds now (`LockProvider::held_locks`), as JSON |
-//! | `GET /admin/store-locks` | none; the locks held in the store now by any instance (`LockProvider::store_locks`), as JSON |
+//! | `GET /admin/store-locks` | none; the locks held in the store now by any instance (`LockProvider::store_locks`), with who holds each (its owner label, `host:pid` by default), as JSON |
 //! | `GET /health` | none; asks the lock store (`LockProvider::ping`), 503 problem when it is down |
 //!
 //! Account ids are strings: the handlers take `Path<String>`, which is the percent-decoded
@@ -378,6 +378,9 @@ struct StoreLockView {
     remaining_lease_ms: Option<u128>,
     /// Whether this instance holds it.
     held_here: bool,
+    /// Who holds it: the holder's owner label (`host:pid` unless set), where the store keeps
+    /// one.
+    owner: Option<String>,
 }
 
 /// The locks held in the store now, by any instance (read-only).
@@ -389,6 +392,7 @@ async fn store_locks(
         locks
             .into_iter()
             .map(|lock| StoreLockView {
+                owner: lock.owner().map(str::to_owned),
                 remaining_lease_ms: lock.remaining_lease.map(|left| left.as_millis()),
                 key: lock.key,
                 resource: lock.resource,

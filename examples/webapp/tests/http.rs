@@ -904,6 +904,9 @@ async fn the_store_admin_route_lists_locks_held_by_other_instances() {
     assert_eq!(lock["held_here"], false, "{seen}");
     assert_eq!(lock["readers"], 0, "{seen}");
     assert!(lock["fencing_token"].as_u64().is_some(), "{seen}");
+    // Who holds it: the other instance, by its default owner label `host:pid`.
+    let owner = lock["owner"].as_str().expect("an owner");
+    assert!(owner.ends_with(&format!(":{}", a.pid())), "{seen}");
     assert_eq!(debit.await.expect("join").0, 200);
     let after = listed(client.clone(), admin.clone()).await;
     assert!(

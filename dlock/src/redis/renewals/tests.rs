@@ -29,6 +29,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         )),
         hold_offs: Default::default(),
         settling: Default::default(),
+        owner_label: crate::redis::owner::OwnerLabel::new().unwrap(),
     })
 }
 

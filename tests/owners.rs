@@ -1,0 +1,231 @@
+//! Owner labels: who holds a lock, as store inspection (`LockProvider::store_locks`, `dlock ls`)
+//! shows it, on SQLite, Redis and PostgreSQL; and what keeping them costs an acquisition.
+
+use std::time::Duration;
+
+use dlock::LockProvider;
+use dlock_testkit::unique_key;
+
+/// The owner `store_locks` shows for `key`.
+async fn owner_of(locks: &LockProvider, key: &str) -> Option<String> {
+    locks
+        .store_locks()
+        .await
+        .expect("store inspection")
+        .into_iter()
+        .find(|lock| lock.key.as_deref() == Some(key))
+        .and_then(|lock| lock.owner().map(str::to_owned))
+}
+
+/// The default label is `host:pid`.
+#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+fn assert_default_label(label: &str) {
+    let (host, pid) = label.rsplit_once(':').expect("host:pid");
+    assert!(!host.is_empty(), "{label}");
+    assert_eq!(pid, std::process::id().to_string(), "{label}");
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite {
+    use super::*;
+
+    async fn provider(path: &std::path::Path, label: Option<&str>) -> LockProvider {
+        let backend = dlock::sqlite::SqliteBackend::open(path).await.unwrap();
+        let builder = LockProvider::builder(backend);
+        match label {
+            Some(label) => builder.owner_label(label).build(),
+            None => builder.build(),
+        }
+    }
+
+    /// Each lock shows the label of the provider that holds it (a read lock, its readers'),
+    /// whichever provider lists it; released locks are gone, and so are the labels of
+    /// backends that hold nothing once another backend records its own.
+    #[tokio::test]
+    async fn locks_show_their_owners() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        let a = provider(&path, Some("worker-a")).await;
+        let b = provider(&path, None).await;
+        assert_eq!(a.owner_label(), "worker-a");
+        assert_default_label(b.owner_label());
+
+        let exclusive = a.try_acquire("jobs:a").await.unwrap();
+        let by_b = b.try_acquire("jobs:b").await.unwrap();
+        let read_a = a.try_acquire_read("prices").await.unwrap();
+        let read_b = b.try_acquire_read("prices").await.unwrap();
+        for lister in [&a, &b] {
+            assert_eq!(
+                owner_of(lister, "jobs:a").await.as_deref(),
+                Some("worker-a")
+            );
+            assert_eq!(
+                owner_of(lister, "jobs:b").await.as_deref(),
+                Some(b.owner_label())
+            );
+            let readers = owner_of(lister, "prices").await.unwrap();
+            let mut labels: Vec<&str> = readers.split(',').collect();
+            labels.sort_unstable();
+            let mut expected = vec!["worker-a", b.owner_label()];
+            expected.sort_unstable();
+            assert_eq!(labels, expected);
+        }
+        for guard in [exclusive, by_b, read_a, read_b] {
+            guard.release().await.unwrap();
+        }
+        assert!(a.store_locks().await.unwrap().is_empty());
+
+        // A record not written for a day is deleted when another backend records its label,
+        // unless its backend still holds a lock; the labels of live backends stay.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        let labels = || {
+            let mut rows: Vec<String> = conn
+                .prepare("SELECT label FROM __distributed_lock_owners")
+                .unwrap()
+                .query_map([], |row| row.get(0))
+                .unwrap()
+                .map(Result::unwrap)
+                .collect();
+            rows.sort();
+            rows
+        };
+        let held = a.try_acquire("jobs:held").await.unwrap();
+        conn.execute(
+            "INSERT INTO __distributed_lock_owners (id, label, written) VALUES (x'0102030405060708', 'gone', 0)",
+            [],
+        )
+        .unwrap();
+        conn.execute(
+            "UPDATE __distributed_lock_owners SET written = 0 WHERE label = 'worker-a'",
+            [],
+        )
+        .unwrap();
+        let c = provider(&path, Some("worker-c")).await;
+        c.try_acquire("jobs:c")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+        let mut expected = vec![
+            b.owner_label().to_owned(),
+            "worker-a".into(),
+            "worker-c".into(),
+        ];
+        expected.sort();
+        assert_eq!(
+            labels(),
+            expected,
+            "the stale record of a backend that holds nothing went"
+        );
+        assert_eq!(owner_of(&c, "jobs:held").await.as_deref(), Some("worker-a"));
+        held.release().await.unwrap();
+    }
+}
+
+#[cfg(feature = "redis")]
+mod redis {
+    use super::*;
+    use dlock_testkit::redis::{Flavor, RedisServer};
+
+    /// Each lock shows its holder's label (read locks, their readers'). The label is written
+    /// once: the first acquisition and release send one `SET` more than the next, and fifty
+    /// more send no more commands each than the second did.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn locks_show_their_owners_at_no_cost_per_acquisition() {
+        let Some(server) = RedisServer::start(Flavor::Redis7) else {
+            return;
+        };
+        let provider = |label: &'static str| {
+            let url = server.url("");
+            async move {
+                let backend = dlock::redis::RedisBackend::connect(&url).await.unwrap();
+                LockProvider::builder(backend).owner_label(label).build()
+            }
+        };
+        let (a, b) = (provider("worker-a").await, provider("worker-b").await);
+        let key = unique_key("owned");
+        let before = server.commands_sent();
+        let guard = a.try_acquire(&key).await.unwrap();
+        dlock_testkit::wait_until(
+            "the label is recorded",
+            Duration::from_secs(5),
+            async || owner_of(&b, &key).await.as_deref() == Some("worker-a"),
+        )
+        .await;
+        guard.release().await.unwrap();
+        let first = server.commands_sent();
+        let first_sets = first.calls("set") - before.calls("set");
+
+        let cycle = async || {
+            a.try_acquire(&key).await.unwrap().release().await.unwrap();
+        };
+        let start = server.commands_sent();
+        cycle().await;
+        let second = server.commands_sent();
+        let (one, sets) = (
+            second.total() - start.total(),
+            second.calls("set") - start.calls("set"),
+        );
+        assert_eq!(
+            first_sets,
+            sets + 1,
+            "the first cycle wrote the label, once"
+        );
+        for _ in 0..50 {
+            cycle().await;
+        }
+        let after = server.commands_sent();
+        assert_eq!(
+            after.calls("set") - second.calls("set"),
+            50 * sets,
+            "no other label write"
+        );
+        assert_eq!(
+            after.total() - second.total(),
+            50 * one,
+            "{one} commands a cycle"
+        );
+
+        let prices = unique_key("prices");
+        let read_a = a.try_acquire_read(&prices).await.unwrap();
+        let read_b = b.try_acquire_read(&prices).await.unwrap();
+        dlock_testkit::wait_until(
+            "both labels are recorded",
+            Duration::from_secs(5),
+            async || {
+                owner_of(&a, &prices).await.is_some_and(|owners| {
+                    let mut labels: Vec<&str> = owners.split(',').collect();
+                    labels.sort_unstable();
+                    labels == ["worker-a", "worker-b"]
+                })
+            },
+        )
+        .await;
+        read_a.release().await.unwrap();
+        read_b.release().await.unwrap();
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres {
+    use super::*;
+
+    /// PostgreSQL's owner is the holding session's `application_name`: `dlock` unless the
+    /// URL names it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn locks_show_the_sessions_application_name() {
+        let server = dlock_testkit::postgres::PgServer::shared();
+        let named = LockProvider::connect(&server.url("application_name=billing-7"))
+            .await
+            .unwrap();
+        let plain = LockProvider::connect(&server.url("")).await.unwrap();
+        let (k1, k2) = (unique_key("pg-owned"), unique_key("pg-owned"));
+        let g1 = named.try_acquire(&k1).await.unwrap();
+        let g2 = plain.try_acquire(&k2).await.unwrap();
+        assert_eq!(owner_of(&named, &k1).await.as_deref(), Some("billing-7"));
+        assert_eq!(owner_of(&plain, &k2).await.as_deref(), Some("dlock"));
+        g1.release().await.unwrap();
+        g2.release().await.unwrap();
+    }
+}
