@@ -386,7 +386,9 @@ impl LockProvider {
 
     /// Checks that the lock store answers, with one cheap round trip: a `SELECT 1` on a lock
     /// connection (PostgreSQL, MySQL, SQL Server, Oracle), a `PING` (Redis), a read of the lock
-    /// table (SQLite). For health checks: `Ok(())` when the store can be reached, otherwise
+    /// table (SQLite), a linearizable read of one key (etcd, sent again to another member when
+    /// an attempt reaches one that is down). For health checks: `Ok(())` when the store can be
+    /// reached, otherwise
     /// the error an acquisition would meet ([`LockError::Unavailable`] for a store that is
     /// down). Must run inside a Tokio runtime.
     ///
