@@ -463,7 +463,12 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
         (true, true) => {
             quote! { ::dlock::__private::until_any_lost(&#guard_var, async move #block).await }
         }
-        (_, false) => quote! { async move #block.await },
+        (false, false) => {
+            quote! { ::dlock::__private::checked(&#guard_var, async move #block).await }
+        }
+        (true, false) => {
+            quote! { ::dlock::__private::checked_many(&#guard_var, async move #block).await }
+        }
     };
     let (key_decl, acquire) = match (&args.keys, &args.permits) {
         (Keys::Many(..), _) => {

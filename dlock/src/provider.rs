@@ -254,7 +254,12 @@ impl LockProvider {
 
     /// Runs `f` while holding the lock, then releases it.
     ///
-    /// `f` gets the lock's lost token, cancelled if ownership is lost while it runs. If `f`
+    /// `f` gets the lock's lost token, cancelled if ownership is lost while it runs. Before
+    /// each poll of `f`'s future the lease's clock is checked (as
+    /// [`LockGuard::is_lost`] does), so after a pause of the process past the lease the token
+    /// is already cancelled at `f`'s next step; a task `f` spawns with the token is not polled
+    /// here, and may see it late (give it a [`LostSignal`](crate::LostSignal) instead, from
+    /// [`lock`](LockProvider::lock)'s guard). If `f`
     /// panics or its future is dropped, the guard is dropped with it and the lock is released
     /// in the background. Returns [`LockError::Lost`] instead of `f`'s output when the lock was
     /// lost before `f` finished (the work may have overlapped with another holder's).
@@ -279,7 +284,7 @@ impl LockProvider {
         Fut: Future<Output = T>,
     {
         let guard = self.acquire(key, timeout).await?;
-        let output = f(guard.lost_token().clone()).await;
+        let output = guard.checked(f(guard.lost_token().clone())).await;
         guard.release().await?;
         Ok(output)
     }
@@ -966,7 +971,10 @@ impl<'a> LockBuilder<'a> {
     /// - The token of [`cancel_on`](LockBuilder::cancel_on) ends the **wait** with
     ///   [`LockError::Canceled`]; `f` is then not called.
     /// - Once the lock is held, `f` gets a token cancelled when the caller's token is
-    ///   cancelled **or** the lock is lost, whichever comes first (the two linked). What `f`
+    ///   cancelled **or** the lock is lost, whichever comes first (the two linked). The
+    ///   lease's clock is checked before each poll of `f`'s future, as in
+    ///   [`LockProvider::with_lock`], so after a pause past the lease the token is cancelled
+    ///   before `f`'s next step. What `f`
     ///   does with it is up to `f`: its output is returned once it finishes, unless the lock
     ///   was lost meanwhile, in which case the result is [`LockError::Lost`] (the work may have
     ///   overlapped with another holder's).
