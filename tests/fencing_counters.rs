@@ -237,6 +237,40 @@ mod on_redis {
         }
     }
 
+    /// With `key_layout=plain`, a name written as a hash tag (`{order:42}`) is the very Redis
+    /// key of the tagged layout's lock `order:42`: the two layouts exclude each other on it,
+    /// but each counts its tokens in a counter of its own (`p:{order:42}:fence`, and the
+    /// plain one with its 0xFF), so their tokens are not ordered with each other. The module
+    /// docs say so (never take one lock through both layouts); this pins it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hash_tagged_plain_name_is_the_tagged_lock_with_a_counter_of_its_own() {
+        let Some(server) = start() else { return };
+        let tagged = LockProvider::connect(&server.url("prefix=twin:"))
+            .await
+            .unwrap();
+        let plain = LockProvider::connect(&server.url("prefix=twin:&key_layout=plain"))
+            .await
+            .unwrap();
+        let name = unique_key("order");
+        let mut last = 0;
+        for _ in 0..3 {
+            let guard = tagged.try_acquire(&name).await.unwrap();
+            last = guard.fencing_token().unwrap();
+            assert!(matches!(
+                plain.try_acquire(&format!("{{{name}}}")).await,
+                Err(LockError::AlreadyHeld { .. })
+            ));
+            guard.release().await.unwrap();
+        }
+        let twin = plain.try_acquire(&format!("{{{name}}}")).await.unwrap();
+        assert!(
+            twin.fencing_token().unwrap() < last,
+            "{:?} after {last}",
+            twin.fencing_token()
+        );
+        twin.release().await.unwrap();
+    }
+
     /// The same behind Sentinel.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn going_back_to_per_key_counters_is_refused_behind_sentinel() {

@@ -71,6 +71,19 @@
 //! [`locks.lock(key).cancel_on(&token)`](LockProvider::lock), or one for the whole provider
 //! with [`ProviderBuilder::cancel_on`].
 //!
+//! # Fencing tokens: what every holder of a key must share
+//!
+//! A key's tokens increase strictly as long as every process that locks it counts them in the
+//! same place. These are refused when they would break that: going back from
+//! `fencing_counters=N` to per-key counters (SQLite, PostgreSQL and Redis refuse it), a
+//! backend whose `N` another process switched away (it refuses its fenced acquisitions). These
+//! are the caller's to keep the same, as each backend's docs say: the database in a MySQL URL,
+//! the schema the fencing table is found in (PostgreSQL `search_path`, SQL Server default
+//! schema, Oracle user), the key layout of a Redis lock whose plain name is a hash tag, and
+//! plain Redis prefixes that extend one another. SQLite's `-fencing` file follows the lock
+//! file through symbolic links. etcd's tokens are the cluster's revisions, which no setting
+//! moves back.
+//!
 //! # Pauses: which checks read the clock
 //!
 //! A process can stop for longer than its lease: `SIGSTOP`, a suspended machine, a thread that

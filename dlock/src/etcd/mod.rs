@@ -40,7 +40,11 @@
 //!
 //! The fencing token is the holder's key's create revision: etcd's revision counter is one
 //! for the whole cluster and only ever grows, so successive holders of a lock get strictly
-//! increasing tokens, with no write of their own and across leader changes.
+//! increasing tokens, with no write of their own and across leader changes. No setting of
+//! dlock can make them go back (a lock under another `prefix` is another lock, and its tokens
+//! come from the same counter); a cluster made anew, or restored from a snapshot older than
+//! the last token, starts again from its own revision: keep the fencing stores' high marks
+//! across such a restore.
 //!
 //! # Lost locks
 //!

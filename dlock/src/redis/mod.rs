@@ -88,6 +88,13 @@
 //!   clients never touch the counter; they get no fencing tokens, and a dlock acquisition of a
 //!   key another client holds does not bump it.
 //! - **ACL key pattern.** `~{prefix}*` (the tagged layout's `~{prefix}{*` does not match).
+//! - **A name written as a hash tag is a tagged lock's key.** The plain name `{order:42}` is
+//!   the key `{prefix}{order:42}`, the tagged layout's key of the lock `order:42`: the two
+//!   layouts exclude each other on it, but each increments a counter of its own, and with
+//!   `fencing_counters` on one side only, one side's tokens are far above the other's. The
+//!   tokens of the two are not ordered: never take one lock through both layouts. The same
+//!   holds for two plain prefixes where one extends the other (`a:` and `a:b:`, see the first
+//!   point) unless both keep per-key counters (they then share the counter too).
 //!
 //! Both layouts of one prefix are distinct keys (`p:{k}` and `p:k`): every process that shares
 //! a lock must use the same layout. Switching a running system from one to the other is a
