@@ -5,7 +5,8 @@
 //! every one of its locks over once their leases have run out, keeps it stopped for more than
 //! a lease, and resumes it (`SIGCONT`). At the work's first step after the pause, every check
 //! the API offers must answer "lost": the process may no longer hold the lock, and another
-//! does. Eight pauses per backend, on every lease backend: SQLite, Redis, Redlock and etcd.
+//! does. That includes tasks the work spawned with a guard's `LostSignal`, a `LeaderTerm` or a
+//! `HeldLock`, which dlock does not poll. Eight pauses per backend, on every lease backend: SQLite, Redis, Redlock and etcd.
 //!
 //! Session engines (PostgreSQL, MySQL/MariaDB, SQL Server, Oracle) are not here: a stopped
 //! process keeps its session, and with it its lock, so nobody can take it over meanwhile.

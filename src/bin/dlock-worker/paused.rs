@@ -16,7 +16,9 @@
 //! closures, the [`HeldLock`] of a handler behind a real [`LockLayer`] (`held-lock`), and
 //! `#[distributed_lock]` functions with `on_lost = finish` and a guard (`macro-finish`) and
 //! with `on_lost = cancel`, whose body must not take a step after the pause
-//! (`macro-cancel`).
+//! (`macro-cancel`). Where the API offers a value to hand to the work's own tasks (a
+//! guard's `LostSignal`, a `LeaderTerm`, a `HeldLock`), a task spawned with a clone, which
+//! dlock does not poll, checks it at its own first step after the pause (`spawned_...`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -125,9 +127,22 @@ fn say(line: &str) {
 async fn until_paused<T>(
     lease: Duration,
     held: &UnboundedSender<()>,
-    mut check: impl FnMut() -> T,
+    check: impl FnMut() -> T,
 ) -> T {
     let _ = held.send(());
+    steps_until_paused(lease, check).await
+}
+
+/// A task of the work that dlock does not poll (spawned by it): steps as
+/// [`until_paused`] does, and answers what `check` reads at its first step after the pause.
+fn spawned<T: Send + 'static>(
+    lease: Duration,
+    check: impl FnMut() -> T + Send + 'static,
+) -> tokio::task::JoinHandle<T> {
+    tokio::spawn(steps_until_paused(lease, check))
+}
+
+async fn steps_until_paused<T>(lease: Duration, mut check: impl FnMut() -> T) -> T {
     let mut last = Instant::now();
     loop {
         tokio::time::sleep(STEP).await;
@@ -185,6 +200,10 @@ impl Context {
             .await
             .map_err(|e| e.to_string())?;
         let signal = guard.lost_signal();
+        let task = {
+            let signal = guard.lost_signal();
+            spawned(self.lease, move || signal.is_lost())
+        };
         let line = until_paused(self.lease, &self.held, || {
             checks(&[
                 ("lag_token", guard.lost_token().is_cancelled()),
@@ -193,8 +212,9 @@ impl Context {
             ])
         })
         .await;
+        let in_task = task.await.map_err(|e| e.to_string())?;
         let _ = guard.release().await;
-        Ok(line)
+        Ok(format!("{line} {}", checks(&[("spawned_signal", in_task)])))
     }
 
     async fn leader(&self) -> Result<String, String> {
@@ -208,6 +228,10 @@ impl Context {
                     .run(&shutdown, |term| {
                         let (out, held) = (out.clone(), held.clone());
                         async move {
+                            let task = {
+                                let term = term.clone();
+                                spawned(lease, move || term.has_ended())
+                            };
                             let line = until_paused(lease, &held, || {
                                 checks(&[
                                     ("token", term.token().is_cancelled()),
@@ -215,7 +239,11 @@ impl Context {
                                 ])
                             })
                             .await;
-                            let _ = out.send(line);
+                            let in_task = task.await.unwrap_or(false);
+                            let _ = out.send(format!(
+                                "{line} {}",
+                                checks(&[("spawned_has_ended", in_task)])
+                            ));
                         }
                     })
                     .await
@@ -314,6 +342,10 @@ impl Context {
         let handler = move |lock: HeldLock| {
             let (out, held) = (out.clone(), held.clone());
             async move {
+                let task = {
+                    let lock = lock.clone();
+                    spawned(lease, move || lock.is_lost())
+                };
                 let line = until_paused(lease, &held, || {
                     checks(&[
                         ("token", lock.lost_token().is_cancelled()),
@@ -321,7 +353,11 @@ impl Context {
                     ])
                 })
                 .await;
-                let _ = out.send(line);
+                let in_task = task.await.unwrap_or(false);
+                let _ = out.send(format!(
+                    "{line} {}",
+                    checks(&[("spawned_is_lost", in_task)])
+                ));
                 "done"
             }
         };
