@@ -111,7 +111,8 @@ impl LockGuard {
     /// [`with_lock`](crate::LockProvider::with_lock),
     /// [`run_exclusive`](crate::LockProvider::run_exclusive), [`Leader`](crate::Leader), the
     /// axum layer and `#[distributed_lock]`, it checks the clock before each poll of the work,
-    /// and cancels the token first.)
+    /// and cancels the token first; a pause that falls inside a poll, after that check, is
+    /// seen by the token at the next poll.)
     ///
     /// The token is not cancelled by an ordinary release or drop of the guard.
     pub fn lost_token(&self) -> &CancellationToken {

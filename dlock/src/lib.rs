@@ -104,8 +104,12 @@
 //! a pause, except where dlock drives the work's future itself: `with_lock` (and the builder's),
 //! `run_exclusive`, [`Leader::run`], the axum layer and `#[distributed_lock]` check the clock
 //! before each poll of the work and cancel the token first, so the work's own next step sees
-//! it cancelled (and `on_lost = cancel` stops the body before it). A task the work spawns is
-//! not polled by dlock: give it a [`LostSignal`] or a [`LeaderTerm`].
+//! it cancelled (and `on_lost = cancel` stops the body before it). Two limits remain, both
+//! covered by the checks that read the clock: a pause that falls *inside* a poll of the work
+//! (after that check, before the step) is seen by the token only at the work's next poll; and
+//! a task the work spawns is not polled by dlock: give it a [`LostSignal`] or a [`LeaderTerm`].
+//! So check [`is_lost`](LostSignal::is_lost) right before a step that must not run without
+//! the lock.
 //!
 //! The session engines (PostgreSQL, MySQL/MariaDB, SQL Server, Oracle) keep their locks
 //! through a pause: the server keeps the stopped process's session, so nobody else gets the

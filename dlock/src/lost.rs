@@ -19,8 +19,9 @@ use crate::backend::LeaseDeadline;
 /// process (a stopped process, a suspended machine, a thread that did not run) the work may
 /// take its next step before that task has run again. So a holder paused past its lease, which
 /// another process may hold by now, finds `is_lost()` true at its first step after the pause,
-/// while `token().is_cancelled()` may still say `false` for a moment. Once this signal has
-/// found the deadline passed, it cancels the lost token itself.
+/// while `token().is_cancelled()` may still say `false` for a moment (even where dlock checks
+/// the clock before each poll of the work, when the pause fell inside a poll). Once this
+/// signal has found the deadline passed, it cancels the lost token itself.
 ///
 /// Session locks (PostgreSQL, MySQL/MariaDB, SQL Server, Oracle) have no lease: their signal
 /// is their lost token. A paused process keeps such a lock, because the server keeps its

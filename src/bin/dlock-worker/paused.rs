@@ -6,9 +6,12 @@
 //! A step that comes more than the lease after the one before it is the work's first step
 //! after a pause past the lease: there each task reads every "am I still the holder?" check
 //! its API offers, and the worker prints `checked ROUND API NAME=BOOL ...` (`true`: the check
-//! answered "lost"), then `done ROUND` once every task has ended. Checks whose name starts
-//! with `lag_` are ones the docs say may lag behind a pause (a bare lost token that no code of
-//! dlock polled before the step); the test counts them without requiring them.
+//! answered "lost"), in the order the tasks check, then `done ROUND` once every task has
+//! ended. Checks whose name starts with `lag_` are ones the docs say may lag behind a pause,
+//! and the test counts them without requiring them: a bare lost token that no code of dlock
+//! polls (a guard's), and a bare token (or `on_lost = cancel`) when the pause fell inside the
+//! poll of the work that took the step, after dlock's check of the clock before that poll
+//! (see `until_paused`).
 //!
 //! The APIs: a [`LockGuard`] (`guard`), a [`Leader`]'s term (`leader`), the tokens that
 //! [`LockProvider::run_exclusive`] (`run-exclusive`), [`LockProvider::with_lock`]
@@ -96,19 +99,15 @@ async fn one_round(
             .ok_or("a task ended before it held its lock")?;
     }
     say(&format!("ready {round}"));
-    let mut lines = Vec::new();
+    // Each as it comes: a task that never reports is then the one missing.
     while let Some((api, outcome)) = reports.recv().await {
-        lines.push((api, outcome));
-    }
-    for task in tasks {
-        task.await.map_err(|e| format!("a task panicked: {e}"))?;
-    }
-    lines.sort_by_key(|(api, _)| APIS.iter().position(|a| a == api));
-    for (api, outcome) in lines {
         match outcome {
             Ok(checks) => say(&format!("checked {round} {api} {checks}")),
             Err(why) => say(&format!("failed {round} {api} {why}")),
         }
+    }
+    for task in tasks {
+        task.await.map_err(|e| format!("a task panicked: {e}"))?;
     }
     say(&format!("done {round}"));
     Ok(())
@@ -124,10 +123,16 @@ fn say(line: &str) {
 /// Steps every [`STEP`] until a step comes more than `lease` after the one before it (the
 /// process was paused past its lease), and returns what `check` reads at that step. `held`
 /// is told once, before the first step.
+///
+/// `check` is told whether the pause fell *inside* the poll of the work that took the step
+/// (the poll began before the pause): then nothing around the work could run between the
+/// pause and the step, and a bare token that dlock cancels before each poll of the work has
+/// not been cancelled yet; checks that read the clock see the pause all the same. Await this
+/// first in the work's future, so that each poll of the work begins with a poll of it.
 async fn until_paused<T>(
     lease: Duration,
     held: &UnboundedSender<()>,
-    check: impl FnMut() -> T,
+    check: impl FnMut(bool) -> T,
 ) -> T {
     let _ = held.send(());
     steps_until_paused(lease, check).await
@@ -137,21 +142,36 @@ async fn until_paused<T>(
 /// [`until_paused`] does, and answers what `check` reads at its first step after the pause.
 fn spawned<T: Send + 'static>(
     lease: Duration,
-    check: impl FnMut() -> T + Send + 'static,
+    mut check: impl FnMut() -> T + Send + 'static,
 ) -> tokio::task::JoinHandle<T> {
-    tokio::spawn(steps_until_paused(lease, check))
+    tokio::spawn(steps_until_paused(lease, move |_| check()))
 }
 
-async fn steps_until_paused<T>(lease: Duration, mut check: impl FnMut() -> T) -> T {
-    let mut last = Instant::now();
-    loop {
-        tokio::time::sleep(STEP).await;
-        let now = Instant::now();
-        if now.duration_since(last) > lease {
-            return check();
+async fn steps_until_paused<T>(lease: Duration, mut check: impl FnMut(bool) -> T) -> T {
+    let mut polled = Instant::now();
+    let mut steps = std::pin::pin!(async {
+        let mut last = Instant::now();
+        loop {
+            tokio::time::sleep(STEP).await;
+            let now = Instant::now();
+            if now.duration_since(last) > lease {
+                return now;
+            }
+            last = now;
         }
-        last = now;
-    }
+    });
+    let at = std::future::poll_fn(|cx| {
+        polled = Instant::now();
+        steps.as_mut().poll(cx)
+    })
+    .await;
+    check(at.duration_since(polled) > lease)
+}
+
+/// The name of a bare token's check: `lag_token` when the pause fell inside the poll that
+/// took the step (see [`until_paused`]), `token` otherwise.
+fn token_name(inside: bool) -> &'static str {
+    if inside { "lag_token" } else { "token" }
 }
 
 /// `name=bool` pairs.
@@ -204,7 +224,7 @@ impl Context {
             let signal = guard.lost_signal();
             spawned(self.lease, move || signal.is_lost())
         };
-        let line = until_paused(self.lease, &self.held, || {
+        let line = until_paused(self.lease, &self.held, |_| {
             checks(&[
                 ("lag_token", guard.lost_token().is_cancelled()),
                 ("signal", signal.is_lost()),
@@ -232,9 +252,9 @@ impl Context {
                                 let term = term.clone();
                                 spawned(lease, move || term.has_ended())
                             };
-                            let line = until_paused(lease, &held, || {
+                            let line = until_paused(lease, &held, |inside| {
                                 checks(&[
-                                    ("token", term.token().is_cancelled()),
+                                    (token_name(inside), term.token().is_cancelled()),
                                     ("has_ended", term.has_ended()),
                                 ])
                             })
@@ -268,8 +288,8 @@ impl Context {
                 .run_exclusive(&key, self.lease, Duration::ZERO, |token| {
                     let (lease, held) = (self.lease, self.held.clone());
                     async move {
-                        let line = until_paused(lease, &held, || {
-                            checks(&[("token", token.is_cancelled())])
+                        let line = until_paused(lease, &held, |inside| {
+                            checks(&[(token_name(inside), token.is_cancelled())])
                         })
                         .await;
                         let _ = out.send(line);
@@ -291,48 +311,40 @@ impl Context {
     }
 
     async fn with_lock(&self) -> Result<String, String> {
-        let (out, mut lines) = unbounded_channel();
+        let (out, lines) = unbounded_channel();
         let outcome = self
             .locks
-            .with_lock(&self.key("with-lock"), WAIT, |token| {
-                let (lease, held) = (self.lease, self.held.clone());
-                async move {
-                    let line =
-                        until_paused(lease, &held, || checks(&[("token", token.is_cancelled())]))
-                            .await;
-                    let _ = out.send(line);
-                }
-            })
+            .with_lock(&self.key("with-lock"), WAIT, self.token_work(out))
             .await;
-        match outcome {
-            Ok(()) | Err(LockError::Lost { .. }) => {
-                lines.recv().await.ok_or_else(|| "no checks".to_owned())
-            }
-            Err(err) => Err(err.to_string()),
-        }
+        reported(outcome, lines).await
     }
 
     async fn builder_with_lock(&self) -> Result<String, String> {
-        let (out, mut lines) = unbounded_channel();
+        let (out, lines) = unbounded_channel();
         let outcome = self
             .locks
             .lock(&self.key("builder-with-lock"))
             .timeout(WAIT)
-            .with_lock(|token| {
-                let (lease, held) = (self.lease, self.held.clone());
-                async move {
-                    let line =
-                        until_paused(lease, &held, || checks(&[("token", token.is_cancelled())]))
-                            .await;
-                    let _ = out.send(line);
-                }
-            })
+            .with_lock(self.token_work(out))
             .await;
-        match outcome {
-            Ok(()) | Err(LockError::Lost { .. }) => {
-                lines.recv().await.ok_or_else(|| "no checks".to_owned())
-            }
-            Err(err) => Err(err.to_string()),
+        reported(outcome, lines).await
+    }
+
+    /// The work of a `with_lock`: checks the token it is handed at its first step after the
+    /// pause, and sends what it found to `out`.
+    fn token_work(
+        &self,
+        out: UnboundedSender<String>,
+    ) -> impl FnOnce(CancellationToken) -> BoxedWork {
+        let (lease, held) = (self.lease, self.held.clone());
+        move |token| {
+            Box::pin(async move {
+                let line = until_paused(lease, &held, |inside| {
+                    checks(&[(token_name(inside), token.is_cancelled())])
+                })
+                .await;
+                let _ = out.send(line);
+            })
         }
     }
 
@@ -346,9 +358,9 @@ impl Context {
                     let lock = lock.clone();
                     spawned(lease, move || lock.is_lost())
                 };
-                let line = until_paused(lease, &held, || {
+                let line = until_paused(lease, &held, |inside| {
                     checks(&[
-                        ("token", lock.lost_token().is_cancelled()),
+                        (token_name(inside), lock.lost_token().is_cancelled()),
                         ("is_lost", lock.is_lost()),
                     ])
                 })
@@ -382,26 +394,43 @@ impl Context {
     }
 
     async fn macro_finish(&self) -> Result<String, String> {
-        let (out, mut lines) = unbounded_channel();
-        match finishing(&self.locks, self.id, self.lease, &self.held, &out).await {
-            Ok(()) | Err(LockError::Lost { .. }) => {
-                lines.recv().await.ok_or_else(|| "no checks".to_owned())
-            }
-            Err(err) => Err(err.to_string()),
-        }
+        let (out, lines) = unbounded_channel();
+        let outcome = finishing(&self.locks, self.id, self.lease, &self.held, &out).await;
+        reported(outcome, lines).await
     }
 
     async fn macro_cancel(&self) -> Result<String, String> {
-        let stepped = AtomicBool::new(false);
+        let stepped = [AtomicBool::new(false), AtomicBool::new(false)];
         let outcome = cancelling(&self.locks, self.id, self.lease, &self.held, &stepped).await;
         let stopped = matches!(outcome, Err(LockError::Lost { .. }));
         match outcome {
             Ok(()) | Err(LockError::Lost { .. }) => Ok(checks(&[
-                ("no_step_after_pause", !stepped.load(Ordering::SeqCst)),
+                ("no_step_after_pause", !stepped[0].load(Ordering::SeqCst)),
+                (
+                    "lag_no_step_in_the_poll",
+                    !stepped[1].load(Ordering::SeqCst),
+                ),
                 ("answered_lost", stopped),
             ])),
             Err(err) => Err(err.to_string()),
         }
+    }
+}
+
+/// The future of a `with_lock`'s work.
+type BoxedWork = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// The checks a `with_lock`'s work sent, once the call ended as expected (`Ok`, or `Lost`:
+/// the lock was lost while the work ran).
+async fn reported(
+    outcome: Result<(), LockError>,
+    mut lines: tokio::sync::mpsc::UnboundedReceiver<String>,
+) -> Result<String, String> {
+    match outcome {
+        Ok(()) | Err(LockError::Lost { .. }) => {
+            lines.recv().await.ok_or_else(|| "no checks".to_owned())
+        }
+        Err(err) => Err(err.to_string()),
     }
 }
 
@@ -416,9 +445,9 @@ async fn finishing(
     out: &UnboundedSender<String>,
 ) -> Result<(), LockError> {
     let lock: &LockGuard = lock;
-    let line = until_paused(lease, held, || {
+    let line = until_paused(lease, held, |inside| {
         checks(&[
-            ("token", lock.lost_token().is_cancelled()),
+            (token_name(inside), lock.lost_token().is_cancelled()),
             ("is_lost", lock.is_lost()),
         ])
     })
@@ -434,8 +463,14 @@ async fn cancelling(
     id: u64,
     lease: Duration,
     held: &UnboundedSender<()>,
-    stepped: &AtomicBool,
+    stepped: &[AtomicBool; 2],
 ) -> Result<(), LockError> {
-    until_paused(lease, held, || stepped.store(true, Ordering::SeqCst)).await;
+    until_paused(lease, held, |inside| {
+        // A step in the poll the pause fell inside is that poll's own: `on_lost = cancel`
+        // checks before each poll, and could not have stopped it.
+        let which = if inside { &stepped[1] } else { &stepped[0] };
+        which.store(true, Ordering::SeqCst);
+    })
+    .await;
     Ok(())
 }
