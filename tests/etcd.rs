@@ -449,6 +449,100 @@ async fn cluster_keeps_exclusion_when_a_follower_restarts() {
     through.release().await.expect("release");
 }
 
+/// With three members and the first one the URL lists dead (killed), a majority is up, and a
+/// replica starting then must work on every path: connecting (each of 40 connects must
+/// succeed, where one in three failed when the connect check was sent once and the client's
+/// balancer picked the dead member), health checks, tries, waits, keep-alives over several
+/// leases, lease control and releases; store inspection answers `Unsupported` (etcd lists no
+/// locks) at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_starts_and_works_while_the_first_member_is_down() {
+    let Some(mut h) = EtcdHarness::on(3).await else {
+        return;
+    };
+    // Member 0 is not the leader, so that what follows is about a dead endpoint, not an
+    // election.
+    tokio::task::block_in_place(|| {
+        assert!(
+            h.cluster.make_leader(1, Duration::from_secs(10)),
+            "leader moved"
+        );
+    });
+    h.cluster.kill(0);
+    let url = url_of(&h.cluster, &[0, 1, 2], "lease=1s&timeout=3s");
+    let mut failed = Vec::new();
+    for i in 0..40 {
+        if let Err(err) = LockProvider::connect(&url).await {
+            failed.push(format!("connect {i}: {err}"));
+        }
+    }
+    // The other paths, on providers that did connect (each connect is asserted below).
+    let connected = async || {
+        loop {
+            if let Ok(provider) = LockProvider::connect(&url).await {
+                break provider;
+            }
+        }
+    };
+    let (a, b) = (connected().await, connected().await);
+    for i in 0..40 {
+        if let Err(err) = a.ping().await {
+            failed.push(format!("ping {i}: {err}"));
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "{} of 40 connects and 40 pings failed with a majority up: {failed:#?}",
+        failed.len()
+    );
+    let mut last = 0;
+    for i in 0..20 {
+        let key = unique_key("first-down");
+        let guard = a
+            .try_acquire(&key)
+            .await
+            .unwrap_or_else(|err| panic!("try {i}: {err}"));
+        let token = guard.fencing_token().expect("a token");
+        assert!(token > last, "{token} after {last}");
+        last = token;
+        match b.try_acquire(&key).await {
+            Err(LockError::AlreadyHeld { .. }) => {}
+            other => panic!("try {i} of a held key: {other:?}"),
+        }
+        assert!(guard.verify_still_held().await.expect("verify"));
+        guard
+            .release()
+            .await
+            .unwrap_or_else(|err| panic!("release {i}: {err}"));
+    }
+    // A lock kept over three leases of keep-alives, extended, verified; a waiter meanwhile.
+    let key = unique_key("first-down-held");
+    let guard = a.try_acquire(&key).await.expect("free");
+    let waiter = tokio::spawn({
+        let (b, key) = (b.clone(), key.clone());
+        async move { b.acquire(&key, Duration::from_secs(30)).await }
+    });
+    for _ in 0..6 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(!guard.is_lost(), "a kept lock was lost");
+        assert!(guard.verify_still_held().await.expect("verify"));
+        guard.extend(Duration::from_secs(1)).await.expect("extend");
+        assert!(!waiter.is_finished(), "the waiter got a held lock");
+    }
+    let token = guard.fencing_token();
+    guard.release().await.expect("release");
+    let next = waiter
+        .await
+        .expect("join")
+        .expect("the waiter gets the lock");
+    assert!(next.fencing_token() > token);
+    next.release().await.expect("release");
+    assert!(matches!(
+        a.store_locks().await,
+        Err(LockError::Unsupported { .. })
+    ));
+}
+
 /// The `etcd://` URL of some of `cluster`'s members.
 fn url_of(cluster: &EtcdCluster, members: &[usize], options: &str) -> String {
     let endpoints = cluster.endpoints();

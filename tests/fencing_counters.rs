@@ -196,6 +196,165 @@ mod on_redis {
         super::switching_never_hands_out_a_lower_token(url, false, None, |_, _, _| ()).await;
     }
 
+    /// Per-key counters on a store that had shared ones: each backend refuses its first
+    /// fenced acquisition (a try, a read lock, a wait) with a configuration error naming the
+    /// store's mode, as the SQL stores refuse such a store when they open, and holds nothing
+    /// after; the shared counters go on from where they were. `per_key` and `shared` name the
+    /// same prefix (and layout) on the deployment.
+    async fn going_back_is_refused(per_key: &str, shared: &str) {
+        let key = unique_key("back");
+        let mut last = HashMap::new();
+        let before = LockProvider::connect(per_key).await.unwrap();
+        tokens_increase(&[&before], std::slice::from_ref(&key), 3, &mut last).await;
+        let counted = LockProvider::connect(shared).await.unwrap();
+        tokens_increase(&[&counted], std::slice::from_ref(&key), 2, &mut last).await;
+        let back = LockProvider::connect(per_key).await.unwrap();
+        let err = refused(&back, &key).await;
+        assert!(err.to_string().contains("fencing_counters=4"), "{err}");
+        let err = back.try_acquire_read(&key).await.unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        let err = back
+            .acquire(&unique_key("back-wait"), Duration::from_millis(300))
+            .await
+            .unwrap_err();
+        assert!(is_config(&err), "{err:?}");
+        assert_eq!(back.local_key_count(), 0);
+        tokens_increase(&[&counted], std::slice::from_ref(&key), 2, &mut last).await;
+    }
+
+    /// Going back from `fencing_counters` to per-key counters on one server, in both key
+    /// layouts: refused (a key's token once went from 562949953421322 to 1 here).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn going_back_to_per_key_counters_is_refused() {
+        let Some(server) = start() else { return };
+        for layout in ["tagged", "plain"] {
+            let options = format!("prefix=back-{layout}:&key_layout={layout}");
+            going_back_is_refused(
+                &server.url(&options),
+                &server.url(&format!("{options}&fencing_counters=4")),
+            )
+            .await;
+        }
+    }
+
+    /// With `key_layout=plain`, a name written as a hash tag (`{order:42}`) is the very Redis
+    /// key of the tagged layout's lock `order:42`: the two layouts exclude each other on it,
+    /// but each counts its tokens in a counter of its own (`p:{order:42}:fence`, and the
+    /// plain one with its 0xFF), so their tokens are not ordered with each other. The module
+    /// docs say so (never take one lock through both layouts); this pins it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hash_tagged_plain_name_is_the_tagged_lock_with_a_counter_of_its_own() {
+        let Some(server) = start() else { return };
+        let tagged = LockProvider::connect(&server.url("prefix=twin:"))
+            .await
+            .unwrap();
+        let plain = LockProvider::connect(&server.url("prefix=twin:&key_layout=plain"))
+            .await
+            .unwrap();
+        let name = unique_key("order");
+        let mut last = 0;
+        for _ in 0..3 {
+            let guard = tagged.try_acquire(&name).await.unwrap();
+            last = guard.fencing_token().unwrap();
+            assert!(matches!(
+                plain.try_acquire(&format!("{{{name}}}")).await,
+                Err(LockError::AlreadyHeld { .. })
+            ));
+            guard.release().await.unwrap();
+        }
+        let twin = plain.try_acquire(&format!("{{{name}}}")).await.unwrap();
+        assert!(
+            twin.fencing_token().unwrap() < last,
+            "{:?} after {last}",
+            twin.fencing_token()
+        );
+        twin.release().await.unwrap();
+    }
+
+    /// The same behind Sentinel.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn going_back_to_per_key_counters_is_refused_behind_sentinel() {
+        use dlock_testkit::redis::SentinelDeployment;
+        let Some(deployment) =
+            tokio::task::block_in_place(|| SentinelDeployment::start(Duration::from_secs(20)))
+        else {
+            return;
+        };
+        tokio::task::block_in_place(|| deployment.wait_ready());
+        going_back_is_refused(
+            &deployment.url("prefix=back:"),
+            &deployment.url("prefix=back:&fencing_counters=4"),
+        )
+        .await;
+    }
+
+    /// A Cluster cannot have shared counters, but its data can come from a server that had
+    /// them (a migration copies the record of their mode): a per-key Cluster backend refuses
+    /// such a prefix.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cluster_refuses_a_prefix_that_had_shared_counters() {
+        use dlock_testkit::redis::RedisCluster;
+        let Some(cluster) = tokio::task::block_in_place(RedisCluster::shared) else {
+            return;
+        };
+        let prefix = format!("{}:", unique_key("migrated"));
+        let locks = LockProvider::connect(&cluster.url(&format!("prefix={prefix}")))
+            .await
+            .unwrap();
+        let key = unique_key("k");
+        let guard = locks.try_acquire(&key).await.unwrap();
+        assert!(guard.fencing_token().is_some());
+        guard.release().await.unwrap();
+        let record = format!("{prefix}{{%fence}}");
+        let owner = tokio::task::block_in_place(|| {
+            let owner = cluster.owner_of(cluster.slot_of(record.as_bytes()));
+            cluster
+                .command(owner, &[b"SET", record.as_bytes(), b"4:1"])
+                .expect("write the record");
+            owner
+        });
+        let fresh = LockProvider::connect(&cluster.url(&format!("prefix={prefix}")))
+            .await
+            .unwrap();
+        let err = refused(&fresh, &key).await;
+        assert!(err.to_string().contains("fencing_counters=4"), "{err}");
+        tokio::task::block_in_place(|| {
+            cluster
+                .command(owner, &[b"DEL", record.as_bytes()])
+                .expect("clean up");
+        });
+    }
+
+    /// Redlock nodes cannot have shared counters either; a node whose prefix was switched by
+    /// a single-server backend refuses, and the Redlock backend says so rather than count on
+    /// the other nodes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redlock_refuses_a_node_that_had_shared_counters() {
+        let Some(servers) = (0..3)
+            .map(|_| RedisServer::start(Flavor::Redis7))
+            .collect::<Option<Vec<_>>>()
+        else {
+            return;
+        };
+        let hosts: Vec<String> = servers
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port()))
+            .collect();
+        let url = format!("redlock://{}/?prefix=rl:", hosts.join(","));
+        let key = unique_key("rl");
+        let mut last = HashMap::new();
+        let before = LockProvider::connect(&url).await.unwrap();
+        tokens_increase(&[&before], std::slice::from_ref(&key), 3, &mut last).await;
+        let node = LockProvider::connect(&servers[0].url("prefix=rl:&fencing_counters=4"))
+            .await
+            .unwrap();
+        tokens_increase(&[&node], std::slice::from_ref(&key), 1, &mut last).await;
+        let fresh = LockProvider::connect(&url).await.unwrap();
+        let err = refused(&fresh, &key).await;
+        assert!(err.to_string().contains("fencing_counters=4"), "{err}");
+        assert_eq!(fresh.local_key_count(), 0);
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn bad_values_are_config_errors() {
         for bad in ["0", "-1", "65537", "4294967296", "many", "", "1.5"] {

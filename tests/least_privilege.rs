@@ -751,7 +751,9 @@ mod redis_acl {
     fn path_of(flavor: Flavor, step: Step) -> Vec<&'static str> {
         match (step, flavor) {
             (Step::Acquire, _) => {
-                let mut path = vec!["evalsha", "eval", "set", "incr"];
+                // A backend's first fenced acquisition reads the record of the prefix's
+                // fencing counters: `GET`, or `EXISTS` where `GET` is refused.
+                let mut path = vec!["get", "exists", "evalsha", "eval", "set", "incr"];
                 path.extend(path_of(flavor, Step::Release));
                 path
             }
@@ -772,7 +774,11 @@ mod redis_acl {
     fn expected_step(flavor: Flavor, missing: &str) -> Step {
         match (flavor, missing) {
             (_, "set" | "evalsha" | "eval" | "incr") => Step::Acquire,
-            (Flavor::Redis7, "get" | "pexpire") => Step::Renew,
+            // Without the one of `GET` and `EXISTS` its list grants, the first fenced
+            // acquisition cannot read the record of the prefix's counters.
+            (Flavor::Redis7 | Flavor::Valkey81, "get") => Step::Acquire,
+            (Flavor::Valkey91 | Flavor::Redis8, "exists") => Step::Acquire,
+            (Flavor::Redis7, "pexpire") => Step::Renew,
             (_, "get" | "del" | "delex" | "delifeq") => Step::Release,
             (_, "exists") => Step::ReleaseOfAnother,
             other => panic!("no expectation for {other:?}"),

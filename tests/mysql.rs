@@ -221,6 +221,12 @@ macro_rules! engine_tests {
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn fencing_counts_per_database_while_locks_are_the_servers() {
+                let Some(server) = server() else { return };
+                fencing_tables_are_per_database(server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             async fn distinct_keys_never_share_a_server_lock() {
                 let Some(server) = server() else { return };
                 name_mapping(server).await;
@@ -550,6 +556,43 @@ async fn killed_holder(server: &DbServer) {
 
 /// Keys that a case-folding, length-limited server could confuse are all held at once, each
 /// on its own server lock.
+/// `GET_LOCK` names are the server's, not a database's: two providers whose URLs name other
+/// databases take the same lock `k`, but each counts its fencing tokens in its own database's
+/// `dlock_fencing`, so their tokens are not ordered with each other. The module docs say so
+/// (every process that locks a key must name the same database); this pins it.
+async fn fencing_tables_are_per_database(server: &DbServer) {
+    let mut root = MySqlConnection::connect(&server.url_without_database())
+        .await
+        .unwrap();
+    root.execute("CREATE DATABASE IF NOT EXISTS dlock_other")
+        .await
+        .unwrap();
+    let url = server.url("fencing=true");
+    let a = LockProvider::connect(&url).await.unwrap();
+    let b = LockProvider::connect(&url.replace("/dlock_test", "/dlock_other"))
+        .await
+        .unwrap();
+    let key = unique_key("per-db");
+    let mut last = 0;
+    for _ in 0..3 {
+        let guard = a.try_acquire(&key).await.unwrap();
+        last = guard.fencing_token().unwrap();
+        // One lock for both databases.
+        assert!(matches!(
+            b.try_acquire(&key).await,
+            Err(LockError::AlreadyHeld { .. })
+        ));
+        guard.release().await.unwrap();
+    }
+    let other = b.try_acquire(&key).await.unwrap();
+    assert!(
+        other.fencing_token().unwrap() < last,
+        "{:?} after {last}: the other database's counter",
+        other.fencing_token()
+    );
+    other.release().await.unwrap();
+}
+
 async fn name_mapping(server: &DbServer) {
     let a = LockProvider::connect(&server.url("")).await.unwrap();
     let b = LockProvider::connect(&server.url("")).await.unwrap();

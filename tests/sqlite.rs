@@ -730,6 +730,62 @@ fn tokens_of_rolled_back_transaction_locks_are_never_issued_again() {
     rt.block_on(g.release()).unwrap();
 }
 
+/// The lock file named through a symbolic link (another path, another process's URL) is the
+/// same locks and the same fencing tokens: a transaction-bound lock taken through the link
+/// and rolled back records its token where session acquisitions through the real path look
+/// (SQLite resolves the link, and the `-fencing` file is named after the resolved file), so
+/// the next token is larger.
+#[cfg(unix)]
+#[test]
+fn a_lock_file_named_through_a_link_keeps_its_tokens() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("real.db");
+    let link = dir.path().join("link.db");
+    let locks = rt
+        .block_on(LockProvider::connect(&format!(
+            "sqlite://{}",
+            path.display()
+        )))
+        .unwrap();
+    std::os::unix::fs::symlink(&path, &link).unwrap();
+    let through_link = rt
+        .block_on(LockProvider::connect(&format!(
+            "sqlite://{}",
+            link.display()
+        )))
+        .unwrap();
+    let key = unique_key("linked");
+    let g = rt.block_on(locks.try_acquire(&key)).unwrap();
+    let mut issued = vec![g.fencing_token().unwrap()];
+    assert!(matches!(
+        rt.block_on(through_link.try_acquire(&key)),
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    rt.block_on(g.release()).unwrap();
+    for _ in 0..2 {
+        let mut conn = rusqlite::Connection::open(&link).unwrap();
+        let tx = conn.transaction().unwrap();
+        issued.push(
+            try_acquire_in_transaction(&tx, &key)
+                .unwrap()
+                .fencing_token()
+                .unwrap(),
+        );
+        tx.rollback().unwrap();
+        for provider in [&locks, &through_link] {
+            let g = rt.block_on(provider.try_acquire(&key)).unwrap();
+            issued.push(g.fencing_token().unwrap());
+            rt.block_on(g.release()).unwrap();
+        }
+    }
+    assert!(
+        issued.windows(2).all(|w| w[0] < w[1]),
+        "tokens in the order they were handed out: {issued:?}"
+    );
+    assert!(!dir.path().join("link.db-fencing").exists());
+}
+
 /// A process killed while its transaction-bound lock is held (the transaction never commits)
 /// has handed out its token: the next holder gets a larger one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
 use axum::response::{IntoResponse, Response};
-use dlock::{CancellationToken, LockGuard};
+use dlock::{CancellationToken, LockGuard, LostSignal};
 use http::request::Parts;
 use http::{StatusCode, Uri};
 use problem_details::ProblemDetails;
@@ -64,10 +64,13 @@ pub const NO_LOCK_LAYER_CODE: &str = "DistributedLock.NoLockLayer";
 #[derive(Clone)]
 pub struct HeldLock {
     /// Every lock of the request, in the order they were taken (one, unless the layer was
-    /// made with `with_extractor_many`).
-    locks: Arc<[(Arc<str>, Option<u64>)]>,
+    /// made with `with_extractor_many`), with the check of each that reads the clock.
+    locks: Arc<[Held]>,
     lost: CancellationToken,
 }
+
+/// One lock of a request: its key, fencing token, and the check of it that reads the clock.
+type Held = (Arc<str>, Option<u64>, LostSignal);
 
 impl HeldLock {
     /// The locks of `guards` (at least one), lost when `lost` is cancelled.
@@ -75,7 +78,13 @@ impl HeldLock {
         HeldLock {
             locks: guards
                 .iter()
-                .map(|guard| (Arc::from(guard.key()), guard.fencing_token()))
+                .map(|guard| {
+                    (
+                        Arc::from(guard.key()),
+                        guard.fencing_token(),
+                        guard.lost_signal(),
+                    )
+                })
                 .collect(),
             lost,
         }
@@ -85,12 +94,12 @@ impl HeldLock {
     /// canonical order): one, unless the layer was made with
     /// [`with_extractor_many`](crate::LockLayer::with_extractor_many).
     pub fn keys(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
-        self.locks.iter().map(|(key, _)| &**key)
+        self.locks.iter().map(|(key, ..)| &**key)
     }
 
     /// The fencing token of each lock, in the order of [`keys`](HeldLock::keys).
     pub fn fencing_tokens(&self) -> impl ExactSizeIterator<Item = Option<u64>> + '_ {
-        self.locks.iter().map(|(_, token)| *token)
+        self.locks.iter().map(|(_, token, _)| *token)
     }
 
     /// The key of the lock, as the layer made it from the request (with several keys, the
@@ -114,21 +123,36 @@ impl HeldLock {
         &self.lost
     }
 
-    /// Whether the lock is known to be lost.
+    /// Whether the lock (with several keys, any of them) is known to be lost.
     ///
-    /// The layer checks the guard (including, for leased locks, whether the lease could
-    /// still be counted on, as [`LockGuard::is_lost`](dlock::LockGuard::is_lost) does) each
-    /// time it polls the handler, so a handler that was paused past its lease sees `true`
-    /// here as soon as it runs again.
+    /// It reads the clock: for a leased lock it is `true` once the lease's local deadline has
+    /// passed, as [`LockGuard::is_lost`](dlock::LockGuard::is_lost) is (and then cancels the
+    /// [`lost_token`](HeldLock::lost_token)). So a handler paused past its lease, or a task it
+    /// spawned with a clone of this value, sees `true` at its first step after the pause. The
+    /// layer also checks before each poll of the handler, so the handler's own future finds
+    /// the lost token cancelled too; a spawned task's `lost_token()` may lag (a task of the
+    /// backend cancels it). Session locks keep their lock through a pause of the process.
     pub fn is_lost(&self) -> bool {
-        self.lost.is_cancelled()
+        if self.lost.is_cancelled() {
+            return true;
+        }
+        if self.locks.iter().any(|(.., signal)| signal.is_lost()) {
+            self.lost.cancel();
+            return true;
+        }
+        false
     }
 }
 
 impl fmt::Debug for HeldLock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let locks: Vec<_> = self
+            .locks
+            .iter()
+            .map(|(key, token, _)| (key, token))
+            .collect();
         f.debug_struct("HeldLock")
-            .field("locks", &self.locks)
+            .field("locks", &locks)
             .field("lost", &self.lost.is_cancelled())
             .finish()
     }

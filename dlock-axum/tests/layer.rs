@@ -1670,6 +1670,34 @@ async fn several_keys_are_taken_all_or_none_and_listed_for_the_handler() {
     held.release().await.expect("release");
 }
 
+/// A multi-key route whose wait runs out answers 408, as a one-key route does: here the
+/// timeout is shorter than any round trip, so it has passed once the free key is taken, and
+/// the other key is held by another replica. Not 409: the client asked to wait, and did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_key_wait_that_runs_out_is_a_408_problem() {
+    let store = Store::new();
+    let layer = LockLayer::with_extractor_many(
+        store.provider().await,
+        transfer_keys as fn(Path<(u64, u64)>) -> Vec<String>,
+    )
+    .timeout(Duration::from_nanos(1));
+    let server = serve(transfer_app(layer)).await;
+    let held = store.hold("account:2").await;
+    for (from, to) in [(1, 2), (2, 1)] {
+        let answer = post_to(&format!("{}/transfers/{from}/{to}", server.base)).await;
+        assert_eq!(answer.status, 408, "{:?}", answer.body);
+        assert_eq!(answer.body["code"], json!("DistributedLock.Timeout"));
+        assert!(answer.retry_after.is_some());
+    }
+    store
+        .hold("account:1")
+        .await
+        .release()
+        .await
+        .expect("the free key was given back");
+    held.release().await.expect("release");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn opposite_transfers_at_once_never_deadlock() {
     let store = Store::new();

@@ -464,10 +464,22 @@ fn expand_fn(args: Args, mut function: ItemFn) -> syn::Result<TokenStream> {
             quote! { ::dlock::__private::until_any_lost(&#guard_var, async move #block).await }
         }
         (false, false) => {
-            quote! { ::dlock::__private::holding(&#guard_var, async move #block).await }
+            quote! {
+                ::dlock::__private::checked(
+                    &#guard_var,
+                    ::dlock::__private::holding(&#guard_var, async move #block),
+                )
+                .await
+            }
         }
         (true, false) => {
-            quote! { ::dlock::__private::run_holding(&#guard_var, async move #block).await }
+            quote! {
+                ::dlock::__private::checked_many(
+                    &#guard_var,
+                    ::dlock::__private::run_holding(&#guard_var, async move #block),
+                )
+                .await
+            }
         }
     };
     let (key_decl, acquire) = match (&args.keys, &args.permits) {

@@ -95,6 +95,12 @@ mod expand;
 ///   dropped at its next `.await`) and returns `LockError::Lost`, converted with
 ///   `From<LockError>`, at once. Without it (or with `on_lost = finish`, the default) the body
 ///   runs to its end and the function then returns `Lost` instead of the body's `Ok`.
+/// - **A pause of the process** (stopped, suspended) past a leased lock's lease: either way,
+///   the loss is checked before each poll of the body with `LockGuard::is_lost`, which reads
+///   the clock, so the body's next step after the pause is not run (`on_lost = cancel`), or
+///   finds `guard.is_lost()` true and the guard's lost token cancelled (`on_lost = finish`).
+///   A task the body spawns with the token is not polled by the function: give it
+///   `guard.lost_signal()`, whose `is_lost()` reads the clock too.
 ///
 /// ```
 /// use dlock::{LockError, LockProvider, distributed_lock};

@@ -243,6 +243,32 @@ async fn every_lock_is_released_on_every_way_out() {
     }
 }
 
+/// A timeout shorter than any round trip: it has passed once the first key is taken.
+#[distributed_lock(keys("slot:{x}", "slot:{y}"), timeout = 0.000000001)]
+async fn in_a_hurry(locks: &LockProvider, x: u32, y: u32) -> Result<(), AppError> {
+    Ok(())
+}
+
+/// A `keys(...)` function whose wait runs out answers `Timeout`, as a one-key function does,
+/// not the `AlreadyHeld` of a single try: here its deadline has passed between the two keys.
+#[tokio::test]
+async fn a_multi_key_wait_that_runs_out_is_a_timeout() {
+    let (_dir, a, b) = two_providers().await;
+    let held = b.try_acquire("slot:2").await.expect("free");
+    let outcome = in_a_hurry(&a, 1, 2).await;
+    assert!(
+        matches!(&outcome, Err(AppError::Lock(LockError::Timeout { key, .. })) if &**key == "slot:2"),
+        "{outcome:?}"
+    );
+    b.try_acquire("slot:1")
+        .await
+        .expect("the first key was given back")
+        .release()
+        .await
+        .expect("release");
+    held.release().await.expect("release");
+}
+
 /// At most two at once; `peak` records the most seen.
 #[distributed_lock("exports:{tenant}", permits = 2, timeout = 20)]
 async fn export(

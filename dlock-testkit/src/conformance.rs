@@ -103,6 +103,7 @@ macro_rules! conformance_suite {
     (@all $mode:ident [$(#[$attr:meta])*] $make:expr) => {
         $crate::conformance_suite!(@cases $mode [$(#[$attr])*] $make;
             try_vs_held, acquire_waits_then_gets, timeout_is_bounded, zero_timeout_is_one_try,
+            waits_that_run_out_are_timeouts,
             max_timeout_does_not_overflow, cancellation_ends_a_wait, cancel_meets_release,
             precancelled_token,
             release_on_drop, explicit_release_cycles, non_reentrant, local_waiters_queue,
@@ -227,6 +228,56 @@ pub async fn zero_timeout_is_one_try(h: &impl Harness) {
     let _guard = a.try_acquire(&key).await.expect("free key");
     assert_held(b.acquire(&key, Duration::ZERO).await);
     assert_held(a.acquire(&key, Duration::ZERO).await);
+}
+
+/// A wait that runs out of time answers `Timeout`, never the `AlreadyHeld` of a single try,
+/// however little time it had: a timeout shorter than any round trip to the store, on a lock,
+/// a read lock (where the backend has them) and a multi-key acquisition. There the deadline
+/// has passed by the time the first key (free) is taken, and the second is held elsewhere:
+/// the answer names the second key and the caller's timeout, and the first is given back.
+pub async fn waits_that_run_out_are_timeouts(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    // "out-a..." sorts before "out-b...": the free key is taken first.
+    let (free, held) = (unique_key("out-a"), unique_key("out-b"));
+    let guard = a.try_acquire(&held).await.expect("free key");
+    let tiny = Duration::from_nanos(1);
+    let timed_out = |what: &str, outcome: Result<Vec<LockGuard>, LockError>| match outcome {
+        Err(LockError::Timeout { key, timeout }) => {
+            assert_eq!((&*key, timeout), (held.as_str(), tiny), "{what}");
+        }
+        other => panic!("{what}: expected Timeout, got {other:?}"),
+    };
+    timed_out("acquire", b.acquire(&held, tiny).await.map(|g| vec![g]));
+    timed_out(
+        "a local wait",
+        a.acquire(&held, tiny).await.map(|g| vec![g]),
+    );
+    if h.read_locks() {
+        timed_out(
+            "acquire_read",
+            b.acquire_read(&held, tiny).await.map(|g| vec![g]),
+        );
+    }
+    timed_out(
+        "acquire_many, free key first",
+        b.acquire_many(&[&held, &free], tiny).await,
+    );
+    timed_out(
+        "acquire_many, held key first",
+        b.acquire_many(&[&held, &unique_key("out-c")], tiny).await,
+    );
+    assert_eq!(
+        b.local_key_count(),
+        0,
+        "a timed-out wait left a table entry"
+    );
+    a.try_acquire(&free)
+        .await
+        .expect("the key taken before the deadline passed was given back")
+        .release()
+        .await
+        .expect("release");
+    guard.release().await.expect("release");
 }
 
 /// `Duration::MAX` neither overflows nor returns early.

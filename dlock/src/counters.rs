@@ -67,8 +67,9 @@ pub(crate) const MAX_EPOCH: u64 = (1 << (63 - EPOCH_SHIFT)) - 1;
 /// such a process keeps incrementing its key's own counter, whose tokens are below the
 /// switched ones. Stop every per-key process before starting the first one with
 /// `fencing_counters` (as for any change of a store's layout); going back from
-/// `fencing_counters` to per-key counters is not supported (SQLite and PostgreSQL backends with
-/// per-key counters refuse to open a store that has the record; Redis ones do not look).
+/// `fencing_counters` to per-key counters is refused: SQLite and PostgreSQL backends with
+/// per-key counters refuse to open a store that has the record, Redis ones refuse their fenced
+/// acquisitions from their first on (they look once, at the first).
 pub fn fencing_counter(key: &str, counters: u32) -> u32 {
     if counters == 0 {
         return 0;
@@ -123,7 +124,7 @@ pub(crate) fn switched_away(backend: &str, ours: u32, epoch: u64, store: &str) -
 }
 
 /// The error of a backend with per-key counters on a store switched to `fencing_counters`.
-#[cfg(any(feature = "postgres", feature = "sqlite"))]
+#[cfg(any(feature = "postgres", feature = "sqlite", feature = "redis"))]
 pub(crate) fn per_key_refused(backend: &str, store: &str) -> LockError {
     LockError::config(format!(
         "{backend}: this backend keeps one fencing counter per key, but the store was switched \

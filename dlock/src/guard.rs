@@ -113,18 +113,40 @@ impl LockGuard {
     /// could not be renewed in time, or someone else took it over. Long-running work under the
     /// lock should stop when it fires (`token.cancelled().await` in a `select!`).
     ///
+    /// The token is cancelled by a task (the renewal, or a timer at the lease's local
+    /// deadline), or by a check that reads the clock ([`is_lost`](LockGuard::is_lost),
+    /// [`LostSignal`](crate::LostSignal)). **After a pause of the process** past the lease, the
+    /// work may take its next step before that task has run again, and see the token not yet
+    /// cancelled: check [`is_lost`](LockGuard::is_lost) or a
+    /// [`lost_signal`](LockGuard::lost_signal) before each step that must not run without the
+    /// lock. (Where dlock drives the work's future itself, in
+    /// [`with_lock`](crate::LockProvider::with_lock),
+    /// [`run_exclusive`](crate::LockProvider::run_exclusive), [`Leader`](crate::Leader), the
+    /// axum layer and `#[distributed_lock]`, it checks the clock before each poll of the work,
+    /// and cancels the token first; a pause that falls inside a poll, after that check, is
+    /// seen by the token at the next poll.)
+    ///
     /// The token is not cancelled by an ordinary release or drop of the guard.
     pub fn lost_token(&self) -> &CancellationToken {
         &self.lost
     }
 
+    /// The lost token and the lease's local deadline, as one cheap value to hand to the tasks
+    /// of the work done under the lock: its [`is_lost`](crate::LostSignal::is_lost) reads the
+    /// clock, as [`is_lost`](LockGuard::is_lost) does. See [`LostSignal`](crate::LostSignal).
+    pub fn lost_signal(&self) -> crate::LostSignal {
+        crate::LostSignal::new(self.lost.clone(), self.lease_deadline.clone())
+    }
+
     /// Whether the lock is known to be lost.
     ///
-    /// For a leased lock (SQLite, Redis) this also compares the clock with the lease: a
-    /// holder that was paused past the point where its lease could no longer be counted on
-    /// (a stopped process, a suspended VM, a long pause of its thread) finds the lock lost
-    /// here at once, even before the renewal task has run again, and the
-    /// [`lost_token`](LockGuard::lost_token) fires with it.
+    /// For a leased lock (SQLite, Redis, Redlock, etcd) this also compares the clock with the
+    /// lease: a holder that was paused past the point where its lease could no longer be
+    /// counted on (a stopped process, a suspended VM, a long pause of its thread) finds the
+    /// lock lost here at once, even before the renewal task has run again, and the
+    /// [`lost_token`](LockGuard::lost_token) fires with it. A session lock (PostgreSQL,
+    /// MySQL/MariaDB, SQL Server, Oracle) has no lease: a paused process keeps it while the
+    /// server keeps its session, and learns of a loss when its keepalive runs again.
     pub fn is_lost(&self) -> bool {
         if self.lost.is_cancelled() {
             return true;
@@ -139,6 +161,18 @@ impl LockGuard {
             return true;
         }
         false
+    }
+
+    /// Runs `work` to its end, checking the lease's clock ([`is_lost`](LockGuard::is_lost))
+    /// before each poll of it: after a pause past the lease, the lost token is cancelled
+    /// before the work's next step, whatever task would have cancelled it.
+    pub(crate) async fn checked<F: std::future::Future>(&self, work: F) -> F::Output {
+        let mut work = std::pin::pin!(work);
+        std::future::poll_fn(|cx| {
+            let _ = self.is_lost();
+            work.as_mut().poll(cx)
+        })
+        .await
     }
 
     /// Fires the lost token for a loss this guard found, and counts it now (the metrics'

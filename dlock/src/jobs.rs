@@ -19,8 +19,11 @@ impl LockProvider {
     ///   a run that takes longer may overlap the next replica's. `f`'s token fires when the
     ///   lock can no longer be counted on (at four fifths of `at_most_for`, see
     ///   [`LockGuard::remaining_lease`](crate::LockGuard::remaining_lease)); choose it well
-    ///   above the job's longest run. Session backends (PostgreSQL, MySQL, SQL Server, Oracle)
-    ///   hold the lock until the run ends or the holder's session does.
+    ///   above the job's longest run. The clock is checked before each poll of `f`'s future,
+    ///   so a process paused past that point finds the token cancelled at the job's next step
+    ///   (tasks the job spawns with the token are not polled here: see
+    ///   [`LostSignal`](crate::LostSignal)). Session backends (PostgreSQL, MySQL, SQL Server,
+    ///   Oracle) hold the lock until the run ends or the holder's session does.
     /// - **`at_least_for`** keeps the lock held after a quick run until that long after it
     ///   started, so replicas whose clocks or schedules differ a little do not run the job
     ///   again for the same tick. The rest of the hold runs in the background: this returns as
@@ -89,7 +92,9 @@ impl LockProvider {
             Err(LockError::AlreadyHeld { .. }) => return Ok(None),
             Err(err) => return Err(err),
         };
-        let output = f(guard.lost_token().clone()).await;
+        // The lease's clock is checked before each poll of the job: after a pause past the
+        // lease, the token is cancelled before the job's next step.
+        let output = guard.checked(f(guard.lost_token().clone())).await;
         if guard.is_lost() {
             return guard.release().await.map(|()| Some(output));
         }

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use crate::{Backoff, LockError, LockProvider};
+use crate::{Backoff, LockError, LockGuard, LockProvider, LostSignal};
 
 /// Runs a leader's work on at most one process at a time: the one holding the lock `key`.
 ///
@@ -42,32 +42,47 @@ pub struct Leader {
     backoff: Backoff,
 }
 
-/// One term of leadership, handed to the leader's work.
+/// One term of leadership, handed to the leader's work. Cheap to clone: hand it to every task
+/// of the work.
+///
+/// [`has_ended`](LeaderTerm::has_ended) and [`ended`](LeaderTerm::ended) **read the clock**:
+/// on a leased lock (SQLite, Redis, Redlock, etcd) the term has ended once the lease's local
+/// deadline has passed, even if no task has noticed yet. A leader paused past its lease (a
+/// stopped process, a suspended machine), which another process may lead by now, finds
+/// `has_ended()` true at its first step after the pause. The [`token`](LeaderTerm::token) is
+/// cancelled by a task, and may lag after such a pause, except as seen from the work's own
+/// future: [`Leader::run`] checks the clock before each poll of it and cancels the token first.
+/// On the session engines (PostgreSQL, MySQL/MariaDB, SQL Server, Oracle) a paused leader keeps
+/// leading: the server keeps its session, and so its lock.
 #[derive(Debug, Clone)]
 pub struct LeaderTerm {
-    token: CancellationToken,
+    /// The term's token and the lease's local deadline.
+    signal: LostSignal,
     fencing_token: Option<u64>,
     number: u64,
 }
 
 impl LeaderTerm {
-    /// Fires when this term ends: the lock was lost, or shutdown began.
+    /// Fires when this term ends: the lock was lost, or shutdown began. Cancelled by a task
+    /// (see the type's docs): [`has_ended`](LeaderTerm::has_ended) reads the clock as well.
     pub fn token(&self) -> &CancellationToken {
-        &self.token
+        self.signal.token()
     }
 
-    /// Waits until this term ends.
+    /// Waits until this term ends: the lock is lost (its lost token fires, or its lease's
+    /// local deadline passes), or shutdown begins.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe.
     pub async fn ended(&self) {
-        self.token.cancelled().await;
+        self.signal.lost().await;
     }
 
-    /// Whether this term has ended.
+    /// Whether this term has ended: its token was cancelled, or the lease's local deadline
+    /// has passed (then the token is cancelled here).
     pub fn has_ended(&self) -> bool {
-        self.token.is_cancelled()
+        self.signal.is_lost()
     }
 
     /// The fencing token of this term's lock, where the backend issues them: pass it to the
@@ -164,17 +179,13 @@ impl Leader {
             terms += 1;
             let token = shutdown.child_token();
             let term = LeaderTerm {
-                token: token.clone(),
+                signal: LostSignal::new(token.clone(), guard.lost_signal().deadline()),
                 fencing_token: guard.fencing_token(),
                 number: terms,
             };
             let work = lead(term);
             tokio::pin!(work);
-            let ended_by_itself = tokio::select! {
-                () = &mut work => true,
-                () = guard.lost_token().cancelled() => false,
-                () = shutdown.cancelled() => false,
-            };
+            let ended_by_itself = lead_until_ended(&guard, shutdown, work.as_mut()).await;
             token.cancel();
             if !ended_by_itself {
                 work.await;
@@ -202,4 +213,27 @@ impl Leader {
             () = shutdown.cancelled() => false,
         }
     }
+}
+
+/// Polls the leader's `work` until it returns (`true`), or the term ends (`false`): the lock
+/// is lost or shutdown begins. The loss is checked before each poll of the work with
+/// [`LockGuard::is_lost`], which reads the clock: after a pause past the lease, the term ends
+/// before the work's next step, whatever task would have noticed the loss.
+async fn lead_until_ended(
+    guard: &LockGuard,
+    shutdown: &CancellationToken,
+    mut work: std::pin::Pin<&mut impl Future<Output = ()>>,
+) -> bool {
+    let mut lost = std::pin::pin!(guard.lost_token().cancelled());
+    let mut stopping = std::pin::pin!(shutdown.cancelled());
+    std::future::poll_fn(|cx| {
+        if guard.is_lost()
+            || lost.as_mut().poll(cx).is_ready()
+            || stopping.as_mut().poll(cx).is_ready()
+        {
+            return std::task::Poll::Ready(false);
+        }
+        work.as_mut().poll(cx).map(|()| true)
+    })
+    .await
 }

@@ -85,6 +85,50 @@
 //! signal and get [`LockError::Canceled`], pass a token:
 //! [`locks.lock(key).cancel_on(&token)`](LockProvider::lock), or one for the whole provider
 //! with [`ProviderBuilder::cancel_on`].
+//!
+//! # Fencing tokens: what every holder of a key must share
+//!
+//! A key's tokens increase strictly as long as every process that locks it counts them in the
+//! same place. These are refused when they would break that: going back from
+//! `fencing_counters=N` to per-key counters (SQLite, PostgreSQL and Redis refuse it), a
+//! backend whose `N` another process switched away (it refuses its fenced acquisitions). These
+//! are the caller's to keep the same, as each backend's docs say: the database in a MySQL URL,
+//! the schema the fencing table is found in (PostgreSQL `search_path`, SQL Server default
+//! schema, Oracle user), the key layout of a Redis lock whose plain name is a hash tag, and
+//! plain Redis prefixes that extend one another. SQLite's `-fencing` file follows the lock
+//! file through symbolic links. etcd's tokens are the cluster's revisions, which no setting
+//! moves back.
+//!
+//! # Pauses: which checks read the clock
+//!
+//! A process can stop for longer than its lease: `SIGSTOP`, a suspended machine, a thread that
+//! did not run. Another process may then hold its locks, and the first step of its work after
+//! the pause must not run as if it still held them. On the lease backends (SQLite, Redis,
+//! Redlock, etcd) these checks read the clock, and answer "lost" from the lease's local
+//! deadline on, whatever task has run since:
+//!
+//! - [`LockGuard::is_lost`], and a [`LostSignal`] from [`LockGuard::lost_signal`] (its
+//!   [`is_lost`](LostSignal::is_lost) and [`lost`](LostSignal::lost)): cheap to clone, for the
+//!   tasks the work spawns;
+//! - [`LeaderTerm::has_ended`] and [`LeaderTerm::ended`];
+//! - `dlock_axum::HeldLock::is_lost` in handlers.
+//!
+//! A bare [`CancellationToken`] ([`LockGuard::lost_token`], [`LeaderTerm::token`], the token
+//! [`with_lock`](LockProvider::with_lock) and [`run_exclusive`](LockProvider::run_exclusive)
+//! hand their closures, `HeldLock::lost_token`) is cancelled by a task, and **may lag** after
+//! a pause, except where dlock drives the work's future itself: `with_lock` (and the builder's),
+//! `run_exclusive`, [`Leader::run`], the axum layer and `#[distributed_lock]` check the clock
+//! before each poll of the work and cancel the token first, so the work's own next step sees
+//! it cancelled (and `on_lost = cancel` stops the body before it). Two limits remain, both
+//! covered by the checks that read the clock: a pause that falls *inside* a poll of the work
+//! (after that check, before the step) is seen by the token only at the work's next poll; and
+//! a task the work spawns is not polled by dlock: give it a [`LostSignal`] or a [`LeaderTerm`].
+//! So check [`is_lost`](LostSignal::is_lost) right before a step that must not run without
+//! the lock.
+//!
+//! The session engines (PostgreSQL, MySQL/MariaDB, SQL Server, Oracle) keep their locks
+//! through a pause: the server keeps the stopped process's session, so nobody else gets the
+//! lock meanwhile, and a session that ended is reported when the keepalive runs again.
 #![forbid(unsafe_code)]
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -106,6 +150,7 @@ mod key;
 pub mod key_template;
 mod leader;
 mod lease;
+mod lost;
 mod many;
 pub mod metrics;
 #[cfg(feature = "mysql")]
@@ -159,6 +204,7 @@ pub use guard::LockGuard;
 pub use inspect::LockInfo;
 pub use key::lock_id;
 pub use leader::{Leader, LeaderTerm};
+pub use lost::LostSignal;
 pub use options::parse_duration;
 pub use provider::{LockBuilder, LockProvider, LockedCommand, ProviderBuilder, SUPPORTED_SCHEMES};
 pub use reentry::run_holding;

@@ -59,6 +59,25 @@ pub async fn until_lost<F: core::future::Future>(guard: &LockGuard, body: F) -> 
     .await
 }
 
+/// Runs `body` to its end (`on_lost = finish`), checking the lease's clock before each poll
+/// of it with [`LockGuard::is_lost`]: after a pause past the lease, the guard's lost token is
+/// cancelled before the body's next step, whatever task would have cancelled it.
+pub async fn checked<F: core::future::Future>(guard: &LockGuard, body: F) -> F::Output {
+    guard.checked(body).await
+}
+
+/// [`checked`] for several guards.
+pub async fn checked_many<F: core::future::Future>(guards: &[LockGuard], body: F) -> F::Output {
+    let mut body = core::pin::pin!(body);
+    core::future::poll_fn(|cx| {
+        for guard in guards {
+            let _ = guard.is_lost();
+        }
+        body.as_mut().poll(cx)
+    })
+    .await
+}
+
 /// [`finish`] for `on_lost = cancel`: a body stopped by the loss of the lock (`None`) ends the
 /// function with [`LockError::Lost`] at once. The guard is dropped, so the release runs in the
 /// background: a lost lock's store may be the very thing that stopped answering.

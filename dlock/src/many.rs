@@ -41,7 +41,10 @@ impl LockProvider {
     /// one after another in the canonical (sorted) order, each waiting for what is left of the
     /// timeout, so two callers whose sets overlap never wait on each other in a cycle. When
     /// the time runs out, the keys already taken are released (and the release awaited), and
-    /// the answer is [`LockError::Timeout`] naming the key still missing. `Duration::ZERO` is
+    /// the answer is [`LockError::Timeout`] naming the key still missing, with `timeout`. That
+    /// holds as well when the keys before it took the whole timeout: the keys left are then
+    /// tried once more each (a free one is still taken), and one held elsewhere is a
+    /// `Timeout`, never the [`LockError::AlreadyHeld`] of a single try. `Duration::ZERO` is
     /// [`try_acquire_many`](LockProvider::try_acquire_many); `Duration::MAX` waits without
     /// limit.
     ///
@@ -81,12 +84,7 @@ impl LockProvider {
             let key = keys[index];
             let outcome = match wait {
                 None => self.try_acquire(key).await,
-                Some(deadline) => {
-                    let left = deadline.map_or(Duration::MAX, |d| {
-                        d.saturating_duration_since(Instant::now())
-                    });
-                    self.acquire(key, left).await
-                }
+                Some(deadline) => self.acquire_before(key, deadline).await,
             };
             match outcome {
                 Ok(guard) => taken.push((index, guard)),
@@ -102,6 +100,37 @@ impl LockProvider {
         }
         taken.sort_by_key(|(index, _)| *index);
         Ok(taken.into_iter().map(|(_, guard)| guard).collect())
+    }
+}
+
+impl LockProvider {
+    /// Takes `key` within what is left until `deadline` (`None`: no limit). Once the deadline
+    /// has passed (the keys before took the whole timeout), one last try is made, and
+    /// contention is the [`LockError::Timeout`] it is: a zero `timeout` passed to
+    /// [`acquire`](LockProvider::acquire) would be one try, whose contention is
+    /// [`LockError::AlreadyHeld`], and a wait that ran out of time must never answer that. A
+    /// grant that came too late to count on ([`LockError::Lost`], given back already) is a
+    /// timeout as well: a wait would try again, and there is no time left to.
+    async fn acquire_before(
+        &self,
+        key: &str,
+        deadline: Option<Instant>,
+    ) -> Result<LockGuard, LockError> {
+        let left = deadline.map_or(Duration::MAX, |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+        if !left.is_zero() {
+            return self.acquire(key, left).await;
+        }
+        match self.try_acquire(key).await {
+            Err(LockError::AlreadyHeld { key } | LockError::Lost { key, .. }) => {
+                Err(LockError::Timeout {
+                    key,
+                    timeout: Duration::ZERO,
+                })
+            }
+            other => other,
+        }
     }
 }
 
@@ -121,6 +150,48 @@ fn canonical_order(keys: &[&str]) -> Result<Vec<usize>, LockError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::MemoryBackend;
+
+    /// A key whose grant takes the whole timeout leaves no time for the next, which is held
+    /// elsewhere: the answer is the timeout the wait ran out of (a 408 behind the layer), not
+    /// the contention of a single try (a 409), and the key taken is given back. The same when
+    /// the deadline has passed before the first key.
+    #[tokio::test]
+    async fn a_wait_that_runs_out_between_keys_is_a_timeout() {
+        let backend = MemoryBackend {
+            native_wait: true,
+            ..MemoryBackend::default()
+        };
+        backend.store().wait_delay = Some(Duration::from_millis(200));
+        backend.hold_elsewhere("b");
+        let locks = LockProvider::from_backend(backend.clone());
+        let timeout = Duration::from_millis(100);
+        let err = locks.acquire_many(&["b", "a"], timeout).await.unwrap_err();
+        assert!(
+            matches!(&err, LockError::Timeout { key, timeout: t } if &**key == "b" && *t == timeout),
+            "{err:?}"
+        );
+        assert!(!backend.is_held("a"), "the key taken was given back");
+        assert_eq!(locks.local_key_count(), 0);
+
+        backend.store().wait_delay = None;
+        for keys in [["a", "b"], ["b", "c"]] {
+            let err = locks
+                .acquire_many(&keys, Duration::from_nanos(1))
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&err, LockError::Timeout { key, .. } if &**key == "b"),
+                "{keys:?}: {err:?}"
+            );
+        }
+        // Keys that are free are still taken at the deadline, as a polled wait's last try.
+        let guards = locks
+            .acquire_many(&["c", "a"], Duration::from_nanos(1))
+            .await
+            .expect("free keys");
+        assert_eq!(guards.len(), 2);
+    }
 
     #[test]
     fn keys_are_taken_in_byte_order_and_never_twice() {

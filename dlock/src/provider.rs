@@ -257,7 +257,12 @@ impl LockProvider {
 
     /// Runs `f` while holding the lock, then releases it.
     ///
-    /// `f` gets the lock's lost token, cancelled if ownership is lost while it runs. If `f`
+    /// `f` gets the lock's lost token, cancelled if ownership is lost while it runs. Before
+    /// each poll of `f`'s future the lease's clock is checked (as
+    /// [`LockGuard::is_lost`] does), so after a pause of the process past the lease the token
+    /// is already cancelled at `f`'s next step; a task `f` spawns with the token is not polled
+    /// here, and may see it late (give it a [`LostSignal`](crate::LostSignal) instead, from
+    /// [`lock`](LockProvider::lock)'s guard). If `f`
     /// panics or its future is dropped, the guard is dropped with it and the lock is released
     /// in the background. Returns [`LockError::Lost`] instead of `f`'s output when the lock was
     /// lost before `f` finished (the work may have overlapped with another holder's).
@@ -282,7 +287,7 @@ impl LockProvider {
         Fut: Future<Output = T>,
     {
         let guard = self.acquire(key, timeout).await?;
-        let output = f(guard.lost_token().clone()).await;
+        let output = guard.checked(f(guard.lost_token().clone())).await;
         guard.release().await?;
         Ok(output)
     }
@@ -396,7 +401,9 @@ impl LockProvider {
 
     /// Checks that the lock store answers, with one cheap round trip: a `SELECT 1` on a lock
     /// connection (PostgreSQL, MySQL, SQL Server, Oracle), a `PING` (Redis), a read of the lock
-    /// table (SQLite). For health checks: `Ok(())` when the store can be reached, otherwise
+    /// table (SQLite), a linearizable read of one key (etcd, sent again to another member when
+    /// an attempt reaches one that is down). For health checks: `Ok(())` when the store can be
+    /// reached, otherwise
     /// the error an acquisition would meet ([`LockError::Unavailable`] for a store that is
     /// down). Must run inside a Tokio runtime.
     ///
@@ -1103,7 +1110,10 @@ impl<'a> LockBuilder<'a> {
     /// - The token of [`cancel_on`](LockBuilder::cancel_on) ends the **wait** with
     ///   [`LockError::Canceled`]; `f` is then not called.
     /// - Once the lock is held, `f` gets a token cancelled when the caller's token is
-    ///   cancelled **or** the lock is lost, whichever comes first (the two linked). What `f`
+    ///   cancelled **or** the lock is lost, whichever comes first (the two linked). The
+    ///   lease's clock is checked before each poll of `f`'s future, as in
+    ///   [`LockProvider::with_lock`], so after a pause past the lease the token is cancelled
+    ///   before `f`'s next step. What `f`
     ///   does with it is up to `f`: its output is returned once it finishes, unless the lock
     ///   was lost meanwhile, in which case the result is [`LockError::Lost`] (the work may have
     ///   overlapped with another holder's).

@@ -49,6 +49,8 @@ pub(crate) struct Store {
     pub(crate) retry_within: Option<Duration>,
     /// Watches asked for ([`LockBackend::watch_releases`]).
     pub(crate) watches: usize,
+    /// When set, a native wait answers only after this long (a store slow to answer).
+    pub(crate) wait_delay: Option<Duration>,
 }
 
 /// The backend: clones share one store.
@@ -194,7 +196,14 @@ impl LockBackend for MemoryBackend {
         timeout: Duration,
     ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
         Box::pin(async move {
-            self.store().waits.push(timeout);
+            let delay = {
+                let mut store = self.store();
+                store.waits.push(timeout);
+                store.wait_delay
+            };
+            if let Some(delay) = delay {
+                tokio::time::sleep(delay).await;
+            }
             self.grant(request)
         })
     }

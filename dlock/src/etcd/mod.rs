@@ -40,7 +40,11 @@
 //!
 //! The fencing token is the holder's key's create revision: etcd's revision counter is one
 //! for the whole cluster and only ever grows, so successive holders of a lock get strictly
-//! increasing tokens, with no write of their own and across leader changes.
+//! increasing tokens, with no write of their own and across leader changes. No setting of
+//! dlock can make them go back (a lock under another `prefix` is another lock, and its tokens
+//! come from the same counter); a cluster made anew, or restored from a snapshot older than
+//! the last token, starts again from its own revision: keep the fencing stores' high marks
+//! across such a restore.
 //!
 //! # Lost locks
 //!
@@ -81,6 +85,17 @@
 //! the majority refuses them at once instead of answering from a stale state, and the client
 //! moves on to the other endpoints of the URL. A minority that is cut off can never grant or
 //! keep a lease: that is what Raft guarantees.
+//!
+//! **Every request is tried again** when it fails in a way that may pass (no leader, a member
+//! that cannot be reached or went away, no answer in time), after a pause of 20 ms doubling to
+//! 500 ms, until `timeout` has passed since its first attempt (each attempt gets a third of
+//! it): connecting (with credentials, the authentication the client makes), the connect
+//! check, [`ping`](crate::LockProvider::ping), acquisitions, releases, lease control. The
+//! client's balancer may send one attempt to a member that is down while a majority is up
+//! (measured: one in three with the first of three members killed); the next attempt goes to
+//! another. Keep-alives, watches and waits have retries of their own, before the lock's local
+//! deadline. Only requests that are safe to run twice are sent this way (transactions compare
+//! first, a lease grant is revoked if it is not used).
 //!
 //! Run etcd 3.4 members with `--pre-vote` (3.5 and later have it on by default). Without it, a
 //! member that comes back from a partition forces an election, and holders whose keep-alives
@@ -161,6 +176,13 @@ use keeper::{Entry, Keeper};
 
 const NAME: &str = "etcd";
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The first pause before a request that failed in a way that may pass is sent again; it
+/// doubles up to [`LAST_RETRY_PAUSE`].
+const FIRST_RETRY_PAUSE: Duration = Duration::from_millis(20);
+
+/// The longest pause between two attempts of a request.
+const LAST_RETRY_PAUSE: Duration = Duration::from_millis(500);
 const DEFAULT_PREFIX: &str = "dlock/";
 const DEFAULT_PORT: u16 = 2379;
 
@@ -273,6 +295,8 @@ impl EtcdBuilder {
 
     /// Connects (unless built on a client), checks that the cluster answers (a linearizable
     /// read of one key, so a cluster without a quorum fails here), and makes the backend.
+    /// Both are tried again within `connect_timeout` while they fail in a way that may pass:
+    /// a member of the URL that is down does not fail the connect while a majority is up.
     /// A lease or timeout out of bounds is a [`LockError::Config`], before anything is sent.
     ///
     /// # Cancel safety
@@ -306,13 +330,31 @@ impl EtcdBuilder {
                 if let Some((name, password)) = user {
                     options = options.with_user(name, password);
                 }
-                let connecting =
-                    io.run(
-                        async move { etcd_client::Client::connect(endpoints, Some(options)).await },
-                    );
+                // With credentials, making the client authenticates: one request, which the
+                // client's balancer may send to a member that is down. Tried again, as every
+                // request is (see `Shared::retrying`), within the connect timeout.
+                let connecting_to = what.clone();
+                let connecting = io.run(async move {
+                    let mut pause = FIRST_RETRY_PAUSE;
+                    loop {
+                        match etcd_client::Client::connect(&endpoints, Some(options.clone())).await
+                        {
+                            Ok(client) => break Ok(client),
+                            Err(err) => {
+                                let failure = etcd_error(&connecting_to, err);
+                                if !failure.is_retryable() {
+                                    break Err(failure);
+                                }
+                                tracing::debug!(error = %failure, "connecting to etcd failed; trying again");
+                                tokio::time::sleep(pause).await;
+                                pause = (pause * 2).min(LAST_RETRY_PAUSE);
+                            }
+                        }
+                    }
+                });
                 match tokio::time::timeout(self.connect_timeout, connecting).await {
                     Ok(Some(Ok(client))) => client,
-                    Ok(Some(Err(err))) => return Err(etcd_error(&what, err)),
+                    Ok(Some(Err(err))) => return Err(err),
                     Ok(None) => {
                         return Err(LockError::unavailable(
                             NAME,
@@ -487,7 +529,7 @@ impl Shared {
         Fut: Future<Output = Result<T, etcd_client::Error>>,
     {
         let started = Instant::now();
-        let mut pause = Duration::from_millis(20);
+        let mut pause = FIRST_RETRY_PAUSE;
         loop {
             let remaining = self.timeout.saturating_sub(started.elapsed());
             let attempt = remaining.min(self.timeout / 3);
@@ -505,23 +547,22 @@ impl Shared {
             }
             tracing::debug!(error = %failure, "an etcd request failed; trying again");
             tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
+            pause = (pause * 2).min(LAST_RETRY_PAUSE);
         }
     }
 
-    /// One linearizable read of the prefix's own key: the cluster has a leader and a quorum.
+    /// A linearizable read of the prefix's own key: the cluster has a leader and a quorum.
+    /// Tried again as every request is ([`retrying`](Shared::retrying)): the client's balancer
+    /// may send one attempt to a member that is down while a majority is up.
     async fn check(&self, what: &str) -> Result<(), LockError> {
-        let options = GetOptions::new().with_count_only();
-        let mut client = self.client.kv_client();
-        let read = client.get(self.prefix.clone(), Some(options));
-        match tokio::time::timeout(self.timeout, read).await {
-            Ok(outcome) => outcome.map(drop).map_err(|err| etcd_error(what, err)),
-            Err(_) => Err(LockError::unavailable(
-                NAME,
-                format!("{what} timed out after {:?}", self.timeout),
-                None,
-            )),
-        }
+        self.retrying(what, || {
+            let mut client = self.client.kv_client();
+            let options = GetOptions::new().with_count_only();
+            let key = self.prefix.clone();
+            async move { client.get(key, Some(options)).await }
+        })
+        .await
+        .map(drop)
     }
 
     async fn grant(&self, lease: Duration) -> Result<i64, LockError> {

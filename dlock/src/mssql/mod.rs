@@ -82,7 +82,10 @@
 //! that holds the lock). Should the increment fail, the batch gives the lock back before it
 //! reports the error: no lock is kept without its token. Each increment commits on its own,
 //! so tokens increase strictly for each key across holders, processes and server restarts.
-//! Every process that locks a key must use the same table. Transaction-bound locks issue no
+//! Every process that locks a key must use the same table: application locks are the
+//! database's, while the table is found in the user's default schema, so users of other
+//! default schemas share the lock but count its tokens apart, and those tokens are not
+//! ordered with each other. Transaction-bound locks issue no
 //! token.
 //!
 //! # Read locks

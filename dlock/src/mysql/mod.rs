@@ -90,7 +90,10 @@
 //! after a lock is taken, increments it with one statement,
 //! `INSERT … VALUES (name, LAST_INSERT_ID(1)) ON DUPLICATE KEY UPDATE token = LAST_INSERT_ID(token + 1)`,
 //! whose answer carries the new value. Tokens increase strictly for each key across holders,
-//! processes and server restarts. Fencing needs a database in the URL.
+//! processes and server restarts. Fencing needs a database in the URL, and every process
+//! that locks a key must name the same one: `GET_LOCK` names are the server's, so processes
+//! whose URLs name other databases share the lock but count its tokens in their own tables,
+//! and those are not ordered with each other.
 //!
 //! # Read locks
 //!

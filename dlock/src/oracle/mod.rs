@@ -97,7 +97,9 @@
 //! gives the lock back before it reports the error: no lock is kept without its token. Tokens
 //! increase strictly for each key across holders, processes and server restarts. Two keys
 //! that share a lock id (see above) share its counter, which still increases for each of
-//! them. Every process that locks a key must use the same table. Transaction-bound locks issue
+//! them. Every process that locks a key must use the same table: `DBMS_LOCK` ids are the
+//! instance's, while the table is the connecting user's, so other users share the lock but
+//! count its tokens apart, not ordered with each other. Transaction-bound locks issue
 //! no token.
 //!
 //! # Read locks

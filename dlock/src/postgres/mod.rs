@@ -90,7 +90,10 @@
 //! per lock id in the table `dlock_fencing (id bigint primary key, token bigint)` (created if
 //! missing) and increments it in the same statement that takes the lock, so an acquisition
 //! costs one round trip either way. Tokens increase strictly for each key across holders,
-//! processes and server restarts (the row is an ordinary committed row).
+//! processes and server restarts (the row is an ordinary committed row). Every process that
+//! locks a key must reach the same table: advisory locks are the database's, while the table
+//! is found on the role's `search_path`, so a role whose `search_path` finds another
+//! `dlock_fencing` shares the lock but counts its tokens apart, not ordered with the others'.
 //!
 //! **Bounded counters.** One row per key ever locked grows the table without bound for a
 //! service that locks per request. With `fencing_counters=N` (1 to 65,536;

@@ -34,6 +34,23 @@ impl Counters {
     }
 }
 
+/// The check of a backend with per-key counters that its store was never switched to shared
+/// ones: made once, at the backend's first fenced acquisition (see [`plan`]).
+pub(super) struct PerKey {
+    /// The key of the store's record of the counters' mode.
+    record: Vec<u8>,
+    checked: OnceCell<()>,
+}
+
+impl PerKey {
+    pub(super) fn new(prefix: &[u8], layout: KeyLayout) -> PerKey {
+        PerKey {
+            record: record_key(prefix, layout),
+            checked: OnceCell::new(),
+        }
+    }
+}
+
 /// The key of the record of a prefix's counters' mode: `{prefix}{%fence}` when tagged (no
 /// lock key: in a lock's tag `%` is always followed by `25`, `7B` or `7D`), `{prefix}` + byte
 /// 0xFF + `fence` when plain (no lock key: a lock name is UTF-8, which has no 0xFF, and a
@@ -136,6 +153,11 @@ pub(super) async fn plan(shared: &Shared, key: &str, lock_key: &[u8]) -> Result<
         return Ok(Plan::Off);
     }
     let Some(ours) = &shared.counters else {
+        let check = &shared.per_key;
+        check
+            .checked
+            .get_or_try_init(|| refuse_if_switched(shared, &check.record))
+            .await?;
         return Ok(Plan::PerKey(fence_key(shared.layout, lock_key)));
     };
     let (epoch, mode) = ours.joined.get_or_try_init(|| join(shared, ours)).await?;
@@ -181,4 +203,58 @@ async fn join(shared: &Shared, ours: &Counters) -> Result<(u64, Vec<u8>), LockEr
         "joined the store's fencing counters"
     );
     Ok((epoch, format!("{n}:{epoch}").into_bytes()))
+}
+
+/// Refuses per-key counters on a store that was switched to shared ones (`fencing_counters`):
+/// a key's own counter is far below the tokens issued since the switch (`epoch × 2^48 +
+/// count`), so going back would hand out tokens lower than ones already issued. The record
+/// of the counters' mode (`record`) is read with `GET`, which the least-privileged users of
+/// the script paths may run, or with `EXISTS` where `GET` is refused (the native paths'
+/// users; see Permissions in the module docs): one of the two must be allowed on the
+/// prefix's keys. dlock never deletes the record: once a prefix had shared counters, it
+/// keeps them.
+async fn refuse_if_switched(shared: &Shared, record: &[u8]) -> Result<(), LockError> {
+    let what = "checking that the store's fencing counters were never made shared";
+    let noperm = |err: &LockError| err.db_code() == Some("NOPERM");
+    let mut get = redis::cmd("GET");
+    get.arg(record);
+    let store = match shared.bounded(what, shared.conn.query(&get)).await {
+        Ok(Value::Nil) => return Ok(()),
+        Ok(Value::BulkString(mode)) => match String::from_utf8_lossy(&mode).split_once(':') {
+            Some((n, epoch)) => format!("fencing_counters={n}, epoch {epoch}"),
+            None => "a record of the counters that is not N:epoch".to_owned(),
+        },
+        Ok(other) => {
+            return Err(LockError::backend(
+                NAME,
+                format!("{what}: GET answered {other:?}"),
+                None,
+                None,
+            ));
+        }
+        Err(err) if noperm(&err) => {
+            let mut exists = redis::cmd("EXISTS");
+            exists.arg(record);
+            match shared.bounded(what, shared.conn.query(&exists)).await {
+                Ok(Value::Int(0)) => return Ok(()),
+                Ok(_) => "shared counters (the user may not read the record)".to_owned(),
+                Err(err) if noperm(&err) => {
+                    return Err(LockError::backend(
+                        NAME,
+                        format!(
+                            "{what}: the Redis user may run neither `get` nor `exists` on the \
+                             record of the prefix's fencing counters `{}`; grant `+get` or \
+                             `+exists` (see Permissions in the dlock::redis docs)",
+                            String::from_utf8_lossy(record).escape_debug()
+                        ),
+                        Some("NOPERM".to_owned()),
+                        Some(Box::new(err)),
+                    ));
+                }
+                Err(err) => return Err(err),
+            }
+        }
+        Err(err) => return Err(err),
+    };
+    Err(counters::per_key_refused(NAME, &store))
 }

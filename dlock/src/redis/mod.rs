@@ -88,6 +88,13 @@
 //!   clients never touch the counter; they get no fencing tokens, and a dlock acquisition of a
 //!   key another client holds does not bump it.
 //! - **ACL key pattern.** `~{prefix}*` (the tagged layout's `~{prefix}{*` does not match).
+//! - **A name written as a hash tag is a tagged lock's key.** The plain name `{order:42}` is
+//!   the key `{prefix}{order:42}`, the tagged layout's key of the lock `order:42`: the two
+//!   layouts exclude each other on it, but each increments a counter of its own, and with
+//!   `fencing_counters` on one side only, one side's tokens are far above the other's. The
+//!   tokens of the two are not ordered: never take one lock through both layouts. The same
+//!   holds for two plain prefixes where one extends the other (`a:` and `a:b:`, see the first
+//!   point) unless both keep per-key counters (they then share the counter too).
 //!
 //! Both layouts of one prefix are distinct keys (`p:{k}` and `p:k`): every process that shares
 //! a lock must use the same layout. Switching a running system from one to the other is a
@@ -514,6 +521,11 @@
 //! fallback poll). The Lua release reads the [waiting mark](self#waiting) with `+exists`;
 //! without it, every release announces itself.
 //!
+//! A backend's first fenced acquisition reads the record of the prefix's
+//! [fencing counters](self#bounded-fencing-counters) with `GET` (the script paths' grant), or
+//! with `EXISTS` (the native paths') where `GET` is refused; a user that may run neither gets
+//! a `NOPERM` error naming both.
+//!
 //! Read locks run scripts on every server (see [Read locks](self#read-locks)) and add
 //! `+evalsha +eval +get +set +exists +time +zadd +zscore +zrem +zremrangebyscore +zrange
 //! +pexpire +del` (and `+incr` with fencing); a waiting writer's intent needs `+evalsha +eval
@@ -609,10 +621,16 @@
 //! checks the record. Tokens still increase strictly per key; they are `epoch × 2^48 + count`.
 //! Switching a prefix from per-key counters to `N`, or from one `N` to another, starts a new
 //! epoch, so no token is lower than one issued before; a backend switched away answers
-//! [`LockError::Config`] instead of issuing tokens. A backend with per-key counters does not
-//! look at the record (that would cost every default backend a command, and a `+get` grant):
-//! stop the processes with per-key counters (and those of earlier versions) before the first
-//! one with `fencing_counters` starts, and do not go back. The rules, the epochs and the
+//! [`LockError::Config`] instead of issuing tokens. Going back is refused: a backend with
+//! per-key counters looks for the record once, at its first fenced acquisition (one `EXISTS`,
+//! or `GET` where the user may not run it), and while the record exists its fenced
+//! acquisitions fail with [`LockError::Config`] naming the store's mode, on every topology
+//! (a Cluster or Redlock node whose data came from a server with shared counters included);
+//! a Redlock backend reports such a node's refusal rather than count on the other nodes. A
+//! backend with per-key counters that was already running when another switched the prefix
+//! does not look again: stop the processes with per-key counters (and those of earlier
+//! versions, which never look) before the first one with `fencing_counters` starts. The record
+//! is never deleted: once a prefix had shared counters, it keeps them. The rules, the epochs and the
 //! migration are in [`fencing_counter`](crate::fencing_counter)'s docs. Costs: one `GET` more
 //! in the script (grant `+get` besides the fencing permissions), and keys that share a counter
 //! share its hot key. Not for a Redis Cluster (the counters cannot share every lock's slot; a
@@ -732,6 +750,8 @@ struct Shared {
     fencing: bool,
     /// The shared counters of `fencing_counters`, if set.
     counters: Option<bounded::Counters>,
+    /// Without them, the check that the store never had them.
+    per_key: bounded::PerKey,
     timeout: Duration,
     /// The renewal cadence set by the application, if any.
     renew_every: Option<Duration>,
@@ -1246,6 +1266,7 @@ impl RedisBuilder {
         let counters = self
             .fencing_counters
             .map(|n| bounded::Counters::new(n, self.prefix.as_bytes(), self.layout));
+        let per_key = bounded::PerKey::new(self.prefix.as_bytes(), self.layout);
         Ok(RedisBackend {
             shared: Arc::new(Shared {
                 conn,
@@ -1254,6 +1275,7 @@ impl RedisBuilder {
                 layout: self.layout,
                 fencing: self.fencing,
                 counters,
+                per_key,
                 timeout: self.timeout,
                 renew_every: self.renew_every,
                 wait,

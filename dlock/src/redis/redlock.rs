@@ -674,6 +674,15 @@ impl RedlockBackend {
                     Err(Failure::Failed(err)) => failures.push(err),
                 }
             }
+            // A node that refuses for its configuration (per-key counters on a prefix that
+            // had shared ones, see `dlock::redis`) is not a node that is down: a quorum of
+            // the others must not hide it. `taken` is given back as it drops.
+            if let Some(at) = failures
+                .iter()
+                .position(|err| matches!(err, LockError::Config { .. }))
+            {
+                return Err(failures.swap_remove(at));
+            }
             if taken.len() < shared.quorum {
                 // `taken` is given back as it drops.
                 if refused + taken.len() < shared.quorum

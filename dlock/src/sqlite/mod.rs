@@ -59,7 +59,10 @@
 //! (they look for it at most every 50 ms; a process's first transaction-bound lock on a file
 //! waits 50 ms, once, so that no look older than that is trusted). Keep the `-fencing` file
 //! with the lock file (as SQLite's own `-wal` file); deleting it lets the token of a
-//! rolled-back transaction lock be issued again. Rows stay in the table after release, to keep
+//! rolled-back transaction lock be issued again. It is named after the lock file as SQLite
+//! resolves it, so a path through a symbolic link reaches the same one; a hard link to the
+//! lock file does not (SQLite's own files do not follow hard links either: never open one
+//! database under two names). Rows stay in the table after release, to keep
 //! the counter. A power loss (not a process crash) may roll back the last acquisitions and
 //! their tokens (`synchronous=NORMAL`).
 //!

@@ -56,6 +56,10 @@
 //! taking distinct keys or one hot key, through dlock or the raw driver; see the `throughput`
 //! module.
 //!
+//! `dlock-worker paused URL ID ROUNDS LEASE_MS` holds a lock through each API of dlock while
+//! the test stops it past its lease and takes the locks over, and prints what each API's
+//! checks say at the work's first step after the pause; see the `paused` module.
+//!
 //! `dlock-worker schedule --url URL ...` is one worker process of the schedule test
 //! (`tests/schedule/`), driven over stdin and stdout; see the `schedule` module.
 
@@ -68,6 +72,7 @@ use std::time::{Duration, Instant};
 
 mod fairness;
 mod group;
+mod paused;
 mod schedule;
 mod throughput;
 
@@ -113,6 +118,7 @@ fn main() -> ExitCode {
         #[cfg(feature = "sqlite")]
         ["tx-hold", file, key] => tx_hold(file, key),
         ["schedule", rest @ ..] => schedule::run(rest),
+        ["paused", url, id, rounds, lease_ms] => paused::run(url, id, rounds, lease_ms),
         ["verify", log, expected, rest @ ..] => expected
             .parse()
             .map_err(|e| format!("expected: {e}"))
@@ -127,7 +133,7 @@ fn main() -> ExitCode {
                   | fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H] \
                   | throughput URL PREFIX [--processes P] [--tasks T] [--seconds S] [--hot] [--raw] \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
-                  | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
+                  | take URL KEY TIMEOUT_MS | tx-hold FILE KEY | paused URL ID ROUNDS LEASE_MS \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
         ),

@@ -19,6 +19,7 @@ async fn backend(server: &Server, lease: Duration, timeout: Duration) -> Arc<Sha
         layout: crate::redis::KeyLayout::Tagged,
         fencing: false,
         counters: None,
+        per_key: crate::redis::bounded::PerKey::new(b"t:", crate::redis::KeyLayout::Tagged),
         timeout,
         renew_every: None,
         wait: None,
