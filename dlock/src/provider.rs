@@ -62,6 +62,17 @@ struct Inner {
     renew: bool,
     shutdown: Option<CancellationToken>,
     metrics: Arc<Metrics>,
+    /// Records nothing, and shows nothing to inspection: the metrics of the locks this crate
+    /// takes for itself (a semaphore's queue lock).
+    quiet: Arc<Metrics>,
+}
+
+/// A lock taken in the store, with its slot in the table, before it is handed out in a
+/// guard.
+pub(crate) struct Taken {
+    pub(crate) slot: Slot,
+    pub(crate) acquired: Acquired,
+    pub(crate) runtime: tokio::runtime::Handle,
 }
 
 /// The lease terms one acquisition asks for: `None` takes the provider's.
@@ -69,8 +80,8 @@ struct Inner {
 pub(crate) struct Terms {
     pub(crate) lease: Option<Duration>,
     pub(crate) renew: Option<bool>,
-    /// An acquisition of this crate's own (a semaphore slot), whose key may use the reserved
-    /// prefix.
+    /// An acquisition of this crate's own (a semaphore's slot or queue lock), whose key may
+    /// use the reserved prefix.
     pub(crate) internal: bool,
     /// A read (shared) lock.
     pub(crate) shared: bool,
@@ -355,13 +366,25 @@ impl LockProvider {
                 renew: self.inner.renew,
                 shutdown: Some(shutdown.clone()),
                 metrics: Arc::clone(&self.inner.metrics),
+                quiet: Arc::clone(&self.inner.quiet),
             }),
         }
     }
 
     /// The provider's metrics, which also keep what inspection shows of its held locks.
-    pub(crate) fn metrics(&self) -> &Metrics {
+    pub(crate) fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.metrics
+    }
+
+    /// The metrics of the locks this crate takes for itself: they record nothing and are not
+    /// shown by inspection.
+    pub(crate) fn quiet_metrics(&self) -> &Arc<Metrics> {
+        &self.inner.quiet
+    }
+
+    /// The lease asked for by default, and whether leases are renewed by default.
+    pub(crate) fn lease_terms(&self) -> (Option<Duration>, bool) {
+        (self.inner.lease, self.inner.renew)
     }
 
     /// The provider's backend.
@@ -369,7 +392,9 @@ impl LockProvider {
         &*self.inner.backend
     }
 
-    /// The provider's backoff, for waits that poll.
+    /// The provider's backoff, for waits that poll (for the helpers over the provider; the
+    /// semaphore's waits pause on a schedule of their own).
+    #[allow(dead_code)]
     pub(crate) fn backoff(&self) -> Backoff {
         self.inner.backoff
     }
@@ -421,6 +446,22 @@ impl LockProvider {
         terms: Terms,
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
+        self.observed(
+            key,
+            timeout,
+            self.acquire_untraced(key, timeout, cancel, terms, backoff),
+        )
+        .await
+    }
+
+    /// Runs the acquisition `attempt` of `key` in a span of its own, and records its outcome
+    /// and wait in the metrics.
+    pub(crate) async fn observed(
+        &self,
+        key: &str,
+        timeout: Duration,
+        attempt: impl Future<Output = Result<LockGuard, LockError>>,
+    ) -> Result<LockGuard, LockError> {
         let backend = self.inner.backend.name();
         let span = tracing::debug_span!(
             "dlock.acquire",
@@ -430,11 +471,7 @@ impl LockProvider {
             outcome = tracing::field::Empty,
         );
         let started = Instant::now();
-        let outcome = crate::metrics::in_span(
-            span.clone(),
-            self.acquire_untraced(key, timeout, cancel, terms, backoff),
-        )
-        .await;
+        let outcome = crate::metrics::in_span(span.clone(), attempt).await;
         let waited = started.elapsed();
         self.inner
             .metrics
@@ -464,6 +501,27 @@ impl LockProvider {
         terms: Terms,
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
+        let taken = self
+            .acquire_raw(key, timeout, cancel, terms, backoff)
+            .await?;
+        Ok(LockGuard::new(
+            taken.slot,
+            taken.acquired,
+            Arc::clone(&self.inner.metrics),
+            taken.runtime,
+        ))
+    }
+
+    /// Takes the lock `key` (its table slot, then the store's lock), without recording
+    /// metrics or making a guard.
+    pub(crate) async fn acquire_raw(
+        &self,
+        key: &str,
+        timeout: Duration,
+        cancel: Option<&CancellationToken>,
+        terms: Terms,
+        backoff: Option<&Backoff>,
+    ) -> Result<Taken, LockError> {
         validate_key(key)?;
         if !terms.internal {
             crate::key::refuse_reserved(key)?;
@@ -499,11 +557,7 @@ impl LockProvider {
         };
 
         // The guard releases in the background on drop, which needs the runtime.
-        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
-            LockError::config(
-                "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
-            )
-        })?;
+        let runtime = current_runtime()?;
         let request = LockRequest::new(key)
             .with_lease(terms.lease.or(inner.lease))
             .with_renewal(terms.renew.unwrap_or(inner.renew))
@@ -548,13 +602,22 @@ impl LockProvider {
             }
             acquired = attempt => acquired?,
         };
-        Ok(LockGuard::new(
+        Ok(Taken {
             slot,
             acquired,
-            Arc::clone(&inner.metrics),
             runtime,
-        ))
+        })
     }
+}
+
+/// The runtime a guard releases on when it is dropped: the current one, which every
+/// acquisition needs.
+pub(crate) fn current_runtime() -> Result<tokio::runtime::Handle, LockError> {
+    tokio::runtime::Handle::try_current().map_err(|_| {
+        LockError::config(
+            "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
+        )
+    })
 }
 
 /// Polls `backend` until the lock is taken or the deadline passes. The last try happens at the
@@ -668,11 +731,11 @@ async fn poll_watched(
     }
 }
 
-fn is_cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) -> bool {
+pub(crate) fn is_cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) -> bool {
     a.is_some_and(CancellationToken::is_cancelled) || b.is_some_and(CancellationToken::is_cancelled)
 }
 
-async fn cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) {
+pub(crate) async fn cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) {
     match (a, b) {
         (Some(a), Some(b)) => tokio::select! {
             () = a.cancelled() => {}
@@ -858,8 +921,14 @@ impl ProviderBuilder {
             )
         });
         let metrics = Arc::new(Metrics::new(&meter, self.metrics, self.backend.name()));
+        let quiet = {
+            use opentelemetry::metrics::MeterProvider as _;
+            let meter = opentelemetry::metrics::noop::NoopMeterProvider::new().meter("dlock");
+            Arc::new(Metrics::new(&meter, OptIn::default(), self.backend.name()))
+        };
         LockProvider {
             inner: Arc::new(Inner {
+                quiet,
                 backend: self.backend,
                 table: Arc::new(LocalTable::default()),
                 backoff: self.backoff,

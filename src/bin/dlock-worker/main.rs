@@ -23,9 +23,12 @@
 //!   HOLDER`), the rest exclusive: no writer overlaps any other holder, readers do share (a run
 //!   in which readers never overlapped fails, as it proves nothing), a writer's token exceeds
 //!   every token seen before on its key, and a reader's exceeds the last writer's;
-//! - `semaphore:N`: each section holds one of the N slots of a semaphore (`slot KEY SLOT
-//!   HOLDER TOKEN` .. `unslot KEY SLOT HOLDER`): at most N holders per key, one per slot, and
-//!   tokens strictly increasing per slot;
+//! - `semaphore:N`: each section holds one of the N permits of a semaphore (`slot KEY KIND
+//!   HOLDER TOKEN N` .. `unslot KEY KIND HOLDER`): at most N holders per key, and the
+//!   semaphore always used with one N. Where the backend keeps semaphores natively (KIND
+//!   `-`), no token is handed out twice per semaphore (grants that run at once may be logged
+//!   in either order, so their tokens are not compared); on the slot scheme (KIND `*`: the
+//!   guard names the semaphore, not its slot), tokens are per slot and are not compared;
 //! - `many`: each section holds two distinct keys at once through `acquire_many` (`enter-set
 //!   HOLDER KEY TOKEN KEY TOKEN` .. `exit-set HOLDER KEY KEY`): no key of a set overlaps any
 //!   other holder of it, and tokens increase per key. (Needs at least 2 keys.)
@@ -365,6 +368,8 @@ struct KeyState {
     last_token: Option<u64>,
     /// The highest token seen on the key, readers' included.
     highest: Option<u64>,
+    /// The tokens of a native semaphore's permits so far.
+    granted: std::collections::HashSet<u64>,
 }
 
 /// Reads a sections log and reports the first overlap, non-increasing, missing or unexpected
@@ -477,18 +482,29 @@ fn check(log: &Path, expected: usize, fencing: Fencing) -> Result<Summary, Strin
                     ));
                 }
                 summary.most_shared = summary.most_shared.max(state.sharing.len());
-                // Each slot is a lock of its own: exclusive, with increasing tokens.
-                enter(&mut keys, n, &format!("slot {slot}"), holder, t)?;
+                match *slot {
+                    // A permit of a native semaphore: its token is new to the semaphore.
+                    "-" => {
+                        if let Some(t) = t
+                            && !state.granted.insert(t)
+                        {
+                            return Err(format!(
+                                "line {n}: fencing token {t} of semaphore {key} handed out twice"
+                            ));
+                        }
+                    }
+                    "*" => {}
+                    _ => return Err(malformed()),
+                }
                 summary.fenced += usize::from(t.is_some());
             }
-            ["unslot", key, slot, holder] => {
+            ["unslot", key, _kind, holder] => {
                 let state = keys.entry(format!("semaphore {key}")).or_default();
                 if !state.sharing.remove(*holder) {
                     return Err(format!(
                         "line {n}: {holder} left semaphore {key} without entering"
                     ));
                 }
-                exit(&mut keys, n, &format!("slot {slot}"), holder)?;
                 summary.sections += 1;
             }
             _ => return Err(malformed()),
@@ -660,10 +676,7 @@ async fn storm(
                             .acquire_semaphore(key, permits, ACQUIRE_TIMEOUT)
                             .await
                             .map_err(failed)?;
-                        // The slot's internal name holds NUL bytes; log a printable form.
-                        let slot = guard
-                            .key()
-                            .replace(|c: char| c.is_control() || c == ' ', "_");
+                        let slot = if locks.native_semaphores() { "-" } else { "*" };
                         write(format!(
                             "slot {key} {slot} {holder} {} {permits}\n",
                             token_of(&guard)
