@@ -43,7 +43,8 @@
 //!
 //! `dlock-worker hold URL KEY` takes the lock, prints `held TOKEN` on stdout and sleeps until
 //! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
-//! clock when it fired).
+//! clock when it fired). `hold-read URL KEY` does the same with a read lock, and
+//! `hold-permit URL KEY N` with a permit of the semaphore KEY of N permits.
 //!
 //! `dlock-worker take URL KEY TIMEOUT_MS` waits up to the timeout for the lock, then prints
 //! `held TOKEN` (and releases it) or `timeout`, and exits 0; any other outcome exits 1.
@@ -107,8 +108,12 @@ fn main() -> ExitCode {
                 url, prefix, index, tasks, seconds, mode,
             ))
         }),
-        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, false))),
-        ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, true))),
+        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, Held::Lock))),
+        ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, Held::Read))),
+        ["hold-permit", url, key, permits] => permits
+            .parse()
+            .map_err(|e| format!("permits: {e}"))
+            .and_then(|n| runtime().and_then(|rt| rt.block_on(hold(url, key, Held::Permit(n))))),
         ["take", url, key, timeout_ms] => timeout_ms
             .parse()
             .map_err(|e| format!("timeout: {e}"))
@@ -130,6 +135,7 @@ fn main() -> ExitCode {
                   | fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H] \
                   | throughput URL PREFIX [--processes P] [--tasks T] [--seconds S] [--hot] [--raw] \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
+                  | hold-permit URL KEY N \
                   | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
@@ -751,14 +757,23 @@ async fn section() {
 
 /// Holds `key` (a read lock when `read`) until killed, saying `held TOKEN`, then `lost UNIX_MS`
 /// if the lock is lost.
-async fn hold(url: &str, key: &str, read: bool) -> Result<(), String> {
+/// What `hold` takes.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    Lock,
+    Read,
+    /// A permit of a semaphore of this many.
+    Permit(u32),
+}
+
+async fn hold(url: &str, key: &str, held: Held) -> Result<(), String> {
     let locks = dlock::LockProvider::connect(url)
         .await
         .map_err(|e| e.to_string())?;
-    let guard = if read {
-        locks.acquire_read(key, ACQUIRE_TIMEOUT).await
-    } else {
-        locks.acquire(key, ACQUIRE_TIMEOUT).await
+    let guard = match held {
+        Held::Lock => locks.acquire(key, ACQUIRE_TIMEOUT).await,
+        Held::Read => locks.acquire_read(key, ACQUIRE_TIMEOUT).await,
+        Held::Permit(n) => locks.acquire_semaphore(key, n, ACQUIRE_TIMEOUT).await,
     }
     .map_err(|e| e.to_string())?;
     println!(
