@@ -392,6 +392,11 @@ impl LockProvider {
         &*self.inner.backend
     }
 
+    /// The provider's in-process table.
+    pub(crate) fn table(&self) -> &Arc<LocalTable> {
+        &self.inner.table
+    }
+
     /// The provider's backoff, for waits that poll (for the helpers over the provider; the
     /// semaphore's waits pause on a schedule of their own).
     #[allow(dead_code)]
@@ -433,7 +438,10 @@ impl LockProvider {
         self.inner.backend.ping().await
     }
 
-    /// How many keys this provider holds or is acquiring right now.
+    /// How many keys this provider holds or is acquiring right now: its locks and read locks
+    /// (a key read by several tasks counts once), each semaphore it is waiting for, and, on
+    /// a backend that keeps semaphores as slot locks, each slot it holds. A permit of a
+    /// semaphore the store keeps natively takes no key of the provider.
     pub fn local_key_count(&self) -> usize {
         self.inner.table.len()
     }

@@ -314,6 +314,10 @@ impl LockProvider {
         let remaining = deadline.map_or(Duration::MAX, |deadline| {
             deadline.saturating_duration_since(Instant::now())
         });
+        // A share of the queue's name in the table while it waits, so that the wait counts
+        // among the keys the provider is acquiring (local waiters do not queue on it: the
+        // store orders them).
+        let _waiting = self.table().try_slot(&queue_name(key), true);
         let request = self.permit_request(key, max_count);
         match store.acquire_permit_wait(request, remaining).await? {
             Some(acquired) => Ok(LockGuard::permit(
