@@ -54,6 +54,14 @@ pub trait Harness: Send + Sync + 'static {
     fn read_locks(&self) -> bool {
         false
     }
+
+    /// A known, open bug that makes waits unfair between the providers of one process on
+    /// this backend (why), or `None` (the default). The semaphore fairness case then still
+    /// checks that the bound is kept and reached, that every task is served and the wait
+    /// tail, and prints each provider's share without asserting it (saying why).
+    fn unfair_waits(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// Generates one test per conformance case for the harness that `$make` (an async expression)
@@ -1723,8 +1731,16 @@ pub async fn semaphore_fairness(h: &impl Harness) {
     );
     let share = total as f64 / PROVIDERS as f64;
     for (p, &n) in counts.iter().enumerate() {
-        assert!(
-            (n as f64 - share).abs() <= 0.25 * share,
+        if (n as f64 - share).abs() <= 0.25 * share {
+            continue;
+        }
+        if let Some(bug) = h.unfair_waits() {
+            eprintln!(
+                "not checked: each provider's share ({counts:?}), because of a known bug: {bug}"
+            );
+            break;
+        }
+        panic!(
             "provider {p} got {n} of {total} permits (an equal share is {share:.0}): {counts:?}"
         );
     }
