@@ -99,8 +99,10 @@ fn main() -> ExitCode {
             })
         }
         ["fairness", url, key, rest @ ..] => fairness::run(url, key, rest),
-        ["fair", url, key, tasks, seconds, hold_us] => runtime().and_then(|rt| {
-            rt.block_on(fairness::worker(url, key, tasks, seconds, hold_us))
+        ["fair", url, key, tasks, seconds, hold_us, permits] => runtime().and_then(|rt| {
+            rt.block_on(fairness::worker(
+                url, key, tasks, seconds, hold_us, permits,
+            ))
         }),
         ["throughput", url, prefix, rest @ ..] => throughput::run(url, prefix, rest),
         ["tput", url, prefix, index, tasks, seconds, mode] => runtime().and_then(|rt| {
@@ -133,6 +135,7 @@ fn main() -> ExitCode {
                   [--mix exclusive|rw|semaphore:N|many] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG [MIX] \
                   | fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H] \
+                  [--permits N] \
                   | throughput URL PREFIX [--processes P] [--tasks T] [--seconds S] [--hot] [--raw] \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
                   | hold-permit URL KEY N \
