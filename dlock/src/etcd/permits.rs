@@ -39,7 +39,7 @@ enum Moved {
 
 impl EtcdBackend {
     /// The prefix under which the semaphore `key` keeps its holders' and waiters' keys
-    /// (`<prefix>%S/<key'>/`, see [Semaphores](self#semaphores)): the `max_count` keys with
+    /// (`<prefix>%S/<key'>/`, see [Semaphores](super#semaphores)): the `max_count` keys with
     /// the smallest create revisions under it hold its permits.
     pub fn semaphore_prefix(&self, key: &str) -> Vec<u8> {
         semaphore_prefix(&self.shared.prefix, key)

@@ -364,7 +364,7 @@ struct Summary {
     most_shared: usize,
 }
 
-/// Per key (or semaphore slot): who is inside, and the tokens seen.
+/// Per key (or semaphore): who is inside, and the tokens seen.
 #[derive(Default)]
 struct KeyState {
     /// The exclusive holder.
@@ -736,7 +736,7 @@ async fn release(
     holder: &str,
     write: &impl Fn(String) -> Result<(), String>,
 ) -> Result<(), dlock::LockError> {
-    // Printable: a semaphore slot's internal name holds NUL bytes.
+    // Printable, as every log line: no spaces or control characters.
     let key = guard
         .key()
         .replace(|c: char| c.is_control() || c == ' ', "_");
