@@ -47,8 +47,8 @@ pub trait Deployment: Send + Sync + 'static {
     /// to live ([`take_over`]).
     fn take_over(&self, backend: &Self::Backend, key: &str) -> impl Future<Output = ()> + Send;
 
-    /// A known, open bug that makes waits unfair between processes on this deployment (see
-    /// [`Harness::unfair_waits`]); `None` (the default) when there is none.
+    /// Why waits are not fair between processes on this deployment (see
+    /// [`Harness::unfair_waits`]); `None` (the default) when they are.
     fn unfair_waits(&self) -> Option<&'static str> {
         None
     }
@@ -173,7 +173,7 @@ impl Deployment for RedisServer {
 
     fn unfair_waits(&self) -> Option<&'static str> {
         (self.flavor != super::Flavor::Redis7).then_some(
-            "Redis 8 and Valkey 8 and later do not deliver a channel's messages to its \
+            "of a known bug: Redis 8 and Valkey 8 and later do not deliver a channel's messages to its \
              subscribers in the order they subscribed, so the fair waits of the Redis backend \
              (which send a backend that took a key to the back of that order) keep favouring \
              the same processes: 3 providers of one process taking a plain lock held 5 ms got \
