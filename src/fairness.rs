@@ -38,11 +38,42 @@ pub fn run(
     tasks: usize,
     seconds: u64,
 ) -> Result<(Fairness, String), String> {
+    run_with(worker, url, key, [processes, tasks], seconds, &[])
+}
+
+/// [`run`] with permits of the semaphore `key` of `permits` instead of the lock `key`.
+pub fn run_semaphore(
+    worker: &str,
+    url: &str,
+    key: &str,
+    [processes, tasks]: [usize; 2],
+    seconds: u64,
+    permits: u32,
+) -> Result<(Fairness, String), String> {
+    let permits = permits.to_string();
+    run_with(
+        worker,
+        url,
+        key,
+        [processes, tasks],
+        seconds,
+        &["--permits", &permits],
+    )
+}
+
+fn run_with(
+    worker: &str,
+    url: &str,
+    key: &str,
+    [processes, tasks]: [usize; 2],
+    seconds: u64,
+    extra: &[&str],
+) -> Result<(Fairness, String), String> {
     let summary = crate::run_worker(
         worker,
         ["fairness", url, key],
         [processes as u64, tasks as u64, seconds],
-        &[],
+        extra,
         || {},
     )?;
     Ok((Fairness::parse(&summary)?, summary))

@@ -221,13 +221,15 @@ fn checker_finds_violations() {
     let (ok, text) = verify("clean", clean, 3);
     assert!(ok, "{text}");
     assert!(text.contains("ok sections=3 fenced=3"), "{text}");
-    // Readers sharing, then a writer; semaphore slots; a set of two keys.
+    // Readers sharing, then a writer; permits of a native semaphore and of the slot scheme
+    // (whose tokens are per slot, so may repeat); a set of two keys.
     let mixed = "read a 1.0 1\nread a 2.0 2\nunread a 2.0\nunread a 1.0\nenter a 3.0 3\nexit a 3.0\n\
-                 slot s s0 1.0 1 2\nslot s s1 2.0 1 2\nunslot s s0 1.0\nunslot s s1 2.0\n\
+                 slot s - 1.0 2 2\nslot s - 2.0 1 2\nunslot s - 1.0\nunslot s - 2.0\n\
+                 slot t * 1.0 1 2\nslot t * 2.0 1 2\nunslot t * 1.0\nunslot t * 2.0\n\
                  enter-set 1.0 a 4 b 1\nexit-set 1.0 a b\n";
-    let (ok, text) = verify_with("mixed", mixed, 6, &["--fencing", "every"]);
+    let (ok, text) = verify_with("mixed", mixed, 8, &["--fencing", "every"]);
     assert!(ok, "{text}");
-    assert!(text.contains("ok sections=6 fenced=6"), "{text}");
+    assert!(text.contains("ok sections=8 fenced=8"), "{text}");
     let (ok, text) = verify_with("clean-every", clean, 3, &["--fencing", "every"]);
     assert!(ok, "{text}");
     let unfenced = "enter a 1.0 -\nexit a 1.0\nenter a 2.0 -\nexit a 2.0\n";
@@ -302,21 +304,33 @@ fn checker_finds_violations() {
         ),
         (
             "semaphore overfull",
-            "slot s s0 1.0 1 2\nslot s s1 2.0 1 2\nslot s s2 3.0 1 2\nunslot s s0 1.0\nunslot s s1 2.0\nunslot s s2 3.0\n",
+            "slot s - 1.0 1 2\nslot s - 2.0 2 2\nslot s - 3.0 3 2\nunslot s - 1.0\nunslot s - 2.0\nunslot s - 3.0\n",
             3,
             "made 3 holders of semaphore s, of at most 2",
         ),
         (
-            "two holders of one slot",
-            "slot s s0 1.0 1 2\nslot s s0 2.0 2 2\nunslot s s0 1.0\nunslot s s0 2.0\n",
-            2,
-            "entered slot s0 while 1.0 was inside",
+            "slot scheme overfull",
+            "slot s * 1.0 1 2\nslot s * 2.0 1 2\nslot s * 3.0 2 2\nunslot s * 1.0\nunslot s * 2.0\nunslot s * 3.0\n",
+            3,
+            "made 3 holders of semaphore s, of at most 2",
         ),
         (
-            "slot token repeated",
-            "slot s s0 1.0 4 2\nunslot s s0 1.0\nslot s s0 2.0 4 2\nunslot s s0 2.0\n",
+            "permit token repeated",
+            "slot s - 1.0 4 2\nunslot s - 1.0\nslot s - 2.0 4 2\nunslot s - 2.0\n",
             2,
-            "fencing token 4 on slot s0 after 4",
+            "fencing token 4 of semaphore s handed out twice",
+        ),
+        (
+            "semaphore of two sizes",
+            "slot s - 1.0 1 2\nunslot s - 1.0\nslot s - 2.0 2 3\nunslot s - 2.0\n",
+            2,
+            "semaphore s used with two sizes",
+        ),
+        (
+            "bad permit kind",
+            "slot s s0 1.0 1 2\nunslot s s0 1.0\n",
+            1,
+            "malformed",
         ),
         (
             "set overlapping a lock",

@@ -675,6 +675,16 @@ mod redis_acl {
             dlock_testkit::redis::take_over(&mut conn, backend.storage_key(key), "someone-else")
                 .await;
         }
+
+        /// Without `PUBLISH` and `SUBSCRIBE` (not among the least commands) there are no
+        /// wake-ups, so no fair waits across processes: waits poll, and the provider that gave
+        /// a key back hands it to its own next waiter.
+        fn unfair_waits(&self) -> Option<&'static str> {
+            Some(
+                "the least commands grant no PUBLISH or SUBSCRIBE: without wake-ups, Redis \
+                 waits are not fair across processes",
+            )
+        }
     }
 
     /// The conformance harness on `flavor`'s server, as a user granted exactly the production page's

@@ -138,7 +138,9 @@ impl Deployment {
 }
 
 /// Runs `start`, turning a panic into its message and `None` into "not installed".
-fn caught<T>(start: impl FnOnce() -> Option<T> + std::panic::UnwindSafe) -> Result<T, String> {
+pub(crate) fn caught<T>(
+    start: impl FnOnce() -> Option<T> + std::panic::UnwindSafe,
+) -> Result<T, String> {
     match std::panic::catch_unwind(start) {
         Ok(Some(t)) => Ok(t),
         Ok(None) => Err(NOT_INSTALLED.to_owned()),

@@ -92,7 +92,7 @@ use crate::service::LockService;
 ///    with 400, whichever way they were made;
 /// 2. takes the lock, waiting up to [`timeout`](LockLayer::timeout) (zero, the default: one try):
 ///    an exclusive lock, or with [`read`](LockLayer::read) a read lock shared with other
-///    readers of the key, or with [`permits`](LockLayer::permits) one of the slots of a
+///    readers of the key, or with [`permits`](LockLayer::permits) one of the permits of a
 ///    semaphore;
 /// 3. runs the handler while holding it, with a [`HeldLock`](crate::HeldLock) in the request's
 ///    extensions (the key, the fencing token and the lost token, for the handler to extract).
@@ -128,7 +128,7 @@ pub(crate) struct Shared<K> {
 }
 
 /// What the layer takes for a request: an exclusive lock (the default), a read lock, or a
-/// semaphore slot.
+/// semaphore permit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {
     Exclusive,
@@ -546,11 +546,13 @@ impl<K: MakeLockKeys> LockLayer<K> {
         self.update(|s| s.mode = Mode::Read)
     }
 
-    /// Lets up to `permits` requests of one key run at once: each takes a slot of the
+    /// Lets up to `permits` requests of one key run at once: each takes a permit of the
     /// semaphore named by the key (see [`LockProvider::acquire_semaphore`]; semaphore keys
-    /// are their own namespace). When every slot is held the request is answered as for a
-    /// held lock (409, or 408 after the timeout). Zero permits answers every request with
-    /// the configuration problem (500).
+    /// are their own namespace, and waiting requests are served in turn). When every permit
+    /// is held the request is answered as for a held lock (409, or 408 after the timeout).
+    /// Zero permits, a count the semaphore is not in use with (on backends that record it),
+    /// or more than 1,024 on a backend that keeps semaphores as slot locks answer with the
+    /// configuration problem (500).
     ///
     /// [`LockProvider::acquire_semaphore`]: dlock::LockProvider::acquire_semaphore
     pub fn permits(self, permits: u32) -> Self {

@@ -208,12 +208,15 @@ mod expand;
 /// # A semaphore: `permits = N`
 ///
 /// `#[distributed_lock("exports:{tenant}", permits = 5, timeout = 10)]` lets up to 5 calls
-/// run at once for one tenant: it takes one of the 5 slots of the semaphore through
+/// run at once for one tenant: it takes one of the 5 permits of the semaphore through
 /// `LockProvider::acquire_semaphore` (`try_acquire_semaphore` when the timeout is 0, so a
-/// full semaphore answers `AlreadyHeld`). Semaphore keys are their own namespace: the lock
-/// `"exports:acme"` is unrelated. `guard = g` binds the slot's `&LockGuard`, whose `key()` is
-/// the slot's internal name and whose fencing token increases per slot. `permits` and
-/// `keys(...)` do not combine.
+/// full semaphore answers `AlreadyHeld`); waiting calls are served in turn, across processes.
+/// Semaphore keys are their own namespace: the lock `"exports:acme"` is unrelated.
+/// `guard = g` binds the permit's `&LockGuard`, whose `key()` is the semaphore's key. Every
+/// function that names one semaphore must give it the same `permits`: where the backend keeps
+/// semaphores natively (SQLite, etcd) another count is refused with `LockError::Config` while
+/// the semaphore is in use, and a backend that keeps them as slot locks takes at most 1,024
+/// (more is a `LockError::Config` at run time). `permits` and `keys(...)` do not combine.
 ///
 /// # A read lock: `mode = read`
 ///
@@ -318,8 +321,8 @@ mod expand;
 /// - `on_lost = cancel` or `on_lost = finish` (the default): whether a lost lock stops the
 ///   body at once or lets it run to its end; either way the function returns `Lost`
 ///   (functions only).
-/// - `permits = <n>`: a semaphore of `n` (1 to `u32::MAX`) holders instead of a lock
-///   (functions only, one key).
+/// - `permits = <n>`: a semaphore of `n` (1 to `u32::MAX`; 1,024 at most on a backend that
+///   keeps semaphores as slot locks) holders instead of a lock (functions only, one key).
 /// - `mode = read` or `mode = write` (the default): a read lock shared with other readers,
 ///   or an exclusive lock (functions only, one key, not with `permits`).
 ///

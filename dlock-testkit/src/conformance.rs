@@ -54,6 +54,16 @@ pub trait Harness: Send + Sync + 'static {
     fn read_locks(&self) -> bool {
         false
     }
+
+    /// Why waits on this backend are not fair between the providers of one process, if they
+    /// are not (a known, open bug, or a backend that has no fair waits across providers:
+    /// then a semaphore's waiters, which queue on an ordinary lock of the backend, are served
+    /// as unevenly as its lock waits), or `None` (the default). The semaphore fairness case
+    /// then checks that the bound is kept and reached and prints each provider's share and
+    /// the wait tail without asserting them (saying why).
+    fn unfair_waits(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// Generates one test per conformance case for the harness that `$make` (an async expression)
@@ -113,7 +123,8 @@ macro_rules! conformance_suite {
             cancellation_sweep, shared_backend_excludes, shared_backend_contention, ping_answers,
             lease_control, many_all_or_none, many_never_deadlock, run_exclusive_once,
             leader_hands_over, semaphore_bounds_holders, semaphore_under_contention,
-            held_locks_are_listed, read_locks_share, read_write_exclusion,
+            semaphore_fairness, semaphore_huge_counts, semaphore_counts_must_agree,
+            semaphore_timeouts, semaphore_waits_leave_nothing, held_locks_are_listed, read_locks_share, read_write_exclusion,
             writer_not_starved, read_shared_backend, read_cancellation_sweep,
             store_locks_list_holders, renewal_started_later, force_release_ends_a_lock
         );
@@ -1789,7 +1800,7 @@ pub async fn semaphore_under_contention(h: &impl Harness) {
                     let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
                     most.fetch_max(now, Ordering::SeqCst);
                     tokio::task::yield_now().await;
-                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                     inside.fetch_sub(1, Ordering::SeqCst);
                     guard.release().await.expect("release");
                 }
@@ -1799,9 +1810,12 @@ pub async fn semaphore_under_contention(h: &impl Harness) {
     for task in tasks {
         task.await.expect("a task panicked");
     }
-    assert!(
-        most.load(Ordering::SeqCst) <= 2,
-        "more than two holders at once"
+    // Never more than two inside, and the semaphore did admit two at once (a semaphore that
+    // admitted one holder at a time would pass the bound alone).
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        2,
+        "the most holders inside at once, of a semaphore of two"
     );
     let a = h.provider().await;
     for _ in 0..20 {
@@ -1821,6 +1835,340 @@ pub async fn semaphore_under_contention(h: &impl Harness) {
         .expect("both slots left free");
     first.release().await.expect("release");
     second.release().await.expect("release");
+}
+
+/// Defect 1 of issue 43: 3 providers × 8 tasks loop acquire / hold 5–25 ms / release on a
+/// semaphore of 3 until 240 permits have been granted (about 1.5 s; at most 20 s on a slow
+/// store). Every task gets permits, each provider's share is within 25 % of an equal one,
+/// the 99th percentile wait is within 5× the median, and the semaphore both never exceeds 3
+/// holders and does reach 3. (With waits that never queued, a releasing holder took its
+/// permit straight back: on SQLite one provider took all 344 acquisitions of 2 s.)
+pub async fn semaphore_fairness(h: &impl Harness) {
+    const PROVIDERS: usize = 3;
+    const TASKS: usize = 8;
+    const PERMITS: u32 = 3;
+    const GRANTS: usize = 240;
+    const LIMIT: Duration = Duration::from_secs(20);
+    let key = unique_key("sem-fair");
+    let mut providers = Vec::new();
+    for _ in 0..PROVIDERS {
+        providers.push(h.provider().await);
+    }
+    let inside = Arc::new(AtomicUsize::new(0));
+    let most = Arc::new(AtomicUsize::new(0));
+    let granted = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let end = started + LIMIT;
+    let mut tasks = Vec::new();
+    for (p, provider) in providers.iter().enumerate() {
+        for _ in 0..TASKS {
+            let (provider, key, inside, most, granted) = (
+                provider.clone(),
+                key.clone(),
+                inside.clone(),
+                most.clone(),
+                granted.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                let mut waits = Vec::new();
+                while granted.load(Ordering::SeqCst) < GRANTS && Instant::now() < end {
+                    let asked = Instant::now();
+                    let timeout = end.saturating_duration_since(asked) + Duration::from_secs(20);
+                    let guard = provider
+                        .acquire_semaphore(&key, PERMITS, timeout)
+                        .await
+                        .expect("a permit within the run and 20 s");
+                    let got = Instant::now();
+                    let now = inside.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    // Counted while the run lasts: once it is over, waits are cut short.
+                    if granted.fetch_add(1, Ordering::SeqCst) < GRANTS && got < end {
+                        waits.push(got - asked);
+                    }
+                    tokio::time::sleep(Duration::from_millis(fastrand::u64(5..=25))).await;
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                    guard.release().await.expect("release");
+                }
+                (p, waits)
+            }));
+        }
+    }
+    let mut counts = [0usize; PROVIDERS];
+    let mut per_task = Vec::new();
+    let mut waits = Vec::new();
+    for task in tasks {
+        let (p, task_waits) = tokio::time::timeout(LIMIT + Duration::from_secs(60), task)
+            .await
+            .expect("every task ends within a minute of the run")
+            .expect("a task panicked");
+        counts[p] += task_waits.len();
+        per_task.push(task_waits.len());
+        waits.extend(task_waits);
+    }
+    let took = started.elapsed();
+    let most = most.load(Ordering::SeqCst);
+    assert!(most <= PERMITS as usize, "{most} holders at once");
+    assert_eq!(
+        most, PERMITS as usize,
+        "the semaphore never had {PERMITS} holders at once"
+    );
+    let total: usize = counts.iter().sum();
+    assert!(
+        total >= 2 * PROVIDERS * TASKS,
+        "too few acquisitions to judge in {took:?}: {counts:?}"
+    );
+    waits.sort_unstable();
+    let at = |q: f64| waits[((waits.len() as f64 * q).ceil() as usize).saturating_sub(1)];
+    let (median, p99) = (at(0.5), at(0.99));
+    eprintln!(
+        "semaphore fairness ({}): {total} permits in {took:?}, per provider {counts:?}, per \
+         task {per_task:?}, wait median {median:?}, p99 {p99:?}",
+        providers[0].backend_name()
+    );
+    if let Some(why) = h.unfair_waits() {
+        eprintln!(
+            "not checked: every task served, each provider's share and the wait tail, \
+             because {why}"
+        );
+        return;
+    }
+    assert!(
+        per_task.iter().all(|&n| n > 0),
+        "a task got no permit: permits per task {per_task:?}, per provider {counts:?}"
+    );
+    let share = total as f64 / PROVIDERS as f64;
+    for (p, &n) in counts.iter().enumerate() {
+        assert!(
+            (n as f64 - share).abs() <= 0.25 * share,
+            "provider {p} got {n} of {total} permits (an equal share is {share:.0}): {counts:?}"
+        );
+    }
+    assert!(
+        p99 <= median.max(Duration::from_millis(1)) * 5,
+        "the 99th percentile wait {p99:?} is over 5× the median {median:?} ({counts:?})"
+    );
+}
+
+/// Defect 2 of issue 43: a semaphore of `u32::MAX` permits (which aborted the process,
+/// allocating a list of every slot) or of a million is served where the backend keeps
+/// semaphores natively, and refused with `Config` naming the limit on the slot scheme, whose
+/// largest count (1,024) is served.
+pub async fn semaphore_huge_counts(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("sem-huge");
+    if a.native_semaphores() {
+        for count in [u32::MAX, 1_000_000] {
+            let key = format!("{key}:{count}");
+            let first = a
+                .try_acquire_semaphore(&key, count)
+                .await
+                .expect("a permit of a huge semaphore");
+            assert_eq!(first.key(), key);
+            let second = b
+                .acquire_semaphore(&key, count, Duration::from_secs(5))
+                .await
+                .expect("a second permit");
+            if h.fencing() {
+                assert!(second.fencing_token() > first.fencing_token());
+            }
+            first.release().await.expect("release");
+            second.release().await.expect("release");
+        }
+        return;
+    }
+    let limit = dlock::backend::MAX_SLOT_PERMITS;
+    for count in [u32::MAX, 1_000_000, limit + 1] {
+        for timeout in [Duration::ZERO, Duration::from_secs(5)] {
+            match a.acquire_semaphore(&key, count, timeout).await {
+                Err(LockError::Config { message }) => {
+                    assert!(message.contains(&limit.to_string()), "{message}");
+                }
+                other => panic!("a semaphore of {count} on the slot scheme: {other:?}"),
+            }
+        }
+    }
+    let guard = a
+        .try_acquire_semaphore(&key, limit)
+        .await
+        .expect("the largest count of the slot scheme");
+    assert_eq!(guard.key(), key);
+    guard.release().await.expect("release");
+}
+
+/// Defect 3 of issue 43: callers that disagree on `max_count` (2 and 5 on one key) got 5
+/// holders. Where the backend keeps semaphores natively, another count is refused with
+/// `Config` naming both while anyone holds a permit, and taken once all have left; the slot
+/// scheme, which cannot record the count, gives the larger count (as documented).
+pub async fn semaphore_counts_must_agree(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("sem-count");
+    let first = a.try_acquire_semaphore(&key, 2).await.expect("a permit");
+    if !a.native_semaphores() {
+        let mut more = Vec::new();
+        for _ in 0..4 {
+            more.push(b.try_acquire_semaphore(&key, 5).await.expect("slot scheme"));
+        }
+        assert_held(b.try_acquire_semaphore(&key, 5).await);
+        first.release().await.expect("release");
+        for guard in more {
+            guard.release().await.expect("release");
+        }
+        return;
+    }
+    let refused = |result: Result<LockGuard, LockError>| match result {
+        Err(LockError::Config { message }) => {
+            assert!(
+                message.contains("max_count 2") && message.contains("max_count 5"),
+                "the refusal names both counts: {message}"
+            );
+        }
+        other => panic!("a count of 5 while 2 is in use: {other:?}"),
+    };
+    refused(b.try_acquire_semaphore(&key, 5).await);
+    // A wait is refused at once, not after its timeout.
+    let started = Instant::now();
+    refused(b.acquire_semaphore(&key, 5, Duration::from_secs(30)).await);
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let second = b.try_acquire_semaphore(&key, 2).await.expect("a permit");
+    assert_held(b.try_acquire_semaphore(&key, 2).await);
+    refused(a.try_acquire_semaphore(&key, 5).await);
+    first.release().await.expect("release");
+    refused(a.try_acquire_semaphore(&key, 5).await);
+    second.release().await.expect("release");
+    // Nobody holds or waits: the new count is taken, and holds from now on.
+    let mut five = Vec::new();
+    for provider in [&a, &b, &a, &b, &a] {
+        five.push(
+            provider
+                .try_acquire_semaphore(&key, 5)
+                .await
+                .expect("a new count once all had left"),
+        );
+    }
+    assert_held(b.try_acquire_semaphore(&key, 5).await);
+    match a.try_acquire_semaphore(&key, 2).await {
+        Err(LockError::Config { message }) => assert!(message.contains("max_count 5")),
+        other => panic!("a count of 2 while 5 is in use: {other:?}"),
+    }
+    for guard in five {
+        guard.release().await.expect("release");
+    }
+}
+
+/// A semaphore wait that runs out of time answers `Timeout` naming the semaphore (defect 4
+/// of issue 43 for semaphores), whether it waited for a permit or behind another waiter;
+/// a zero timeout is one try, answered `AlreadyHeld`.
+pub async fn semaphore_timeouts(h: &impl Harness) {
+    let (a, b, c) = (h.provider().await, h.provider().await, h.provider().await);
+    let key = unique_key("sem-timeout");
+    let held = a.try_acquire_semaphore(&key, 1).await.expect("a permit");
+    let timeout = Duration::from_millis(300);
+    let started = Instant::now();
+    match b.acquire_semaphore(&key, 1, timeout).await {
+        Err(LockError::Timeout {
+            key: named,
+            timeout: t,
+        }) => {
+            assert_eq!(&*named, key);
+            assert_eq!(t, timeout);
+        }
+        other => panic!("a wait on a full semaphore: {other:?}"),
+    }
+    assert!(started.elapsed() >= timeout);
+    assert_held(b.acquire_semaphore(&key, 1, Duration::ZERO).await);
+    // One waiter ahead (it holds the queue, on backends that have one), another behind it.
+    let first = {
+        let (b, key) = (b.clone(), key.clone());
+        tokio::spawn(async move { b.acquire_semaphore(&key, 1, Duration::from_secs(30)).await })
+    };
+    waiting(&b, &first).await;
+    match c.acquire_semaphore(&key, 1, timeout).await {
+        Err(LockError::Timeout { key: named, .. }) => assert_eq!(&*named, key),
+        other => panic!("a wait behind another waiter: {other:?}"),
+    }
+    held.release().await.expect("release");
+    let got = first.await.expect("join").expect("the first waiter");
+    assert_eq!(got.key(), key);
+    got.release().await.expect("release");
+}
+
+/// Waits of a full semaphore dropped at random points, or ended by the provider's shutdown,
+/// leave no permit and no place in the queue behind: once the holders leave, another
+/// provider takes every permit, each at once, and the provider that dropped them does too.
+pub async fn semaphore_waits_leave_nothing(h: &impl Harness) {
+    let (a, b) = (h.provider().await, h.provider().await);
+    let key = unique_key("sem-dropped");
+    let held = [
+        a.try_acquire_semaphore(&key, 2).await.expect("a permit"),
+        a.try_acquire_semaphore(&key, 2).await.expect("a permit"),
+    ];
+    let mut canceled = 0;
+    for round in 0..20 {
+        if round % 5 == 4 {
+            // Ended by the provider's shutdown while it waits (behind another waiter of the
+            // same provider, every other time).
+            let shutdown = CancellationToken::new();
+            let stopping = b.with_shutdown(&shutdown);
+            let ahead = (round % 10 == 9).then(|| {
+                let (b, key) = (b.clone(), key.clone());
+                tokio::spawn(
+                    async move { b.acquire_semaphore(&key, 2, Duration::from_secs(30)).await },
+                )
+            });
+            let wait = {
+                let key = key.clone();
+                tokio::spawn(async move {
+                    stopping
+                        .acquire_semaphore(&key, 2, Duration::from_secs(30))
+                        .await
+                })
+            };
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(1..20))).await;
+            shutdown.cancel();
+            match wait.await.expect("join") {
+                Err(LockError::Canceled { key: named }) => {
+                    assert_eq!(&*named, key);
+                    canceled += 1;
+                }
+                other => panic!("a wait ended by the shutdown: {other:?}"),
+            }
+            if let Some(ahead) = ahead {
+                ahead.abort();
+                let _ = ahead.await;
+            }
+            continue;
+        }
+        let wait = b.acquire_semaphore(&key, 2, Duration::from_secs(5));
+        let cut = Duration::from_micros(fastrand::u64(0..3000));
+        assert!(
+            tokio::time::timeout(cut, wait).await.is_err(),
+            "a wait on a full semaphore ended within {cut:?}"
+        );
+    }
+    assert_eq!(canceled, 4);
+    for guard in held {
+        guard.release().await.expect("release");
+    }
+    let bound = h.abandon_bound().unwrap_or(Duration::from_secs(5));
+    for provider in [&h.provider().await, &b] {
+        let started = Instant::now();
+        let taken = [
+            provider
+                .acquire_semaphore(&key, 2, bound)
+                .await
+                .expect("a permit left free"),
+            provider
+                .acquire_semaphore(&key, 2, bound)
+                .await
+                .expect("both permits left free"),
+        ];
+        assert_held(provider.try_acquire_semaphore(&key, 2).await);
+        eprintln!("both permits after {:?}", started.elapsed());
+        for guard in taken {
+            guard.release().await.expect("release");
+        }
+    }
+    assert_eq!(b.local_key_count(), 0, "the provider kept a key");
 }
 
 /// `held_locks` lists what a provider holds, sorted by key, with each lock's fencing token,

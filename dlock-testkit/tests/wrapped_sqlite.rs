@@ -1,14 +1,17 @@
 // The conformance suite on a backend of another crate: a `LockBackend` of its own that hands
 // each call to dlock's SQLite backend and counts the tries, as a third party's decorator (for
 // metrics, tracing, a circuit breaker) would. The suite must pass through it as it passes on
-// SQLite itself, and every acquisition must go through the wrapper.
+// SQLite itself, and every acquisition must go through the wrapper: the tries of waits (which
+// carry SQLite's fair queue across processes) and SQLite's semaphores (`PermitStore`) too.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use dlock::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
+use dlock::backend::{
+    Acquired, BoxFuture, LockBackend, LockRequest, PermitRequest, PermitStore, PermitTry, WaitTry,
+};
 use dlock::sqlite::SqliteBackend;
 use dlock::{LockError, LockGuard, LockProvider};
 
@@ -37,6 +40,18 @@ impl LockBackend for Counted {
         self.inner.try_acquire(request)
     }
 
+    fn try_acquire_in_wait<'a>(
+        &'a self,
+        request: LockRequest<'a>,
+    ) -> BoxFuture<'a, Result<WaitTry, LockError>> {
+        self.tries.fetch_add(1, Ordering::Relaxed);
+        self.inner.try_acquire_in_wait(request)
+    }
+
+    fn semaphores(&self) -> Option<&dyn PermitStore> {
+        Some(self)
+    }
+
     fn acquire_wait<'a>(
         &'a self,
         request: LockRequest<'a>,
@@ -48,6 +63,24 @@ impl LockBackend for Counted {
 
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         self.inner.ping()
+    }
+}
+
+impl PermitStore for Counted {
+    fn try_acquire_permit<'a>(
+        &'a self,
+        request: PermitRequest<'a>,
+    ) -> BoxFuture<'a, Result<PermitTry, LockError>> {
+        self.tries.fetch_add(1, Ordering::Relaxed);
+        self.inner.try_acquire_permit(request)
+    }
+
+    fn holders<'a>(
+        &'a self,
+        key: &'a str,
+        max_count: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        self.inner.holders(key, max_count)
     }
 }
 

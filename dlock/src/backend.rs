@@ -334,6 +334,263 @@ pub trait ReleaseWatch: Send + Debug {
     fn woken(&mut self) -> BoxFuture<'_, ()>;
 }
 
+/// The most permits a semaphore may have on a backend without a [`PermitStore`]: 1,024.
+///
+/// Such a backend keeps a semaphore of `max_count` permits as `max_count` ordinary locks
+/// ("slots", in a namespace of their own), and a try of a full semaphore asks for each slot in
+/// turn: 1,024 round trips, about 0.1 s on a store a tenth of a millisecond away and a second
+/// at a millisecond. Larger counts are refused with [`LockError::Config`] naming this limit;
+/// a backend that implements [`PermitStore`] has no such limit.
+pub const MAX_SLOT_PERMITS: u32 = 1024;
+
+/// What a [`PermitStore`] is asked for: one permit of the semaphore `key`, which admits up to
+/// `max_count` holders at once.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct PermitRequest<'a> {
+    /// The semaphore's key, already validated (non-empty). Semaphores are a namespace of their
+    /// own: the semaphore `"x"` is unrelated to the lock (and read lock) `"x"`, so the store
+    /// keeps permits where no lock is kept.
+    pub key: &'a str,
+    /// How many holders the semaphore admits at once: 1 to [`u32::MAX`] (the provider refuses
+    /// 0 before asking). Every value must be served or refused with a typed error; see
+    /// [`PermitStore`] for the count record.
+    pub max_count: u32,
+    /// The lease asked for this permit, as [`LockRequest::lease`].
+    pub lease: Option<Duration>,
+    /// Whether a leased permit is renewed while held, as [`LockRequest::renew`].
+    pub renew: bool,
+    /// `None` for a single try ([`try_acquire_semaphore`](crate::LockProvider::try_acquire_semaphore),
+    /// or [`acquire_semaphore`](crate::LockProvider::acquire_semaphore) with a zero timeout).
+    ///
+    /// `Some(mark)` on each try of a waiting acquisition that the provider polls: the waiter
+    /// at the head of the semaphore's queue (see [`PermitStore`], Fairness), which tries again
+    /// within `mark` if this try finds the semaphore full. `mark` is how long the store keeps
+    /// the *waiting mark* that such a try leaves: the provider passes twice its longest pause
+    /// before the next try, at least 100 ms and at most a few seconds (a waiter that gives up
+    /// leaves its mark to lapse).
+    pub waiting: Option<Duration>,
+}
+
+impl<'a> PermitRequest<'a> {
+    /// A single try for one of the `max_count` permits of `key`, with the backend's default
+    /// lease, renewed while held.
+    pub fn new(key: &'a str, max_count: u32) -> Self {
+        PermitRequest {
+            key,
+            max_count,
+            lease: None,
+            renew: true,
+            waiting: None,
+        }
+    }
+
+    /// The same request with the given lease.
+    pub fn with_lease(mut self, lease: Option<Duration>) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The same request, renewed while held (`true`) or left to expire with its lease.
+    pub fn with_renewal(mut self, renew: bool) -> Self {
+        self.renew = renew;
+        self
+    }
+
+    /// The same request as a try of a waiting acquisition whose waiting mark lasts `mark`
+    /// (`None`: a single try); see [`waiting`](PermitRequest::waiting).
+    pub fn with_waiting(mut self, mark: Option<Duration>) -> Self {
+        self.waiting = mark;
+        self
+    }
+
+    /// The [`LockError::Config`] that refuses this request because the store's count record
+    /// for the semaphore says `recorded` (see [`PermitStore`], The count record). Every store
+    /// answers with this error, so that callers read one message.
+    pub fn count_conflict(&self, recorded: u32) -> LockError {
+        LockError::config(format!(
+            "the semaphore `{}` is in use with max_count {recorded}, and this acquisition asked \
+             for max_count {}: every holder and waiter of a semaphore must use the same count \
+             (a new count is taken once nobody holds or waits for the semaphore)",
+            self.key.escape_debug(),
+            self.max_count
+        ))
+    }
+}
+
+/// What one try for a permit found (see [`PermitStore::try_acquire_permit`]).
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PermitTry {
+    /// A permit was granted. The handle releases this permit only.
+    Acquired(Acquired),
+    /// `max_count` permits are held (or, for a single try, a waiter is ahead: see
+    /// [`PermitStore`], Fairness).
+    Full {
+        /// As [`WaitTry::Held::retry_within`]: how long until a permit may be free with
+        /// nothing to wake the waiter (the earliest lease end of a live permit: a holder that
+        /// died never releases), when the store knows. `None`: unknown.
+        retry_within: Option<Duration>,
+    },
+}
+
+/// Semaphores kept natively by a store: a count of permits per semaphore, taken and given
+/// back in O(1) round trips, with the semaphore's `max_count` recorded beside it. A backend
+/// offers one through [`LockBackend::semaphores`].
+///
+/// Without one, the provider keeps each semaphore as `max_count` ordinary locks of the
+/// backend ("slots"), which costs up to `max_count` round trips per try, cannot record the
+/// count, and is limited to [`MAX_SLOT_PERMITS`] permits.
+///
+/// # What a try must guarantee
+///
+/// [`try_acquire_permit`](PermitStore::try_acquire_permit) is one atomic step of the store:
+/// one statement, transaction or script where the store allows it (the round trips of a try
+/// must not grow with `max_count`, and neither may the client's memory or CPU; the server's
+/// work may grow with the number of live permits and waiters). Within that step it
+///
+/// 1. checks the count record (below), answering [`PermitRequest::count_conflict`] on a
+///    disagreement, with nothing taken or changed;
+/// 2. counts the *live* permits of the semaphore: granted, not released, and (for leased
+///    permits) whose lease has not run out, or (for session permits) whose session is alive;
+/// 3. grants a permit when fewer than `max_count` are live and, for a single try, no waiting
+///    mark is live (Fairness, below), and otherwise answers [`PermitTry::Full`].
+///
+/// No interleaving of tries, releases, lease ends and renewals from any number of clients
+/// may ever leave more than `max_count` live permits under one count record. Every
+/// `max_count` from 1 to [`u32::MAX`] is either served or refused with a typed error (never a
+/// panic, and nothing allocated per permit that is not held).
+///
+/// # The count record
+///
+/// The store keeps, with the semaphore, the `max_count` its holders use:
+///
+/// - a try whose `max_count` differs from the record while any live permit is held, or while
+///   a waiting mark is live, is refused with [`PermitRequest::count_conflict`] (naming both
+///   counts), taking nothing and changing nothing;
+/// - when no permit is live and no waiting mark is live, a try with another count replaces
+///   the record (and is then served or refused under it);
+/// - a permit whose lease ran out, or whose session ended, no longer holds the record.
+///
+/// [`holders`](PermitStore::holders) applies the same rule to the count it is asked about.
+///
+/// # Waiting and fairness
+///
+/// A waiting acquisition ([`acquire_semaphore`](crate::LockProvider::acquire_semaphore) with
+/// a timeout above zero) on a store without a native wait first takes the semaphore's queue
+/// lock (an ordinary exclusive lock of the backend, under a reserved name), so that waiters
+/// are served in the order of the backend's lock waits; only the waiter holding it tries for
+/// a permit, with `waiting` set, pausing briefly between tries (up to the `retry_within` of
+/// its last try, and until a wake-up of the [`watch_permits`](PermitStore::watch_permits)
+/// watch where the store offers one). So a holder that gives its permit back and asks again
+/// queues behind the waiters that were there first.
+///
+/// A try with [`waiting`](PermitRequest::waiting) `Some(mark)` that finds the semaphore full
+/// leaves (or moves on) the semaphore's *waiting mark*, live until `mark` after the try: it
+/// keeps the count record, and while it is live a **single try is answered
+/// [`Full`](PermitTry::Full) even when a permit is free**, so that a try does not take the
+/// permit the waiter at the head of the queue is about to take. A waiting try is never
+/// refused for a mark, and a waiting try that is granted clears the mark. (Between one
+/// waiter's grant and the next waiter's first try, a single try may take a free permit.)
+///
+/// A store with a native wait ([`supports_native_permit_wait`](PermitStore::supports_native_permit_wait))
+/// queues waiters itself, first come first served, and its single tries must not take a
+/// permit while a waiter is queued.
+///
+/// # The granted permit
+///
+/// [`PermitTry::Acquired`] holds an ordinary [`Acquired`]: its handle is a [`HeldLock`] (its
+/// release gives back this permit only, and is checked against the permit's owner, so it
+/// never frees another holder's permit; dropped unreleased, it stops renewing and the
+/// permit ends with its lease or session, as any [`HeldLock`]), with the lost token,
+/// [`lease_deadline`](Acquired::lease_deadline) and
+/// [`lease_control`](HeldLock::lease_control) of a lock of the store. Its fencing token, if
+/// the store issues them, is strictly greater than the token of every permit of the same
+/// semaphore granted before it (by any process), so tokens increase per semaphore; `None`
+/// when the store issues none.
+///
+/// A leased permit has the lease of [`PermitRequest::lease`] (the backend's default when
+/// `None`), and is renewed on the store's schedule for its locks unless
+/// [`renew`](PermitRequest::renew) is false. A renewal, an extension or a verification never
+/// revives a permit whose lease has run out (another holder may have been admitted in its
+/// place): it finds the permit lost, and fires its lost token. A permit whose holder dies
+/// (killed, its machine gone) stops counting when its lease runs out or its session ends. A
+/// store that answers so late that too little of the lease is left gives the permit back and
+/// answers [`LockError::Lost`], as [`LockBackend::try_acquire`] does; the provider's wait then
+/// tries again.
+///
+/// # Cancel safety
+///
+/// The provider drops these futures when a timeout runs out, a cancellation token fires or
+/// the caller drops its own future. A future dropped before it completes must leave no
+/// permit held (if the store may have granted one, the store gives it back in the
+/// background) and no waiter queued (a native wait's place in the queue goes with it, at the
+/// latest when its lease runs out).
+pub trait PermitStore: Send + Sync {
+    /// One try for a permit (see the [trait docs](PermitStore) for what it must guarantee).
+    fn try_acquire_permit<'a>(
+        &'a self,
+        request: PermitRequest<'a>,
+    ) -> BoxFuture<'a, Result<PermitTry, LockError>>;
+
+    /// Whether [`acquire_permit_wait`](PermitStore::acquire_permit_wait) waits natively, first
+    /// come first served, on the server. When it does, the provider calls it instead of
+    /// taking the semaphore's queue lock and polling.
+    fn supports_native_permit_wait(&self) -> bool {
+        false
+    }
+
+    /// Waits on the server for a permit for up to `timeout` (which may be [`Duration::MAX`],
+    /// for no limit), in the order the waits began, across processes: `Ok(None)` when it ran
+    /// out. `request.waiting` is `None`. Called only when
+    /// [`supports_native_permit_wait`](PermitStore::supports_native_permit_wait) is true.
+    fn acquire_permit_wait<'a>(
+        &'a self,
+        request: PermitRequest<'a>,
+        timeout: Duration,
+    ) -> BoxFuture<'a, Result<Option<Acquired>, LockError>> {
+        let _ = (request, timeout);
+        Box::pin(async move {
+            Err(LockError::unsupported(
+                "permit store",
+                "native semaphore waits",
+                "this store has no blocking wait for permits; the provider polls it instead",
+            ))
+        })
+    }
+
+    /// Starts watching the semaphore's releases for the waiter at the head of its queue, after
+    /// one of its tries found it full: as [`LockBackend::watch_releases`] for a lock. `None`
+    /// (the default) when the store cannot wake waiters: the provider polls with short pauses.
+    fn watch_permits<'a>(
+        &'a self,
+        request: PermitRequest<'a>,
+    ) -> BoxFuture<'a, Option<Box<dyn ReleaseWatch>>> {
+        let _ = request;
+        Box::pin(async { None })
+    }
+
+    /// How many live permits of the semaphore `key` are held right now, by any process
+    /// (waiters not counted), read in one round trip without changing anything. The count
+    /// record rule applies: while the record names another count than `max_count` (and a
+    /// permit or a waiting mark holds it), the answer is [`PermitRequest::count_conflict`].
+    /// The default answers [`LockError::Unsupported`].
+    fn holders<'a>(
+        &'a self,
+        key: &'a str,
+        max_count: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        let _ = (key, max_count);
+        Box::pin(async move {
+            Err(LockError::unsupported(
+                "permit store",
+                "semaphore occupancy",
+                "this store cannot count the permits of a semaphore",
+            ))
+        })
+    }
+}
+
 /// A lock store.
 ///
 /// # Cancel safety
@@ -424,6 +681,15 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
             "read locks",
             "this backend has no shared lock mode",
         ))
+    }
+
+    /// The store's native semaphores, if it keeps them: `Some` when this backend implements
+    /// [`PermitStore`] (see there for what that promises). `None` (the default): the provider
+    /// keeps each semaphore as `max_count` ordinary locks of this backend, which costs up to
+    /// `max_count` round trips per try, cannot record the semaphore's count (callers that
+    /// disagree on it are not refused) and takes at most [`MAX_SLOT_PERMITS`] permits.
+    fn semaphores(&self) -> Option<&dyn PermitStore> {
+        None
     }
 
     /// The locks held in the store right now, by any process, where the store can list them

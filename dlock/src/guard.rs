@@ -25,9 +25,11 @@ use crate::table::Slot;
 /// [`release`](LockGuard::release) to wait for the release and see its outcome.
 #[must_use = "the lock is released as soon as the guard is dropped"]
 pub struct LockGuard {
-    /// The handle and the table slot (which has the key); taken only by the release or the
-    /// drop that consume the guard.
+    /// The handle and the table slot; taken only by the release or the drop that consume the
+    /// guard.
     state: Option<Held>,
+    /// The key: the lock's, or the semaphore's for a permit.
+    key: Arc<str>,
     fencing_token: Option<u64>,
     lost: CancellationToken,
     /// For a leased lock, the local deadline past which it is presumed lost.
@@ -43,25 +45,65 @@ pub struct LockGuard {
 struct Held {
     handle: Box<dyn HeldLock>,
     // Dropped after the store has the lock back, so local waiters queue behind the release.
-    slot: Slot,
+    // `None` for a permit of a store's native semaphore, which takes no key of the table.
+    slot: Option<Slot>,
 }
 
 impl LockGuard {
+    /// The guard of a lock or read lock whose table slot is `slot` (and whose key is the
+    /// slot's).
     pub(crate) fn new(
         slot: Slot,
         acquired: crate::backend::Acquired,
         metrics: Arc<Metrics>,
         runtime: tokio::runtime::Handle,
     ) -> Self {
+        let key = Arc::clone(slot.key());
+        let shared = slot.is_shared();
+        LockGuard::holding(Some(slot), key, shared, None, acquired, metrics, runtime)
+    }
+
+    /// The guard of a permit of the semaphore `key` of `max_count` permits: the permit of a
+    /// store's native semaphore (no `slot`), or a slot lock of the slot scheme (its `slot`
+    /// in the table).
+    pub(crate) fn permit(
+        slot: Option<Slot>,
+        key: Arc<str>,
+        max_count: u32,
+        acquired: crate::backend::Acquired,
+        metrics: Arc<Metrics>,
+        runtime: tokio::runtime::Handle,
+    ) -> Self {
+        LockGuard::holding(
+            slot,
+            key,
+            false,
+            Some(max_count),
+            acquired,
+            metrics,
+            runtime,
+        )
+    }
+
+    fn holding(
+        slot: Option<Slot>,
+        key: Arc<str>,
+        shared: bool,
+        semaphore: Option<u32>,
+        acquired: crate::backend::Acquired,
+        metrics: Arc<Metrics>,
+        runtime: tokio::runtime::Handle,
+    ) -> Self {
         let shown = crate::metrics::Shown {
-            key: Arc::clone(slot.key()),
+            key: Arc::clone(&key),
             since: std::time::SystemTime::now(),
             fencing_token: acquired.fencing_token,
             lease_deadline: acquired.lease_deadline.clone(),
             lost: acquired.lost.clone(),
-            shared: slot.is_shared(),
+            shared,
+            semaphore,
         };
-        metrics.hold_started(metrics.backend(), slot.key());
+        metrics.hold_started(metrics.backend(), &key);
         let hold = metrics.watch(&runtime, shown);
         LockGuard {
             hold,
@@ -71,6 +113,7 @@ impl LockGuard {
             acquired_at: Instant::now(),
             runtime,
             metrics,
+            key,
             state: Some(Held {
                 handle: acquired.handle,
                 slot,
@@ -78,27 +121,23 @@ impl LockGuard {
         }
     }
 
-    /// The key this guard holds.
+    /// The key this guard holds: the lock's key, or for a permit of a semaphore
+    /// ([`acquire_semaphore`](crate::LockProvider::acquire_semaphore)) the semaphore's key.
     pub fn key(&self) -> &str {
-        self.state.as_ref().map_or("", |held| held.slot.key())
+        &self.key
     }
 
     /// The table, key and mode of the held lock, for [`run_holding`](crate::run_holding):
-    /// `None` once released.
+    /// `None` once released, and for a permit of a store's native semaphore (which takes no
+    /// key of the table: holding a permit never makes another acquisition reentrant).
     pub(crate) fn held_entry(&self) -> Option<(usize, Arc<str>, bool)> {
-        let held = self.state.as_ref()?;
-        Some((
-            held.slot.table_id(),
-            Arc::clone(held.slot.key()),
-            held.slot.is_shared(),
-        ))
+        let slot = self.state.as_ref()?.slot.as_ref()?;
+        Some((slot.table_id(), Arc::clone(slot.key()), slot.is_shared()))
     }
 
     /// The key, shared (for errors and the end of the hold).
     fn shared_key(&self) -> Arc<str> {
-        self.state
-            .as_ref()
-            .map_or_else(Arc::default, |held| Arc::clone(held.slot.key()))
+        Arc::clone(&self.key)
     }
 
     /// The fencing token of this acquisition: strictly greater than the token of every earlier
@@ -261,11 +300,11 @@ impl LockGuard {
         let Some(Held { handle, slot }) = self.state.take() else {
             return Ok(ReleaseOutcome::AlreadyReleased);
         };
-        let key = Arc::clone(slot.key());
+        let key = Arc::clone(&self.key);
         let span = tracing::debug_span!("dlock.release", key = &*key, backend = self.backend());
         let mut releasing = Releasing {
             future: Some(handle.release_outcome()),
-            slot: Some(slot),
+            slot,
             end: Some(self.hold_end(key)),
             runtime: self.runtime.clone(),
         };
@@ -526,7 +565,7 @@ impl LockGuard {
 impl Drop for LockGuard {
     fn drop(&mut self) {
         if let Some(Held { handle, slot }) = self.state.take() {
-            let key = Arc::clone(slot.key());
+            let key = Arc::clone(&self.key);
             let end = self.hold_end(Arc::clone(&key));
             let backend = self.backend();
             let task = async move {

@@ -8,7 +8,8 @@ use crate::{LockError, LockProvider, StoreLock};
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LockInfo {
-    /// The key (for a semaphore, its slot's name).
+    /// The key: the lock's, or for a permit of a semaphore the semaphore's (see
+    /// [`semaphore`](LockInfo::semaphore)).
     pub key: String,
     /// When the lock was acquired, on the wall clock.
     pub since: SystemTime,
@@ -22,6 +23,8 @@ pub struct LockInfo {
     pub lost: bool,
     /// Whether it is a read lock, shared with other readers of the key.
     pub shared: bool,
+    /// For a permit of a semaphore, the semaphore's `max_count`; `None` for a lock.
+    pub semaphore: Option<u32>,
 }
 
 impl LockProvider {
@@ -71,6 +74,7 @@ impl LockProvider {
                     }),
                     lost,
                     shared: shown.shared,
+                    semaphore: shown.semaphore,
                 }
             })
             .collect();

@@ -31,15 +31,15 @@ pub fn lock_id(key: &str) -> i64 {
 /// Keys are compared byte for byte; NUL, quotes, newlines and keys of any length are allowed
 /// and locked exactly (each backend documents how it maps long or unusual keys onto its own
 /// names).
-/// The prefix of the names this crate locks for itself (semaphore slots); a lock key may not
-/// start with it.
+/// The prefix of the names this crate locks for itself (a semaphore's queue lock, and its
+/// slots on a backend without a permit store); a lock key may not start with it.
 pub(crate) const RESERVED_PREFIX: &str = "dlock\0";
 
 /// Refuses a key that starts with [`RESERVED_PREFIX`].
 pub(crate) fn refuse_reserved(key: &str) -> Result<(), LockError> {
     if key.starts_with(RESERVED_PREFIX) {
         return Err(LockError::InvalidKey {
-            reason: "keys that start with \"dlock\\0\" (dlock and a NUL character) are reserved for the slots of semaphores".to_owned(),
+            reason: "keys that start with \"dlock\\0\" (dlock and a NUL character) are reserved for the locks of semaphores".to_owned(),
         });
     }
     Ok(())

@@ -121,8 +121,8 @@ pub async fn acquire_many(
     provider.acquire_many(&distinct, timeout).await
 }
 
-/// Takes one of the `permits` slots of the semaphore `key` (`permits = N`): one round of
-/// tries when `timeout` is zero, answering [`LockError::AlreadyHeld`] as a one-try lock does.
+/// Takes one of the `permits` permits of the semaphore `key` (`permits = N`): a single try
+/// when `timeout` is zero, answering [`LockError::AlreadyHeld`] as a one-try lock does.
 pub async fn acquire_semaphore(
     provider: &LockProvider,
     key: &str,

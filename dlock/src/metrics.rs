@@ -409,6 +409,8 @@ pub(crate) struct Shown {
     pub(crate) lost: CancellationToken,
     /// A read (shared) lock.
     pub(crate) shared: bool,
+    /// A permit of a semaphore of this many permits.
+    pub(crate) semaphore: Option<u32>,
 }
 
 /// Where the watcher keeps one held lock: its slot, and the number of the hold there (slots
@@ -683,6 +685,7 @@ mod tests {
             lease_deadline: None,
             lost: token.clone(),
             shared: false,
+            semaphore: None,
         };
         metrics.watch(&tokio::runtime::Handle::current(), shown)
     }

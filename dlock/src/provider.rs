@@ -64,6 +64,17 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// The owner label stored with this provider's locks.
     owner_label: Arc<str>,
+    /// Records nothing, and shows nothing to inspection: the metrics of the locks this crate
+    /// takes for itself (a semaphore's queue lock).
+    quiet: Arc<Metrics>,
+}
+
+/// A lock taken in the store, with its slot in the table, before it is handed out in a
+/// guard.
+pub(crate) struct Taken {
+    pub(crate) slot: Slot,
+    pub(crate) acquired: Acquired,
+    pub(crate) runtime: tokio::runtime::Handle,
 }
 
 /// The lease terms one acquisition asks for: `None` takes the provider's.
@@ -71,8 +82,8 @@ struct Inner {
 pub(crate) struct Terms {
     pub(crate) lease: Option<Duration>,
     pub(crate) renew: Option<bool>,
-    /// An acquisition of this crate's own (a semaphore slot), whose key may use the reserved
-    /// prefix.
+    /// An acquisition of this crate's own (a semaphore's slot or queue lock), whose key may
+    /// use the reserved prefix.
     pub(crate) internal: bool,
     /// A read (shared) lock.
     pub(crate) shared: bool,
@@ -364,13 +375,25 @@ impl LockProvider {
                 shutdown: Some(shutdown.clone()),
                 metrics: Arc::clone(&self.inner.metrics),
                 owner_label: Arc::clone(&self.inner.owner_label),
+                quiet: Arc::clone(&self.inner.quiet),
             }),
         }
     }
 
     /// The provider's metrics, which also keep what inspection shows of its held locks.
-    pub(crate) fn metrics(&self) -> &Metrics {
+    pub(crate) fn metrics(&self) -> &Arc<Metrics> {
         &self.inner.metrics
+    }
+
+    /// The metrics of the locks this crate takes for itself: they record nothing and are not
+    /// shown by inspection.
+    pub(crate) fn quiet_metrics(&self) -> &Arc<Metrics> {
+        &self.inner.quiet
+    }
+
+    /// The lease asked for by default, and whether leases are renewed by default.
+    pub(crate) fn lease_terms(&self) -> (Option<Duration>, bool) {
+        (self.inner.lease, self.inner.renew)
     }
 
     /// The provider's backend.
@@ -378,7 +401,14 @@ impl LockProvider {
         &*self.inner.backend
     }
 
-    /// The provider's backoff, for waits that poll.
+    /// The provider's in-process table.
+    pub(crate) fn table(&self) -> &Arc<LocalTable> {
+        &self.inner.table
+    }
+
+    /// The provider's backoff, for waits that poll (for the helpers over the provider; the
+    /// semaphore's waits pause on a schedule of their own).
+    #[allow(dead_code)]
     pub(crate) fn backoff(&self) -> Backoff {
         self.inner.backoff
     }
@@ -487,7 +517,10 @@ impl LockProvider {
         Ok(ended)
     }
 
-    /// How many keys this provider holds or is acquiring right now.
+    /// How many keys this provider holds or is acquiring right now: its locks and read locks
+    /// (a key read by several tasks counts once), each semaphore it is waiting for, and, on
+    /// a backend that keeps semaphores as slot locks, each slot it holds. A permit of a
+    /// semaphore the store keeps natively takes no key of the provider.
     pub fn local_key_count(&self) -> usize {
         self.inner.table.len()
     }
@@ -500,6 +533,22 @@ impl LockProvider {
         terms: Terms,
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
+        self.observed(
+            key,
+            timeout,
+            self.acquire_untraced(key, timeout, cancel, terms, backoff),
+        )
+        .await
+    }
+
+    /// Runs the acquisition `attempt` of `key` in a span of its own, and records its outcome
+    /// and wait in the metrics.
+    pub(crate) async fn observed(
+        &self,
+        key: &str,
+        timeout: Duration,
+        attempt: impl Future<Output = Result<LockGuard, LockError>>,
+    ) -> Result<LockGuard, LockError> {
         let backend = self.inner.backend.name();
         let span = tracing::debug_span!(
             "dlock.acquire",
@@ -511,11 +560,7 @@ impl LockProvider {
         let started = Instant::now();
         // A wait is counted as waiting until its answer (or its drop); a single try is not.
         let waiting = (!timeout.is_zero()).then(|| self.inner.metrics.wait_started(backend, key));
-        let outcome = crate::metrics::in_span(
-            span.clone(),
-            self.acquire_untraced(key, timeout, cancel, terms, backoff),
-        )
-        .await;
+        let outcome = crate::metrics::in_span(span.clone(), attempt).await;
         drop(waiting);
         let waited = started.elapsed();
         self.inner
@@ -546,6 +591,27 @@ impl LockProvider {
         terms: Terms,
         backoff: Option<&Backoff>,
     ) -> Result<LockGuard, LockError> {
+        let taken = self
+            .acquire_raw(key, timeout, cancel, terms, backoff)
+            .await?;
+        Ok(LockGuard::new(
+            taken.slot,
+            taken.acquired,
+            Arc::clone(&self.inner.metrics),
+            taken.runtime,
+        ))
+    }
+
+    /// Takes the lock `key` (its table slot, then the store's lock), without recording
+    /// metrics or making a guard.
+    pub(crate) async fn acquire_raw(
+        &self,
+        key: &str,
+        timeout: Duration,
+        cancel: Option<&CancellationToken>,
+        terms: Terms,
+        backoff: Option<&Backoff>,
+    ) -> Result<Taken, LockError> {
         validate_key(key)?;
         let inner = &*self.inner;
         if !terms.internal {
@@ -582,11 +648,7 @@ impl LockProvider {
         };
 
         // The guard releases in the background on drop, which needs the runtime.
-        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
-            LockError::config(
-                "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
-            )
-        })?;
+        let runtime = current_runtime()?;
         let request = LockRequest::new(key)
             .with_lease(terms.lease.or(inner.lease))
             .with_renewal(terms.renew.unwrap_or(inner.renew))
@@ -631,13 +693,22 @@ impl LockProvider {
             }
             acquired = attempt => acquired?,
         };
-        Ok(LockGuard::new(
+        Ok(Taken {
             slot,
             acquired,
-            Arc::clone(&inner.metrics),
             runtime,
-        ))
+        })
     }
+}
+
+/// The runtime a guard releases on when it is dropped: the current one, which every
+/// acquisition needs.
+pub(crate) fn current_runtime() -> Result<tokio::runtime::Handle, LockError> {
+    tokio::runtime::Handle::try_current().map_err(|_| {
+        LockError::config(
+            "dlock runs on Tokio: acquire locks from within a Tokio runtime (for example under #[tokio::main])",
+        )
+    })
 }
 
 /// Polls `backend` until the lock is taken or the deadline passes. The last try happens at the
@@ -751,11 +822,11 @@ async fn poll_watched(
     }
 }
 
-fn is_cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) -> bool {
+pub(crate) fn is_cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) -> bool {
     a.is_some_and(CancellationToken::is_cancelled) || b.is_some_and(CancellationToken::is_cancelled)
 }
 
-async fn cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) {
+pub(crate) async fn cancelled(a: Option<&CancellationToken>, b: Option<&CancellationToken>) {
     match (a, b) {
         (Some(a), Some(b)) => tokio::select! {
             () = a.cancelled() => {}
@@ -986,8 +1057,14 @@ impl ProviderBuilder {
             None => default_owner_label(),
         };
         self.backend.set_owner_label(&owner_label);
+        let quiet = {
+            use opentelemetry::metrics::MeterProvider as _;
+            let meter = opentelemetry::metrics::noop::NoopMeterProvider::new().meter("dlock");
+            Arc::new(Metrics::new(&meter, OptIn::default(), self.backend.name()))
+        };
         LockProvider {
             inner: Arc::new(Inner {
+                quiet,
                 backend: self.backend,
                 table: Arc::new(LocalTable::default()),
                 backoff: self.backoff,

@@ -15,7 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
 use crate::backend::{
-    Acquired, BoxFuture, HeldLock, LeaseDeadline, LockBackend, LockRequest, ReleaseWatch, WaitTry,
+    Acquired, BoxFuture, HeldLock, LeaseDeadline, LockBackend, LockRequest, PermitRequest,
+    PermitStore, PermitTry, ReleaseWatch, WaitTry,
 };
 
 /// A forced answer to the next `try_acquire`.
@@ -51,6 +52,30 @@ pub(crate) struct Store {
     pub(crate) watches: usize,
     /// When set, a native wait answers only after this long (a store slow to answer).
     pub(crate) wait_delay: Option<Duration>,
+    /// Semaphores kept natively (when the backend has `permits` on), by key.
+    pub(crate) semaphores: HashMap<String, Semaphore>,
+    /// Tries for a permit of a native semaphore, and how many of them were single tries.
+    pub(crate) permit_tries: usize,
+    /// The waiting mark of every try for a permit.
+    pub(crate) permit_waitings: Vec<Option<Duration>>,
+}
+
+/// A semaphore kept natively by [`MemoryBackend`].
+#[derive(Debug, Default)]
+pub(crate) struct Semaphore {
+    /// The count record.
+    pub(crate) max_count: u32,
+    /// The live permits: id and fencing token.
+    pub(crate) permits: HashMap<u64, u64>,
+    pub(crate) next_token: u64,
+    /// The waiting mark, while it lasts.
+    pub(crate) mark_until: Option<Instant>,
+}
+
+impl Semaphore {
+    fn marked(&self) -> bool {
+        self.mark_until.is_some_and(|until| until > Instant::now())
+    }
 }
 
 /// The backend: clones share one store.
@@ -62,6 +87,8 @@ pub(crate) struct MemoryBackend {
     pub(crate) released: Arc<Notify>,
     /// Wake-ups for waiters, when set: [`MemoryBackend::wake`] sends one.
     pub(crate) wakes: Option<Arc<tokio::sync::watch::Sender<u64>>>,
+    /// Keeps semaphores natively ([`LockBackend::semaphores`]).
+    pub(crate) permits: bool,
 }
 
 /// A waiter's watch on a [`MemoryBackend`]'s wake-ups (always live).
@@ -137,6 +164,10 @@ impl MemoryBackend {
 impl LockBackend for MemoryBackend {
     fn name(&self) -> &'static str {
         "memory"
+    }
+
+    fn semaphores(&self) -> Option<&dyn PermitStore> {
+        self.permits.then_some(self as &dyn PermitStore)
     }
 
     fn supports_native_wait(&self) -> bool {
@@ -316,4 +347,100 @@ fn attrs<'a>(kvs: impl Iterator<Item = &'a KeyValue>) -> Vec<(String, String)> {
         .collect();
     v.sort();
     v
+}
+
+impl MemoryBackend {
+    /// The number of live permits of the native semaphore `key`.
+    pub(crate) fn permits_held(&self, key: &str) -> usize {
+        self.store()
+            .semaphores
+            .get(key)
+            .map_or(0, |semaphore| semaphore.permits.len())
+    }
+}
+
+impl PermitStore for MemoryBackend {
+    fn try_acquire_permit<'a>(
+        &'a self,
+        request: PermitRequest<'a>,
+    ) -> BoxFuture<'a, Result<PermitTry, LockError>> {
+        Box::pin(async move {
+            let mut store = self.store();
+            store.permit_tries += 1;
+            store.permit_waitings.push(request.waiting);
+            store.next_token += 1;
+            let id = store.next_token;
+            let semaphore = store.semaphores.entry(request.key.to_owned()).or_default();
+            let in_use = !semaphore.permits.is_empty() || semaphore.marked();
+            if in_use && semaphore.max_count != request.max_count {
+                return Err(request.count_conflict(semaphore.max_count));
+            }
+            semaphore.max_count = request.max_count;
+            let full = u64::try_from(semaphore.permits.len()).unwrap_or(u64::MAX)
+                >= u64::from(request.max_count);
+            if full || (request.waiting.is_none() && semaphore.marked()) {
+                if let Some(mark) = request.waiting {
+                    semaphore.mark_until = Some(Instant::now() + mark);
+                }
+                return Ok(PermitTry::Full { retry_within: None });
+            }
+            if request.waiting.is_some() {
+                semaphore.mark_until = None;
+            }
+            semaphore.next_token += 1;
+            let token = semaphore.next_token;
+            semaphore.permits.insert(id, token);
+            Ok(PermitTry::Acquired(Acquired::new(
+                Some(token),
+                CancellationToken::new(),
+                Box::new(MemoryPermit {
+                    backend: self.clone(),
+                    key: request.key.to_owned(),
+                    id,
+                }),
+            )))
+        })
+    }
+
+    fn holders<'a>(
+        &'a self,
+        key: &'a str,
+        max_count: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        Box::pin(async move {
+            let store = self.store();
+            let Some(semaphore) = store.semaphores.get(key) else {
+                return Ok(0);
+            };
+            if (!semaphore.permits.is_empty() || semaphore.marked())
+                && semaphore.max_count != max_count
+            {
+                return Err(PermitRequest::new(key, max_count).count_conflict(semaphore.max_count));
+            }
+            Ok(u32::try_from(semaphore.permits.len()).unwrap_or(u32::MAX))
+        })
+    }
+}
+
+/// A permit of a [`MemoryBackend`] semaphore.
+#[derive(Debug)]
+struct MemoryPermit {
+    backend: MemoryBackend,
+    key: String,
+    id: u64,
+}
+
+impl HeldLock for MemoryPermit {
+    fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
+        Box::pin(async move {
+            let mut store = self.backend.store();
+            store.releases += 1;
+            if let Some(semaphore) = store.semaphores.get_mut(&self.key) {
+                semaphore.permits.remove(&self.id);
+            }
+            drop(store);
+            self.backend.released.notify_waiters();
+            Ok(())
+        })
+    }
 }

@@ -204,9 +204,18 @@ impl Holder {
         Holder::start_as("hold-read", url, key)
     }
 
+    /// Starts a holder of a permit of the semaphore `key` of `permits`, as [`Holder::start`].
+    pub fn start_permit(url: &str, key: &str, permits: u32) -> Holder {
+        Holder::start_with(&["hold-permit", url, key, &permits.to_string()])
+    }
+
     fn start_as(mode: &str, url: &str, key: &str) -> Holder {
+        Holder::start_with(&[mode, url, key])
+    }
+
+    fn start_with(args: &[&str]) -> Holder {
         let mut child = Command::new(worker_bin())
-            .args([mode, url, key])
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

@@ -71,6 +71,37 @@
 //! [`verify_still_held`](crate::LockGuard::verify_still_held) reads the key;
 //! [`stop_renewal`](crate::LockGuard::stop_renewal) stops the keep-alives.
 //!
+//! # Semaphores
+//!
+//! A semaphore ([`acquire_semaphore`](crate::LockProvider::acquire_semaphore)) keeps a key
+//! per permit holder and per waiter under its own prefix, on a lease of its own, valued with
+//! the semaphore's `max_count`:
+//!
+//! ```text
+//! <prefix>%S/<name'>/<lease id, in hex>
+//! ```
+//!
+//! (`name'` as for a lock; no lock's queue is `<prefix>%S/`, so a semaphore and a lock never
+//! share keys: [`EtcdBackend::semaphore_prefix`] gives the exact prefix). The first
+//! `max_count` keys by create revision hold the permits; the others wait, first come first
+//! served.
+//!
+//! | step | requests |
+//! |---|---|
+//! | try | `LeaseGrant`, then one transaction: *if every key under the prefix has our count, or none is there, put ours and count the keys*; when ours is past `max_count`, a transaction that deletes it |
+//! | wait | as a try, keeping the key; then a watch of the prefix's deletes (with the deleted key's create revision: each one ahead of ours brings it closer), until fewer than `max_count` keys are ahead |
+//! | renew, release | as a lock's |
+//!
+//! Whatever `max_count` (up to [`u32::MAX`]) a try costs the same two round trips, and a
+//! refused one a third. A try never jumps the queue: with a waiter there, a new key is past
+//! `max_count` too. A waiter needs no polling: it counts the deletes of the keys ahead of its
+//! own, and counts again only when the watch cannot say (a compaction). The count is
+//! recorded in the keys: another `max_count` is refused with [`LockError::Config`] naming
+//! both while any key is there (a holder or a waiter), in the same transaction, and taken
+//! once none is. The fencing token is the key's create revision: the keys become holders in
+//! the order of their revisions, so tokens increase per semaphore. A holder that dies stops
+//! counting when its lease expires, as a lock's does.
+//!
 //! Read locks ([`try_acquire_read`](crate::LockProvider::try_acquire_read),
 //! [`acquire_read`](crate::LockProvider::acquire_read)) answer
 //! [`LockError::Unsupported`]: this backend has no shared mode yet.
@@ -153,6 +184,7 @@
 
 mod io;
 mod keeper;
+mod permits;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -165,7 +197,8 @@ use etcd_client::{
 
 use crate::LockError;
 use crate::backend::{
-    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
+    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, PermitStore,
+    ReleaseOutcome,
 };
 use crate::lease::{DEFAULT_LEASE, retry_after};
 use crate::options::{UrlForm, parse_duration, percent_decode, read_query, url_keys};
@@ -664,6 +697,7 @@ impl Queued {
                 name: Arc::from(name),
                 entry: self.entry,
                 keeper: Some(self.keeper),
+                permit: false,
             }),
         )
         .with_lease_deadline(deadline)
@@ -882,6 +916,11 @@ impl LockBackend for EtcdBackend {
         true
     }
 
+    /// Semaphores are keys in etcd's FIFO order (see [Semaphores](self#semaphores)).
+    fn semaphores(&self) -> Option<&dyn PermitStore> {
+        Some(self)
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(self.shared.check("checking the cluster"))
     }
@@ -950,6 +989,8 @@ struct EtcdHeld {
     entry: Arc<Entry>,
     /// Its keeper, stopped when the lock is released or this handle dropped.
     keeper: Option<Keeper>,
+    /// A permit of a semaphore (whose other keys are other holders, not a takeover).
+    permit: bool,
 }
 
 impl Drop for EtcdHeld {
@@ -1015,7 +1056,7 @@ impl HeldLock for EtcdHeld {
                 // An attempt whose answer was lost deleted it: the key cannot have expired
                 // while its lease lives.
                 ReleaseOutcome::Released
-            } else if first_kv(&answer).is_some() {
+            } else if !self.permit && first_kv(&answer).is_some() {
                 ReleaseOutcome::NotOwned
             } else {
                 ReleaseOutcome::AlreadyReleased

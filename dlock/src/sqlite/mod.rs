@@ -133,6 +133,34 @@
 //! [`try_acquire`](crate::LockProvider::try_acquire) does not queue and takes a free key even
 //! when waiters are queued, as do processes of earlier versions of this crate.
 //!
+//! # Semaphores
+//!
+//! [`try_acquire_semaphore`](crate::LockProvider::try_acquire_semaphore) and
+//! [`acquire_semaphore`](crate::LockProvider::acquire_semaphore) keep their permits in two
+//! tables of their own (so the semaphore "x" is unrelated to the lock "x"):
+//! `__distributed_lock_permits` (`name`, `owner`, `lease_end`, `boot`: one row per permit,
+//! with a lease of its own, renewed, extended, verified and released like a lock's by the
+//! same renewal thread, and never revived once its lease has run out) and
+//! `__distributed_lock_semaphores` (`name`, `max_count`, `fencing`, `mark_until`, `boot`:
+//! the semaphore's count, its fencing counter and its waiting mark). A try is one write
+//! transaction whatever `max_count` (up to [`u32::MAX`]): it removes the semaphore's expired
+//! permits (of holders that died, even by SIGKILL), counts the live ones and, if one is
+//! free, adds a row and records the count and the token. A try that needs no write (the
+//! semaphore is full, or in use with another count) is answered by a read without the
+//! file's write lock when the semaphore was found full in the last second.
+//!
+//! The count is recorded: a try with another `max_count` while a permit's lease is live, or
+//! while a waiter's mark is, is refused with [`LockError::Config`] naming both counts; once
+//! nobody holds or waits, the next try's count is recorded. Fencing tokens come from the
+//! semaphore's counter and increase strictly per semaphore (with `fencing_counters`, from the
+//! shared counter of the semaphore's key, and the semaphore's row goes once nobody holds or
+//! waits). The waiter at the head of the semaphore's queue (see
+//! [`acquire_semaphore`](crate::LockProvider::acquire_semaphore)) leaves a mark with each
+//! try that finds the semaphore full, lasting twice its longest pause; while it lasts, a
+//! single try does not take a free permit (it answers `AlreadyHeld`), so tries in a loop
+//! cannot starve the waiters. The queue itself is an ordinary lock of the file, so waiters
+//! queue across processes as lock waits do (see [Fair waiting](#fair-waiting)).
+//!
 //! # URL
 //!
 //! `sqlite://relative/path.db` or `sqlite:///absolute/path.db`, with options:
@@ -205,6 +233,7 @@ mod counted;
 mod file;
 mod force;
 mod owners;
+mod permits;
 mod queue;
 mod read;
 mod renewer;
@@ -223,14 +252,15 @@ use tokio_util::sync::CancellationToken;
 
 use self::clock::LeaseClock;
 use self::file::*;
+use self::permits::renew_permit;
 use self::read::renew_reader;
-use self::renewer::{Renewal, Renewer};
+use self::renewer::{Kind, Renewal, Renewer};
 use self::statements::*;
 pub use self::transaction::{acquire_in_transaction, try_acquire_in_transaction};
 use self::url::*;
 use crate::backend::{
-    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, ReleaseOutcome,
-    StoreLock, WaitTry,
+    Acquired, BoxFuture, HeldLock, LeaseControl, LockBackend, LockRequest, PermitStore,
+    ReleaseOutcome, StoreLock, WaitTry,
 };
 use crate::backoff::Pauses;
 use crate::key::validate_key;
@@ -642,6 +672,12 @@ impl LockBackend for SqliteBackend {
         Ok(())
     }
 
+    /// Semaphores are a counted table of permits with leases (see
+    /// [Semaphores](self#semaphores)).
+    fn semaphores(&self) -> Option<&dyn PermitStore> {
+        Some(self)
+    }
+
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(async move {
             let read =
@@ -823,7 +859,7 @@ impl LockBackend for SqliteBackend {
                 renewal = renewal.unrenewed();
             }
             if request.shared {
-                renewal = renewal.shared();
+                renewal = renewal.of_kind(Kind::Read);
             }
             let deadline = renewal.deadline();
             let registered = self.shared.renewer.register(renewal);
@@ -844,7 +880,11 @@ impl LockBackend for SqliteBackend {
                         name,
                         owner,
                         lost,
-                        read: request.shared,
+                        kind: if request.shared {
+                            Kind::Read
+                        } else {
+                            Kind::Lock
+                        },
                     }),
                 )
                 .with_lease_deadline(deadline),
@@ -860,8 +900,8 @@ struct SqliteHeld {
     name: Arc<[u8]>,
     owner: [u8; 16],
     lost: CancellationToken,
-    /// A reader's share (see `read.rs`).
-    read: bool,
+    /// A lock's row, a reader's share (see `read.rs`) or a permit (see `permits.rs`).
+    kind: Kind,
 }
 
 impl std::fmt::Debug for SqliteHeld {
@@ -899,7 +939,32 @@ impl HeldLock for SqliteHeld {
             // Renewed until the row is free: a release that waits for the file must not let
             // the lease run out meanwhile.
             self.shared.renewer.releasing(self.id);
-            if self.read {
+            if self.kind == Kind::Permit {
+                let outcome = self
+                    .shared
+                    .release_permit(&self.name[..], &self.owner)
+                    .await;
+                self.shared.renewer.unregister(self.id);
+                return match outcome {
+                    Ok(outcome) => {
+                        self.shared.count_commit();
+                        if outcome != ReleaseOutcome::Released {
+                            tracing::warn!(
+                                backend = NAME,
+                                semaphore = %String::from_utf8_lossy(&self.name),
+                                "the release found the permit's lease run out; it was lost"
+                            );
+                            self.lost.cancel();
+                        }
+                        Ok(outcome)
+                    }
+                    Err(busy) => Err(self.shared.busy_error(
+                        "releasing a permit (it frees itself when its lease runs out)",
+                        busy,
+                    )),
+                };
+            }
+            if self.kind == Kind::Read {
                 let outcome = self.shared.release_read(&self.name[..], &self.owner).await;
                 self.shared.renewer.unregister(self.id);
                 return match outcome {
@@ -975,9 +1040,14 @@ impl LeaseControl for SqliteHeld {
             check_lease(lease)?;
             let sent = Instant::now();
             let clock = self.shared.clock;
-            let changed = if self.read {
+            let changed = if self.kind == Kind::Read {
                 self.shared
                     .extend_read(&self.name[..], &self.owner, lease)
+                    .await
+                    .map(usize::from)
+            } else if self.kind == Kind::Permit {
+                self.shared
+                    .extend_permit(&self.name[..], &self.owner, lease)
                     .await
                     .map(usize::from)
             } else {
@@ -1007,12 +1077,14 @@ impl LeaseControl for SqliteHeld {
     fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
         Box::pin(async move {
             let clock = self.shared.clock;
-            if self.read {
-                let held = self
-                    .shared
-                    .verify_read(&self.name[..], &self.owner)
-                    .await
-                    .map_err(|busy| self.shared.busy_error("verifying a lock", busy))?;
+            if self.kind != Kind::Lock {
+                let verified = if self.kind == Kind::Read {
+                    self.shared.verify_read(&self.name[..], &self.owner).await
+                } else {
+                    self.shared.verify_permit(&self.name[..], &self.owner).await
+                };
+                let held =
+                    verified.map_err(|busy| self.shared.busy_error("verifying a lock", busy))?;
                 if !held {
                     self.shared.renewer.lose(self.id);
                 }

@@ -20,7 +20,7 @@ use rusqlite::{Connection, TransactionBehavior, params};
 use tokio_util::sync::{CancellationToken, DropGuard};
 
 use super::clock::LeaseClock;
-use super::{NAME, RENEW_SQL, is_busy, millis, renew_reader, sqlite_error};
+use super::{NAME, RENEW_SQL, is_busy, millis, renew_permit, renew_reader, sqlite_error};
 use crate::LockError;
 use crate::lease::{LeaseDeadline, Term};
 use crate::time::later;
@@ -47,8 +47,19 @@ pub(super) struct Renewal {
     /// Being released: still renewed, but a renewal that finds the row free or taken leaves
     /// the verdict to the release.
     releasing: bool,
-    /// A reader's share: renewed in the readers' table (see `read.rs`).
-    read: bool,
+    /// What is held: a lock's row, a reader's share, a permit.
+    kind: Kind,
+}
+
+/// What one held lock of the backend is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Kind {
+    /// A lock's row of `__distributed_locks`.
+    Lock,
+    /// A reader's share, in the readers' table (see `read.rs`).
+    Read,
+    /// A permit of a semaphore, in the permits' table (see `permits.rs`).
+    Permit,
 }
 
 impl Renewal {
@@ -66,7 +77,7 @@ impl Renewal {
             lost: lost.drop_guard(),
             term: Term::new(lease, written, None),
             releasing: false,
-            read: false,
+            kind: Kind::Lock,
         }
     }
 
@@ -77,9 +88,9 @@ impl Renewal {
         self
     }
 
-    /// The same lock, as a reader's share of its key.
-    pub(super) fn shared(mut self) -> Renewal {
-        self.read = true;
+    /// The same lock, as a reader's share of its key or a permit of a semaphore.
+    pub(super) fn of_kind(mut self, kind: Kind) -> Renewal {
+        self.kind = kind;
         self
     }
 
@@ -334,8 +345,8 @@ impl Drop for Exit<'_> {
     }
 }
 
-/// A renewal to run: lock id, name, owner, lease, whether it is a reader's share.
-type Due = (u64, Arc<[u8]>, [u8; 16], Duration, bool);
+/// A renewal to run: lock id, name, owner, lease, what is held.
+type Due = (u64, Arc<[u8]>, [u8; 16], Duration, Kind);
 
 fn run(state: &State) {
     let _exit = Exit(state);
@@ -355,7 +366,7 @@ fn run(state: &State) {
             .renewals
             .iter()
             .filter(|(_, r)| r.term.is_due(now))
-            .map(|(id, r)| (*id, Arc::clone(&r.name), r.owner, r.term.lease(), r.read))
+            .map(|(id, r)| (*id, Arc::clone(&r.name), r.owner, r.term.lease(), r.kind))
             .collect();
         if !due.is_empty() {
             drop(registry);
@@ -458,10 +469,17 @@ fn renew_once(
     let mut still_held = Vec::with_capacity(due.len());
     {
         let mut statement = tx.prepare_cached(RENEW_SQL)?;
-        for (_, name, owner, lease, read) in due {
-            if *read {
-                still_held.push(renew_reader(&tx, clock, name, owner, *lease)?);
-                continue;
+        for (_, name, owner, lease, kind) in due {
+            match kind {
+                Kind::Read => {
+                    still_held.push(renew_reader(&tx, clock, name, owner, *lease)?);
+                    continue;
+                }
+                Kind::Permit => {
+                    still_held.push(renew_permit(&tx, clock, name, owner, *lease)?);
+                    continue;
+                }
+                Kind::Lock => {}
             }
             let changed = statement.execute(params![
                 &name[..],

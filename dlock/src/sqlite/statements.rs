@@ -30,7 +30,21 @@ CREATE TABLE IF NOT EXISTS __distributed_lock_waiters (\
 CREATE TABLE IF NOT EXISTS __distributed_lock_counters (\
     id INTEGER PRIMARY KEY, \
     counter INTEGER NOT NULL\
-)";
+); \
+CREATE TABLE IF NOT EXISTS __distributed_lock_semaphores (\
+    name BLOB NOT NULL PRIMARY KEY, \
+    max_count INTEGER NOT NULL, \
+    fencing INTEGER NOT NULL DEFAULT 0, \
+    mark_until INTEGER NOT NULL DEFAULT 0, \
+    boot BLOB\
+) WITHOUT ROWID; \
+CREATE TABLE IF NOT EXISTS __distributed_lock_permits (\
+    name BLOB NOT NULL, \
+    owner BLOB NOT NULL, \
+    lease_end INTEGER NOT NULL, \
+    boot BLOB, \
+    PRIMARY KEY (name, owner)\
+) WITHOUT ROWID";
 
 /// Counts the column of the earlier, wall-clock table (1 when the table must be converted).
 pub(super) const LEGACY_SQL: &str =

@@ -1,7 +1,8 @@
 //! The fairness run: how evenly processes contending for one key are served.
 //!
-//! `dlock-worker fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H]`
-//! starts P worker processes (`fair URL KEY T S H`) of T tasks each. Every task takes KEY,
+//! `dlock-worker fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H]
+//! [--permits N]` starts P worker processes (`fair URL KEY T S H N`) of T tasks each. Every
+//! task takes KEY (the lock, or with `--permits N` a permit of the semaphore KEY of N),
 //! holds it for H µs, gives it back and asks again, for S seconds from a common start (each
 //! worker connects, says `ready`, and starts when told `go` on stdin), so the key is always
 //! wanted by every process. Each worker prints `waits W,W,...` (µs per acquisition; a wait
@@ -25,6 +26,7 @@ struct Fairness {
 
 pub(crate) fn run(url: &str, key: &str, rest: &[&str]) -> Result<(), String> {
     let (mut processes, mut tasks, mut seconds, mut hold_us) = (2usize, 8usize, 5u64, 1000u64);
+    let mut permits = 0u32;
     let mut rest = rest.iter();
     while let Some(flag) = rest.next() {
         let value = rest
@@ -37,6 +39,7 @@ pub(crate) fn run(url: &str, key: &str, rest: &[&str]) -> Result<(), String> {
             "--tasks" => tasks = usize::try_from(value).map_err(|e| e.to_string())?,
             "--seconds" => seconds = value,
             "--hold-us" => hold_us = value,
+            "--permits" => permits = u32::try_from(value).map_err(|e| e.to_string())?,
             other => return Err(format!("unknown option {other}")),
         }
     }
@@ -47,7 +50,7 @@ pub(crate) fn run(url: &str, key: &str, rest: &[&str]) -> Result<(), String> {
         ["fair", url, key]
             .map(str::to_owned)
             .into_iter()
-            .chain([tasks as u64, seconds, hold_us].map(|n| n.to_string()))
+            .chain([tasks as u64, seconds, hold_us, u64::from(permits)].map(|n| n.to_string()))
             .collect()
     })?;
     group.go()?;
@@ -98,18 +101,20 @@ impl Fairness {
     }
 }
 
-/// One worker process of the fairness run (see the module docs).
+/// One worker process of the fairness run (see the module docs): permits 0 takes the lock.
 pub(crate) async fn worker(
     url: &str,
     key: &str,
     tasks: &str,
     seconds: &str,
     hold_us: &str,
+    permits: &str,
 ) -> Result<(), String> {
-    let (tasks, seconds, hold) = (
+    let (tasks, seconds, hold, permits) = (
         number("tasks", tasks)?,
         number("seconds", seconds)?,
         Duration::from_micros(number("hold-us", hold_us)?),
+        u32::try_from(number("permits", permits)?).map_err(|e| format!("permits: {e}"))?,
     );
     let locks = dlock::LockProvider::connect(url)
         .await
@@ -124,10 +129,12 @@ pub(crate) async fn worker(
             while Instant::now() < end {
                 let asked = Instant::now();
                 let timeout = end.saturating_duration_since(asked) + Duration::from_secs(30);
-                let guard = locks
-                    .acquire(&key, timeout)
-                    .await
-                    .map_err(|e| format!("acquiring {key}: {e}"))?;
+                let guard = if permits == 0 {
+                    locks.acquire(&key, timeout).await
+                } else {
+                    locks.acquire_semaphore(&key, permits, timeout).await
+                }
+                .map_err(|e| format!("acquiring {key}: {e}"))?;
                 let got = Instant::now();
                 waits.push(got.min(end).saturating_duration_since(asked).as_micros() as u64);
                 if got < end {

@@ -23,9 +23,12 @@
 //!   HOLDER`), the rest exclusive: no writer overlaps any other holder, readers do share (a run
 //!   in which readers never overlapped fails, as it proves nothing), a writer's token exceeds
 //!   every token seen before on its key, and a reader's exceeds the last writer's;
-//! - `semaphore:N`: each section holds one of the N slots of a semaphore (`slot KEY SLOT
-//!   HOLDER TOKEN` .. `unslot KEY SLOT HOLDER`): at most N holders per key, one per slot, and
-//!   tokens strictly increasing per slot;
+//! - `semaphore:N`: each section holds one of the N permits of a semaphore (`slot KEY KIND
+//!   HOLDER TOKEN N` .. `unslot KEY KIND HOLDER`): at most N holders per key, and the
+//!   semaphore always used with one N. Where the backend keeps semaphores natively (KIND
+//!   `-`), no token is handed out twice per semaphore (grants that run at once may be logged
+//!   in either order, so their tokens are not compared); on the slot scheme (KIND `*`: the
+//!   guard names the semaphore, not its slot), tokens are per slot and are not compared;
 //! - `many`: each section holds two distinct keys at once through `acquire_many` (`enter-set
 //!   HOLDER KEY TOKEN KEY TOKEN` .. `exit-set HOLDER KEY KEY`): no key of a set overlaps any
 //!   other holder of it, and tokens increase per key. (Needs at least 2 keys.)
@@ -40,7 +43,8 @@
 //!
 //! `dlock-worker hold URL KEY` takes the lock, prints `held TOKEN` on stdout and sleeps until
 //! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
-//! clock when it fired).
+//! clock when it fired). `hold-read URL KEY` does the same with a read lock, and
+//! `hold-permit URL KEY N` with a permit of the semaphore KEY of N permits.
 //!
 //! `dlock-worker take URL KEY TIMEOUT_MS` waits up to the timeout for the lock, then prints
 //! `held TOKEN` (and releases it) or `timeout`, and exits 0; any other outcome exits 1.
@@ -100,8 +104,10 @@ fn main() -> ExitCode {
             })
         }
         ["fairness", url, key, rest @ ..] => fairness::run(url, key, rest),
-        ["fair", url, key, tasks, seconds, hold_us] => runtime().and_then(|rt| {
-            rt.block_on(fairness::worker(url, key, tasks, seconds, hold_us))
+        ["fair", url, key, tasks, seconds, hold_us, permits] => runtime().and_then(|rt| {
+            rt.block_on(fairness::worker(
+                url, key, tasks, seconds, hold_us, permits,
+            ))
         }),
         ["throughput", url, prefix, rest @ ..] => throughput::run(url, prefix, rest),
         ["tput", url, prefix, index, tasks, seconds, mode] => runtime().and_then(|rt| {
@@ -109,8 +115,12 @@ fn main() -> ExitCode {
                 url, prefix, index, tasks, seconds, mode,
             ))
         }),
-        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, false))),
-        ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, true))),
+        ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, Held::Lock))),
+        ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, Held::Read))),
+        ["hold-permit", url, key, permits] => permits
+            .parse()
+            .map_err(|e| format!("permits: {e}"))
+            .and_then(|n| runtime().and_then(|rt| rt.block_on(hold(url, key, Held::Permit(n))))),
         ["take", url, key, timeout_ms] => timeout_ms
             .parse()
             .map_err(|e| format!("timeout: {e}"))
@@ -131,8 +141,10 @@ fn main() -> ExitCode {
                   [--mix exclusive|rw|semaphore:N|many] [--soak] \
                   | storm URL PREFIX KEYS TASKS ACQUISITIONS LOG [MIX] \
                   | fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H] \
+                  [--permits N] \
                   | throughput URL PREFIX [--processes P] [--tasks T] [--seconds S] [--hot] [--raw] \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
+                  | hold-permit URL KEY N \
                   | take URL KEY TIMEOUT_MS | tx-hold FILE KEY | paused URL ID ROUNDS LEASE_MS \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
@@ -358,7 +370,7 @@ struct Summary {
     most_shared: usize,
 }
 
-/// Per key (or semaphore slot): who is inside, and the tokens seen.
+/// Per key (or semaphore): who is inside, and the tokens seen.
 #[derive(Default)]
 struct KeyState {
     /// The exclusive holder.
@@ -371,6 +383,8 @@ struct KeyState {
     last_token: Option<u64>,
     /// The highest token seen on the key, readers' included.
     highest: Option<u64>,
+    /// The tokens of a native semaphore's permits so far.
+    granted: std::collections::HashSet<u64>,
 }
 
 /// Reads a sections log and reports the first overlap, non-increasing, missing or unexpected
@@ -483,18 +497,29 @@ fn check(log: &Path, expected: usize, fencing: Fencing) -> Result<Summary, Strin
                     ));
                 }
                 summary.most_shared = summary.most_shared.max(state.sharing.len());
-                // Each slot is a lock of its own: exclusive, with increasing tokens.
-                enter(&mut keys, n, &format!("slot {slot}"), holder, t)?;
+                match *slot {
+                    // A permit of a native semaphore: its token is new to the semaphore.
+                    "-" => {
+                        if let Some(t) = t
+                            && !state.granted.insert(t)
+                        {
+                            return Err(format!(
+                                "line {n}: fencing token {t} of semaphore {key} handed out twice"
+                            ));
+                        }
+                    }
+                    "*" => {}
+                    _ => return Err(malformed()),
+                }
                 summary.fenced += usize::from(t.is_some());
             }
-            ["unslot", key, slot, holder] => {
+            ["unslot", key, _kind, holder] => {
                 let state = keys.entry(format!("semaphore {key}")).or_default();
                 if !state.sharing.remove(*holder) {
                     return Err(format!(
                         "line {n}: {holder} left semaphore {key} without entering"
                     ));
                 }
-                exit(&mut keys, n, &format!("slot {slot}"), holder)?;
                 summary.sections += 1;
             }
             _ => return Err(malformed()),
@@ -666,10 +691,7 @@ async fn storm(
                             .acquire_semaphore(key, permits, ACQUIRE_TIMEOUT)
                             .await
                             .map_err(failed)?;
-                        // The slot's internal name holds NUL bytes; log a printable form.
-                        let slot = guard
-                            .key()
-                            .replace(|c: char| c.is_control() || c == ' ', "_");
+                        let slot = if locks.native_semaphores() { "-" } else { "*" };
                         write(format!(
                             "slot {key} {slot} {holder} {} {permits}\n",
                             token_of(&guard)
@@ -720,7 +742,7 @@ async fn release(
     holder: &str,
     write: &impl Fn(String) -> Result<(), String>,
 ) -> Result<(), dlock::LockError> {
-    // Printable: a semaphore slot's internal name holds NUL bytes.
+    // Printable, as every log line: no spaces or control characters.
     let key = guard
         .key()
         .replace(|c: char| c.is_control() || c == ' ', "_");
@@ -744,14 +766,23 @@ async fn section() {
 
 /// Holds `key` (a read lock when `read`) until killed, saying `held TOKEN`, then `lost UNIX_MS`
 /// if the lock is lost.
-async fn hold(url: &str, key: &str, read: bool) -> Result<(), String> {
+/// What `hold` takes.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    Lock,
+    Read,
+    /// A permit of a semaphore of this many.
+    Permit(u32),
+}
+
+async fn hold(url: &str, key: &str, held: Held) -> Result<(), String> {
     let locks = dlock::LockProvider::connect(url)
         .await
         .map_err(|e| e.to_string())?;
-    let guard = if read {
-        locks.acquire_read(key, ACQUIRE_TIMEOUT).await
-    } else {
-        locks.acquire(key, ACQUIRE_TIMEOUT).await
+    let guard = match held {
+        Held::Lock => locks.acquire(key, ACQUIRE_TIMEOUT).await,
+        Held::Read => locks.acquire_read(key, ACQUIRE_TIMEOUT).await,
+        Held::Permit(n) => locks.acquire_semaphore(key, n, ACQUIRE_TIMEOUT).await,
     }
     .map_err(|e| e.to_string())?;
     println!(
