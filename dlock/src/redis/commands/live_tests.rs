@@ -140,6 +140,11 @@ impl Server {
         false
     }
 
+    /// The server's `redis://` URL with these options (`a=1&b=2`, or empty).
+    pub(in crate::redis) fn url(&self, options: &str) -> String {
+        format!("redis://127.0.0.1:{}/?{options}", self.port)
+    }
+
     /// A client of the server; `user` is `name:password@` or empty.
     fn client(&self, user: &str) -> redis::Client {
         redis::Client::open(format!("redis://{user}127.0.0.1:{}/", self.port)).expect("a client")
