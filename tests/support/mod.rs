@@ -204,9 +204,19 @@ impl Holder {
         Holder::start_as("hold-read", url, key)
     }
 
+    /// Starts a holder of one of the `max_count` permits of the semaphore `key`, taken from
+    /// the backend's own permit store (`dlock-worker hold-permit`), as [`Holder::start`].
+    pub fn start_permit(url: &str, key: &str, max_count: u32) -> Holder {
+        Holder::start_with(&["hold-permit", url, key, &max_count.to_string()])
+    }
+
     fn start_as(mode: &str, url: &str, key: &str) -> Holder {
+        Holder::start_with(&[mode, url, key])
+    }
+
+    fn start_with(args: &[&str]) -> Holder {
         let mut child = Command::new(worker_bin())
-            .args([mode, url, key])
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()

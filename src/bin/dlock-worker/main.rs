@@ -42,6 +42,10 @@
 //! it is killed; if the lock's lost token fires meanwhile, it prints `lost UNIX_MS` (the wall
 //! clock when it fired).
 //!
+//! `dlock-worker hold-permit URL KEY MAX_COUNT` (a Redis URL) takes one of the `MAX_COUNT`
+//! permits of the semaphore `KEY` straight from the backend's permit store, waiting for one,
+//! and then behaves as `hold`.
+//!
 //! `dlock-worker take URL KEY TIMEOUT_MS` waits up to the timeout for the lock, then prints
 //! `held TOKEN` (and releases it) or `timeout`, and exits 0; any other outcome exits 1.
 //!
@@ -106,6 +110,11 @@ fn main() -> ExitCode {
         }),
         ["hold", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, false))),
         ["hold-read", url, key] => runtime().and_then(|rt| rt.block_on(hold(url, key, true))),
+        #[cfg(feature = "redis")]
+        ["hold-permit", url, key, max_count] => max_count
+            .parse()
+            .map_err(|e| format!("max_count: {e}"))
+            .and_then(|max| runtime().and_then(|rt| rt.block_on(hold_permit(url, key, max)))),
         ["take", url, key, timeout_ms] => timeout_ms
             .parse()
             .map_err(|e| format!("timeout: {e}"))
@@ -127,7 +136,7 @@ fn main() -> ExitCode {
                   | fairness URL KEY [--processes P] [--tasks T] [--seconds S] [--hold-us H] \
                   | throughput URL PREFIX [--processes P] [--tasks T] [--seconds S] [--hot] [--raw] \
                   | verify LOG SECTIONS [--fencing every|none] | hold URL KEY | hold-read URL KEY \
-                  | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
+                  | hold-permit URL KEY MAX_COUNT | take URL KEY TIMEOUT_MS | tx-hold FILE KEY \
                   | schedule --url URL [--runtimes N] [--provider GROUP:RUNTIME]... [--sqlite-file PATH]"
                 .to_owned(),
         ),
@@ -763,6 +772,47 @@ async fn hold(url: &str, key: &str, read: bool) -> Result<(), String> {
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     std::future::pending::<()>().await;
     drop(guard);
+    Ok(())
+}
+
+/// `hold-permit`: a permit of the backend's own store (renewed by the backend, as a guard's
+/// lock is), held until the process is killed.
+#[cfg(feature = "redis")]
+async fn hold_permit(url: &str, key: &str, max_count: u32) -> Result<(), String> {
+    use dlock::backend::{LockBackend, PermitRequest, PermitTry};
+    let backend = dlock::redis::RedisBackend::connect(url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let store = backend
+        .semaphores()
+        .ok_or("this backend keeps no semaphores of its own")?;
+    let deadline = Instant::now() + ACQUIRE_TIMEOUT;
+    let acquired = loop {
+        let request = PermitRequest::new(key, max_count).with_waiting(Some(Duration::from_secs(1)));
+        match store.try_acquire_permit(request).await {
+            Ok(PermitTry::Acquired(acquired)) => break acquired,
+            Ok(_) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Ok(_) => return Err(format!("no permit of `{key}` within {ACQUIRE_TIMEOUT:?}")),
+            Err(err) => return Err(err.to_string()),
+        }
+    };
+    println!(
+        "held {}",
+        acquired
+            .fencing_token
+            .map_or_else(|| "-".to_owned(), |t| t.to_string())
+    );
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    acquired.lost.cancelled().await;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis());
+    println!("lost {now}");
+    std::io::stdout().flush().map_err(|e| e.to_string())?;
+    std::future::pending::<()>().await;
+    drop(acquired);
     Ok(())
 }
 

@@ -189,6 +189,7 @@ on_every_flavor!(
     wrong_owner_and_verification,
     listed_with_their_holders,
     plain_layout,
+    permissions,
 );
 
 /// Twelve tasks on four backends (four connections) try for three permits for a second and a
@@ -501,6 +502,7 @@ async fn fencing_tokens_increase(server: &Server) {
     let a = backend(server, "lease=10s").await;
     let b = backend(server, "lease=10s").await;
     let name = "fencing";
+    let mut admin = server.admin().await;
     let mut last = 0;
     for round in 0..6u32 {
         let count = if round < 3 { 2 } else { 7 };
@@ -513,7 +515,6 @@ async fn fencing_tokens_increase(server: &Server) {
         release(x).await;
     }
     let (permits, ..) = keys(&a, name);
-    let mut admin = server.admin().await;
     let fence = companion_key(KeyLayout::Tagged, &permits, b":fence");
     assert_eq!(get(&mut admin, &fence).await, Some(last.to_string()));
 
@@ -869,4 +870,63 @@ async fn plain_layout(server: &Server) {
     )
     .await;
     release(b).await;
+}
+
+/// What the module docs (and the README) grant for semaphores, besides a lock's commands.
+const GRANTED: &str = "+evalsha +eval +get +set +time +zadd +zscore +zrem +zremrangebyscore \
+                       +zrange +zcard +zcount +pttl +pexpireat +del +incr +publish";
+
+/// Every operation of the permit store once, as `user`: grants, full answers, the waiting
+/// mark, extension, verification, the count, releases (idle and marked), on the semaphore
+/// `name`. The scripts are flushed first, so that `EVAL` is needed too.
+async fn every_operation(server: &Server, user: &str, name: &str) -> Result<(), LockError> {
+    let mut admin = server.admin().await;
+    let () = admin_query(&mut admin, redis::cmd("SCRIPT").arg("FLUSH")).await;
+    let backend = RedisBackend::connect(&server.url_as(user, "lease=10s")).await?;
+    let store = store(&backend);
+    let attempt = async |request: PermitRequest<'_>| store.try_acquire_permit(request).await;
+    let PermitTry::Acquired(first) = attempt(PermitRequest::new(name, 1)).await? else {
+        panic!("a free semaphore");
+    };
+    let waiting = PermitRequest::new(name, 1).with_waiting(Some(Duration::from_secs(5)));
+    assert!(matches!(attempt(waiting).await?, PermitTry::Full { .. }));
+    let control = first.handle.lease_control().unwrap();
+    assert!(control.extend(Duration::from_secs(20)).await?);
+    assert!(control.verify_still_held().await?);
+    assert_eq!(store.holders(name, 1).await?, 1);
+    first.handle.release_outcome().await?;
+    let PermitTry::Acquired(second) = attempt(waiting).await? else {
+        panic!("the head waiter takes the permit");
+    };
+    second.handle.release_outcome().await?;
+    Ok(())
+}
+
+/// A user granted a lock's commands and exactly those the docs list for semaphores runs every
+/// operation; one without any of them but `+publish` is refused with `NOPERM` naming the
+/// command (Redis 7.0 names the script's commands); without `+publish` nothing fails (the
+/// release's wake-up is asked with `pcall`).
+async fn permissions(server: &Server) {
+    let all = format!("+set +client|id {GRANTED}");
+    let user = server.user("sem", &all).await;
+    every_operation(server, &user, "granted")
+        .await
+        .expect("every operation with the documented grants");
+    for command in GRANTED.split_whitespace() {
+        let fewer: String = all
+            .split_whitespace()
+            .filter(|c| c != &command)
+            .collect::<Vec<_>>()
+            .join(" ");
+        let user = server.user("fewer", &fewer).await;
+        let outcome = every_operation(server, &user, command).await;
+        if command == "+publish" {
+            outcome.expect("without +publish nothing fails");
+            continue;
+        }
+        let err = outcome.expect_err(command);
+        assert_eq!(err.db_code(), Some("NOPERM"), "{command}: {err}");
+        let name = command.trim_start_matches('+');
+        assert!(err.to_string().contains(name), "{command}: {err}");
+    }
 }
