@@ -182,8 +182,12 @@
 //!   as for a lock. A release removes its own member only. A holder that dies stops counting
 //!   when its lease ends.
 //! - **Fencing tokens** come from the semaphore's counter: strictly increasing across its
-//!   holders, whatever their count; with `fencing_counters`, from the shared counters; none
-//!   with `fencing=false` (and no counter key).
+//!   holders, whatever their count. A new counter starts at the server's time in microseconds
+//!   (milliseconds × 1000), not at 1: above every token the semaphore's slots issued under
+//!   earlier versions, and above what a counter the server lost (a restart without
+//!   persistence) had issued, unless it granted over a million permits a second on average.
+//!   With `fencing_counters`, tokens come from the shared counters (which start at 1); with
+//!   `fencing=false` there are none (and no counter key).
 //! - **[`store_locks`](crate::LockProvider::store_locks)** lists a semaphore in use as one
 //!   entry: the resource `<lock key>:permits`, the key `k`, its live permits as
 //!   [`readers`](crate::StoreLock::readers), its latest fencing token and the time its latest

@@ -68,7 +68,11 @@ end
 /// live, or for a single try while the mark lives (`ms`: until the earliest lease end, or the
 /// mark's end), after setting the mark for a waiting try; otherwise adds the permit, clears
 /// the mark for a waiting try, bumps the counter and answers `{1, counter}` (0 without
-/// fencing). The record then holds `ARGV[3]`.
+/// fencing). The record then holds `ARGV[3]`. A per-semaphore counter that did not exist
+/// starts at the server's time in microseconds (milliseconds × 1000), not at 1: above every
+/// token the semaphore's slots issued under earlier versions, and above the tokens of a
+/// counter the server lost (restarted without persistence), unless it granted a million
+/// permits a second on average since its first.
 pub(crate) const PERMIT_ACQUIRE_LUA: &str = concat!(
     "if KEYS[5] then
   local m = redis.call('GET', KEYS[5])
@@ -110,6 +114,10 @@ end
 local fence = 0
 if KEYS[4] then
   fence = redis.call('INCR', KEYS[4])
+  if fence == 1 and not KEYS[5] then
+    fence = now * 1000
+    redis.call('SET', KEYS[4], ms(fence))
+  end
 end
 redis.call('SET', KEYS[2], ARGV[3])
 ",

@@ -495,14 +495,17 @@ async fn waiting_mark(server: &Server) {
 }
 
 /// Fencing tokens strictly increase across holders of the semaphore, across backends, and
-/// across a change of its count once it was idle (one counter per semaphore, kept). With
-/// `fencing=false` none is issued and no counter is kept; with `fencing_counters`, tokens come
-/// from the shared counters and no per-semaphore counter is made.
+/// across a change of its count once it was idle (one counter per semaphore, kept). A new
+/// counter starts at the server's time in microseconds, so a counter the server lost starts
+/// again above every token issued. With `fencing=false` none is issued and no counter is
+/// kept; with `fencing_counters`, tokens come from the shared counters and no per-semaphore
+/// counter is made.
 async fn fencing_tokens_increase(server: &Server) {
     let a = backend(server, "lease=10s").await;
     let b = backend(server, "lease=10s").await;
     let name = "fencing";
     let mut admin = server.admin().await;
+    let before = server_ms(&mut admin).await;
     let mut last = 0;
     for round in 0..6u32 {
         let count = if round < 3 { 2 } else { 7 };
@@ -510,6 +513,9 @@ async fn fencing_tokens_increase(server: &Server) {
         let y = take(&b, PermitRequest::new(name, count)).await;
         let (tx, ty) = (x.fencing_token.unwrap(), y.fencing_token.unwrap());
         assert!(last < tx && tx < ty, "{last} {tx} {ty}");
+        if round == 0 {
+            assert!(tx >= before * 1000, "the first token {tx}, at {before} ms");
+        }
         last = ty;
         release(y).await;
         release(x).await;
@@ -517,6 +523,15 @@ async fn fencing_tokens_increase(server: &Server) {
     let (permits, ..) = keys(&a, name);
     let fence = companion_key(KeyLayout::Tagged, &permits, b":fence");
     assert_eq!(get(&mut admin, &fence).await, Some(last.to_string()));
+    // A server that lost the counter (a restart without persistence) starts it again from its
+    // clock: above every token issued.
+    let () = admin_query(&mut admin, redis::cmd("DEL").arg(&fence)).await;
+    let again = take(&b, PermitRequest::new(name, 7)).await;
+    assert!(
+        again.fencing_token.unwrap() > last,
+        "{again:?} after {last}"
+    );
+    release(again).await;
 
     let unfenced = backend(server, "lease=10s&fencing=false").await;
     let name = "unfenced";
