@@ -264,8 +264,10 @@
 //! `protocol=resp3`, whose subscriber cannot confirm its subscriptions (a refused `SUBSCRIBE`
 //! is told apart from a granted one by a `PING` that only a RESP2 subscriber answers as a
 //! subscriber). [Redlock](RedlockBackend) waiters subscribe on every node, and their tries
-//! mark the key on each node that has it taken, whose release then announces itself. Semaphores poll their slots
-//! with backoff.
+//! mark the key on each node that has it taken, whose release then announces itself. The
+//! waiter at the head of a semaphore's queue is woken the same way, on the channel named as
+//! the semaphore's permits' key (see [Semaphores](self#semaphores)); Redlock's semaphores
+//! poll their slots with backoff.
 //!
 //! # Fair waiting
 //!
