@@ -2028,6 +2028,67 @@ async fn read_intent(server: &RedisServer) {
     reader.release().await.unwrap();
 }
 
+/// A writer's acquisition dropped after its grant, while it clears the intent it left as a
+/// waiter (the intent's `DEL` still on its way): the lock is given back at once, not left
+/// taken, unrenewed, until its lease runs out.
+async fn writer_dropped_while_clearing_its_intent(server: &RedisServer) {
+    use dlock::backend::{LockRequest, WaitTry};
+    let proxy = DelayProxy::start(server.port());
+    let writer = RedisBackend::connect(&proxy.url("lease=3s")).await.unwrap();
+    let locks = LockProvider::connect(&server.url("lease=3s"))
+        .await
+        .unwrap();
+    let key = unique_key("intent-dropped");
+    let storage = writer.storage_key(&key);
+    let reader = locks.try_acquire_read(&key).await.unwrap();
+    let waiting = LockRequest::new(&key).with_poll_pause(Some(Duration::from_secs(1)));
+    assert!(matches!(
+        writer.try_acquire_in_wait(waiting).await.unwrap(),
+        WaitTry::Held { .. }
+    ));
+    assert!(
+        exists(server, &companion(&writer, &key, ":writer")),
+        "the intent"
+    );
+    reader.release().await.unwrap();
+    proxy.set_reply_delay(Duration::from_millis(300));
+    let attempt = tokio::spawn({
+        let (writer, key) = (writer.clone(), key.clone());
+        async move {
+            let waiting = LockRequest::new(&key).with_poll_pause(Some(Duration::from_secs(1)));
+            let _ = writer.try_acquire_in_wait(waiting).await;
+        }
+    });
+    let mut admin = admin(server).await;
+    wait_until(
+        "the writer's grant runs",
+        Duration::from_secs(5),
+        async || {
+            let owner: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(&storage)
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+            owner.is_some_and(|o| !o.is_empty())
+        },
+    )
+    .await;
+    // The grant's answer comes 300 ms later, then the intent's `DEL` goes out, answered 300 ms
+    // after that: in between, the acquisition is dropped.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    attempt.abort();
+    let _ = attempt.await;
+    let dropped = Instant::now();
+    proxy.set_reply_delay(Duration::ZERO);
+    wait_until(
+        "the dropped acquisition's lock is given back",
+        Duration::from_secs(1),
+        async || !exists(server, &storage),
+    )
+    .await;
+    eprintln!("given back {:?} after the drop", dropped.elapsed());
+}
+
 fn permits(backend: &RedisBackend) -> &dyn PermitStore {
     backend
         .semaphores()
@@ -2436,6 +2497,12 @@ macro_rules! flavor_tests {
             async fn durations_past_the_bound() {
                 let Some(server) = start() else { return };
                 huge_durations(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn writer_dropped_while_clearing_intent() {
+                let Some(server) = start() else { return };
+                writer_dropped_while_clearing_its_intent(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

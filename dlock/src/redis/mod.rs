@@ -2474,12 +2474,14 @@ async fn hold(
             None,
         ));
     }
-    cleanup.armed = false;
     let lock_key = Arc::clone(&cleanup.key);
     let token = cleanup.token.clone();
     if kind == Kind::Lock {
+        // Still armed: dropped while the intent's `DEL` is on its way, the lock is given back.
         read::writer_got(shared, &lock_key).await;
     }
+    // Nothing is awaited from here to the handle's hand-over.
+    cleanup.armed = false;
     let lost = CancellationToken::new();
     let (renewal, deadline) = match Renewals::register(
         shared,
