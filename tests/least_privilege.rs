@@ -566,6 +566,28 @@ mod redis_acl {
         "incr",
     ];
 
+    /// What semaphores add, on every flavour (their scripts' commands; `incr` with fencing,
+    /// `publish` asked with `pcall` to wake the head waiter): what the production page grants for them.
+    pub(crate) const SEMAPHORES: [&str; 17] = [
+        "evalsha",
+        "eval",
+        "get",
+        "set",
+        "time",
+        "zadd",
+        "zscore",
+        "zrem",
+        "zremrangebyscore",
+        "zrange",
+        "zcard",
+        "zcount",
+        "pttl",
+        "pexpireat",
+        "del",
+        "incr",
+        "publish",
+    ];
+
     /// The commands dlock's provider runs on `flavor`: what the production page grants, in its order.
     pub(crate) fn commands(flavor: Flavor, fencing: bool) -> Vec<&'static str> {
         let mut commands = vec!["set"];
@@ -687,14 +709,14 @@ mod redis_acl {
         }
     }
 
-    /// The conformance harness on `flavor`'s server, as a user granted exactly the production page's
-    /// commands, with those of the suite's `ping`, the guard's `verify_still_held` and read
-    /// locks.
+    /// The conformance harness on `flavor`'s server, as a user granted exactly the production
+    /// page's commands, with those of the suite's `ping`, the guard's `verify_still_held`, read locks
+    /// and semaphores.
     async fn acl_harness(flavor: Flavor) -> Option<LeaseHarness<AclUser>> {
         let server = server(flavor)?;
         let mut granted = commands(flavor, true);
         granted.extend(["ping", "get"]);
-        for command in READ_LOCKS {
+        for command in READ_LOCKS.into_iter().chain(SEMAPHORES) {
             if !granted.contains(&command) {
                 granted.push(command);
             }
@@ -1260,6 +1282,14 @@ fn readme_gives_the_tested_grants() {
             .join(" ");
         if !readme.contains(&format!("`{words}`")) {
             missing.push(format!("read locks: `{words}`"));
+        }
+        let words = redis_acl::SEMAPHORES
+            .iter()
+            .map(|c| format!("+{c}"))
+            .collect::<Vec<_>>()
+            .join(" ");
+        if !readme.contains(&format!("`{words}`")) {
+            missing.push(format!("semaphores: `{words}`"));
         }
     }
     assert!(

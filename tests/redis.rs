@@ -10,11 +10,11 @@ use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dlock::backend::LockBackend;
+use dlock::backend::{LockBackend, PermitRequest, PermitStore, PermitTry};
 use dlock::redis::{OwnerToken, RedisBackend, ReleaseOutcome};
 use dlock::{Backoff, LockError, LockProvider};
 use dlock_testkit::redis::{DelayProxy, Flavor, LeaseHarness, RedisServer};
-use dlock_testkit::unique_key;
+use dlock_testkit::{unique_key, wait_until};
 
 const LEASE: Duration = Duration::from_secs(1);
 
@@ -2028,6 +2028,234 @@ async fn read_intent(server: &RedisServer) {
     reader.release().await.unwrap();
 }
 
+/// A writer's acquisition dropped after its grant, while it clears the intent it left as a
+/// waiter (the intent's `DEL` still on its way): the lock is given back at once, not left
+/// taken, unrenewed, until its lease runs out.
+async fn writer_dropped_while_clearing_its_intent(server: &RedisServer) {
+    use dlock::backend::{LockRequest, WaitTry};
+    let proxy = DelayProxy::start(server.port());
+    let writer = RedisBackend::connect(&proxy.url("lease=3s")).await.unwrap();
+    let locks = LockProvider::connect(&server.url("lease=3s"))
+        .await
+        .unwrap();
+    let key = unique_key("intent-dropped");
+    let storage = writer.storage_key(&key);
+    let reader = locks.try_acquire_read(&key).await.unwrap();
+    let waiting = LockRequest::new(&key).with_poll_pause(Some(Duration::from_secs(1)));
+    assert!(matches!(
+        writer.try_acquire_in_wait(waiting).await.unwrap(),
+        WaitTry::Held { .. }
+    ));
+    assert!(
+        exists(server, &companion(&writer, &key, ":writer")),
+        "the intent"
+    );
+    reader.release().await.unwrap();
+    proxy.set_reply_delay(Duration::from_millis(300));
+    let attempt = tokio::spawn({
+        let (writer, key) = (writer.clone(), key.clone());
+        async move {
+            let waiting = LockRequest::new(&key).with_poll_pause(Some(Duration::from_secs(1)));
+            let _ = writer.try_acquire_in_wait(waiting).await;
+        }
+    });
+    let mut admin = admin(server).await;
+    wait_until(
+        "the writer's grant runs",
+        Duration::from_secs(5),
+        async || {
+            let owner: Option<Vec<u8>> = redis::cmd("GET")
+                .arg(&storage)
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+            owner.is_some_and(|o| !o.is_empty())
+        },
+    )
+    .await;
+    // The grant's answer comes 300 ms later, then the intent's `DEL` goes out, answered 300 ms
+    // after that: in between, the acquisition is dropped.
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    attempt.abort();
+    let _ = attempt.await;
+    let dropped = Instant::now();
+    proxy.set_reply_delay(Duration::ZERO);
+    wait_until(
+        "the dropped acquisition's lock is given back",
+        Duration::from_secs(1),
+        async || !exists(server, &storage),
+    )
+    .await;
+    eprintln!("given back {:?} after the drop", dropped.elapsed());
+}
+
+fn permits(backend: &RedisBackend) -> &dyn PermitStore {
+    backend
+        .semaphores()
+        .expect("redis keeps semaphores natively")
+}
+
+/// The lease end of the one permit in the set `permits` (0 when there is none).
+async fn permit_ends(admin: &mut redis::aio::MultiplexedConnection, permits: &[u8]) -> u64 {
+    let ends: Vec<(String, u64)> = redis::cmd("ZRANGE")
+        .arg(permits)
+        .arg(0)
+        .arg(-1)
+        .arg("WITHSCORES")
+        .query_async(admin)
+        .await
+        .unwrap();
+    ends.first().map_or(0, |(_, end)| *end)
+}
+
+/// A holder process with one permit of a semaphore of one: its renewals move the permit's
+/// lease end on (the holder's backend renews it as a lock). SIGKILLed, its permit stays taken
+/// until its lease runs out (the last renewal was sent at most a third of a lease before the
+/// kill), then a waiter gets it, with a larger fencing token. Tries in between answer full,
+/// with the holder's lease end as their `retry_within`.
+async fn permit_holder_killed(server: &RedisServer) {
+    let lease = Duration::from_secs(2);
+    let url = server.url("lease=2s");
+    let key = unique_key("permit-sigkill");
+    let holder = support::Holder::start_permit(&url, &key, 1);
+    let first = holder.fencing_token.expect("redis issues tokens");
+    let backend = RedisBackend::connect(&url).await.unwrap();
+    let store = permits(&backend);
+    assert_eq!(store.holders(&key, 1).await.unwrap(), 1);
+    let set = [backend.storage_key(&key), b":permits".to_vec()].concat();
+    let mut admin = admin(server).await;
+    let granted_until = permit_ends(&mut admin, &set).await;
+    assert!(granted_until > 0, "the permit is in its set");
+    wait_until("the holder renews its permit", lease * 2, async || {
+        permit_ends(&mut admin, &set).await > granted_until
+    })
+    .await;
+    match store
+        .try_acquire_permit(PermitRequest::new(&key, 1))
+        .await
+        .unwrap()
+    {
+        PermitTry::Full { retry_within } => {
+            let within = retry_within.expect("the holder's lease end");
+            assert!(within <= lease + Duration::from_millis(1), "{within:?}");
+        }
+        other => panic!("a second holder of a semaphore of one: {other:?}"),
+    }
+    holder.kill();
+    let killed_at = Instant::now();
+    let waiting = PermitRequest::new(&key, 1).with_waiting(Some(Duration::from_secs(1)));
+    let mut tries = 0;
+    let acquired = loop {
+        tries += 1;
+        match store.try_acquire_permit(waiting).await.unwrap() {
+            PermitTry::Acquired(acquired) => break acquired,
+            PermitTry::Full { retry_within } => {
+                assert!(
+                    killed_at.elapsed() < lease * 2,
+                    "the permit of a killed holder is still taken {:?} after the kill",
+                    killed_at.elapsed()
+                );
+                // The waiter's pause: until the lease it was told of ends, polled often
+                // enough to measure when the permit came free.
+                let pause = retry_within.unwrap_or(Duration::from_millis(20));
+                tokio::time::sleep(pause.min(Duration::from_millis(20))).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    };
+    let free_after = killed_at.elapsed();
+    let not_before = lease * 2 / 3 - Duration::from_millis(100);
+    assert!(
+        free_after >= not_before,
+        "the permit was free {free_after:?} after the holder died, before the {not_before:?} \
+         its lease guarantees"
+    );
+    assert!(
+        free_after <= lease + Duration::from_secs(1),
+        "{free_after:?}"
+    );
+    eprintln!("permit free {free_after:?} after the holder died ({tries} tries)");
+    assert!(acquired.fencing_token.unwrap() > first);
+    assert_eq!(store.holders(&key, 1).await.unwrap(), 1);
+    acquired.handle.release().await.unwrap();
+    assert_eq!(store.holders(&key, 1).await.unwrap(), 0);
+}
+
+/// A permit whose grant is answered later than 40 % of its lease is given back and reported
+/// `Lost` (another holder may have been admitted once its lease ran out on the server); a try
+/// dropped while its grant is on the way back gives the permit back in the background.
+async fn permit_late_or_dropped(server: &RedisServer) {
+    let proxy = DelayProxy::start(server.port());
+    let slow = RedisBackend::connect(&proxy.url("lease=500ms"))
+        .await
+        .unwrap();
+    let direct = RedisBackend::connect(&server.url("")).await.unwrap();
+    let key = unique_key("permit-late");
+    // The script loaded and the connection's id learnt while answers are prompt.
+    match permits(&slow)
+        .try_acquire_permit(PermitRequest::new(&key, 1))
+        .await
+        .unwrap()
+    {
+        PermitTry::Acquired(acquired) => acquired.handle.release().await.unwrap(),
+        other => panic!("{other:?}"),
+    }
+    proxy.set_reply_delay(Duration::from_millis(300));
+    match permits(&slow)
+        .try_acquire_permit(PermitRequest::new(&key, 1))
+        .await
+    {
+        Err(LockError::Lost { reason, .. }) => assert!(reason.contains("lease"), "{reason}"),
+        other => panic!("a late grant answered {other:?}, not Lost"),
+    }
+    let store = permits(&direct);
+    wait_until(
+        "the late permit is given back",
+        Duration::from_secs(5),
+        async || store.holders(&key, 1).await.unwrap() == 0,
+    )
+    .await;
+
+    // Dropped on the way back: the grant ran on the server, its answer is held back.
+    proxy.set_reply_delay(Duration::from_secs(1));
+    let dropped = tokio::spawn({
+        let (slow, key) = (slow.clone(), key.clone());
+        async move {
+            let _ = permits(&slow)
+                .try_acquire_permit(PermitRequest::new(&key, 1))
+                .await;
+        }
+    });
+    wait_until(
+        "the grant ran on the server",
+        Duration::from_secs(5),
+        async || store.holders(&key, 1).await.unwrap() == 1,
+    )
+    .await;
+    dropped.abort();
+    let _ = dropped.await;
+    let abandoned = Instant::now();
+    wait_until(
+        "the dropped try's permit is given back",
+        Duration::from_secs(5),
+        async || store.holders(&key, 1).await.unwrap() == 0,
+    )
+    .await;
+    eprintln!(
+        "a dropped try's permit was given back {:?} after the drop",
+        abandoned.elapsed()
+    );
+    proxy.set_reply_delay(Duration::ZERO);
+    match store
+        .try_acquire_permit(PermitRequest::new(&key, 1))
+        .await
+        .unwrap()
+    {
+        PermitTry::Acquired(acquired) => acquired.handle.release().await.unwrap(),
+        other => panic!("{other:?}"),
+    }
+}
+
 fn fastrand_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -2269,6 +2497,24 @@ macro_rules! flavor_tests {
             async fn durations_past_the_bound() {
                 let Some(server) = start() else { return };
                 huge_durations(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn writer_dropped_while_clearing_intent() {
+                let Some(server) = start() else { return };
+                writer_dropped_while_clearing_its_intent(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn permit_of_a_killed_holder() {
+                let Some(server) = start() else { return };
+                permit_holder_killed(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn permit_late_or_dropped_grant() {
+                let Some(server) = start() else { return };
+                permit_late_or_dropped(&server).await;
             }
 
             #[test]

@@ -980,3 +980,147 @@ async fn read_releases_announce_only_when_awaited() {
         "the awaited read release was announced"
     );
 }
+
+/// A semaphore's permits on a cluster (the store of `LockBackend::semaphores`): each
+/// semaphore's keys (its permits, count record, waiting mark and fencing counter) share its
+/// slot, so one script reaches them; semaphores spread over the masters; on each, the bound,
+/// the count record and the waiting mark hold, fencing tokens increase, a release wakes the
+/// head waiter through the subscriber on the semaphore's master, and `store_locks` lists the
+/// semaphore once with its holders.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphores_on_every_master() {
+    use dlock::backend::{LockBackend, PermitRequest, PermitTry};
+    let Some(cluster) = started(RedisCluster::shared) else {
+        return;
+    };
+    let url = cluster.url("lease=5s");
+    let a = RedisBackend::connect(&url).await.expect("connect");
+    let b = RedisBackend::connect(&url).await.expect("connect");
+    let (sa, sb) = (a.semaphores().unwrap(), b.semaphores().unwrap());
+    let prefix = unique_key("permits");
+    let names: Vec<String> = (0..12).map(|i| format!("{prefix}:{i}")).collect();
+    let mut owners = BTreeMap::<u16, usize>::new();
+    for name in &names {
+        let permits = [a.storage_key(name), b":permits".to_vec()].concat();
+        let slots: HashSet<u16> = tokio::task::block_in_place(|| {
+            [&b""[..], b":count", b":waiting", b":fence"]
+                .iter()
+                .map(|suffix| cluster.slot_of(&[&permits[..], suffix].concat()))
+                .collect()
+        });
+        assert_eq!(slots.len(), 1, "a semaphore's keys share a slot");
+        let slot = *slots.iter().next().unwrap();
+        *owners
+            .entry(tokio::task::block_in_place(|| cluster.owner_of(slot)))
+            .or_default() += 1;
+    }
+    assert_eq!(owners.len(), 3, "semaphores on every master: {owners:?}");
+    let take =
+        async |store: &dyn dlock::backend::PermitStore, request: PermitRequest<'_>| match store
+            .try_acquire_permit(request)
+            .await
+            .expect("a try")
+        {
+            PermitTry::Acquired(acquired) => acquired,
+            other => panic!("{request:?}: {other:?}"),
+        };
+    let is_full = async |store: &dyn dlock::backend::PermitStore, request: PermitRequest<'_>| {
+        matches!(
+            store.try_acquire_permit(request).await.expect("a try"),
+            PermitTry::Full { .. }
+        )
+    };
+    let mut held = Vec::new();
+    for name in &names {
+        let first = take(sa, PermitRequest::new(name, 2)).await;
+        let second = take(sb, PermitRequest::new(name, 2)).await;
+        assert!(first.fencing_token.unwrap() < second.fencing_token.unwrap());
+        assert!(is_full(sa, PermitRequest::new(name, 2)).await);
+        let err = sb
+            .try_acquire_permit(PermitRequest::new(name, 3))
+            .await
+            .expect_err("another count while held");
+        assert!(err.to_string().contains("max_count 2"), "{err}");
+        held.push((first, second));
+    }
+    let listed = a.store_locks(&[]).await.expect("store_locks");
+    for name in &names {
+        let entries: Vec<_> = listed
+            .iter()
+            .filter(|l| l.key.as_deref() == Some(name.as_str()))
+            .collect();
+        assert_eq!(entries.len(), 1, "{name}: {entries:?}");
+        assert_eq!(entries[0].readers, 2, "{:?}", entries[0]);
+        assert!(
+            entries[0].resource.ends_with(":permits"),
+            "{:?}",
+            entries[0]
+        );
+    }
+    // The head waiter of each semaphore is woken by a release on the semaphore's master.
+    for (name, (first, second)) in names.iter().zip(held) {
+        let waiting = PermitRequest::new(name, 2).with_waiting(Some(Duration::from_secs(5)));
+        assert!(is_full(sa, waiting).await);
+        let mut watch = sa
+            .watch_permits(waiting)
+            .await
+            .expect("a URL's backend wakes waiters");
+        assert!(watch.is_live(), "{name}");
+        watch.mark_seen();
+        assert!(is_full(sb, PermitRequest::new(name, 2)).await);
+        second.handle.release().await.expect("release");
+        tokio::time::timeout(Duration::from_secs(5), watch.woken())
+            .await
+            .unwrap_or_else(|_| panic!("{name}: the release does not wake the head waiter"));
+        // Free, but the head waiter goes first.
+        assert!(is_full(sb, PermitRequest::new(name, 2)).await);
+        let third = take(sa, waiting).await;
+        third.handle.release().await.expect("release");
+        first.handle.release().await.expect("release");
+        assert_eq!(sb.holders(name, 2).await.unwrap(), 0);
+    }
+}
+
+/// With `key_layout=plain`, a semaphore's keys are the name's keys plus suffixes: on a
+/// cluster, a name without a hash tag spreads them over slots and its try is refused
+/// (`CROSSSLOT`, taking nothing); a name with one works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plain_layout_semaphores_need_hash_tags() {
+    use dlock::backend::{LockBackend, PermitRequest, PermitTry};
+    let Some(cluster) = started(RedisCluster::shared) else {
+        return;
+    };
+    let plain = RedisBackend::connect(&cluster.url("key_layout=plain&lease=5s"))
+        .await
+        .expect("connect");
+    let store = plain.semaphores().unwrap();
+    let name = (0..)
+        .map(|i| unique_key(&format!("plain-permits{i}")))
+        .find(|k| {
+            let permits = [plain.storage_key(k), b"\xff:permits".to_vec()].concat();
+            let record = [&permits[..], b"\xff:count"].concat();
+            tokio::task::block_in_place(|| cluster.slot_of(&permits) != cluster.slot_of(&record))
+        })
+        .unwrap();
+    match store.try_acquire_permit(PermitRequest::new(&name, 1)).await {
+        Err(LockError::Backend {
+            db_code, message, ..
+        }) => {
+            assert_eq!(db_code.as_deref(), Some("CROSSSLOT"), "{message}");
+            assert!(message.contains("semaphore"), "{message}");
+        }
+        other => panic!("expected a CROSSSLOT error, got {other:?}"),
+    }
+    let tagged = format!("{{{name}}}");
+    match store
+        .try_acquire_permit(PermitRequest::new(&tagged, 1))
+        .await
+        .expect("a tagged name works")
+    {
+        PermitTry::Acquired(permit) => {
+            assert!(permit.fencing_token.is_some());
+            permit.handle.release().await.unwrap();
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -512,7 +512,8 @@ async fn exclusion_across_a_failover_with_wait_replicas() {
 }
 
 /// `wait_replicas` more than the replicas there are: the write succeeds, the acquisition is
-/// not counted, the lock (or a reader's share) is given back, and the answer says why.
+/// not counted, the lock (or a reader's share, or a semaphore's permit) is given back, and the
+/// answer says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_replicas_beyond_the_replicas_refuses_and_gives_back() {
     let Some(deployment) = deployment(CALM) else {
@@ -566,6 +567,37 @@ async fn wait_replicas_beyond_the_replicas_refuses_and_gives_back() {
     // With as many replicas as there are, a reader's share counts.
     let share = locks.try_acquire_read(&key).await.expect("a share");
     share.release().await.expect("released");
+
+    // A semaphore's permit (the backend's permit store) waits for the replicas too: given
+    // back when too few acknowledge, counted when they all do.
+    use dlock::backend::{LockBackend, PermitRequest, PermitTry};
+    let strict = RedisBackend::connect(&deployment.url("wait_replicas=2&wait_timeout=100ms"))
+        .await
+        .expect("connect");
+    let plain = RedisBackend::connect(&deployment.url("wait_replicas=1"))
+        .await
+        .expect("connect");
+    let (strict, plain) = (strict.semaphores().unwrap(), plain.semaphores().unwrap());
+    match strict.try_acquire_permit(PermitRequest::new(&key, 1)).await {
+        Err(LockError::Unavailable { message, .. }) => {
+            assert!(
+                message.contains("semaphore permit")
+                    && message.contains("only 1 of the 2 replicas"),
+                "{message}"
+            );
+        }
+        other => panic!("expected Unavailable, got {other:?}"),
+    }
+    wait_until(
+        "the permit is given back",
+        Duration::from_secs(2),
+        async || plain.holders(&key, 1).await.unwrap() == 0,
+    )
+    .await;
+    match plain.try_acquire_permit(PermitRequest::new(&key, 1)).await {
+        Ok(PermitTry::Acquired(permit)) => permit.handle.release().await.expect("released"),
+        other => panic!("with as many replicas as there are, a permit counts: {other:?}"),
+    }
 }
 
 /// What the sentinels answer when they cannot lead to a master is a typed error naming each

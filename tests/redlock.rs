@@ -355,3 +355,61 @@ async fn a_waiter_tries_again_when_the_quorums_leases_run_out() {
     drop(guard);
     got.release().await.unwrap();
 }
+
+/// Redlock keeps no native semaphores: the provider keeps them as slots, each a Redlock lock.
+/// Why, shown on the nodes themselves: counting permits node by node and calling a permit
+/// held when a quorum counted it does not bound the holders. With three nodes (quorum two) and
+/// `max_count` 3, every node's own permit store grants four holders a quorum each: eight of
+/// the nine places, no node past its count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorums_of_node_permits_do_not_bound_the_holders() {
+    use dlock::backend::{LockBackend, PermitRequest, PermitTry};
+    let Some(nodes) = nodes() else { return };
+    let redlock = RedlockBackend::connect(&nodes.url())
+        .await
+        .expect("connect");
+    assert!(
+        redlock.semaphores().is_none(),
+        "redlock keeps semaphores as slots of Redlock locks"
+    );
+    let backends = [
+        nodes.node(0).await,
+        nodes.node(1).await,
+        nodes.node(2).await,
+    ];
+    let key = unique_key("quorum-permits");
+    // Holder h asks the nodes of its pair, the pairs chosen so that no node sees more than
+    // three of them.
+    let pairs = [[0, 1], [1, 2], [2, 0], [0, 1]];
+    let mut held = Vec::new();
+    for (h, pair) in pairs.iter().enumerate() {
+        for &n in pair {
+            let store = backends[n].semaphores().expect("a node keeps permits");
+            match store
+                .try_acquire_permit(PermitRequest::new(&key, 3))
+                .await
+                .expect("a try")
+            {
+                PermitTry::Acquired(permit) => held.push(permit),
+                other => panic!("holder {h} on node {n}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(
+        held.len(),
+        8,
+        "four holders, each counted on a quorum of two nodes"
+    );
+    for backend in &backends {
+        let n = backend
+            .semaphores()
+            .unwrap()
+            .holders(&key, 3)
+            .await
+            .unwrap();
+        assert!(n <= 3, "no node past its count: {n}");
+    }
+    for permit in held {
+        permit.handle.release().await.expect("release");
+    }
+}

@@ -143,6 +143,12 @@ impl Script {
             commands,
         }
     }
+
+    /// The commands the script runs.
+    #[cfg(test)]
+    pub(crate) fn commands(&self) -> &'static [&'static str] {
+        self.commands
+    }
 }
 
 /// The fencing counter an acquisition increments.
@@ -263,8 +269,9 @@ pub(crate) struct Extension<'a> {
     pub(crate) token: &'a OwnerToken,
     /// The lease the renewal asks for, from now.
     pub(crate) lease: Duration,
-    /// A reader's share: renewed by this script, with this second key (see `read.rs`).
-    pub(crate) read: Option<(&'a Script, &'a [u8])>,
+    /// A reader's share or a semaphore's permit: renewed by this script, with this second key
+    /// (see `read.rs`, `permits.rs`).
+    pub(crate) script: Option<(&'a Script, &'a [u8])>,
 }
 
 /// The connection and the memory of what it supports.
@@ -1792,15 +1799,15 @@ impl Conn {
         // What each lock's renewal runs: `None` for `SET .. IFEQ`.
         let mut scripts: Vec<Option<&Script>> = items
             .iter()
-            .map(|item| match item.read {
+            .map(|item| match item.script {
                 Some((script, _)) => Some(script),
                 None if native => None,
                 None => Some(&self.scripts.extend),
             })
             .collect();
         fn keys<'a>(item: &Extension<'a>) -> Vec<&'a [u8]> {
-            match item.read {
-                Some((_, readers)) => vec![item.key, readers],
+            match item.script {
+                Some((_, second)) => vec![item.key, second],
                 None => vec![item.key],
             }
         }

@@ -5,6 +5,7 @@ use std::time::Duration;
 use redis::{Cmd, Value};
 
 use super::cluster::masters;
+use super::permits::semaphore_name;
 use super::read::readers_key;
 use super::{KeyLayout, Shared, fence_key, owner};
 use crate::LockError;
@@ -73,8 +74,11 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
                 LockError::backend("redis", "the server answered SCAN unexpectedly", None, None)
             })?;
             found.extend(keys.into_iter().filter_map(|key| {
-                let name = lock_name(shared.layout, &shared.prefix, &key)?;
-                Some((key, name))
+                if let Some(name) = lock_name(shared.layout, &shared.prefix, &key) {
+                    return Some((key, name, false));
+                }
+                let name = semaphore_name(shared.layout, &shared.prefix, &key)?;
+                Some((key, name, true))
             }));
             cursor = next;
             if cursor == 0 {
@@ -86,7 +90,11 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
     // Owner labels by backend id, each read once.
     let mut labels: std::collections::HashMap<Vec<u8>, Option<String>> =
         std::collections::HashMap::new();
-    for (key, name) in found {
+    for (key, name, semaphore) in found {
+        if semaphore {
+            locks.extend(semaphore_entry(shared, key, name, now_ms).await?);
+            continue;
+        }
         let mut get: Cmd = redis::cmd("GET");
         get.arg(&key);
         // A key of another type under the prefix is not a lock: skipped.
@@ -169,6 +177,50 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
         );
     }
     Ok(locks)
+}
+
+/// The entry of the semaphore `name` whose permits are under `key`: its live permits (as the
+/// holders that share it), the latest lease end and its fencing counter; `None` when no permit
+/// is live.
+async fn semaphore_entry(
+    shared: &Shared,
+    key: Vec<u8>,
+    name: String,
+    now_ms: u64,
+) -> Result<Option<StoreLock>, LockError> {
+    let what = "listing the locks";
+    let mut count: Cmd = redis::cmd("ZCOUNT");
+    count.arg(&key).arg(format!("({now_ms}")).arg("+inf");
+    let live = match shared.bounded(what, shared.conn.query(&count)).await {
+        Ok(Value::Int(n)) if n > 0 => u32::try_from(n).unwrap_or(u32::MAX),
+        // No live permit, or a key of another type under the prefix.
+        _ => return Ok(None),
+    };
+    let mut pttl: Cmd = redis::cmd("PTTL");
+    pttl.arg(&key);
+    let remaining = match shared.bounded(what, shared.conn.query(&pttl)).await? {
+        Value::Int(ms) if ms >= 0 => Some(Duration::from_millis(ms.unsigned_abs())),
+        _ => None,
+    };
+    let fencing_token = if shared.counters.is_some() {
+        None
+    } else {
+        let mut fence: Cmd = redis::cmd("GET");
+        fence.arg(fence_key(shared.layout, &key));
+        match shared.bounded(what, shared.conn.query(&fence)).await {
+            Ok(Value::BulkString(text)) => {
+                std::str::from_utf8(&text).ok().and_then(|t| t.parse().ok())
+            }
+            _ => None,
+        }
+    };
+    Ok(Some(
+        StoreLock::new(String::from_utf8_lossy(&key).into_owned())
+            .with_key(Some(name))
+            .with_readers(live)
+            .with_fencing_token(fencing_token)
+            .with_remaining_lease(remaining),
+    ))
 }
 
 /// `prefix` with the glob characters of `SCAN MATCH` escaped.

@@ -138,6 +138,74 @@
 //! `:writer`, as the fencing counter. Read locks need the permissions of
 //! [Permissions](self#permissions) on every server.
 //!
+//! # Semaphores
+//!
+//! [`try_acquire_semaphore`](crate::LockProvider::try_acquire_semaphore) and
+//! [`acquire_semaphore`](crate::LockProvider::acquire_semaphore) are kept natively, as a
+//! [`PermitStore`](crate::backend::PermitStore) ([`LockBackend::semaphores`]): any
+//! `max_count` from 1 to `u32::MAX`, one script per try whatever the count, and the count
+//! recorded. The semaphore `k` lives under four keys beside `k`'s lock key (which it does not
+//! touch: the semaphore `k` and the lock `k` are unrelated, in the same Cluster slot):
+//!
+//! | key | holds | time to live |
+//! |---|---|---|
+//! | `<lock key>:permits` | a sorted set: one member per permit, its owner token, scored by its lease end in the server's milliseconds (`TIME`) | until the latest lease end |
+//! | `<lock key>:permits:count` | the count record: the `max_count` its holders use | while a permit or the waiting mark lives |
+//! | `<lock key>:permits:waiting` | the waiting mark of the waiter at the head of the queue | what that waiter asked for (twice its pause between tries) |
+//! | `<lock key>:permits:fence` | the fencing counter | none: kept, as a lock's counter is |
+//!
+//! None is a lock key (those end with `}`), and all carry `k`'s hash tag, so one script
+//! reaches them on a [Cluster](self#cluster). With `key_layout=plain` they are `<lock key>` +
+//! byte 0xFF + `:permits`, and that key + byte 0xFF + `:count`, `:waiting` or `:fence` (on a
+//! Cluster, put a hash tag in the names: otherwise the script is refused with `CROSSSLOT`).
+//!
+//! - **A try** is one script (`EVALSHA`): it drops the permits whose lease ended (score ≤
+//!   `TIME`), checks the count record, grants a permit when fewer than `max_count` are live
+//!   (and, for a single try, no waiting mark lives), `INCR`s the counter, and sets the keys'
+//!   times to live; otherwise it answers how long until the earliest lease ends (when the
+//!   waiter tries again if no release wakes it). Nothing in the client or in the round trips
+//!   grows with `max_count`: a try of a semaphore of `u32::MAX` is one `EVALSHA`, as one of 1
+//!   (`src/redis/permits/live_tests.rs` counts the server's commands). The server's work grows
+//!   with the logarithm of the live permits.
+//! - **The count record.** A try whose `max_count` differs from the record while a permit or
+//!   the waiting mark lives is refused with [`LockError::Config`] naming both counts, taking
+//!   and changing nothing; once neither lives (released, expired, or the mark lapsed), a try
+//!   with another count replaces it. A permit whose lease ran out holds it no longer.
+//! - **Fairness.** A waiting [`acquire_semaphore`](crate::LockProvider::acquire_semaphore)
+//!   queues on the semaphore's queue lock (an ordinary lock), and only the waiter at its head
+//!   tries for a permit. Its tries leave the waiting mark; while the mark lives, single tries
+//!   are answered full even with a permit free, so that they do not take the permit the head
+//!   waiter waits for, and its granted try clears the mark. A permit given back while the
+//!   mark lives is announced (`PUBLISH <lock key>:permits <announcer>`, inside the release
+//!   script, with `pcall`), which wakes the head waiter through the backend's subscriber (see
+//!   [Waiting](self#waiting)); a release nobody waits for publishes nothing.
+//! - **A held permit** is renewed by the backend's renewal task with the locks (the same
+//!   pipelines; a script that moves the member's score only while it is live: an expired
+//!   permit is never revived, since another holder may have been admitted in its place, and
+//!   its holder's lost token fires). [`extend`](crate::LockGuard::extend),
+//!   [`verify_still_held`](crate::LockGuard::verify_still_held), the local deadline, late
+//!   answers (40% of the lease), [`wait_replicas`](RedisBuilder::wait_replicas),
+//!   [connection fencing](self#connection-fencing) and [cancellation](self#cancellation) work
+//!   as for a lock. A release removes its own member only. A holder that dies stops counting
+//!   when its lease ends.
+//! - **Fencing tokens** come from the semaphore's counter: strictly increasing across its
+//!   holders, whatever their count. A new counter starts at the server's time in microseconds
+//!   (milliseconds × 1000), not at 1: above every token the semaphore's slots issued under
+//!   earlier versions, and above what a counter the server lost (a restart without
+//!   persistence) had issued, unless it granted over a million permits a second on average.
+//!   With `fencing_counters`, tokens come from the shared counters (which start at 1); with
+//!   `fencing=false` there are none (and no counter key).
+//! - **[`store_locks`](crate::LockProvider::store_locks)** lists a semaphore in use as one
+//!   entry: the resource `<lock key>:permits`, the key `k`, its live permits as
+//!   [`readers`](crate::StoreLock::readers), its latest fencing token and the time its latest
+//!   lease still runs.
+//!
+//! [`RedlockBackend`] keeps semaphores as slots instead (see its docs for why). Earlier
+//! versions of dlock kept a semaphore as `max_count` slot locks, under other keys: a process
+//! of such a version and one of this version do not see each other's permits (see
+//! MIGRATION.md). Semaphores need the permissions of [Permissions](self#permissions) on every
+//! server.
+//!
 //! # Waiting
 //!
 //! A waiting [`acquire`](crate::LockProvider::acquire) (or `acquire_read`) is woken by the
@@ -203,8 +271,10 @@
 //! `protocol=resp3`, whose subscriber cannot confirm its subscriptions (a refused `SUBSCRIBE`
 //! is told apart from a granted one by a `PING` that only a RESP2 subscriber answers as a
 //! subscriber). [Redlock](RedlockBackend) waiters subscribe on every node, and their tries
-//! mark the key on each node that has it taken, whose release then announces itself. Semaphores poll their slots
-//! with backoff.
+//! mark the key on each node that has it taken, whose release then announces itself. The
+//! waiter at the head of a semaphore's queue is woken the same way, on the channel named as
+//! the semaphore's permits' key (see [Semaphores](self#semaphores)); Redlock's semaphores
+//! poll their slots with backoff.
 //!
 //! # Fair waiting
 //!
@@ -531,6 +601,12 @@
 //! +pexpire +del` (and `+incr` with fencing); a waiting writer's intent needs `+evalsha +eval
 //! +get +set`, and clearing it `+del`.
 //!
+//! Semaphores run scripts on every server (see [Semaphores](self#semaphores)) and add
+//! `+evalsha +eval +get +set +time +zadd +zscore +zrem +zremrangebyscore +zrange +zcard
+//! +zcount +pttl +pexpireat +del +incr` (`+incr` with fencing); their releases wake the head
+//! waiter with `+publish` (asked with `pcall`: without it, the waiter notices a free permit at
+//! its next poll).
+//!
 //! A command the user may not run is a [`LockError::Backend`] with `db_code` `"NOPERM"` whose
 //! message names the command (on Redis 7.0, which does not say which command of a script it
 //! refused, the message lists the script's commands), and **nothing else is tried in its
@@ -690,6 +766,7 @@ mod force;
 mod hosts;
 mod inspect;
 mod owner;
+mod permits;
 mod quorums;
 mod read;
 mod redlock;
@@ -939,7 +1016,7 @@ impl RedisBuilder {
     /// and the acquisition answers [`LockError::Unavailable`]. 0 (the default) waits for
     /// nothing. URL option `wait_replicas`. See [Replicas and failover](self#replicas-and-failover)
     /// for what this does and does not guarantee, and what it costs. Exclusive locks, readers'
-    /// shares and semaphore slots all wait.
+    /// shares and semaphore permits all wait.
     pub fn wait_replicas(mut self, replicas: u32) -> Self {
         self.wait_replicas = replicas;
         self
@@ -1907,9 +1984,10 @@ fn redis_error(what: &str, err: RedisError, prefix: &[u8]) -> LockError {
             NAME,
             format!(
                 "{what}: the keys of one lock are in different Cluster slots (CROSSSLOT {}). \
-                 With `key_layout=plain` a lock's fencing counter (and its readers' keys) are \
-                 other keys than the lock's: put a hash tag in the lock names (`{{order:42}}`) \
-                 or set `fencing=false` (see Keys in the dlock::redis docs)",
+                 With `key_layout=plain` a lock's fencing counter (and its readers' keys, and \
+                 a semaphore's keys) are other keys than the lock's: put a hash tag in the \
+                 names (`{{order:42}}`), or for exclusive locks set `fencing=false` (see Keys \
+                 in the dlock::redis docs)",
                 err.detail().unwrap_or("")
             ),
             Some("CROSSSLOT".to_owned()),
@@ -2277,6 +2355,12 @@ impl LockBackend for RedisBackend {
         Ok(())
     }
 
+    /// Semaphores are sorted sets of permits, one script per try (see
+    /// [Semaphores](self#semaphores)).
+    fn semaphores(&self) -> Option<&dyn crate::backend::PermitStore> {
+        Some(self)
+    }
+
     /// The locks under the prefix, found with `SCAN` (which walks the whole keyspace; on a
     /// cluster, that of each master).
     fn store_locks<'a>(
@@ -2387,7 +2471,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
         key: Arc::clone(&lock_key),
         token: token.clone(),
         armed: true,
-        read: false,
+        kind: Kind::Lock,
     };
     let sent = Instant::now();
     let waiting = request.poll_pause.is_some();
@@ -2457,8 +2541,8 @@ async fn hold(
     fencing_token: Option<u64>,
     acked: Option<u64>,
 ) -> Result<WaitTry, LockError> {
-    let read = cleanup.read;
-    let what = if read { "read lock" } else { "lock" };
+    let kind = cleanup.kind;
+    let what = kind.what();
     // The lease began when the server ran the command, at some moment after `sent`:
     // an answer that comes late leaves too little of it to hold the lock, or none (the
     // server may have let someone else take it already). Such a lock is given back,
@@ -2480,20 +2564,18 @@ async fn hold(
             None,
         ));
     }
-    cleanup.armed = false;
     let lock_key = Arc::clone(&cleanup.key);
     let token = cleanup.token.clone();
-    if !read {
+    if kind == Kind::Lock {
+        // Still armed: dropped while the intent's `DEL` is on its way, the lock is given back.
         read::writer_got(shared, &lock_key).await;
     }
+    // Nothing is awaited from here to the handle's hand-over.
+    cleanup.armed = false;
     let lost = CancellationToken::new();
-    let register = if read {
-        Renewals::register_read
-    } else {
-        Renewals::register
-    };
-    let (renewal, deadline) = match register(
+    let (renewal, deadline) = match Renewals::register(
         shared,
+        kind,
         Arc::clone(&lock_key),
         token.clone(),
         lease,
@@ -2504,13 +2586,7 @@ async fn hold(
         Ok(registered) => registered,
         Err(err) => {
             // Without renewal the lock could not be kept: give it back.
-            let release = async {
-                if read {
-                    read::release(shared, &lock_key, &token).await
-                } else {
-                    shared.conn.release(&lock_key, &token).await
-                }
-            };
+            let release = give_back(shared, kind, &lock_key, &token);
             let _ = shared.bounded("releasing a lock", release).await;
             return Err(err);
         }
@@ -2526,21 +2602,60 @@ async fn hold(
                 token,
                 lost,
                 renewal,
-                read,
+                kind,
             }),
         )
         .with_lease_deadline(deadline),
     ))
 }
 
-/// Gives back a possibly taken lock (or reader's share) of an acquisition that did not finish.
+/// What a backend holds under an owner token: a lock, a reader's share of one, or a
+/// semaphore's permit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// A lock: its key holds the token (see the module docs).
+    Lock,
+    /// A reader's share of a lock, in its readers' set (see [Read locks](self#read-locks)).
+    Read,
+    /// A semaphore's permit, in its permits' set (see [Semaphores](self#semaphores)).
+    Permit,
+}
+
+impl Kind {
+    /// What it is called in messages.
+    fn what(self) -> &'static str {
+        match self {
+            Kind::Lock => "lock",
+            Kind::Read => "read lock",
+            Kind::Permit => "semaphore permit",
+        }
+    }
+}
+
+/// Gives back what `token` holds under `key` (a lock's key; a semaphore's permits' key).
+async fn give_back(
+    shared: &Shared,
+    kind: Kind,
+    key: &[u8],
+    token: &OwnerToken,
+) -> Result<(ReleaseOutcome, CommandPath), RedisError> {
+    match kind {
+        Kind::Lock => shared.conn.release(key, token).await,
+        Kind::Read => read::release(shared, key, token).await,
+        Kind::Permit => permits::release(shared, key, token).await,
+    }
+}
+
+/// Gives back a possibly taken lock (or reader's share, or permit) of an acquisition that did
+/// not finish.
 struct Cleanup {
     shared: Arc<Shared>,
+    /// The lock's key (a semaphore's permits' key).
     key: Arc<[u8]>,
     token: OwnerToken,
     armed: bool,
-    /// A read acquisition: its share is given back, not the key.
-    read: bool,
+    /// What the acquisition takes, and so what is given back.
+    kind: Kind,
 }
 
 impl Drop for Cleanup {
@@ -2551,11 +2666,11 @@ impl Drop for Cleanup {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (shared, key, token, read) = (
+        let (shared, key, token, kind) = (
             Arc::clone(&self.shared),
             Arc::clone(&self.key),
             self.token.clone(),
-            self.read,
+            self.kind,
         );
         // Registered before the acquisition's future is gone: the key's next acquisition
         // through this backend waits until it has run.
@@ -2563,19 +2678,11 @@ impl Drop for Cleanup {
         drop(runtime.spawn(async move {
             let _settle = settle;
             let what = "cleaning up an abandoned acquisition";
-            let outcome = if read {
-                shared
-                    .bounded(what, read::release(&shared, &key, &token))
-                    .await
-                    .map(drop)
-            } else {
-                shared
-                    .bounded(what, shared.conn.release(&key, &token))
-                    .await
-                    .map(drop)
-            };
+            let outcome = shared
+                .bounded(what, give_back(&shared, kind, &key, &token))
+                .await;
             if let Err(err) = outcome {
-                tracing::warn!(error = %err, read, "an abandoned redis acquisition could not be cleaned up; it frees itself when its lease runs out");
+                tracing::warn!(error = %err, kind = kind.what(), "an abandoned redis acquisition could not be cleaned up; it frees itself when its lease runs out");
             }
         }));
     }
@@ -2590,15 +2697,20 @@ struct RedisHeld {
     lost: CancellationToken,
     /// Its entry in the backend's renewals.
     renewal: u64,
-    /// A reader's share (see [Read locks](self#read-locks)).
-    read: bool,
+    /// A lock, a reader's share of one, or a semaphore's permit (whose key is the permits').
+    kind: Kind,
 }
 
 impl RedisHeld {
-    /// The lock's name, as the caller gave it: read back from its key, where it is kept once.
+    /// The lock's (or semaphore's) name, as the caller gave it: read back from its key, where
+    /// it is kept once.
     fn name(&self) -> Arc<str> {
-        let name = inspect::lock_name(self.shared.layout, &self.shared.prefix, &self.key)
-            .unwrap_or_else(|| String::from_utf8_lossy(&self.key).into_owned());
+        let (layout, prefix) = (self.shared.layout, &self.shared.prefix[..]);
+        let name = match self.kind {
+            Kind::Permit => permits::semaphore_name(layout, prefix, &self.key),
+            Kind::Lock | Kind::Read => inspect::lock_name(layout, prefix, &self.key),
+        }
+        .unwrap_or_else(|| String::from_utf8_lossy(&self.key).into_owned());
         Arc::from(name)
     }
 }
@@ -2621,8 +2733,8 @@ impl std::fmt::Debug for RedisHeld {
 impl RedisHeld {
     /// The release's command (a script or compare-and-delete, and the wake-up of waiters).
     async fn send_release(&self) -> Result<(ReleaseOutcome, CommandPath), RedisError> {
-        if self.read {
-            return read::release(&self.shared, &self.key, &self.token).await;
+        if self.kind != Kind::Lock {
+            return give_back(&self.shared, self.kind, &self.key, &self.token).await;
         }
         let sent = Instant::now();
         let (outcome, path, woke) = self
@@ -2640,10 +2752,10 @@ impl RedisHeld {
 
     /// The extension's owner-checked command.
     async fn send_extend(&self, lease: Duration) -> Result<(bool, CommandPath), RedisError> {
-        if self.read {
-            read::extend(&self.shared, &self.key, &self.token, lease).await
-        } else {
-            self.shared.conn.extend(&self.key, &self.token, lease).await
+        match self.kind {
+            Kind::Lock => self.shared.conn.extend(&self.key, &self.token, lease).await,
+            Kind::Read => read::extend(&self.shared, &self.key, &self.token, lease).await,
+            Kind::Permit => permits::extend(&self.shared, &self.key, &self.token, lease).await,
         }
     }
 }
@@ -2747,9 +2859,15 @@ impl LeaseControl for RedisHeld {
 
     fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
         Box::pin(async move {
-            if self.read {
-                let verify = read::verify(&self.shared, &self.key, &self.token);
-                let held = self.shared.bounded("reading a read lock", verify).await?;
+            if self.kind != Kind::Lock {
+                let (shared, key, token) = (&self.shared, &self.key, &self.token);
+                let held = if self.kind == Kind::Read {
+                    let verify = read::verify(shared, key, token);
+                    shared.bounded("reading a read lock", verify).await?
+                } else {
+                    let verify = permits::verify(shared, key, token);
+                    shared.bounded("reading a semaphore permit", verify).await?
+                };
                 if !held {
                     self.shared.renewals.lose(self.renewal);
                 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use redis::{ErrorKind, RedisError, Value};
 
 use super::commands::{CommandPath, Counter, Script, WaiterTry};
-use super::{Cleanup, KeyLayout, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease};
+use super::{Cleanup, KeyLayout, Kind, OwnerToken, PLAIN_FENCE_MARK, Shared, check_lease};
 use crate::LockError;
 use crate::backend::{LockRequest, ReleaseOutcome, WaitTry};
 
@@ -322,7 +322,7 @@ pub(super) async fn try_acquire(
         key: Arc::clone(&lock_key),
         token: token.clone(),
         armed: true,
-        read: true,
+        kind: Kind::Read,
     };
     let mark_ms = request
         .poll_pause

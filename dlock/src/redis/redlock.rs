@@ -98,6 +98,23 @@ fn refuse_shared_counters(set: bool) -> Result<(), LockError> {
 /// undo a later holder's work. When exclusion must survive the loss of any one machine with
 /// no timing assumptions, use a consensus store (etcd).
 ///
+/// # Semaphores
+///
+/// Redlock keeps no native semaphores ([`LockBackend::semaphores`] is `None`): a semaphore of
+/// `max_count` permits is `max_count` slots, each an ordinary Redlock lock (see
+/// [`MAX_SLOT_PERMITS`](crate::backend::MAX_SLOT_PERMITS) for the limit and the cost), so it
+/// admits at most `max_count` holders under the same assumptions as one Redlock lock admits
+/// one. The count is not recorded, and a try walks the slots.
+///
+/// The single-node backend's permit sets (see [Semaphores](super#semaphores)) cannot be
+/// carried over node by node: a permit counted on a quorum of nodes does not bound the
+/// holders. Each node admits `max_count` permits, and a holder needs `Q` of the `N` nodes, so
+/// up to `N × max_count / Q` holders fit: with 3 nodes (quorum 2) and `max_count` 3, four
+/// holders, each counted on two nodes (eight of the nine places). A bound of `max_count`
+/// would need every node for every permit (no node may be down: less available than one
+/// lock), or per-node counts of `max_count × Q / N` rounded down, which admits nobody at small
+/// counts (`max_count` 1 on 3 nodes: 0 per node).
+///
 /// Made through [`LockProvider::connect`](crate::LockProvider::connect) with a `redlock://`
 /// URL, or with [`RedlockBackend::from_nodes`].
 #[derive(Clone)]

@@ -31,7 +31,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::commands::Extension;
-use super::{OwnerToken, Shared};
+use super::{Kind, OwnerToken, Shared};
 use crate::LockError;
 use crate::lease::{LeaseDeadline, Mark, Term, renew_early, renew_every};
 use crate::time::later;
@@ -75,8 +75,9 @@ struct Entry {
     /// hears of the loss before the driver runs again.
     term: Term,
     lost: CancellationToken,
-    /// A reader's share: renewed by the read script (see `read.rs`).
-    read: bool,
+    /// A lock, a reader's share (renewed by the read script, see `read.rs`) or a semaphore's
+    /// permit (by the permit script, see `permits.rs`).
+    kind: Kind,
     /// Where it is in the queue: its wake-up when last queued.
     queued: Mark,
 }
@@ -108,44 +109,19 @@ impl Renewals {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts renewing a lock taken with a command sent at `sent`; returns the entry's id and
-    /// the lock's local deadline (for the guard). Starts a driver on the current runtime if
-    /// none runs.
+    /// Starts renewing a lock (a reader's share, a permit: `kind`) taken with a command sent
+    /// at `sent`; returns the entry's id and the lock's local deadline (for the guard). Starts
+    /// a driver on the current runtime if none runs.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn register(
         shared: &Arc<Shared>,
+        kind: Kind,
         key: Arc<[u8]>,
         token: OwnerToken,
         lease: Duration,
         sent: Instant,
         lost: CancellationToken,
         renew: bool,
-    ) -> Result<(u64, LeaseDeadline), LockError> {
-        Self::register_as(shared, key, token, lease, sent, lost, renew, false)
-    }
-
-    /// [`Renewals::register`] for a reader's share of a lock.
-    pub(super) fn register_read(
-        shared: &Arc<Shared>,
-        key: Arc<[u8]>,
-        token: OwnerToken,
-        lease: Duration,
-        sent: Instant,
-        lost: CancellationToken,
-        renew: bool,
-    ) -> Result<(u64, LeaseDeadline), LockError> {
-        Self::register_as(shared, key, token, lease, sent, lost, renew, true)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn register_as(
-        shared: &Arc<Shared>,
-        key: Arc<[u8]>,
-        token: OwnerToken,
-        lease: Duration,
-        sent: Instant,
-        lost: CancellationToken,
-        renew: bool,
-        read: bool,
     ) -> Result<(u64, LeaseDeadline), LockError> {
         let renewals = &shared.renewals;
         let mut term = Term::new(lease, sent, shared.renew_every);
@@ -159,7 +135,7 @@ impl Renewals {
             queued: Mark::of(term.wake_at()),
             term,
             lost,
-            read,
+            kind,
         };
         // The entry goes in only while a driver runs (under the lock its stop takes too), so
         // no entry is ever left without a driver that renews it or declares it lost. Two
@@ -299,14 +275,14 @@ impl Drop for DriverStop {
     }
 }
 
-/// A renewal the driver started: the entry's id, key, owner, the lease asked for, and whether
-/// it is a reader's share.
+/// A renewal the driver started: the entry's id, key, owner, the lease asked for, and what it
+/// renews.
 struct Due {
     id: u64,
     key: Arc<[u8]>,
     token: OwnerToken,
     lease: Duration,
-    read: bool,
+    kind: Kind,
 }
 
 /// The driver: declares overdue entries lost, sends the due renewals in batches, sleeps until
@@ -344,7 +320,7 @@ async fn drive(shared: Weak<Shared>, _stop: DriverStop) {
                         key: Arc::clone(&entry.key),
                         token: entry.token.clone(),
                         lease: entry.term.lease(),
-                        read: entry.read,
+                        kind: entry.kind,
                     });
                     state.requeue(id);
                 }
@@ -408,23 +384,31 @@ async fn renew(shared: Arc<Shared>, batch: Vec<Due>) {
     // Taken before the commands are sent: the server's new leases start no earlier, so a
     // late answer never moves a deadline past what the server granted.
     let attempt = Instant::now();
-    let readers: Vec<Option<Vec<u8>>> = batch
+    // A reader's share and a permit are renewed by a script of their own, with a second key.
+    let seconds: Vec<Option<(&'static super::commands::Script, Vec<u8>)>> = batch
         .iter()
-        .map(|due| {
-            due.read
-                .then(|| super::read::readers_key(shared.layout, &due.key))
+        .map(|due| match due.kind {
+            Kind::Lock => None,
+            Kind::Read => Some((
+                super::read::extend_script(),
+                super::read::readers_key(shared.layout, &due.key),
+            )),
+            Kind::Permit => Some((
+                super::permits::extend_script(),
+                super::permits::record_key(shared.layout, &due.key),
+            )),
         })
         .collect();
     let items: Vec<Extension<'_>> = batch
         .iter()
-        .zip(&readers)
-        .map(|(due, readers)| Extension {
+        .zip(&seconds)
+        .map(|(due, second)| Extension {
             key: &due.key,
             token: &due.token,
             lease: due.lease,
-            read: readers
-                .as_deref()
-                .map(|readers| (super::read::extend_script(), readers)),
+            script: second
+                .as_ref()
+                .map(|(script, second)| (*script, &second[..])),
         })
         .collect();
     // A batch with an unknown outcome has its connection killed (when fencing is on): none

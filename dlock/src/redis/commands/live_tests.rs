@@ -140,6 +140,16 @@ impl Server {
         false
     }
 
+    /// The server's `redis://` URL with these options (`a=1&b=2`, or empty).
+    pub(in crate::redis) fn url(&self, options: &str) -> String {
+        self.url_as("", options)
+    }
+
+    /// [`Server::url`] for `user` (`name:password@`, as [`Server::user`] answers, or empty).
+    pub(in crate::redis) fn url_as(&self, user: &str, options: &str) -> String {
+        format!("redis://{user}127.0.0.1:{}/?{options}", self.port)
+    }
+
     /// A client of the server; `user` is `name:password@` or empty.
     fn client(&self, user: &str) -> redis::Client {
         redis::Client::open(format!("redis://{user}127.0.0.1:{}/", self.port)).expect("a client")
@@ -169,7 +179,7 @@ impl Server {
     }
 
     /// A user that may run `commands` (a list like `+set +get`) on every key.
-    async fn user(&self, name: &str, commands: &str) -> String {
+    pub(in crate::redis) async fn user(&self, name: &str, commands: &str) -> String {
         let mut admin = self.admin().await;
         let mut setuser = redis::cmd("ACL");
         setuser

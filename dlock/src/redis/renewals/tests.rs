@@ -58,6 +58,7 @@ fn register(
     let lost = CancellationToken::new();
     let (id, deadline) = Renewals::register(
         shared,
+        Kind::Lock,
         Arc::from(key),
         token(owner),
         lease,
@@ -314,6 +315,7 @@ fn a_driver_stopped_with_its_runtime_declares_every_lock_lost() {
     // Outside a runtime a lock cannot be renewed.
     let err = Renewals::register(
         &shared,
+        Kind::Lock,
         Arc::from(&b"c"[..]),
         token("a"),
         lease,
