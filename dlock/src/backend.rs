@@ -358,6 +358,30 @@ impl<'a> PermitRequest<'a> {
         self
     }
 
+    /// The key of the semaphore's queue lock (see [`PermitStore`], Waiting and fairness): the
+    /// ordinary exclusive lock of the backend that a waiter of a store without a native wait
+    /// holds while it waits at the head of the queue, under a reserved name that no lock key
+    /// can take. The provider takes its queue lock under this key, so a store whose locks have
+    /// no expiry (a session engine's) can keep the waiting mark as "this lock is held",
+    /// tested in the try's own step: the mark is then live exactly while a waiter holds the
+    /// queue, and ends with the waiter's release, timeout or death.
+    ///
+    /// ```
+    /// use dlock::backend::PermitRequest;
+    /// let queue = PermitRequest::new("exports", 2).queue_key();
+    /// assert!(queue.starts_with("dlock\0"));
+    /// assert_ne!(queue, PermitRequest::new("exports2", 2).queue_key());
+    /// // The count is not part of it: every waiter of the semaphore queues on one lock.
+    /// assert_eq!(queue, PermitRequest::new("exports", 5).queue_key());
+    /// ```
+    pub fn queue_key(&self) -> String {
+        format!(
+            "{}semaphore-queue\0{}",
+            crate::key::RESERVED_PREFIX,
+            self.key
+        )
+    }
+
     /// The [`LockError::Config`] that refuses this request because the store's count record
     /// for the semaphore says `recorded` (see [`PermitStore`], The count record). Every store
     /// answers with this error, so that callers read one message.
@@ -432,8 +456,8 @@ pub enum PermitTry {
 ///
 /// A waiting acquisition ([`acquire_semaphore`](crate::LockProvider::acquire_semaphore) with
 /// a timeout above zero) on a store without a native wait first takes the semaphore's queue
-/// lock (an ordinary exclusive lock of the backend, under a reserved name), so that waiters
-/// are served in the order of the backend's lock waits; only the waiter holding it tries for
+/// lock (an ordinary exclusive lock of the backend, under the reserved name
+/// [`PermitRequest::queue_key`]), so that waiters are served in the order of the backend's lock waits; only the waiter holding it tries for
 /// a permit, with `waiting` set, pausing briefly between tries (up to the `retry_within` of
 /// its last try, and until a wake-up of the [`watch_permits`](PermitStore::watch_permits)
 /// watch where the store offers one). So a holder that gives its permit back and asks again
@@ -446,6 +470,13 @@ pub enum PermitTry {
 /// permit the waiter at the head of the queue is about to take. A waiting try is never
 /// refused for a mark, and a waiting try that is granted clears the mark. (Between one
 /// waiter's grant and the next waiter's first try, a single try may take a free permit.)
+///
+/// A store whose locks do not expire on their own (a session engine) may keep the mark as
+/// the queue lock itself, tested in the try's own step: live from the moment a waiter holds
+/// the queue until it lets go (granted, timed out, or its session ended), which covers every
+/// pause between its tries. Such a mark cannot carry the waiter's count: while no permit is
+/// live, a single try with another count is then answered [`Full`](PermitTry::Full) rather
+/// than [`PermitRequest::count_conflict`] (the waiter's grant records its count).
 ///
 /// A store with a native wait ([`supports_native_permit_wait`](PermitStore::supports_native_permit_wait))
 /// queues waiters itself, first come first served, and its single tries must not take a
