@@ -205,6 +205,7 @@ impl Driver for Mssql {
     fn open(config: Config, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
         let connector = MssqlConnector {
             dial: Dial::new(config, options),
+            gate_wait: options.statement_timeout,
         };
         let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {

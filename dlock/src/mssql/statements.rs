@@ -116,6 +116,232 @@ pub(crate) const RELEASEAPPLOCK_SESSION_SQL: &str = "DECLARE @r int; \
 EXEC @r = sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
 SELECT @r;";
 
+// Semaphores (see the module docs, Semaphores). A semaphore of `n` permits (at most
+// [`MAX_PERMITS`]) is the session application locks `<base>:0` to `<base>:<n - 1>` ("slots",
+// held exclusively) and its count record, the locks `<base>:count:<j>` held shared for each bit
+// `j` set in `n` by every holder (SQL Server lists no locks without `VIEW SERVER STATE`, so the
+// record is read bit by bit with `APPLOCK_TEST`). A try is one batch, in a transaction that
+// holds the semaphore's gate (`<base>:gate`, owned by the transaction), so tries of one
+// semaphore run one at a time.
+
+/// The common head of [`PERMIT_SQL`]: the gate, the record, the walk.
+macro_rules! permit_head {
+    () => {
+        "SET XACT_ABORT ON; \
+DECLARE @r int, @g int, @i int = 0, @s int, @j int, @name nvarchar(255), @got int = -1, \
+@rec int = 0, @took int = 0, @t bigint = NULL; \
+BEGIN TRAN; \
+SET @name = @P1 + N':gate'; \
+EXEC @g = sp_getapplock @Resource = @name, @LockMode = 'Exclusive', @LockOwner = 'Transaction', \
+@LockTimeout = @P6, @DbPrincipal = 'public'; \
+IF @g >= 0 \
+BEGIN \
+SET @j = 0; \
+WHILE @j < 11 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+OR APPLOCK_TEST('public', @name, 'Exclusive', 'Session') = 0 \
+SET @rec = @rec | POWER(2, @j); \
+SET @j = @j + 1; \
+END; \
+IF (@rec = 0 OR @rec = @P2) AND (@P5 = 1 OR (APPLOCK_MODE('public', @P4, 'Session') = 'NoLock' \
+AND APPLOCK_TEST('public', @P4, 'Exclusive', 'Session') = 1)) \
+BEGIN \
+WHILE @i < @P2 AND @got < 0 \
+BEGIN \
+SET @s = (@P3 + @i) % @P2; \
+SET @name = @P1 + N':' + CAST(@s AS nvarchar(10)); \
+IF APPLOCK_MODE('public', @name, 'Session') = 'NoLock' \
+BEGIN \
+EXEC @r = sp_getapplock @Resource = @name, @LockMode = 'Exclusive', @LockOwner = 'Session', \
+@LockTimeout = 0, @DbPrincipal = 'public'; \
+IF @r >= 0 SET @got = @s; \
+END; \
+SET @i = @i + 1; \
+END; \
+IF @got >= 0 \
+BEGIN \
+SET @j = 0; \
+WHILE @j < 11 \
+BEGIN \
+IF (@P2 & POWER(2, @j)) <> 0 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+EXEC @r = sp_getapplock @Resource = @name, @LockMode = 'Shared', @LockOwner = 'Session', \
+@LockTimeout = 0, @DbPrincipal = 'public'; \
+IF @r >= 0 SET @took = @took | POWER(2, @j); \
+END; \
+SET @j = @j + 1; \
+END; \
+IF @took <> @P2 \
+BEGIN \
+SET @j = 0; \
+WHILE @j < 11 \
+BEGIN \
+IF (@took & POWER(2, @j)) <> 0 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+END; \
+SET @j = @j + 1; \
+END; \
+SET @name = @P1 + N':' + CAST(@got AS nvarchar(10)); \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+SET @got = -1; \
+END; \
+END; \
+"
+    };
+}
+
+/// The end of [`PERMIT_SQL`]: `$fence` runs with a slot taken, under the gate.
+macro_rules! permit_tail {
+    ($fence:literal) => {
+        concat!(
+            "IF @got >= 0 \
+BEGIN ",
+            $fence,
+            "END; \
+END; \
+END; \
+COMMIT; \
+SET XACT_ABORT OFF; \
+SELECT @g, @got, @rec, @t;"
+        )
+    };
+}
+
+/// The most permits a semaphore may have here: a try that finds the semaphore full asks for
+/// each slot in turn, in one batch; 1,024 is the 11 bits of the count record.
+pub(crate) const MAX_PERMITS: u32 = 1024;
+
+/// One try for a permit, in one batch. `@P1` the semaphore's base name, `@P2` the count,
+/// `@P3` the first slot tried, `@P4` the queue lock's resource, `@P5` 1 for a waiting try,
+/// `@P6` how long to wait for the gate (ms). Reads the count record (`@rec`, 0 when no permit
+/// is live); unless it names another count, or (for a single try) a session holds the queue
+/// lock, walks the slots from `@P3` on, skipping those this session holds already
+/// (`sp_getapplock` would grant them again), and takes the first free one with its share of
+/// the record (both given back if a share is refused); with fencing, increments the
+/// semaphore's counter. Answers the gate's code, the slot taken (-1: none), the record read,
+/// and the token.
+pub(crate) const PERMIT_SQL: &str = concat!(permit_head!(), permit_tail!("SET @t = NULL; "));
+
+/// [`PERMIT_SQL`] that, with a slot taken, increments the semaphore's fencing counter (row
+/// `@P1`) in the same transaction, under the gate.
+pub(crate) const PERMIT_FENCED_SQL: &str = concat!(
+    permit_head!(),
+    permit_tail!(
+        "UPDATE dlock_fencing SET @t = token = token + 1 WHERE resource = @P1; \
+IF @@ROWCOUNT = 0 BEGIN INSERT INTO dlock_fencing (resource, token) VALUES (@P1, 1); SET @t = 1; END; "
+    )
+);
+
+/// `@P1` the semaphore's base name, `@P2` the slot, `@P3` the count. Gives back a permit: its
+/// slot first, then its share of the count record (each only if this session holds it).
+pub(crate) const PERMIT_RELEASE_SQL: &str = "DECLARE @j int = 0, @name nvarchar(255); \
+SET @name = @P1 + N':' + CAST(@P2 AS nvarchar(10)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+WHILE @j < 11 \
+BEGIN \
+IF (@P3 & POWER(2, @j)) <> 0 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+END; \
+SET @j = @j + 1; \
+END; \
+SELECT 0;";
+
+/// `@P1` the semaphore's base name, `@P2` the count. How many of the semaphore's slots below
+/// `@P2` are held, by any session, and the count record.
+pub(crate) const PERMIT_COUNT_SQL: &str = "DECLARE @i int = 0, @j int = 0, @n int = 0, @rec int = 0, \
+@name nvarchar(255); \
+WHILE @i < @P2 \
+BEGIN \
+SET @name = @P1 + N':' + CAST(@i AS nvarchar(10)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+OR APPLOCK_TEST('public', @name, 'Exclusive', 'Session') = 0 \
+SET @n = @n + 1; \
+SET @i = @i + 1; \
+END; \
+WHILE @j < 11 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+OR APPLOCK_TEST('public', @name, 'Exclusive', 'Session') = 0 \
+SET @rec = @rec | POWER(2, @j); \
+SET @j = @j + 1; \
+END; \
+SELECT @n, @rec;";
+
+/// The base name of the semaphore `key`'s application locks: `dlock-sem:` and the 64
+/// lowercase hex digits of SHA-256 of the key (74 characters; its slots, count bits and gate
+/// add at most 11). No lock's resource starts with it (theirs start `dlock:`).
+pub(crate) fn semaphore_base(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let mut name = String::with_capacity(90);
+    name.push_str("dlock-sem:");
+    for byte in digest {
+        let _ = write!(name, "{byte:02x}");
+    }
+    name
+}
+
+/// The permit try for the semaphore `base` of `count` permits, from slot `first`
+/// ([`PERMIT_SQL`], or [`PERMIT_FENCED_SQL`] with fencing).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn permit_call(
+    base: &str,
+    count: u32,
+    first: u32,
+    queue: &str,
+    waiting: bool,
+    gate_wait: Duration,
+    fencing: bool,
+) -> Call {
+    Call {
+        sql: if fencing {
+            PERMIT_FENCED_SQL
+        } else {
+            PERMIT_SQL
+        },
+        params: vec![
+            Param::NVarChar(base.to_owned()),
+            Param::Int(i32::try_from(count).unwrap_or(i32::MAX)),
+            Param::Int(i32::try_from(first).unwrap_or(0)),
+            Param::NVarChar(queue.to_owned()),
+            Param::Int(i32::from(waiting)),
+            Param::Int(lock_timeout_ms(gate_wait).max(0)),
+        ],
+    }
+}
+
+/// Giving back the permit `slot` of the semaphore `base` of `count` permits.
+pub(crate) fn permit_release_call(base: &str, slot: u32, count: u32) -> Call {
+    Call {
+        sql: PERMIT_RELEASE_SQL,
+        params: vec![
+            Param::NVarChar(base.to_owned()),
+            Param::Int(i32::try_from(slot).unwrap_or(i32::MAX)),
+            Param::Int(i32::try_from(count).unwrap_or(i32::MAX)),
+        ],
+    }
+}
+
+/// Counting the permits of the semaphore `base` of `count` permits.
+pub(crate) fn permit_count_call(base: &str, count: u32) -> Call {
+    Call {
+        sql: PERMIT_COUNT_SQL,
+        params: vec![
+            Param::NVarChar(base.to_owned()),
+            Param::Int(i32::try_from(count).unwrap_or(i32::MAX)),
+        ],
+    }
+}
+
 /// SQL Server error 1223: "Cannot release the application lock ... because it is not currently
 /// held." Releasing a lock that is already gone is not an error for the backend.
 pub(crate) const NOT_HELD_ERROR: u32 = 1223;

@@ -44,6 +44,70 @@ pub(super) const MYSQL_SESSION_SQL: &str =
     "SET SESSION wait_timeout = 31536000, max_execution_time = 0";
 pub(super) const MARIADB_SESSION_SQL: &str =
     "SET SESSION wait_timeout = 31536000, max_statement_time = 0";
+/// [`MYSQL_SESSION_SQL`] on a server with recursive CTEs (MySQL 8.0.3 and later), which also
+/// lets a permit's walk run over every slot of the largest semaphore: [`MAX_PERMITS`] steps
+/// and the step that ends it.
+pub(super) const MYSQL_WALK_SESSION_SQL: &str = "SET SESSION wait_timeout = 31536000, \
+    max_execution_time = 0, cte_max_recursion_depth = 1025";
+/// [`MARIADB_SESSION_SQL`] on a server with recursive CTEs (MariaDB 10.2.2 and later), as
+/// [`MYSQL_WALK_SESSION_SQL`] (MariaDB stops a recursion at its limit without an error).
+pub(super) const MARIADB_WALK_SESSION_SQL: &str = "SET SESSION wait_timeout = 31536000, \
+    max_statement_time = 0, max_recursive_iterations = 1025";
+
+/// The most permits a semaphore may have here: a try that finds the semaphore full asks for
+/// each slot in turn (about 10 µs of the server's time each), in one statement.
+pub(super) const MAX_PERMITS: u32 = 1024;
+
+/// One try for a permit, in one statement: `?` the slots' name prefix, `?` the first slot
+/// tried, `?` the count, `?` the queue lock's name, `?` whether this is a waiting try. A
+/// single try takes nothing while any session holds the queue lock. Then the walk, one step
+/// per iteration of the recursive CTE (the server evaluates the next step only from a row
+/// whose slot was not taken, so at most one slot is taken): a slot this session holds already
+/// is skipped (`GET_LOCK` would let the session take it again), and `GET_LOCK(name, 0)` tries
+/// the others. Answers the slot taken, or `NULL`.
+pub(super) const PERMIT_SQL: &str = "WITH RECURSIVE \
+p (prefix, start, n, queue, waiting) AS (SELECT ?, ?, ?, ?, ?), \
+walk (step, slot, got) AS (\
+SELECT CAST(0 AS UNSIGNED), CAST(0 AS UNSIGNED), 0 FROM p \
+WHERE p.waiting OR IS_USED_LOCK(p.queue) IS NULL \
+UNION ALL \
+SELECT w.step + 1, (p.start + w.step) % p.n, \
+IF(IS_USED_LOCK(CONCAT(p.prefix, (p.start + w.step) % p.n)) <=> CONNECTION_ID(), 0, \
+COALESCE(GET_LOCK(CONCAT(p.prefix, (p.start + w.step) % p.n), 0), 0)) \
+FROM walk w, p WHERE w.got = 0 AND w.step < p.n) \
+SELECT (SELECT slot FROM walk WHERE got = 1)";
+
+/// `?` the slots' name prefix, `?` the count. How many slots of the semaphore are held, by
+/// any session (one `IS_USED_LOCK` per slot, in one statement).
+pub(super) const PERMIT_COUNT_SQL: &str = "WITH RECURSIVE \
+p (prefix, n) AS (SELECT ?, ?), \
+s (i) AS (SELECT CAST(0 AS UNSIGNED) UNION ALL SELECT s.i + 1 FROM s, p WHERE s.i + 1 < p.n) \
+SELECT COUNT(IS_USED_LOCK(CONCAT(p.prefix, s.i))) FROM s, p";
+
+/// The name prefix of the semaphore `key`'s slots: `#sem#`, 32 lowercase hex digits of
+/// SHA-256 of the key, `#` (slot *n* is the prefix and *n* in decimal, at most 48
+/// characters). No lock's name has more than one `#`, so no slot is a lock.
+pub(super) fn semaphore_prefix(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let mut name = String::with_capacity(MAX_NAME);
+    name.push_str("#sem#");
+    for byte in &digest[..16] {
+        name.push(hex_digit(byte >> 4));
+        name.push(hex_digit(byte & 0x0f));
+    }
+    name.push('#');
+    name
+}
+
+/// The version of a server, as `VERSION()` gives it (`9.7.4-2`, `10.11.19-MariaDB-0+deb12u1`):
+/// major, minor and patch.
+pub(super) fn version_numbers(version: &str) -> (u32, u32, u32) {
+    let mut parts = version
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|part| part.parse::<u32>().unwrap_or(0));
+    let mut next = || parts.next().unwrap_or(0);
+    (next(), next(), next())
+}
 
 /// MySQL's error for a `GET_LOCK` wait that would deadlock.
 pub(super) const ER_USER_LOCK_DEADLOCK: u16 = 3058;

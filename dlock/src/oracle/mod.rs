@@ -197,6 +197,7 @@ impl Driver for Oracle {
     fn open(target: OracleTarget, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
         let connector = OracleConnector {
             dial: Dial::new(target, options),
+            gate_wait: options.statement_timeout,
         };
         let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {

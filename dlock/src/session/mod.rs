@@ -87,7 +87,9 @@ pub(crate) use options::SessionKey;
 #[cfg(any(feature = "mysql", feature = "mssql", feature = "oracle"))]
 pub(crate) use options::refuse_fencing_counters;
 pub(crate) use options::{SessionOptions, read_engine_query};
-pub(crate) use traits::{Connector, Dial, Driver, Failure, Grant, Mode, Opened, Session};
+pub(crate) use traits::{
+    Connector, Dial, Driver, Failure, Grant, Mode, Opened, PermitAnswer, PermitCount, Session,
+};
 
 /// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a
 /// zero timeout), [`LockError::Timeout`] for a wait.
