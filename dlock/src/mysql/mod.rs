@@ -187,7 +187,7 @@ use crate::session::{Dial, Driver, Opened, SessionBackend, SessionBuilder, Sessi
 use crate::sqlx_engine::SqlxEngine;
 use session::{MySqlConnector, create_fencing_table, open_connection};
 use statements::NAME;
-pub use statements::server_lock_name;
+pub use statements::{semaphore_slot_name, server_lock_name};
 
 /// The MySQL / MariaDB engine: the type parameter of [`MySqlBackend`] and [`MySqlBuilder`].
 #[derive(Debug, Clone, Copy)]

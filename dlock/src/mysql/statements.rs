@@ -99,6 +99,20 @@ pub(super) fn semaphore_prefix(key: &str) -> String {
     name
 }
 
+/// The server's user lock name of slot `slot` of the semaphore `key` (see the
+/// [module docs](crate::mysql#semaphores)): `#sem#`, 32 lowercase hex digits of SHA-256 of the
+/// key, `#`, and the slot in decimal. Other programs can compute it to see who holds a slot.
+///
+/// ```
+/// use dlock::mysql::semaphore_slot_name;
+/// let name = semaphore_slot_name("exports", 3);
+/// assert!(name.starts_with("#sem#") && name.ends_with("#3"));
+/// assert_eq!(name.len(), 5 + 32 + 1 + 1);
+/// ```
+pub fn semaphore_slot_name(key: &str, slot: u32) -> String {
+    format!("{}{slot}", semaphore_prefix(key))
+}
+
 /// The version of a server, as `VERSION()` gives it (`9.7.4-2`, `10.11.19-MariaDB-0+deb12u1`):
 /// major, minor and patch.
 pub(super) fn version_numbers(version: &str) -> (u32, u32, u32) {
