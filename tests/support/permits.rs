@@ -216,3 +216,149 @@ where
     std::future::pending::<()>().await;
     drop(permit);
 }
+
+/// The checks every session engine's store passes, for the engines whose server is named by
+/// an environment variable (SQL Server, Oracle). `connect` opens a backend with the given
+/// extra URL options (`a=b&c=d`, or empty).
+pub mod checks {
+    use super::*;
+
+    /// One lane session (connections=1) shared by two clones of a backend holds `n` distinct
+    /// slots, one per try, and the next try is full, for it and for another backend; a
+    /// permit given back is taken by the other.
+    pub async fn one_session_never_takes_a_slot_it_holds<B, F, Fut>(connect: F)
+    where
+        B: LockBackend + Clone,
+        F: Fn(&'static str) -> Fut,
+        Fut: std::future::Future<Output = B>,
+    {
+        let key = dlock_testkit::unique_key("sem-lane");
+        let one = connect("connections=1").await;
+        let clones = [one.clone(), one.clone()];
+        let mut held = Vec::new();
+        for i in 0..5 {
+            held.push(
+                try_permit(&clones[i % 2], &key, 5)
+                    .await
+                    .unwrap_or_else(|| panic!("permit {i} of 5 on one session")),
+            );
+        }
+        assert!(try_permit(&one, &key, 5).await.is_none(), "a sixth permit");
+        assert_eq!(store(&one).holders(&key, 5).await.expect("holders"), 5);
+        let other = connect("connections=1").await;
+        assert!(try_permit(&other, &key, 5).await.is_none());
+        release(held.pop().expect("a permit")).await;
+        let theirs = try_permit(&other, &key, 5).await.expect("a free slot");
+        assert!(try_permit(&one, &key, 5).await.is_none());
+        release(theirs).await;
+        for permit in held {
+            release(permit).await;
+        }
+        assert_eq!(store(&one).holders(&key, 5).await.expect("holders"), 0);
+    }
+
+    /// The count record: another count is refused, naming both, while permits are held, and
+    /// taken once they have all been given back.
+    pub async fn another_count_is_refused_while_permits_are_held<B, F, Fut>(connect: F)
+    where
+        B: LockBackend,
+        F: Fn(&'static str) -> Fut,
+        Fut: std::future::Future<Output = B>,
+    {
+        let key = dlock_testkit::unique_key("sem-count");
+        let (a, b) = (connect("").await, connect("").await);
+        let first = try_permit(&a, &key, 2).await.expect("free");
+        let second = try_permit(&b, &key, 2).await.expect("free");
+        let message = refused(&b, &key, 5).await;
+        assert!(
+            message.contains("max_count 2") && message.contains("max_count 5"),
+            "{message}"
+        );
+        assert!(store(&a).holders(&key, 5).await.is_err());
+        release(first).await;
+        refused(&a, &key, 5).await;
+        release(second).await;
+        let five = try_permit(&a, &key, 5).await.expect("the new count");
+        let message = refused(&b, &key, 2).await;
+        assert!(message.contains("max_count 5"), "{message}");
+        release(five).await;
+    }
+
+    /// `max` is served; more is a configuration error naming the bound.
+    pub async fn counts_past_the_bound_are_refused<B: LockBackend>(backend: &B, max: u32) {
+        let key = dlock_testkit::unique_key("sem-bound");
+        let permit = try_permit(backend, &key, max)
+            .await
+            .expect("the bound is served");
+        release(permit).await;
+        for n in [max + 1, u32::MAX, 0] {
+            let err = store(backend)
+                .try_acquire_permit(PermitRequest::new(&key, n))
+                .await
+                .expect_err("refused");
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{n}: {err}");
+        }
+    }
+
+    /// While another backend holds the semaphore's queue lock, a single try is full and a
+    /// waiting try is served.
+    pub async fn single_tries_wait_behind_the_head_waiter<B: LockBackend>(tries: &B, waiter: &B) {
+        let key = dlock_testkit::unique_key("sem-mark");
+        let queue = PermitRequest::new(&key, 3).queue_key();
+        let head = waiter
+            .try_acquire(dlock::backend::LockRequest::new(&queue))
+            .await
+            .expect("try")
+            .expect("the queue lock is free");
+        assert!(
+            try_permit(tries, &key, 3).await.is_none(),
+            "a single try went ahead"
+        );
+        let served = try_waiting(waiter, &key, 3)
+            .await
+            .expect("the head waiter is served");
+        head.handle.release().await.expect("release the queue lock");
+        let single = try_permit(tries, &key, 3).await.expect("no waiter is left");
+        release(served).await;
+        release(single).await;
+    }
+
+    /// Tries cut off at every moment leave nothing held.
+    pub async fn tries_cut_off_leave_nothing_held<B: LockBackend>(backend: &B, watcher: &B) {
+        let key = dlock_testkit::unique_key("sem-cut");
+        for round in 0..30 {
+            let cut = Duration::from_micros(fastrand::u64(0..20_000));
+            if let Ok(Some(permit)) = tokio::time::timeout(cut, try_permit(backend, &key, 1)).await
+            {
+                release(permit).await;
+            }
+            dlock_testkit::wait_until(
+                &format!("round {round}: the cut-off try's permit is given back"),
+                Duration::from_secs(10),
+                async || store(watcher).holders(&key, 1).await.expect("holders") == 0,
+            )
+            .await;
+        }
+    }
+
+    /// With fencing, tokens increase strictly per semaphore across holders and backends.
+    pub async fn fencing_tokens_increase_per_semaphore<B: LockBackend>(a: &B, b: &B) {
+        let key = dlock_testkit::unique_key("sem-fence");
+        let mut last = 0;
+        let mut held = Vec::new();
+        for i in 0..8 {
+            let backend = if i % 2 == 0 { a } else { b };
+            let permit = try_permit(backend, &key, 3).await.expect("a permit");
+            let token = permit.fencing_token.expect("fencing=true issues tokens");
+            assert!(token > last, "token {token} after {last}");
+            last = token;
+            held.push(permit);
+            if held.len() == 3 {
+                release(held.remove(fastrand::usize(..3))).await;
+            }
+        }
+        for permit in held {
+            release(permit).await;
+        }
+    }
+}

@@ -535,4 +535,33 @@ mod tests {
             other => panic!("{other:?}"),
         }
     }
+
+    /// Permits need recursive CTEs (MySQL 8.0.3, MariaDB 10.2.2); older servers keep the
+    /// provider's slot scheme, and their sessions are not asked for the recursion limit.
+    #[test]
+    fn permits_need_a_server_with_recursive_ctes() {
+        for (version, walks) in [
+            ("9.7.4-2", true),
+            ("8.0.3", true),
+            ("8.0.2-dmr", false),
+            ("5.7.44-log", false),
+            ("10.11.19-MariaDB-0+deb12u1", true),
+            ("10.2.2-MariaDB", true),
+            ("10.2.1-MariaDB", false),
+            ("10.1.48-MariaDB", false),
+        ] {
+            let server = ServerInfo::new(version.to_owned());
+            assert_eq!(server.walks, walks, "{version}");
+            assert_eq!(
+                server.session_sql().contains("recursi"),
+                walks,
+                "{version}: {}",
+                server.session_sql()
+            );
+            assert_eq!(
+                server.session_sql().contains("max_statement_time"),
+                server.mariadb
+            );
+        }
+    }
 }

@@ -257,4 +257,76 @@ mod tests {
         }
         assert_ne!(server_lock_name(&hashed), hashed);
     }
+
+    /// The permit statements, pinned, with their five and two `?` (bound in this order by
+    /// the session: prefix, first slot, count, queue lock, waiting; prefix, count).
+    #[test]
+    fn permit_statements_are_pinned() {
+        assert_eq!(
+            PERMIT_SQL,
+            "WITH RECURSIVE p (prefix, start, n, queue, waiting) AS (SELECT ?, ?, ?, ?, ?), \
+            walk (step, slot, got) AS (SELECT CAST(0 AS UNSIGNED), CAST(0 AS UNSIGNED), 0 FROM \
+            p WHERE p.waiting OR IS_USED_LOCK(p.queue) IS NULL UNION ALL SELECT w.step + 1, \
+            (p.start + w.step) % p.n, IF(IS_USED_LOCK(CONCAT(p.prefix, (p.start + w.step) % \
+            p.n)) <=> CONNECTION_ID(), 0, COALESCE(GET_LOCK(CONCAT(p.prefix, (p.start + \
+            w.step) % p.n), 0), 0)) FROM walk w, p WHERE w.got = 0 AND w.step < p.n) SELECT \
+            (SELECT slot FROM walk WHERE got = 1)"
+        );
+        assert_eq!(PERMIT_SQL.matches('?').count(), 5);
+        assert_eq!(
+            PERMIT_COUNT_SQL,
+            "WITH RECURSIVE p (prefix, n) AS (SELECT ?, ?), s (i) AS (SELECT CAST(0 AS \
+            UNSIGNED) UNION ALL SELECT s.i + 1 FROM s, p WHERE s.i + 1 < p.n) SELECT \
+            COUNT(IS_USED_LOCK(CONCAT(p.prefix, s.i))) FROM s, p"
+        );
+        assert_eq!(PERMIT_COUNT_SQL.matches('?').count(), 2);
+        // The recursion limits cover every step of the largest walk and the one that ends it.
+        for session in [MYSQL_WALK_SESSION_SQL, MARIADB_WALK_SESSION_SQL] {
+            assert!(
+                session.ends_with(&format!(" = {}", MAX_PERMITS + 1)),
+                "{session}"
+            );
+        }
+        assert_eq!(
+            MYSQL_WALK_SESSION_SQL.replace(", cte_max_recursion_depth = 1025", ""),
+            MYSQL_SESSION_SQL
+        );
+        assert_eq!(
+            MARIADB_WALK_SESSION_SQL.replace(", max_recursive_iterations = 1025", ""),
+            MARIADB_SESSION_SQL
+        );
+    }
+
+    /// Slot names, pinned: `#sem#`, 32 hex digits of SHA-256 of the key, `#`, the slot;
+    /// never a lock's name (those have at most one `#`), distinct per key and slot, and
+    /// within the server's 64 characters for every slot.
+    #[test]
+    fn semaphore_slot_names_are_pinned() {
+        assert_eq!(
+            semaphore_slot_name("exports", 0),
+            "#sem#4b4e49dd2de5eae9881688638d745380#0"
+        );
+        let last = semaphore_slot_name(&"k".repeat(1000), u32::MAX);
+        assert!(last.len() <= MAX_NAME, "{last}");
+        assert_eq!(last.matches('#').count(), 3);
+        for key in ["exports", "Jobs", "a#b", "#sem#x"] {
+            assert!(server_lock_name(key).matches('#').count() <= 1, "{key}");
+        }
+        assert_ne!(semaphore_slot_name("a", 1), semaphore_slot_name("a", 10));
+        assert_ne!(semaphore_slot_name("a", 1), semaphore_slot_name("b", 1));
+        assert_eq!(
+            semaphore_prefix("exports").trim_end_matches('#'),
+            "#sem#4b4e49dd2de5eae9881688638d745380",
+            "the fencing counter's name"
+        );
+    }
+
+    #[test]
+    fn server_versions() {
+        assert_eq!(version_numbers("9.7.4-2"), (9, 7, 4));
+        assert_eq!(version_numbers("10.11.19-MariaDB-0+deb12u1"), (10, 11, 19));
+        assert_eq!(version_numbers("5.7.44-log"), (5, 7, 44));
+        assert_eq!(version_numbers("8.0"), (8, 0, 0));
+        assert_eq!(version_numbers("garbage"), (0, 0, 0));
+    }
 }
