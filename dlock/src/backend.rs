@@ -452,6 +452,13 @@ pub enum PermitTry {
 ///
 /// [`holders`](PermitStore::holders) applies the same rule to the count it is asked about.
 ///
+/// A store that cannot keep the record at all says so: its
+/// [`keeps_count_record`](PermitStore::keeps_count_record) answers `false`, its tries are
+/// never refused for their count, and callers that disagree on it share the permits of the
+/// largest count in use (as on the slot scheme). MySQL and MariaDB are such a store: their
+/// user locks have no shared mode and cannot be listed without privileges the backend does
+/// not ask for, so no sound record can be kept there.
+///
 /// # Waiting and fairness
 ///
 /// A waiting acquisition ([`acquire_semaphore`](crate::LockProvider::acquire_semaphore) with
@@ -517,6 +524,13 @@ pub trait PermitStore: Send + Sync {
         &'a self,
         request: PermitRequest<'a>,
     ) -> BoxFuture<'a, Result<PermitTry, LockError>>;
+
+    /// Whether this store keeps the count record (see the [trait docs](PermitStore), The
+    /// count record): `true`, the default. A store that cannot answers `false`, and is then
+    /// never asked to refuse a try for its count.
+    fn keeps_count_record(&self) -> bool {
+        true
+    }
 
     /// Whether [`acquire_permit_wait`](PermitStore::acquire_permit_wait) waits natively, first
     /// come first served, on the server. When it does, the provider calls it instead of
