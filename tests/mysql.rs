@@ -1259,6 +1259,10 @@ mod permit_cases {
     pub(super) async fn no_count_record(server: &DbServer) {
         let key = unique_key("sem-norecord");
         let (a, b) = (backend(server, "").await, backend(server, "").await);
+        assert!(
+            !store(&a).keeps_count_record(),
+            "the store says it keeps none"
+        );
         let mut held = vec![
             try_permit(&a, &key, 2).await.expect("free"),
             try_permit(&a, &key, 2).await.expect("free"),

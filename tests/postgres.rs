@@ -1234,6 +1234,7 @@ mod permits {
     async fn another_count_is_refused_while_permits_are_held() {
         let key = unique_key("sem-count");
         let (a, b) = (backend("").await, backend("").await);
+        assert!(store(&a).keeps_count_record());
         let first = try_permit(&a, &key, 2).await.expect("free");
         let second = try_permit(&b, &key, 2).await.expect("free");
         let message = refused(&b, &key, 5).await;

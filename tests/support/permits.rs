@@ -267,6 +267,7 @@ pub mod checks {
     {
         let key = dlock_testkit::unique_key("sem-count");
         let (a, b) = (connect("").await, connect("").await);
+        assert!(store(&a).keeps_count_record());
         let first = try_permit(&a, &key, 2).await.expect("free");
         let second = try_permit(&b, &key, 2).await.expect("free");
         let message = refused(&b, &key, 5).await;

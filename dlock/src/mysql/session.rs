@@ -125,6 +125,13 @@ impl Connector for MySqlConnector {
         self.server.walks
     }
 
+    /// User locks have no shared mode, and cannot be listed without privileges the backend
+    /// does not ask for (`performance_schema`): no sound record of a semaphore's count can be
+    /// kept (see the module docs, Semaphores).
+    fn keeps_count_record(&self) -> bool {
+        false
+    }
+
     fn shared_locks(&self) -> Result<(), LockError> {
         Err(no_shared_locks())
     }

@@ -301,6 +301,11 @@ impl<E: Engine> PermitStore for SessionBackend<E> {
         })
     }
 
+    /// MySQL and MariaDB keep none (see their module docs, Semaphores).
+    fn keeps_count_record(&self) -> bool {
+        self.lanes.connector().keeps_count_record()
+    }
+
     fn holders<'a>(
         &'a self,
         key: &'a str,

@@ -162,6 +162,12 @@ pub trait Connector: Debug + Send + Sync + 'static {
         true
     }
 
+    /// Whether the engine keeps the semaphores' count record (`PermitStore::
+    /// keeps_count_record`): the default; MySQL and MariaDB cannot.
+    fn keeps_count_record(&self) -> bool {
+        true
+    }
+
     /// Whether the engine takes shared locks ([`Mode::Shared`]): `Ok(())`, or the
     /// `Unsupported` error that says why not (the answer of `LockBackend::shared_locks`).
     fn shared_locks(&self) -> Result<(), LockError>;
