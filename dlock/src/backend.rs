@@ -437,7 +437,10 @@ pub enum PermitTry {
 /// No interleaving of tries, releases, lease ends and renewals from any number of clients
 /// may ever leave more than `max_count` live permits under one count record. Every
 /// `max_count` from 1 to [`u32::MAX`] is either served or refused with a typed error (never a
-/// panic, and nothing allocated per permit that is not held).
+/// panic, and nothing allocated per permit that is not held). A store whose server cannot
+/// count the live permits, so that a try of a full semaphore asks for every slot, bounds the
+/// count it serves: its [`max_permits`](PermitStore::max_permits) says how far, and a larger
+/// count is refused with [`LockError::Config`] naming the bound, before anything is asked.
 ///
 /// # The count record
 ///
@@ -524,6 +527,13 @@ pub trait PermitStore: Send + Sync {
         &'a self,
         request: PermitRequest<'a>,
     ) -> BoxFuture<'a, Result<PermitTry, LockError>>;
+
+    /// The largest `max_count` this store serves: [`u32::MAX`], the default. A store that
+    /// bounds it (see the [trait docs](PermitStore), What a try must guarantee) refuses a
+    /// larger count with [`LockError::Config`] naming the bound.
+    fn max_permits(&self) -> u32 {
+        u32::MAX
+    }
 
     /// Whether this store keeps the count record (see the [trait docs](PermitStore), The
     /// count record): `true`, the default. A store that cannot answers `false`, and is then
