@@ -1238,6 +1238,7 @@ mod permit_cases {
     pub(super) async fn bounds(server: &DbServer) {
         let a = backend(server, "").await;
         let key = unique_key("sem-bound");
+        assert_eq!(store(&a).max_permits(), 1024);
         let permit = try_permit(&a, &key, 1024).await.expect("1,024 is served");
         release(permit).await;
         for n in [1025, 1_000_000, u32::MAX, 0] {

@@ -1202,6 +1202,7 @@ mod permits {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn huge_counts_are_served() {
         let (a, b) = (backend("").await, backend("").await);
+        assert_eq!(store(&a).max_permits(), u32::MAX);
         for n in [u32::MAX, 1_000_000] {
             let key = unique_key("sem-huge");
             let started = Instant::now();

@@ -288,6 +288,7 @@ pub mod checks {
     /// `max` is served; more is a configuration error naming the bound.
     pub async fn counts_past_the_bound_are_refused<B: LockBackend>(backend: &B, max: u32) {
         let key = dlock_testkit::unique_key("sem-bound");
+        assert_eq!(store(backend).max_permits(), max);
         let permit = try_permit(backend, &key, max)
             .await
             .expect("the bound is served");

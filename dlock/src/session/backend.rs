@@ -301,6 +301,12 @@ impl<E: Engine> PermitStore for SessionBackend<E> {
         })
     }
 
+    /// `u32::MAX` on PostgreSQL; 1,024 on the engines whose server cannot count the held
+    /// slots (see their module docs, Semaphores).
+    fn max_permits(&self) -> u32 {
+        <E::Connector as Connector>::MAX_PERMITS
+    }
+
     /// MySQL and MariaDB keep none (see their module docs, Semaphores).
     fn keeps_count_record(&self) -> bool {
         self.lanes.connector().keeps_count_record()
