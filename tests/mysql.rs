@@ -276,6 +276,88 @@ macro_rules! engine_tests {
                 let Some(server) = server() else { return };
                 from_pool(server).await;
             }
+
+            /// Semaphores as the engine keeps them (its permit store, asked directly).
+            mod permits {
+                use super::*;
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn never_more_than_max_count_holders_across_backends() {
+                    let Some(server) = server() else { return };
+                    permit_cases::contention(server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_walk_takes_one_slot_and_never_one_the_session_holds() {
+                    let Some(server) = server() else { return };
+                    permit_cases::one_slot_per_walk(server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_try_is_one_statement_whatever_the_count() {
+                    // A server of its own: the counters are global.
+                    let Some(server) = DbServer::start($flavor) else {
+                        return;
+                    };
+                    permit_cases::statements_per_try(&server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn counts_past_the_bound_are_refused_before_any_statement() {
+                    let Some(server) = server() else { return };
+                    permit_cases::bounds(server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn the_count_is_not_recorded() {
+                    let Some(server) = server() else { return };
+                    permit_cases::no_count_record(server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn single_tries_wait_behind_the_head_waiter() {
+                    let Some(server) = server() else { return };
+                    permit_cases::waiting_mark(server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn tries_cut_off_leave_nothing_held() {
+                    let Some(server) = server() else { return };
+                    permit_cases::cut_off(server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_permit_is_lost_with_its_session() {
+                    let Some(server) = server() else { return };
+                    permit_cases::lost(server).await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn a_killed_holder_process_frees_its_permit() {
+                    let Some(server) = server() else { return };
+                    permit_cases::killed_holder(
+                        server,
+                        concat!(stringify!($module), "::permits::permit_holder_child"),
+                    )
+                    .await;
+                }
+
+                /// The child process of `a_killed_holder_process_frees_its_permit`.
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                #[ignore = "the holder process of a_killed_holder_process_frees_its_permit, which runs it"]
+                async fn permit_holder_child() {
+                    support::permits::hold_in_child(async |url: String| {
+                        MySqlBackend::connect(&url).await.expect("connect")
+                    })
+                    .await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn fencing_tokens_increase_per_semaphore() {
+                    let Some(server) = server() else { return };
+                    permit_cases::fencing(server).await;
+                }
+            }
         }
     };
 }
@@ -1045,4 +1127,334 @@ async fn from_pool(server: &DbServer) {
         1,
         "the backend takes no connections from the pool"
     );
+}
+
+/// The engine's semaphores (its permit store, asked directly), on either server.
+mod permit_cases {
+    use std::time::{Duration, Instant};
+
+    use dlock::backend::{LockBackend, LockRequest, PermitRequest};
+    use dlock::mysql::{MySqlBackend, semaphore_slot_name};
+    use dlock_testkit::mysql::DbServer;
+    use dlock_testkit::{unique_key, wait_until};
+    use sqlx::mysql::MySqlConnection;
+
+    use super::{admin, statement_counters};
+    use crate::support::permits::{PermitHolder, contend, release, store, try_permit, try_waiting};
+
+    async fn backend(server: &DbServer, options: &str) -> MySqlBackend {
+        MySqlBackend::connect(&server.url(options))
+            .await
+            .expect("connect")
+    }
+
+    /// The holders of the semaphore `key` of `n`, as the server shows them (one
+    /// `IS_USED_LOCK` per slot): (slot, connection id).
+    async fn slots(conn: &mut MySqlConnection, key: &str, n: u32) -> Vec<(u32, u64)> {
+        let mut held = Vec::new();
+        for slot in 0..n {
+            let holder: Option<u64> =
+                sqlx::query_scalar("SELECT CAST(IS_USED_LOCK(?) AS UNSIGNED)")
+                    .bind(semaphore_slot_name(key, slot))
+                    .fetch_one(&mut *conn)
+                    .await
+                    .expect("IS_USED_LOCK");
+            if let Some(holder) = holder {
+                held.push((slot, holder));
+            }
+        }
+        held
+    }
+
+    /// Tasks of three backends take permits of a semaphore of 3 for two seconds: never more
+    /// than 3 holders, by the tasks' count and the server's, and 3 at some moment.
+    pub(super) async fn contention(server: &DbServer) {
+        let key = unique_key("sem-contend");
+        let mut backends = Vec::new();
+        for _ in 0..3 {
+            backends.push(backend(server, "connections=2&wait_connections=0").await);
+        }
+        let watcher = backend(server, "").await;
+        let taken = contend(&backends, 4, &key, 3, Duration::from_secs(2), || async {
+            store(&watcher).holders(&key, 3).await.expect("holders") as usize
+        })
+        .await;
+        assert!(taken > 30, "only {taken} permits in 2 s");
+        assert_eq!(store(&watcher).holders(&key, 3).await.unwrap(), 0);
+    }
+
+    /// The recursive walk takes at most one slot (the server evaluates the next step only
+    /// from a row whose slot was not taken), and never a slot its session holds already
+    /// (`GET_LOCK` would grant it again): one lane session (connections=1) of two
+    /// "providers" (clones of one backend) holds `n` distinct slots, one per try, whatever
+    /// the other slots' state, and the next try is full.
+    pub(super) async fn one_slot_per_walk(server: &DbServer) {
+        let mut conn = admin(server).await;
+        for n in [1u32, 7, 50] {
+            let key = unique_key("sem-walk");
+            let one = backend(server, "connections=1").await;
+            let clones = [one.clone(), one.clone()];
+            let mut held = Vec::new();
+            for i in 0..n as usize {
+                held.push(
+                    try_permit(&clones[i % 2], &key, n)
+                        .await
+                        .unwrap_or_else(|| panic!("permit {i} of {n}")),
+                );
+                let seen = slots(&mut conn, &key, n).await;
+                assert_eq!(seen.len(), i + 1, "{n}: try {i} took {seen:?}");
+                assert!(
+                    seen.iter().all(|(_, id)| *id == seen[0].1),
+                    "one session: {seen:?}"
+                );
+            }
+            assert!(
+                try_permit(&one, &key, n).await.is_none(),
+                "a permit past {n}"
+            );
+            assert_eq!(slots(&mut conn, &key, n).await.len(), n as usize);
+            for permit in held {
+                release(permit).await;
+            }
+            assert!(slots(&mut conn, &key, n).await.is_empty(), "all given back");
+        }
+    }
+
+    /// A try is one statement on the server, whatever the count (1,024, the bound, and 1),
+    /// whether it takes a permit or finds the semaphore full; a release is one more. Counted
+    /// by the server's `Questions` on a server of the test's own.
+    pub(super) async fn statements_per_try(server: &DbServer) {
+        let mut admin = admin(server).await;
+        let through = backend(server, "connections=1&wait_connections=0&keepalive=1h").await;
+        let key = unique_key("sem-trips");
+        // Prepares the statements on the session.
+        let warm = try_permit(&through, &key, 1).await.expect("free");
+        release(warm).await;
+        let questions = async |admin: &mut MySqlConnection| {
+            statement_counters(admin)
+                .await
+                .get("Questions")
+                .copied()
+                .unwrap_or(0)
+        };
+        for n in [1024, 1] {
+            // The admin connection's count is a question of its own.
+            let before = questions(&mut admin).await;
+            let permit = try_permit(&through, &key, n).await.expect("free");
+            assert_eq!(
+                questions(&mut admin).await - before,
+                2,
+                "a granted try of {n}"
+            );
+            if n == 1 {
+                let before = questions(&mut admin).await;
+                assert!(try_permit(&through, &key, 1).await.is_none());
+                assert_eq!(questions(&mut admin).await - before, 2, "a full try");
+            }
+            let before = questions(&mut admin).await;
+            release(permit).await;
+            assert_eq!(questions(&mut admin).await - before, 2, "a release");
+        }
+        // A full semaphore of 1,024 is walked whole, in one statement.
+        let full = backend(server, "connections=1").await;
+        let key = unique_key("sem-full");
+        let mut held = Vec::new();
+        for _ in 0..1024 {
+            held.push(try_permit(&full, &key, 1024).await.expect("free"));
+        }
+        let before = questions(&mut admin).await;
+        let started = Instant::now();
+        assert!(try_permit(&through, &key, 1024).await.is_none());
+        eprintln!("a full try of 1,024 took {:?}", started.elapsed());
+        assert_eq!(
+            questions(&mut admin).await - before,
+            2,
+            "a full try of 1,024"
+        );
+        for permit in held {
+            release(permit).await;
+        }
+    }
+
+    /// The walk of a full semaphore is bounded: 1,024 is served, more is a configuration
+    /// error naming the bound, asked of nobody (`u32::MAX` included).
+    pub(super) async fn bounds(server: &DbServer) {
+        let a = backend(server, "").await;
+        let key = unique_key("sem-bound");
+        assert_eq!(store(&a).max_permits(), 1024);
+        let permit = try_permit(&a, &key, 1024).await.expect("1,024 is served");
+        release(permit).await;
+        for n in [1025, 1_000_000, u32::MAX, 0] {
+            let err = store(&a)
+                .try_acquire_permit(PermitRequest::new(&key, n))
+                .await
+                .unwrap_err();
+            assert_eq!(err.code(), "DistributedLock.Configuration", "{n}: {err}");
+            if n != 0 {
+                assert!(err.to_string().contains("1 to 1024"), "{err}");
+            }
+        }
+    }
+
+    /// MySQL and MariaDB keep no count record (user locks have no shared mode and cannot be
+    /// listed without privileges the backend does not ask for): a try with another count is
+    /// not refused, and the semaphore admits as many holders as the largest count in use,
+    /// never more. Pins the documented limit.
+    pub(super) async fn no_count_record(server: &DbServer) {
+        let key = unique_key("sem-norecord");
+        let (a, b) = (backend(server, "").await, backend(server, "").await);
+        assert!(
+            !store(&a).keeps_count_record(),
+            "the store says it keeps none"
+        );
+        let mut held = vec![
+            try_permit(&a, &key, 2).await.expect("free"),
+            try_permit(&a, &key, 2).await.expect("free"),
+        ];
+        assert!(try_permit(&a, &key, 2).await.is_none());
+        for _ in 0..3 {
+            held.push(
+                try_permit(&b, &key, 5)
+                    .await
+                    .expect("another count is not refused"),
+            );
+        }
+        assert!(
+            try_permit(&b, &key, 5).await.is_none(),
+            "never past the largest count"
+        );
+        assert!(try_permit(&a, &key, 2).await.is_none());
+        assert_eq!(store(&a).holders(&key, 5).await.unwrap(), 5);
+        for permit in held {
+            release(permit).await;
+        }
+    }
+
+    /// The waiting mark is the semaphore's queue lock: while any session holds it, a single
+    /// try is answered full with a permit free, and a waiting try is served.
+    pub(super) async fn waiting_mark(server: &DbServer) {
+        let key = unique_key("sem-mark");
+        let (tries, waiter) = (backend(server, "").await, backend(server, "").await);
+        let queue = PermitRequest::new(&key, 3).queue_key();
+        let head = waiter
+            .try_acquire(LockRequest::new(&queue))
+            .await
+            .unwrap()
+            .expect("the queue lock is free");
+        assert!(
+            try_permit(&tries, &key, 3).await.is_none(),
+            "a single try went ahead"
+        );
+        let served = try_waiting(&waiter, &key, 3)
+            .await
+            .expect("the head waiter is served");
+        head.handle.release().await.unwrap();
+        let single = try_permit(&tries, &key, 3)
+            .await
+            .expect("no waiter is left");
+        release(served).await;
+        release(single).await;
+    }
+
+    /// Tries cut off at every moment leave nothing held.
+    pub(super) async fn cut_off(server: &DbServer) {
+        let key = unique_key("sem-cut");
+        let (a, watcher) = (
+            backend(server, "connections=1").await,
+            backend(server, "").await,
+        );
+        for round in 0..60 {
+            let cut = Duration::from_micros(fastrand::u64(0..3000));
+            if let Ok(Some(permit)) = tokio::time::timeout(cut, try_permit(&a, &key, 1)).await {
+                release(permit).await;
+            }
+            wait_until(
+                &format!("round {round}: the cut-off try's permit is given back"),
+                Duration::from_secs(5),
+                async || store(&watcher).holders(&key, 1).await.unwrap() == 0,
+            )
+            .await;
+        }
+        let last = try_permit(&a, &key, 1).await.expect("free");
+        release(last).await;
+    }
+
+    /// A permit is lost with its session: `KILL` of the lane's connection fires the
+    /// permit's lost token within keepalive + 1 s, and frees its slot.
+    pub(super) async fn lost(server: &DbServer) {
+        let key = unique_key("sem-lost");
+        let a = backend(server, "keepalive=200ms&connections=1").await;
+        let b = backend(server, "").await;
+        let permit = try_permit(&a, &key, 1).await.expect("free");
+        let mut conn = admin(server).await;
+        let (_, id) = slots(&mut conn, &key, 1).await[0];
+        sqlx::query(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+            .execute(&mut conn)
+            .await
+            .expect("KILL");
+        tokio::time::timeout(Duration::from_millis(1200), permit.lost.cancelled())
+            .await
+            .expect("the lost token fired within keepalive + 1 s");
+        wait_until(
+            "the killed session's slot is free",
+            Duration::from_secs(5),
+            async || slots(&mut conn, &key, 1).await.is_empty(),
+        )
+        .await;
+        let again = try_permit(&b, &key, 1).await.expect("the slot is free");
+        permit.handle.release().await.unwrap();
+        assert_eq!(
+            store(&b).holders(&key, 1).await.unwrap(),
+            1,
+            "the lost release freed nothing"
+        );
+        release(again).await;
+    }
+
+    /// A holder process killed with SIGKILL frees its permit once the server sees its
+    /// connection closed.
+    pub(super) async fn killed_holder(server: &DbServer, child: &str) {
+        let key = unique_key("sem-kill");
+        let holder = PermitHolder::start(child, &server.url(""), &key, 1);
+        let here = backend(server, "").await;
+        assert!(
+            try_permit(&here, &key, 1).await.is_none(),
+            "the child holds it"
+        );
+        holder.kill();
+        let started = Instant::now();
+        let permit = loop {
+            if let Some(permit) = try_permit(&here, &key, 1).await {
+                break permit;
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "never freed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        release(permit).await;
+    }
+
+    /// With fencing, tokens increase strictly per semaphore across holders and backends.
+    pub(super) async fn fencing(server: &DbServer) {
+        let key = unique_key("sem-fence");
+        let (a, b) = (
+            backend(server, "fencing=true").await,
+            backend(server, "fencing=true").await,
+        );
+        let mut last = 0;
+        let mut held = Vec::new();
+        for i in 0..12 {
+            let backend = if i % 2 == 0 { &a } else { &b };
+            let permit = try_permit(backend, &key, 3).await.expect("a permit");
+            let token = permit.fencing_token.expect("fencing=true issues tokens");
+            assert!(token > last, "token {token} after {last}");
+            last = token;
+            held.push(permit);
+            if held.len() == 3 {
+                release(held.remove(fastrand::usize(..3))).await;
+            }
+        }
+        for permit in held {
+            release(permit).await;
+        }
+    }
 }

@@ -293,6 +293,107 @@ async fn live_multi_process_exclusion() {
     );
 }
 
+/// Semaphores as the engine keeps them (its permit store, asked directly): one batch per try
+/// over the slot locks, the count record held bit by bit, the queue lock as the waiting mark.
+mod live_permits {
+    use std::time::Duration;
+
+    use dlock::oracle::OracleBackend;
+
+    use super::live_url;
+    use crate::support::permits::{checks, contend, store};
+
+    async fn backend(options: &'static str) -> OracleBackend {
+        let url = live_url();
+        let sep = if url.contains('?') { '&' } else { '?' };
+        OracleBackend::connect(&format!("{url}{sep}{options}"))
+            .await
+            .expect("connect")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[cfg_attr(
+        not(dlock_oracle_live),
+        ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+    )]
+    async fn never_more_than_max_count_holders_across_backends() {
+        let key = dlock_testkit::unique_key("sem-contend");
+        let mut backends = Vec::new();
+        for _ in 0..3 {
+            backends.push(backend("connections=2&wait_connections=0").await);
+        }
+        let watcher = backend("").await;
+        let taken = contend(&backends, 3, &key, 3, Duration::from_secs(3), || async {
+            store(&watcher).holders(&key, 3).await.expect("holders") as usize
+        })
+        .await;
+        assert!(taken > 10, "only {taken} permits in 3 s");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[cfg_attr(
+        not(dlock_oracle_live),
+        ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+    )]
+    async fn one_session_never_takes_a_slot_it_holds() {
+        checks::one_session_never_takes_a_slot_it_holds(backend).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[cfg_attr(
+        not(dlock_oracle_live),
+        ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+    )]
+    async fn another_count_is_refused_while_permits_are_held() {
+        checks::another_count_is_refused_while_permits_are_held(backend).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[cfg_attr(
+        not(dlock_oracle_live),
+        ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+    )]
+    async fn counts_past_the_bound_are_refused() {
+        checks::counts_past_the_bound_are_refused(&backend("").await, 1024).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[cfg_attr(
+        not(dlock_oracle_live),
+        ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+    )]
+    async fn single_tries_wait_behind_the_head_waiter() {
+        checks::single_tries_wait_behind_the_head_waiter(&backend("").await, &backend("").await)
+            .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[cfg_attr(
+        not(dlock_oracle_live),
+        ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+    )]
+    async fn tries_cut_off_leave_nothing_held() {
+        checks::tries_cut_off_leave_nothing_held(
+            &backend("connections=1").await,
+            &backend("").await,
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[cfg_attr(
+        not(dlock_oracle_live),
+        ignore = "DLOCK_ORACLE_URL is not set: no Oracle server to test against"
+    )]
+    async fn fencing_tokens_increase_per_semaphore() {
+        checks::fencing_tokens_increase_per_semaphore(
+            &backend("fencing=true").await,
+            &backend("fencing=true").await,
+        )
+        .await;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Client-side failures, on this machine.
 

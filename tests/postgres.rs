@@ -1042,3 +1042,434 @@ async fn dropped_shared_waits_leave_no_shared_lock() {
         dlock_testkit::eventually(Duration::from_secs(5), || readers.local_key_count() == 0).await
     );
 }
+
+/// Semaphores as the engine keeps them (its permit store, asked directly): slot locks of the
+/// two-key form under a gate, one statement per try, the count record in `pg_locks`.
+mod permits {
+    use std::time::{Duration, Instant};
+
+    use dlock::LockError;
+    use dlock::backend::{LockBackend, LockRequest, PermitRequest};
+    use dlock::postgres::PostgresBackend;
+    use dlock_testkit::postgres::PgServer;
+    use dlock_testkit::{unique_key, wait_until};
+    use sqlx::PgConnection;
+
+    use super::admin;
+    use crate::support::permits::{
+        PermitHolder, contend, hold_in_child, refused, release, store, try_permit, try_waiting,
+    };
+    use crate::support::wire::{Protocol, Proxy};
+
+    async fn backend(options: &str) -> PostgresBackend {
+        PostgresBackend::connect(&PgServer::shared().url(options))
+            .await
+            .expect("connect")
+    }
+
+    /// The semaphore's permits the server shows (as `store_locks` reads them): how many.
+    async fn shown(backend: &PostgresBackend, key: &str) -> usize {
+        let locks = backend.store_locks(&[key]).await.expect("store_locks");
+        locks
+            .iter()
+            .filter(|lock| lock.key.as_deref() == Some(key))
+            .map(|lock| lock.readers as usize)
+            .sum()
+    }
+
+    /// The two-key advisory locks (`objsubid` 2) that sessions named `app` hold now: (pid,
+    /// objid, mode).
+    async fn two_key_locks(conn: &mut PgConnection, app: &str) -> Vec<(i32, i64, String)> {
+        sqlx::query_as(
+            "SELECT l.pid, l.objid::bigint, l.mode FROM pg_locks l JOIN pg_stat_activity a \
+             USING (pid) WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted \
+             AND a.application_name = $1 ORDER BY 2",
+        )
+        .bind(app)
+        .fetch_all(conn)
+        .await
+        .expect("pg_locks")
+    }
+
+    /// Tasks of three backends (two lock connections each) take permits of a semaphore of 3
+    /// for two seconds: never more than 3 holders, by the tasks' count and by the server's,
+    /// and 3 at some moment.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn never_more_than_max_count_holders_across_backends() {
+        let key = unique_key("sem-contend");
+        let mut backends = Vec::new();
+        for _ in 0..3 {
+            backends.push(backend("connections=2&wait_connections=0").await);
+        }
+        let watcher = backend("").await;
+        let taken = contend(&backends, 4, &key, 3, Duration::from_secs(2), || {
+            shown(&watcher, &key)
+        })
+        .await;
+        assert!(taken > 30, "only {taken} permits in 2 s");
+        assert_eq!(
+            shown(&watcher, &key).await,
+            0,
+            "every permit was given back"
+        );
+    }
+
+    /// One lane session (connections=1) shared by every acquisition of a backend, and by
+    /// several providers on clones of it: the statement skips the slots the session holds
+    /// (the server would grant a session its own advisory lock again), so the session holds
+    /// `max_count` distinct slots, and the next try is full. Other backends count too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_lane_session_never_takes_a_slot_it_holds() {
+        let key = unique_key("sem-lane");
+        let app = format!("semlane{}", std::process::id());
+        let one = backend(&format!("connections=1&application_name={app}")).await;
+        let clones = [one.clone(), one.clone()];
+        let mut conn = admin(PgServer::shared()).await;
+        let mut held = Vec::new();
+        for i in 0..5 {
+            let permit = try_permit(&clones[i % 2], &key, 5)
+                .await
+                .unwrap_or_else(|| panic!("permit {i} of 5 on one session"));
+            held.push(permit);
+        }
+        assert!(try_permit(&one, &key, 5).await.is_none(), "a sixth permit");
+        let locks = two_key_locks(&mut conn, &app).await;
+        let slots: Vec<_> = locks.iter().filter(|l| l.2 == "ExclusiveLock").collect();
+        assert_eq!(slots.len(), 5, "{locks:?}");
+        // The count record: the session holds (class, 5) shared, once for all five.
+        let records: Vec<_> = locks.iter().filter(|l| l.2 == "ShareLock").collect();
+        assert_eq!(records.len(), 1, "{locks:?}");
+        assert_eq!(records[0].1, 5, "{locks:?}");
+        assert!(
+            slots.iter().all(|l| l.0 == slots[0].0),
+            "one session: {slots:?}"
+        );
+        let mut objids: Vec<i64> = slots.iter().map(|l| l.1).collect();
+        objids.dedup();
+        assert_eq!(objids, vec![0, 1, 2, 3, 4], "five distinct slots");
+        // Another backend, one session too: the semaphore is full for it as well; a permit
+        // given back on the first is taken by it.
+        let other = backend("connections=1").await;
+        assert!(try_permit(&other, &key, 5).await.is_none());
+        release(held.pop().unwrap()).await;
+        let theirs = try_permit(&other, &key, 5).await.expect("a free slot");
+        assert!(try_permit(&one, &key, 5).await.is_none());
+        release(theirs).await;
+        for permit in held {
+            release(permit).await;
+        }
+        assert_eq!(shown(&one, &key).await, 0);
+    }
+
+    /// A try is one round trip (one `Sync` on the wire), whatever the count, and whether it
+    /// takes a permit, finds the semaphore full, or is refused for another count; a release
+    /// is one more. (The first try of each statement also prepares it, once per session.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_try_is_one_round_trip_whatever_the_count() {
+        let server = PgServer::shared();
+        let target = format!("127.0.0.1:{}", server.port()).parse().unwrap();
+        let proxy = Proxy::start(target, Protocol::Postgres).await;
+        let url = format!(
+            "postgres://postgres@{}/postgres?sslmode=disable&connections=1&wait_connections=0\
+             &keepalive=1h",
+            proxy.addr
+        );
+        let through = PostgresBackend::connect(&url).await.expect("connect");
+        let key = unique_key("sem-trips");
+        // Prepares the statements on the session.
+        let warm = try_permit(&through, &key, 1).await.expect("free");
+        release(warm).await;
+        for n in [1, 1_000_000, u32::MAX] {
+            let before = proxy.requests();
+            let permit = try_permit(&through, &key, n).await.expect("free");
+            assert_eq!(proxy.requests() - before, 1, "a granted try of {n}");
+            let before = proxy.requests();
+            let message = refused(&through, &key, if n == 1 { 2 } else { 1 }).await;
+            assert_eq!(proxy.requests() - before, 1, "a refused try ({message})");
+            if n == 1 {
+                let before = proxy.requests();
+                assert!(try_permit(&through, &key, 1).await.is_none());
+                assert_eq!(proxy.requests() - before, 1, "a full try");
+            }
+            let before = proxy.requests();
+            release(permit).await;
+            assert_eq!(proxy.requests() - before, 1, "a release");
+        }
+    }
+
+    /// `u32::MAX` and 1,000,000 are served like 3 (the server counts the live slots in
+    /// `pg_locks` and walks at most one more than are held); 0 is a configuration error.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn huge_counts_are_served() {
+        let (a, b) = (backend("").await, backend("").await);
+        assert_eq!(store(&a).max_permits(), u32::MAX);
+        for n in [u32::MAX, 1_000_000] {
+            let key = unique_key("sem-huge");
+            let started = Instant::now();
+            let mut held = Vec::new();
+            for backend in [&a, &b, &a] {
+                held.push(try_permit(backend, &key, n).await.expect("a permit"));
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "three tries of {n} took {:?}",
+                started.elapsed()
+            );
+            assert_eq!(shown(&a, &key).await, 3);
+            assert_eq!(store(&b).holders(&key, n).await.unwrap(), 3);
+            for permit in held {
+                release(permit).await;
+            }
+        }
+        let err = store(&a)
+            .try_acquire_permit(PermitRequest::new("sem-zero", 0))
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+    }
+
+    /// The count record: while permits of 2 are held, a try of 5 from another backend is
+    /// refused with a message naming both counts (nothing taken), as is `holders`; once
+    /// every permit of 2 is given back, 5 is taken and then refuses 2.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn another_count_is_refused_while_permits_are_held() {
+        let key = unique_key("sem-count");
+        let (a, b) = (backend("").await, backend("").await);
+        assert!(store(&a).keeps_count_record());
+        let first = try_permit(&a, &key, 2).await.expect("free");
+        let second = try_permit(&b, &key, 2).await.expect("free");
+        let message = refused(&b, &key, 5).await;
+        assert!(
+            message.contains("max_count 2") && message.contains("max_count 5"),
+            "{message}"
+        );
+        assert!(store(&a).holders(&key, 5).await.is_err());
+        assert_eq!(store(&a).holders(&key, 2).await.unwrap(), 2);
+        release(first).await;
+        refused(&a, &key, 5).await;
+        assert_eq!(shown(&a, &key).await, 1, "the refused tries took nothing");
+        release(second).await;
+        let mut five = Vec::new();
+        for backend in [&a, &b, &a, &b, &a] {
+            five.push(try_permit(backend, &key, 5).await.expect("the new count"));
+        }
+        assert!(try_permit(&b, &key, 5).await.is_none());
+        let message = refused(&a, &key, 2).await;
+        assert!(message.contains("max_count 5"), "{message}");
+        for permit in five {
+            release(permit).await;
+        }
+    }
+
+    /// Tries of 2 and of 5 from several backends at once on fresh semaphores, 30 times: the
+    /// tries that get in all used one count, and no more of them than that count (the gate
+    /// serializes the count check and the grant).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_counts_never_get_in_together() {
+        let mut backends = Vec::new();
+        for _ in 0..4 {
+            backends.push(backend("connections=2").await);
+        }
+        for round in 0..30 {
+            let key = unique_key("sem-race");
+            let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(12));
+            let mut tries = Vec::new();
+            for i in 0..12 {
+                let (backend, key, barrier) =
+                    (backends[i % 4].clone(), key.clone(), barrier.clone());
+                let n = if i % 2 == 0 { 2 } else { 5 };
+                tries.push(tokio::spawn(async move {
+                    barrier.wait().await;
+                    let tried = store(&backend)
+                        .try_acquire_permit(PermitRequest::new(&key, n))
+                        .await;
+                    (n, tried)
+                }));
+            }
+            let mut counts = Vec::new();
+            let mut permits = Vec::new();
+            for tried in tries {
+                match tried.await.unwrap() {
+                    (n, Ok(dlock::backend::PermitTry::Acquired(permit))) => {
+                        counts.push(n);
+                        permits.push(permit);
+                    }
+                    (_, Ok(_)) => {}
+                    (_, Err(LockError::Config { .. })) => {}
+                    (n, Err(err)) => panic!("round {round}: a try of {n} failed: {err}"),
+                }
+            }
+            counts.sort_unstable();
+            counts.dedup();
+            assert_eq!(
+                counts.len(),
+                1,
+                "round {round}: counts {counts:?} got in together"
+            );
+            assert!(
+                permits.len() <= counts[0] as usize,
+                "round {round}: {} holders",
+                permits.len()
+            );
+            for permit in permits {
+                release(permit).await;
+            }
+        }
+    }
+
+    /// The waiting mark is the semaphore's queue lock: while any session holds it (the
+    /// waiter at the head of the queue), a single try is answered full although a permit is
+    /// free, and a waiting try is served; once it is given back, single tries are served.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn single_tries_wait_behind_the_head_waiter() {
+        let key = unique_key("sem-mark");
+        let (tries, waiter) = (backend("").await, backend("").await);
+        let queue = PermitRequest::new(&key, 3).queue_key();
+        let head = waiter
+            .try_acquire(LockRequest::new(&queue))
+            .await
+            .unwrap()
+            .expect("the queue lock is free");
+        assert!(
+            try_permit(&tries, &key, 3).await.is_none(),
+            "a single try went ahead"
+        );
+        assert_eq!(shown(&tries, &key).await, 0, "nothing was taken");
+        let served = try_waiting(&waiter, &key, 3)
+            .await
+            .expect("the head waiter is served");
+        head.handle.release().await.unwrap();
+        let single = try_permit(&tries, &key, 3)
+            .await
+            .expect("no waiter is left");
+        release(served).await;
+        release(single).await;
+    }
+
+    /// Tries cut off at every moment (their futures dropped after 0 to 3 ms) leave nothing
+    /// held: each permit a cut-off try got is given back, and the next try is served.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tries_cut_off_leave_nothing_held() {
+        let key = unique_key("sem-cut");
+        let (a, watcher) = (backend("connections=1").await, backend("").await);
+        for round in 0..60 {
+            let cut = Duration::from_micros(fastrand::u64(0..3000));
+            if let Ok(Some(permit)) = tokio::time::timeout(cut, try_permit(&a, &key, 1)).await {
+                release(permit).await;
+            }
+            wait_until(
+                &format!("round {round}: the cut-off try's permit is given back"),
+                Duration::from_secs(5),
+                async || shown(&watcher, &key).await == 0,
+            )
+            .await;
+        }
+        let last = try_permit(&a, &key, 1).await.expect("free");
+        release(last).await;
+    }
+
+    /// A permit is lost with its session: terminating the lane's server process fires the
+    /// permit's lost token within keepalive + 1 s, and frees its slot for others.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_permit_is_lost_with_its_session() {
+        let key = unique_key("sem-lost");
+        let app = format!("semlost{}", std::process::id());
+        let a = backend(&format!(
+            "keepalive=200ms&connections=1&application_name={app}"
+        ))
+        .await;
+        let b = backend("").await;
+        let permit = try_permit(&a, &key, 1).await.expect("free");
+        assert!(try_permit(&b, &key, 1).await.is_none());
+        let mut conn = admin(PgServer::shared()).await;
+        let pids: Vec<i32> = sqlx::query_scalar(
+            "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a USING (pid) \
+             WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted \
+             AND l.mode = 'ExclusiveLock' AND a.application_name = $1",
+        )
+        .bind(&app)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        assert_eq!(pids.len(), 1, "the lane's session holds the slot");
+        let pid = pids[0];
+        let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+            .bind(pid)
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_millis(1200), permit.lost.cancelled())
+            .await
+            .expect("the lost token fired within keepalive + 1 s");
+        let again = try_permit(&b, &key, 1).await.expect("the slot is free");
+        permit.handle.release().await.unwrap();
+        assert_eq!(
+            shown(&b, &key).await,
+            1,
+            "the lost permit's release freed nothing"
+        );
+        release(again).await;
+    }
+
+    /// A holder process killed with SIGKILL frees its permit as soon as the server sees its
+    /// connection closed: no lease to run out.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_killed_holder_process_frees_its_permit() {
+        let key = unique_key("sem-kill");
+        let url = PgServer::shared().url("");
+        let holder = PermitHolder::start("permits::permit_holder_child", &url, &key, 1);
+        let here = backend("").await;
+        assert!(
+            try_permit(&here, &key, 1).await.is_none(),
+            "the child holds it"
+        );
+        holder.kill();
+        let started = Instant::now();
+        let permit = loop {
+            if let Some(permit) = try_permit(&here, &key, 1).await {
+                break permit;
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "never freed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        release(permit).await;
+    }
+
+    /// The child process of [`a_killed_holder_process_frees_its_permit`].
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "the holder process of a_killed_holder_process_frees_its_permit, which runs it"]
+    async fn permit_holder_child() {
+        hold_in_child(async |url: String| PostgresBackend::connect(&url).await.expect("connect"))
+            .await;
+    }
+
+    /// With fencing, tokens increase strictly per semaphore across holders and backends, in
+    /// the order of the grants, and concurrent holders never share one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fencing_tokens_increase_per_semaphore() {
+        let key = unique_key("sem-fence");
+        let (a, b) = (backend("fencing=true").await, backend("fencing=true").await);
+        let mut last = 0;
+        let mut held = Vec::new();
+        for i in 0..12 {
+            let backend = if i % 2 == 0 { &a } else { &b };
+            let permit = try_permit(backend, &key, 3).await.expect("a permit");
+            let token = permit.fencing_token.expect("fencing=true issues tokens");
+            assert!(token > last, "token {token} after {last}");
+            last = token;
+            held.push(permit);
+            if held.len() == 3 {
+                release(held.remove(fastrand::usize(..3))).await;
+            }
+        }
+        for permit in held {
+            release(permit).await;
+        }
+        let plain = backend("").await;
+        let permit = try_permit(&plain, &unique_key("sem-plain"), 2)
+            .await
+            .unwrap();
+        assert_eq!(permit.fencing_token, None);
+        release(permit).await;
+    }
+}

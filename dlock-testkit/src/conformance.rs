@@ -1951,12 +1951,14 @@ pub async fn semaphore_fairness(h: &impl Harness) {
 
 /// Defect 2 of issue 43: a semaphore of `u32::MAX` permits (which aborted the process,
 /// allocating a list of every slot) or of a million is served where the backend keeps
-/// semaphores natively, and refused with `Config` naming the limit on the slot scheme, whose
-/// largest count (1,024) is served.
+/// semaphores natively without a bound, and refused with `Config` naming the limit on the slot
+/// scheme and on stores with a bound of their own, whose largest count
+/// ([`LockProvider::max_semaphore_count`]) is served.
 pub async fn semaphore_huge_counts(h: &impl Harness) {
     let (a, b) = (h.provider().await, h.provider().await);
     let key = unique_key("sem-huge");
-    if a.native_semaphores() {
+    let limit = a.max_semaphore_count();
+    if limit == u32::MAX {
         for count in [u32::MAX, 1_000_000] {
             let key = format!("{key}:{count}");
             let first = a
@@ -1976,7 +1978,7 @@ pub async fn semaphore_huge_counts(h: &impl Harness) {
         }
         return;
     }
-    let limit = dlock::backend::MAX_SLOT_PERMITS;
+    // The slot scheme (`MAX_SLOT_PERMITS`), or a store with a bound of its own.
     for count in [u32::MAX, 1_000_000, limit + 1] {
         for timeout in [Duration::ZERO, Duration::from_secs(5)] {
             match a.acquire_semaphore(&key, count, timeout).await {
@@ -1997,13 +1999,14 @@ pub async fn semaphore_huge_counts(h: &impl Harness) {
 
 /// Defect 3 of issue 43: callers that disagree on `max_count` (2 and 5 on one key) got 5
 /// holders. Where the backend keeps semaphores natively, another count is refused with
-/// `Config` naming both while anyone holds a permit, and taken once all have left; the slot
-/// scheme, which cannot record the count, gives the larger count (as documented).
+/// `Config` naming both while anyone holds a permit, and taken once all have left; where the
+/// backend cannot record the count ([`LockProvider::records_semaphore_counts`]: the slot
+/// scheme, MySQL/MariaDB), the larger count is served (as documented).
 pub async fn semaphore_counts_must_agree(h: &impl Harness) {
     let (a, b) = (h.provider().await, h.provider().await);
     let key = unique_key("sem-count");
     let first = a.try_acquire_semaphore(&key, 2).await.expect("a permit");
-    if !a.native_semaphores() {
+    if !a.records_semaphore_counts() {
         let mut more = Vec::new();
         for _ in 0..4 {
             more.push(b.try_acquire_semaphore(&key, 5).await.expect("slot scheme"));

@@ -404,6 +404,30 @@ impl<'a> PermitRequest<'a> {
         self
     }
 
+    /// The key of the semaphore's queue lock (see [`PermitStore`], Waiting and fairness): the
+    /// ordinary exclusive lock of the backend that a waiter of a store without a native wait
+    /// holds while it waits at the head of the queue, under a reserved name that no lock key
+    /// can take. The provider takes its queue lock under this key, so a store whose locks have
+    /// no expiry (a session engine's) can keep the waiting mark as "this lock is held",
+    /// tested in the try's own step: the mark is then live exactly while a waiter holds the
+    /// queue, and ends with the waiter's release, timeout or death.
+    ///
+    /// ```
+    /// use dlock::backend::PermitRequest;
+    /// let queue = PermitRequest::new("exports", 2).queue_key();
+    /// assert!(queue.starts_with("dlock\0"));
+    /// assert_ne!(queue, PermitRequest::new("exports2", 2).queue_key());
+    /// // The count is not part of it: every waiter of the semaphore queues on one lock.
+    /// assert_eq!(queue, PermitRequest::new("exports", 5).queue_key());
+    /// ```
+    pub fn queue_key(&self) -> String {
+        format!(
+            "{}semaphore-queue\0{}",
+            crate::key::RESERVED_PREFIX,
+            self.key
+        )
+    }
+
     /// The [`LockError::Config`] that refuses this request because the store's count record
     /// for the semaphore says `recorded` (see [`PermitStore`], The count record). Every store
     /// answers with this error, so that callers read one message.
@@ -459,7 +483,10 @@ pub enum PermitTry {
 /// No interleaving of tries, releases, lease ends and renewals from any number of clients
 /// may ever leave more than `max_count` live permits under one count record. Every
 /// `max_count` from 1 to [`u32::MAX`] is either served or refused with a typed error (never a
-/// panic, and nothing allocated per permit that is not held).
+/// panic, and nothing allocated per permit that is not held). A store whose server cannot
+/// count the live permits, so that a try of a full semaphore asks for every slot, bounds the
+/// count it serves: its [`max_permits`](PermitStore::max_permits) says how far, and a larger
+/// count is refused with [`LockError::Config`] naming the bound, before anything is asked.
 ///
 /// # The count record
 ///
@@ -474,12 +501,19 @@ pub enum PermitTry {
 ///
 /// [`holders`](PermitStore::holders) applies the same rule to the count it is asked about.
 ///
+/// A store that cannot keep the record at all says so: its
+/// [`keeps_count_record`](PermitStore::keeps_count_record) answers `false`, its tries are
+/// never refused for their count, and callers that disagree on it share the permits of the
+/// largest count in use (as on the slot scheme). MySQL and MariaDB are such a store: their
+/// user locks have no shared mode and cannot be listed without privileges the backend does
+/// not ask for, so no sound record can be kept there.
+///
 /// # Waiting and fairness
 ///
 /// A waiting acquisition ([`acquire_semaphore`](crate::LockProvider::acquire_semaphore) with
 /// a timeout above zero) on a store without a native wait first takes the semaphore's queue
-/// lock (an ordinary exclusive lock of the backend, under a reserved name), so that waiters
-/// are served in the order of the backend's lock waits; only the waiter holding it tries for
+/// lock (an ordinary exclusive lock of the backend, under the reserved name
+/// [`PermitRequest::queue_key`]), so that waiters are served in the order of the backend's lock waits; only the waiter holding it tries for
 /// a permit, with `waiting` set, pausing briefly between tries (up to the `retry_within` of
 /// its last try, and until a wake-up of the [`watch_permits`](PermitStore::watch_permits)
 /// watch where the store offers one). So a holder that gives its permit back and asks again
@@ -492,6 +526,13 @@ pub enum PermitTry {
 /// permit the waiter at the head of the queue is about to take. A waiting try is never
 /// refused for a mark, and a waiting try that is granted clears the mark. (Between one
 /// waiter's grant and the next waiter's first try, a single try may take a free permit.)
+///
+/// A store whose locks do not expire on their own (a session engine) may keep the mark as
+/// the queue lock itself, tested in the try's own step: live from the moment a waiter holds
+/// the queue until it lets go (granted, timed out, or its session ended), which covers every
+/// pause between its tries. Such a mark cannot carry the waiter's count: while no permit is
+/// live, a single try with another count is then answered [`Full`](PermitTry::Full) rather
+/// than [`PermitRequest::count_conflict`] (the waiter's grant records its count).
 ///
 /// A store with a native wait ([`supports_native_permit_wait`](PermitStore::supports_native_permit_wait))
 /// queues waiters itself, first come first served, and its single tries must not take a
@@ -532,6 +573,20 @@ pub trait PermitStore: Send + Sync {
         &'a self,
         request: PermitRequest<'a>,
     ) -> BoxFuture<'a, Result<PermitTry, LockError>>;
+
+    /// The largest `max_count` this store serves: [`u32::MAX`], the default. A store that
+    /// bounds it (see the [trait docs](PermitStore), What a try must guarantee) refuses a
+    /// larger count with [`LockError::Config`] naming the bound.
+    fn max_permits(&self) -> u32 {
+        u32::MAX
+    }
+
+    /// Whether this store keeps the count record (see the [trait docs](PermitStore), The
+    /// count record): `true`, the default. A store that cannot answers `false`, and is then
+    /// never asked to refuse a try for its count.
+    fn keeps_count_record(&self) -> bool {
+        true
+    }
 
     /// Whether [`acquire_permit_wait`](PermitStore::acquire_permit_wait) waits natively, first
     /// come first served, on the server. When it does, the provider calls it instead of

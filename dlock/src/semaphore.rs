@@ -185,6 +185,29 @@ impl LockProvider {
         self.backend().semaphores().is_some()
     }
 
+    /// The largest `max_count` this provider's backend serves: [`u32::MAX`] where the store
+    /// keeps semaphores natively without a bound (SQLite, Redis, etcd, PostgreSQL), the
+    /// store's own bound where it has one (MySQL/MariaDB, SQL Server and Oracle walk at most
+    /// 1,024 slots in one statement), and [`MAX_SLOT_PERMITS`] on the slot scheme. A larger
+    /// count is refused with [`LockError::Config`] naming the bound, before anything is asked.
+    pub fn max_semaphore_count(&self) -> u32 {
+        self.backend()
+            .semaphores()
+            .map_or(MAX_SLOT_PERMITS, PermitStore::max_permits)
+    }
+
+    /// Whether this provider's backend records each semaphore's count and refuses another one
+    /// while the semaphore is in use (see
+    /// [`try_acquire_semaphore`](LockProvider::try_acquire_semaphore)). `false` on the slot
+    /// scheme and on MySQL/MariaDB, whose user locks can neither be shared nor listed without
+    /// privileges the backend does not ask for: there every caller of a semaphore must pass
+    /// the same `max_count`, or the semaphore admits up to the largest count passed.
+    pub fn records_semaphore_counts(&self) -> bool {
+        self.backend()
+            .semaphores()
+            .is_some_and(PermitStore::keeps_count_record)
+    }
+
     async fn semaphore(
         &self,
         key: &str,
@@ -212,14 +235,26 @@ impl LockProvider {
             ));
         }
         let store = self.backend().semaphores();
-        if store.is_none() && max_count > MAX_SLOT_PERMITS {
-            return Err(LockError::config(format!(
-                "the semaphore `{}` asks for {max_count} permits; the {} backend keeps \
-                 semaphores as one lock per permit, at most {MAX_SLOT_PERMITS} (a try of a full \
-                 semaphore asks for every one of them)",
-                key.escape_debug(),
-                self.backend_name()
-            )));
+        match store {
+            None if max_count > MAX_SLOT_PERMITS => {
+                return Err(LockError::config(format!(
+                    "the semaphore `{}` asks for {max_count} permits; the {} backend keeps \
+                     semaphores as one lock per permit, at most {MAX_SLOT_PERMITS} (a try of a \
+                     full semaphore asks for every one of them)",
+                    key.escape_debug(),
+                    self.backend_name()
+                )));
+            }
+            Some(store) if max_count > store.max_permits() => {
+                return Err(LockError::config(format!(
+                    "the semaphore `{}` asks for {max_count} permits; the {} backend serves at \
+                     most {} (a try walks the permits in one statement)",
+                    key.escape_debug(),
+                    self.backend_name(),
+                    store.max_permits()
+                )));
+            }
+            _ => {}
         }
         let shutdown = self.shutdown_token();
         if crate::provider::is_cancelled(None, shutdown) {
@@ -337,7 +372,8 @@ impl LockProvider {
 
     /// A wait through the semaphore's queue lock: takes it with what is left of the timeout,
     /// then tries for a permit until one is taken or the deadline passes (the last try at the
-    /// deadline), and gives the queue lock back (in the background, as a dropped guard).
+    /// deadline), and gives the queue lock back: in the background once it has a permit (as a
+    /// dropped guard), awaited when it ends without one.
     async fn wait_in_queue(
         &self,
         store: Option<&dyn PermitStore>,
@@ -348,6 +384,39 @@ impl LockProvider {
         runtime: &tokio::runtime::Handle,
     ) -> Result<LockGuard, LockError> {
         let queue = self.queue_lock(key, deadline, timeout).await?;
+        match self
+            .wait_at_head(store, key, max_count, deadline, timeout, runtime)
+            .await
+        {
+            // The next waiter takes the queue lock a moment later; the permit is the caller's
+            // now.
+            Ok(guard) => {
+                drop(queue);
+                Ok(guard)
+            }
+            // A wait that ends without a permit gives the queue lock back before it answers:
+            // a single try of the caller's right after it must not find it still held (which
+            // a store may read as a waiter ahead).
+            Err(err) => {
+                if let Err(release) = queue.release().await {
+                    tracing::debug!(error = %release, "giving back a semaphore's queue lock failed");
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// The tries of the waiter at the head of the semaphore's queue (it holds the queue lock),
+    /// until a permit is taken or the deadline passes.
+    async fn wait_at_head(
+        &self,
+        store: Option<&dyn PermitStore>,
+        key: &str,
+        max_count: u32,
+        deadline: Option<Instant>,
+        timeout: Duration,
+        runtime: &tokio::runtime::Handle,
+    ) -> Result<LockGuard, LockError> {
         let longest = match store {
             Some(_) => HEAD_PAUSES.1,
             None => slot_head_pause(max_count),
@@ -371,10 +440,7 @@ impl LockProvider {
                 .try_permit(store, key, max_count, Some(mark), runtime)
                 .await
             {
-                Ok(Found::Taken(guard)) => {
-                    drop(queue);
-                    return Ok(guard);
-                }
+                Ok(Found::Taken(guard)) => return Ok(guard),
                 Ok(Found::Full { retry_within }) => retry_within,
                 // Taken, but answered too late to count on the lease; given back. A wait
                 // tries again.

@@ -6,6 +6,9 @@
 //! Each test binary that runs workers includes this module and uses part of it.
 #![allow(dead_code)]
 
+pub mod permits;
+pub mod wire;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;

@@ -107,6 +107,40 @@
 //! backend. This ordering is the server's; it has not been checked against a live server
 //! here (see `docs/backends.md` in the repository). Transaction-bound locks have no read form.
 //!
+//! # Semaphores
+//!
+//! The backend keeps semaphores itself ([`LockBackend::semaphores`](crate::backend::LockBackend::semaphores)):
+//! a permit is a session application lock of a lock connection, like a lock, and a try is
+//! **one batch**.
+//!
+//! - **Slots.** The semaphore `key` of `n` permits is the application locks `<base>:0` to
+//!   `<base>:<n - 1>`, held exclusively, where `<base>` is `dlock-sem:` and the 64 hex digits of
+//!   SHA-256 of the key.
+//! - **The count record.** SQL Server lists application locks only to a login with
+//!   `VIEW SERVER STATE`, so each holder holds `<base>:count:<j>` in shared mode for each bit
+//!   `j` set in `n`, and a try reads the record bit by bit with `APPLOCK_TEST` (and
+//!   `APPLOCK_MODE` for this session's own). Another count is refused with
+//!   [`LockError::Config`] naming both, taking nothing.
+//! - **One try.** In a transaction that holds the semaphore's gate (`<base>:gate`,
+//!   `@LockOwner = 'Transaction'`, so tries of one semaphore run one at a time), the batch
+//!   reads the record; unless it names another count, or (for a single try) a session holds
+//!   the semaphore's queue lock
+//!   ([`PermitRequest::queue_key`](crate::backend::PermitRequest::queue_key)), it walks the
+//!   slots from a random one on with `sp_getapplock @LockTimeout = 0`, skipping those this
+//!   session holds (`sp_getapplock` would grant them again, and a lock connection is shared by
+//!   every acquisition of the backend), and takes the first free one with its shares of the
+//!   record.
+//! - **Bound.** The server cannot count the held slots, so a try that finds the semaphore
+//!   full has asked for every slot: `max_count` is at most **1,024** (the 11 bits of the
+//!   record), and a larger one is a [`LockError::Config`] naming the bound.
+//! - **Release, loss, fencing.** A release gives back the slot, then the record's shares. A
+//!   permit ends with its connection and is reported lost with it. With `fencing=true`, the
+//!   semaphore's counter (`dlock_fencing` row `<base>`) is incremented in the batch, under the
+//!   gate.
+//!
+//! The batches are pinned by the unit tests and run by `tests/mssql.rs` against the server of
+//! `DLOCK_MSSQL_URL`. A batch that fails after it may have taken a slot drops its connection.
+//!
 //! # URL
 //!
 //! `mssql://user:password@host:port/database` (or `sqlserver://`; port 1433 by default). User
@@ -208,6 +242,7 @@ impl Driver for Mssql {
     fn open(config: Config, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
         let connector = MssqlConnector {
             dial: Dial::new(config, options),
+            gate_wait: options.statement_timeout,
         };
         let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {

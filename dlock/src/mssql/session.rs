@@ -13,15 +13,16 @@ use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
 use super::Mssql;
 use super::statements::{
-    ALREADY_EXISTS_ERROR, CREATE_DENIED_ERRORS, Call, Grant as AppLock, MAX_WAIT, NAME,
-    NOT_HELD_ERROR, Param, fenced_result, fencing_create_error, fencing_privilege_error,
+    ALREADY_EXISTS_ERROR, CREATE_DENIED_ERRORS, Call, Grant as AppLock, MAX_PERMITS, MAX_WAIT,
+    NAME, NOT_HELD_ERROR, Param, fenced_result, fencing_create_error, fencing_privilege_error,
     fencing_table_call, fencing_table_check_call, getapplock_fenced_call, getapplock_result,
-    getapplock_session_call, keepalive_call, lock_timeout_ms, releaseapplock_call,
-    releaseapplock_result, resource_name, server_error,
+    getapplock_session_call, keepalive_call, lock_timeout_ms, permit_call, permit_count_call,
+    permit_release_call, releaseapplock_call, releaseapplock_result, resource_name, semaphore_base,
+    server_error,
 };
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Dial, Failure, Grant, Mode, Session};
+use crate::session::{Connector, Dial, Failure, Grant, Mode, PermitAnswer, PermitCount, Session};
 
 /// A connection opened by the backend.
 pub(crate) type MssqlClient = Client<Compat<TcpStream>>;
@@ -266,18 +267,47 @@ pub struct Resource {
     name: Arc<str>,
 }
 
+/// A semaphore: the base name of its application locks, its count and its queue lock.
+#[derive(Debug, Clone)]
+pub struct Semaphore {
+    base: Arc<str>,
+    count: u32,
+    queue: Arc<str>,
+}
+
+/// A permit: the slot `<base>:<slot>` and the record's shares of its count.
+#[derive(Debug)]
+pub struct Permit {
+    base: Arc<str>,
+    slot: u32,
+    count: u32,
+}
+
 /// Opens backend connections.
 #[derive(Debug)]
 pub struct MssqlConnector {
     pub(super) dial: Dial<Mssql>,
+    /// How long a permit try waits for its semaphore's gate (the backend's
+    /// `statement_timeout`, which bounds the whole try anyway).
+    pub(super) gate_wait: Duration,
 }
 
 impl Connector for MssqlConnector {
     type Resource = Resource;
+    type Semaphore = Semaphore;
     type Session = MssqlSession;
 
     const NAME: &'static str = NAME;
     const MAX_WAIT: Duration = MAX_WAIT;
+    const MAX_PERMITS: u32 = MAX_PERMITS;
+
+    fn semaphore(&self, key: &str, max_count: u32, queue: Resource) -> Semaphore {
+        Semaphore {
+            base: Arc::from(semaphore_base(key)),
+            count: max_count,
+            queue: queue.name,
+        }
+    }
 
     fn wait_resolution(&self) -> Duration {
         Duration::from_millis(1)
@@ -301,6 +331,7 @@ impl Connector for MssqlConnector {
             Ok(MssqlSession {
                 client,
                 fencing: self.dial.fencing,
+                gate_wait: self.gate_wait,
             })
         })
     }
@@ -311,6 +342,7 @@ impl Connector for MssqlConnector {
 pub struct MssqlSession {
     pub(super) client: MssqlClient,
     fencing: bool,
+    gate_wait: Duration,
 }
 
 impl MssqlSession {
@@ -355,9 +387,135 @@ impl MssqlSession {
     }
 }
 
+/// Runs `call` and reads its first row's `int`s (the columns `ints`) and, if asked, the
+/// `bigint` after them.
+async fn run_ints(
+    client: &mut MssqlClient,
+    call: &Call,
+    ints: usize,
+    token: bool,
+) -> Result<(Vec<Option<i32>>, Option<i64>), TdsError> {
+    let Some(row) = run_row(client, call).await? else {
+        return Ok((vec![None; ints], None));
+    };
+    let mut values = Vec::with_capacity(ints);
+    for column in 0..ints {
+        values.push(row.try_get::<i32, _>(column)?);
+    }
+    let token = if token {
+        row.try_get::<i64, _>(ints)?
+    } else {
+        None
+    };
+    Ok((values, token))
+}
+
+/// The error for a permit try whose gate stayed held past `statement_timeout`.
+fn gate_error(code: Option<i32>) -> LockError {
+    LockError::unavailable(
+        NAME,
+        format!(
+            "a permit try waited for its semaphore's gate (an application lock that tries of \
+             one semaphore hold for one batch each) until statement_timeout, and \
+             sp_getapplock answered {code:?}"
+        ),
+        None,
+    )
+}
+
 impl Session for MssqlSession {
     type Resource = Resource;
+    type Semaphore = Semaphore;
+    type Permit = Permit;
     type Interrupt = std::convert::Infallible;
+
+    fn try_permit<'a>(
+        &'a mut self,
+        semaphore: &'a Semaphore,
+        waiting: bool,
+    ) -> BoxFuture<'a, Result<PermitAnswer<Permit>, Failure>> {
+        Box::pin(async move {
+            let first = fastrand::u32(0..semaphore.count.max(1));
+            let call = permit_call(
+                &semaphore.base,
+                semaphore.count,
+                first,
+                &semaphore.queue,
+                waiting,
+                self.gate_wait,
+                self.fencing,
+            );
+            // The batch may have taken a slot before it failed, and session locks outlive
+            // it: only the session's end frees it for sure.
+            let (ints, token) = run_ints(&mut self.client, &call, 3, true)
+                .await
+                .map_err(|err| Failure::connection(failure("taking a permit", err).error))?;
+            let (gate, slot, recorded) = (ints[0], ints[1], ints[2]);
+            if gate.is_none_or(|code| code < 0) {
+                return Err(Failure::statement(gate_error(gate)));
+            }
+            let recorded = recorded.and_then(|r| u32::try_from(r).ok()).unwrap_or(0);
+            if recorded != 0 && recorded != semaphore.count {
+                return Ok(PermitAnswer::Conflict { recorded });
+            }
+            let Some(slot) = slot.and_then(|slot| u32::try_from(slot).ok()) else {
+                return Ok(PermitAnswer::Full);
+            };
+            let permit = Permit {
+                base: Arc::clone(&semaphore.base),
+                slot,
+                count: semaphore.count,
+            };
+            let token = match (self.fencing, token.and_then(|t| u64::try_from(t).ok())) {
+                (false, _) => None,
+                (true, Some(token)) if token > 0 => Some(token),
+                (true, other) => {
+                    let error = LockError::backend(
+                        NAME,
+                        format!(
+                            "the permit was taken, but the fencing counter in dlock_fencing \
+                             answered {other:?} instead of a positive token; the permit was \
+                             given back"
+                        ),
+                        None,
+                        None,
+                    );
+                    return Err(match self.release_permit(&permit).await {
+                        Ok(()) => Failure::statement(error),
+                        Err(_) => Failure::connection(error),
+                    });
+                }
+            };
+            Ok(PermitAnswer::Granted { permit, token })
+        })
+    }
+
+    fn release_permit<'a>(&'a mut self, permit: &'a Permit) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            let call = permit_release_call(&permit.base, permit.slot, permit.count);
+            run_scalar(&mut self.client, &call)
+                .await
+                .map(drop)
+                .map_err(|err| failure("releasing a permit", err))
+        })
+    }
+
+    fn count_permits<'a>(
+        &'a mut self,
+        semaphore: &'a Semaphore,
+    ) -> BoxFuture<'a, Result<PermitCount, Failure>> {
+        Box::pin(async move {
+            let call = permit_count_call(&semaphore.base, semaphore.count);
+            let (ints, _) = run_ints(&mut self.client, &call, 2, false)
+                .await
+                .map_err(|err| failure("counting the permits", err))?;
+            let holders = ints[0].and_then(|n| u32::try_from(n).ok()).unwrap_or(0);
+            let recorded = ints[1]
+                .and_then(|r| u32::try_from(r).ok())
+                .filter(|r| *r > 0);
+            Ok(PermitCount { holders, recorded })
+        })
+    }
 
     fn lock<'a>(
         &'a mut self,

@@ -116,6 +116,232 @@ pub(crate) const RELEASEAPPLOCK_SESSION_SQL: &str = "DECLARE @r int; \
 EXEC @r = sp_releaseapplock @Resource = @P1, @LockOwner = 'Session', @DbPrincipal = 'public'; \
 SELECT @r;";
 
+// Semaphores (see the module docs, Semaphores). A semaphore of `n` permits (at most
+// [`MAX_PERMITS`]) is the session application locks `<base>:0` to `<base>:<n - 1>` ("slots",
+// held exclusively) and its count record, the locks `<base>:count:<j>` held shared for each bit
+// `j` set in `n` by every holder (SQL Server lists no locks without `VIEW SERVER STATE`, so the
+// record is read bit by bit with `APPLOCK_TEST`). A try is one batch, in a transaction that
+// holds the semaphore's gate (`<base>:gate`, owned by the transaction), so tries of one
+// semaphore run one at a time.
+
+/// The common head of [`PERMIT_SQL`]: the gate, the record, the walk.
+macro_rules! permit_head {
+    () => {
+        "SET XACT_ABORT ON; \
+DECLARE @r int, @g int, @i int = 0, @s int, @j int, @name nvarchar(255), @got int = -1, \
+@rec int = 0, @took int = 0, @t bigint = NULL; \
+BEGIN TRAN; \
+SET @name = @P1 + N':gate'; \
+EXEC @g = sp_getapplock @Resource = @name, @LockMode = 'Exclusive', @LockOwner = 'Transaction', \
+@LockTimeout = @P6, @DbPrincipal = 'public'; \
+IF @g >= 0 \
+BEGIN \
+SET @j = 0; \
+WHILE @j < 11 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+OR APPLOCK_TEST('public', @name, 'Exclusive', 'Session') = 0 \
+SET @rec = @rec | POWER(2, @j); \
+SET @j = @j + 1; \
+END; \
+IF (@rec = 0 OR @rec = @P2) AND (@P5 = 1 OR (APPLOCK_MODE('public', @P4, 'Session') = 'NoLock' \
+AND APPLOCK_TEST('public', @P4, 'Exclusive', 'Session') = 1)) \
+BEGIN \
+WHILE @i < @P2 AND @got < 0 \
+BEGIN \
+SET @s = (@P3 + @i) % @P2; \
+SET @name = @P1 + N':' + CAST(@s AS nvarchar(10)); \
+IF APPLOCK_MODE('public', @name, 'Session') = 'NoLock' \
+BEGIN \
+EXEC @r = sp_getapplock @Resource = @name, @LockMode = 'Exclusive', @LockOwner = 'Session', \
+@LockTimeout = 0, @DbPrincipal = 'public'; \
+IF @r >= 0 SET @got = @s; \
+END; \
+SET @i = @i + 1; \
+END; \
+IF @got >= 0 \
+BEGIN \
+SET @j = 0; \
+WHILE @j < 11 \
+BEGIN \
+IF (@P2 & POWER(2, @j)) <> 0 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+EXEC @r = sp_getapplock @Resource = @name, @LockMode = 'Shared', @LockOwner = 'Session', \
+@LockTimeout = 0, @DbPrincipal = 'public'; \
+IF @r >= 0 SET @took = @took | POWER(2, @j); \
+END; \
+SET @j = @j + 1; \
+END; \
+IF @took <> @P2 \
+BEGIN \
+SET @j = 0; \
+WHILE @j < 11 \
+BEGIN \
+IF (@took & POWER(2, @j)) <> 0 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+END; \
+SET @j = @j + 1; \
+END; \
+SET @name = @P1 + N':' + CAST(@got AS nvarchar(10)); \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+SET @got = -1; \
+END; \
+END; \
+"
+    };
+}
+
+/// The end of [`PERMIT_SQL`]: `$fence` runs with a slot taken, under the gate.
+macro_rules! permit_tail {
+    ($fence:literal) => {
+        concat!(
+            "IF @got >= 0 \
+BEGIN ",
+            $fence,
+            "END; \
+END; \
+END; \
+COMMIT; \
+SET XACT_ABORT OFF; \
+SELECT @g, @got, @rec, @t;"
+        )
+    };
+}
+
+/// The most permits a semaphore may have here: a try that finds the semaphore full asks for
+/// each slot in turn, in one batch; 1,024 is the 11 bits of the count record.
+pub(crate) const MAX_PERMITS: u32 = 1024;
+
+/// One try for a permit, in one batch. `@P1` the semaphore's base name, `@P2` the count,
+/// `@P3` the first slot tried, `@P4` the queue lock's resource, `@P5` 1 for a waiting try,
+/// `@P6` how long to wait for the gate (ms). Reads the count record (`@rec`, 0 when no permit
+/// is live); unless it names another count, or (for a single try) a session holds the queue
+/// lock, walks the slots from `@P3` on, skipping those this session holds already
+/// (`sp_getapplock` would grant them again), and takes the first free one with its share of
+/// the record (both given back if a share is refused); with fencing, increments the
+/// semaphore's counter. Answers the gate's code, the slot taken (-1: none), the record read,
+/// and the token.
+pub(crate) const PERMIT_SQL: &str = concat!(permit_head!(), permit_tail!("SET @t = NULL; "));
+
+/// [`PERMIT_SQL`] that, with a slot taken, increments the semaphore's fencing counter (row
+/// `@P1`) in the same transaction, under the gate.
+pub(crate) const PERMIT_FENCED_SQL: &str = concat!(
+    permit_head!(),
+    permit_tail!(
+        "UPDATE dlock_fencing SET @t = token = token + 1 WHERE resource = @P1; \
+IF @@ROWCOUNT = 0 BEGIN INSERT INTO dlock_fencing (resource, token) VALUES (@P1, 1); SET @t = 1; END; "
+    )
+);
+
+/// `@P1` the semaphore's base name, `@P2` the slot, `@P3` the count. Gives back a permit: its
+/// slot first, then its share of the count record (each only if this session holds it).
+pub(crate) const PERMIT_RELEASE_SQL: &str = "DECLARE @j int = 0, @name nvarchar(255); \
+SET @name = @P1 + N':' + CAST(@P2 AS nvarchar(10)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+WHILE @j < 11 \
+BEGIN \
+IF (@P3 & POWER(2, @j)) <> 0 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; \
+END; \
+SET @j = @j + 1; \
+END; \
+SELECT 0;";
+
+/// `@P1` the semaphore's base name, `@P2` the count. How many of the semaphore's slots below
+/// `@P2` are held, by any session, and the count record.
+pub(crate) const PERMIT_COUNT_SQL: &str = "DECLARE @i int = 0, @j int = 0, @n int = 0, @rec int = 0, \
+@name nvarchar(255); \
+WHILE @i < @P2 \
+BEGIN \
+SET @name = @P1 + N':' + CAST(@i AS nvarchar(10)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+OR APPLOCK_TEST('public', @name, 'Exclusive', 'Session') = 0 \
+SET @n = @n + 1; \
+SET @i = @i + 1; \
+END; \
+WHILE @j < 11 \
+BEGIN \
+SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); \
+IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' \
+OR APPLOCK_TEST('public', @name, 'Exclusive', 'Session') = 0 \
+SET @rec = @rec | POWER(2, @j); \
+SET @j = @j + 1; \
+END; \
+SELECT @n, @rec;";
+
+/// The base name of the semaphore `key`'s application locks: `dlock-sem:` and the 64
+/// lowercase hex digits of SHA-256 of the key (74 characters; its slots, count bits and gate
+/// add at most 11). No lock's resource starts with it (theirs start `dlock:`).
+pub(crate) fn semaphore_base(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let mut name = String::with_capacity(90);
+    name.push_str("dlock-sem:");
+    for byte in digest {
+        let _ = write!(name, "{byte:02x}");
+    }
+    name
+}
+
+/// The permit try for the semaphore `base` of `count` permits, from slot `first`
+/// ([`PERMIT_SQL`], or [`PERMIT_FENCED_SQL`] with fencing).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn permit_call(
+    base: &str,
+    count: u32,
+    first: u32,
+    queue: &str,
+    waiting: bool,
+    gate_wait: Duration,
+    fencing: bool,
+) -> Call {
+    Call {
+        sql: if fencing {
+            PERMIT_FENCED_SQL
+        } else {
+            PERMIT_SQL
+        },
+        params: vec![
+            Param::NVarChar(base.to_owned()),
+            Param::Int(i32::try_from(count).unwrap_or(i32::MAX)),
+            Param::Int(i32::try_from(first).unwrap_or(0)),
+            Param::NVarChar(queue.to_owned()),
+            Param::Int(i32::from(waiting)),
+            Param::Int(lock_timeout_ms(gate_wait)),
+        ],
+    }
+}
+
+/// Giving back the permit `slot` of the semaphore `base` of `count` permits.
+pub(crate) fn permit_release_call(base: &str, slot: u32, count: u32) -> Call {
+    Call {
+        sql: PERMIT_RELEASE_SQL,
+        params: vec![
+            Param::NVarChar(base.to_owned()),
+            Param::Int(i32::try_from(slot).unwrap_or(i32::MAX)),
+            Param::Int(i32::try_from(count).unwrap_or(i32::MAX)),
+        ],
+    }
+}
+
+/// Counting the permits of the semaphore `base` of `count` permits.
+pub(crate) fn permit_count_call(base: &str, count: u32) -> Call {
+    Call {
+        sql: PERMIT_COUNT_SQL,
+        params: vec![
+            Param::NVarChar(base.to_owned()),
+            Param::Int(i32::try_from(count).unwrap_or(i32::MAX)),
+        ],
+    }
+}
+
 /// SQL Server error 1223: "Cannot release the application lock ... because it is not currently
 /// held." Releasing a lock that is already gone is not an error for the backend.
 pub(crate) const NOT_HELD_ERROR: u32 = 1223;
@@ -688,5 +914,152 @@ mod tests {
         let err = server_error("taking a lock", 50000, "custom");
         assert_eq!(err.db_code(), Some("50000"));
         assert!(err.to_string().contains("custom"));
+    }
+
+    /// The words of a batch, for its structure: `BEGIN`s (but `BEGIN TRAN`) and `END`s pair
+    /// up, and so do `BEGIN TRAN` and `COMMIT`.
+    fn balanced(sql: &str) -> bool {
+        let words: Vec<&str> = sql
+            .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            .filter(|w| !w.is_empty())
+            .collect();
+        let mut depth = 0i32;
+        for (at, word) in words.iter().enumerate() {
+            match *word {
+                "BEGIN" if words.get(at + 1) == Some(&"TRAN") => {}
+                "BEGIN" => depth += 1,
+                "END" => depth -= 1,
+                _ => {}
+            }
+            if depth < 0 {
+                return false;
+            }
+        }
+        depth == 0 && sql.matches("BEGIN TRAN;").count() == sql.matches("COMMIT;").count()
+    }
+
+    /// The permit batches, pinned word for word (SQL Server cannot run here: these are what
+    /// the live suite, `tests/mssql.rs` with `DLOCK_MSSQL_URL`, runs), with their structure
+    /// and parameters checked.
+    #[test]
+    fn permit_batches_are_pinned() {
+        assert_eq!(
+            PERMIT_SQL,
+            "SET XACT_ABORT ON; DECLARE @r int, @g int, @i int = 0, @s int, @j int, @name \
+            nvarchar(255), @got int = -1, @rec int = 0, @took int = 0, @t bigint = NULL; BEGIN \
+            TRAN; SET @name = @P1 + N':gate'; EXEC @g = sp_getapplock @Resource = @name, \
+            @LockMode = 'Exclusive', @LockOwner = 'Transaction', @LockTimeout = @P6, \
+            @DbPrincipal = 'public'; IF @g >= 0 BEGIN SET @j = 0; WHILE @j < 11 BEGIN SET \
+            @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); IF APPLOCK_MODE('public', \
+            @name, 'Session') <> 'NoLock' OR APPLOCK_TEST('public', @name, 'Exclusive', \
+            'Session') = 0 SET @rec = @rec | POWER(2, @j); SET @j = @j + 1; END; IF (@rec = 0 \
+            OR @rec = @P2) AND (@P5 = 1 OR (APPLOCK_MODE('public', @P4, 'Session') = 'NoLock' \
+            AND APPLOCK_TEST('public', @P4, 'Exclusive', 'Session') = 1)) BEGIN WHILE @i < @P2 \
+            AND @got < 0 BEGIN SET @s = (@P3 + @i) % @P2; SET @name = @P1 + N':' + CAST(@s AS \
+            nvarchar(10)); IF APPLOCK_MODE('public', @name, 'Session') = 'NoLock' BEGIN EXEC \
+            @r = sp_getapplock @Resource = @name, @LockMode = 'Exclusive', @LockOwner = \
+            'Session', @LockTimeout = 0, @DbPrincipal = 'public'; IF @r >= 0 SET @got = @s; \
+            END; SET @i = @i + 1; END; IF @got >= 0 BEGIN SET @j = 0; WHILE @j < 11 BEGIN IF \
+            (@P2 & POWER(2, @j)) <> 0 BEGIN SET @name = @P1 + N':count:' + CAST(@j AS \
+            nvarchar(2)); EXEC @r = sp_getapplock @Resource = @name, @LockMode = 'Shared', \
+            @LockOwner = 'Session', @LockTimeout = 0, @DbPrincipal = 'public'; IF @r >= 0 SET \
+            @took = @took | POWER(2, @j); END; SET @j = @j + 1; END; IF @took <> @P2 BEGIN SET \
+            @j = 0; WHILE @j < 11 BEGIN IF (@took & POWER(2, @j)) <> 0 BEGIN SET @name = @P1 + \
+            N':count:' + CAST(@j AS nvarchar(2)); EXEC sp_releaseapplock @Resource = @name, \
+            @LockOwner = 'Session', @DbPrincipal = 'public'; END; SET @j = @j + 1; END; SET \
+            @name = @P1 + N':' + CAST(@got AS nvarchar(10)); EXEC sp_releaseapplock @Resource \
+            = @name, @LockOwner = 'Session', @DbPrincipal = 'public'; SET @got = -1; END; END; \
+            IF @got >= 0 BEGIN SET @t = NULL; END; END; END; COMMIT; SET XACT_ABORT OFF; \
+            SELECT @g, @got, @rec, @t;"
+        );
+        // The fenced batch differs in its fence alone.
+        assert_eq!(
+            PERMIT_SQL.replace(
+                "IF @got >= 0 BEGIN SET @t = NULL; END;",
+                "IF @got >= 0 BEGIN UPDATE dlock_fencing SET @t = token = token + 1 WHERE \
+                 resource = @P1; IF @@ROWCOUNT = 0 BEGIN INSERT INTO dlock_fencing (resource, \
+                 token) VALUES (@P1, 1); SET @t = 1; END; END;"
+            ),
+            PERMIT_FENCED_SQL
+        );
+        assert_eq!(
+            PERMIT_RELEASE_SQL,
+            "DECLARE @j int = 0, @name nvarchar(255); SET @name = @P1 + N':' + CAST(@P2 AS \
+            nvarchar(10)); IF APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' EXEC \
+            sp_releaseapplock @Resource = @name, @LockOwner = 'Session', @DbPrincipal = \
+            'public'; WHILE @j < 11 BEGIN IF (@P3 & POWER(2, @j)) <> 0 BEGIN SET @name = @P1 + \
+            N':count:' + CAST(@j AS nvarchar(2)); IF APPLOCK_MODE('public', @name, 'Session') \
+            <> 'NoLock' EXEC sp_releaseapplock @Resource = @name, @LockOwner = 'Session', \
+            @DbPrincipal = 'public'; END; SET @j = @j + 1; END; SELECT 0;"
+        );
+        assert_eq!(
+            PERMIT_COUNT_SQL,
+            "DECLARE @i int = 0, @j int = 0, @n int = 0, @rec int = 0, @name nvarchar(255); \
+            WHILE @i < @P2 BEGIN SET @name = @P1 + N':' + CAST(@i AS nvarchar(10)); IF \
+            APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' OR APPLOCK_TEST('public', \
+            @name, 'Exclusive', 'Session') = 0 SET @n = @n + 1; SET @i = @i + 1; END; WHILE @j \
+            < 11 BEGIN SET @name = @P1 + N':count:' + CAST(@j AS nvarchar(2)); IF \
+            APPLOCK_MODE('public', @name, 'Session') <> 'NoLock' OR APPLOCK_TEST('public', \
+            @name, 'Exclusive', 'Session') = 0 SET @rec = @rec | POWER(2, @j); SET @j = @j + \
+            1; END; SELECT @n, @rec;"
+        );
+        for (sql, params) in [
+            (PERMIT_SQL, 6),
+            (PERMIT_FENCED_SQL, 6),
+            (PERMIT_RELEASE_SQL, 3),
+            (PERMIT_COUNT_SQL, 2),
+        ] {
+            assert!(balanced(sql), "unbalanced: {sql}");
+            for n in 1..=params {
+                assert!(sql.contains(&format!("@P{n}")), "@P{n} in {sql}");
+            }
+            assert!(!sql.contains(&format!("@P{}", params + 1)), "{sql}");
+        }
+        // The count record is read and held over the 11 bits of the largest count.
+        assert_eq!(MAX_PERMITS, 1 << 10);
+        assert_eq!(PERMIT_SQL.matches("WHILE @j < 11").count(), 3);
+    }
+
+    #[test]
+    fn permit_calls_bind_their_parameters() {
+        let base = semaphore_base("exports");
+        assert_eq!(
+            base,
+            "dlock-sem:4b4e49dd2de5eae9881688638d7453803ea88b3721146b8f97a5508b5b5c6aa5"
+        );
+        // The longest name: a slot or a count bit, within the 255 characters of a resource.
+        assert!(base.len() + ":count:10".len() <= 255 && base.len() + ":1023".len() <= 255);
+        assert!(
+            !base.starts_with(RESOURCE_PREFIX),
+            "never a lock's resource"
+        );
+        let call = permit_call(&base, 3, 2, "dlock:q", true, Duration::from_secs(10), false);
+        assert_eq!(call.sql, PERMIT_SQL);
+        assert_eq!(
+            call.params,
+            vec![
+                Param::NVarChar(base.clone()),
+                Param::Int(3),
+                Param::Int(2),
+                Param::NVarChar("dlock:q".into()),
+                Param::Int(1),
+                Param::Int(10_000),
+            ]
+        );
+        let fenced = permit_call(&base, 1024, 0, "dlock:q", false, Duration::MAX, true);
+        assert_eq!(fenced.sql, PERMIT_FENCED_SQL);
+        assert_eq!(fenced.params[1], Param::Int(1024));
+        assert_eq!(fenced.params[4], Param::Int(0));
+        // The gate's wait is the statement's bound (`statement_timeout`, which the client
+        // keeps anyway): -1, no limit of the server's own, for `Duration::MAX`.
+        assert_eq!(fenced.params[5], Param::Int(-1));
+        assert_eq!(
+            permit_release_call(&base, 7, 3).params,
+            vec![Param::NVarChar(base.clone()), Param::Int(7), Param::Int(3)]
+        );
+        assert_eq!(
+            permit_count_call(&base, 3).params,
+            vec![Param::NVarChar(base), Param::Int(3)]
+        );
     }
 }

@@ -104,6 +104,45 @@
 //! need extra tables or sessions per key. Use the exclusive lock, or PostgreSQL, SQL Server or
 //! Oracle for read locks.
 //!
+//! # Semaphores
+//!
+//! The backend keeps semaphores itself ([`LockBackend::semaphores`](crate::backend::LockBackend::semaphores)):
+//! a permit is a user lock of a lock connection, like a lock, and a try is **one statement**.
+//!
+//! - **Slots.** The semaphore `key` of `n` permits is the user locks
+//!   [`semaphore_slot_name`]`(key, 0)` to `(key, n - 1)`: `#sem#`, 32 hex digits of SHA-256 of
+//!   the key, `#`, the slot (never a lock's name, which has at most one `#`).
+//! - **One try.** A recursive CTE walks the slots from a random one on, one `GET_LOCK(name, 0)`
+//!   per iteration; the server evaluates each step from a row whose slot was not taken, so a
+//!   try takes at most one slot (`tests/mysql.rs` pins it on both servers). A slot this session
+//!   holds already is skipped (`IS_USED_LOCK(name) = CONNECTION_ID()`: the server would let a
+//!   session take its own user lock again, and a lock connection is shared by every
+//!   acquisition of the backend). A single try takes nothing while any session holds the
+//!   semaphore's queue lock
+//!   ([`PermitRequest::queue_key`](crate::backend::PermitRequest::queue_key)): the waiter at
+//!   the head of the queue polls for the permit.
+//! - **Bound.** The server cannot count the held slots, so a try that finds the semaphore full
+//!   has asked for every slot (in one statement, about 10 µs of the server's time per slot):
+//!   `max_count` is at most **1,024** here, and a larger one is a [`LockError::Config`]
+//!   naming the bound. The lock connections set `cte_max_recursion_depth` (MySQL) or
+//!   `max_recursive_iterations` (MariaDB) to 1,025 for their session, which needs no
+//!   privilege. Servers without recursive CTEs (before MySQL 8.0.3, MariaDB 10.2.2) keep the
+//!   provider's slot scheme.
+//! - **No count record.** User locks have no shared mode and cannot be listed without
+//!   privileges this backend does not ask for (`performance_schema`), so the semaphore's
+//!   count cannot be recorded soundly
+//!   ([`keeps_count_record`](crate::backend::PermitStore::keeps_count_record) is `false`):
+//!   a try with another count is not refused, and callers that disagree share the slots of
+//!   the largest count in use (never more holders than that). Give every holder of a
+//!   semaphore the same `max_count`; PostgreSQL, SQL Server and Oracle refuse another.
+//! - **Release, loss, fencing.** A release is `RELEASE_LOCK` of the slot; a permit ends with
+//!   its connection and is reported lost with it. With `fencing=true`, the semaphore's
+//!   counter (`dlock_fencing` row `#sem#` and the 32 hex digits) is incremented after the
+//!   grant (one statement more, as for locks).
+//!
+//! A statement that fails after it may have taken a slot drops its connection (the server
+//! frees the slot with the session).
+//!
 //! # Permissions
 //!
 //! `GET_LOCK`, `RELEASE_LOCK`, `IS_USED_LOCK` and `CONNECTION_ID()` need no privilege, and
@@ -190,7 +229,7 @@ use crate::session::{Dial, Driver, Opened, SessionBackend, SessionBuilder, Sessi
 use crate::sqlx_engine::SqlxEngine;
 use session::{MySqlConnector, create_fencing_table, open_connection};
 use statements::NAME;
-pub use statements::server_lock_name;
+pub use statements::{semaphore_slot_name, server_lock_name};
 
 /// The MySQL / MariaDB engine: the type parameter of [`MySqlBackend`] and [`MySqlBuilder`].
 #[derive(Debug, Clone, Copy)]

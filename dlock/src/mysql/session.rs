@@ -11,7 +11,7 @@ use super::MySql;
 use super::statements::*;
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Dial, Failure, Grant, Mode, Session};
+use crate::session::{Connector, Dial, Failure, Grant, Mode, PermitAnswer, PermitCount, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, driver_error, failure, ping, settle, settle_pauses,
 };
@@ -21,12 +21,24 @@ use crate::sqlx_engine::{
 pub(super) struct ServerInfo {
     pub(super) version: String,
     pub(super) mariadb: bool,
+    /// Whether the server has recursive CTEs (MySQL 8.0.3 and later, MariaDB 10.2.2 and
+    /// later), which a permit's walk is.
+    pub(super) walks: bool,
 }
 
 impl ServerInfo {
     pub(super) fn new(version: String) -> Self {
         let mariadb = version.to_ascii_lowercase().contains("mariadb");
-        ServerInfo { version, mariadb }
+        let walks = if mariadb {
+            version_numbers(&version) >= (10, 2, 2)
+        } else {
+            version_numbers(&version) >= (8, 0, 3)
+        };
+        ServerInfo {
+            version,
+            mariadb,
+            walks,
+        }
     }
 
     /// Whether `GET_LOCK` honours fractional seconds. MariaDB does; MySQL rounds to whole
@@ -36,10 +48,11 @@ impl ServerInfo {
     }
 
     fn session_sql(&self) -> &'static str {
-        if self.mariadb {
-            MARIADB_SESSION_SQL
-        } else {
-            MYSQL_SESSION_SQL
+        match (self.mariadb, self.walks) {
+            (true, true) => MARIADB_WALK_SESSION_SQL,
+            (true, false) => MARIADB_SESSION_SQL,
+            (false, true) => MYSQL_WALK_SESSION_SQL,
+            (false, false) => MYSQL_SESSION_SQL,
         }
     }
 }
@@ -65,10 +78,21 @@ impl MySqlConnector {
     }
 }
 
+/// A semaphore: its slots' name prefix (without its last `#`, the name of its fencing counter),
+/// its count and its queue lock's name.
+#[derive(Debug, Clone)]
+pub struct MySqlSemaphore {
+    prefix: Arc<str>,
+    count: u32,
+    queue: Arc<str>,
+}
+
 impl Connector for MySqlConnector {
     /// The server lock name.
     type Resource = Arc<str>;
+    type Semaphore = MySqlSemaphore;
     type Session = MySqlSession;
+    const MAX_PERMITS: u32 = MAX_PERMITS;
 
     const NAME: &'static str = NAME;
     /// Waits without limit are native waits of an hour each, repeated.
@@ -85,6 +109,27 @@ impl Connector for MySqlConnector {
 
     fn resource(&self, key: &str) -> Arc<str> {
         Arc::from(server_lock_name(key))
+    }
+
+    fn semaphore(&self, key: &str, max_count: u32, queue: Arc<str>) -> MySqlSemaphore {
+        MySqlSemaphore {
+            prefix: Arc::from(semaphore_prefix(key)),
+            count: max_count,
+            queue,
+        }
+    }
+
+    /// Servers without recursive CTEs (MySQL 5.7, MariaDB 10.1) keep semaphores as slot
+    /// locks of the provider.
+    fn keeps_permits(&self) -> bool {
+        self.server.walks
+    }
+
+    /// User locks have no shared mode, and cannot be listed without privileges the backend
+    /// does not ask for (`performance_schema`): no sound record of a semaphore's count can be
+    /// kept (see the module docs, Semaphores).
+    fn keeps_count_record(&self) -> bool {
+        false
     }
 
     fn shared_locks(&self) -> Result<(), LockError> {
@@ -155,9 +200,102 @@ impl MySqlSession {
     }
 }
 
+impl MySqlSession {
+    /// Gives back the slot `name` (a permit not kept: its fencing token could not be issued).
+    async fn release_slot(&mut self, name: &str) -> Result<(), sqlx::Error> {
+        sqlx::query(RELEASE_SQL)
+            .bind(name)
+            .fetch_optional(&mut self.conn)
+            .await
+            .map(drop)
+    }
+}
+
 impl Session for MySqlSession {
     type Resource = Arc<str>;
+    type Semaphore = MySqlSemaphore;
+    /// The slot's lock name.
+    type Permit = Arc<str>;
     type Interrupt = MySqlKill;
+
+    fn try_permit<'a>(
+        &'a mut self,
+        semaphore: &'a MySqlSemaphore,
+        waiting: bool,
+    ) -> BoxFuture<'a, Result<PermitAnswer<Arc<str>>, Failure>> {
+        Box::pin(async move {
+            let start = fastrand::u32(0..semaphore.count.max(1));
+            let slot: Option<u64> = sqlx::query_scalar(PERMIT_SQL)
+                .bind(&*semaphore.prefix)
+                .bind(start)
+                .bind(semaphore.count)
+                .bind(&*semaphore.queue)
+                .bind(waiting)
+                .fetch_one(&mut self.conn)
+                .await
+                // The walk may have taken a slot before the statement failed; only the
+                // session's end frees it for sure.
+                .map_err(|err| {
+                    Failure::connection(driver_error::<MySql>("taking a permit", err))
+                })?;
+            let Some(slot) = slot else {
+                return Ok(PermitAnswer::Full);
+            };
+            let name: Arc<str> = Arc::from(format!("{}{slot}", semaphore.prefix));
+            let token = if self.fencing {
+                // The semaphore's counter: its prefix without the last `#`.
+                let counter = semaphore.prefix.trim_end_matches('#');
+                match fence(&mut self.conn, counter).await {
+                    Ok(token) => Some(token),
+                    Err(err) => {
+                        let error = failure::<MySql>("issuing a fencing token", err);
+                        // Do not keep a permit whose token could not be issued.
+                        return Err(match self.release_slot(&name).await {
+                            Ok(()) => error,
+                            Err(_) => Failure::connection(error.error),
+                        });
+                    }
+                }
+            } else {
+                None
+            };
+            Ok(PermitAnswer::Granted {
+                permit: name,
+                token,
+            })
+        })
+    }
+
+    fn release_permit<'a>(
+        &'a mut self,
+        permit: &'a Arc<str>,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            self.release_slot(permit)
+                .await
+                .map_err(|err| failure::<MySql>("releasing a permit", err))
+        })
+    }
+
+    /// Counts the held slots (one `IS_USED_LOCK` per slot, in one statement). The server
+    /// keeps no count record: `recorded` is always `None`.
+    fn count_permits<'a>(
+        &'a mut self,
+        semaphore: &'a MySqlSemaphore,
+    ) -> BoxFuture<'a, Result<PermitCount, Failure>> {
+        Box::pin(async move {
+            let held: i64 = sqlx::query_scalar(PERMIT_COUNT_SQL)
+                .bind(&*semaphore.prefix)
+                .bind(semaphore.count)
+                .fetch_one(&mut self.conn)
+                .await
+                .map_err(|err| failure::<MySql>("counting the permits", err))?;
+            Ok(PermitCount {
+                holders: u32::try_from(held).unwrap_or(u32::MAX),
+                recorded: None,
+            })
+        })
+    }
 
     fn lock<'a>(
         &'a mut self,
@@ -406,6 +544,35 @@ mod tests {
                 assert!(message.contains("PostgreSQL"), "{message}");
             }
             other => panic!("{other:?}"),
+        }
+    }
+
+    /// Permits need recursive CTEs (MySQL 8.0.3, MariaDB 10.2.2); older servers keep the
+    /// provider's slot scheme, and their sessions are not asked for the recursion limit.
+    #[test]
+    fn permits_need_a_server_with_recursive_ctes() {
+        for (version, walks) in [
+            ("9.7.4-2", true),
+            ("8.0.3", true),
+            ("8.0.2-dmr", false),
+            ("5.7.44-log", false),
+            ("10.11.19-MariaDB-0+deb12u1", true),
+            ("10.2.2-MariaDB", true),
+            ("10.2.1-MariaDB", false),
+            ("10.1.48-MariaDB", false),
+        ] {
+            let server = ServerInfo::new(version.to_owned());
+            assert_eq!(server.walks, walks, "{version}");
+            assert_eq!(
+                server.session_sql().contains("recursi"),
+                walks,
+                "{version}: {}",
+                server.session_sql()
+            );
+            assert_eq!(
+                server.session_sql().contains("max_statement_time"),
+                server.mariadb
+            );
         }
     }
 }

@@ -44,6 +44,84 @@ pub(super) const MYSQL_SESSION_SQL: &str =
     "SET SESSION wait_timeout = 31536000, max_execution_time = 0";
 pub(super) const MARIADB_SESSION_SQL: &str =
     "SET SESSION wait_timeout = 31536000, max_statement_time = 0";
+/// [`MYSQL_SESSION_SQL`] on a server with recursive CTEs (MySQL 8.0.3 and later), which also
+/// lets a permit's walk run over every slot of the largest semaphore: [`MAX_PERMITS`] steps
+/// and the step that ends it.
+pub(super) const MYSQL_WALK_SESSION_SQL: &str = "SET SESSION wait_timeout = 31536000, \
+    max_execution_time = 0, cte_max_recursion_depth = 1025";
+/// [`MARIADB_SESSION_SQL`] on a server with recursive CTEs (MariaDB 10.2.2 and later), as
+/// [`MYSQL_WALK_SESSION_SQL`] (MariaDB stops a recursion at its limit without an error).
+pub(super) const MARIADB_WALK_SESSION_SQL: &str = "SET SESSION wait_timeout = 31536000, \
+    max_statement_time = 0, max_recursive_iterations = 1025";
+
+/// The most permits a semaphore may have here: a try that finds the semaphore full asks for
+/// each slot in turn (about 10 µs of the server's time each), in one statement.
+pub(super) const MAX_PERMITS: u32 = 1024;
+
+/// One try for a permit, in one statement: `?` the slots' name prefix, `?` the first slot
+/// tried, `?` the count, `?` the queue lock's name, `?` whether this is a waiting try. A
+/// single try takes nothing while any session holds the queue lock. Then the walk, one step
+/// per iteration of the recursive CTE (the server evaluates the next step only from a row
+/// whose slot was not taken, so at most one slot is taken): a slot this session holds already
+/// is skipped (`GET_LOCK` would let the session take it again), and `GET_LOCK(name, 0)` tries
+/// the others. Answers the slot taken, or `NULL`.
+pub(super) const PERMIT_SQL: &str = "WITH RECURSIVE \
+p (prefix, start, n, queue, waiting) AS (SELECT ?, ?, ?, ?, ?), \
+walk (step, slot, got) AS (\
+SELECT CAST(0 AS UNSIGNED), CAST(0 AS UNSIGNED), 0 FROM p \
+WHERE p.waiting OR IS_USED_LOCK(p.queue) IS NULL \
+UNION ALL \
+SELECT w.step + 1, (p.start + w.step) % p.n, \
+IF(IS_USED_LOCK(CONCAT(p.prefix, (p.start + w.step) % p.n)) <=> CONNECTION_ID(), 0, \
+COALESCE(GET_LOCK(CONCAT(p.prefix, (p.start + w.step) % p.n), 0), 0)) \
+FROM walk w, p WHERE w.got = 0 AND w.step < p.n) \
+SELECT (SELECT slot FROM walk WHERE got = 1)";
+
+/// `?` the slots' name prefix, `?` the count. How many slots of the semaphore are held, by
+/// any session (one `IS_USED_LOCK` per slot, in one statement).
+pub(super) const PERMIT_COUNT_SQL: &str = "WITH RECURSIVE \
+p (prefix, n) AS (SELECT ?, ?), \
+s (i) AS (SELECT CAST(0 AS UNSIGNED) UNION ALL SELECT s.i + 1 FROM s, p WHERE s.i + 1 < p.n) \
+SELECT COUNT(IS_USED_LOCK(CONCAT(p.prefix, s.i))) FROM s, p";
+
+/// The name prefix of the semaphore `key`'s slots: `#sem#`, 32 lowercase hex digits of
+/// SHA-256 of the key, `#` (slot *n* is the prefix and *n* in decimal, at most 48
+/// characters). No lock's name has more than one `#`, so no slot is a lock.
+pub(super) fn semaphore_prefix(key: &str) -> String {
+    let digest = Sha256::digest(key.as_bytes());
+    let mut name = String::with_capacity(MAX_NAME);
+    name.push_str("#sem#");
+    for byte in &digest[..16] {
+        name.push(hex_digit(byte >> 4));
+        name.push(hex_digit(byte & 0x0f));
+    }
+    name.push('#');
+    name
+}
+
+/// The server's user lock name of slot `slot` of the semaphore `key` (see the
+/// [module docs](crate::mysql#semaphores)): `#sem#`, 32 lowercase hex digits of SHA-256 of the
+/// key, `#`, and the slot in decimal. Other programs can compute it to see who holds a slot.
+///
+/// ```
+/// use dlock::mysql::semaphore_slot_name;
+/// let name = semaphore_slot_name("exports", 3);
+/// assert!(name.starts_with("#sem#") && name.ends_with("#3"));
+/// assert_eq!(name.len(), 5 + 32 + 1 + 1);
+/// ```
+pub fn semaphore_slot_name(key: &str, slot: u32) -> String {
+    format!("{}{slot}", semaphore_prefix(key))
+}
+
+/// The version of a server, as `VERSION()` gives it (`9.7.4-2`, `10.11.19-MariaDB-0+deb12u1`):
+/// major, minor and patch.
+pub(super) fn version_numbers(version: &str) -> (u32, u32, u32) {
+    let mut parts = version
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|part| part.parse::<u32>().unwrap_or(0));
+    let mut next = || parts.next().unwrap_or(0);
+    (next(), next(), next())
+}
 
 /// MySQL's error for a `GET_LOCK` wait that would deadlock.
 pub(super) const ER_USER_LOCK_DEADLOCK: u16 = 3058;
@@ -178,5 +256,77 @@ mod tests {
             }
         }
         assert_ne!(server_lock_name(&hashed), hashed);
+    }
+
+    /// The permit statements, pinned, with their five and two `?` (bound in this order by
+    /// the session: prefix, first slot, count, queue lock, waiting; prefix, count).
+    #[test]
+    fn permit_statements_are_pinned() {
+        assert_eq!(
+            PERMIT_SQL,
+            "WITH RECURSIVE p (prefix, start, n, queue, waiting) AS (SELECT ?, ?, ?, ?, ?), \
+            walk (step, slot, got) AS (SELECT CAST(0 AS UNSIGNED), CAST(0 AS UNSIGNED), 0 FROM \
+            p WHERE p.waiting OR IS_USED_LOCK(p.queue) IS NULL UNION ALL SELECT w.step + 1, \
+            (p.start + w.step) % p.n, IF(IS_USED_LOCK(CONCAT(p.prefix, (p.start + w.step) % \
+            p.n)) <=> CONNECTION_ID(), 0, COALESCE(GET_LOCK(CONCAT(p.prefix, (p.start + \
+            w.step) % p.n), 0), 0)) FROM walk w, p WHERE w.got = 0 AND w.step < p.n) SELECT \
+            (SELECT slot FROM walk WHERE got = 1)"
+        );
+        assert_eq!(PERMIT_SQL.matches('?').count(), 5);
+        assert_eq!(
+            PERMIT_COUNT_SQL,
+            "WITH RECURSIVE p (prefix, n) AS (SELECT ?, ?), s (i) AS (SELECT CAST(0 AS \
+            UNSIGNED) UNION ALL SELECT s.i + 1 FROM s, p WHERE s.i + 1 < p.n) SELECT \
+            COUNT(IS_USED_LOCK(CONCAT(p.prefix, s.i))) FROM s, p"
+        );
+        assert_eq!(PERMIT_COUNT_SQL.matches('?').count(), 2);
+        // The recursion limits cover every step of the largest walk and the one that ends it.
+        for session in [MYSQL_WALK_SESSION_SQL, MARIADB_WALK_SESSION_SQL] {
+            assert!(
+                session.ends_with(&format!(" = {}", MAX_PERMITS + 1)),
+                "{session}"
+            );
+        }
+        assert_eq!(
+            MYSQL_WALK_SESSION_SQL.replace(", cte_max_recursion_depth = 1025", ""),
+            MYSQL_SESSION_SQL
+        );
+        assert_eq!(
+            MARIADB_WALK_SESSION_SQL.replace(", max_recursive_iterations = 1025", ""),
+            MARIADB_SESSION_SQL
+        );
+    }
+
+    /// Slot names, pinned: `#sem#`, 32 hex digits of SHA-256 of the key, `#`, the slot;
+    /// never a lock's name (those have at most one `#`), distinct per key and slot, and
+    /// within the server's 64 characters for every slot.
+    #[test]
+    fn semaphore_slot_names_are_pinned() {
+        assert_eq!(
+            semaphore_slot_name("exports", 0),
+            "#sem#4b4e49dd2de5eae9881688638d745380#0"
+        );
+        let last = semaphore_slot_name(&"k".repeat(1000), u32::MAX);
+        assert!(last.len() <= MAX_NAME, "{last}");
+        assert_eq!(last.matches('#').count(), 3);
+        for key in ["exports", "Jobs", "a#b", "#sem#x"] {
+            assert!(server_lock_name(key).matches('#').count() <= 1, "{key}");
+        }
+        assert_ne!(semaphore_slot_name("a", 1), semaphore_slot_name("a", 10));
+        assert_ne!(semaphore_slot_name("a", 1), semaphore_slot_name("b", 1));
+        assert_eq!(
+            semaphore_prefix("exports").trim_end_matches('#'),
+            "#sem#4b4e49dd2de5eae9881688638d745380",
+            "the fencing counter's name"
+        );
+    }
+
+    #[test]
+    fn server_versions() {
+        assert_eq!(version_numbers("9.7.4-2"), (9, 7, 4));
+        assert_eq!(version_numbers("10.11.19-MariaDB-0+deb12u1"), (10, 11, 19));
+        assert_eq!(version_numbers("5.7.44-log"), (5, 7, 44));
+        assert_eq!(version_numbers("8.0"), (8, 0, 0));
+        assert_eq!(version_numbers("garbage"), (0, 0, 0));
     }
 }

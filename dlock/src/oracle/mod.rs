@@ -122,6 +122,39 @@
 //! against a live server here (see `docs/backends.md`). Transaction-bound locks have no read
 //! form.
 //!
+//! # Semaphores
+//!
+//! The backend keeps semaphores itself ([`LockBackend::semaphores`](crate::backend::LockBackend::semaphores)):
+//! a permit is a session `DBMS_LOCK` lock, like a lock, and a try is **one PL/SQL block**.
+//!
+//! - **Lock ids.** The semaphore `key` takes the base `b` = [`dbms_lock_id`]`("dlock\0permits\0"
+//!   + key)`, and its locks are `lock_of(x) = (b + x × 2654435761) mod 2^30`, distinct for
+//!   every `x` of one semaphore: slots `x` = 0 to `n - 1` (`X_MODE`), the count record
+//!   `x` = 1024 to 1034 (`S_MODE`, one per bit of `n`), the gate `x` = 1100.
+//! - **The count record.** Oracle lists locks only to a user with `SELECT` on `V$LOCK`, so each
+//!   session that holds permits holds the record's bits in shared mode, and a try reads them
+//!   with a no-wait `X_MODE` request on each (given back at once when it was free). Another
+//!   count is refused with [`LockError::Config`] naming both, taking nothing. `DBMS_LOCK` counts
+//!   no re-entries: a session gives the bits back with its last permit of the semaphore.
+//! - **One try.** Holding the gate (so tries of one semaphore run one at a time), the block
+//!   reads the record; unless it names another count, or (for a single try) a session holds
+//!   the semaphore's queue lock
+//!   ([`PermitRequest::queue_key`](crate::backend::PermitRequest::queue_key)), it walks the
+//!   slots from a random one on with no-wait requests (a slot this session holds answers 4,
+//!   "already own", and is passed over) and takes the first free one with the record's bits.
+//! - **Bound.** The server cannot count the held slots, so a try that finds the semaphore
+//!   full has asked for every slot: `max_count` is at most **1,024**, and a larger one is a
+//!   [`LockError::Config`] naming the bound.
+//! - **Release, loss, fencing.** A release gives back the slot (and, with the session's last
+//!   permit of the semaphore, the record's bits). A permit ends with its session and is
+//!   reported lost with it. With `fencing=true`, the semaphore's counter (`dlock_fencing` row
+//!   `lock_of(1100)`) is incremented and committed in the block, under the gate. Lock ids are
+//!   30-bit, as the locks' are: two semaphores' locks collide with the odds the lock ids do
+//!   (see above), which makes them exclude each other, never admit more.
+//!
+//! The blocks are pinned by the unit tests and run by `tests/oracle.rs` against the server of
+//! `DLOCK_ORACLE_URL`. A block that fails after it may have taken a slot drops its session.
+//!
 //! # URL
 //!
 //! `oracle://user:password@host:port/service_name` (port 1521 by default; user and password
@@ -199,6 +232,7 @@ impl Driver for Oracle {
     fn open(target: OracleTarget, options: &SessionOptions) -> BoxFuture<'static, Opened<Self>> {
         let connector = OracleConnector {
             dial: Dial::new(target, options),
+            gate_wait: options.statement_timeout,
         };
         let refused = crate::session::refuse_fencing_counters(NAME, options);
         Box::pin(async move {

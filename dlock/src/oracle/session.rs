@@ -8,7 +8,9 @@ use super::Oracle;
 use super::statements::*;
 use crate::LockError;
 use crate::backend::BoxFuture;
-use crate::session::{Connector, Dial, Failure, Grant as LaneGrant, Mode, Session};
+use crate::session::{
+    Connector, Dial, Failure, Grant as LaneGrant, Mode, PermitAnswer, PermitCount, Session,
+};
 
 /// Which kind of failure an Oracle error is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -230,14 +232,44 @@ impl std::fmt::Debug for OracleTarget {
 #[derive(Debug)]
 pub struct OracleConnector {
     pub(super) dial: Dial<Oracle>,
+    /// How long a permit try waits for its semaphore's gate (the backend's
+    /// `statement_timeout`, which bounds the whole try anyway).
+    pub(super) gate_wait: Duration,
+}
+
+/// A semaphore: the base of its lock ids, its count and its queue lock's id.
+#[derive(Debug, Clone, Copy)]
+pub struct OracleSemaphore {
+    base: i32,
+    count: u32,
+    queue: i32,
+}
+
+/// A permit: the slot `lock_of(slot)` of the semaphore `base`, and its count (the record's
+/// shares).
+#[derive(Debug, Clone, Copy)]
+pub struct OraclePermit {
+    base: i32,
+    slot: u32,
+    count: u32,
 }
 
 impl Connector for OracleConnector {
     type Resource = OracleResource;
+    type Semaphore = OracleSemaphore;
     type Session = OracleSession;
 
     const NAME: &'static str = NAME;
     const MAX_WAIT: Duration = MAX_WAIT;
+    const MAX_PERMITS: u32 = MAX_PERMITS;
+
+    fn semaphore(&self, key: &str, max_count: u32, queue: OracleResource) -> OracleSemaphore {
+        OracleSemaphore {
+            base: semaphore_base(key),
+            count: max_count,
+            queue: queue.id,
+        }
+    }
 
     fn wait_resolution(&self) -> Duration {
         Duration::from_secs(1)
@@ -262,6 +294,7 @@ impl Connector for OracleConnector {
         } = self.dial.target.clone();
         let timeout = self.dial.connect_timeout;
         let fencing = self.dial.fencing;
+        let gate_wait = self.gate_wait;
         Box::pin(async move {
             let opening = tokio::task::spawn_blocking(move || {
                 oracle::Connector::new(user, password, connect_string).connect()
@@ -270,6 +303,8 @@ impl Connector for OracleConnector {
                 Ok(Ok(Ok(conn))) => Ok(OracleSession {
                     conn: Arc::new(conn),
                     fencing,
+                    gate_wait,
+                    permits: std::collections::HashMap::new(),
                 }),
                 Ok(Ok(Err(err))) => Err(map_error("connecting to Oracle", &err).error),
                 Ok(Err(_)) => Err(join_failure("connecting to Oracle").error),
@@ -296,6 +331,10 @@ pub struct OracleResource {
 pub struct OracleSession {
     conn: Arc<oracle::Connection>,
     fencing: bool,
+    gate_wait: Duration,
+    /// How many permits of each semaphore (by base) this session holds: `DBMS_LOCK` counts
+    /// no re-entries, so the record's shares are given back with the last of them.
+    permits: std::collections::HashMap<i32, u32>,
 }
 
 impl OracleSession {
@@ -370,9 +409,126 @@ impl OracleSession {
     }
 }
 
+/// The error for a permit try or count whose gate stayed held past `statement_timeout`.
+fn gate_error(code: Option<i64>) -> LockError {
+    LockError::unavailable(
+        NAME,
+        format!(
+            "a permit try waited for its semaphore's gate (a DBMS_LOCK id that tries of one \
+             semaphore hold for one block each) until statement_timeout, and \
+             DBMS_LOCK.REQUEST answered {code:?}"
+        ),
+        None,
+    )
+}
+
 impl Session for OracleSession {
     type Resource = OracleResource;
+    type Semaphore = OracleSemaphore;
+    type Permit = OraclePermit;
     type Interrupt = std::convert::Infallible;
+
+    fn try_permit<'a>(
+        &'a mut self,
+        semaphore: &'a OracleSemaphore,
+        waiting: bool,
+    ) -> BoxFuture<'a, Result<PermitAnswer<OraclePermit>, Failure>> {
+        let first = fastrand::u32(0..semaphore.count.max(1));
+        let call = permit_call(
+            semaphore.base,
+            semaphore.count,
+            first,
+            semaphore.queue,
+            waiting,
+            self.gate_wait,
+            self.fencing,
+        );
+        Box::pin(async move {
+            // The block may have taken a slot before it failed, and session locks outlive
+            // it: only the session's end frees it for sure.
+            let outs = self
+                .blocking("taking a permit", move |conn| run_outs(conn, &call))
+                .await
+                .map_err(|failure| Failure::connection(failure.error))?;
+            let out = |at: usize| outs.get(at).copied().flatten();
+            let (gate, slot, recorded, token) = (out(0), out(1), out(2), out(3));
+            if !matches!(gate, Some(0 | 4)) {
+                return Err(Failure::statement(gate_error(gate)));
+            }
+            let recorded = recorded.and_then(|r| u32::try_from(r).ok()).unwrap_or(0);
+            if recorded != 0 && recorded != semaphore.count {
+                return Ok(PermitAnswer::Conflict { recorded });
+            }
+            let Some(slot) = slot.and_then(|slot| u32::try_from(slot).ok()) else {
+                return Ok(PermitAnswer::Full);
+            };
+            let permit = OraclePermit {
+                base: semaphore.base,
+                slot,
+                count: semaphore.count,
+            };
+            *self.permits.entry(semaphore.base).or_insert(0) += 1;
+            let token = match (self.fencing, token.and_then(|t| u64::try_from(t).ok())) {
+                (false, _) => None,
+                (true, Some(token)) if token > 0 => Some(token),
+                (true, other) => {
+                    let error = LockError::backend(
+                        NAME,
+                        format!(
+                            "the permit was taken, but the fencing counter in dlock_fencing \
+                             answered {other:?} instead of a positive token; the permit was \
+                             given back"
+                        ),
+                        None,
+                        None,
+                    );
+                    return Err(match self.release_permit(&permit).await {
+                        Ok(()) => Failure::statement(error),
+                        Err(_) => Failure::connection(error),
+                    });
+                }
+            };
+            Ok(PermitAnswer::Granted { permit, token })
+        })
+    }
+
+    fn release_permit<'a>(
+        &'a mut self,
+        permit: &'a OraclePermit,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        let held = self.permits.entry(permit.base).or_insert(1);
+        *held = held.saturating_sub(1);
+        let last = *held == 0;
+        if last {
+            self.permits.remove(&permit.base);
+        }
+        let call = permit_release_call(permit.base, permit.slot, permit.count, last);
+        Box::pin(async move {
+            self.blocking("releasing a permit", move |conn| run_outs(conn, &call))
+                .await
+                .map(drop)
+        })
+    }
+
+    fn count_permits<'a>(
+        &'a mut self,
+        semaphore: &'a OracleSemaphore,
+    ) -> BoxFuture<'a, Result<PermitCount, Failure>> {
+        let call = permit_count_call(semaphore.base, semaphore.count, self.gate_wait);
+        Box::pin(async move {
+            let outs = self
+                .blocking("counting the permits", move |conn| run_outs(conn, &call))
+                .await?;
+            let out = |at: usize| outs.get(at).copied().flatten();
+            let Some(holders) = out(0).and_then(|n| u32::try_from(n).ok()) else {
+                return Err(Failure::statement(gate_error(out(0))));
+            };
+            let recorded = out(1)
+                .and_then(|r| u32::try_from(r).ok())
+                .filter(|r| *r > 0);
+            Ok(PermitCount { holders, recorded })
+        })
+    }
 
     fn lock<'a>(
         &'a mut self,

@@ -97,6 +97,218 @@ pub(super) const NAME_USED_ERROR: &str = "ORA-00955";
 /// ORA-01031: insufficient privileges.
 pub(super) const NO_PRIVILEGE_ERROR: &str = "ORA-01031";
 
+// Semaphores (see the module docs, Semaphores). A semaphore of `n` permits (at most
+// [`MAX_PERMITS`]) is a family of `DBMS_LOCK` ids computed from its base `b` (a 30-bit hash of
+// the key): `lock_of(x) = (b + x × 2654435761) mod 2^30`, distinct for every `x` of one
+// semaphore (2654435761 is odd). Slots are `x` = 0 to `n - 1`, held in `X_MODE`; the count
+// record is `x` = 1024 + `j`, held in `S_MODE` for each bit `j` set in `n` (Oracle lists no
+// locks without `SELECT` on `V$LOCK`, so the record is read bit by bit); the gate, which
+// tries of one semaphore hold one block each, is `x` = 1100.
+
+/// The most permits a semaphore may have here: a try that finds the semaphore full asks for
+/// each slot in turn, in one block; 1,024 is the 11 bits of the count record.
+pub(super) const MAX_PERMITS: u32 = 1024;
+
+/// The declarations of the semaphore blocks: `lock_of`, and `held`, whether a session (this
+/// one included) holds a lock (an `X_MODE` request with no wait: 1 held elsewhere, 4 held
+/// here, 0 free and given back at once).
+macro_rules! semaphore_functions {
+    () => {
+        "FUNCTION lock_of(x NUMBER) RETURN INTEGER IS \
+BEGIN RETURN MOD(b + MOD(x * 2654435761, 1073741824), 1073741824); END; \
+FUNCTION held(k INTEGER) RETURN BOOLEAN IS c INTEGER; \
+BEGIN \
+c := DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.X_MODE, timeout => 0, release_on_commit => FALSE); \
+IF c = 0 THEN c := DBMS_LOCK.RELEASE(id => k); RETURN FALSE; END IF; \
+RETURN c IN (1, 4); \
+END; "
+    };
+}
+
+/// One try for a permit, with `$fence` run once a slot is taken (under the gate).
+macro_rules! permit_block {
+    ($fence:literal) => {
+        concat!(
+            "DECLARE b NUMBER := :1; n NUMBER := :2; first_ NUMBER := :3; q INTEGER := :4; \
+waiting NUMBER := :5; gate_wait NUMBER := :6; \
+g INTEGER; r INTEGER; k INTEGER; i NUMBER := 0; s NUMBER; got NUMBER := -1; rec NUMBER := 0; \
+took NUMBER := 0; fresh NUMBER := 0; t NUMBER; ",
+            semaphore_functions!(),
+            "BEGIN \
+g := DBMS_LOCK.REQUEST(id => lock_of(1100), lockmode => DBMS_LOCK.X_MODE, timeout => gate_wait, \
+release_on_commit => FALSE); \
+IF g IN (0, 4) THEN \
+BEGIN \
+FOR j IN 0 .. 10 LOOP \
+IF held(lock_of(1024 + j)) THEN rec := rec + POWER(2, j); END IF; \
+END LOOP; \
+IF (rec = 0 OR rec = n) AND (waiting = 1 OR NOT held(q)) THEN \
+WHILE i < n AND got < 0 LOOP \
+s := MOD(first_ + i, n); \
+r := DBMS_LOCK.REQUEST(id => lock_of(s), lockmode => DBMS_LOCK.X_MODE, timeout => 0, \
+release_on_commit => FALSE); \
+IF r = 0 THEN got := s; END IF; \
+i := i + 1; \
+END LOOP; \
+IF got >= 0 THEN \
+FOR j IN 0 .. 10 LOOP \
+IF BITAND(n, POWER(2, j)) <> 0 THEN \
+r := DBMS_LOCK.REQUEST(id => lock_of(1024 + j), lockmode => DBMS_LOCK.S_MODE, timeout => 0, \
+release_on_commit => FALSE); \
+IF r IN (0, 4) THEN took := took + POWER(2, j); END IF; \
+IF r = 0 THEN fresh := fresh + POWER(2, j); END IF; \
+END IF; \
+END LOOP; \
+IF took <> n THEN \
+FOR j IN 0 .. 10 LOOP \
+IF BITAND(fresh, POWER(2, j)) <> 0 THEN r := DBMS_LOCK.RELEASE(id => lock_of(1024 + j)); END IF; \
+END LOOP; \
+r := DBMS_LOCK.RELEASE(id => lock_of(got)); \
+got := -1; \
+END IF; \
+END IF; \
+IF got >= 0 THEN ",
+            $fence,
+            "END IF; \
+END IF; \
+r := DBMS_LOCK.RELEASE(id => lock_of(1100)); \
+EXCEPTION WHEN OTHERS THEN \
+ROLLBACK; \
+r := DBMS_LOCK.RELEASE(id => lock_of(1100)); \
+RAISE; \
+END; \
+END IF; \
+:7 := g; \
+:8 := got; \
+:9 := rec; \
+:10 := t; \
+END;"
+        )
+    };
+}
+
+/// One try for a permit, in one block. `:1` the semaphore's base, `:2` the count, `:3` the
+/// first slot tried, `:4` the queue lock's id, `:5` 1 for a waiting try, `:6` how long to wait
+/// for the gate (s); OUT `:7` the gate's code, `:8` the slot taken (-1: none), `:9` the count
+/// record read (0: no permit live), `:10` the token. Reads the record; unless it names another
+/// count, or (for a single try) a session holds the queue lock, walks the slots from `:3` on
+/// (a slot this session holds answers 4, "already own", and is passed over) and takes the
+/// first free one with its shares of the record (both given back if a share is refused).
+/// Each bind appears once, in the order of its number.
+pub(super) const PERMIT_SQL: &str = permit_block!("t := NULL; ");
+
+/// [`PERMIT_SQL`] that, with a slot taken, increments the semaphore's fencing counter (row
+/// `lock_of(1100)`, the gate's id) and commits it, under the gate.
+pub(super) const PERMIT_FENCED_SQL: &str = permit_block!(
+    "k := lock_of(1100); \
+UPDATE dlock_fencing SET token = token + 1 WHERE id = k RETURNING token INTO t; \
+IF SQL%ROWCOUNT = 0 THEN INSERT INTO dlock_fencing (id, token) VALUES (k, 1); t := 1; END IF; \
+COMMIT; "
+);
+
+/// `:1` the semaphore's base, `:2` the slot, `:3` the count, `:4` 1 when this session holds no
+/// other permit of the semaphore. Gives back a permit: its slot, then (for the session's last
+/// permit of the semaphore: `DBMS_LOCK` locks do not count re-entries) its shares of the
+/// count record.
+pub(super) const PERMIT_RELEASE_SQL: &str = concat!(
+    "DECLARE b NUMBER := :1; s NUMBER := :2; n NUMBER := :3; last_ NUMBER := :4; r INTEGER; ",
+    semaphore_functions!(),
+    "BEGIN \
+r := DBMS_LOCK.RELEASE(id => lock_of(s)); \
+IF last_ = 1 THEN \
+FOR j IN 0 .. 10 LOOP \
+IF BITAND(n, POWER(2, j)) <> 0 THEN r := DBMS_LOCK.RELEASE(id => lock_of(1024 + j)); END IF; \
+END LOOP; \
+END IF; \
+END;"
+);
+
+/// `:1` the semaphore's base, `:2` the count, `:3` how long to wait for the gate (s); OUT `:4`
+/// how many of its slots below `:2` are held (-1: the gate stayed held), `:5` the count
+/// record. Under the gate, as a try (`held` takes a free lock for a moment).
+pub(super) const PERMIT_COUNT_SQL: &str = concat!(
+    "DECLARE b NUMBER := :1; n NUMBER := :2; gate_wait NUMBER := :3; g INTEGER; r INTEGER; \
+c NUMBER := -1; rec NUMBER := 0; ",
+    semaphore_functions!(),
+    "BEGIN \
+g := DBMS_LOCK.REQUEST(id => lock_of(1100), lockmode => DBMS_LOCK.X_MODE, timeout => gate_wait, \
+release_on_commit => FALSE); \
+IF g IN (0, 4) THEN \
+c := 0; \
+FOR s IN 0 .. n - 1 LOOP IF held(lock_of(s)) THEN c := c + 1; END IF; END LOOP; \
+FOR j IN 0 .. 10 LOOP IF held(lock_of(1024 + j)) THEN rec := rec + POWER(2, j); END IF; END LOOP; \
+r := DBMS_LOCK.RELEASE(id => lock_of(1100)); \
+END IF; \
+:4 := c; \
+:5 := rec; \
+END;"
+);
+
+/// The base of the semaphore `key`'s lock ids: [`dbms_lock_id`] of the key in a reserved
+/// namespace of its own.
+pub(super) fn semaphore_base(key: &str) -> i32 {
+    dbms_lock_id(&format!("{}permits\0{key}", crate::key::RESERVED_PREFIX))
+}
+
+/// The permit try for the semaphore `base` of `count` permits, from slot `first`.
+pub(super) fn permit_call(
+    base: i32,
+    count: u32,
+    first: u32,
+    queue: i32,
+    waiting: bool,
+    gate_wait: Duration,
+    fencing: bool,
+) -> Call {
+    Call {
+        sql: if fencing {
+            PERMIT_FENCED_SQL
+        } else {
+            PERMIT_SQL
+        },
+        params: vec![
+            Param::Number(i64::from(base)),
+            Param::Number(i64::from(count)),
+            Param::Number(i64::from(first)),
+            Param::Number(i64::from(queue)),
+            Param::Number(i64::from(waiting)),
+            Param::Number(timeout_secs(gate_wait)),
+            Param::OutNumber,
+            Param::OutNumber,
+            Param::OutNumber,
+            Param::OutToken,
+        ],
+    }
+}
+
+/// Giving back the permit `slot` of the semaphore `base` of `count` permits (`last`: the
+/// session's last permit of it).
+pub(super) fn permit_release_call(base: i32, slot: u32, count: u32, last: bool) -> Call {
+    Call {
+        sql: PERMIT_RELEASE_SQL,
+        params: vec![
+            Param::Number(i64::from(base)),
+            Param::Number(i64::from(slot)),
+            Param::Number(i64::from(count)),
+            Param::Number(i64::from(last)),
+        ],
+    }
+}
+
+/// Counting the permits of the semaphore `base` of `count` permits.
+pub(super) fn permit_count_call(base: i32, count: u32, gate_wait: Duration) -> Call {
+    Call {
+        sql: PERMIT_COUNT_SQL,
+        params: vec![
+            Param::Number(i64::from(base)),
+            Param::Number(i64::from(count)),
+            Param::Number(timeout_secs(gate_wait)),
+            Param::OutNumber,
+            Param::OutNumber,
+        ],
+    }
+}
+
 /// `DBMS_LOCK.RELEASE`.
 pub(super) const RELEASE_SQL: &str = "BEGIN :1 := DBMS_LOCK.RELEASE(id => :2); END;";
 
@@ -537,5 +749,204 @@ mod tests {
             assert_eq!(err.db_code(), Some(format!("DBMS_LOCK {code}").as_str()));
         }
         assert!(release_result(None).is_err());
+    }
+
+    /// Whether a PL/SQL block's `IF`/`END IF`, `LOOP`/`END LOOP` and the remaining
+    /// `BEGIN`/`END` (a function's `END;` among them) pair up, in order.
+    fn balanced(sql: &str) -> bool {
+        let words: Vec<&str> = sql
+            .split(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            .filter(|w| !w.is_empty())
+            .collect();
+        let mut open: Vec<&str> = Vec::new();
+        let mut at = 0;
+        while let Some(word) = words.get(at) {
+            match *word {
+                "END" => {
+                    let what = match words.get(at + 1) {
+                        Some(&"IF") => "IF",
+                        Some(&"LOOP") => "LOOP",
+                        _ => "BEGIN",
+                    };
+                    if open.pop() != Some(what) {
+                        return false;
+                    }
+                    if what != "BEGIN" {
+                        at += 1;
+                    }
+                }
+                "IF" | "LOOP" | "BEGIN" => open.push(word),
+                _ => {}
+            }
+            at += 1;
+        }
+        open.is_empty()
+    }
+
+    /// Each of `:1` to `:n` appears once, in the order of its number, and no other.
+    fn binds_in_order(sql: &str, n: usize) -> bool {
+        let mut seen = Vec::new();
+        let mut rest = sql;
+        while let Some(at) = rest.find(':') {
+            rest = &rest[at + 1..];
+            let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+            if let Ok(number) = digits.parse::<usize>() {
+                seen.push(number);
+            }
+        }
+        seen == (1..=n).collect::<Vec<_>>()
+    }
+
+    /// The permit blocks, pinned word for word (Oracle cannot run here: these are what the
+    /// live suite, `tests/oracle.rs` with `DLOCK_ORACLE_URL`, runs), with their structure and
+    /// binds checked.
+    #[test]
+    fn permit_blocks_are_pinned() {
+        assert_eq!(
+            PERMIT_SQL,
+            "DECLARE b NUMBER := :1; n NUMBER := :2; first_ NUMBER := :3; q INTEGER := :4; \
+            waiting NUMBER := :5; gate_wait NUMBER := :6; g INTEGER; r INTEGER; k INTEGER; i \
+            NUMBER := 0; s NUMBER; got NUMBER := -1; rec NUMBER := 0; took NUMBER := 0; fresh \
+            NUMBER := 0; t NUMBER; FUNCTION lock_of(x NUMBER) RETURN INTEGER IS BEGIN RETURN \
+            MOD(b + MOD(x * 2654435761, 1073741824), 1073741824); END; FUNCTION held(k \
+            INTEGER) RETURN BOOLEAN IS c INTEGER; BEGIN c := DBMS_LOCK.REQUEST(id => k, \
+            lockmode => DBMS_LOCK.X_MODE, timeout => 0, release_on_commit => FALSE); IF c = 0 \
+            THEN c := DBMS_LOCK.RELEASE(id => k); RETURN FALSE; END IF; RETURN c IN (1, 4); \
+            END; BEGIN g := DBMS_LOCK.REQUEST(id => lock_of(1100), lockmode => \
+            DBMS_LOCK.X_MODE, timeout => gate_wait, release_on_commit => FALSE); IF g IN (0, \
+            4) THEN BEGIN FOR j IN 0 .. 10 LOOP IF held(lock_of(1024 + j)) THEN rec := rec + \
+            POWER(2, j); END IF; END LOOP; IF (rec = 0 OR rec = n) AND (waiting = 1 OR NOT \
+            held(q)) THEN WHILE i < n AND got < 0 LOOP s := MOD(first_ + i, n); r := \
+            DBMS_LOCK.REQUEST(id => lock_of(s), lockmode => DBMS_LOCK.X_MODE, timeout => 0, \
+            release_on_commit => FALSE); IF r = 0 THEN got := s; END IF; i := i + 1; END LOOP; \
+            IF got >= 0 THEN FOR j IN 0 .. 10 LOOP IF BITAND(n, POWER(2, j)) <> 0 THEN r := \
+            DBMS_LOCK.REQUEST(id => lock_of(1024 + j), lockmode => DBMS_LOCK.S_MODE, timeout \
+            => 0, release_on_commit => FALSE); IF r IN (0, 4) THEN took := took + POWER(2, j); \
+            END IF; IF r = 0 THEN fresh := fresh + POWER(2, j); END IF; END IF; END LOOP; IF \
+            took <> n THEN FOR j IN 0 .. 10 LOOP IF BITAND(fresh, POWER(2, j)) <> 0 THEN r := \
+            DBMS_LOCK.RELEASE(id => lock_of(1024 + j)); END IF; END LOOP; r := \
+            DBMS_LOCK.RELEASE(id => lock_of(got)); got := -1; END IF; END IF; IF got >= 0 THEN \
+            t := NULL; END IF; END IF; r := DBMS_LOCK.RELEASE(id => lock_of(1100)); EXCEPTION \
+            WHEN OTHERS THEN ROLLBACK; r := DBMS_LOCK.RELEASE(id => lock_of(1100)); RAISE; \
+            END; END IF; :7 := g; :8 := got; :9 := rec; :10 := t; END;"
+        );
+        // The fenced block differs in its fence alone.
+        assert_eq!(
+            PERMIT_SQL.replace(
+                "IF got >= 0 THEN t := NULL; END IF;",
+                "IF got >= 0 THEN k := lock_of(1100); UPDATE dlock_fencing SET token = token \
+                 + 1 WHERE id = k RETURNING token INTO t; IF SQL%ROWCOUNT = 0 THEN INSERT INTO \
+                 dlock_fencing (id, token) VALUES (k, 1); t := 1; END IF; COMMIT; END IF;"
+            ),
+            PERMIT_FENCED_SQL
+        );
+        assert_eq!(
+            PERMIT_RELEASE_SQL,
+            "DECLARE b NUMBER := :1; s NUMBER := :2; n NUMBER := :3; last_ NUMBER := :4; r \
+            INTEGER; FUNCTION lock_of(x NUMBER) RETURN INTEGER IS BEGIN RETURN MOD(b + MOD(x * \
+            2654435761, 1073741824), 1073741824); END; FUNCTION held(k INTEGER) RETURN BOOLEAN \
+            IS c INTEGER; BEGIN c := DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.X_MODE, \
+            timeout => 0, release_on_commit => FALSE); IF c = 0 THEN c := DBMS_LOCK.RELEASE(id \
+            => k); RETURN FALSE; END IF; RETURN c IN (1, 4); END; BEGIN r := \
+            DBMS_LOCK.RELEASE(id => lock_of(s)); IF last_ = 1 THEN FOR j IN 0 .. 10 LOOP IF \
+            BITAND(n, POWER(2, j)) <> 0 THEN r := DBMS_LOCK.RELEASE(id => lock_of(1024 + j)); \
+            END IF; END LOOP; END IF; END;"
+        );
+        assert_eq!(
+            PERMIT_COUNT_SQL,
+            "DECLARE b NUMBER := :1; n NUMBER := :2; gate_wait NUMBER := :3; g INTEGER; r \
+            INTEGER; c NUMBER := -1; rec NUMBER := 0; FUNCTION lock_of(x NUMBER) RETURN \
+            INTEGER IS BEGIN RETURN MOD(b + MOD(x * 2654435761, 1073741824), 1073741824); END; \
+            FUNCTION held(k INTEGER) RETURN BOOLEAN IS c INTEGER; BEGIN c := \
+            DBMS_LOCK.REQUEST(id => k, lockmode => DBMS_LOCK.X_MODE, timeout => 0, \
+            release_on_commit => FALSE); IF c = 0 THEN c := DBMS_LOCK.RELEASE(id => k); RETURN \
+            FALSE; END IF; RETURN c IN (1, 4); END; BEGIN g := DBMS_LOCK.REQUEST(id => \
+            lock_of(1100), lockmode => DBMS_LOCK.X_MODE, timeout => gate_wait, \
+            release_on_commit => FALSE); IF g IN (0, 4) THEN c := 0; FOR s IN 0 .. n - 1 LOOP \
+            IF held(lock_of(s)) THEN c := c + 1; END IF; END LOOP; FOR j IN 0 .. 10 LOOP IF \
+            held(lock_of(1024 + j)) THEN rec := rec + POWER(2, j); END IF; END LOOP; r := \
+            DBMS_LOCK.RELEASE(id => lock_of(1100)); END IF; :4 := c; :5 := rec; END;"
+        );
+        for (sql, binds) in [
+            (PERMIT_SQL, 10),
+            (PERMIT_FENCED_SQL, 10),
+            (PERMIT_RELEASE_SQL, 4),
+            (PERMIT_COUNT_SQL, 5),
+        ] {
+            assert!(balanced(sql), "unbalanced: {sql}");
+            assert!(binds_in_order(sql, binds), "binds of {sql}");
+        }
+        // The record's 11 bits cover the largest count.
+        assert_eq!(MAX_PERMITS, 1 << 10);
+    }
+
+    /// `lock_of`, as the blocks compute it: distinct ids for every slot, count bit and the
+    /// gate of one semaphore, all in the range `DBMS_LOCK` leaves to applications.
+    #[test]
+    fn a_semaphores_lock_ids_are_distinct() {
+        let lock_of =
+            |base: i32, x: i64| (i64::from(base) + (x * 2_654_435_761) % (1 << 30)) % (1 << 30);
+        for key in ["exports", "x", ""] {
+            let base = semaphore_base(key);
+            assert!((0..=MAX_USER_ID).contains(&i64::from(base)));
+            let mut ids: Vec<i64> = (0..i64::from(MAX_PERMITS))
+                .chain(1024..=1034)
+                .chain([1100])
+                .map(|x| lock_of(base, x))
+                .collect();
+            assert!(ids.iter().all(|id| (0..=MAX_USER_ID).contains(id)));
+            let all = ids.len();
+            ids.sort_unstable();
+            ids.dedup();
+            assert_eq!(ids.len(), all, "{key}");
+        }
+        assert_eq!(
+            semaphore_base("exports"),
+            dbms_lock_id("dlock\0permits\0exports")
+        );
+    }
+
+    #[test]
+    fn permit_calls_bind_their_parameters() {
+        let call = permit_call(7, 3, 2, 99, true, Duration::from_millis(1500), false);
+        assert_eq!(call.sql, PERMIT_SQL);
+        assert_eq!(
+            call.params,
+            vec![
+                Param::Number(7),
+                Param::Number(3),
+                Param::Number(2),
+                Param::Number(99),
+                Param::Number(1),
+                Param::Number(2),
+                Param::OutNumber,
+                Param::OutNumber,
+                Param::OutNumber,
+                Param::OutToken,
+            ]
+        );
+        assert_eq!(
+            permit_call(7, 3, 2, 99, false, Duration::from_secs(1), true).sql,
+            PERMIT_FENCED_SQL
+        );
+        assert_eq!(
+            permit_release_call(7, 1, 3, true).params,
+            vec![
+                Param::Number(7),
+                Param::Number(1),
+                Param::Number(3),
+                Param::Number(1)
+            ]
+        );
+        assert_eq!(
+            permit_count_call(7, 3, Duration::from_secs(10)).params,
+            vec![
+                Param::Number(7),
+                Param::Number(3),
+                Param::Number(10),
+                Param::OutNumber,
+                Param::OutNumber
+            ]
+        );
     }
 }

@@ -150,6 +150,53 @@
 //! Transaction-bound locks have no read form: [`try_acquire_in_transaction`] and
 //! [`acquire_in_transaction`] take the exclusive lock.
 //!
+//! # Semaphores
+//!
+//! The backend keeps semaphores itself ([`LockBackend::semaphores`](crate::backend::LockBackend::semaphores)):
+//! a permit is a session lock of a lock connection, like a lock, and a try is **one
+//! statement, whatever the count** (1 to [`u32::MAX`]).
+//!
+//! - **Slots.** The semaphore `key` of `n` permits is the advisory locks of the two-key form
+//!   `(class, 0)` to `(class, n - 1)` (`pg_advisory_lock(int4, int4)`; `objsubid` 2 in
+//!   `pg_locks`, a space no lock key uses), where `class` is the high 32 bits of
+//!   [`lock_id`](crate::lock_id())`("dlock\0permits\0" + key)`. Two semaphores whose classes
+//!   collide (probability 2^-32 per pair) share their slots: they then admit fewer holders
+//!   together, and refuse each other's count if it differs, never more holders.
+//! - **The count record.** Each holder also holds `(class, n)` in shared mode: the record is in
+//!   `pg_locks`, ends with the last holder's release or session, and needs no table.
+//! - **One try.** The statement takes the semaphore's *gate*, the transaction-level advisory
+//!   lock `pg_advisory_xact_lock(lock_id("dlock\0permits\0" + key))`, held until the
+//!   statement ends, so tries of one semaphore run one at a time (a try of another count cannot
+//!   slip in between the check and the grant). It reads `pg_locks` once: the live slots, a
+//!   record of another count (then it answers [`LockError::Config`] naming both counts, taking
+//!   nothing), the semaphore's queue lock (below), and the slots this session holds already.
+//!   If fewer than `n` slots are live, it walks the slots from a random one on with
+//!   `pg_try_advisory_lock`, skipping this session's own (the server would grant a session
+//!   its own advisory lock again, and a lock connection is shared by every acquisition of
+//!   the backend), and takes the first free one with its share of the record. Under the gate
+//!   no other try takes a slot, so the walk meets a free slot within one step more than there
+//!   are holders: the server's work grows with the holders, not with `n`, and nothing on the
+//!   client grows with either.
+//! - **Waiting.** A waiting acquisition queues on the semaphore's queue lock
+//!   ([`PermitRequest::queue_key`](crate::backend::PermitRequest::queue_key), an ordinary
+//!   advisory lock), through the server's FIFO lock waits. While any session holds it, a
+//!   single try is answered as held even when a permit is free, so tries in a loop cannot take
+//!   the permit the waiter at the head of the queue is polling for.
+//! - **Release and loss.** A release gives back the slot, then the share of the record
+//!   (`pg_advisory_unlock`, `pg_advisory_unlock_shared`). A permit ends with its connection,
+//!   and is reported lost with it, as a lock.
+//! - **Fencing.** With `fencing=true`, the semaphore's counter row (`id` = the gate's lock id)
+//!   is incremented in the same statement, under the gate: tokens increase strictly per
+//!   semaphore, in the order of the grants (with `fencing_counters=N`, its shared counter).
+//! - **Inspection.** [`store_locks`](crate::LockProvider::store_locks) lists a semaphore as
+//!   one entry, `semaphore <class> of <n>`, with its holders as readers.
+//!
+//! A statement that fails after it may have taken a slot drops its connection (session
+//! advisory locks outlive a failed statement; the server frees them with the session), and
+//! the connection's other locks are reported lost. Semaphores of earlier versions were slot
+//! locks of the one-key form: see MIGRATION.md before a version with this store and one
+//! without share a semaphore.
+//!
 //! # Permissions
 //!
 //! Advisory locks need no privilege beyond `CONNECT` on the database (the functions

@@ -9,7 +9,7 @@ use sqlx::{Connection, Row};
 use super::Postgres;
 use super::statements::*;
 use crate::backend::{BoxFuture, StoreLock};
-use crate::session::{Connector, Dial, Failure, Grant, Mode, Session};
+use crate::session::{Connector, Dial, Failure, Grant, Mode, PermitAnswer, PermitCount, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, db_code, driver_error, is_connection_error, ping, settle,
     settle_pauses,
@@ -43,10 +43,33 @@ impl PgConnector {
     }
 }
 
+/// A semaphore: its gate (a one-key lock id, also its fencing counter row), the class of its
+/// slots (the first key of the two-key form), its count and its queue lock's id.
+#[derive(Debug, Clone, Copy)]
+pub struct PgSemaphore {
+    gate: i64,
+    class: i32,
+    count: u32,
+    queue: i64,
+}
+
+/// A permit: the slot `(class, slot)` held exclusively and the record `(class, count)`
+/// shared.
+#[derive(Debug, Clone, Copy)]
+pub struct PgPermit {
+    class: i32,
+    slot: u32,
+    count: u32,
+}
+
 impl Connector for PgConnector {
     /// The advisory lock id.
     type Resource = i64;
+    type Semaphore = PgSemaphore;
     type Session = PgSession;
+    /// The server counts the live slots in `pg_locks`, so a try walks at most one more slot
+    /// than are held: any count.
+    const MAX_PERMITS: u32 = u32::MAX;
 
     const NAME: &'static str = NAME;
     /// The longest `lock_timeout` the server takes.
@@ -60,6 +83,16 @@ impl Connector for PgConnector {
 
     fn resource(&self, key: &str) -> i64 {
         lock_id(key)
+    }
+
+    fn semaphore(&self, key: &str, max_count: u32, queue: i64) -> PgSemaphore {
+        let (gate, class) = semaphore_ids(key);
+        PgSemaphore {
+            gate,
+            class,
+            count: max_count,
+            queue,
+        }
     }
 
     /// `pg_advisory_lock_shared` and friends.
@@ -83,24 +116,37 @@ impl Connector for PgConnector {
                 .fetch_all(&mut conn)
                 .await
                 .map_err(|e| driver_error::<Postgres>("listing the locks", e))?;
+            let semaphores: Vec<(i64, i64, Option<i64>)> = sqlx::query_as(STORE_PERMITS_SQL)
+                .fetch_all(&mut conn)
+                .await
+                .map_err(|e| driver_error::<Postgres>("listing the semaphores", e))?;
             let _ = conn.close().await;
             let keys: std::collections::HashMap<i64, &str> =
                 known.iter().map(|key| (lock_id(key), *key)).collect();
-            Ok(rows
-                .into_iter()
-                .map(|(id, mode, holders, names)| {
-                    let readers = if mode == "ShareLock" {
-                        u32::try_from(holders).unwrap_or(u32::MAX)
-                    } else {
-                        0
-                    };
-                    StoreLock::new(id.to_string())
-                        .with_key(keys.get(&id).map(|key| (*key).to_owned()))
-                        .with_readers(readers)
-                        // The holding sessions' `application_name`: PostgreSQL's owner.
-                        .with_owner(Some(names))
-                })
-                .collect())
+            let classes: std::collections::HashMap<i64, &str> = known
+                .iter()
+                .map(|key| (i64::from(semaphore_ids(key).1 as u32), *key))
+                .collect();
+            let locks = rows.into_iter().map(|(id, mode, holders, names)| {
+                let readers = if mode == "ShareLock" {
+                    u32::try_from(holders).unwrap_or(u32::MAX)
+                } else {
+                    0
+                };
+                StoreLock::new(id.to_string())
+                    .with_key(keys.get(&id).map(|key| (*key).to_owned()))
+                    .with_readers(readers)
+                    // The holding sessions' `application_name`: PostgreSQL's owner.
+                    .with_owner(Some(names))
+            });
+            // A semaphore is one entry, shared by its holders: `semaphore <class> of <count>`.
+            let permits = semaphores.into_iter().map(|(class, holders, count)| {
+                let count = count.map_or_else(|| "?".to_owned(), |count| count.to_string());
+                StoreLock::new(format!("semaphore {class} of {count}"))
+                    .with_key(classes.get(&class).map(|key| (*key).to_owned()))
+                    .with_readers(u32::try_from(holders).unwrap_or(u32::MAX))
+            });
+            Ok(locks.chain(permits).collect())
         })
     }
 }
@@ -369,9 +415,125 @@ pub(super) async fn refuse_if_switched(conn: &mut PgConnection) -> Result<(), Lo
     }
 }
 
+impl PgSession {
+    /// One permit statement: the slot taken (if any), a conflicting count, the token.
+    async fn permit_statement(
+        &mut self,
+        semaphore: &PgSemaphore,
+        waiting: bool,
+    ) -> Result<(Option<i64>, Option<i64>, Option<i64>), sqlx::Error> {
+        let start = i64::from(fastrand::u32(0..semaphore.count.max(1)));
+        let sql = if self.counted.is_some() {
+            PERMIT_COUNTED_SQL
+        } else if self.fencing {
+            PERMIT_FENCED_SQL
+        } else {
+            PERMIT_SQL
+        };
+        let query = sqlx::query_as(sql)
+            .bind(semaphore.gate)
+            .bind(semaphore.class)
+            .bind(i64::from(semaphore.count))
+            .bind(start)
+            .bind(semaphore.queue)
+            .bind(waiting);
+        let query = match self.counted {
+            Some(counted) => query.bind(counted.row(semaphore.gate)).bind(counted.base),
+            None => query,
+        };
+        query.fetch_one(&mut self.conn).await
+    }
+}
+
 impl Session for PgSession {
     type Resource = i64;
+    type Semaphore = PgSemaphore;
+    type Permit = PgPermit;
     type Interrupt = PgCancel;
+
+    fn try_permit<'a>(
+        &'a mut self,
+        semaphore: &'a PgSemaphore,
+        waiting: bool,
+    ) -> BoxFuture<'a, Result<PermitAnswer<PgPermit>, Failure>> {
+        Box::pin(async move {
+            let (slot, other, token) = match self.permit_statement(semaphore, waiting).await {
+                Ok(row) => row,
+                // The walk may have taken a slot before the statement failed, and session
+                // advisory locks outlive their statement: only the session's end frees it.
+                Err(err) => {
+                    return Err(Failure::connection(driver_error::<Postgres>(
+                        "taking a permit",
+                        err,
+                    )));
+                }
+            };
+            if let Some(recorded) = other {
+                return Ok(PermitAnswer::Conflict {
+                    recorded: u32::try_from(recorded).unwrap_or(u32::MAX),
+                });
+            }
+            let Some(slot) = slot.and_then(|slot| u32::try_from(slot).ok()) else {
+                return Ok(PermitAnswer::Full);
+            };
+            let permit = PgPermit {
+                class: semaphore.class,
+                slot,
+                count: semaphore.count,
+            };
+            if self.counted.is_some() && token.is_none() {
+                // The shared counter refused the increment: give the permit back, say why.
+                let refusal = self.refusal().await;
+                return Err(match self.release_permit(&permit).await {
+                    Ok(()) => Failure::statement(refusal),
+                    Err(_) => Failure::connection(refusal),
+                });
+            }
+            Ok(PermitAnswer::Granted {
+                permit,
+                token: token.and_then(|t| u64::try_from(t).ok()),
+            })
+        })
+    }
+
+    fn release_permit<'a>(
+        &'a mut self,
+        permit: &'a PgPermit,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        Box::pin(async move {
+            sqlx::query_scalar::<_, bool>(PERMIT_RELEASE_SQL)
+                .bind(permit.class)
+                .bind(int4_bits(permit.slot))
+                .bind(int4_bits(permit.count))
+                .fetch_one(&mut self.conn)
+                .await
+                .map(drop)
+                .map_err(|err| {
+                    Failure::connection(driver_error::<Postgres>("releasing a permit", err))
+                })
+        })
+    }
+
+    fn count_permits<'a>(
+        &'a mut self,
+        semaphore: &'a PgSemaphore,
+    ) -> BoxFuture<'a, Result<PermitCount, Failure>> {
+        Box::pin(async move {
+            let (holders, other, any): (i64, Option<i64>, Option<i64>) =
+                sqlx::query_as(PERMIT_COUNT_SQL)
+                    .bind(semaphore.class)
+                    .bind(i64::from(semaphore.count))
+                    .fetch_one(&mut self.conn)
+                    .await
+                    .map_err(|err| {
+                        crate::sqlx_engine::failure::<Postgres>("counting the permits", err)
+                    })?;
+            Ok(PermitCount {
+                holders: u32::try_from(holders).unwrap_or(u32::MAX),
+                recorded: other.or(any).and_then(|count| u32::try_from(count).ok()),
+            })
+        })
+    }
 
     fn lock<'a>(
         &'a mut self,

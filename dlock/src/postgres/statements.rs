@@ -256,6 +256,117 @@ pub(super) const STORE_LOCKS_SQL: &str = "SELECT (l.classid::bigint << 32) | l.o
     AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
     GROUP BY 1, 2";
 
+// Semaphores (see the module docs, Semaphores). A semaphore of `n` permits is the advisory
+// locks of the two-key form `(class, 0)` to `(class, n - 1)` ("slots", `objsubid` 2 in
+// `pg_locks`, a namespace lock keys never use); a holder holds its slot exclusively and
+// `(class, n)`, the count record, shared. A try is one statement: it takes the semaphore's
+// gate (a transaction lock, so tries of one semaphore run one at a time, and the gate ends
+// with the statement), then reads `pg_locks` once (the live slots, a record of another count,
+// the queue lock, this session's own slots), then walks the slots from `$4` on, taking the
+// first free one that this session does not hold already, with its share of the record.
+// Under the gate no other try takes a slot, so one free slot is met within `live + 1` steps.
+
+/// The walk of a permit try, the common head of [`PERMIT_SQL`] and its fenced forms. `$1` the
+/// gate (a one-key lock id), `$2` the class, `$3` the count, `$4` the first slot tried, `$5`
+/// the queue lock's id, `$6` whether this is a waiting try (not answered full for the queue
+/// lock).
+macro_rules! permit_walk {
+    () => {
+        "WITH RECURSIVE \
+gate AS MATERIALIZED (SELECT pg_advisory_xact_lock($1)::text AS done), \
+seen AS MATERIALIZED (SELECT s.* FROM gate, LATERAL (SELECT \
+count(*) FILTER (WHERE l.objsubid = 2 AND l.mode = 'ExclusiveLock') AS live, \
+min(l.objid::bigint) FILTER (WHERE l.objsubid = 2 AND l.mode = 'ShareLock' AND l.objid::bigint <> $3) AS other, \
+coalesce(bool_or(l.objsubid = 1), false) AS queued, \
+coalesce(array_agg(l.objid::bigint) FILTER (WHERE l.objsubid = 2 AND l.mode = 'ExclusiveLock' \
+AND l.pid = pg_backend_pid()), '{}') AS mine \
+FROM pg_locks l \
+WHERE gate.done IS NOT NULL AND l.locktype = 'advisory' AND l.granted \
+AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+AND ((l.objsubid = 2 AND l.classid::bigint = ($2::bigint & 4294967295)) \
+OR (l.objsubid = 1 AND ((l.classid::bigint << 32) | l.objid::bigint) = $5)) \
+OFFSET 0) s), \
+walk (step, slot, got) AS (\
+SELECT 0::bigint, NULL::bigint, false FROM seen \
+WHERE seen.other IS NULL AND seen.live < $3 AND ($6 OR NOT seen.queued) \
+UNION ALL \
+SELECT w.step + 1, ($4 + w.step) % $3, \
+CASE WHEN ($4 + w.step) % $3 = ANY (seen.mine) THEN false \
+WHEN pg_try_advisory_lock($2, (($4 + w.step) % $3)::bit(32)::int4) THEN \
+CASE WHEN pg_try_advisory_lock_shared($2, $3::bit(32)::int4) THEN true \
+ELSE NOT pg_advisory_unlock($2, (($4 + w.step) % $3)::bit(32)::int4) END \
+ELSE false END \
+FROM walk w, seen WHERE NOT w.got AND w.step < least($3, seen.live + 1))"
+    };
+}
+
+/// One try for a permit, as [`permit_walk`] says. Answers the slot taken (`NULL`: none), a
+/// count that the live permits were taken with when it is not `$3` (nothing was taken), and
+/// no token.
+pub(super) const PERMIT_SQL: &str = concat!(
+    permit_walk!(),
+    " SELECT (SELECT slot FROM walk WHERE got), seen.other, NULL::bigint FROM seen"
+);
+
+/// [`PERMIT_SQL`] that, only when a slot was taken, increments the semaphore's fencing
+/// counter (row `$1`, the gate's id) in the same statement, under the gate, so tokens follow
+/// the order of the grants.
+pub(super) const PERMIT_FENCED_SQL: &str = concat!(
+    permit_walk!(),
+    ", f AS (INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM walk WHERE got \
+ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING token) \
+SELECT (SELECT slot FROM walk WHERE got), seen.other, (SELECT token FROM f) FROM seen"
+);
+
+/// [`PERMIT_SQL`] under shared counters (`fencing_counters`): `$7` the counter row, `$8` the
+/// epoch's base; the increment is refused (no token beside a slot) as [`TRY_COUNTED_SQL`]'s.
+pub(super) const PERMIT_COUNTED_SQL: &str = concat!(
+    permit_walk!(),
+    ", f AS (INSERT INTO dlock_fencing (id, token) SELECT $7, $8 + 1 FROM walk WHERE got \
+ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 \
+WHERE dlock_fencing.token >= $8 AND dlock_fencing.token < $8 + 281474976710655 \
+RETURNING token) \
+SELECT (SELECT slot FROM walk WHERE got), seen.other, (SELECT token FROM f) FROM seen"
+);
+
+/// `$1` class, `$2` slot, `$3` count (as `int4`, bit for bit). Gives back a permit: the slot
+/// first, then its share of the count record (the `CASE` fixes the order), so a try never
+/// sees a live slot without its record.
+pub(super) const PERMIT_RELEASE_SQL: &str = "SELECT CASE WHEN pg_advisory_unlock($1, $2) \
+THEN pg_advisory_unlock_shared($1, $3) ELSE pg_advisory_unlock_shared($1, $3) END";
+
+/// `$1` class, `$2` count. The live permits of a semaphore, a count they were taken with
+/// other than `$2` (if any), and any count they were taken with.
+pub(super) const PERMIT_COUNT_SQL: &str = "SELECT \
+count(*) FILTER (WHERE mode = 'ExclusiveLock'), \
+min(objid::bigint) FILTER (WHERE mode = 'ShareLock' AND objid::bigint <> $2), \
+min(objid::bigint) FILTER (WHERE mode = 'ShareLock') \
+FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2 \
+AND classid::bigint = ($1::bigint & 4294967295) \
+AND database = (SELECT oid FROM pg_database WHERE datname = current_database())";
+
+/// The semaphores with live permits in this database now, for store inspection: the class,
+/// how many slots are held, and the count their record says.
+pub(super) const STORE_PERMITS_SQL: &str = "SELECT classid::bigint, \
+count(*) FILTER (WHERE mode = 'ExclusiveLock'), max(objid::bigint) FILTER (WHERE mode = 'ShareLock') \
+FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 AND granted \
+AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+GROUP BY 1";
+
+/// The gate's lock id (also the semaphore's fencing counter row) and the class of the
+/// semaphore `key`'s slots: [`lock_id`](crate::lock_id) of the key in a reserved namespace
+/// of its own, and its high 32 bits.
+pub(super) fn semaphore_ids(key: &str) -> (i64, i32) {
+    let gate = crate::lock_id(&format!("{}permits\0{key}", crate::key::RESERVED_PREFIX));
+    (gate, (gate >> 32) as i32)
+}
+
+/// An `int4` with the bits of `value` (slots and counts are `u32`; the server's two-key
+/// advisory locks take `int4`s, and show them as unsigned `oid`s).
+pub(super) fn int4_bits(value: u32) -> i32 {
+    value as i32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -286,5 +397,108 @@ mod tests {
         assert_eq!(lock_timeout_setting(Duration::from_micros(1)), "1ms");
         assert_eq!(lock_timeout_setting(Duration::from_micros(1500)), "2ms");
         assert_eq!(lock_timeout_setting(Duration::MAX), "0");
+    }
+
+    /// The permit statements, pinned: the walk (gate, one read of `pg_locks`, the slots from
+    /// `$4` on), and what each form answers. Their placeholders are `$1` to `$6` (and `$7`,
+    /// `$8` for shared counters), each bound once by `permit_statement`.
+    #[test]
+    fn permit_statements_are_pinned() {
+        assert_eq!(
+            PERMIT_SQL,
+            "WITH RECURSIVE gate AS MATERIALIZED (SELECT pg_advisory_xact_lock($1)::text AS \
+            done), seen AS MATERIALIZED (SELECT s.* FROM gate, LATERAL (SELECT count(*) FILTER \
+            (WHERE l.objsubid = 2 AND l.mode = 'ExclusiveLock') AS live, min(l.objid::bigint) \
+            FILTER (WHERE l.objsubid = 2 AND l.mode = 'ShareLock' AND l.objid::bigint <> $3) \
+            AS other, coalesce(bool_or(l.objsubid = 1), false) AS queued, \
+            coalesce(array_agg(l.objid::bigint) FILTER (WHERE l.objsubid = 2 AND l.mode = \
+            'ExclusiveLock' AND l.pid = pg_backend_pid()), '{}') AS mine FROM pg_locks l WHERE \
+            gate.done IS NOT NULL AND l.locktype = 'advisory' AND l.granted AND l.database = \
+            (SELECT oid FROM pg_database WHERE datname = current_database()) AND ((l.objsubid \
+            = 2 AND l.classid::bigint = ($2::bigint & 4294967295)) OR (l.objsubid = 1 AND \
+            ((l.classid::bigint << 32) | l.objid::bigint) = $5)) OFFSET 0) s), walk (step, \
+            slot, got) AS (SELECT 0::bigint, NULL::bigint, false FROM seen WHERE seen.other IS \
+            NULL AND seen.live < $3 AND ($6 OR NOT seen.queued) UNION ALL SELECT w.step + 1, \
+            ($4 + w.step) % $3, CASE WHEN ($4 + w.step) % $3 = ANY (seen.mine) THEN false WHEN \
+            pg_try_advisory_lock($2, (($4 + w.step) % $3)::bit(32)::int4) THEN CASE WHEN \
+            pg_try_advisory_lock_shared($2, $3::bit(32)::int4) THEN true ELSE NOT \
+            pg_advisory_unlock($2, (($4 + w.step) % $3)::bit(32)::int4) END ELSE false END \
+            FROM walk w, seen WHERE NOT w.got AND w.step < least($3, seen.live + 1)) SELECT \
+            (SELECT slot FROM walk WHERE got), seen.other, NULL::bigint FROM seen"
+        );
+        let walk = PERMIT_SQL
+            .strip_suffix(
+                " SELECT (SELECT slot FROM walk WHERE got), seen.other, NULL::bigint FROM seen",
+            )
+            .expect("the walk, then the answer");
+        assert_eq!(
+            PERMIT_FENCED_SQL.strip_prefix(walk),
+            Some(
+                ", f AS (INSERT INTO dlock_fencing (id, token) SELECT $1, 1 FROM walk WHERE got \
+                ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 RETURNING \
+                token) SELECT (SELECT slot FROM walk WHERE got), seen.other, (SELECT token \
+                FROM f) FROM seen"
+            )
+        );
+        assert_eq!(
+            PERMIT_COUNTED_SQL.strip_prefix(walk),
+            Some(
+                ", f AS (INSERT INTO dlock_fencing (id, token) SELECT $7, $8 + 1 FROM walk \
+                WHERE got ON CONFLICT (id) DO UPDATE SET token = dlock_fencing.token + 1 WHERE \
+                dlock_fencing.token >= $8 AND dlock_fencing.token < $8 + 281474976710655 \
+                RETURNING token) SELECT (SELECT slot FROM walk WHERE got), seen.other, (SELECT \
+                token FROM f) FROM seen"
+            )
+        );
+        for (sql, params) in [
+            (PERMIT_SQL, 6),
+            (PERMIT_FENCED_SQL, 6),
+            (PERMIT_COUNTED_SQL, 8),
+        ] {
+            for n in 1..=params {
+                assert!(sql.contains(&format!("${n}")), "${n} in {sql}");
+            }
+            assert!(!sql.contains(&format!("${}", params + 1)), "{sql}");
+        }
+        assert_eq!(
+            PERMIT_RELEASE_SQL,
+            "SELECT CASE WHEN pg_advisory_unlock($1, $2) THEN pg_advisory_unlock_shared($1, $3) \
+            ELSE pg_advisory_unlock_shared($1, $3) END"
+        );
+        assert_eq!(
+            PERMIT_COUNT_SQL,
+            "SELECT count(*) FILTER (WHERE mode = 'ExclusiveLock'), min(objid::bigint) FILTER \
+            (WHERE mode = 'ShareLock' AND objid::bigint <> $2), min(objid::bigint) FILTER \
+            (WHERE mode = 'ShareLock') FROM pg_locks WHERE locktype = 'advisory' AND granted \
+            AND objsubid = 2 AND classid::bigint = ($1::bigint & 4294967295) AND database = \
+            (SELECT oid FROM pg_database WHERE datname = current_database())"
+        );
+        assert_eq!(
+            STORE_PERMITS_SQL,
+            "SELECT classid::bigint, count(*) FILTER (WHERE mode = 'ExclusiveLock'), \
+            max(objid::bigint) FILTER (WHERE mode = 'ShareLock') FROM pg_locks WHERE locktype \
+            = 'advisory' AND objsubid = 2 AND granted AND database = (SELECT oid FROM \
+            pg_database WHERE datname = current_database()) GROUP BY 1"
+        );
+    }
+
+    /// A semaphore's ids, pinned: the gate is `lock_id` of the key in the reserved
+    /// namespace `permits`, the class its high 32 bits; slots and counts travel as `int4`s
+    /// with the same bits, as `pg_locks` shows them (unsigned).
+    #[test]
+    fn semaphore_ids_are_pinned() {
+        let (gate, class) = semaphore_ids("exports");
+        assert_eq!(gate, crate::lock_id("dlock\0permits\0exports"));
+        assert_eq!(class, (gate >> 32) as i32);
+        assert_ne!(semaphore_ids("exports2"), (gate, class));
+        assert_ne!(
+            gate,
+            crate::lock_id("exports"),
+            "never the lock of the same key"
+        );
+        assert_eq!(int4_bits(0), 0);
+        assert_eq!(int4_bits(5), 5);
+        assert_eq!(int4_bits(u32::MAX), -1);
+        assert_eq!(int4_bits(1 << 31), i32::MIN);
     }
 }

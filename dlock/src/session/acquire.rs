@@ -11,7 +11,7 @@ use tokio_util::sync::CancellationToken;
 use super::claims::{Claim, Claims, Until};
 use super::lane::{Lane, LaneHeld};
 use super::options::LaneSettings;
-use super::traits::{Connector, Mode};
+use super::traits::{Connector, Mode, PermitAnswer, PermitCount};
 use super::wait::{WaitHeld, WaitPool, WaitTask};
 use crate::backend::Acquired;
 use crate::backoff::Pauses;
@@ -92,12 +92,17 @@ impl<C: Connector> Lanes<C> {
     /// behind a writer that waits there (a lane that holds the resource already grants
     /// another share itself).
     fn lane_for(&self, resource: &C::Resource, mode: Mode) -> Result<(usize, Lane<C>), LockError> {
-        let count = self.lanes.len().max(1);
         let busy = if mode.is_shared() {
             self.claims.lanes_of(resource)
         } else {
             Vec::new()
         };
+        self.pick_lane(&busy)
+    }
+
+    /// As [`lane_for`](Self::lane_for), among the lanes not in `busy` while there is one.
+    fn pick_lane(&self, busy: &[usize]) -> Result<(usize, Lane<C>), LockError> {
+        let count = self.lanes.len().max(1);
         let usable = |i: &usize| !busy.contains(i);
         let idle = (0..count)
             .filter(usable)
@@ -170,6 +175,62 @@ impl<C: Connector> Lanes<C> {
         // Made in the poll that got the grant: no await lies between the two.
         Ok(answer?
             .map(|grant| Acquired::new(grant.token, lost, Box::new(LaneHeld::new(lane, handle)))))
+    }
+
+    /// The semaphore `key` of `max_count` permits, as the engine names it; a count above the
+    /// engine's bound is a configuration error that names it.
+    fn semaphore(&self, key: &str, max_count: u32, queue: &str) -> Result<C::Semaphore, LockError> {
+        if max_count == 0 || max_count > C::MAX_PERMITS {
+            return Err(LockError::config(format!(
+                "a semaphore on {} takes a max_count of 1 to {} (asked: {max_count}): a try \
+                 that finds the semaphore full asks the server for each of its slots in one \
+                 statement, and the backend bounds that walk",
+                C::NAME,
+                C::MAX_PERMITS
+            )));
+        }
+        let queue = self.connector.resource(queue);
+        Ok(self.connector.semaphore(key, max_count, queue))
+    }
+
+    /// One try for a permit of the semaphore `key` (`waiting`: a try of a waiting
+    /// acquisition, which is not answered full for the semaphore's queue lock), on a lane, in
+    /// one statement. The permit is pinned to the lane, as a lock.
+    pub(crate) async fn try_permit(
+        &self,
+        key: &str,
+        max_count: u32,
+        queue: &str,
+        waiting: bool,
+    ) -> Result<PermitAnswer<Acquired>, LockError> {
+        let semaphore = self.semaphore(key, max_count, queue)?;
+        let (_, lane) = self.pick_lane(&[])?;
+        let handle = self.next_handle.fetch_add(1, Ordering::Relaxed);
+        let lost = CancellationToken::new();
+        let answer = lane
+            .try_permit(semaphore, waiting, handle, lost.clone())
+            .await?;
+        // Made in the poll that got the grant: no await lies between the two.
+        Ok(match answer {
+            PermitAnswer::Granted { token, .. } => PermitAnswer::Granted {
+                permit: Acquired::new(token, lost, Box::new(LaneHeld::new(lane, handle))),
+                token,
+            },
+            PermitAnswer::Full => PermitAnswer::Full,
+            PermitAnswer::Conflict { recorded } => PermitAnswer::Conflict { recorded },
+        })
+    }
+
+    /// How many permits of the semaphore `key` are live, and under which count.
+    pub(crate) async fn count_permits(
+        &self,
+        key: &str,
+        max_count: u32,
+        queue: &str,
+    ) -> Result<PermitCount, LockError> {
+        let semaphore = self.semaphore(key, max_count, queue)?;
+        let (_, lane) = self.pick_lane(&[])?;
+        lane.count_permits(semaphore).await
     }
 
     async fn poll_lanes(
@@ -728,5 +789,260 @@ mod tests {
         }
         assert!(server.locks.lock().unwrap().is_empty(), "nothing left held");
         assert!(other.take(id));
+    }
+
+    // Permits.
+
+    /// A permit try on a lane (a single try).
+    async fn permit(
+        lanes: &Lanes<crate::session::model::Model>,
+        key: &str,
+        n: u32,
+    ) -> PermitAnswer<Acquired> {
+        lanes
+            .try_permit(key, n, &queue_of(key), false)
+            .await
+            .expect("the model answers")
+    }
+
+    fn queue_of(key: &str) -> String {
+        crate::backend::PermitRequest::new(key, 1).queue_key()
+    }
+
+    fn granted(answer: PermitAnswer<Acquired>) -> Acquired {
+        match answer {
+            PermitAnswer::Granted { permit, .. } => permit,
+            other => panic!("expected a permit, got {:?}", other.forget()),
+        }
+    }
+
+    /// Many permits of one semaphore on one lane session (connections=1), taken and given
+    /// back in a random order by the acquisitions of one backend (every provider on a clone
+    /// of it shares the lane): the session is never granted a slot it holds already, so
+    /// `max_count` holders are reached and never passed.
+    #[tokio::test]
+    async fn permits_on_one_lane_session_never_take_a_held_slot_again() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 1, 1).await;
+        for n in [1u32, 2, 3, 7] {
+            let key = format!("s{n}");
+            let mut held = Vec::new();
+            for round in 0..200 {
+                if held.len() < n as usize && fastrand::bool() {
+                    held.push(granted(permit(&lanes, &key, n).await));
+                } else if held.len() == n as usize && fastrand::bool() {
+                    assert_eq!(
+                        permit(&lanes, &key, n).await.forget(),
+                        PermitAnswer::Full,
+                        "round {round}: a permit past the count"
+                    );
+                } else if !held.is_empty() {
+                    let at = fastrand::usize(..held.len());
+                    held.swap_remove(at).handle.release().await.unwrap();
+                }
+                let slots = ModelSession::slots(&server, &key);
+                assert_eq!(
+                    slots.len(),
+                    held.len(),
+                    "round {round}: slots and permits differ"
+                );
+                assert!(slots.keys().all(|slot| *slot < n));
+            }
+            while held.len() < n as usize {
+                held.push(granted(permit(&lanes, &key, n).await));
+            }
+            assert_eq!(
+                ModelSession::slots(&server, &key).len(),
+                n as usize,
+                "max_count reached"
+            );
+            for p in held {
+                p.handle.release().await.unwrap();
+            }
+        }
+        assert!(
+            server.permits.lock().unwrap().is_empty(),
+            "nothing left held"
+        );
+    }
+
+    /// A try is one statement, whatever the count (`u32::MAX` included) and whether it finds
+    /// a permit, the semaphore full, another count or the waiting mark; the release is one
+    /// more.
+    #[tokio::test]
+    async fn a_permit_try_is_one_statement_whatever_the_count() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 2, 0).await;
+        let statements = || server.statements.load(std::sync::atomic::Ordering::SeqCst);
+        for n in [1, 1_000_000, u32::MAX] {
+            let key = format!("big{n}");
+            let before = statements();
+            let first = granted(permit(&lanes, &key, n).await);
+            assert_eq!(statements() - before, 1, "a granted try of {n}");
+            if n == 1 {
+                let before = statements();
+                assert_eq!(permit(&lanes, &key, n).await.forget(), PermitAnswer::Full);
+                assert_eq!(statements() - before, 1, "a full try");
+            }
+            let before = statements();
+            assert_eq!(
+                permit(&lanes, &key, 2).await.forget(),
+                PermitAnswer::Conflict { recorded: n },
+                "another count is refused while a permit is live"
+            );
+            assert_eq!(statements() - before, 1, "a refused try");
+            let before = statements();
+            first.handle.release().await.unwrap();
+            assert_eq!(statements() - before, 1, "a release");
+        }
+    }
+
+    /// The count record: the first holders' count refuses another until every permit taken
+    /// with it is given back (or its session ended); then the other count is taken.
+    #[tokio::test]
+    async fn another_count_is_refused_until_every_permit_is_given_back() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 2, 0).await;
+        let two = [
+            granted(permit(&lanes, "k", 2).await),
+            granted(permit(&lanes, "k", 2).await),
+        ];
+        assert_eq!(
+            permit(&lanes, "k", 5).await.forget(),
+            PermitAnswer::Conflict { recorded: 2 }
+        );
+        let [a, b] = two;
+        a.handle.release().await.unwrap();
+        assert_eq!(
+            permit(&lanes, "k", 5).await.forget(),
+            PermitAnswer::Conflict { recorded: 2 },
+            "one permit of 2 is still live"
+        );
+        assert_eq!(
+            ModelSession::slots(&server, "k").len(),
+            1,
+            "the refused try took nothing"
+        );
+        b.handle.release().await.unwrap();
+        let five = granted(permit(&lanes, "k", 5).await);
+        assert_eq!(
+            permit(&lanes, "k", 2).await.forget(),
+            PermitAnswer::Conflict { recorded: 5 }
+        );
+        five.handle.release().await.unwrap();
+    }
+
+    /// The waiting mark: while any session holds the semaphore's queue lock (a waiter at the
+    /// head of the queue), a single try is answered full with a permit free, and a waiting
+    /// try is served.
+    #[tokio::test]
+    async fn single_tries_are_full_while_a_waiter_holds_the_queue() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 1, 0).await;
+        let queue = lanes.connector().resource(&queue_of("q"));
+        let waiter = ModelSession {
+            server: Arc::clone(&server),
+            id: u64::MAX,
+        };
+        assert!(waiter.take(queue));
+        assert_eq!(permit(&lanes, "q", 3).await.forget(), PermitAnswer::Full);
+        assert!(
+            ModelSession::slots(&server, "q").is_empty(),
+            "nothing taken"
+        );
+        let served = lanes
+            .try_permit("q", 3, &queue_of("q"), true)
+            .await
+            .unwrap();
+        let served = granted(served);
+        drop(waiter);
+        let single = granted(permit(&lanes, "q", 3).await);
+        // The queue lock held by the lane's own session marks the semaphore too.
+        let own = lanes
+            .try_acquire_x(&queue_of("q"))
+            .await
+            .unwrap()
+            .expect("free");
+        assert_eq!(permit(&lanes, "q", 3).await.forget(), PermitAnswer::Full);
+        own.handle.release().await.unwrap();
+        for p in [served, single] {
+            p.handle.release().await.unwrap();
+        }
+    }
+
+    /// A permit is lost with its lane's session: its lost token fires, and its slot is free
+    /// on the server for others.
+    #[tokio::test]
+    async fn a_permit_is_lost_with_its_session() {
+        let server = Arc::new(Server::default());
+        let mut lane_settings = settings(1, 0);
+        lane_settings.statement_timeout = Duration::from_millis(100);
+        let lanes = model_lanes_with(&server, lane_settings).await;
+        let held = granted(permit(&lanes, "s", 1).await);
+        server
+            .hang
+            .lock()
+            .unwrap()
+            .insert(lanes.connector().resource("b"));
+        lanes.try_acquire_x("b").await.unwrap_err();
+        assert!(held.lost.is_cancelled(), "the permit was reported lost");
+        assert!(
+            ModelSession::slots(&server, "s").is_empty(),
+            "its slot is free"
+        );
+        server.hang.lock().unwrap().clear();
+        let again = granted(permit(&lanes, "s", 1).await);
+        held.handle.release().await.unwrap();
+        assert_eq!(
+            ModelSession::slots(&server, "s").len(),
+            1,
+            "the lost permit's release freed nothing of another's"
+        );
+        again.handle.release().await.unwrap();
+    }
+
+    /// A permit try dropped while the server grants it gives the permit back; the lane's
+    /// session, which keeps another permit, lives on.
+    #[tokio::test]
+    async fn a_permit_try_dropped_while_granted_gives_the_permit_back() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 1, 0).await;
+        let kept = granted(permit(&lanes, "s", 2).await);
+        server
+            .slow_permits
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        for _ in 0..3 {
+            let cut = tokio::time::timeout(Duration::from_millis(10), permit(&lanes, "s", 2));
+            assert!(cut.await.is_err(), "the try answered before it was dropped");
+            let started = Instant::now();
+            while ModelSession::slots(&server, "s").len() != 1 {
+                assert!(
+                    started.elapsed() < Duration::from_secs(5),
+                    "never given back"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        assert!(!kept.lost.is_cancelled(), "the session was kept");
+        kept.handle.release().await.unwrap();
+        assert!(server.permits.lock().unwrap().is_empty());
+    }
+
+    /// A count of 0 is refused with a configuration error, and a count above the engine's
+    /// bound too, naming the bound.
+    #[tokio::test]
+    async fn counts_out_of_the_engines_bound_are_refused() {
+        let server = Arc::new(Server::default());
+        let lanes = model_lanes(&server, 1, 0).await;
+        let err = lanes
+            .try_permit("s", 0, &queue_of("s"), false)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), "DistributedLock.Configuration", "{err}");
+        assert!(err.to_string().contains("1 to 4294967295"), "{err}");
+        assert_eq!(
+            server.statements.load(std::sync::atomic::Ordering::SeqCst),
+            0
+        );
     }
 }

@@ -6,9 +6,11 @@ use std::time::Duration;
 
 use super::acquire::Lanes;
 use super::options::SessionOptions;
-use super::traits::{Connector, Engine, Mode};
+use super::traits::{Connector, Engine, Mode, PermitAnswer};
 use crate::LockError;
-use crate::backend::{Acquired, BoxFuture, LockBackend, LockRequest};
+use crate::backend::{
+    Acquired, BoxFuture, LockBackend, LockRequest, PermitRequest, PermitStore, PermitTry,
+};
 
 /// A backend of a session engine: session locks on a few multiplexed connections, native waits
 /// on a bounded set of connections, liveness checks (see the [module docs](super)).
@@ -292,6 +294,76 @@ impl<E: Engine> LockBackend for SessionBackend<E> {
 
     fn ping(&self) -> BoxFuture<'_, Result<(), LockError>> {
         Box::pin(self.lanes.ping())
+    }
+
+    /// Semaphores as slot locks of the lanes' sessions, each try one statement (see the
+    /// engine's module docs, Semaphores).
+    fn semaphores(&self) -> Option<&dyn PermitStore> {
+        if self.lanes.connector().keeps_permits() {
+            Some(self)
+        } else {
+            None
+        }
+    }
+}
+
+/// A permit is a slot lock held by a lane's session, like a lock: it ends with the session,
+/// is released by its lane, and has no lease (`lease` and `renew` are not used). A try is one
+/// statement that checks the count record and the waiting mark (the semaphore's queue lock)
+/// and takes the first free slot from a random one on.
+impl<E: Engine> PermitStore for SessionBackend<E> {
+    fn try_acquire_permit<'a>(
+        &'a self,
+        request: PermitRequest<'a>,
+    ) -> BoxFuture<'a, Result<PermitTry, LockError>> {
+        Box::pin(async move {
+            let queue = request.queue_key();
+            let answer = self
+                .lanes
+                .try_permit(
+                    request.key,
+                    request.max_count,
+                    &queue,
+                    request.waiting.is_some(),
+                )
+                .await?;
+            match answer {
+                PermitAnswer::Granted { permit, .. } => Ok(PermitTry::Acquired(permit)),
+                // A holder that died frees its permit when its session ends, which the server
+                // notices on its own: nothing to wait for but a release.
+                PermitAnswer::Full => Ok(PermitTry::Full { retry_within: None }),
+                PermitAnswer::Conflict { recorded } => Err(request.count_conflict(recorded)),
+            }
+        })
+    }
+
+    /// `u32::MAX` on PostgreSQL; 1,024 on the engines whose server cannot count the held
+    /// slots (see their module docs, Semaphores).
+    fn max_permits(&self) -> u32 {
+        <E::Connector as Connector>::MAX_PERMITS
+    }
+
+    /// MySQL and MariaDB keep none (see their module docs, Semaphores).
+    fn keeps_count_record(&self) -> bool {
+        self.lanes.connector().keeps_count_record()
+    }
+
+    fn holders<'a>(
+        &'a self,
+        key: &'a str,
+        max_count: u32,
+    ) -> BoxFuture<'a, Result<u32, LockError>> {
+        Box::pin(async move {
+            let request = PermitRequest::new(key, max_count);
+            let count = self
+                .lanes
+                .count_permits(key, max_count, &request.queue_key())
+                .await?;
+            match count.recorded {
+                Some(recorded) if recorded != max_count => Err(request.count_conflict(recorded)),
+                _ => Ok(count.holders),
+            }
+        })
     }
 }
 

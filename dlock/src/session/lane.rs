@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::acquire::lane_gone;
 use super::claims::{Claim, SETTLE_LIMIT};
 use super::options::LaneSettings;
-use super::traits::{Connector, Grant, InterruptOf, Mode, Session};
+use super::traits::{Connector, Grant, InterruptOf, Mode, PermitAnswer, Session};
 use crate::backend::{BoxFuture, HeldLock};
 use crate::{LockError, detach};
 
@@ -51,13 +51,46 @@ struct Core<C: Connector> {
     runtime: std::sync::Mutex<Option<Handle>>,
 }
 
-/// A lock a lane holds.
+/// A lock or a permit a lane holds.
 pub(super) struct LaneLock<C: Connector> {
-    resource: C::Resource,
-    mode: Mode,
+    kept: Kept<C>,
     lost: CancellationToken,
-    /// Dropped after the lock is given back (or its session is gone).
-    _claim: Claim<C::Resource>,
+}
+
+/// What a lane holds for one handle.
+enum Kept<C: Connector> {
+    /// A lock of `resource` in `mode`.
+    Lock {
+        resource: C::Resource,
+        mode: Mode,
+        /// Dropped after the lock is given back (or its session is gone).
+        _claim: Claim<C::Resource>,
+    },
+    /// A permit of a semaphore. It needs no claim: the session's try skips the slots the
+    /// session holds already, so no two handles of a lane ever hold one slot.
+    Permit(PermitOf<C>),
+}
+
+type PermitOf<C> = <<C as Connector>::Session as Session>::Permit;
+
+/// What a lane's statement asks the server: one try for a lock, or for a permit.
+enum Ask<'a, C: Connector> {
+    Lock(&'a C::Resource, Mode),
+    Permit(&'a C::Semaphore, bool),
+}
+
+impl<C: Connector> Clone for Ask<'_, C> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<C: Connector> Copy for Ask<'_, C> {}
+
+/// What the server answered an [`Ask`].
+enum Answer<C: Connector> {
+    Lock(Option<Grant>),
+    Permit(PermitAnswer<PermitOf<C>>),
 }
 
 pub(super) struct LaneState<C: Connector> {
@@ -168,6 +201,47 @@ impl<C: Connector> Lane<C> {
     ) -> Finish<Result<Option<Grant>, LockError>> {
         self.run(false, move |state, abandoned| {
             Box::pin(state.try_for(resource, mode, claim, handle, lost, abandoned))
+        })
+    }
+
+    /// One try for a permit of `semaphore` (a single try, or one of a waiting acquisition:
+    /// `waiting`); a permit it gets is pinned to this lane under `handle`. Dropped after it
+    /// started, the try still ends, and a permit it got is given back.
+    pub(super) fn try_permit(
+        &self,
+        semaphore: C::Semaphore,
+        waiting: bool,
+        handle: u64,
+        lost: CancellationToken,
+    ) -> Finish<Result<PermitAnswer<()>, LockError>> {
+        self.run(false, move |state, abandoned| {
+            Box::pin(state.try_permit_for(semaphore, waiting, handle, lost, abandoned))
+        })
+    }
+
+    /// How many permits of `semaphore` are live, by any session.
+    pub(super) fn count_permits(
+        &self,
+        semaphore: C::Semaphore,
+    ) -> Finish<Result<super::traits::PermitCount, LockError>> {
+        self.run(false, move |state, _| {
+            Box::pin(async move {
+                let bound = state.statement_timeout;
+                let session = state.session().await?;
+                match tokio::time::timeout(bound, session.count_permits(&semaphore)).await {
+                    Ok(Ok(count)) => Ok(count),
+                    Ok(Err(failure)) => {
+                        if !failure.connection_ok {
+                            state.die("the lock connection failed");
+                        }
+                        Err(failure.error)
+                    }
+                    Err(_) => {
+                        state.die("the lock connection stopped answering");
+                        Err(timed_out::<C>(bound))
+                    }
+                }
+            })
         })
     }
 
@@ -389,10 +463,12 @@ impl<C: Connector> LaneState<C> {
                 self.held.insert(
                     handle,
                     LaneLock {
-                        resource,
-                        mode,
+                        kept: Kept::Lock {
+                            resource,
+                            mode,
+                            _claim: claim,
+                        },
                         lost,
-                        _claim: claim,
                     },
                 );
                 if abandoned.load(Ordering::SeqCst) {
@@ -408,6 +484,40 @@ impl<C: Connector> LaneState<C> {
                 other
             }
         }
+    }
+
+    async fn try_permit_for(
+        &mut self,
+        semaphore: C::Semaphore,
+        waiting: bool,
+        handle: u64,
+        lost: CancellationToken,
+        abandoned: Arc<AtomicBool>,
+    ) -> Result<PermitAnswer<()>, LockError> {
+        if abandoned.load(Ordering::SeqCst) {
+            // Its caller left before the try reached the server.
+            return Ok(PermitAnswer::Full);
+        }
+        let answer = match self.ask(Ask::Permit(&semaphore, waiting)).await? {
+            Answer::Permit(answer) => answer,
+            Answer::Lock(_) => return Err(lane_gone::<C>()),
+        };
+        let forgotten = answer.forget();
+        if let PermitAnswer::Granted { permit, .. } = answer {
+            self.held.insert(
+                handle,
+                LaneLock {
+                    kept: Kept::Permit(permit),
+                    lost,
+                },
+            );
+            if abandoned.load(Ordering::SeqCst) {
+                // Its caller left while the server granted it: give it back.
+                self.unlock(handle).await;
+                return Ok(PermitAnswer::Full);
+            }
+        }
+        Ok(forgotten)
     }
 
     /// Pings the lane's session (opening one if there is none). A session that fails is
@@ -452,29 +562,43 @@ impl<C: Connector> LaneState<C> {
         resource: &C::Resource,
         mode: Mode,
     ) -> Result<Option<Grant>, LockError> {
+        match self.ask(Ask::Lock(resource, mode)).await? {
+            Answer::Lock(grant) => Ok(grant),
+            Answer::Permit(_) => Err(lane_gone::<C>()),
+        }
+    }
+
+    /// One try for a lock or a permit.
+    async fn ask(&mut self, ask: Ask<'_, C>) -> Result<Answer<C>, LockError> {
         let reused = self.session.is_some();
         // Known only before the try: a failure drains `held`.
         let idle = self.held.is_empty();
-        match self.try_once(resource, mode).await {
-            Err(failed) if reused && self.session.is_none() && (idle || !failed.timed_out) => self
-                .try_once(resource, mode)
-                .await
-                .map_err(|failed| failed.error),
+        match self.try_once(ask).await {
+            Err(failed) if reused && self.session.is_none() && (idle || !failed.timed_out) => {
+                self.try_once(ask).await.map_err(|failed| failed.error)
+            }
             other => other.map_err(|failed| failed.error),
         }
     }
 
-    async fn try_once(
-        &mut self,
-        resource: &C::Resource,
-        mode: Mode,
-    ) -> Result<Option<Grant>, TryFailed> {
+    async fn try_once(&mut self, ask: Ask<'_, C>) -> Result<Answer<C>, TryFailed> {
         let bound = self.statement_timeout;
         let session = self.session().await?;
-        let outcome =
-            tokio::time::timeout(bound, session.lock(resource, mode, Duration::ZERO)).await;
+        let statement = async move {
+            match ask {
+                Ask::Lock(resource, mode) => session
+                    .lock(resource, mode, Duration::ZERO)
+                    .await
+                    .map(Answer::Lock),
+                Ask::Permit(semaphore, waiting) => session
+                    .try_permit(semaphore, waiting)
+                    .await
+                    .map(Answer::Permit),
+            }
+        };
+        let outcome = tokio::time::timeout(bound, statement).await;
         match outcome {
-            Ok(Ok(granted)) => Ok(granted),
+            Ok(Ok(answer)) => Ok(answer),
             Ok(Err(failure)) => {
                 if !failure.connection_ok {
                     self.die("the lock connection failed");
@@ -487,14 +611,7 @@ impl<C: Connector> LaneState<C> {
             Err(_) => {
                 self.die("the lock connection stopped answering");
                 Err(TryFailed {
-                    error: LockError::unavailable(
-                        C::NAME,
-                        format!(
-                            "the server did not answer a lock statement within {bound:?} \
-                             (statement_timeout); the connection was dropped"
-                        ),
-                        None,
-                    ),
+                    error: timed_out::<C>(bound),
                     timed_out: true,
                 })
             }
@@ -506,20 +623,24 @@ impl<C: Connector> LaneState<C> {
         let Some(lock) = self.held.remove(&handle) else {
             return;
         };
-        if lock.mode.is_shared()
-            && let Some(share) = self.shares.get_mut(&lock.resource)
+        if let Kept::Lock { resource, mode, .. } = &lock.kept
+            && mode.is_shared()
+            && let Some(share) = self.shares.get_mut(resource)
         {
             share.count = share.count.saturating_sub(1);
             if share.count > 0 {
                 // Other read locks still share the session's shared lock.
                 return;
             }
-            self.shares.remove(&lock.resource);
+            self.shares.remove(resource);
         }
         let Some(session) = self.session.as_mut() else {
             return;
         };
-        let unlock = session.unlock(&lock.resource, lock.mode);
+        let unlock = match &lock.kept {
+            Kept::Lock { resource, mode, .. } => session.unlock(resource, *mode),
+            Kept::Permit(permit) => session.release_permit(permit),
+        };
         match tokio::time::timeout(self.statement_timeout, unlock).await {
             Ok(Ok(())) => {}
             Ok(Err(failure)) if failure.connection_ok => {
@@ -574,6 +695,19 @@ impl<C: Connector> LaneState<C> {
         self.shares.clear();
         self.session = None;
     }
+}
+
+/// The error of a statement that outlived `bound` (`statement_timeout`), whose connection
+/// was dropped.
+fn timed_out<C: Connector>(bound: Duration) -> LockError {
+    LockError::unavailable(
+        C::NAME,
+        format!(
+            "the server did not answer a lock statement within {bound:?} \
+             (statement_timeout); the connection was dropped"
+        ),
+        None,
+    )
 }
 
 /// A failed try, and whether it failed by outliving `statement_timeout`.

@@ -56,6 +56,15 @@
 //!   hold the resource yet while there is one, so the server answers it behind any writer
 //!   queued there. Shared waits run on wait sessions of their own, where the server queues
 //!   them. MySQL and MariaDB have no shared mode, and answer `Unsupported`.
+//! - **Semaphores** (the backend's `PermitStore`): a permit is a slot lock held by a lane's
+//!   session, kept and given back by its lane like a lock (it ends with the session, and its
+//!   lost token fires with the session's). A try is one statement that the engine runs on the
+//!   server: it checks the count record, answers full while any session holds the
+//!   semaphore's queue lock (the waiting mark, for single tries), and takes the first free slot
+//!   from a random one on, skipping the slots its session holds already, since the server would
+//!   grant them again. Permits need no claim: no two handles of a lane ever hold one slot. A
+//!   try that fails after it may have taken a slot drops its session. Engines whose server
+//!   cannot count the held slots bound `max_count` (`Connector::MAX_PERMITS`).
 //! - Every task that keeps locks alive (a lane, a wait task) cancels the lost token of each
 //!   lock it keeps when it stops for any reason, its runtime being dropped included: its
 //!   session, and with it the locks, end with it. A lane found stopped is started again on the
@@ -87,7 +96,9 @@ pub(crate) use options::SessionKey;
 #[cfg(any(feature = "mysql", feature = "mssql", feature = "oracle"))]
 pub(crate) use options::refuse_fencing_counters;
 pub(crate) use options::{SessionOptions, read_engine_query};
-pub(crate) use traits::{Connector, Dial, Driver, Failure, Grant, Mode, Opened, Session};
+pub(crate) use traits::{
+    Connector, Dial, Driver, Failure, Grant, Mode, Opened, PermitAnswer, PermitCount, Session,
+};
 
 /// The answer of a lock that stayed held elsewhere: [`LockError::AlreadyHeld`] for a try (a
 /// zero timeout), [`LockError::Timeout`] for a wait.

@@ -1,13 +1,13 @@
 //! An in-memory model server for the session engine's unit tests.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::acquire::Lanes;
 use super::options::LaneSettings;
-use super::traits::{Connector, Failure, Grant, Mode, Session};
+use super::traits::{Connector, Failure, Grant, Mode, PermitAnswer, PermitCount, Session};
 use crate::LockError;
 use crate::backend::BoxFuture;
 
@@ -24,8 +24,17 @@ pub(super) struct Server {
     /// Resources whose grant takes 50 ms to reach the client (a lock taken on the server
     /// while its answer is still on the way).
     pub(super) slow: Mutex<std::collections::HashSet<u64>>,
+    /// The permits held, per semaphore key.
+    pub(super) permits: Mutex<HashMap<Arc<str>, Slots>>,
+    /// Permit grants take 50 ms to reach the client.
+    pub(super) slow_permits: AtomicBool,
+    /// Every statement any session ran (round trips).
+    pub(super) statements: AtomicU64,
     next_session: AtomicU64,
 }
+
+/// The held slots of one semaphore: slot → (session, the count it was taken with).
+pub(super) type Slots = HashMap<u32, (u64, u32)>;
 
 /// A held resource: its mode, and the sessions that hold it with their counts.
 #[derive(Debug, Default)]
@@ -42,11 +51,36 @@ pub(super) struct ModelSession {
     pub(super) id: u64,
 }
 
+/// A semaphore of the model: its key, count and queue lock.
+#[derive(Debug, Clone)]
+pub(super) struct ModelSemaphore {
+    pub(super) key: Arc<str>,
+    pub(super) max_count: u32,
+    pub(super) queue: u64,
+}
+
+/// A permit of the model: its semaphore and slot.
+#[derive(Debug)]
+pub(super) struct ModelPermit {
+    pub(super) key: Arc<str>,
+    pub(super) slot: u32,
+}
+
 impl Connector for Model {
     type Resource = u64;
+    type Semaphore = ModelSemaphore;
     type Session = ModelSession;
     const NAME: &'static str = "model";
     const MAX_WAIT: Duration = Duration::from_secs(1);
+    const MAX_PERMITS: u32 = u32::MAX;
+
+    fn semaphore(&self, key: &str, max_count: u32, queue: u64) -> ModelSemaphore {
+        ModelSemaphore {
+            key: Arc::from(key),
+            max_count,
+            queue,
+        }
+    }
 
     fn wait_resolution(&self) -> Duration {
         Duration::from_millis(1)
@@ -92,6 +126,61 @@ impl ModelSession {
         true
     }
 
+    /// The slots of `key` held now (tests): slot → (session, count).
+    pub(super) fn slots(server: &Server, key: &str) -> Slots {
+        server
+            .permits
+            .lock()
+            .unwrap()
+            .get(key)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// One try for a permit, as the engines' statements run it: the count record (any held
+    /// slot's count), the waiting mark (the queue lock held by any session, for a single
+    /// try), then a walk from a random slot, skipping this session's own, for at most one
+    /// more slot than are held.
+    fn permit(&self, semaphore: &ModelSemaphore, waiting: bool) -> PermitAnswer<ModelPermit> {
+        let marked = !waiting
+            && self
+                .server
+                .locks
+                .lock()
+                .unwrap()
+                .get(&semaphore.queue)
+                .is_some_and(|held| !held.owners.is_empty());
+        let mut permits = self.server.permits.lock().unwrap();
+        let slots = permits.entry(Arc::clone(&semaphore.key)).or_default();
+        let n = semaphore.max_count;
+        if let Some(recorded) = slots.values().map(|(_, count)| *count).find(|c| *c != n) {
+            return PermitAnswer::Conflict { recorded };
+        }
+        let live = u32::try_from(slots.len()).unwrap_or(u32::MAX);
+        if marked || live >= n {
+            if slots.is_empty() {
+                permits.remove(&semaphore.key);
+            }
+            return PermitAnswer::Full;
+        }
+        let start = fastrand::u32(0..n);
+        for step in 0..n.min(live.saturating_add(1)) {
+            let slot =
+                u32::try_from((u64::from(start) + u64::from(step)) % u64::from(n)).unwrap_or(0);
+            if let std::collections::hash_map::Entry::Vacant(free) = slots.entry(slot) {
+                free.insert((self.id, n));
+                return PermitAnswer::Granted {
+                    permit: ModelPermit {
+                        key: Arc::clone(&semaphore.key),
+                        slot,
+                    },
+                    token: None,
+                };
+            }
+        }
+        PermitAnswer::Full
+    }
+
     /// How many sessions hold `resource` (tests).
     pub(super) fn holders(server: &Server, resource: u64) -> usize {
         server
@@ -105,7 +194,59 @@ impl ModelSession {
 
 impl Session for ModelSession {
     type Resource = u64;
+    type Semaphore = ModelSemaphore;
+    type Permit = ModelPermit;
     type Interrupt = std::convert::Infallible;
+
+    fn try_permit<'a>(
+        &'a mut self,
+        semaphore: &'a ModelSemaphore,
+        waiting: bool,
+    ) -> BoxFuture<'a, Result<PermitAnswer<ModelPermit>, Failure>> {
+        self.server.statements.fetch_add(1, Ordering::Relaxed);
+        Box::pin(async move {
+            let answer = self.permit(semaphore, waiting);
+            if matches!(answer, PermitAnswer::Granted { .. })
+                && self.server.slow_permits.load(Ordering::Relaxed)
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(answer)
+        })
+    }
+
+    fn release_permit<'a>(
+        &'a mut self,
+        permit: &'a ModelPermit,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        self.server.statements.fetch_add(1, Ordering::Relaxed);
+        let mut permits = self.server.permits.lock().unwrap();
+        if let Some(slots) = permits.get_mut(&permit.key)
+            && slots
+                .get(&permit.slot)
+                .is_some_and(|(owner, _)| *owner == self.id)
+        {
+            slots.remove(&permit.slot);
+            if slots.is_empty() {
+                permits.remove(&permit.key);
+            }
+        }
+        Box::pin(async { Ok(()) })
+    }
+
+    fn count_permits<'a>(
+        &'a mut self,
+        semaphore: &'a ModelSemaphore,
+    ) -> BoxFuture<'a, Result<PermitCount, Failure>> {
+        self.server.statements.fetch_add(1, Ordering::Relaxed);
+        let slots = ModelSession::slots(&self.server, &semaphore.key);
+        Box::pin(async move {
+            Ok(PermitCount {
+                holders: u32::try_from(slots.len()).unwrap_or(u32::MAX),
+                recorded: slots.values().map(|(_, count)| *count).next(),
+            })
+        })
+    }
 
     fn lock<'a>(
         &'a mut self,
@@ -113,6 +254,7 @@ impl Session for ModelSession {
         mode: Mode,
         wait: Duration,
     ) -> BoxFuture<'a, Result<Option<Grant>, Failure>> {
+        self.server.statements.fetch_add(1, Ordering::Relaxed);
         Box::pin(async move {
             if self.server.hang.lock().unwrap().contains(resource) {
                 std::future::pending::<()>().await;
@@ -138,6 +280,7 @@ impl Session for ModelSession {
         resource: &'a u64,
         _mode: Mode,
     ) -> BoxFuture<'a, Result<(), Failure>> {
+        self.server.statements.fetch_add(1, Ordering::Relaxed);
         let mut locks = self.server.locks.lock().unwrap();
         if let Some(held) = locks.get_mut(resource)
             && let Some(count) = held.owners.get_mut(&self.id)
@@ -154,6 +297,7 @@ impl Session for ModelSession {
     }
 
     fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>> {
+        self.server.statements.fetch_add(1, Ordering::Relaxed);
         Box::pin(async { Ok(()) })
     }
 }
@@ -166,6 +310,12 @@ impl Drop for ModelSession {
             held.owners.remove(&id);
         }
         locks.retain(|_, held| !held.owners.is_empty());
+        drop(locks);
+        let mut permits = self.server.permits.lock().unwrap();
+        for slots in permits.values_mut() {
+            slots.retain(|_, (owner, _)| *owner != id);
+        }
+        permits.retain(|_, slots| !slots.is_empty());
     }
 }
 

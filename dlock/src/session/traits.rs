@@ -73,13 +73,64 @@ impl Mode {
     }
 }
 
+/// What one try for a permit of a semaphore found on the server (see
+/// [`Session::try_permit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PermitAnswer<P> {
+    /// The session took a permit, `permit`, with the fencing token issued in the same round
+    /// trip (for backends that issue them).
+    Granted {
+        /// What [`Session::release_permit`] gives back.
+        permit: P,
+        /// The permit's fencing token.
+        token: Option<u64>,
+    },
+    /// Every permit is held, or (for a single try) a waiter holds the semaphore's queue lock:
+    /// nothing was taken.
+    Full,
+    /// The semaphore's permits are held under another count, `recorded`: nothing was taken.
+    Conflict {
+        /// The count the live permits were taken with.
+        recorded: u32,
+    },
+}
+
+impl<P> PermitAnswer<P> {
+    /// The same answer without its permit.
+    pub(crate) fn forget(&self) -> PermitAnswer<()> {
+        match *self {
+            PermitAnswer::Granted { token, .. } => PermitAnswer::Granted { permit: (), token },
+            PermitAnswer::Full => PermitAnswer::Full,
+            PermitAnswer::Conflict { recorded } => PermitAnswer::Conflict { recorded },
+        }
+    }
+}
+
+/// How many permits of a semaphore are live on the server, and the count they were taken
+/// with (see [`Session::count_permits`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PermitCount {
+    /// The live permits, by any session.
+    pub(crate) holders: u32,
+    /// Their count, when any is live.
+    pub(crate) recorded: Option<u32>,
+}
+
 /// Opens sessions and names resources for one backend. Its `Debug` output shows where it
 /// connects (never a password).
 pub trait Connector: Debug + Send + Sync + 'static {
     /// What the server locks for a key (a resource name, an integer id).
     type Resource: Clone + Send + Sync + Debug + Eq + Hash + 'static;
+    /// A semaphore of some count, as the engine names it on the server: what its tries and
+    /// counts are asked with.
+    type Semaphore: Clone + Send + Sync + Debug + 'static;
     /// One server connection.
-    type Session: Session<Resource = Self::Resource>;
+    type Session: Session<Resource = Self::Resource, Semaphore = Self::Semaphore>;
+
+    /// The most permits one semaphore may have on this engine: a try that finds the
+    /// semaphore full walks every slot on the server, and the engine bounds that walk
+    /// (`u32::MAX` where the server counts the holders instead of walking).
+    const MAX_PERMITS: u32;
 
     /// The backend's name, as in `LockBackend::name`.
     const NAME: &'static str;
@@ -98,6 +149,24 @@ pub trait Connector: Debug + Send + Sync + 'static {
 
     /// The resource that `key` locks.
     fn resource(&self, key: &str) -> Self::Resource;
+
+    /// The semaphore `key` of `max_count` permits (1 to [`MAX_PERMITS`](Self::MAX_PERMITS),
+    /// checked before), whose queue lock is `queue` (the resource of the provider's queue
+    /// lock, the waiting mark of single tries).
+    fn semaphore(&self, key: &str, max_count: u32, queue: Self::Resource) -> Self::Semaphore;
+
+    /// Whether this server runs the engine's permit statements (`LockBackend::semaphores`):
+    /// the default; an engine answers `false` for a server too old for them, whose
+    /// semaphores the provider then keeps as slot locks.
+    fn keeps_permits(&self) -> bool {
+        true
+    }
+
+    /// Whether the engine keeps the semaphores' count record (`PermitStore::
+    /// keeps_count_record`): the default; MySQL and MariaDB cannot.
+    fn keeps_count_record(&self) -> bool {
+        true
+    }
 
     /// Whether the engine takes shared locks ([`Mode::Shared`]): `Ok(())`, or the
     /// `Unsupported` error that says why not (the answer of `LockBackend::shared_locks`).
@@ -127,6 +196,11 @@ pub trait Connector: Debug + Send + Sync + 'static {
 pub trait Session: Send + 'static {
     /// What the server locks.
     type Resource;
+    /// A semaphore, as [`Connector::semaphore`] names it.
+    type Semaphore;
+    /// A permit this session holds: what [`release_permit`](Session::release_permit) gives
+    /// back.
+    type Permit: Send + Sync + Debug + 'static;
     /// A request that stops another session's statement from this one (see
     /// [`Session::interrupt`]); `Infallible` for drivers that stop statements themselves.
     type Interrupt: Send + 'static;
@@ -151,6 +225,34 @@ pub trait Session: Send + 'static {
         resource: &'a Self::Resource,
         mode: Mode,
     ) -> BoxFuture<'a, Result<(), Failure>>;
+
+    /// One try for a permit of `semaphore`, in one round trip whatever its count: the
+    /// server checks the semaphore's count record, and, unless it names another count (or,
+    /// for a single try, `waiting` false, the semaphore's queue lock is held by any session),
+    /// takes the first free slot it finds from a random one on, skipping the slots this
+    /// session holds already (a session may take its own lock again, and a lane is shared by
+    /// every acquisition of the backend). At most one permit is taken. A try that fails after
+    /// it may have taken a permit answers a failure that ends the session (the server then
+    /// frees what it took), unless it gave the permit back.
+    fn try_permit<'a>(
+        &'a mut self,
+        semaphore: &'a Self::Semaphore,
+        waiting: bool,
+    ) -> BoxFuture<'a, Result<PermitAnswer<Self::Permit>, Failure>>;
+
+    /// Gives back `permit` (its slot, then its share of the count record). A permit the
+    /// session no longer holds is not an error.
+    fn release_permit<'a>(
+        &'a mut self,
+        permit: &'a Self::Permit,
+    ) -> BoxFuture<'a, Result<(), Failure>>;
+
+    /// How many permits of `semaphore` are live, by any session, and under which count, in
+    /// one round trip.
+    fn count_permits<'a>(
+        &'a mut self,
+        semaphore: &'a Self::Semaphore,
+    ) -> BoxFuture<'a, Result<PermitCount, Failure>>;
 
     /// A liveness check.
     fn ping(&mut self) -> BoxFuture<'_, Result<(), Failure>>;
