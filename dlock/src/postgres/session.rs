@@ -423,14 +423,14 @@ impl PgSession {
         waiting: bool,
     ) -> Result<(Option<i64>, Option<i64>, Option<i64>), sqlx::Error> {
         let start = i64::from(fastrand::u32(0..semaphore.count.max(1)));
-        let sql = if self.counted.is_some() {
+        let permit_sql = if self.counted.is_some() {
             PERMIT_COUNTED_SQL
         } else if self.fencing {
             PERMIT_FENCED_SQL
         } else {
             PERMIT_SQL
         };
-        let query = sqlx::query_as(sql)
+        let query = sqlx::query_as(permit_sql)
             .bind(semaphore.gate)
             .bind(semaphore.class)
             .bind(i64::from(semaphore.count))
