@@ -563,6 +563,18 @@ mod tests {
         let server = Arc::new(Server::default());
         let lanes = Arc::new(model_lanes(&server, 1, 1).await);
         for round in 0..200 {
+            // The previous round's wait task gives its wait session back just after the
+            // release it answered: until then a new wait would poll the lanes instead, and hold
+            // its claim only for each poll's try, which the loop below could miss for as long
+            // as the blocker is held.
+            let idle = Instant::now();
+            while lanes.waits.permits.available_permits() == 0 {
+                assert!(
+                    idle.elapsed() < Duration::from_secs(10),
+                    "round {round}: the wait session was never given back"
+                );
+                tokio::task::yield_now().await;
+            }
             let blocker = ModelSession {
                 server: Arc::clone(&server),
                 id: u64::MAX,
@@ -572,7 +584,12 @@ mod tests {
                 let lanes = Arc::clone(&lanes);
                 async move { lanes.acquire_wait_x("k", Duration::from_secs(10)).await }
             });
+            let started = Instant::now();
             while !lanes.claims.is_claimed(&lanes.connector().resource("k")) {
+                assert!(
+                    !waiting.is_finished() && started.elapsed() < Duration::from_secs(10),
+                    "round {round}: the wait ended, or never claimed the key"
+                );
                 tokio::task::yield_now().await;
             }
             drop(blocker);
