@@ -210,10 +210,6 @@ fn tests_in(file: &str) -> usize {
     }
     let mut total = count(&rest);
     for (name, each) in macros {
-        assert!(
-            each > 0 || !rest.contains(&format!("{name}!")),
-            "{file}: macro {name}"
-        );
         let calls = code(&rest)
             .filter(|line| line.starts_with(&format!("{name}!")))
             .count();
