@@ -168,7 +168,8 @@ fn conformance_cases() -> usize {
 
 /// The tests a test file's binary runs: its `#[test]` and `#[tokio::test]` functions and one
 /// test per case for each `conformance_suite!`, with the file's own `macro_rules!` expanded
-/// once per invocation (a macro that makes a module of tests per flavour).
+/// once per invocation (a macro that makes a module of tests per flavour), and those of the
+/// files of its modules (`mod support;`).
 fn tests_in(file: &str) -> usize {
     fn code(text: &str) -> impl Iterator<Item = &str> {
         text.lines()
@@ -209,6 +210,33 @@ fn tests_in(file: &str) -> usize {
         macros.push((name, count(&body)));
     }
     let mut total = count(&rest);
+    // The files of its modules (`mod support;`): their tests are in this binary too.
+    let path = Path::new(file);
+    let dir = if path.file_name().is_some_and(|name| name == "mod.rs")
+        || path.parent() == Some(Path::new("tests"))
+    {
+        path.parent().unwrap_or(Path::new("")).to_path_buf()
+    } else {
+        path.with_extension("")
+    };
+    for line in code(&rest) {
+        let Some(name) = line
+            .trim_start_matches("pub ")
+            .trim_start_matches("pub(crate) ")
+            .strip_prefix("mod ")
+            .and_then(|rest| rest.strip_suffix(';'))
+        else {
+            continue;
+        };
+        let flat = dir.join(format!("{name}.rs"));
+        let nested = dir.join(name).join("mod.rs");
+        let module = if root().join(&flat).is_file() {
+            flat
+        } else {
+            nested
+        };
+        total += tests_in(module.to_str().expect("a UTF-8 path"));
+    }
     for (name, each) in macros {
         let calls = code(&rest)
             .filter(|line| line.starts_with(&format!("{name}!")))
