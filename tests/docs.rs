@@ -145,3 +145,225 @@ fn every_relative_link_of_the_readme_and_the_docs_leads_somewhere() {
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }
+
+/// The cases of the conformance suite: the names `conformance_suite!` makes a test of (its
+/// `@cases` list and its `@sync_case` lines), read from the macro's source.
+fn conformance_cases() -> usize {
+    let source = read("dlock-testkit/src/conformance.rs");
+    let all = source
+        .find("(@all $mode:ident")
+        .expect("the suite's @all arm");
+    let arm = &source[all..];
+    let arm = &arm[..arm.find("\n    };").expect("the end of the @all arm")];
+    let mut cases = 0;
+    for part in arm.split("$make;").skip(1) {
+        let list = &part[..part.find(')').expect("a case list ends")];
+        cases += list
+            .split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|name| !name.is_empty())
+            .count();
+    }
+    cases
+}
+
+/// The tests a test file's binary runs: its `#[test]` and `#[tokio::test]` functions and one
+/// test per case for each `conformance_suite!`, with the file's own `macro_rules!` expanded
+/// once per invocation (a macro that makes a module of tests per flavour), and those of the
+/// files of its modules (`mod support;`).
+fn tests_in(file: &str) -> usize {
+    fn code(text: &str) -> impl Iterator<Item = &str> {
+        text.lines()
+            .map(str::trim_start)
+            .filter(|line| !line.starts_with("//"))
+    }
+    let count = |text: &str| {
+        code(text)
+            .filter(|line| line.starts_with("#[test]") || line.starts_with("#[tokio::test"))
+            .count()
+            + code(text)
+                .filter(|line| line.contains("conformance_suite!("))
+                .count()
+                * conformance_cases()
+    };
+    // A macro's body ends at the first line that closes it at its own indentation (as
+    // rustfmt writes it; braces in its strings, such as ACL patterns, are not counted).
+    let text = read(file);
+    let mut rest = String::new();
+    let mut macros = Vec::new();
+    let mut lines = text.lines();
+    while let Some(line) = lines.next() {
+        let Some(name) = line.trim_start().strip_prefix("macro_rules! ") else {
+            rest.push_str(line);
+            rest.push('\n');
+            continue;
+        };
+        let name = name.trim_end_matches(['{', ' ']).to_owned();
+        let close = format!("{}}}", &line[..line.len() - line.trim_start().len()]);
+        let mut body = String::new();
+        for line in lines.by_ref() {
+            if line == close {
+                break;
+            }
+            body.push_str(line);
+            body.push('\n');
+        }
+        macros.push((name, count(&body)));
+    }
+    let mut total = count(&rest);
+    // The files of its modules (`mod support;`): their tests are in this binary too.
+    let path = Path::new(file);
+    let dir = if path.file_name().is_some_and(|name| name == "mod.rs")
+        || path.parent() == Some(Path::new("tests"))
+    {
+        path.parent().unwrap_or(Path::new("")).to_path_buf()
+    } else {
+        path.with_extension("")
+    };
+    for line in code(&rest) {
+        let Some(name) = line
+            .trim_start_matches("pub ")
+            .trim_start_matches("pub(crate) ")
+            .strip_prefix("mod ")
+            .and_then(|rest| rest.strip_suffix(';'))
+        else {
+            continue;
+        };
+        let flat = dir.join(format!("{name}.rs"));
+        let nested = dir.join(name).join("mod.rs");
+        let module = if root().join(&flat).is_file() {
+            flat
+        } else {
+            nested
+        };
+        total += tests_in(module.to_str().expect("a UTF-8 path"));
+    }
+    for (name, each) in macros {
+        let calls = code(&rest)
+            .filter(|line| line.starts_with(&format!("{name}!")))
+            .count();
+        total += calls * each;
+    }
+    total
+}
+
+/// The counts RELIABILITY.md quotes, checked against the code: every `N cases` is the
+/// conformance suite's number of cases, and every `N tests` (or `N live tests`) is the number
+/// of tests in the test files named before it in its paragraph or table row (since the
+/// previous count there), or in its table's header. A count with no file named is refused:
+/// quote only what this test can check.
+#[test]
+fn reliability_quotes_the_counts_of_the_code() {
+    let text = read("RELIABILITY.md");
+    let cases = conformance_cases();
+    // Paragraphs and table rows, a row with its table's header.
+    let mut blocks: Vec<(String, String)> = Vec::new();
+    let mut header = String::new();
+    let mut paragraph = String::new();
+    for line in text.lines() {
+        if line.starts_with('|') {
+            if !paragraph.is_empty() {
+                blocks.push((String::new(), std::mem::take(&mut paragraph)));
+            }
+            if line.starts_with("|---") {
+                continue;
+            }
+            if header.is_empty() {
+                header = line.to_owned();
+            } else {
+                blocks.push((header.clone(), line.to_owned()));
+            }
+        } else {
+            header.clear();
+            if line.trim().is_empty() {
+                if !paragraph.is_empty() {
+                    blocks.push((String::new(), std::mem::take(&mut paragraph)));
+                }
+            } else {
+                paragraph.push_str(line);
+                paragraph.push(' ');
+            }
+        }
+    }
+    blocks.push((String::new(), paragraph));
+    let files = |text: &str| -> Vec<String> {
+        text.split('`')
+            .skip(1)
+            .step_by(2)
+            .filter(|span| span.starts_with("tests/") && span.ends_with(".rs"))
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut wrong = Vec::new();
+    let mut checked = 0;
+    for (header, block) in &blocks {
+        let words: Vec<&str> = block.split(' ').collect();
+        let mut since = String::new();
+        for (i, word) in words.iter().enumerate() {
+            since.push_str(word);
+            since.push(' ');
+            let number = word.trim_start_matches('(').replace(',', "");
+            let Ok(number) = number.parse::<usize>() else {
+                continue;
+            };
+            let next = words.get(i + 1).copied().unwrap_or("");
+            let next = if next == "live" {
+                words.get(i + 2).copied().unwrap_or("")
+            } else {
+                next
+            };
+            let noun = next.trim_end_matches(|c: char| !c.is_alphabetic());
+            match noun {
+                "cases" => {
+                    checked += 1;
+                    if number != cases {
+                        wrong.push(format!(
+                            "`{number} cases`: the conformance suite has {cases} ({})",
+                            excerpt(block, word)
+                        ));
+                    }
+                }
+                "tests" => {
+                    checked += 1;
+                    let mut named = files(&since);
+                    if named.is_empty() {
+                        named = files(header);
+                    }
+                    if named.is_empty() {
+                        wrong.push(format!(
+                            "`{number} tests` names no test file before it ({})",
+                            excerpt(block, word)
+                        ));
+                        continue;
+                    }
+                    let actual: usize = named.iter().map(|file| tests_in(file)).sum();
+                    if number != actual {
+                        wrong.push(format!(
+                            "`{number} tests`: {} have {actual} ({})",
+                            named.join(" + "),
+                            excerpt(block, word)
+                        ));
+                    }
+                    since.clear();
+                }
+                _ => {}
+            }
+        }
+    }
+    assert!(checked > 0, "RELIABILITY.md quotes no count any more");
+    assert!(
+        wrong.is_empty(),
+        "RELIABILITY.md's counts disagree with the code:\n{}",
+        wrong.join("\n")
+    );
+}
+
+/// About 80 characters of `block` around `word`.
+fn excerpt(block: &str, word: &str) -> String {
+    let at = block.find(word).unwrap_or(0);
+    let start = block[..at]
+        .char_indices()
+        .rev()
+        .nth(40)
+        .map_or(0, |(i, _)| i);
+    block[start..].chars().take(90).collect()
+}

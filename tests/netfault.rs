@@ -16,8 +16,8 @@
 //! 3. after `heal`, the cut provider takes the key again within a bound, the lost guard's
 //!    release reports the loss, and nothing stays held: another provider takes the key.
 //!
-//! Linux and root only (namespaces, nftables); without them the tests say they are skipped,
-//! and under `CI` they fail.
+//! Linux and root only (namespaces, nftables); without them the tests fail as not run, whether
+//! `CI` is set or not (CI runs as root).
 #![cfg(all(feature = "postgres", feature = "mysql", feature = "redis"))]
 
 use std::net::IpAddr;

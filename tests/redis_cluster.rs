@@ -22,14 +22,10 @@ fn cluster(replicas: usize) -> Option<RedisCluster> {
     started(|| RedisCluster::start_with(3, replicas, Duration::from_secs(1)))
 }
 
-/// Runs `start` off the runtime's worker threads (it blocks), saying so when the binaries are
-/// missing.
+/// Runs `start` off the runtime's worker threads (it blocks; a missing binary fails the test
+/// there).
 fn started<T>(start: impl FnOnce() -> Option<T>) -> Option<T> {
-    let cluster = tokio::task::block_in_place(start);
-    if cluster.is_none() {
-        eprintln!("skipped: redis-server or redis-cli is not installed");
-    }
-    cluster
+    tokio::task::block_in_place(start)
 }
 
 dlock_testkit::conformance_suite!(optional async {
@@ -278,15 +274,22 @@ struct Section {
     start: Instant,
     end: Instant,
     token: u64,
-    /// Neither told of loss during the section nor on release.
-    clean: bool,
+    /// The holder was told of the loss (`is_lost()`, which the lost token also sets) before
+    /// the section ended: the only excuse from the overlap and token checks.
+    told: bool,
+    /// The release answered an error (counted, and bounded, apart: a failed release is no
+    /// excuse, as the section may have overlapped another all the same).
+    release_failed: bool,
 }
 
 #[derive(Debug, Default)]
 #[allow(dead_code)] // Every field is read through `Debug`, in the printed report.
 struct Report {
     sections: usize,
+    /// Sections whose holder was told of the loss before they ended (excused).
     told_of_loss: usize,
+    /// Sections whose release answered an error (checked all the same).
+    release_errors: usize,
     /// Failed acquisitions and releases, and each distinct message (its first 120 bytes)
     /// with its count.
     errors: usize,
@@ -349,7 +352,8 @@ impl Contention {
                             start,
                             end,
                             token,
-                            clean: !told && released.is_ok(),
+                            told,
+                            release_failed: released.is_err(),
                         });
                     }
                 }));
@@ -388,8 +392,9 @@ impl Contention {
         .await;
     }
 
-    /// Stops the tasks and checks the sections: overlaps among holders never told of loss,
-    /// and fencing tokens in the order of the sections.
+    /// Stops the tasks and checks the sections: overlaps among the sections whose holder was
+    /// not told of the loss before they ended (a failed release is no excuse: those are
+    /// counted apart), and fencing tokens in the order of the sections.
     async fn finish(self) -> Report {
         self.stop.store(true, Ordering::SeqCst);
         for task in self.tasks {
@@ -399,7 +404,8 @@ impl Contention {
         sections.sort_by_key(|s| s.start);
         let mut report = Report {
             sections: sections.len(),
-            told_of_loss: sections.iter().filter(|s| !s.clean).count(),
+            told_of_loss: sections.iter().filter(|s| s.told).count(),
+            release_errors: sections.iter().filter(|s| s.release_failed).count(),
             ..Report::default()
         };
         for error in std::mem::take(&mut *self.errors.lock().unwrap()) {
@@ -408,18 +414,18 @@ impl Contention {
             *report.error_kinds.entry(short).or_default() += 1;
         }
         for key in 0..self.keys.len() {
-            let clean: Vec<&Section> = sections
+            let checked: Vec<&Section> = sections
                 .iter()
-                .filter(|s| s.key == key && s.clean)
+                .filter(|s| s.key == key && !s.told)
                 .collect();
-            for (i, a) in clean.iter().enumerate() {
-                for b in &clean[i + 1..] {
+            for (i, a) in checked.iter().enumerate() {
+                for b in &checked[i + 1..] {
                     if b.start < a.end && a.start < b.end {
                         report.overlaps += 1;
                     }
                 }
             }
-            for pair in clean.windows(2) {
+            for pair in checked.windows(2) {
                 if pair[1].token <= pair[0].token {
                     report.token_inversions += 1;
                 }
@@ -711,6 +717,11 @@ async fn exclusion_across_a_takeover_with_wait_replicas() {
     assert!(run.report.sections > 300, "{run:?}");
     assert_eq!(run.report.overlaps, 0, "{run:?}");
     assert_eq!(run.report.token_inversions, 0, "{run:?}");
+    // A release fails only for a section that straddles the move of its slot to the new
+    // master (granted by one, answered by the other or by the demoted one). Each of the
+    // 4 × 2 tasks holds one section at a time, and the slot moves once, so at most one
+    // release per task fails.
+    assert!(run.report.release_errors <= 8, "{run:?}");
 }
 
 /// The master is killed (SIGKILL): its replica is promoted after the node timeout (1 s)

@@ -17,12 +17,10 @@ use dlock_testkit::{unique_key, wait_until};
 /// machine never makes the sentinels fail over by themselves.
 const CALM: Duration = Duration::from_secs(20);
 
+/// A deployment started off the runtime's worker threads (a missing binary fails the test
+/// there).
 fn deployment(down_after: Duration) -> Option<SentinelDeployment> {
-    let deployment = tokio::task::block_in_place(|| SentinelDeployment::start(down_after));
-    if deployment.is_none() {
-        eprintln!("skipped: redis-server is not installed");
-    }
-    deployment
+    tokio::task::block_in_place(|| SentinelDeployment::start(down_after))
 }
 
 dlock_testkit::conformance_suite!(optional async {
@@ -333,15 +331,22 @@ struct Section {
     start: Instant,
     end: Instant,
     token: u64,
-    /// Neither told of loss during the section nor on release.
-    clean: bool,
+    /// The holder was told of the loss (`is_lost()`, which the lost token also sets) before
+    /// the section ended: the only excuse from the overlap and token checks.
+    told: bool,
+    /// The release answered an error (counted, and bounded, apart: a failed release is no
+    /// excuse, as the section may have overlapped another all the same).
+    release_failed: bool,
 }
 
 #[derive(Debug, Default)]
 #[allow(dead_code)] // Every field is read through `Debug`, in the printed report.
 struct Report {
     sections: usize,
+    /// Sections whose holder was told of the loss before they ended (excused).
     told_of_loss: usize,
+    /// Sections whose release answered an error (checked all the same).
+    release_errors: usize,
     failed_acquisitions: u64,
     overlaps: usize,
     token_inversions: usize,
@@ -351,14 +356,14 @@ struct Report {
 
 /// Four providers (four backends, as four processes would have) × two tasks take two hot
 /// keys in short sections while the deployment fails over; then the sections are checked:
-/// overlaps among holders never told of loss, and fencing tokens in the order of the
-/// sections.
+/// overlaps among the sections whose holder was not told of the loss before they ended (a
+/// failed release is no excuse: those are counted apart), and fencing tokens in the order of
+/// the sections.
 async fn exclusion_across_failover(options: &str, rejoin: bool) -> Option<Report> {
     let deployment =
         tokio::task::block_in_place(|| SentinelDeployment::start_with_replicas(CALM, 1));
     let Some(deployment) = deployment else {
-        eprintln!("skipped: redis-server is not installed");
-        return None;
+        dlock_testkit::conformance::no_harness()
     };
     tokio::task::block_in_place(|| deployment.wait_ready());
     let url = deployment.url(options);
@@ -405,7 +410,8 @@ async fn exclusion_across_failover(options: &str, rejoin: bool) -> Option<Report
                         start,
                         end,
                         token,
-                        clean: !told && released.is_ok(),
+                        told,
+                        release_failed: released.is_err(),
                     });
                 }
             }));
@@ -431,7 +437,9 @@ async fn exclusion_across_failover(options: &str, rejoin: bool) -> Option<Report
                 .lock()
                 .unwrap()
                 .iter()
-                .filter(|s| s.clean && s.start > after + Duration::from_millis(1500))
+                .filter(|s| {
+                    !s.told && !s.release_failed && s.start > after + Duration::from_millis(1500)
+                })
                 .count()
                 >= 20
         },
@@ -445,24 +453,25 @@ async fn exclusion_across_failover(options: &str, rejoin: bool) -> Option<Report
     sections.sort_by_key(|s| s.start);
     let mut report = Report {
         sections: sections.len(),
-        told_of_loss: sections.iter().filter(|s| !s.clean).count(),
+        told_of_loss: sections.iter().filter(|s| s.told).count(),
+        release_errors: sections.iter().filter(|s| s.release_failed).count(),
         failed_acquisitions: failed.load(Ordering::SeqCst),
         failover,
         ..Report::default()
     };
     for key in 0..keys.len() {
-        let clean: Vec<&Section> = sections
+        let checked: Vec<&Section> = sections
             .iter()
-            .filter(|s| s.key == key && s.clean)
+            .filter(|s| s.key == key && !s.told)
             .collect();
-        for (i, a) in clean.iter().enumerate() {
-            for b in &clean[i + 1..] {
+        for (i, a) in checked.iter().enumerate() {
+            for b in &checked[i + 1..] {
                 if b.start < a.end && a.start < b.end {
                     report.overlaps += 1;
                 }
             }
         }
-        for pair in clean.windows(2) {
+        for pair in checked.windows(2) {
             if pair[1].token <= pair[0].token {
                 report.token_inversions += 1;
             }
@@ -509,6 +518,11 @@ async fn exclusion_across_a_failover_with_wait_replicas() {
     assert!(report.sections > 100, "{report:?}");
     assert_eq!(report.overlaps, 0, "{report:?}");
     assert_eq!(report.token_inversions, 0, "{report:?}");
+    // A release fails only for a section that straddles its provider's move to the new
+    // master (granted on one, released on the other or on the demoted one). Each of the
+    // 4 × 2 tasks holds one section at a time, and each provider moves once, so at most one
+    // release per task fails.
+    assert!(report.release_errors <= 8, "{report:?}");
 }
 
 /// `wait_replicas` more than the replicas there are: the write succeeds, the acquisition is

@@ -38,7 +38,7 @@ pub trait Harness: Send + Sync + 'static {
 
     /// How soon after abandoned acquisitions (timeout 5 s, dropped within 2 ms) the key must
     /// be free for another provider: two seconds. `None` for a backend with a known, open bug
-    /// here (the case then says it is skipped and why).
+    /// here (the case then fails, saying so: a known bug is not a pass).
     fn abandon_bound(&self) -> Option<Duration> {
         Some(Duration::from_secs(2))
     }
@@ -68,8 +68,8 @@ pub trait Harness: Send + Sync + 'static {
 
 /// Generates one test per conformance case for the harness that `$make` (an async expression)
 /// builds. `conformance_suite!(optional $make)` takes a `$make` that yields `Option<Harness>`:
-/// `None` (its server binaries are missing outside CI, and `$make` has said so) skips every
-/// case. `conformance_suite!(attributes [#[...]] $make)` puts those attributes on every case:
+/// `None` fails every case as not run ([`crate::not_run`]; this kit's fixtures fail the test
+/// themselves, with the reason, where their server binaries are missing). `conformance_suite!(attributes [#[...]] $make)` puts those attributes on every case:
 /// dlock's SQL Server and Oracle suites are ignored, with the reason, when their server's URL
 /// was not set at build time. The cases are `#[tokio::test]`s: the calling crate needs `tokio`
 /// with its `macros` and `rt-multi-thread` features.
@@ -81,7 +81,7 @@ macro_rules! conformance_suite {
     (@harness optional $make:expr) => {
         match $make.await {
             Some(harness) => harness,
-            None => return,
+            None => $crate::conformance::no_harness(),
         }
     };
     (@sync_harness required $make:expr) => {
@@ -143,6 +143,17 @@ macro_rules! conformance_suite {
     ($make:expr) => {
         $crate::conformance_suite!(@all required [] $make);
     };
+}
+
+/// Fails a case whose harness could not be made (an `optional` harness that is `None`): the
+/// case was not run, which must never count as a pass.
+#[doc(hidden)]
+#[track_caller]
+pub fn no_harness() -> ! {
+    crate::not_run(
+        "no harness for this suite's store here",
+        "its fixture returned None; this kit's fixtures say why themselves",
+    )
 }
 
 /// Waits until `waiter`, an acquisition through `provider` (which holds nothing else), has
@@ -768,8 +779,9 @@ pub async fn acquisition_dropped_midway(h: &impl Harness) {
         let _ = tokio::time::timeout(budget, a.acquire(&key, Duration::from_secs(5))).await;
     }
     let Some(bound) = h.abandon_bound() else {
-        eprintln!("skipped: this backend can strand a lock after abandoned waits (open bug)");
-        return;
+        panic!(
+            "this backend can strand a lock after abandoned waits (its harness declares an open bug)"
+        );
     };
     let guard = b
         .acquire(&key, bound)
@@ -995,7 +1007,7 @@ pub async fn shared_backend_contention(h: &impl Harness) {
 /// from a second runtime is held. Either that lock stays alive, or its holder hears of the loss
 /// before anyone else can take the key; and the provider keeps working from the second runtime.
 ///
-/// `make` builds the harness: `None` skips the case (the backend's server is not here).
+/// `make` builds the harness: `None` fails the case as not run ([`no_harness`]).
 pub fn background_runtime_dropped<F, Fut, H>(make: F)
 where
     F: FnOnce() -> Fut,
@@ -1005,7 +1017,7 @@ where
     let runtime = crate::runtime;
     let main = runtime(1);
     let Some(h) = main.block_on(make()) else {
-        return;
+        no_harness()
     };
     let first = runtime(2);
     let (provider, key) = first.block_on(async {
@@ -1069,7 +1081,7 @@ where
 {
     let main = crate::runtime(1);
     let Some(h) = main.block_on(make()) else {
-        return;
+        no_harness()
     };
     let (provider, outsider) = main.block_on(async {
         let provider = h.provider().await;

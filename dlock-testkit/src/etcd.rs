@@ -1,8 +1,8 @@
 //! Throwaway etcd servers and clusters on free loopback ports, in temp dirs.
 //!
 //! The binary is `etcd` on PATH (Debian's `etcd-server`, installed by `.ci/run`), or the one
-//! `DLOCK_ETCD_SERVER` names. Without it a test prints that it is skipped, unless `CI` is set:
-//! then it fails. Members run with a 50 ms heartbeat and a 500 ms election timeout, so a lost
+//! `DLOCK_ETCD_SERVER` names. Without it a test fails, saying it was not run and how to
+//! install the servers ([`crate::server_binary`]), whether `CI` is set or not. Members run with a 50 ms heartbeat and a 500 ms election timeout, so a lost
 //! leader is replaced within about a second, and with `--pre-vote`, so a member coming back
 //! from a partition does not force an election.
 //!
@@ -28,11 +28,16 @@ use crate::netns::Netns;
 
 const ENV: &str = "DLOCK_ETCD_SERVER";
 
-/// The `etcd` binary, if installed.
+/// The `etcd` binary, if installed: the file `DLOCK_ETCD_SERVER` names (none when it names no
+/// file), or else `etcd` on PATH.
 pub fn binary() -> Option<PathBuf> {
-    if let Some(path) = std::env::var_os(ENV) {
-        return Some(PathBuf::from(path));
+    match std::env::var_os(ENV) {
+        Some(path) => Some(PathBuf::from(path)).filter(|p| p.is_file()),
+        None => installed(),
     }
+}
+
+fn installed() -> Option<PathBuf> {
     std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
             .map(|dir| dir.join("etcd"))
@@ -94,7 +99,8 @@ pub struct EtcdCluster {
 
 impl EtcdCluster {
     /// Starts a cluster of `size` members on loopback and waits until it has a leader;
-    /// `None` (after saying so) when the binary is missing and `CI` is not set.
+    /// never `None`: without the binary the test fails ([`crate::server_binary`]; the `Option`
+    /// is kept for the callers written when a missing binary was skipped).
     pub fn start(size: usize) -> Option<EtcdCluster> {
         let binary = EtcdCluster::find_binary()?;
         EtcdCluster::start_members(binary, || (0..size).map(Member::on_loopback).collect())
@@ -119,14 +125,7 @@ impl EtcdCluster {
     }
 
     fn find_binary() -> Option<PathBuf> {
-        let Some(binary) = binary() else {
-            if std::env::var_os("CI").is_some() {
-                panic!("no etcd binary (set {ENV} or run .ci/run to install it)");
-            }
-            eprintln!("skipped: no etcd binary (set {ENV} or run .ci/run)");
-            return None;
-        };
-        Some(binary)
+        Some(crate::server_binary("etcd server", ENV, installed))
     }
 
     fn start_members(binary: PathBuf, members: impl Fn() -> Vec<Member>) -> Option<EtcdCluster> {

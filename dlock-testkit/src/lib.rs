@@ -19,8 +19,8 @@
 //! (This is `tests/memory.rs` of this crate, which runs it.)
 #![doc = concat!("```\n", include_str!("../tests/memory.rs"), "# fn main() {}\n```\n")]
 //!
-//! `conformance_suite!(optional $make)` takes a `$make` that yields `Option<Harness>` and skips
-//! every case on `None` (a server that cannot run here), and `conformance_suite!(attributes
+//! `conformance_suite!(optional $make)` takes a `$make` that yields `Option<Harness>` and fails
+//! every case as not run on `None`, and `conformance_suite!(attributes
 //! [#[ignore = "..."]] $make)` puts attributes on every case. Each case is also a plain async
 //! function of [`conformance`], for a test that runs one of them in a setting of its own.
 //!
@@ -30,7 +30,10 @@
 //! (Redis and Valkey) start servers from their installed binaries in temp dirs on free loopback
 //! ports, or inside a network namespace of [`netns`] ([`Placement`]), and `etcd` single
 //! servers and clusters of several members on loopback; `tls` makes certificate
-//! authorities and server certificates for them. The free functions here ([`unique_key`],
+//! authorities and server certificates for them. A fixture whose server binary (or root, for
+//! [`netns`]) is missing fails the test, saying it was not run and how to install what it
+//! needs ([`not_run`], [`server_binary`]), whether `CI` is set or not: a test that could not
+//! run never counts as passed. The free functions here ([`unique_key`],
 //! [`wait_until`], [`eventually`], [`runtime`], [`foreign_panics`]) serve every test.
 //!
 //! # Features
@@ -120,6 +123,53 @@ pub(crate) fn reaper(script: &str) -> std::process::ChildStdin {
     let stdin = reaper.stdin.take().expect("reaper stdin");
     std::mem::forget(reaper);
     stdin
+}
+
+/// What a test that cannot run here says, `bash .ci/run` being the way to get everything the
+/// suite runs on.
+pub const INSTALL_HINT: &str = "run `bash .ci/run`, which installs the servers";
+
+/// Fails the calling test because `missing` (something it needs: a server binary, root, a
+/// tool) is not there, saying so and `remedy`: `not run: {missing} ({remedy})`. Every fixture
+/// of this kit calls it where what it needs is missing, whether `CI` is set or not: a test that
+/// could not run must never count as passed, and libtest shows a failing test's message where
+/// it hides a passing one's.
+#[track_caller]
+pub fn not_run(missing: &str, remedy: &str) -> ! {
+    panic!("not run: {missing} ({remedy})")
+}
+
+/// The binary of `server` (`"Redis 8 server"`) that the variable `env` names, if it is set, or
+/// else the one `find` finds (on PATH, in an installed package); fails the test
+/// ([`not_run`]) when there is none, naming `env` and how to install the servers. A variable
+/// naming no file is an error too, not a reason to look elsewhere.
+#[track_caller]
+pub fn server_binary(
+    server: &str,
+    env: &str,
+    find: impl FnOnce() -> Option<std::path::PathBuf>,
+) -> std::path::PathBuf {
+    match std::env::var_os(env) {
+        Some(named) => {
+            let path = std::path::PathBuf::from(&named);
+            if !path.is_file() {
+                not_run(
+                    &format!("no {server} binary here"),
+                    &format!(
+                        "{env}={} is not a file: point it at the binary, or unset it and {INSTALL_HINT}",
+                        path.display()
+                    ),
+                );
+            }
+            path
+        }
+        None => find().unwrap_or_else(|| {
+            not_run(
+                &format!("no {server} binary here"),
+                &format!("set {env} or {INSTALL_HINT}"),
+            )
+        }),
+    }
 }
 
 /// A key no other test (or earlier run against the same server) uses: `name`, this process's

@@ -8,7 +8,8 @@
 //! a password. A server is stopped and its directory removed when its [`DbServer`] is dropped,
 //! and, for the shared servers held in statics, by a reaper process when the test binary exits.
 //!
-//! Without the binaries the tests say they are skipped; with `CI` set they fail instead.
+//! Without the binaries a test fails, saying it was not run and why ([`crate::not_run`]),
+//! whether `CI` is set or not.
 //!
 //! [`DbServer::set_tls`] chooses the server's TLS from the next start on: its own default
 //! (MariaDB 10.11 has none; MySQL 9 makes a self-signed certificate at `--initialize`), none at
@@ -49,7 +50,15 @@ pub enum Flavor {
 }
 
 impl Flavor {
-    /// The server's name in messages, and its URL scheme: `mariadb` or `mysql`.
+    /// The server's name in messages: `MariaDB` or `MySQL 9`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Flavor::MariaDb => "MariaDB",
+            Flavor::MySql => "MySQL 9",
+        }
+    }
+
+    /// The server's label in messages, and its URL scheme: `mariadb` or `mysql`.
     pub fn label(self) -> &'static str {
         match self {
             Flavor::MariaDb => "mariadb",
@@ -96,17 +105,13 @@ fn missing(flavor: Flavor) -> Option<String> {
     }
 }
 
-/// Whether `flavor` can run; without it, panics under CI and prints a skip note otherwise.
+/// Whether `flavor` can run: always true, as without it the test fails, saying it was not run
+/// and why ([`crate::not_run`]), whether `CI` is set or not.
+#[track_caller]
 pub fn available(flavor: Flavor) -> bool {
     match missing(flavor) {
         None => true,
-        Some(why) => {
-            if std::env::var_os("CI").is_some() {
-                panic!("{} server missing under CI: {why}", flavor.label());
-            }
-            eprintln!("skipped: {} server missing: {why}", flavor.label());
-            false
-        }
+        Some(why) => crate::not_run(&format!("no {} server here", flavor.name()), &why),
     }
 }
 
@@ -134,8 +139,9 @@ pub struct DbServer {
 }
 
 impl DbServer {
-    /// Creates a data dir and starts a server on loopback; `None` (after a skip note) when the
-    /// binaries are missing outside CI.
+    /// Creates a data dir and starts a server on loopback. Never `None`: without the binaries
+    /// the test fails ([`available`]); the `Option` is kept for the callers written when a
+    /// missing server was skipped.
     pub fn start(flavor: Flavor) -> Option<DbServer> {
         DbServer::start_with(flavor, Placement::default())
     }

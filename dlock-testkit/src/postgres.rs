@@ -1,6 +1,9 @@
 //! Throwaway PostgreSQL servers, spawned from the installed binaries in a temp dir on a free
 //! loopback port (or where a [`Placement`] says). As root, the server runs as the `postgres`
-//! user (PostgreSQL refuses root).
+//! user (PostgreSQL refuses root). The binaries are the `postgres` that `DLOCK_POSTGRES_SERVER`
+//! names and the `initdb` beside it, or else the first pair on PATH, or the newest of
+//! `/usr/lib/postgresql/*/bin`; without them a test fails, saying it was not run and how to
+//! install the servers ([`crate::server_binary`]), whether `CI` is set or not.
 //!
 //! Each server trusts every local user except `locker`, who must give a password (for the
 //! wrong-password test). A server is stopped when its [`PgServer`] is dropped; the shared
@@ -34,11 +37,25 @@ pub struct PgServer {
     _reaper: ChildStdin,
 }
 
+/// The directory of `initdb` and `postgres`: that of the `postgres` binary `DLOCK_POSTGRES_SERVER`
+/// names, or else the first on PATH, or the newest of `/usr/lib/postgresql/*/bin`; fails the
+/// test ([`crate::not_run`]) when there is none, whether `CI` is set or not.
+#[track_caller]
 fn bin_dir() -> PathBuf {
+    const ENV: &str = "DLOCK_POSTGRES_SERVER";
+    crate::server_binary("PostgreSQL server", ENV, || {
+        installed_bin_dir().map(|dir| dir.join("postgres"))
+    })
+    .parent()
+    .map(Path::to_path_buf)
+    .unwrap_or_default()
+}
+
+fn installed_bin_dir() -> Option<PathBuf> {
     if let Ok(path) = std::env::var("PATH") {
         for dir in std::env::split_paths(&path) {
             if dir.join("initdb").is_file() && dir.join("postgres").is_file() {
-                return dir;
+                return Some(dir);
             }
         }
     }
@@ -49,13 +66,10 @@ fn bin_dir() -> PathBuf {
             .collect();
         dirs.sort();
         if let Some(dir) = dirs.pop() {
-            return dir;
+            return Some(dir);
         }
     }
-    panic!(
-        "PostgreSQL server binaries (initdb, postgres) were not found on PATH or in /usr/lib/postgresql/*/bin; \
-         install the `postgresql` package (bash .ci/run does)"
-    );
+    None
 }
 
 /// A command that runs `program` (behind the placement's prefix) as the `postgres` user when

@@ -9,8 +9,8 @@
 //! | Redis 8.4+ | `redis8-server` on PATH | Debian experimental, in a chroot (`.ci/redis8-chroot.sh`) |
 //!
 //! `DLOCK_REDIS7_SERVER`, `DLOCK_VALKEY81_SERVER`, `DLOCK_VALKEY91_SERVER` and
-//! `DLOCK_REDIS8_SERVER` name other binaries. Without a binary a test prints that it is
-//! skipped, unless `CI` is set: then it fails.
+//! `DLOCK_REDIS8_SERVER` name other binaries. Without a binary a test fails, saying it was not
+//! run and how to install the servers ([`crate::server_binary`]), whether `CI` is set or not.
 //!
 //! [`RedisServer::start_tls`] adds a TLS port (`--tls-port`, with a given certificate; clients
 //! are not asked for certificates), beside the plain port the tests' own commands use, or
@@ -56,11 +56,35 @@ impl Flavor {
         }
     }
 
-    /// The binary, if installed.
-    pub fn binary(self) -> Option<PathBuf> {
-        if let Some(path) = std::env::var_os(self.env()) {
-            return Some(PathBuf::from(path));
+    /// The server's name in messages: `Redis 7`, `Valkey 8.1`, `Valkey 9.1`, `Redis 8`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Flavor::Redis7 => "Redis 7",
+            Flavor::Valkey81 => "Valkey 8.1",
+            Flavor::Valkey91 => "Valkey 9.1",
+            Flavor::Redis8 => "Redis 8",
         }
+    }
+
+    /// The binary, if installed: the file the flavour's variable names (none when it names
+    /// no file), or else the installed one.
+    pub fn binary(self) -> Option<PathBuf> {
+        match std::env::var_os(self.env()) {
+            Some(path) => Some(PathBuf::from(path)).filter(|p| p.is_file()),
+            None => self.installed(),
+        }
+    }
+
+    /// The binary the flavour's variable names, or else the installed one; fails the test
+    /// ([`crate::not_run`]) when there is none, in every mode.
+    fn require_binary(self) -> PathBuf {
+        crate::server_binary(&format!("{} server", self.name()), self.env(), || {
+            self.installed()
+        })
+    }
+
+    /// The installed binary, if any (the variable aside).
+    fn installed(self) -> Option<PathBuf> {
         match self {
             Flavor::Redis7 => on_path("redis-server"),
             Flavor::Redis8 => on_path("redis8-server"),
@@ -129,8 +153,9 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// Starts a server of `flavor` on loopback; `None` (after saying so) when its binary is
-    /// missing and `CI` is not set.
+    /// Starts a server of `flavor` on loopback. Never `None`: when its binary is missing the
+    /// test fails ([`crate::not_run`]), whether `CI` is set or not (the `Option` is kept for
+    /// the callers written when a missing binary was skipped).
     pub fn start(flavor: Flavor) -> Option<RedisServer> {
         RedisServer::start_with(flavor, Placement::default())
     }
@@ -152,19 +177,7 @@ impl RedisServer {
     }
 
     fn start_args(flavor: Flavor, placement: Placement, extra: &[&str]) -> Option<RedisServer> {
-        let Some(binary) = flavor.binary() else {
-            if std::env::var_os("CI").is_some() {
-                panic!(
-                    "no {flavor:?} server binary (set {} or run .ci/run to install it)",
-                    flavor.env()
-                );
-            }
-            eprintln!(
-                "skipped: no {flavor:?} server binary (set {} or run .ci/run)",
-                flavor.env()
-            );
-            return None;
-        };
+        let binary = flavor.require_binary();
         for _ in 0..5 {
             let mut server = RedisServer {
                 flavor,
@@ -719,7 +732,8 @@ pub struct SentinelDeployment {
 
 impl SentinelDeployment {
     /// Starts the deployment; the sentinels consider the master down after `down_after` of
-    /// silence. `None` (after saying so) when `redis-server` is missing and `CI` is not set.
+    /// silence. Never `None`: when `redis-server` is missing the test fails
+    /// ([`crate::not_run`]), whether `CI` is set or not.
     /// The sentinels answer at once; [`wait_ready`](SentinelDeployment::wait_ready) waits
     /// until they can fail over.
     pub fn start(down_after: Duration) -> Option<SentinelDeployment> {

@@ -1127,11 +1127,11 @@ pub fn run_backend(backend: Backend, ci_count: u64) {
     };
     let lib = libfaketime();
     if lib.is_none() {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "libfaketime is missing (install the Debian package `faketime`; .ci/run does)"
+        // Clock steps are one of the schedule's fault classes: a run without them is not run.
+        dlock_testkit::not_run(
+            "no libfaketime here",
+            "install the Debian package `faketime`; `bash .ci/run` does",
         );
-        eprintln!("schedule test: libfaketime not found, clock steps are left out");
     }
     let gates = gated(backend, &opened);
     for hole in KNOWN_HOLES

