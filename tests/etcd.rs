@@ -99,6 +99,11 @@ impl dlock_testkit::Harness for EtcdHarness {
         true
     }
 
+    /// etcd has no store inspection in dlock.
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Unsupported
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let backend = EtcdBackend::connect(&self.url()).await.expect("connect");
         (0..count)
