@@ -1327,17 +1327,28 @@ async fn late_answer_boundary(server: &RedisServer) {
         .unwrap();
 
     // Just under: kept.
-    let (key, sem) = (unique_key("boundary-under"), unique_key("boundary-under-sem"));
+    let (key, sem) = (
+        unique_key("boundary-under"),
+        unique_key("boundary-under-sem"),
+    );
     proxy.set_reply_delay(LEASE * 35 / 100);
     let sent = Instant::now();
-    let guard = slow
-        .try_acquire(&key)
-        .await
-        .unwrap_or_else(|e| panic!("an answer after {:?} (35 % of the lease): {e}", sent.elapsed()));
-    let sent = Instant::now();
-    let permit = slow.try_acquire_semaphore(&sem, 1).await.unwrap_or_else(|e| {
-        panic!("a permit answered after {:?} (35 % of the lease): {e}", sent.elapsed())
+    let guard = slow.try_acquire(&key).await.unwrap_or_else(|e| {
+        panic!(
+            "an answer after {:?} (35 % of the lease): {e}",
+            sent.elapsed()
+        )
     });
+    let sent = Instant::now();
+    let permit = slow
+        .try_acquire_semaphore(&sem, 1)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "a permit answered after {:?} (35 % of the lease): {e}",
+                sent.elapsed()
+            )
+        });
     proxy.set_reply_delay(Duration::ZERO);
     assert!(!guard.is_lost() && !permit.is_lost());
     assert!(matches!(
@@ -1348,8 +1359,14 @@ async fn late_answer_boundary(server: &RedisServer) {
         other.try_acquire_semaphore(&sem, 1).await,
         Err(LockError::AlreadyHeld { .. })
     ));
-    guard.release().await.expect("the lock answered at 35 % is held");
-    permit.release().await.expect("the permit answered at 35 % is held");
+    guard
+        .release()
+        .await
+        .expect("the lock answered at 35 % is held");
+    permit
+        .release()
+        .await
+        .expect("the permit answered at 35 % is held");
 
     // Just over: refused and given back.
     let (key, sem) = (unique_key("boundary-over"), unique_key("boundary-over-sem"));
@@ -1381,7 +1398,10 @@ async fn late_answer_boundary(server: &RedisServer) {
         .acquire_semaphore(&sem, 1, LEASE / 2)
         .await
         .expect("the late permit was given back");
-    eprintln!("late lock and permit free again {:?} after", freed.elapsed());
+    eprintln!(
+        "late lock and permit free again {:?} after",
+        freed.elapsed()
+    );
     theirs.release().await.unwrap();
     their_permit.release().await.unwrap();
 }
