@@ -1095,6 +1095,11 @@ where
                          while its holder had not been told when that try was sent",
                         started.elapsed()
                     );
+                    eprintln!(
+                        "the key was taken {:?} after the runtime was dropped, its holder told \
+                         before",
+                        started.elapsed()
+                    );
                     other.release().await.expect("release");
                     break;
                 }
@@ -1102,6 +1107,9 @@ where
                 Err(e) => panic!("outsider: {e}"),
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if !guard.is_lost() {
+            eprintln!("the lock stayed held for {watch_for:?} after the runtime was dropped");
         }
         // The provider still works from the runtime that is left.
         let other = provider
