@@ -720,3 +720,90 @@ async fn brief_locks_open_no_watch_and_an_early_delete_is_still_seen() {
         "the held lock's watch opened"
     );
 }
+
+/// The late-answer rule at its boundary on etcd: an acquisition whose answer comes later than
+/// 40 % of its lease after it was sent is given back and answered `Lost`. An acquisition here
+/// is two round trips (the lease grant, then the queueing transaction), each answer held back
+/// by a proxy: held back 17.5 % of a 4 s lease each (35 % in all, 1.4 s of the 1.6 s allowed;
+/// 200 ms left for the round trips and the scheduler), the lock is handed out and held; held
+/// back 22.5 % each (45 %), it is refused as `Lost` and the key is free again at once. A rule
+/// moved to 80 % fails the second half, one moved to 30 % the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn late_answer_at_the_boundary() {
+    const LEASE: Duration = Duration::from_secs(4);
+    let Some(cluster) = tokio::task::spawn_blocking(|| EtcdCluster::start(1))
+        .await
+        .expect("start etcd")
+    else {
+        return;
+    };
+    let member = cluster.endpoints()[0].clone();
+    let port: u16 = member
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the member's port");
+    let proxy = dlock_testkit::redis::DelayProxy::start(port);
+    let slow = LockProvider::connect(&format!(
+        "etcd://127.0.0.1:{}?lease=4s&timeout=3s",
+        proxy.port()
+    ))
+    .await
+    .expect("connect through the proxy");
+    let other = LockProvider::connect(&url(&cluster))
+        .await
+        .expect("connect");
+    // The connection and its paths set up while answers are prompt.
+    slow.try_acquire(&unique_key("warm"))
+        .await
+        .expect("free")
+        .release()
+        .await
+        .expect("release");
+
+    // Just under: kept.
+    let key = unique_key("boundary-under");
+    proxy.set_reply_delay(LEASE * 175 / 1000);
+    let sent = Instant::now();
+    let guard = slow.try_acquire(&key).await.unwrap_or_else(|e| {
+        panic!(
+            "an answer after {:?} (35 % of the lease): {e}",
+            sent.elapsed()
+        )
+    });
+    let took = sent.elapsed();
+    proxy.set_reply_delay(Duration::ZERO);
+    eprintln!("held back 35 %: answered after {took:?}");
+    assert!(
+        took >= LEASE * 35 / 100,
+        "premise: both answers held back ({took:?})"
+    );
+    assert!(!guard.is_lost());
+    assert!(matches!(
+        other.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    guard
+        .release()
+        .await
+        .expect("the lock answered at 35 % is held");
+
+    // Just over: refused and given back.
+    let key = unique_key("boundary-over");
+    proxy.set_reply_delay(LEASE * 225 / 1000);
+    let sent = Instant::now();
+    match slow.try_acquire(&key).await {
+        Err(LockError::Lost { reason, .. }) => assert!(reason.contains("lease"), "{reason}"),
+        other => panic!(
+            "a lock answered after {:?} (45 % of the lease): {other:?}, not Lost",
+            sent.elapsed()
+        ),
+    }
+    proxy.set_reply_delay(Duration::ZERO);
+    // Given back, well before the 4 s lease would have freed it.
+    let theirs = other
+        .acquire(&key, LEASE / 2)
+        .await
+        .expect("the late lock was given back");
+    theirs.release().await.expect("release");
+}
