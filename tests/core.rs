@@ -122,11 +122,22 @@ async fn one_local_waiter_talks_to_the_store_per_key() {
             })
         })
         .collect();
-    // Let the waiters poll for a while against the remote holder.
-    dlock_testkit::eventually(Duration::from_secs(5), || {
-        calls.total.load(Ordering::SeqCst) >= 10
-    })
-    .await;
+    // Let the waiters poll for a while against the remote holder: the one-talker bound below
+    // means nothing unless they did talk to the store while it was held elsewhere.
+    assert!(
+        dlock_testkit::eventually(Duration::from_secs(5), || {
+            calls.total.load(Ordering::SeqCst) >= 10
+        })
+        .await,
+        "the waiters asked the store fewer than 10 times in 5 s while the key was held \
+         elsewhere ({} calls)",
+        calls.total.load(Ordering::SeqCst)
+    );
+    assert_eq!(
+        served.load(Ordering::SeqCst),
+        0,
+        "a waiter was served while the key was held elsewhere"
+    );
     held_elsewhere.release().await.unwrap();
     for w in waiters {
         w.await.unwrap();

@@ -227,6 +227,11 @@ mod postgres {
             self.fencing
         }
 
+        /// PostgreSQL reads `pg_locks`, which needs no grant.
+        fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+            dlock_testkit::StoreInspection::Listed
+        }
+
         /// Read locks in the engine's shared mode (pg_advisory_lock_shared, with no privilege beyond CONNECT).
         fn read_locks(&self) -> bool {
             true
@@ -472,6 +477,11 @@ mod mysql {
             self.fencing
         }
 
+        /// MySQL/MariaDB have no store inspection in dlock.
+        fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+            dlock_testkit::StoreInspection::Unsupported
+        }
+
         async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
             let backend = dlock::mysql::MySqlBackend::connect(&self.url("&connections=1"))
                 .await
@@ -706,6 +716,12 @@ mod redis_acl {
                 "the least commands grant no PUBLISH or SUBSCRIBE: without wake-ups, Redis \
                  waits are not fair across processes",
             )
+        }
+
+        /// Inspection walks the keyspace with `SCAN`, an admin's command the least commands
+        /// leave out.
+        fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+            dlock_testkit::StoreInspection::Denied("NOPERM")
         }
     }
 

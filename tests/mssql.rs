@@ -138,6 +138,11 @@ impl dlock_testkit::Harness for MssqlHarness {
         self.fencing
     }
 
+    /// SQL Server has no store inspection in dlock.
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Unsupported
+    }
+
     /// Read locks in the engine's shared mode (sp_getapplock @LockMode = 'Shared').
     fn read_locks(&self) -> bool {
         true

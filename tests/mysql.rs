@@ -139,6 +139,11 @@ impl dlock_testkit::Harness for MyHarness {
         self.fencing
     }
 
+    /// MySQL/MariaDB have no store inspection in dlock.
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Unsupported
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let url = self.server.url(&format!("{}&connections=1", self.options));
         let backend = dlock::mysql::MySqlBackend::connect(&url)

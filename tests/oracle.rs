@@ -127,6 +127,11 @@ impl dlock_testkit::Harness for OracleHarness {
         self.fencing
     }
 
+    /// Oracle has no store inspection in dlock.
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Unsupported
+    }
+
     /// Read locks in the engine's shared mode (DBMS_LOCK S_MODE).
     fn read_locks(&self) -> bool {
         true

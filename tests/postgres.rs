@@ -83,6 +83,10 @@ impl dlock_testkit::Harness for PgHarness {
         self.fencing
     }
 
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Listed
+    }
+
     /// Read locks in the engine's shared mode (pg_advisory_lock_shared).
     fn read_locks(&self) -> bool {
         true

@@ -1301,6 +1301,111 @@ async fn late_acquisition_reply(server: &RedisServer) {
         .expect("the other client's lock was left alone");
 }
 
+/// The late-answer rule at its boundary, end to end: with a 4 s lease the rule allows an
+/// answer 40 % of the lease (1.6 s) after the command was sent. A lock and a semaphore permit
+/// whose answers are held back 35 % of the lease (1.4 s; 200 ms left for the round trip and the
+/// scheduler) are handed out and held; answers held back 45 % (1.8 s) are refused as `Lost`
+/// and the lock and the permit are given back. A rule moved to 80 % fails the second half, one
+/// moved to 30 % the first. (`late_acquisition_reply` covers an answer after the lease.)
+async fn late_answer_boundary(server: &RedisServer) {
+    const LEASE: Duration = Duration::from_secs(4);
+    let proxy = DelayProxy::start(server.port());
+    let slow = LockProvider::connect(&proxy.url("lease=4s")).await.unwrap();
+    let other = LockProvider::connect(&server.url("")).await.unwrap();
+    // Scripts loaded and paths found while answers are prompt.
+    slow.try_acquire(&unique_key("warm"))
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+    slow.try_acquire_semaphore(&unique_key("warm-sem"), 1)
+        .await
+        .unwrap()
+        .release()
+        .await
+        .unwrap();
+
+    // Just under: kept.
+    let (key, sem) = (
+        unique_key("boundary-under"),
+        unique_key("boundary-under-sem"),
+    );
+    proxy.set_reply_delay(LEASE * 35 / 100);
+    let sent = Instant::now();
+    let guard = slow.try_acquire(&key).await.unwrap_or_else(|e| {
+        panic!(
+            "an answer after {:?} (35 % of the lease): {e}",
+            sent.elapsed()
+        )
+    });
+    let sent = Instant::now();
+    let permit = slow
+        .try_acquire_semaphore(&sem, 1)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "a permit answered after {:?} (35 % of the lease): {e}",
+                sent.elapsed()
+            )
+        });
+    proxy.set_reply_delay(Duration::ZERO);
+    assert!(!guard.is_lost() && !permit.is_lost());
+    assert!(matches!(
+        other.try_acquire(&key).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    assert!(matches!(
+        other.try_acquire_semaphore(&sem, 1).await,
+        Err(LockError::AlreadyHeld { .. })
+    ));
+    guard
+        .release()
+        .await
+        .expect("the lock answered at 35 % is held");
+    permit
+        .release()
+        .await
+        .expect("the permit answered at 35 % is held");
+
+    // Just over: refused and given back.
+    let (key, sem) = (unique_key("boundary-over"), unique_key("boundary-over-sem"));
+    proxy.set_reply_delay(LEASE * 45 / 100);
+    let sent = Instant::now();
+    match slow.try_acquire(&key).await {
+        Err(LockError::Lost { reason, .. }) => assert!(reason.contains("lease"), "{reason}"),
+        other => panic!(
+            "a lock answered after {:?} (45 % of the lease): {other:?}, not Lost",
+            sent.elapsed()
+        ),
+    }
+    let sent = Instant::now();
+    match slow.try_acquire_semaphore(&sem, 1).await {
+        Err(LockError::Lost { reason, .. }) => assert!(reason.contains("lease"), "{reason}"),
+        other => panic!(
+            "a permit answered after {:?} (45 % of the lease): {other:?}, not Lost",
+            sent.elapsed()
+        ),
+    }
+    proxy.set_reply_delay(Duration::ZERO);
+    // Given back, well before the 4 s lease would have freed them.
+    let freed = Instant::now();
+    let theirs = other
+        .acquire(&key, LEASE / 2)
+        .await
+        .expect("the late lock was given back");
+    let their_permit = other
+        .acquire_semaphore(&sem, 1, LEASE / 2)
+        .await
+        .expect("the late permit was given back");
+    eprintln!(
+        "late lock and permit free again {:?} after",
+        freed.elapsed()
+    );
+    theirs.release().await.unwrap();
+    their_permit.release().await.unwrap();
+}
+
 /// A waiting acquisition whose first answer comes too late retries within its timeout, and the
 /// guard it returns is a lock taken in time: renewed, exclusive, with the fencing token of the
 /// retry (the late attempt used one up).
@@ -2480,6 +2585,12 @@ macro_rules! flavor_tests {
             async fn late_acquisition() {
                 let Some(server) = start() else { return };
                 late_acquisition_reply(&server).await;
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn late_answer_at_the_boundary() {
+                let Some(server) = start() else { return };
+                late_answer_boundary(&server).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

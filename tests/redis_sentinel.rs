@@ -729,7 +729,7 @@ async fn killed_sentinels_move_the_checks_to_the_one_left() {
 
 /// The sentinel a backend keeps its check connection to stops answering (`SIGSTOP`: the
 /// connection stays open and new ones are accepted, as behind a silent network). The check
-/// that finds it silent costs one command at most the `timeout`; the checks then go to
+/// that finds it silent costs one command at most half the `timeout`; the checks then go to
 /// another sentinel, and every acquisition succeeds meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_sentinel_costs_one_bounded_check() {
@@ -762,14 +762,21 @@ async fn a_silent_sentinel_costs_one_bounded_check() {
         })
         .await;
     deployment.resume_sentinel(0);
+    eprintln!("acquisitions that took half the timeout or more: {slow:?}");
     assert!(
         slow.len() <= 1,
         "{} acquisitions waited for the silent sentinel: {slow:?}",
         slow.len()
     );
+    // The one that waited paid one periodic check, which the backend cuts at half the
+    // `timeout` (250 ms; it took 253 to 320 ms in runs on a loaded machine), and then what
+    // every acquisition costs: its own and the release's round trips on loopback (a few
+    // milliseconds). The margin for those and a late wake-up of the timer is 200 ms. A check cut only at the
+    // whole `timeout`, or a second check at the silent sentinel, takes 500 ms or more and
+    // fails here (the bound used to be the timeout and a second: six times the claim).
+    let bound = timeout / 2 + Duration::from_millis(200);
     assert!(
-        slow.iter()
-            .all(|took| *took < timeout + Duration::from_secs(1)),
-        "{slow:?}"
+        slow.iter().all(|took| *took <= bound),
+        "an acquisition behind the silent sentinel took more than {bound:?}: {slow:?}"
     );
 }

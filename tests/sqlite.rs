@@ -69,6 +69,10 @@ impl dlock_testkit::Harness for SqliteHarness {
         true
     }
 
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Listed
+    }
+
     fn read_locks(&self) -> bool {
         true
     }

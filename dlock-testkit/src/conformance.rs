@@ -64,6 +64,25 @@ pub trait Harness: Send + Sync + 'static {
     fn unfair_waits(&self) -> Option<&'static str> {
         None
     }
+
+    /// What [`LockProvider::store_locks`] answers on this backend, as the harness's account
+    /// sees it. Every harness declares it (there is no default), and the inspection case fails
+    /// when the answer differs: a backend that lists locks must not drift into `Unsupported`
+    /// or a permission error unnoticed, nor one without inspection start answering.
+    fn store_inspection(&self) -> StoreInspection;
+}
+
+/// What a harness declares [`LockProvider::store_locks`] answers ([`Harness::store_inspection`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreInspection {
+    /// The store's locks are listed.
+    Listed,
+    /// The backend has no store inspection: [`LockError::Unsupported`] ("store inspection").
+    Unsupported,
+    /// The backend has it, but the harness's account may not use it: a
+    /// [`LockError::Backend`] whose `db_code` is this (Redis `NOPERM` for an ACL user without
+    /// `SCAN`).
+    Denied(&'static str),
 }
 
 /// Generates one test per conformance case for the harness that `$make` (an async expression)
@@ -809,6 +828,12 @@ pub async fn cancellation_sweep(h: &impl Harness) {
     let seed = fastrand::u64(..);
     let mut rng = fastrand::Rng::with_seed(seed);
     let panics_before = crate::foreign_panics().len();
+    // What the sweep did: acquisitions that got their lock, acquisitions cut short by their
+    // timeout, and tasks ended by an abort that landed. A sweep whose every acquisition
+    // failed, or whose every cut came too late, would test nothing it claims.
+    let granted = Arc::new(AtomicUsize::new(0));
+    let cut = Arc::new(AtomicUsize::new(0));
+    let aborted = AtomicUsize::new(0);
     // A task may end by the abort the sweep aimed at it; any other way it ends (a panic in
     // dlock or in the sweep's own asserts) fails the test.
     let reap = |done: Option<Result<(), tokio::task::JoinError>>| {
@@ -817,6 +842,7 @@ pub async fn cancellation_sweep(h: &impl Harness) {
                 err.is_cancelled(),
                 "a sweep task failed (seed {seed}): {err}"
             );
+            aborted.fetch_add(1, Ordering::Relaxed);
         }
     };
     let mut tasks = tokio::task::JoinSet::new();
@@ -829,27 +855,46 @@ pub async fn cancellation_sweep(h: &impl Harness) {
         let budget = Duration::from_micros(rng.u64(0..3_000));
         let mode = rng.u8(0..4);
         let abort_after = rng.bool().then(|| Duration::from_micros(rng.u64(0..3_000)));
+        let (granted, cut) = (granted.clone(), cut.clone());
         let work = async move {
+            let got = |ok: bool| {
+                if ok {
+                    granted.fetch_add(1, Ordering::Relaxed);
+                }
+            };
+            let timed_out = |elapsed: bool| {
+                if elapsed {
+                    cut.fetch_add(1, Ordering::Relaxed);
+                }
+            };
             match mode {
                 // A wait cut short.
                 0 => {
-                    let _ =
-                        tokio::time::timeout(budget, locks.acquire(&key, Duration::from_secs(5)))
-                            .await;
+                    match tokio::time::timeout(budget, locks.acquire(&key, Duration::from_secs(5)))
+                        .await
+                    {
+                        Ok(taken) => got(taken.is_ok()),
+                        Err(_) => timed_out(true),
+                    }
                 }
                 // A try cut short.
-                1 => {
-                    let _ = tokio::time::timeout(budget, locks.try_acquire(&key)).await;
-                }
+                1 => match tokio::time::timeout(budget, locks.try_acquire(&key)).await {
+                    Ok(taken) => got(taken.is_ok()),
+                    Err(_) => timed_out(true),
+                },
                 // A release cut short.
                 2 => {
                     if let Ok(guard) = locks.acquire(&key, budget).await {
+                        got(true);
                         let _ = tokio::time::timeout(budget / 2, guard.release()).await;
                     }
                 }
-                // A guard dropped while held.
+                // A guard dropped while held. Taken by a wait, so that guards are taken on
+                // every backend: on etcd a try finds a cut acquisition's entry still queued
+                // ahead of it nearly every time (2 to 4 tries of 1,000 got a lock).
                 _ => {
-                    if let Ok(guard) = locks.try_acquire(&key).await {
+                    if let Ok(guard) = locks.acquire(&key, Duration::from_secs(2)).await {
+                        got(true);
                         tokio::time::sleep(budget).await;
                         drop(guard);
                     }
@@ -867,6 +912,20 @@ pub async fn cancellation_sweep(h: &impl Harness) {
     while let Some(done) = tasks.join_next().await {
         reap(Some(done));
     }
+    let (granted, cut, aborted) = (
+        granted.load(Ordering::Relaxed),
+        cut.load(Ordering::Relaxed),
+        aborted.load(Ordering::Relaxed),
+    );
+    eprintln!(
+        "sweep (seed {seed}): {granted} of {SWEEP_ROUNDS} acquisitions got their lock, {cut} \
+         were cut short by their timeout, {aborted} tasks ended by an abort"
+    );
+    assert!(
+        granted > 0 && cut > 0,
+        "the sweep must both take locks and cut work short (seed {seed}): {granted} granted, \
+         {cut} timed out, {aborted} aborted"
+    );
     let bound = h.abandon_bound().unwrap_or(Duration::from_secs(30));
     for key in &keys {
         let started = Instant::now();
@@ -1035,12 +1094,22 @@ where
         let watch_for = h.lost_within() * 3;
         let started = Instant::now();
         while started.elapsed() < watch_for {
+            // Whether the holder has been told, read just before the outsider asks: a grant
+            // to this try comes later than the reading, so a holder told in time was told by
+            // then. (Read after the grant, `is_lost` would find the lease's deadline passed
+            // whenever the store had let the key go, and could not fail.)
+            let told = guard.is_lost();
             match outsider.try_acquire(&key).await {
                 Ok(other) => {
                     assert!(
-                        guard.is_lost(),
+                        told,
                         "another provider took the key {:?} after the runtime was dropped, \
-                         while its holder was never told",
+                         while its holder had not been told when that try was sent",
+                        started.elapsed()
+                    );
+                    eprintln!(
+                        "the key was taken {:?} after the runtime was dropped, its holder told \
+                         before",
                         started.elapsed()
                     );
                     other.release().await.expect("release");
@@ -1050,6 +1119,9 @@ where
                 Err(e) => panic!("outsider: {e}"),
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if !guard.is_lost() {
+            eprintln!("the lock stayed held for {watch_for:?} after the runtime was dropped");
         }
         // The provider still works from the runtime that is left.
         let other = provider
@@ -1791,10 +1863,38 @@ pub async fn semaphore_bounds_holders(h: &impl Harness) {
     ));
 }
 
-/// Tasks of three providers contend for a semaphore of two: never more than two inside at
-/// once; waits dropped at random points leave no slot behind.
+/// Two holders of a semaphore of two are inside at once (each waits, permit held, for the
+/// other); then tasks of three providers contend for it: never more than two inside at once;
+/// waits dropped at random points leave no slot behind.
 pub async fn semaphore_under_contention(h: &impl Harness) {
     let key = unique_key("sem-contended");
+    // First, a rendezvous: two holders on two providers each keep their permit until both
+    // are inside. A semaphore that admitted one holder at a time would keep the second
+    // waiting on the first, which waits for it, until the generous limit ends both.
+    const RENDEZVOUS: Duration = Duration::from_secs(30);
+    let arrived = Arc::new(AtomicUsize::new(0));
+    let mut holders = Vec::new();
+    for _ in 0..2 {
+        let provider = h.provider().await;
+        let (key, arrived) = (key.clone(), arrived.clone());
+        holders.push(tokio::spawn(async move {
+            let guard = provider
+                .acquire_semaphore(&key, 2, RENDEZVOUS)
+                .await
+                .expect("a permit of a semaphore of two, while at most one other is held");
+            arrived.fetch_add(1, Ordering::SeqCst);
+            let all_in =
+                crate::eventually(RENDEZVOUS, || arrived.load(Ordering::SeqCst) == 2).await;
+            guard.release().await.expect("release");
+            all_in
+        }));
+    }
+    for holder in holders {
+        assert!(
+            holder.await.expect("a holder panicked"),
+            "two holders of a semaphore of two were never inside at once"
+        );
+    }
     let inside = Arc::new(AtomicUsize::new(0));
     let most = Arc::new(AtomicUsize::new(0));
     let mut tasks = Vec::new();
@@ -2609,18 +2709,30 @@ pub async fn read_cancellation_sweep(h: &impl Harness) {
 /// longer listed. A backend without it answers `Unsupported`.
 pub async fn store_locks_list_holders(h: &impl Harness) {
     let (a, b) = (h.provider().await, h.provider().await);
-    match b.store_locks().await {
-        Err(LockError::Unsupported { operation, .. }) => {
-            assert_eq!(operation, "store inspection");
+    let declared = h.store_inspection();
+    let answer = b.store_locks().await;
+    match (declared, &answer) {
+        (StoreInspection::Listed, Ok(_)) => {}
+        (StoreInspection::Unsupported, Err(LockError::Unsupported { operation, .. })) => {
+            assert_eq!(*operation, "store inspection");
+            // Nor does a held lock change the answer.
+            let guard = a.try_acquire(&unique_key("unlisted")).await.expect("free");
+            let again = a.store_locks().await;
+            assert!(
+                matches!(again, Err(LockError::Unsupported { .. })),
+                "declared unsupported, answered {again:?} with a lock held"
+            );
+            guard.release().await.expect("release");
             return;
         }
         // An account with only the grants locking needs (inspection is an admin's).
-        Err(LockError::Backend { db_code, .. }) if db_code.as_deref() == Some("NOPERM") => {
-            eprintln!("skipped: this account may not list the store's keys (NOPERM)");
+        (StoreInspection::Denied(code), Err(LockError::Backend { db_code, .. }))
+            if db_code.as_deref() == Some(code) =>
+        {
+            eprintln!("this account may not list the store's keys ({code}), as declared");
             return;
         }
-        Err(e) => panic!("store_locks: {e}"),
-        Ok(_) => {}
+        _ => panic!("store inspection declared {declared:?}, answered {answer:?}"),
     }
     let key = unique_key("listed");
     let guard = a.try_acquire(&key).await.expect("free");

@@ -58,7 +58,7 @@ pub mod redis;
 #[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
 pub mod tls;
 
-pub use conformance::Harness;
+pub use conformance::{Harness, StoreInspection};
 pub use placement::{Placement, ServerTls};
 
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -624,6 +624,11 @@ impl DelayProxy {
         self.shared.late_replies.load(Ordering::SeqCst)
     }
 
+    /// The proxy's port on 127.0.0.1 (for a URL of another scheme than [`url`](DelayProxy::url)'s).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// The URL of the server behind the proxy, with `options` appended.
     pub fn url(&self, options: &str) -> String {
         if options.is_empty() {

@@ -111,6 +111,11 @@ impl dlock_testkit::Harness for MemoryHarness {
         true
     }
 
+    /// The memory backend keeps the default `store_locks`.
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Unsupported
+    }
+
     fn unfair_waits(&self) -> Option<&'static str> {
         // As small as a backend can be: the provider polls it, and nothing queues waiters of
         // different providers (see `LockBackend::try_acquire_in_wait`), so a provider's own

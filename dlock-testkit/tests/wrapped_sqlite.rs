@@ -143,6 +143,11 @@ impl dlock_testkit::Harness for CountedHarness {
         true
     }
 
+    /// The wrapper forwards locking only, not `store_locks` (the default answers `Unsupported`).
+    fn store_inspection(&self) -> dlock_testkit::StoreInspection {
+        dlock_testkit::StoreInspection::Unsupported
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let backend = self.backend().await;
         (0..count)

@@ -374,6 +374,25 @@ mod tests {
         assert_eq!(writer_intent(Duration::MAX), INTENT_BOUNDS.1);
     }
 
+    /// The late-answer rule at its boundary: an answer that took 40 % of the lease is kept,
+    /// one a nanosecond later is not (a window of 80 %, or 30 %, fails here).
+    #[cfg(any(feature = "redis", feature = "etcd"))]
+    #[test]
+    fn answers_later_than_two_fifths_of_the_lease_are_refused() {
+        for lease in [100 * MS, 1000 * MS, 3000 * MS, Duration::from_secs(3600)] {
+            let window = answer_window(lease);
+            assert_eq!(window, lease * 2 / 5, "40 % of {lease:?}");
+            assert!(check_answer_time("k", lease, lease * 39 / 100, "lock", "s").is_ok());
+            assert!(check_answer_time("k", lease, window, "lock", "s").is_ok());
+            let late = check_answer_time("k", lease, window + Duration::from_nanos(1), "lock", "s");
+            assert!(
+                matches!(&late, Err(crate::LockError::Lost { key, .. }) if &**key == "k"),
+                "{late:?}"
+            );
+            assert!(check_answer_time("k", lease, lease * 41 / 100, "lock", "s").is_err());
+        }
+    }
+
     #[test]
     fn the_schedule() {
         let lease = 3000 * MS;

@@ -11,7 +11,7 @@ use dlock::redis::{RedisBackend, RedlockBackend};
 use dlock::{LockError, LockGuard, LockProvider};
 
 use super::{RedisCluster, RedisServer, SentinelDeployment, take_over};
-use crate::Harness;
+use crate::{Harness, StoreInspection};
 
 /// The lease of the harness's locks.
 pub const HARNESS_LEASE: Duration = Duration::from_secs(1);
@@ -52,6 +52,10 @@ pub trait Deployment: Send + Sync + 'static {
     fn unfair_waits(&self) -> Option<&'static str> {
         None
     }
+
+    /// What `store_locks` answers on this deployment, as its URL's account sees it (see
+    /// [`Harness::store_inspection`]).
+    fn store_inspection(&self) -> StoreInspection;
 }
 
 /// The [`Harness`] of a [`Deployment`], its locks on leases of [`HARNESS_LEASE`]: fenced,
@@ -124,6 +128,10 @@ impl<D: Deployment> Harness for LeaseHarness<D> {
         self.deployment.unfair_waits()
     }
 
+    fn store_inspection(&self) -> StoreInspection {
+        self.deployment.store_inspection()
+    }
+
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
         let backend = D::Backend::connect(&url(&self.deployment))
             .await
@@ -157,6 +165,10 @@ impl<D: Deployment> Deployment for &'static D {
     fn unfair_waits(&self) -> Option<&'static str> {
         (**self).unfair_waits()
     }
+
+    fn store_inspection(&self) -> StoreInspection {
+        (**self).store_inspection()
+    }
 }
 
 /// One server (`redis://`).
@@ -169,6 +181,10 @@ impl Deployment for RedisServer {
 
     async fn take_over(&self, backend: &RedisBackend, key: &str) {
         take_over_on(self, backend.storage_key(key)).await;
+    }
+
+    fn store_inspection(&self) -> StoreInspection {
+        StoreInspection::Listed
     }
 
     fn unfair_waits(&self) -> Option<&'static str> {
@@ -196,6 +212,11 @@ impl Deployment for RedisCluster {
         let master = tokio::task::block_in_place(|| self.owner_of(self.slot_of(&key)));
         take_over_on(self.node(master), key).await;
     }
+
+    /// `SCAN` on each master.
+    fn store_inspection(&self) -> StoreInspection {
+        StoreInspection::Listed
+    }
 }
 
 /// A master behind Sentinel (`redis+sentinel://`): the lock is taken over on the master.
@@ -208,5 +229,9 @@ impl Deployment for SentinelDeployment {
 
     async fn take_over(&self, backend: &RedisBackend, key: &str) {
         take_over_on(self.node(self.master_port()), backend.storage_key(key)).await;
+    }
+
+    fn store_inspection(&self) -> StoreInspection {
+        StoreInspection::Listed
     }
 }
