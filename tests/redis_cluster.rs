@@ -1135,3 +1135,63 @@ async fn plain_layout_semaphores_need_hash_tags() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Releases sent while a master fails over to its replica (`CLUSTER FAILOVER`, which waits
+/// until the replica has every write, so the held keys move with it): a node that stopped
+/// being the master refuses a command it did not run (`READONLY`, `MOVED` past the driver's
+/// own retries, `CLUSTERDOWN`), and such a release goes again on the new map. Every release
+/// succeeds, and no key is left on the new master to run out its lease there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releases_go_through_a_failover() {
+    let Some(cluster) = cluster(1) else {
+        return;
+    };
+    let url = cluster.url("lease=60s");
+    let locks = LockProvider::connect(&url).await.expect("connect");
+    let backend = RedisBackend::connect(&url).await.expect("connect");
+    let master = tokio::task::block_in_place(|| cluster.masters())[0];
+    // 200 keys in the master's slots, each held.
+    let mut keys = Vec::new();
+    while keys.len() < 200 {
+        let key = unique_key("failover-release");
+        let storage = backend.storage_key(&key);
+        if tokio::task::block_in_place(|| cluster.owner_of(cluster.slot_of(&storage))) == master {
+            keys.push((key, storage));
+        }
+    }
+    let mut held = Vec::new();
+    for (key, _) in &keys {
+        held.push(locks.try_acquire(key).await.expect("free"));
+    }
+    // Released one after another, every 5 ms, while the master fails over.
+    let releasing = tokio::spawn(async move {
+        let mut failed = Vec::new();
+        for guard in held {
+            let key = guard.key().to_owned();
+            if let Err(err) = guard.release().await {
+                failed.push(format!("{key}: {err}"));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        failed
+    });
+    let new = tokio::task::block_in_place(|| cluster.failover(master, false));
+    let failed = releasing.await.expect("the releases");
+    assert!(
+        failed.is_empty(),
+        "{} releases failed: {failed:#?}",
+        failed.len()
+    );
+    let left: Vec<&str> = tokio::task::block_in_place(|| {
+        keys.iter()
+            .filter(|(_, storage)| {
+                matches!(
+                    cluster.command(new, &[b"EXISTS".as_slice(), storage.as_slice()]),
+                    Ok(redis::Value::Int(1))
+                )
+            })
+            .map(|(key, _)| key.as_str())
+            .collect()
+    });
+    assert!(left.is_empty(), "keys left on the new master: {left:?}");
+}

@@ -699,6 +699,11 @@ impl Conn {
         self.cluster.is_some()
     }
 
+    /// Whether the master of a key can change under this connection (a Cluster, or Sentinel).
+    pub(crate) fn can_move(&self) -> bool {
+        self.cluster.is_some() || self.sentinel.is_some()
+    }
+
     /// The master in use, behind Sentinel.
     pub(crate) fn master_addr(&self) -> Option<(String, u16)> {
         self.sentinel.as_ref().map(|f| {

@@ -2760,6 +2760,12 @@ impl RedisHeld {
     }
 }
 
+/// Whether `err` is a server's refusal of a command it did not run because the key's master
+/// moved (see [`cluster::is_in_motion`]).
+fn refused_in_motion(err: &LockError) -> bool {
+    err.db_code().is_some_and(cluster::is_in_motion)
+}
+
 impl HeldLock for RedisHeld {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         let released = self.release_outcome();
@@ -2771,16 +2777,35 @@ impl HeldLock for RedisHeld {
         Box::pin(async move {
             self.shared.renewals.remove(self.renewal);
             let what = "releasing a lock";
+            let started = Instant::now();
+            let mut refusals = 0;
             // The command's future is made inside the call: held in a local, it would take
             // room in this future beside the fenced one that it moves into.
-            match fenced(
-                &self.shared,
-                what,
-                Some(self.lost.clone()),
-                self.send_release(),
-            )
-            .await
-            {
+            let attempt = loop {
+                let attempt = fenced(
+                    &self.shared,
+                    what,
+                    Some(self.lost.clone()),
+                    self.send_release(),
+                )
+                .await;
+                // A node that stopped being the key's master while the topology moved (a
+                // failover behind Sentinel or in a Cluster, a slot migration) refused the
+                // delete without running it; the refusal made the connection look the master
+                // up again. The owner-checked delete goes again there, within the timeout,
+                // so the lock does not stay held until its lease runs out.
+                if let Attempt::Failed(err) = &attempt
+                    && self.shared.conn.can_move()
+                    && refused_in_motion(err)
+                    && started.elapsed() < self.shared.timeout
+                {
+                    refusals += 1;
+                    tokio::time::sleep(cluster::IN_MOTION_RETRY * refusals).await;
+                    continue;
+                }
+                break attempt;
+            };
+            match attempt {
                 Attempt::Done((outcome, _)) => {
                     if outcome != ReleaseOutcome::Released {
                         self.lost.cancel();
