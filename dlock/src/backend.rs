@@ -766,6 +766,30 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
         })
     }
 
+    /// Whether each of the exclusive locks `keys` is held right now, by any process, read
+    /// without taking or changing anything: one answer per key, in order. The provider counts a
+    /// semaphore's holders on the slot scheme with it
+    /// ([`LockProvider::semaphore_holders`](crate::LockProvider::semaphore_holders)), so
+    /// `keys` may be the reserved names of slot locks (up to [`MAX_SLOT_PERMITS`] of them),
+    /// and its round trips should not grow with their number. A lock whose lease has run out
+    /// is not held. The default reads [`store_locks`](LockBackend::store_locks) once (a key is
+    /// held when a listed lock carries it) and so answers its
+    /// [`LockError::Unsupported`] where the backend cannot list its store.
+    fn held_keys<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
+        Box::pin(async move {
+            let known: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let listed = self.store_locks(&known).await?;
+            Ok(keys
+                .iter()
+                .map(|key| {
+                    listed
+                        .iter()
+                        .any(|lock| lock.key.as_deref() == Some(key.as_str()))
+                })
+                .collect())
+        })
+    }
+
     /// Whether this backend can end one lock whoever holds it: its [`ForceRelease`] when it
     /// can, or the [`LockError::Unsupported`] that
     /// [`LockProvider::force_release`](crate::LockProvider::force_release) answers, saying why
