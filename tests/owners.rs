@@ -121,6 +121,65 @@ mod sqlite {
         assert_eq!(owner_of(&c, "jobs:held").await.as_deref(), Some("worker-a"));
         held.release().await.unwrap();
     }
+
+    /// The listing says when each exclusive lock was taken (between the calls around its
+    /// acquisition, on this machine's wall clock), a renewal does not move it, a new holder's
+    /// time is its own, and a row whose time is not its holder's (taken over by a version that
+    /// does not record it, or held by readers) shows none. A file made by an earlier version
+    /// gets the columns when opened.
+    #[tokio::test]
+    async fn locks_show_when_they_were_taken() {
+        use std::time::SystemTime;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        // A lock table as earlier versions made it, without the acquisition-time columns.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE __distributed_locks (name BLOB NOT NULL PRIMARY KEY, owner BLOB, \
+             lease_end INTEGER NOT NULL DEFAULT 0, fencing INTEGER NOT NULL DEFAULT 0, \
+             boot BLOB) WITHOUT ROWID",
+        )
+        .unwrap();
+        let a = provider(&path, Some("a")).await;
+        let b = provider(&path, Some("b")).await;
+        let since_of = async |key: &str| {
+            b.store_locks()
+                .await
+                .expect("store inspection")
+                .into_iter()
+                .find(|lock| lock.key.as_deref() == Some(key))
+                .unwrap_or_else(|| panic!("{key} is listed"))
+                .since()
+        };
+        let before = SystemTime::now();
+        let guard = a.try_acquire("jobs:a").await.unwrap();
+        let after = SystemTime::now();
+        let since = since_of("jobs:a").await.expect("the time it was taken");
+        // Recorded in whole milliseconds.
+        assert!(
+            since + Duration::from_millis(1) >= before && since <= after,
+            "{since:?} not within {before:?}..{after:?}"
+        );
+        guard.extend(Duration::from_secs(60)).await.unwrap();
+        assert_eq!(since_of("jobs:a").await, Some(since), "a renewal keeps it");
+        guard.release().await.unwrap();
+        let later = b.try_acquire("jobs:a").await.unwrap();
+        let again = since_of("jobs:a").await.expect("the new holder's time");
+        assert!(again >= since, "{again:?} before {since:?}");
+        // Another owner token, as an earlier version writes when it takes the row over.
+        let changed = conn
+            .execute(
+                "UPDATE __distributed_locks SET owner = zeroblob(16) WHERE name = ?1",
+                [b"jobs:a".as_slice()],
+            )
+            .unwrap();
+        assert_eq!(changed, 1);
+        assert_eq!(since_of("jobs:a").await, None);
+        drop(later);
+        let reader = a.try_acquire_read("prices").await.unwrap();
+        assert_eq!(since_of("prices").await, None, "readers show no time");
+        reader.release().await.unwrap();
+    }
 }
 
 #[cfg(feature = "redis")]

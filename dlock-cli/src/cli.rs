@@ -117,7 +117,7 @@ pub enum Command {
     /// List the locks held in the store, by any process.
     ///
     /// Columns: the key, its owner (the holder's owner label, where the store keeps one),
-    /// since when it is held (where the store knows), how long its lease still runs, its
+    /// since when it is held (where the store records it: SQLite), how long its lease still runs, its
     /// latest fencing token, and how many readers share it (0: an exclusive lock). Where a
     /// store keeps only a number for a lock (PostgreSQL's advisory lock id), the key column
     /// shows that number. Stores that cannot list their locks (MySQL, SQL Server, Oracle,

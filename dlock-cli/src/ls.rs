@@ -75,7 +75,7 @@ impl Row {
             key: lock.key.clone().unwrap_or_else(|| lock.resource.clone()),
             resource: lock.resource.clone(),
             owner: lock.owner().map(str::to_owned),
-            since: None,
+            since: lock.since(),
             lease_left: lock.remaining_lease,
             fencing_token: lock.fencing_token,
             readers: lock.readers,

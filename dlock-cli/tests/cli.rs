@@ -473,6 +473,13 @@ fn ls_lists_the_held_locks_as_a_table_and_json_lines() {
     // Held by the first `dlock run`, whose owner label is its host and process id.
     let owner = a["owner"].as_str().expect("an owner");
     assert!(owner.ends_with(&format!(":{}", holders[0].id())), "{a}");
+    // SQLite records when a lock was taken: an RFC 3339 time, in the last minute.
+    let since = a["since"].as_str().expect("since");
+    let since = humantime::parse_rfc3339(since).expect("an RFC 3339 time");
+    let age = std::time::SystemTime::now()
+        .duration_since(since)
+        .unwrap_or_default();
+    assert!(age < Duration::from_secs(60), "{a}");
 
     let only = output(dlock(&url).args(["ls", "--json", "--prefix", "jobs:"]));
     let only = String::from_utf8(only.stdout).unwrap();

@@ -9,7 +9,7 @@
 use std::fmt::Debug;
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
@@ -163,6 +163,8 @@ pub struct StoreLock {
     pub held_here: bool,
     /// The holder's owner label, where the store keeps one (see [`StoreLock::owner`]).
     owner: Option<String>,
+    /// When the holder took it, where the store records that (see [`StoreLock::since`]).
+    since: Option<SystemTime>,
 }
 
 impl StoreLock {
@@ -176,6 +178,7 @@ impl StoreLock {
             remaining_lease: None,
             held_here: false,
             owner: None,
+            since: None,
         }
     }
 
@@ -186,6 +189,22 @@ impl StoreLock {
     /// lock taken by an earlier version of dlock or another client).
     pub fn owner(&self) -> Option<&str> {
         self.owner.as_deref()
+    }
+
+    /// When its holder took it, on the wall clock of the machine that took it, where the
+    /// store records that: SQLite (each lock row keeps the time beside its owner; a lock taken
+    /// by an earlier version of dlock, and a lock held by readers, show none). `None`
+    /// elsewhere: Redis, Redlock and etcd keep no time with a lock, and PostgreSQL's
+    /// `pg_locks` says when a session began or last ran a statement, not when it took an
+    /// advisory lock (dlock's sessions hold many locks over their lives).
+    pub fn since(&self) -> Option<SystemTime> {
+        self.since
+    }
+
+    /// The same lock, taken at `since` (see [`StoreLock::since`]).
+    pub fn with_since(mut self, since: Option<SystemTime>) -> Self {
+        self.since = since;
+        self
     }
 
     /// The same lock, with its owner label.
