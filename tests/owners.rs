@@ -1,5 +1,5 @@
 //! Owner labels: who holds a lock, as store inspection (`LockProvider::store_locks`, `dlock ls`)
-//! shows it, on SQLite, Redis and PostgreSQL; and what keeping them costs an acquisition.
+//! shows it, on SQLite, Redis, PostgreSQL and etcd; and what keeping them costs an acquisition.
 
 use std::time::Duration;
 
@@ -18,7 +18,7 @@ async fn owner_of(locks: &LockProvider, key: &str) -> Option<String> {
 }
 
 /// The default label is `host:pid`.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "sqlite", feature = "etcd")), allow(dead_code))]
 fn assert_default_label(label: &str) {
     let (host, pid) = label.rsplit_once(':').expect("host:pid");
     assert!(!host.is_empty(), "{label}");
@@ -286,5 +286,68 @@ mod postgres {
         assert_eq!(owner_of(&plain, &k2).await.as_deref(), Some("dlock"));
         g1.release().await.unwrap();
         g2.release().await.unwrap();
+    }
+}
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+
+    /// etcd's owner is the value of the holder's key: the provider's label, written in the
+    /// put the acquisition makes anyway. The listing shows each lock's holder (not its
+    /// waiters), its token and lease, and a long key (stored shortened) by its key when the
+    /// listing provider holds it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn locks_show_their_owners() {
+        let Some(cluster) = dlock_testkit::etcd::EtcdCluster::single() else {
+            return;
+        };
+        let url = cluster.url("lease=5s");
+        let backend = dlock::etcd::EtcdBackend::connect(&url).await.unwrap();
+        let a = LockProvider::builder(backend)
+            .owner_label("worker-a")
+            .build();
+        let b = LockProvider::connect(&url).await.unwrap();
+        let key = unique_key("etcd-owned/with%slash");
+        let guard = a.try_acquire(&key).await.unwrap();
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, Duration::from_secs(30)).await })
+        };
+        dlock_testkit::wait_until("the waiter queued", Duration::from_secs(5), async || {
+            b.local_key_count() == 1
+        })
+        .await;
+        for lister in [&a, &b] {
+            let listed: Vec<_> = lister
+                .store_locks()
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|lock| lock.key.as_deref() == Some(key.as_str()))
+                .collect();
+            assert_eq!(listed.len(), 1, "the holder, not its waiter: {listed:?}");
+            assert_eq!(listed[0].owner(), Some("worker-a"));
+            assert_eq!(listed[0].fencing_token, guard.fencing_token());
+            let left = listed[0].remaining_lease.expect("its lease");
+            assert!(left > Duration::ZERO && left <= Duration::from_secs(5));
+            assert_eq!(listed[0].since(), None, "etcd keeps no time");
+        }
+        guard.release().await.unwrap();
+        let next = waiter.await.unwrap().unwrap();
+        assert_default_label(&owner_of(&a, &key).await.expect("b's label"));
+        next.release().await.unwrap();
+
+        let long = format!("{}-{}", unique_key("etcd-long"), "x".repeat(300));
+        let held = b.try_acquire(&long).await.unwrap();
+        assert_default_label(&owner_of(&b, &long).await.expect("named by its holder"));
+        let elsewhere = a.store_locks().await.unwrap();
+        assert!(
+            elsewhere
+                .iter()
+                .any(|lock| lock.key.is_none() && lock.fencing_token == held.fencing_token()),
+            "listed by its etcd key where the key is not known: {elsewhere:?}"
+        );
+        held.release().await.unwrap();
     }
 }

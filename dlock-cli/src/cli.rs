@@ -120,8 +120,8 @@ pub enum Command {
     /// since when it is held (where the store records it: SQLite), how long its lease still runs, its
     /// latest fencing token, and how many readers share it (0: an exclusive lock). Where a
     /// store keeps only a number for a lock (PostgreSQL's advisory lock id), the key column
-    /// shows that number. Stores that cannot list their locks (MySQL, SQL Server, Oracle,
-    /// etcd) answer with an error.
+    /// shows that number. Stores that cannot list their locks (SQL Server, Oracle, Redlock,
+    /// MySQL/MariaDB without read access to performance_schema) answer with an error.
     ///
     /// With --semaphore KEY --permits N, how many of the N permits of the semaphore KEY are
     /// held now, on every store.
@@ -205,7 +205,12 @@ pub struct LsArgs {
     /// Instead of the locks, how many permits of the semaphore KEY are held now, by any
     /// process (waiters and expired leases are not counted). Needs --permits, the count its
     /// holders use: a store that records the count refuses another one.
-    #[arg(long, value_name = "KEY", requires = "permits", conflicts_with = "prefix")]
+    #[arg(
+        long,
+        value_name = "KEY",
+        requires = "permits",
+        conflicts_with = "prefix"
+    )]
     pub semaphore: Option<String>,
 
     /// The semaphore's count (its max_count), with --semaphore.

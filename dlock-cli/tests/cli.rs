@@ -517,8 +517,7 @@ fn ls_counts_a_semaphores_holders() {
             permits,
         ]));
         assert_eq!(code(listed.status), 0, "{listed:?}");
-        let row: serde_json::Value =
-            serde_json::from_slice(&listed.stdout).expect("one JSON line");
+        let row: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("one JSON line");
         assert_eq!(row["semaphore"], "exports", "{row}");
         assert_eq!(row["max_count"].as_u64(), permits.parse().ok(), "{row}");
         row["holders"].as_u64().expect("holders")
@@ -543,7 +542,10 @@ fn ls_counts_a_semaphores_holders() {
     let other = output(dlock(&url).args(["ls", "--semaphore", "exports", "--permits", "5"]));
     assert_eq!(code(other.status), 78, "{other:?}");
     let said = String::from_utf8_lossy(&other.stderr);
-    assert!(said.contains("max_count 3") && said.contains("max_count 5"), "{said}");
+    assert!(
+        said.contains("max_count 3") && said.contains("max_count 5"),
+        "{said}"
+    );
     let table = output(dlock(&url).args(["ls", "--semaphore", "exports", "--permits", "3"]));
     let table = String::from_utf8(table.stdout).unwrap();
     let lines: Vec<&str> = table.lines().collect();

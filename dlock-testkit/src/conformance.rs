@@ -2210,7 +2210,10 @@ pub async fn semaphore_holders_counted(h: &impl Harness) {
         );
     }
     // The semaphore "x" and the lock "x" are unrelated.
-    let lock = a.try_acquire(&key).await.expect("the lock of the semaphore's key");
+    let lock = a
+        .try_acquire(&key)
+        .await
+        .expect("the lock of the semaphore's key");
     assert_eq!(b.semaphore_holders(&key, 2).await.expect("count"), 2);
     lock.release().await.expect("release");
     if a.records_semaphore_counts() {

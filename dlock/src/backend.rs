@@ -184,9 +184,11 @@ impl StoreLock {
 
     /// Who holds it: the [owner label](crate::ProviderBuilder::owner_label) of the provider
     /// that took it (by default its host name and process id), where the store keeps labels
-    /// (SQLite, Redis, PostgreSQL's `application_name`); for a lock held by several readers,
-    /// their labels, comma-separated. `None` where the store cannot say (other stores, or a
-    /// lock taken by an earlier version of dlock or another client).
+    /// (SQLite, Redis, etcd's lock key value, PostgreSQL's `application_name`, the
+    /// `program_name` a MySQL client sent); for a lock held by several readers, their labels,
+    /// comma-separated. `None` where the store cannot say (other stores, dlock's own MySQL
+    /// sessions, whose driver sends no `program_name`, or a lock taken by an earlier version
+    /// of dlock or another client).
     pub fn owner(&self) -> Option<&str> {
         self.owner.as_deref()
     }

@@ -261,7 +261,10 @@ impl LockProvider {
         let store = self.backend().semaphores();
         check_count(store, key, max_count, self.backend_name())?;
         match store {
-            Some(store) => store.holders(key, max_count).await.map_err(|err| rekey(err, key)),
+            Some(store) => store
+                .holders(key, max_count)
+                .await
+                .map_err(|err| rekey(err, key)),
             None => {
                 let slots: Vec<String> = (0..max_count).map(|slot| slot_name(key, slot)).collect();
                 let held = self
@@ -292,8 +295,10 @@ impl LockProvider {
                         None,
                     ));
                 }
-                Ok(u32::try_from(held.into_iter().filter(|held| *held).count())
-                    .unwrap_or(u32::MAX))
+                Ok(
+                    u32::try_from(held.into_iter().filter(|held| *held).count())
+                        .unwrap_or(u32::MAX),
+                )
             }
         }
     }

@@ -2372,10 +2372,7 @@ impl LockBackend for RedisBackend {
 
     /// One `GET` of each lock key, in one pipeline (one round trip; on a Cluster, one
     /// pipeline per key, all at once).
-    fn held_keys<'a>(
-        &'a self,
-        keys: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
+    fn held_keys<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
         Box::pin(inspect::held_keys(&self.shared, keys))
     }
 

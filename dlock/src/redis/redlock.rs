@@ -501,10 +501,7 @@ impl LockBackend for RedlockBackend {
 
     /// Every node is read at once (one pipeline each); a lock counts as held when a quorum of
     /// nodes hold it, as a Redlock lock is. An error when fewer than a quorum answered.
-    fn held_keys<'a>(
-        &'a self,
-        keys: &'a [String],
-    ) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
+    fn held_keys<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
         Box::pin(async move {
             let shared = &*self.shared;
             let answers: Vec<Result<Vec<bool>, LockError>> =

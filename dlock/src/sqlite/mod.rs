@@ -746,8 +746,7 @@ impl LockBackend for SqliteBackend {
                                 .with_owner(owner)
                                 .with_since(taken_at.and_then(|at| {
                                     let at = u64::try_from(at).ok()?;
-                                    std::time::UNIX_EPOCH
-                                        .checked_add(Duration::from_millis(at))
+                                    std::time::UNIX_EPOCH.checked_add(Duration::from_millis(at))
                                 })),
                         );
                     }
