@@ -99,9 +99,9 @@ impl dlock_testkit::Harness for EtcdHarness {
         true
     }
 
-    /// etcd has no store inspection in dlock.
+    /// etcd lists each queue's holder (one range read of the prefix).
     fn store_inspection(&self) -> dlock_testkit::StoreInspection {
-        dlock_testkit::StoreInspection::Unsupported
+        dlock_testkit::StoreInspection::Listed
     }
 
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {

@@ -139,7 +139,8 @@ impl dlock_testkit::Harness for MyHarness {
         self.fencing
     }
 
-    /// MySQL/MariaDB have no store inspection in dlock.
+    /// MySQL/MariaDB list user locks from `performance_schema`, which the shared test servers
+    /// run without (see `store_inspection` below, on servers that have it).
     fn store_inspection(&self) -> dlock_testkit::StoreInspection {
         dlock_testkit::StoreInspection::Unsupported
     }
