@@ -99,9 +99,9 @@ impl dlock_testkit::Harness for EtcdHarness {
         true
     }
 
-    /// etcd has no store inspection in dlock.
+    /// etcd lists each queue's holder (one range read of the prefix).
     fn store_inspection(&self) -> dlock_testkit::StoreInspection {
-        dlock_testkit::StoreInspection::Unsupported
+        dlock_testkit::StoreInspection::Listed
     }
 
     async fn shared_providers(&self, count: usize) -> Vec<LockProvider> {
@@ -458,8 +458,7 @@ async fn cluster_keeps_exclusion_when_a_follower_restarts() {
 /// replica starting then must work on every path: connecting (each of 40 connects must
 /// succeed, where one in three failed when the connect check was sent once and the client's
 /// balancer picked the dead member), health checks, tries, waits, keep-alives over several
-/// leases, lease control and releases; store inspection answers `Unsupported` (etcd lists no
-/// locks) at once.
+/// leases, lease control and releases, and store inspection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_starts_and_works_while_the_first_member_is_down() {
     let Some(mut h) = EtcdHarness::on(3).await else {
@@ -541,11 +540,20 @@ async fn a_replica_starts_and_works_while_the_first_member_is_down() {
         .expect("join")
         .expect("the waiter gets the lock");
     assert!(next.fencing_token() > token);
+    let listed = b.store_locks().await.expect("store inspection");
+    let held = listed
+        .iter()
+        .find(|lock| lock.key.as_deref() == Some(key.as_str()))
+        .unwrap_or_else(|| panic!("{key} is not listed: {listed:?}"));
+    assert_eq!(held.fencing_token, next.fencing_token());
     next.release().await.expect("release");
-    assert!(matches!(
-        a.store_locks().await,
-        Err(LockError::Unsupported { .. })
-    ));
+    let listed = a.store_locks().await.expect("store inspection");
+    assert!(
+        listed
+            .iter()
+            .all(|lock| lock.key.as_deref() != Some(key.as_str())),
+        "a released lock is listed: {listed:?}"
+    );
 }
 
 /// The `etcd://` URL of some of `cluster`'s members.

@@ -477,7 +477,8 @@ mod mysql {
             self.fencing
         }
 
-        /// MySQL/MariaDB have no store inspection in dlock.
+        /// MySQL/MariaDB list user locks from `performance_schema`, which the test servers run
+        /// without.
         fn store_inspection(&self) -> dlock_testkit::StoreInspection {
             dlock_testkit::StoreInspection::Unsupported
         }

@@ -139,7 +139,8 @@ impl dlock_testkit::Harness for MyHarness {
         self.fencing
     }
 
-    /// MySQL/MariaDB have no store inspection in dlock.
+    /// MySQL/MariaDB list user locks from `performance_schema`, which the shared test servers
+    /// run without (see `store_inspection` below, on servers that have it).
     fn store_inspection(&self) -> dlock_testkit::StoreInspection {
         dlock_testkit::StoreInspection::Unsupported
     }
@@ -217,6 +218,16 @@ macro_rules! engine_tests {
                     30,
                     support::Fencing::Every,
                 );
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn store_inspection_lists_user_locks_or_says_what_it_needs() {
+                let Some(server) = server() else { return };
+                store_inspection(server, false).await;
+                let Some(inspectable) = DbServer::start_with_performance_schema($flavor) else {
+                    return;
+                };
+                store_inspection(&inspectable, true).await;
             }
 
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -621,6 +632,95 @@ async fn server_restart(mut server: DbServer) {
     let g2 = locks.try_acquire(&waited_key).await.unwrap();
     g.release().await.unwrap();
     g2.release().await.unwrap();
+}
+
+/// Store inspection reads `performance_schema.metadata_locks`: where it is on and its
+/// metadata lock instrument enabled (MySQL's defaults), user locks held by any session are
+/// listed (by key where the name is the key, or the lister holds it; a hashed name elsewhere
+/// by its server name) and released ones are not; where it is off (MariaDB's default), or
+/// for a user who may not read it, the answer is `Unsupported` saying what is missing.
+async fn store_inspection(server: &DbServer, inspectable: bool) {
+    let mut conn = admin(server).await;
+    let (on, instrumented): (i64, i64) = sqlx::query_as(
+        "SELECT CAST(@@performance_schema AS SIGNED), (SELECT COUNT(*) FROM \
+         performance_schema.setup_instruments WHERE NAME = 'wait/lock/metadata/sql/mdl' \
+         AND ENABLED = 'YES')",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .expect("performance_schema state");
+    assert_eq!(
+        on == 1 && instrumented == 1,
+        inspectable,
+        "performance_schema {on}, metadata lock instrument {instrumented}"
+    );
+    let a = LockProvider::connect(&server.url("")).await.unwrap();
+    let b = LockProvider::connect(&server.url("")).await.unwrap();
+    let plain = format!("inspected-{}", std::process::id());
+    let hashed = unique_key("Inspected Key");
+    if on == 1 && instrumented == 1 {
+        let held = a.try_acquire(&plain).await.unwrap();
+        let long = a.try_acquire(&hashed).await.unwrap();
+        let listed = b.store_locks().await.expect("store inspection");
+        assert!(
+            listed
+                .iter()
+                .any(|lock| lock.key.as_deref() == Some(plain.as_str())),
+            "{plain} is listed: {listed:?}"
+        );
+        let name = server_lock_name(&hashed);
+        let seen = listed
+            .iter()
+            .find(|lock| lock.resource == name)
+            .unwrap_or_else(|| panic!("{name} is listed: {listed:?}"));
+        assert_eq!(seen.key, None, "a hashed name is not a key elsewhere");
+        let mine = a.store_locks().await.expect("store inspection");
+        assert!(
+            mine.iter().any(|lock| lock.resource == name
+                && lock.key.as_deref() == Some(hashed.as_str())
+                && lock.held_here),
+            "the holder names its hashed lock by key: {mine:?}"
+        );
+        held.release().await.unwrap();
+        long.release().await.unwrap();
+        let after = b.store_locks().await.expect("store inspection");
+        assert!(
+            after
+                .iter()
+                .all(|lock| lock.resource != plain && lock.resource != name),
+            "released locks are listed: {after:?}"
+        );
+    } else {
+        match b.store_locks().await {
+            Err(LockError::Unsupported {
+                operation, message, ..
+            }) => {
+                assert_eq!(operation, "store inspection");
+                assert!(message.contains("performance_schema"), "{message}");
+            }
+            other => panic!("store inspection without performance_schema: {other:?}"),
+        }
+    }
+    // A user with no privilege on performance_schema is told which grant is missing.
+    let user = format!("dlock_noinspect{}", std::process::id());
+    for statement in [
+        format!("CREATE USER IF NOT EXISTS '{user}'@'127.0.0.1'"),
+        format!("GRANT SELECT ON dlock_test.* TO '{user}'@'127.0.0.1'"),
+    ] {
+        conn.execute(sqlx::AssertSqlSafe(statement)).await.unwrap();
+    }
+    let url = format!("mysql://{user}@127.0.0.1:{}/dlock_test", server.port());
+    let limited = LockProvider::connect(&url).await.unwrap();
+    match limited.store_locks().await {
+        Err(LockError::Unsupported { message, .. }) => {
+            assert!(
+                message.contains("GRANT SELECT ON performance_schema.*")
+                    || message.contains("performance_schema=ON"),
+                "{message}"
+            );
+        }
+        other => panic!("store inspection without the grant: {other:?}"),
+    }
 }
 
 async fn killed_holder(server: &DbServer) {

@@ -1,5 +1,5 @@
 //! Owner labels: who holds a lock, as store inspection (`LockProvider::store_locks`, `dlock ls`)
-//! shows it, on SQLite, Redis and PostgreSQL; and what keeping them costs an acquisition.
+//! shows it, on SQLite, Redis, PostgreSQL and etcd; and what keeping them costs an acquisition.
 
 use std::time::Duration;
 
@@ -18,7 +18,7 @@ async fn owner_of(locks: &LockProvider, key: &str) -> Option<String> {
 }
 
 /// The default label is `host:pid`.
-#[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+#[cfg_attr(not(any(feature = "sqlite", feature = "etcd")), allow(dead_code))]
 fn assert_default_label(label: &str) {
     let (host, pid) = label.rsplit_once(':').expect("host:pid");
     assert!(!host.is_empty(), "{label}");
@@ -120,6 +120,65 @@ mod sqlite {
         );
         assert_eq!(owner_of(&c, "jobs:held").await.as_deref(), Some("worker-a"));
         held.release().await.unwrap();
+    }
+
+    /// The listing says when each exclusive lock was taken (between the calls around its
+    /// acquisition, on this machine's wall clock), a renewal does not move it, a new holder's
+    /// time is its own, and a row whose time is not its holder's (taken over by a version that
+    /// does not record it, or held by readers) shows none. A file made by an earlier version
+    /// gets the columns when opened.
+    #[tokio::test]
+    async fn locks_show_when_they_were_taken() {
+        use std::time::SystemTime;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("locks.db");
+        // A lock table as earlier versions made it, without the acquisition-time columns.
+        let conn = rusqlite::Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE __distributed_locks (name BLOB NOT NULL PRIMARY KEY, owner BLOB, \
+             lease_end INTEGER NOT NULL DEFAULT 0, fencing INTEGER NOT NULL DEFAULT 0, \
+             boot BLOB) WITHOUT ROWID",
+        )
+        .unwrap();
+        let a = provider(&path, Some("a")).await;
+        let b = provider(&path, Some("b")).await;
+        let since_of = async |key: &str| {
+            b.store_locks()
+                .await
+                .expect("store inspection")
+                .into_iter()
+                .find(|lock| lock.key.as_deref() == Some(key))
+                .unwrap_or_else(|| panic!("{key} is listed"))
+                .since()
+        };
+        let before = SystemTime::now();
+        let guard = a.try_acquire("jobs:a").await.unwrap();
+        let after = SystemTime::now();
+        let since = since_of("jobs:a").await.expect("the time it was taken");
+        // Recorded in whole milliseconds.
+        assert!(
+            since + Duration::from_millis(1) >= before && since <= after,
+            "{since:?} not within {before:?}..{after:?}"
+        );
+        guard.extend(Duration::from_secs(60)).await.unwrap();
+        assert_eq!(since_of("jobs:a").await, Some(since), "a renewal keeps it");
+        guard.release().await.unwrap();
+        let later = b.try_acquire("jobs:a").await.unwrap();
+        let again = since_of("jobs:a").await.expect("the new holder's time");
+        assert!(again >= since, "{again:?} before {since:?}");
+        // Another owner token, as an earlier version writes when it takes the row over.
+        let changed = conn
+            .execute(
+                "UPDATE __distributed_locks SET owner = zeroblob(16) WHERE name = ?1",
+                [b"jobs:a".as_slice()],
+            )
+            .unwrap();
+        assert_eq!(changed, 1);
+        assert_eq!(since_of("jobs:a").await, None);
+        drop(later);
+        let reader = a.try_acquire_read("prices").await.unwrap();
+        assert_eq!(since_of("prices").await, None, "readers show no time");
+        reader.release().await.unwrap();
     }
 }
 
@@ -227,5 +286,68 @@ mod postgres {
         assert_eq!(owner_of(&plain, &k2).await.as_deref(), Some("dlock"));
         g1.release().await.unwrap();
         g2.release().await.unwrap();
+    }
+}
+
+#[cfg(feature = "etcd")]
+mod etcd {
+    use super::*;
+
+    /// etcd's owner is the value of the holder's key: the provider's label, written in the
+    /// put the acquisition makes anyway. The listing shows each lock's holder (not its
+    /// waiters), its token and lease, and a long key (stored shortened) by its key when the
+    /// listing provider holds it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn locks_show_their_owners() {
+        let Some(cluster) = dlock_testkit::etcd::EtcdCluster::single() else {
+            return;
+        };
+        let url = cluster.url("lease=5s");
+        let backend = dlock::etcd::EtcdBackend::connect(&url).await.unwrap();
+        let a = LockProvider::builder(backend)
+            .owner_label("worker-a")
+            .build();
+        let b = LockProvider::connect(&url).await.unwrap();
+        let key = unique_key("etcd-owned/with%slash");
+        let guard = a.try_acquire(&key).await.unwrap();
+        let waiter = {
+            let (b, key) = (b.clone(), key.clone());
+            tokio::spawn(async move { b.acquire(&key, Duration::from_secs(30)).await })
+        };
+        dlock_testkit::wait_until("the waiter queued", Duration::from_secs(5), async || {
+            b.local_key_count() == 1
+        })
+        .await;
+        for lister in [&a, &b] {
+            let listed: Vec<_> = lister
+                .store_locks()
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|lock| lock.key.as_deref() == Some(key.as_str()))
+                .collect();
+            assert_eq!(listed.len(), 1, "the holder, not its waiter: {listed:?}");
+            assert_eq!(listed[0].owner(), Some("worker-a"));
+            assert_eq!(listed[0].fencing_token, guard.fencing_token());
+            let left = listed[0].remaining_lease.expect("its lease");
+            assert!(left > Duration::ZERO && left <= Duration::from_secs(5));
+            assert_eq!(listed[0].since(), None, "etcd keeps no time");
+        }
+        guard.release().await.unwrap();
+        let next = waiter.await.unwrap().unwrap();
+        assert_default_label(&owner_of(&a, &key).await.expect("b's label"));
+        next.release().await.unwrap();
+
+        let long = format!("{}-{}", unique_key("etcd-long"), "x".repeat(300));
+        let held = b.try_acquire(&long).await.unwrap();
+        assert_default_label(&owner_of(&b, &long).await.expect("named by its holder"));
+        let elsewhere = a.store_locks().await.unwrap();
+        assert!(
+            elsewhere
+                .iter()
+                .any(|lock| lock.key.is_none() && lock.fencing_token == held.fencing_token()),
+            "listed by its etcd key where the key is not known: {elsewhere:?}"
+        );
+        held.release().await.unwrap();
     }
 }

@@ -117,11 +117,14 @@ pub enum Command {
     /// List the locks held in the store, by any process.
     ///
     /// Columns: the key, its owner (the holder's owner label, where the store keeps one),
-    /// since when it is held (where the store knows), how long its lease still runs, its
+    /// since when it is held (where the store records it: SQLite), how long its lease still runs, its
     /// latest fencing token, and how many readers share it (0: an exclusive lock). Where a
     /// store keeps only a number for a lock (PostgreSQL's advisory lock id), the key column
-    /// shows that number. Stores that cannot list their locks (MySQL, SQL Server, Oracle,
-    /// etcd) answer with an error.
+    /// shows that number. Stores that cannot list their locks (SQL Server, Oracle, Redlock,
+    /// MySQL/MariaDB without read access to performance_schema) answer with an error.
+    ///
+    /// With --semaphore KEY --permits N, how many of the N permits of the semaphore KEY are
+    /// held now, on every store.
     Ls(LsArgs),
 
     /// End a lock in the store, whoever holds it (needs --force).
@@ -194,9 +197,25 @@ pub struct LsArgs {
     pub prefix: Option<String>,
 
     /// One JSON object a line instead of a table: key, resource, owner, since (RFC 3339),
-    /// lease_left_ms, fencing_token, readers (null where unknown).
+    /// lease_left_ms, fencing_token, readers (null where unknown). With --semaphore: semaphore,
+    /// max_count, holders.
     #[arg(long)]
     pub json: bool,
+
+    /// Instead of the locks, how many permits of the semaphore KEY are held now, by any
+    /// process (waiters and expired leases are not counted). Needs --permits, the count its
+    /// holders use: a store that records the count refuses another one.
+    #[arg(
+        long,
+        value_name = "KEY",
+        requires = "permits",
+        conflicts_with = "prefix"
+    )]
+    pub semaphore: Option<String>,
+
+    /// The semaphore's count (its max_count), with --semaphore.
+    #[arg(long, value_name = "N", requires = "semaphore", value_parser = clap::value_parser!(u32).range(1..))]
+    pub permits: Option<u32>,
 }
 
 /// `dlock release`.

@@ -12,6 +12,28 @@ pub(crate) async fn ls(store: &Store, args: LsArgs) -> u8 {
         Ok(locks) => locks,
         Err(code) => return code,
     };
+    if let (Some(key), Some(max_count)) = (&args.semaphore, args.permits) {
+        let holders = match locks.semaphore_holders(key, max_count).await {
+            Ok(holders) => holders,
+            Err(err) => return store.fail(&err),
+        };
+        if args.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "semaphore": key,
+                    "max_count": max_count,
+                    "holders": holders,
+                })
+            );
+        } else {
+            let key = key.escape_debug().to_string();
+            let width = "SEMAPHORE".len().max(key.chars().count());
+            println!("{:<width$}  HOLDERS  MAX", "SEMAPHORE");
+            println!("{key:<width$}  {holders:<7}  {max_count}");
+        }
+        return 0;
+    }
     let held = match locks.store_locks().await {
         Ok(held) => held,
         Err(err) => return store.fail(&err),
@@ -53,7 +75,7 @@ impl Row {
             key: lock.key.clone().unwrap_or_else(|| lock.resource.clone()),
             resource: lock.resource.clone(),
             owner: lock.owner().map(str::to_owned),
-            since: None,
+            since: lock.since(),
             lease_left: lock.remaining_lease,
             fencing_token: lock.fencing_token,
             readers: lock.readers,

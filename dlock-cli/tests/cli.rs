@@ -473,6 +473,13 @@ fn ls_lists_the_held_locks_as_a_table_and_json_lines() {
     // Held by the first `dlock run`, whose owner label is its host and process id.
     let owner = a["owner"].as_str().expect("an owner");
     assert!(owner.ends_with(&format!(":{}", holders[0].id())), "{a}");
+    // SQLite records when a lock was taken: an RFC 3339 time, in the last minute.
+    let since = a["since"].as_str().expect("since");
+    let since = humantime::parse_rfc3339(since).expect("an RFC 3339 time");
+    let age = std::time::SystemTime::now()
+        .duration_since(since)
+        .unwrap_or_default();
+    assert!(age < Duration::from_secs(60), "{a}");
 
     let only = output(dlock(&url).args(["ls", "--json", "--prefix", "jobs:"]));
     let only = String::from_utf8(only.stdout).unwrap();
@@ -493,6 +500,69 @@ fn ls_lists_the_held_locks_as_a_table_and_json_lines() {
     }
     let empty = output(dlock(&url).args(["ls", "--json"]));
     assert!(empty.stdout.is_empty());
+}
+
+#[test]
+fn ls_counts_a_semaphores_holders() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = sqlite_url(dir.path());
+    let marks = Marks::new();
+    let count = |permits: &str| {
+        let listed = output(dlock(&url).args([
+            "ls",
+            "--json",
+            "--semaphore",
+            "exports",
+            "--permits",
+            permits,
+        ]));
+        assert_eq!(code(listed.status), 0, "{listed:?}");
+        let row: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("one JSON line");
+        assert_eq!(row["semaphore"], "exports", "{row}");
+        assert_eq!(row["max_count"].as_u64(), permits.parse().ok(), "{row}");
+        row["holders"].as_u64().expect("holders")
+    };
+    assert_eq!(count("3"), 0);
+    let mut holders: Vec<Child> = ["a", "b"]
+        .iter()
+        .map(|name| {
+            let child = dlock(&url)
+                .args(["run", "--key", "exports", "--permits", "3", "--"])
+                .args(marks.holder(name, 0))
+                .spawn()
+                .unwrap();
+            until("a permit holder started", || {
+                marks.has(&format!("{name}.started"))
+            });
+            child
+        })
+        .collect();
+    assert_eq!(count("3"), 2);
+    // The store records the count: another one is refused, naming both.
+    let other = output(dlock(&url).args(["ls", "--semaphore", "exports", "--permits", "5"]));
+    assert_eq!(code(other.status), 78, "{other:?}");
+    let said = String::from_utf8_lossy(&other.stderr);
+    assert!(
+        said.contains("max_count 3") && said.contains("max_count 5"),
+        "{said}"
+    );
+    let table = output(dlock(&url).args(["ls", "--semaphore", "exports", "--permits", "3"]));
+    let table = String::from_utf8(table.stdout).unwrap();
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(lines[0].starts_with("SEMAPHORE"), "{table}");
+    assert!(
+        lines[1].split_whitespace().eq(["exports", "2", "3"]),
+        "{table}"
+    );
+    let alone = output(dlock(&url).args(["ls", "--semaphore", "exports"]));
+    assert_eq!(code(alone.status), 64, "--semaphore needs --permits");
+    for name in ["a", "b"] {
+        marks.set(&format!("{name}.go"));
+    }
+    for child in &mut holders {
+        assert_eq!(code(wait(child)), 0);
+    }
+    assert_eq!(count("3"), 0, "released permits are not counted");
 }
 
 #[test]

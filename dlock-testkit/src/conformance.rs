@@ -143,7 +143,8 @@ macro_rules! conformance_suite {
             lease_control, many_all_or_none, many_never_deadlock, run_exclusive_once,
             leader_hands_over, semaphore_bounds_holders, semaphore_under_contention,
             semaphore_fairness, semaphore_huge_counts, semaphore_counts_must_agree,
-            semaphore_timeouts, semaphore_waits_leave_nothing, held_locks_are_listed, read_locks_share, read_write_exclusion,
+            semaphore_timeouts, semaphore_waits_leave_nothing, semaphore_holders_counted,
+            held_locks_are_listed, read_locks_share, read_write_exclusion,
             writer_not_starved, read_shared_backend, read_cancellation_sweep,
             store_locks_list_holders, renewal_started_later, force_release_ends_a_lock
         );
@@ -2168,6 +2169,79 @@ pub async fn semaphore_counts_must_agree(h: &impl Harness) {
     for guard in five {
         guard.release().await.expect("release");
     }
+}
+
+/// [`LockProvider::semaphore_holders`]: the permits two providers hold are counted by both
+/// (and by a third that holds none), a waiter is not, a released permit no longer is, and
+/// another `max_count` is refused with `Config` naming both counts where the store records
+/// the count (as an acquisition is), or answered where it cannot. A backend that cannot
+/// count answers `Unsupported`.
+pub async fn semaphore_holders_counted(h: &impl Harness) {
+    let (a, b, c) = (h.provider().await, h.provider().await, h.provider().await);
+    let key = unique_key("sem-holders");
+    match c.semaphore_holders(&key, 2).await {
+        Err(LockError::Unsupported { operation, .. }) => {
+            assert_eq!(operation, "semaphore occupancy");
+            return;
+        }
+        Ok(n) => assert_eq!(n, 0, "a semaphore nobody used has no holders"),
+        Err(e) => panic!("semaphore_holders: {e}"),
+    }
+    assert!(matches!(
+        c.semaphore_holders(&key, 0).await,
+        Err(LockError::Config { .. })
+    ));
+    let first = a.try_acquire_semaphore(&key, 2).await.expect("a permit");
+    for provider in [&a, &b, &c] {
+        assert_eq!(provider.semaphore_holders(&key, 2).await.expect("count"), 1);
+    }
+    let second = b.try_acquire_semaphore(&key, 2).await.expect("a permit");
+    let waiter = {
+        let c = c.clone();
+        let key = key.clone();
+        tokio::spawn(async move { c.acquire_semaphore(&key, 2, Duration::from_secs(30)).await })
+    };
+    waiting(&c, &waiter).await;
+    for provider in [&a, &b] {
+        assert_eq!(
+            provider.semaphore_holders(&key, 2).await.expect("count"),
+            2,
+            "two holders (the waiter is not one)"
+        );
+    }
+    // The semaphore "x" and the lock "x" are unrelated.
+    let lock = a
+        .try_acquire(&key)
+        .await
+        .expect("the lock of the semaphore's key");
+    assert_eq!(b.semaphore_holders(&key, 2).await.expect("count"), 2);
+    lock.release().await.expect("release");
+    if a.records_semaphore_counts() {
+        match b.semaphore_holders(&key, 5).await {
+            Err(LockError::Config { message }) => assert!(
+                message.contains("max_count 2") && message.contains("max_count 5"),
+                "the refusal names both counts: {message}"
+            ),
+            other => panic!("counting with 5 while 2 is in use: {other:?}"),
+        }
+    } else {
+        b.semaphore_holders(&key, 5)
+            .await
+            .expect("a store without a count record answers any count");
+    }
+    first.release().await.expect("release");
+    // The waiter takes the permit given back.
+    let third = waiter.await.expect("join").expect("the waiter's permit");
+    assert_eq!(a.semaphore_holders(&key, 2).await.expect("count"), 2);
+    second.release().await.expect("release");
+    third.release().await.expect("release");
+    assert_eq!(
+        a.semaphore_holders(&key, 2).await.expect("count"),
+        0,
+        "released permits are not counted"
+    );
+    // Nobody holds it: another count is answered (and, where recorded, will be taken).
+    assert_eq!(a.semaphore_holders(&key, 5).await.expect("count"), 0);
 }
 
 /// A semaphore wait that runs out of time answers `Timeout` naming the semaphore (defect 4

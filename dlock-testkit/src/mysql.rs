@@ -135,6 +135,9 @@ pub struct DbServer {
     child: Option<Child>,
     placement: Placement,
     tls: Tls,
+    /// Whether the server runs `performance_schema` with its metadata lock instrument on
+    /// (off by default, to save the server's memory).
+    performance_schema: bool,
     _reaper: ChildStdin,
 }
 
@@ -223,8 +226,20 @@ impl DbServer {
             child: None,
             placement,
             tls: Tls::Default,
+            performance_schema: false,
             _reaper: reaper_stdin,
         };
+        server.resume();
+        Some(server)
+    }
+
+    /// A server of its own, as [`start`](DbServer::start) makes, with `performance_schema`
+    /// and its metadata lock instrument on (for store inspection, which reads
+    /// `performance_schema.metadata_locks`).
+    pub fn start_with_performance_schema(flavor: Flavor) -> Option<DbServer> {
+        let mut server = DbServer::start(flavor)?;
+        server.stop();
+        server.performance_schema = true;
         server.resume();
         Some(server)
     }
@@ -359,6 +374,12 @@ impl DbServer {
                     .command(find_on_path("mariadbd").expect("mariadbd"));
                 cmd.args(&common).args(&tls);
                 cmd.arg("--innodb-log-file-size=8M");
+                if self.performance_schema {
+                    cmd.args([
+                        "--performance-schema=ON",
+                        "--performance-schema-instrument=wait/lock/metadata/sql/mdl=ON",
+                    ]);
+                }
                 cmd
             }
             Flavor::MySql => {
@@ -367,11 +388,12 @@ impl DbServer {
                     .arg("/usr/sbin/mysqld")
                     .args(&common)
                     .args(&tls);
-                cmd.args([
-                    "--mysqlx=OFF",
-                    "--performance-schema=OFF",
-                    "--secure-file-priv=NULL",
-                ]);
+                cmd.args(["--mysqlx=OFF", "--secure-file-priv=NULL"]);
+                cmd.arg(if self.performance_schema {
+                    "--performance-schema=ON"
+                } else {
+                    "--performance-schema=OFF"
+                });
                 cmd
             }
         };

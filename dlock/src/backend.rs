@@ -9,7 +9,7 @@
 use std::fmt::Debug;
 use std::future::Future;
 use std::pin::Pin;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio_util::sync::CancellationToken;
 
@@ -163,6 +163,8 @@ pub struct StoreLock {
     pub held_here: bool,
     /// The holder's owner label, where the store keeps one (see [`StoreLock::owner`]).
     owner: Option<String>,
+    /// When the holder took it, where the store records that (see [`StoreLock::since`]).
+    since: Option<SystemTime>,
 }
 
 impl StoreLock {
@@ -176,16 +178,35 @@ impl StoreLock {
             remaining_lease: None,
             held_here: false,
             owner: None,
+            since: None,
         }
     }
 
     /// Who holds it: the [owner label](crate::ProviderBuilder::owner_label) of the provider
     /// that took it (by default its host name and process id), where the store keeps labels
-    /// (SQLite, Redis, PostgreSQL's `application_name`); for a lock held by several readers,
-    /// their labels, comma-separated. `None` where the store cannot say (other stores, or a
-    /// lock taken by an earlier version of dlock or another client).
+    /// (SQLite, Redis, etcd's lock key value, PostgreSQL's `application_name`, the
+    /// `program_name` a MySQL client sent); for a lock held by several readers, their labels,
+    /// comma-separated. `None` where the store cannot say (other stores, dlock's own MySQL
+    /// sessions, whose driver sends no `program_name`, or a lock taken by an earlier version
+    /// of dlock or another client).
     pub fn owner(&self) -> Option<&str> {
         self.owner.as_deref()
+    }
+
+    /// When its holder took it, on the wall clock of the machine that took it, where the
+    /// store records that: SQLite (each lock row keeps the time beside its owner; a lock taken
+    /// by an earlier version of dlock, and a lock held by readers, show none). `None`
+    /// elsewhere: Redis, Redlock and etcd keep no time with a lock, and PostgreSQL's
+    /// `pg_locks` says when a session began or last ran a statement, not when it took an
+    /// advisory lock (dlock's sessions hold many locks over their lives).
+    pub fn since(&self) -> Option<SystemTime> {
+        self.since
+    }
+
+    /// The same lock, taken at `since` (see [`StoreLock::since`]).
+    pub fn with_since(mut self, since: Option<SystemTime>) -> Self {
+        self.since = since;
+        self
     }
 
     /// The same lock, with its owner label.
@@ -763,6 +784,30 @@ pub trait LockBackend: Send + Sync + Debug + 'static {
                 "store inspection",
                 "this backend cannot list the locks in its store",
             ))
+        })
+    }
+
+    /// Whether each of the exclusive locks `keys` is held right now, by any process, read
+    /// without taking or changing anything: one answer per key, in order. The provider counts a
+    /// semaphore's holders on the slot scheme with it
+    /// ([`LockProvider::semaphore_holders`](crate::LockProvider::semaphore_holders)), so
+    /// `keys` may be the reserved names of slot locks (up to [`MAX_SLOT_PERMITS`] of them),
+    /// and its round trips should not grow with their number. A lock whose lease has run out
+    /// is not held. The default reads [`store_locks`](LockBackend::store_locks) once (a key is
+    /// held when a listed lock carries it) and so answers its
+    /// [`LockError::Unsupported`] where the backend cannot list its store.
+    fn held_keys<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
+        Box::pin(async move {
+            let known: Vec<&str> = keys.iter().map(String::as_str).collect();
+            let listed = self.store_locks(&known).await?;
+            Ok(keys
+                .iter()
+                .map(|key| {
+                    listed
+                        .iter()
+                        .any(|lock| lock.key.as_deref() == Some(key.as_str()))
+                })
+                .collect())
         })
     }
 

@@ -86,8 +86,12 @@ impl LockProvider {
     /// them: SQLite (its tables), Redis (a `SCAN` of the prefix; it walks the whole keyspace,
     /// so keep it to admin use), PostgreSQL (`pg_locks`: advisory locks carry only a number,
     /// so a lock is named by its key when this provider holds it, and is otherwise listed by
-    /// its id). Other backends answer [`LockError::Unsupported`]. Sorted by resource; each
-    /// says whether this provider is the one holding it.
+    /// its id), etcd (one range read of the prefix, then one lease read per lock: each
+    /// queue's holder, not its waiters), MySQL/MariaDB (`performance_schema.metadata_locks`,
+    /// where the account may read it and the server has it on; a hashed lock name is named
+    /// by its key when this provider holds it). Other backends (Redlock, SQL Server, Oracle,
+    /// MySQL/MariaDB without `performance_schema`) answer [`LockError::Unsupported`] saying
+    /// why. Sorted by resource; each says whether this provider is the one holding it.
     ///
     /// ```
     /// # #[tokio::main(flavor = "current_thread")]

@@ -208,6 +208,101 @@ impl LockProvider {
             .is_some_and(PermitStore::keeps_count_record)
     }
 
+    /// How many permits of the semaphore `key` (of `max_count` permits) are held right now,
+    /// **by any process**: for a dashboard, an admin page or `dlock ls --semaphore`. Waiters
+    /// are not counted, nor are permits whose lease has run out (or whose session ended),
+    /// even while their holders have not heard of it yet. Read without taking or changing
+    /// anything.
+    ///
+    /// - **Where the store keeps semaphores natively** ([`native_semaphores`](LockProvider::native_semaphores):
+    ///   SQLite, Redis and Valkey in every topology, etcd, PostgreSQL, MySQL/MariaDB, SQL
+    ///   Server, Oracle) it is one round trip: a read transaction (SQLite), one script
+    ///   (Redis), a counted range read (etcd), one statement (the session engines). A store that records the count answers
+    ///   [`LockError::Config`] naming both counts while the semaphore is in use with another
+    ///   `max_count`, as an acquisition would be refused; MySQL/MariaDB keep no record
+    ///   ([`records_semaphore_counts`](LockProvider::records_semaphore_counts)) and count
+    ///   the permits of the first `max_count` slots.
+    /// - **On the slot scheme** (Redlock, and a [`LockBackend`](crate::backend::LockBackend)
+    ///   of your own) the `max_count` slot locks are read in one go
+    ///   ([`LockBackend::held_keys`](crate::backend::LockBackend::held_keys): on Redlock one
+    ///   pipeline per node, a slot counting when a quorum of nodes hold it). The count is not
+    ///   recorded there, so nothing is refused, and holders that asked with a larger count
+    ///   and hold a slot past `max_count` are not counted. A backend of your own that can
+    ///   neither list its store nor say whether a key is held answers
+    ///   [`LockError::Unsupported`].
+    ///
+    /// `max_count` 0, or a count above [`max_semaphore_count`](LockProvider::max_semaphore_count),
+    /// is a [`LockError::Config`], as for an acquisition.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), dlock::LockError> {
+    /// # let dir = tempfile::tempdir().unwrap();
+    /// # let url = format!("sqlite://{}/locks.db", dir.path().display());
+    /// let worker = dlock::LockProvider::connect(&url).await?;
+    /// let dashboard = dlock::LockProvider::connect(&url).await?;
+    /// let permit = worker.try_acquire_semaphore("exports", 2).await?;
+    /// assert_eq!(dashboard.semaphore_holders("exports", 2).await?, 1);
+    /// permit.release().await?;
+    /// assert_eq!(dashboard.semaphore_holders("exports", 2).await?, 0);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    pub async fn semaphore_holders(&self, key: &str, max_count: u32) -> Result<u32, LockError> {
+        validate_key(key)?;
+        if max_count == 0 {
+            return Err(LockError::config(
+                "a semaphore needs a max_count of at least 1",
+            ));
+        }
+        let store = self.backend().semaphores();
+        check_count(store, key, max_count, self.backend_name())?;
+        match store {
+            Some(store) => store
+                .holders(key, max_count)
+                .await
+                .map_err(|err| rekey(err, key)),
+            None => {
+                let slots: Vec<String> = (0..max_count).map(|slot| slot_name(key, slot)).collect();
+                let held = self
+                    .backend()
+                    .held_keys(&slots)
+                    .await
+                    .map_err(|err| match err {
+                        LockError::Unsupported { message, .. } => LockError::unsupported(
+                            self.backend_name(),
+                            "semaphore occupancy",
+                            format!(
+                                "this backend keeps semaphores as slot locks and cannot say \
+                                 whether a lock is held ({message}); implement \
+                                 `LockBackend::held_keys` or `LockBackend::store_locks`"
+                            ),
+                        ),
+                        other => rekey(other, key),
+                    })?;
+                if held.len() != slots.len() {
+                    return Err(LockError::backend(
+                        self.backend_name(),
+                        format!(
+                            "asked whether {} slot locks are held, the backend answered for {}",
+                            slots.len(),
+                            held.len()
+                        ),
+                        None,
+                        None,
+                    ));
+                }
+                Ok(
+                    u32::try_from(held.into_iter().filter(|held| *held).count())
+                        .unwrap_or(u32::MAX),
+                )
+            }
+        }
+    }
+
     async fn semaphore(
         &self,
         key: &str,
@@ -235,27 +330,7 @@ impl LockProvider {
             ));
         }
         let store = self.backend().semaphores();
-        match store {
-            None if max_count > MAX_SLOT_PERMITS => {
-                return Err(LockError::config(format!(
-                    "the semaphore `{}` asks for {max_count} permits; the {} backend keeps \
-                     semaphores as one lock per permit, at most {MAX_SLOT_PERMITS} (a try of a \
-                     full semaphore asks for every one of them)",
-                    key.escape_debug(),
-                    self.backend_name()
-                )));
-            }
-            Some(store) if max_count > store.max_permits() => {
-                return Err(LockError::config(format!(
-                    "the semaphore `{}` asks for {max_count} permits; the {} backend serves at \
-                     most {} (a try walks the permits in one statement)",
-                    key.escape_debug(),
-                    self.backend_name(),
-                    store.max_permits()
-                )));
-            }
-            _ => {}
-        }
+        check_count(store, key, max_count, self.backend_name())?;
         let shutdown = self.shutdown_token();
         if crate::provider::is_cancelled(None, shutdown) {
             return Err(LockError::Canceled {
@@ -561,6 +636,31 @@ impl LockProvider {
     }
 }
 
+/// Refuses a `max_count` above what the backend serves (the slot scheme's
+/// [`MAX_SLOT_PERMITS`], or the store's [`PermitStore::max_permits`]).
+fn check_count(
+    store: Option<&dyn PermitStore>,
+    key: &str,
+    max_count: u32,
+    backend: &str,
+) -> Result<(), LockError> {
+    match store {
+        None if max_count > MAX_SLOT_PERMITS => Err(LockError::config(format!(
+            "the semaphore `{}` asks for {max_count} permits; the {backend} backend keeps \
+             semaphores as one lock per permit, at most {MAX_SLOT_PERMITS} (a try of a full \
+             semaphore asks for every one of them)",
+            key.escape_debug(),
+        ))),
+        Some(store) if max_count > store.max_permits() => Err(LockError::config(format!(
+            "the semaphore `{}` asks for {max_count} permits; the {backend} backend serves at \
+             most {} (a try walks the permits in one statement)",
+            key.escape_debug(),
+            store.max_permits()
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// `err`, naming the semaphore `key` where it named one of the semaphore's internal locks.
 fn rekey(err: LockError, key: &str) -> LockError {
     let key = || Arc::from(key);
@@ -656,6 +756,37 @@ mod tests {
         assert_eq!(guard.key(), "big");
         assert!(slots.is_held(&slot_name("big", 700)));
         guard.release().await.unwrap();
+    }
+
+    /// On the slot scheme, the holders are the held slots among the first `max_count`, read
+    /// in one call whatever the count (another semaphore's slots and the lock of the same key
+    /// not counted), and a count above the slot limit is refused before anything is asked.
+    #[tokio::test]
+    async fn slot_scheme_holders_are_the_held_slots() {
+        let slots = MemoryBackend::default();
+        let locks = LockProvider::from_backend(slots.clone());
+        assert_eq!(locks.semaphore_holders("s", 3).await.unwrap(), 0);
+        let first = locks.try_acquire_semaphore("s", 3).await.unwrap();
+        slots.hold_elsewhere(&slot_name("s", 2));
+        slots.hold_elsewhere(&slot_name("s", 5));
+        slots.hold_elsewhere(&slot_name("t", 0));
+        slots.hold_elsewhere("s");
+        let before = slots.store().tries;
+        assert_eq!(locks.semaphore_holders("s", 3).await.unwrap(), 2);
+        assert_eq!(locks.semaphore_holders("s", 6).await.unwrap(), 3);
+        assert_eq!(slots.store().tries, before, "counting takes nothing");
+        first.release().await.unwrap();
+        assert_eq!(locks.semaphore_holders("s", 3).await.unwrap(), 1);
+        for count in [0, MAX_SLOT_PERMITS + 1] {
+            assert!(matches!(
+                locks.semaphore_holders("s", count).await,
+                Err(LockError::Config { .. })
+            ));
+        }
+        assert!(matches!(
+            locks.semaphore_holders("", 3).await,
+            Err(LockError::InvalidKey { .. })
+        ));
     }
 
     /// A permit's guard names the semaphore; inspection shows it as a permit of its

@@ -170,6 +170,10 @@ impl LockBackend for MemoryBackend {
         self.permits.then_some(self as &dyn PermitStore)
     }
 
+    fn held_keys<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
+        Box::pin(async move { Ok(keys.iter().map(|key| self.is_held(key)).collect()) })
+    }
+
     fn supports_native_wait(&self) -> bool {
         self.native_wait
     }

@@ -23,6 +23,11 @@
 //! [`EtcdBackend::queue_prefix`] gives the exact prefix. The key's
 //! **create revision** is its place in the queue: the holder is the key with the smallest
 //! one. `etcdctl lock <prefix><name'>` takes the same lock (it follows the same protocol).
+//! The key's value is the provider's [owner label](crate::ProviderBuilder::owner_label)
+//! (empty for `etcdctl`'s), which [`store_locks`](crate::LockProvider::store_locks) shows: it
+//! reads the prefix in one range request and each holder's lease (whole seconds) in one
+//! more; the holder of each queue is listed, not its waiters, a shortened name by its key
+//! where the listing provider holds it.
 //!
 //! | step | requests |
 //! |---|---|
@@ -182,6 +187,7 @@
 //! # Ok(()) }
 //! ```
 
+mod inspect;
 mod io;
 mod keeper;
 mod permits;
@@ -234,6 +240,9 @@ struct Shared {
     timeout: Duration,
     /// The renewal cadence set by the application, if any.
     renew_every: Option<Duration>,
+    /// The owner label, the value of every lock key this backend puts (see
+    /// [`LockBackend::set_owner_label`]); empty until set.
+    owner_label: std::sync::Mutex<Arc<[u8]>>,
     /// Declared last: the I/O thread ends after everything else of the backend is dropped.
     io: Io,
 }
@@ -412,6 +421,7 @@ impl EtcdBuilder {
                 prefix: self.prefix.into_bytes(),
                 timeout: self.timeout,
                 renew_every: self.renew_every,
+                owner_label: std::sync::Mutex::new(Arc::from(&b""[..])),
                 io,
             }),
         };
@@ -549,6 +559,16 @@ fn ttl_seconds(lease: Duration) -> i64 {
 }
 
 impl Shared {
+    /// The owner label, as lock keys carry it.
+    fn owner_label(&self) -> Arc<[u8]> {
+        Arc::clone(
+            &self
+                .owner_label
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        )
+    }
+
     /// Sends a request (made anew by `request` for each attempt) until it is answered: a
     /// failure that may pass (no leader during an election, a member that went away, a
     /// request that timed out) is tried again after a pause, until `timeout` has passed
@@ -751,9 +771,10 @@ impl EtcdBackend {
                 TxnOp::get(key.clone(), None),
             )
         };
+        let label = shared.owner_label();
         let put = TxnOp::put(
             key.clone(),
-            [],
+            label.to_vec(),
             Some(PutOptions::new().with_lease(lease_id)),
         );
         let txn = Txn::new()
@@ -927,6 +948,25 @@ impl LockBackend for EtcdBackend {
 
     fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
         Ok(self)
+    }
+
+    /// The label is the value of every lock key the backend puts (in the put it makes
+    /// anyway); keys put before it was set, or by `etcdctl lock`, carry none.
+    fn set_owner_label(&self, label: &str) {
+        *self
+            .shared
+            .owner_label
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Arc::from(label.as_bytes());
+    }
+
+    /// One range read of the prefix (each queue's oldest key holds its lock; waiters and
+    /// semaphores are left out), then one lease read per held lock for its time to live.
+    fn store_locks<'a>(
+        &'a self,
+        known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<crate::StoreLock>, LockError>> {
+        Box::pin(self.list_locks(known))
     }
 
     fn try_acquire<'a>(

@@ -143,6 +143,18 @@
 //! A statement that fails after it may have taken a slot drops its connection (the server
 //! frees the slot with the session).
 //!
+//! # Store inspection
+//!
+//! [`store_locks`](crate::LockProvider::store_locks) reads the user locks granted now from
+//! `performance_schema.metadata_locks`, on a connection of its own, with the holding
+//! session's `program_name` connect attribute as the owner (dlock's own sessions send none:
+//! its driver sets no connect attributes). A lock whose name is its key is named by it; a
+//! hashed name is named by its key when the listing provider holds it, and otherwise shown
+//! by its server name; semaphore slots are listed by their names (`#sem#…`). It needs `SELECT`
+//! on `performance_schema`, `performance_schema=ON` (MariaDB's default is off) and the
+//! metadata lock instrument `wait/lock/metadata/sql/mdl` on (MySQL's default); without them
+//! it answers [`LockError::Unsupported`] saying which is missing. Locking needs none of it.
+//!
 //! # Permissions
 //!
 //! `GET_LOCK`, `RELEASE_LOCK`, `IS_USED_LOCK` and `CONNECTION_ID()` need no privilege, and

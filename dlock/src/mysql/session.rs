@@ -9,12 +9,12 @@ use sqlx::{Connection, Row};
 
 use super::MySql;
 use super::statements::*;
-use crate::LockError;
 use crate::backend::BoxFuture;
 use crate::session::{Connector, Dial, Failure, Grant, Mode, PermitAnswer, PermitCount, Session};
 use crate::sqlx_engine::{
     SqlxErrors, connect_within, driver_error, failure, ping, settle, settle_pauses,
 };
+use crate::{LockError, StoreLock};
 
 /// What the first connection learned about the server.
 #[derive(Debug, Clone)]
@@ -143,6 +143,95 @@ impl Connector for MySqlConnector {
             Ok(self.session(conn, id))
         })
     }
+
+    /// `performance_schema.metadata_locks` (user locks), on a connection of its own, with
+    /// the holder's `program_name` connect attribute. Needs `SELECT` on `performance_schema`
+    /// and its metadata lock instrument on (MySQL's default; MariaDB's `performance_schema`
+    /// is off by default): otherwise `Unsupported`, saying which is missing.
+    fn store_locks<'a>(
+        &'a self,
+        known: &'a [&'a str],
+    ) -> BoxFuture<'a, Result<Vec<StoreLock>, LockError>> {
+        Box::pin(async move {
+            let (mut conn, _, _) =
+                open_connection(&self.dial.target, self.dial.connect_timeout).await?;
+            let listed = list_user_locks(&mut conn).await;
+            let _ = conn.close().await;
+            let rows = listed?;
+            let names: std::collections::HashMap<String, &str> = known
+                .iter()
+                .map(|key| (server_lock_name(key), *key))
+                .collect();
+            Ok(rows
+                .into_iter()
+                .map(|(name, program)| {
+                    // A name without `#` is its key (see the module docs); a hashed one is
+                    // named when it is one of `known`'s.
+                    let key = if name.contains('#') {
+                        names.get(&name).map(|key| (*key).to_owned())
+                    } else {
+                        Some(name.clone())
+                    };
+                    StoreLock::new(name).with_key(key).with_owner(program)
+                })
+                .collect())
+        })
+    }
+}
+
+/// The user locks granted now, and their holders' `program_name`s (see
+/// [`Connector::store_locks`]).
+async fn list_user_locks(
+    conn: &mut MySqlConnection,
+) -> Result<Vec<(String, Option<String>)>, LockError> {
+    let what = "listing the locks";
+    let denied = |e: &sqlx::Error| matches!(error_number(e), Some(1142 | 1044 | 1143));
+    let unsupported = |why: String| LockError::unsupported(NAME, "store inspection", why);
+    let (on, instrumented): (i64, i64) = match sqlx::query_as(STORE_LOCKS_CHECK_SQL)
+        .fetch_one(&mut *conn)
+        .await
+    {
+        Ok(row) => row,
+        Err(e) if denied(&e) => {
+            return Err(unsupported(
+                "listing user locks reads performance_schema, which this user may not read; \
+                 grant it with GRANT SELECT ON performance_schema.* TO the user"
+                    .to_owned(),
+            ));
+        }
+        Err(e) => return Err(driver_error::<MySql>(what, e)),
+    };
+    if on != 1 {
+        return Err(unsupported(
+            "listing user locks reads performance_schema, which is off on this server; start \
+             it with performance_schema=ON"
+                .to_owned(),
+        ));
+    }
+    if instrumented == 0 {
+        return Err(unsupported(
+            "listing user locks needs the metadata lock instrument, which is off on this \
+             server; turn it on with UPDATE performance_schema.setup_instruments SET \
+             ENABLED = 'YES' WHERE NAME = 'wait/lock/metadata/sql/mdl' (or \
+             performance-schema-instrument='wait/lock/metadata/sql/mdl=ON' in the server's \
+             configuration)"
+                .to_owned(),
+        ));
+    }
+    sqlx::query_as(STORE_LOCKS_SQL)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| {
+            if denied(&e) {
+                unsupported(format!(
+                    "listing user locks reads performance_schema.metadata_locks, threads and \
+                     session_connect_attrs, which this user may not read ({e}); grant them with \
+                     GRANT SELECT ON performance_schema.* TO the user"
+                ))
+            } else {
+                driver_error::<MySql>(what, e)
+            }
+        })
 }
 
 /// One connection, with the id that `KILL` aims at.

@@ -84,6 +84,22 @@ p (prefix, n) AS (SELECT ?, ?), \
 s (i) AS (SELECT CAST(0 AS UNSIGNED) UNION ALL SELECT s.i + 1 FROM s, p WHERE s.i + 1 < p.n) \
 SELECT COUNT(IS_USED_LOCK(CONCAT(p.prefix, s.i))) FROM s, p";
 
+/// Whether store inspection can see user locks: `performance_schema` on, and its metadata
+/// lock instrument enabled (both 1 when it can). Needs `SELECT` on `performance_schema`.
+pub(super) const STORE_LOCKS_CHECK_SQL: &str = "SELECT CAST(@@performance_schema AS SIGNED), \
+(SELECT COUNT(*) FROM performance_schema.setup_instruments \
+WHERE NAME = 'wait/lock/metadata/sql/mdl' AND ENABLED = 'YES')";
+
+/// The user locks granted now, by any session: name, and the holding session's
+/// `program_name` connect attribute where its client sent one.
+pub(super) const STORE_LOCKS_SQL: &str = "SELECT m.OBJECT_NAME, MIN(a.ATTR_VALUE) \
+FROM performance_schema.metadata_locks m \
+LEFT JOIN performance_schema.threads t ON t.THREAD_ID = m.OWNER_THREAD_ID \
+LEFT JOIN performance_schema.session_connect_attrs a \
+ON a.PROCESSLIST_ID = t.PROCESSLIST_ID AND a.ATTR_NAME = 'program_name' \
+WHERE m.OBJECT_TYPE = 'USER LEVEL LOCK' AND m.LOCK_STATUS = 'GRANTED' \
+GROUP BY m.OBJECT_NAME";
+
 /// The name prefix of the semaphore `key`'s slots: `#sem#`, 32 lowercase hex digits of
 /// SHA-256 of the key, `#` (slot *n* is the prefix and *n* in decimal, at most 48
 /// characters). No lock's name has more than one `#`, so no slot is a lock.
@@ -280,6 +296,17 @@ mod tests {
             COUNT(IS_USED_LOCK(CONCAT(p.prefix, s.i))) FROM s, p"
         );
         assert_eq!(PERMIT_COUNT_SQL.matches('?').count(), 2);
+        // Store inspection: user locks granted now, by any session, with no parameter.
+        assert_eq!(
+            STORE_LOCKS_SQL,
+            "SELECT m.OBJECT_NAME, MIN(a.ATTR_VALUE) FROM performance_schema.metadata_locks m \
+            LEFT JOIN performance_schema.threads t ON t.THREAD_ID = m.OWNER_THREAD_ID LEFT \
+            JOIN performance_schema.session_connect_attrs a ON a.PROCESSLIST_ID = \
+            t.PROCESSLIST_ID AND a.ATTR_NAME = 'program_name' WHERE m.OBJECT_TYPE = 'USER \
+            LEVEL LOCK' AND m.LOCK_STATUS = 'GRANTED' GROUP BY m.OBJECT_NAME"
+        );
+        assert!(!STORE_LOCKS_SQL.contains('?') && !STORE_LOCKS_CHECK_SQL.contains('?'));
+        assert!(STORE_LOCKS_CHECK_SQL.contains("'wait/lock/metadata/sql/mdl'"));
         // The recursion limits cover every step of the largest walk and the one that ends it.
         for session in [MYSQL_WALK_SESSION_SQL, MARIADB_WALK_SESSION_SQL] {
             assert!(

@@ -1048,7 +1048,7 @@ impl Conn {
     /// own, all at once. Each reply in its place, an error answer (or on a Cluster, a failure
     /// to reach the node) as its `Err`; `Err` as a whole only when the one pipeline got no
     /// answer.
-    async fn pipelines(
+    pub(super) async fn pipelines(
         &self,
         cmds: Vec<Cmd>,
     ) -> Result<Vec<Result<Value, RedisError>>, RedisError> {

@@ -179,6 +179,31 @@ pub(super) async fn store_locks(shared: &Shared) -> Result<Vec<StoreLock>, LockE
     Ok(locks)
 }
 
+/// Whether each exclusive lock of `keys` is held now: its key holds an owner (a key that
+/// expired with its lease is gone; readers leave it empty). One `GET` per key, all in one
+/// pipeline (on a Cluster, each in its own, all at once).
+pub(super) async fn held_keys(shared: &Shared, keys: &[String]) -> Result<Vec<bool>, LockError> {
+    let what = "reading whether locks are held";
+    let gets: Vec<Cmd> = keys
+        .iter()
+        .map(|key| {
+            let mut get: Cmd = redis::cmd("GET");
+            get.arg(shared.lock_key(key));
+            get
+        })
+        .collect();
+    let replies = shared.bounded(what, shared.conn.pipelines(gets)).await?;
+    replies
+        .into_iter()
+        .map(|reply| match reply {
+            Ok(Value::BulkString(owner)) => Ok(!owner.is_empty()),
+            // Not there, or a key of another type under the prefix: not a held lock.
+            Ok(_) => Ok(false),
+            Err(err) => Err(super::redis_error(what, err, &shared.prefix)),
+        })
+        .collect()
+}
+
 /// The entry of the semaphore `name` whose permits are under `key`: its live permits (as the
 /// holders that share it), the latest lease end and its fencing counter; `None` when no permit
 /// is live.

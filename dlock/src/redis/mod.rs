@@ -2370,6 +2370,12 @@ impl LockBackend for RedisBackend {
         Box::pin(inspect::store_locks(&self.shared))
     }
 
+    /// One `GET` of each lock key, in one pipeline (one round trip; on a Cluster, one
+    /// pipeline per key, all at once).
+    fn held_keys<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
+        Box::pin(inspect::held_keys(&self.shared, keys))
+    }
+
     fn force_releases(&self) -> Result<&dyn crate::backend::ForceRelease, LockError> {
         Ok(self)
     }

@@ -499,6 +499,36 @@ impl LockBackend for RedlockBackend {
         Ok(self)
     }
 
+    /// Every node is read at once (one pipeline each); a lock counts as held when a quorum of
+    /// nodes hold it, as a Redlock lock is. An error when fewer than a quorum answered.
+    fn held_keys<'a>(&'a self, keys: &'a [String]) -> BoxFuture<'a, Result<Vec<bool>, LockError>> {
+        Box::pin(async move {
+            let shared = &*self.shared;
+            let answers: Vec<Result<Vec<bool>, LockError>> =
+                join(shared.nodes.iter().map(|node| {
+                    Box::pin(async move { node.get().await?.held_keys(keys).await })
+                        as BoxFuture<'_, _>
+                }))
+                .await;
+            let up = answers.iter().filter(|a| a.is_ok()).count();
+            if up < shared.quorum {
+                let first = answers.into_iter().find_map(Result::err);
+                let answered = format!("{up} of {} nodes answered", shared.nodes.len());
+                return Err(short_of_quorum(shared, answered, first));
+            }
+            let mut counts = vec![0usize; keys.len()];
+            for held in answers.iter().flatten() {
+                for (count, held) in counts.iter_mut().zip(held) {
+                    *count += usize::from(*held);
+                }
+            }
+            Ok(counts
+                .into_iter()
+                .map(|count| count >= shared.quorum)
+                .collect())
+        })
+    }
+
     fn shared_locks(&self) -> Result<(), LockError> {
         // Read locks are the nodes' own: there when every connected node has them.
         match self.shared.nodes.iter().find_map(|n| n.backend.get()) {

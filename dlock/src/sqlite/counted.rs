@@ -126,7 +126,7 @@ impl Counted {
         let tx = rusqlite::Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
         let taken = returning_one(
             &mut tx.prepare_cached(ACQUIRE_SQL)?,
-            params![name, &owner[..], end, now, boot],
+            params![name, &owner[..], end, now, boot, super::file::wall_now_ms()],
         )?;
         // Dropping the transaction rolls it back.
         match taken {

@@ -145,12 +145,35 @@ pub(super) fn retry_busy<T>(
     }
 }
 
+/// Adds the acquisition-time columns to a lock table of an earlier version (in a write
+/// transaction of its own outside the caller's, so that two processes opening the file at once
+/// add them once).
+fn add_taken_at(conn: &Connection) -> rusqlite::Result<()> {
+    let missing = |conn: &Connection| -> rusqlite::Result<bool> {
+        conn.prepare_cached(TAKEN_AT_SQL)?
+            .query_row([], |row| row.get::<_, i64>(0))
+            .map(|n| n == 0)
+    };
+    if !missing(conn)? {
+        return Ok(());
+    }
+    if !conn.is_autocommit() {
+        return conn.execute_batch(ADD_TAKEN_AT_SQL);
+    }
+    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
+    if missing(conn)? {
+        conn.execute_batch(ADD_TAKEN_AT_SQL)?;
+    }
+    tx.commit()
+}
+
 /// Creates the lock table, or converts an earlier version's (see the module docs). On a
 /// connection outside a transaction, the conversion runs in a transaction of its own; inside
 /// the caller's transaction, it is part of it.
 pub(super) fn ensure_schema(conn: &Connection, clock: &LeaseClock) -> rusqlite::Result<()> {
     conn.execute_batch(SCHEMA)?;
     conn.execute_batch(super::owners::OWNERS_SCHEMA)?;
+    add_taken_at(conn)?;
     let legacy = |conn: &Connection| -> rusqlite::Result<bool> {
         conn.prepare_cached(LEGACY_SQL)?
             .query_row([], |row| row.get::<_, i64>(0))
@@ -229,6 +252,14 @@ pub(super) fn sqlite_error(path: &Path, what: &str, err: rusqlite::Error) -> Loc
             Some(Box::new(err) as _),
         ),
     }
+}
+
+/// Now on the wall clock, in Unix milliseconds (0 before 1970), as lock rows record when they
+/// were taken.
+pub(super) fn wall_now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, millis)
 }
 
 pub(super) fn millis(d: Duration) -> i64 {

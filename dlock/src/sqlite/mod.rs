@@ -729,6 +729,7 @@ impl LockBackend for SqliteBackend {
                         let lease_end: i64 = row.get(2)?;
                         let fencing: i64 = row.get(3)?;
                         let label: Option<String> = row.get(4)?;
+                        let taken_at: Option<i64> = row.get(5)?;
                         let key = String::from_utf8_lossy(&name).into_owned();
                         let (count, owner) = if by_readers {
                             readers.remove(&name).unwrap_or((0, None))
@@ -742,7 +743,11 @@ impl LockBackend for SqliteBackend {
                                 .with_readers(u32::try_from(count).unwrap_or(u32::MAX))
                                 .with_fencing_token(u64::try_from(fencing).ok().filter(|t| *t > 0))
                                 .with_remaining_lease(Some(Duration::from_millis(left)))
-                                .with_owner(owner),
+                                .with_owner(owner)
+                                .with_since(taken_at.and_then(|at| {
+                                    let at = u64::try_from(at).ok()?;
+                                    std::time::UNIX_EPOCH.checked_add(Duration::from_millis(at))
+                                })),
                         );
                     }
                     Ok(locks)
@@ -1258,7 +1263,8 @@ impl Shared {
                                 &owner[..],
                                 now.saturating_add(millis(lease)),
                                 now,
-                                clock.boot()
+                                clock.boot(),
+                                file::wall_now_ms()
                             ],
                         )
                     });

@@ -29,8 +29,11 @@ pub(super) const OWNERS_PRUNE_SQL: &str = "DELETE FROM main.__distributed_lock_o
     AND id NOT IN (SELECT substr(owner, 1, 8) FROM main.__distributed_lock_readers)";
 
 /// The rows held now (`?1` now, `?2` boot), for store inspection: name, whether readers hold it
-/// (the empty owner), lease end, fencing counter, the holder's label.
-pub(super) const STORE_LOCKS_SQL: &str = "SELECT l.name, l.owner = x'', l.lease_end, l.fencing, o.label \
+/// (the empty owner), lease end, fencing counter, the holder's label, and when the holder took
+/// it (wall clock, Unix milliseconds; NULL when the row's time is not the holder's: taken by an
+/// earlier version, or held by readers).
+pub(super) const STORE_LOCKS_SQL: &str = "SELECT l.name, l.owner = x'', l.lease_end, l.fencing, o.label, \
+    CASE WHEN l.taken_by = l.owner THEN l.taken_at END \
     FROM main.__distributed_locks l LEFT JOIN main.__distributed_lock_owners o \
     ON length(l.owner) = 16 AND o.id = substr(l.owner, 1, 8) \
     WHERE l.owner IS NOT NULL AND l.boot = ?2 AND l.lease_end > ?1";

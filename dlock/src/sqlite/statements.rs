@@ -5,7 +5,9 @@ pub(super) const SCHEMA: &str = "CREATE TABLE IF NOT EXISTS __distributed_locks 
     owner BLOB, \
     lease_end INTEGER NOT NULL DEFAULT 0, \
     fencing INTEGER NOT NULL DEFAULT 0, \
-    boot BLOB\
+    boot BLOB, \
+    taken_by BLOB, \
+    taken_at INTEGER\
 ) WITHOUT ROWID; \
 CREATE TABLE IF NOT EXISTS __distributed_lock_readers (\
     name BLOB NOT NULL, \
@@ -50,6 +52,16 @@ CREATE TABLE IF NOT EXISTS __distributed_lock_permits (\
 pub(super) const LEGACY_SQL: &str =
     "SELECT count(*) FROM pragma_table_info('__distributed_locks') WHERE name = 'expires_at'";
 
+/// Counts the acquisition-time column (0 when a table of an earlier version lacks it).
+pub(super) const TAKEN_AT_SQL: &str =
+    "SELECT count(*) FROM pragma_table_info('__distributed_locks') WHERE name = 'taken_at'";
+
+/// Adds the columns that record when a lock was taken, and by which owner token: an
+/// acquisition sets both, so a row taken over by an earlier version (which sets neither) shows
+/// no time rather than its previous holder's.
+pub(super) const ADD_TAKEN_AT_SQL: &str = "ALTER TABLE __distributed_locks ADD COLUMN taken_by BLOB; \
+    ALTER TABLE __distributed_locks ADD COLUMN taken_at INTEGER";
+
 /// Converts the earlier table: the lease column gets its new name (so statements of earlier
 /// versions fail instead of misreading it) and the boot column is added.
 pub(super) const MIGRATE_SQL: &str = "ALTER TABLE __distributed_locks RENAME COLUMN expires_at TO lease_end; \
@@ -81,24 +93,27 @@ pub(super) const PEEK_SQL: &str = "SELECT 1 FROM main.__distributed_locks \
 
 /// The statement of an acquisition: takes a free or expired row (expired: its lease ended,
 /// or it was written during another boot). Parameters: `?1` name (the key's bytes), `?2`
-/// owner token, `?3` new lease end and `?4` now (lease clock), `?5` boot. Returns the new
+/// owner token, `?3` new lease end and `?4` now (lease clock), `?5` boot, `?6` now on the
+/// wall clock (Unix milliseconds, recorded with the owner token as the acquisition time). Returns the new
 /// fencing token, or no row when the lock is held. For a file whose `-fencing` file does not
 /// exist (no transaction-bound lock ever issued a token on it).
-pub(super) const ACQUIRE_SQL: &str = "INSERT INTO main.__distributed_locks (name, owner, lease_end, fencing, boot) \
-    VALUES (?1, ?2, ?3, 1, ?5) \
+pub(super) const ACQUIRE_SQL: &str = "INSERT INTO main.__distributed_locks (name, owner, lease_end, fencing, boot, taken_by, taken_at) \
+    VALUES (?1, ?2, ?3, 1, ?5, ?2, ?6) \
     ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, lease_end = excluded.lease_end, \
-    boot = excluded.boot, fencing = __distributed_locks.fencing + 1 \
+    boot = excluded.boot, fencing = __distributed_locks.fencing + 1, \
+    taken_by = excluded.taken_by, taken_at = excluded.taken_at \
     WHERE __distributed_locks.owner IS NULL OR __distributed_locks.boot IS NOT excluded.boot \
     OR __distributed_locks.lease_end <= ?4 \
     RETURNING fencing";
 
 /// [`ACQUIRE_SQL`] with the `-fencing` file attached: the token is above both the row's
 /// counter and the `-fencing` file's record.
-pub(super) const ACQUIRE_FENCED_SQL: &str = "INSERT INTO main.__distributed_locks (name, owner, lease_end, fencing, boot) \
+pub(super) const ACQUIRE_FENCED_SQL: &str = "INSERT INTO main.__distributed_locks (name, owner, lease_end, fencing, boot, taken_by, taken_at) \
     VALUES (?1, ?2, ?3, 1 + coalesce((SELECT fencing FROM dlock_fencing.__distributed_lock_fencing \
-    WHERE name = ?1), 0), ?5) \
+    WHERE name = ?1), 0), ?5, ?2, ?6) \
     ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, lease_end = excluded.lease_end, \
-    boot = excluded.boot, fencing = max(__distributed_locks.fencing + 1, excluded.fencing) \
+    boot = excluded.boot, fencing = max(__distributed_locks.fencing + 1, excluded.fencing), \
+    taken_by = excluded.taken_by, taken_at = excluded.taken_at \
     WHERE __distributed_locks.owner IS NULL OR __distributed_locks.boot IS NOT excluded.boot \
     OR __distributed_locks.lease_end <= ?4 \
     RETURNING fencing";

@@ -8,7 +8,7 @@
 //! | `GET /accounts/{id}` | none |
 //! | `POST /jobs/reconcile` | [`LockLayer`] on `jobs:reconcile`, one try: 409 while a run is in progress |
 //! | `GET /admin/locks` | none; the locks this instance holds now (`LockProvider::held_locks`), as JSON |
-//! | `GET /admin/store-locks` | none; the locks held in the store now by any instance (`LockProvider::store_locks`), with who holds each (its owner label, `host:pid` by default), as JSON |
+//! | `GET /admin/store-locks` | none; the locks held in the store now by any instance (`LockProvider::store_locks`), with who holds each (its owner label, `host:pid` by default) and since when (where the store records it), as JSON |
 //! | `GET /health` | none; asks the lock store (`LockProvider::ping`), 503 problem when it is down |
 //!
 //! Account ids are strings: the handlers take `Path<String>`, which is the percent-decoded
@@ -381,6 +381,8 @@ struct StoreLockView {
     /// Who holds it: the holder's owner label (`host:pid` unless set), where the store keeps
     /// one.
     owner: Option<String>,
+    /// When its holder took it (Unix milliseconds), where the store records that (SQLite).
+    since_unix_ms: Option<u128>,
 }
 
 /// The locks held in the store now, by any instance (read-only).
@@ -393,6 +395,12 @@ async fn store_locks(
             .into_iter()
             .map(|lock| StoreLockView {
                 owner: lock.owner().map(str::to_owned),
+                since_unix_ms: lock.since().and_then(|since| {
+                    since
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .ok()
+                        .map(|at| at.as_millis())
+                }),
                 remaining_lease_ms: lock.remaining_lease.map(|left| left.as_millis()),
                 key: lock.key,
                 resource: lock.resource,

@@ -907,6 +907,16 @@ async fn the_store_admin_route_lists_locks_held_by_other_instances() {
     // Who holds it: the other instance, by its default owner label `host:pid`.
     let owner = lock["owner"].as_str().expect("an owner");
     assert!(owner.ends_with(&format!(":{}", a.pid())), "{seen}");
+    // Since when: SQLite records it, in the last minute.
+    let since = lock["since_unix_ms"].as_u64().expect("since");
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    assert!(
+        u128::from(since) <= now && now - u128::from(since) < 60_000,
+        "{seen}"
+    );
     assert_eq!(debit.await.expect("join").0, 200);
     let after = listed(client.clone(), admin.clone()).await;
     assert!(
