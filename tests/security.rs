@@ -52,6 +52,11 @@ const ALLOWED_FORMATS: &[(&str, &str)] = &[
         "oracle/session.rs",
         "{what}: the user may not call DBMS_LOCK",
     ),
+    // Which grant a MySQL account needs to list the locks (`store_locks`).
+    (
+        "mysql/session.rs",
+        "listing user locks reads performance_schema",
+    ),
     (
         "mssql/statements.rs",
         "fencing=true: this user lacks a privilege",
