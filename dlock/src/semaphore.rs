@@ -767,7 +767,11 @@ mod tests {
         let locks = LockProvider::from_backend(slots.clone());
         assert_eq!(locks.semaphore_holders("s", 3).await.unwrap(), 0);
         let first = locks.try_acquire_semaphore("s", 3).await.unwrap();
-        slots.hold_elsewhere(&slot_name("s", 2));
+        // The permit took a slot drawn at random: another one of the three is held elsewhere.
+        let mine = (0..3)
+            .find(|slot| slots.is_held(&slot_name("s", *slot)))
+            .expect("the permit's slot");
+        slots.hold_elsewhere(&slot_name("s", (mine + 1) % 3));
         slots.hold_elsewhere(&slot_name("s", 5));
         slots.hold_elsewhere(&slot_name("t", 0));
         slots.hold_elsewhere("s");
