@@ -2357,7 +2357,12 @@ pub async fn semaphore_waits_leave_nothing(h: &impl Harness) {
             guard.release().await.expect("release");
         }
     }
-    assert_eq!(b.local_key_count(), 0, "the provider kept a key");
+    // A wait dropped midway (the aborted one ahead) gives its queue lock back on a task of
+    // its own: awaited, within the bound, so a key kept for good still fails.
+    crate::wait_until("the provider keeps no key", bound, async || {
+        b.local_key_count() == 0
+    })
+    .await;
 }
 
 /// `held_locks` lists what a provider holds, sorted by key, with each lock's fencing token,
