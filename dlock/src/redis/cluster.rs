@@ -198,6 +198,12 @@ pub(crate) fn is_in_motion(code: &str) -> bool {
     )
 }
 
+/// Whether `err` is a server's refusal of a command it did not run because the key's master
+/// moved or is moving ([`is_in_motion`]).
+pub(crate) fn refused_in_motion(err: &LockError) -> bool {
+    err.db_code().is_some_and(is_in_motion)
+}
+
 /// Whether `err` is the server's answer that the keys of one command are in different slots.
 pub(crate) fn is_cross_slot(err: &RedisError) -> bool {
     err.kind() == ErrorKind::Server(redis::ServerErrorKind::CrossSlot)

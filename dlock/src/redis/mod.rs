@@ -2499,11 +2499,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
     let (taken, acked) = match taking {
         // A cluster still moving the key's slot after the driver's retries refused the
         // command without running it: a waiter tries again soon, within its timeout.
-        Err(LockError::Backend { db_code, .. })
-            if waiting
-                && shared.conn.is_cluster()
-                && db_code.as_deref().is_some_and(cluster::is_in_motion) =>
-        {
+        Err(ref err) if waiting && shared.conn.is_cluster() && cluster::refused_in_motion(err) => {
             cleanup.armed = false;
             return Ok(WaitTry::Held {
                 retry_within: Some(cluster::IN_MOTION_RETRY),
@@ -2766,12 +2762,6 @@ impl RedisHeld {
     }
 }
 
-/// Whether `err` is a server's refusal of a command it did not run because the key's master
-/// moved (see [`cluster::is_in_motion`]).
-fn refused_in_motion(err: &LockError) -> bool {
-    err.db_code().is_some_and(cluster::is_in_motion)
-}
-
 impl HeldLock for RedisHeld {
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         let released = self.release_outcome();
@@ -2802,7 +2792,7 @@ impl HeldLock for RedisHeld {
                 // so the lock does not stay held until its lease runs out.
                 if let Attempt::Failed(err) = &attempt
                     && self.shared.conn.can_move()
-                    && refused_in_motion(err)
+                    && cluster::refused_in_motion(err)
                     && started.elapsed() < self.shared.timeout
                 {
                     refusals += 1;

@@ -381,10 +381,10 @@ async fn try_acquire(
     let (reply, acked) = match shared.bounded(what, eval).await {
         // A cluster still moving the semaphore's slot after the driver's retries refused the
         // script without running it: a waiter tries again soon.
-        Err(LockError::Backend { db_code, .. })
+        Err(ref err)
             if request.waiting.is_some()
                 && shared.conn.is_cluster()
-                && db_code.as_deref().is_some_and(super::cluster::is_in_motion) =>
+                && super::cluster::refused_in_motion(err) =>
         {
             cleanup.armed = false;
             return Ok(PermitTry::Full {
