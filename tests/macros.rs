@@ -288,9 +288,13 @@ async fn angle_bracket_spelling_locks_the_named_parameter_and_waits() {
         let b = b.clone();
         async move { debit(&b, 42, 50, None, None).await }
     });
-    while b.local_key_count() == 0 {
-        tokio::task::yield_now().await;
-    }
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while b.local_key_count() == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the second caller is waiting");
     assert!(!second.is_finished());
     leave.send(()).unwrap();
     assert_eq!(first.await.unwrap().unwrap(), 70);

@@ -719,9 +719,8 @@ mod tests {
         let notified = released.notified();
         drop(guard);
         within(notified).await;
-        while locks.local_key_count() != 0 {
-            tokio::task::yield_now().await;
-        }
+        crate::testing::spin_until("the provider keeps no key", || locks.local_key_count() == 0)
+            .await;
         assert_eq!(holds_and_losses(&recorder), (1, 1));
     }
 
@@ -885,9 +884,8 @@ mod tests {
         drop(guard);
         within(notified).await;
         // The slot goes, and the hold is recorded, right after the release in the same task.
-        while locks.local_key_count() != 0 {
-            tokio::task::yield_now().await;
-        }
+        crate::testing::spin_until("the provider keeps no key", || locks.local_key_count() == 0)
+            .await;
         assert_eq!(holds_and_losses(&recorder), (1, 1));
     }
 
@@ -908,9 +906,8 @@ mod tests {
         let notified = released.notified();
         gate.notify_one();
         within(notified).await;
-        while locks.local_key_count() != 0 {
-            tokio::task::yield_now().await;
-        }
+        crate::testing::spin_until("the provider keeps no key", || locks.local_key_count() == 0)
+            .await;
         assert!(!backend.is_held("a"));
         assert_eq!(holds_and_losses(&recorder), (1, 0));
     }

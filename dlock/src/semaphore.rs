@@ -849,9 +849,10 @@ mod tests {
                 })
             };
             // The waiter is at the head of the queue.
-            while !backend.is_held(&queue_name("s")) {
-                tokio::task::yield_now().await;
-            }
+            crate::testing::spin_until("the waiter heads the queue", || {
+                backend.is_held(&queue_name("s"))
+            })
+            .await;
             held.release().await.unwrap();
             let again = {
                 let locks = locks.clone();
@@ -907,9 +908,7 @@ mod tests {
             assert!(mark <= WATCHED_PAUSE * 3, "{mark:?}");
         }
         drop(held);
-        while backend.permits_held("s") > 0 {
-            tokio::task::yield_now().await;
-        }
+        crate::testing::spin_until("no permit is held", || backend.permits_held("s") == 0).await;
 
         // A mark that lasts: a single try meets it, a waiting try is served and clears it.
         let request = PermitRequest::new("t", 1);
@@ -981,9 +980,10 @@ mod tests {
                         .await
                 })
             };
-            while !backend.is_held(&queue_name("s")) {
-                tokio::task::yield_now().await;
-            }
+            crate::testing::spin_until("the waiter heads the queue", || {
+                backend.is_held(&queue_name("s"))
+            })
+            .await;
             // Behind it in this provider (the table's queue) and in another (the store's).
             for provider in [&locks, &other] {
                 let err = provider
@@ -1034,9 +1034,7 @@ mod tests {
                 store.permit_tries + store.tries
             };
             let before = tried();
-            while tried() < before + 2 {
-                tokio::task::yield_now().await;
-            }
+            crate::testing::spin_until("two more tries", || tried() >= before + 2).await;
             shutdown.cancel();
             let answer = tokio::time::timeout(Duration::from_secs(2), wait)
                 .await

@@ -269,9 +269,10 @@ mod tests {
             tokio::spawn(async move { table.wait_slot("r", false).await })
         };
         // Once the writer has queued, a new reader no longer gets in.
-        while table.try_slot("r", true).is_ok() {
-            tokio::task::yield_now().await;
-        }
+        crate::testing::spin_until("the writer has queued", || {
+            table.try_slot("r", true).is_err()
+        })
+        .await;
         drop(first);
         assert!(!writer.is_finished());
         drop(second);

@@ -448,3 +448,18 @@ impl HeldLock for MemoryPermit {
         })
     }
 }
+
+/// Yields to the runtime until `condition` holds, and fails the test naming `what` if it does
+/// not within 30 s of wall time (a real clock, so a paused Tokio clock cannot stretch it): a
+/// test that waits for a state the code never reaches fails instead of hanging the run.
+pub(crate) async fn spin_until(what: &str, mut condition: impl FnMut() -> bool) {
+    let limit = Duration::from_secs(30);
+    let start = Instant::now();
+    while !condition() {
+        assert!(
+            start.elapsed() < limit,
+            "not reached within {limit:?}: {what}"
+        );
+        tokio::task::yield_now().await;
+    }
+}

@@ -704,9 +704,7 @@ mod tests {
             let lanes = Arc::clone(&lanes);
             async move { lanes.acquire_wait_x("k", Duration::from_secs(10)).await }
         });
-        while !lanes.claims.writer_waits(&id) {
-            tokio::task::yield_now().await;
-        }
+        crate::testing::spin_until("the writer waits", || lanes.claims.writer_waits(&id)).await;
         assert!(
             lanes.try_acquire_s("k").await.unwrap().is_none(),
             "a reader went ahead of the waiting writer"

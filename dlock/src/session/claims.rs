@@ -572,9 +572,10 @@ mod tests {
                 drop(w);
             }
         });
-        while claims.map().get(&1).is_none_or(|s| s.writers_waiting == 0) {
-            tokio::task::yield_now().await;
-        }
+        crate::testing::spin_until("the writer waits", || {
+            claims.map().get(&1).is_some_and(|s| s.writers_waiting > 0)
+        })
+        .await;
         assert!(
             claims.claim(&1, Mode::Shared, Until::Try).await.is_none(),
             "a reader's try went ahead of a waiting writer"
