@@ -1320,6 +1320,34 @@ mod tests {
         assert!(native.store().waits.is_empty());
     }
 
+    /// Read locks share a key, with each other only: the terms of a read acquisition ask
+    /// for shared mode all the way to the store.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test]
+    async fn read_locks_share_a_key_and_keep_a_writer_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/locks.db", dir.path().display());
+        let locks = LockProvider::connect(&url).await.unwrap();
+        let other = LockProvider::connect(&url).await.unwrap();
+        let first = locks.try_acquire_read("r").await.unwrap();
+        let second = locks.try_acquire_read("r").await.unwrap();
+        let third = other.try_acquire_read("r").await.unwrap();
+        for provider in [&locks, &other] {
+            let err = provider.try_acquire("r").await.unwrap_err();
+            assert!(matches!(err, LockError::AlreadyHeld { .. }), "{err:?}");
+        }
+        for guard in [first, second, third] {
+            guard.release().await.unwrap();
+        }
+        other
+            .try_acquire("r")
+            .await
+            .unwrap()
+            .release()
+            .await
+            .unwrap();
+    }
+
     #[tokio::test]
     async fn an_invalid_key_never_reaches_the_store() {
         let backend = MemoryBackend::default();
