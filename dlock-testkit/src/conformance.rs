@@ -2714,6 +2714,12 @@ pub async fn read_cancellation_sweep(h: &impl Harness) {
     let keys: Vec<String> = (0..4).map(|i| unique_key(&format!("rsweep{i}"))).collect();
     let seed = fastrand::u64(..);
     let mut rng = fastrand::Rng::with_seed(seed);
+    let panics_before = crate::foreign_panics().len();
+    // What the sweep did, as in `cancellation_sweep`: read guards taken, and acquisitions or
+    // releases cut short by their timeout. A sweep that took no read lock, or cut nothing,
+    // would test nothing it claims.
+    let granted = Arc::new(AtomicUsize::new(0));
+    let cut = Arc::new(AtomicUsize::new(0));
     let mut tasks = tokio::task::JoinSet::new();
     for round in 0..SWEEP_ROUNDS / 4 {
         while tasks.len() >= 16 {
@@ -2728,23 +2734,46 @@ pub async fn read_cancellation_sweep(h: &impl Harness) {
         let locks = a.clone();
         let budget = Duration::from_micros(rng.u64(0..3_000));
         let mode = rng.u8(0..4);
+        let (granted, cut) = (granted.clone(), cut.clone());
         let handle = tasks.spawn(async move {
+            let got = |ok: bool| {
+                if ok {
+                    granted.fetch_add(1, Ordering::Relaxed);
+                }
+            };
+            let timed_out = || {
+                cut.fetch_add(1, Ordering::Relaxed);
+            };
             match mode {
-                0 => {
-                    let _ = tokio::time::timeout(
-                        budget,
-                        locks.acquire_read(&key, Duration::from_secs(5)),
-                    )
-                    .await;
-                }
-                1 => {
-                    let _ = tokio::time::timeout(budget, locks.try_acquire_read(&key)).await;
-                }
+                // A read wait cut short.
+                0 => match tokio::time::timeout(
+                    budget,
+                    locks.acquire_read(&key, Duration::from_secs(5)),
+                )
+                .await
+                {
+                    Ok(taken) => got(taken.is_ok()),
+                    Err(_) => timed_out(),
+                },
+                // A read try cut short.
+                1 => match tokio::time::timeout(budget, locks.try_acquire_read(&key)).await {
+                    Ok(taken) => got(taken.is_ok()),
+                    Err(_) => timed_out(),
+                },
+                // A read lock's release cut short. Taken by a wait, so that read guards are
+                // taken on every backend whatever the budget.
                 2 => {
-                    if let Ok(guard) = locks.acquire_read(&key, budget).await {
-                        let _ = tokio::time::timeout(budget / 2, guard.release()).await;
+                    if let Ok(guard) = locks.acquire_read(&key, Duration::from_secs(2)).await {
+                        got(true);
+                        if tokio::time::timeout(budget / 2, guard.release())
+                            .await
+                            .is_err()
+                        {
+                            timed_out();
+                        }
                     }
                 }
+                // A writer among the readers, its guard dropped while held.
                 _ => {
                     if let Ok(guard) = locks.acquire(&key, budget).await {
                         tokio::time::sleep(budget).await;
@@ -2769,6 +2798,16 @@ pub async fn read_cancellation_sweep(h: &impl Harness) {
             );
         }
     }
+    let (granted, cut) = (granted.load(Ordering::Relaxed), cut.load(Ordering::Relaxed));
+    eprintln!(
+        "read sweep (seed {seed}): {granted} read guards taken, {cut} acquisitions or releases \
+         cut short by their timeout"
+    );
+    assert!(
+        granted > 0 && cut > 0,
+        "the read sweep must both take read locks and cut work short (seed {seed}): {granted} \
+         granted, {cut} timed out"
+    );
     let bound = h.abandon_bound().unwrap_or(Duration::from_secs(30));
     for key in &keys {
         let guard = b
@@ -2780,6 +2819,14 @@ pub async fn read_cancellation_sweep(h: &impl Harness) {
     assert!(
         crate::eventually(Duration::from_secs(5), || a.local_key_count() == 0).await,
         "abandoned read acquisitions leave the table (seed {seed})"
+    );
+    let panics = &crate::foreign_panics()[panics_before..];
+    assert!(
+        panics.is_empty(),
+        "{} panics outside the test code during the read sweep (seed {seed}; or in another \
+         test of this binary at the same time), the first:\n{}",
+        panics.len(),
+        panics[..panics.len().min(5)].join("\n")
     );
 }
 
