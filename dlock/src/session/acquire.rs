@@ -635,6 +635,83 @@ mod tests {
         });
     }
 
+    /// A lane used steadily from a runtime other than its session's moves its session there
+    /// once idle (a fresh session, opened on the caller's runtime): its socket's answers no
+    /// longer cross threads, and its locks no longer end with the runtime it was opened on.
+    #[test]
+    fn a_lane_used_steadily_from_another_runtime_moves_its_session_there() {
+        let server = Arc::new(Server::default());
+        let first = tokio::runtime::Runtime::new().unwrap();
+        let lanes = first.block_on(model_lanes(&server, 1, 0));
+        let before = server.sessions_opened();
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        second.block_on(async {
+            for _ in 0..crate::session::lane::REHOME_AFTER {
+                let held = lanes.try_acquire_x("k").await.unwrap().expect("free");
+                held.handle.release().await.unwrap();
+            }
+        });
+        assert_eq!(
+            server.sessions_opened(),
+            before + 1,
+            "one session opened on the caller's runtime"
+        );
+        let held = second
+            .block_on(lanes.try_acquire_x("k"))
+            .unwrap()
+            .expect("free");
+        drop(first);
+        assert!(
+            !held.lost.is_cancelled(),
+            "the lane's session lives on the runtime that uses it"
+        );
+        second.block_on(held.handle.release()).unwrap();
+        assert!(server.locks.lock().unwrap().is_empty());
+    }
+
+    /// A lane shared by runtimes taking turns keeps its session (each move would cost a
+    /// connection), and so does a lane holding a lock, however long it is used from elsewhere.
+    #[test]
+    fn a_lane_used_by_runtimes_in_turn_or_holding_a_lock_keeps_its_session() {
+        let server = Arc::new(Server::default());
+        let first = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let lanes = first.block_on(model_lanes(&server, 1, 0));
+        let before = server.sessions_opened();
+        let second = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let cycle = |rt: &tokio::runtime::Runtime, key: &'static str| {
+            let held = rt
+                .block_on(lanes.try_acquire_x(key))
+                .unwrap()
+                .expect("free");
+            rt.block_on(held.handle.release()).unwrap();
+        };
+        for _ in 0..2 * crate::session::lane::REHOME_AFTER {
+            cycle(&second, "k");
+            cycle(&first, "k");
+        }
+        assert_eq!(server.sessions_opened(), before, "no session opened");
+        // A lock held on the lane: its session stays, whatever runs from elsewhere.
+        let pinned = first
+            .block_on(lanes.try_acquire_x("held"))
+            .unwrap()
+            .expect("free");
+        for _ in 0..2 * crate::session::lane::REHOME_AFTER {
+            cycle(&second, "k");
+        }
+        assert_eq!(server.sessions_opened(), before, "no session opened");
+        assert!(!pinned.lost.is_cancelled());
+        first.block_on(pinned.handle.release()).unwrap();
+    }
+
     /// The same for a lock granted through a native wait, kept by its wait task.
     #[test]
     fn a_wait_task_stopped_with_its_runtime_reports_its_lock_lost() {

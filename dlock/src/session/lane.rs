@@ -7,7 +7,8 @@
 //! caller left gives the lock back). A statement dropped half-way (its runtime shut down)
 //! leaves the session's state unknown, so the session is dropped ([`Busy`]). A keeper task,
 //! on the runtime the session was opened on, checks the session every keepalive and reports
-//! its locks lost if that runtime stops.
+//! its locks lost if that runtime stops. An idle lane used steadily from another runtime moves
+//! its session there ([`REHOME_AFTER`]), so that its answers wake no other thread.
 
 use std::collections::HashMap;
 use std::fmt::Debug;
@@ -30,6 +31,13 @@ use crate::backend::{BoxFuture, HeldLock};
 use crate::{LockError, detach};
 
 // Lanes.
+
+/// How many tries in a row from a runtime other than its session's move an idle lane's
+/// session to that runtime (see [`LaneState::come_home`]). Opening a connection costs
+/// milliseconds, a statement whose answer crosses threads some tens of microseconds more than
+/// one that does not: a lane used steadily from another runtime moves after this many, and
+/// one shared by runtimes taking turns, or used once from elsewhere, stays.
+pub(super) const REHOME_AFTER: u32 = 64;
 
 /// A handle to one lane; clones share it.
 pub(super) struct Lane<C: Connector> {
@@ -102,6 +110,10 @@ pub(super) struct LaneState<C: Connector> {
     /// (`statement_timeout`; pings have [`Connector::PING_TIMEOUT`]).
     statement_timeout: Duration,
     session: Option<C::Session>,
+    /// The runtime whose reactor drives the session's socket (the one it was opened on).
+    home: Option<tokio::runtime::Id>,
+    /// How many tries in a row ran from a runtime other than `home` (see [`REHOME_AFTER`]).
+    away: u32,
     /// Counts the sessions opened: a keeper looks after the one it was started for.
     generation: u64,
     held: HashMap<u64, LaneLock<C>>,
@@ -132,6 +144,8 @@ impl<C: Connector> Lane<C> {
                 keepalive: settings.keepalive,
                 statement_timeout: settings.statement_timeout,
                 session: None,
+                home: None,
+                away: 0,
                 generation: 0,
                 held: HashMap::new(),
                 shares: HashMap::new(),
@@ -408,6 +422,8 @@ impl<C: Connector> LaneState<C> {
     /// Takes `session` as the lane's, with a keeper on the current runtime.
     fn adopt(&mut self, session: C::Session) {
         self.session = Some(session);
+        self.home = Handle::try_current().ok().map(|runtime| runtime.id());
+        self.away = 0;
         self.generation += 1;
         let keeper = Keeper {
             core: Weak::clone(&self.core),
@@ -544,6 +560,36 @@ impl<C: Connector> LaneState<C> {
         }
     }
 
+    /// Moves an idle session to the caller's runtime once the lane has served
+    /// [`REHOME_AFTER`] tries in a row from it. A session's socket is driven by the reactor of
+    /// the runtime it was opened on: used from another runtime, every answer is read there
+    /// and handed across threads (a wake-up of the caller's thread per statement, which on a
+    /// machine whose CPUs idle costs more than the round trip itself). A session that holds
+    /// nothing can be replaced freely: a fresh one is opened here (a keeper with it), and the
+    /// old one is dropped only once the new one is there, so a failure to open leaves the lane
+    /// as it was.
+    async fn come_home(&mut self) {
+        if self.session.is_none() {
+            return;
+        }
+        let Ok(here) = Handle::try_current() else {
+            return;
+        };
+        if self.home == Some(here.id()) {
+            self.away = 0;
+            return;
+        }
+        self.away = self.away.saturating_add(1);
+        if self.away < REHOME_AFTER || !self.held.is_empty() || !self.shares.is_empty() {
+            return;
+        }
+        match self.connector.open().await {
+            Ok(session) => self.adopt(session),
+            // Tried again after as many tries more.
+            Err(_) => self.away = 0,
+        }
+    }
+
     /// The lane's session, opening a fresh one if there is none.
     async fn session(&mut self) -> Result<&mut C::Session, LockError> {
         if self.session.is_none() {
@@ -583,6 +629,7 @@ impl<C: Connector> LaneState<C> {
 
     async fn try_once(&mut self, ask: Ask<'_, C>) -> Result<Answer<C>, TryFailed> {
         let bound = self.statement_timeout;
+        self.come_home().await;
         let session = self.session().await?;
         let statement = async move {
             match ask {

@@ -70,6 +70,11 @@
 //!   session, and with it the locks, end with it. A lane found stopped is started again on the
 //!   runtime of the acquisition that finds it, so a backend keeps working when the runtime
 //!   that opened it is gone.
+//! - A session's socket is driven by the reactor of the runtime it was opened on: used from
+//!   another runtime, each answer is read there and handed across threads, a wake-up that on
+//!   an idle machine costs more than the round trip. An idle lane (holding nothing) used for
+//!   `lane::REHOME_AFTER` tries in a row from one other runtime opens a fresh session there
+//!   and drops the old one; a wait takes an idle wait session of its own runtime first.
 
 mod acquire;
 mod backend;

@@ -66,6 +66,13 @@ pub(super) struct ModelPermit {
     pub(super) slot: u32,
 }
 
+impl Server {
+    /// How many sessions were opened (lanes and waits).
+    pub(super) fn sessions_opened(&self) -> u64 {
+        self.next_session.load(Ordering::Relaxed)
+    }
+}
+
 impl Connector for Model {
     type Resource = u64;
     type Semaphore = ModelSemaphore;

@@ -29,14 +29,19 @@ pub(super) struct WaitPool<S> {
 
 impl<S> WaitPool<S> {
     /// An idle session whose runtime still runs; those whose runtime is gone are dropped.
+    /// Of those, the latest one opened on the current runtime if there is one (its socket's
+    /// answers then wake no other thread), else the latest one.
     pub(super) fn take(&self) -> Option<(S, RuntimeTie)> {
+        let here = tokio::runtime::Handle::try_current()
+            .ok()
+            .map(|runtime| runtime.id());
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        while let Some((session, tie)) = idle.pop() {
-            if tie.alive() {
-                return Some((session, tie));
-            }
-        }
-        None
+        idle.retain(|(_, tie)| tie.alive());
+        let at = idle
+            .iter()
+            .rposition(|(_, tie)| here.is_some() && tie.runtime == here)
+            .or_else(|| idle.len().checked_sub(1))?;
+        Some(idle.remove(at))
     }
 
     pub(super) fn put(&self, session: S, tie: RuntimeTie) {
@@ -54,6 +59,8 @@ impl<S> WaitPool<S> {
 /// runtime holds the tie's other end: it is dropped, and the tie cut, when the runtime shuts
 /// down, and it ends when the tie is dropped.
 pub(super) struct RuntimeTie {
+    /// The runtime, if there was one.
+    runtime: Option<tokio::runtime::Id>,
     runtime_gone: CancellationToken,
     _dropped: tokio_util::sync::DropGuard,
 }
@@ -63,7 +70,9 @@ impl RuntimeTie {
     pub(super) fn current() -> RuntimeTie {
         let runtime_gone = CancellationToken::new();
         let dropped = CancellationToken::new();
-        match tokio::runtime::Handle::try_current() {
+        let current = tokio::runtime::Handle::try_current();
+        let id = current.as_ref().ok().map(|runtime| runtime.id());
+        match current {
             Ok(runtime) => {
                 let cut = runtime_gone.clone().drop_guard();
                 let ended = dropped.clone();
@@ -75,6 +84,7 @@ impl RuntimeTie {
             Err(_) => runtime_gone.cancel(),
         }
         RuntimeTie {
+            runtime: id,
             runtime_gone,
             _dropped: dropped.drop_guard(),
         }
@@ -353,6 +363,32 @@ mod tests {
             !RuntimeTie::current().alive(),
             "outside a runtime there is nothing to tie to"
         );
+    }
+
+    /// Of the idle wait sessions, one opened on the caller's runtime is taken first,
+    /// whatever the order they came back in; outside a runtime, the latest.
+    #[test]
+    fn an_idle_wait_session_of_the_callers_runtime_is_taken_first() {
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .build()
+                .unwrap()
+        };
+        let pool: WaitPool<&str> = WaitPool {
+            permits: Arc::new(Semaphore::new(3)),
+            idle: Mutex::new(Vec::new()),
+        };
+        let (first, second) = (runtime(), runtime());
+        pool.put("first", first.block_on(async { RuntimeTie::current() }));
+        pool.put("second", second.block_on(async { RuntimeTie::current() }));
+        pool.put(
+            "second again",
+            second.block_on(async { RuntimeTie::current() }),
+        );
+        let (session, _) = first.block_on(async { pool.take() }).unwrap();
+        assert_eq!(session, "first");
+        let (session, _) = pool.take().unwrap();
+        assert_eq!(session, "second again");
     }
 
     #[test]
