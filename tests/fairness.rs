@@ -109,6 +109,17 @@ fn valkey9() {
     fair(&server.url(""), TAIL);
 }
 
+#[cfg(feature = "redis")]
+#[test]
+fn redis8() {
+    let Some(server) =
+        dlock_testkit::redis::RedisServer::start(dlock_testkit::redis::Flavor::Redis8)
+    else {
+        return;
+    };
+    fair(&server.url(""), TAIL);
+}
+
 #[cfg(feature = "etcd")]
 #[test]
 fn etcd() {

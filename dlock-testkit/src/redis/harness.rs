@@ -186,17 +186,6 @@ impl Deployment for RedisServer {
     fn store_inspection(&self) -> StoreInspection {
         StoreInspection::Listed
     }
-
-    fn unfair_waits(&self) -> Option<&'static str> {
-        (self.flavor != super::Flavor::Redis7).then_some(
-            "of a known bug: Redis 8 and Valkey 8 and later do not deliver a channel's messages to its \
-             subscribers in the order they subscribed, so the fair waits of the Redis backend \
-             (which send a backend that took a key to the back of that order) keep favouring \
-             the same processes: 3 providers of one process taking a plain lock held 5 ms got \
-             114, 33 and 116 acquisitions in 2 s on Redis 8, 35, 116 and 123 on Valkey 9.1 \
-             (88, 89 and 90 on Redis 7)",
-        )
-    }
 }
 
 /// A Redis Cluster (`redis+cluster://`): the lock is taken over on the master of its slot.

@@ -16,16 +16,98 @@ use super::cluster::{Cluster, Link};
 use super::sentinel::{Sentinels, points_elsewhere};
 use super::token::OwnerToken;
 
+/// The queue of a waiter's try that queues (see [Fair waiting](super#fair-waiting)), in Lua,
+/// run before the lock is taken: with the locals `lock` (the lock key), `q` (its queue, a
+/// sorted set of waiter ids scored by arrival, or nil when the try does not queue), `turn`
+/// (the record of the head's turn), `me` (this waiter's id) and `keep` (how long the queue
+/// is kept, in ms), it sets `wait` to the ms left of another waiter's turn while the lock is
+/// free and that waiter is at the head, and `queued` to 0 when the server refused a command
+/// of the queue (then nothing is queued, and the try goes on as one that does not queue).
+/// A head that does not take the free lock within its turn (500 ms from the first try that
+/// finds it free and not its own) is taken out, and the next head is woken on the lock's
+/// channel. A try that does not take the lock queues `me` (keeping its place when already
+/// queued).
+macro_rules! queue_lua {
+    () => {
+        "local queued, wait, head = 1, nil, nil
+if q then
+  local t = redis.pcall('TIME')
+  local pt = redis.pcall('PTTL', lock)
+  local h = redis.pcall('ZRANGE', q, 0, 0, 'WITHSCORES')
+  if t.err or type(pt) ~= 'number' or h.err then
+    queued = 0
+  else
+    local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    local evicted = false
+    for _ = 1, 8 do
+      if pt ~= -2 or not h[1] or h[1] == me then
+        break
+      end
+      local clock = h[1] .. '@' .. h[2]
+      local c = redis.pcall('GET', turn)
+      local due = nil
+      if type(c) == 'string' then
+        local id, d = string.match(c, '^(.*)#(%d+)$')
+        if id == clock then
+          due = tonumber(d)
+        end
+      end
+      if not due then
+        due = now + 500
+        redis.pcall('SET', turn, clock .. '#' .. due, 'PX', 1000)
+      end
+      if due > now then
+        wait = due - now
+        break
+      end
+      redis.pcall('ZREM', q, h[1])
+      evicted = true
+      h = redis.pcall('ZRANGE', q, 0, 0, 'WITHSCORES')
+      if h.err then
+        h = {}
+      end
+    end
+    if evicted and h[1] and h[1] ~= me then
+      redis.pcall('PUBLISH', lock, '')
+    end
+    head = h[1]
+    if pt == -2 and head and head ~= me and not wait then
+      wait = 1
+    end
+    if pt ~= -2 or wait then
+      redis.pcall('ZADD', q, 'NX', now, me)
+      local left = redis.pcall('PTTL', q)
+      if type(left) == 'number' and left < tonumber(keep) then
+        redis.pcall('PEXPIRE', q, keep)
+      end
+    end
+  end
+end
+"
+    };
+}
+
 /// Takes a free lock and bumps its fencing counter in one step.
-/// `KEYS[1]` lock, `KEYS[2]` counter, `KEYS[3]` (optional) the lock's waiting mark; `ARGV[1]`
-/// token, `ARGV[2]` lease in ms, `ARGV[3]` (optional, a waiter's try) the mark's time to live
-/// in ms. Returns the new counter value; when the lock is held, nil, or for a waiter's try
-/// `{pttl, marked}` (pttl -3 when the user may not run `PTTL`: asked with `pcall`, so that the
-/// grant stays optional), after setting the waiting mark for `ARGV[3]` ms (also with `pcall`;
-/// `marked` 0 when the server refused it), which tells the holder's release that someone
-/// waits (see [`RELEASE_LUA`]).
-pub(crate) const ACQUIRE_FENCED_LUA: &str = "\
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+/// `KEYS[1]` lock, `KEYS[2]` counter, `KEYS[3]` (optional) the lock's waiting mark, `KEYS[4]`
+/// and `KEYS[5]` (optional, with the mark) its queue and the record of the head's turn;
+/// `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]` (optional, a waiter's try) the mark's
+/// time to live in ms, `ARGV[4]` (with the queue) the waiter's id. Returns the new counter
+/// value; when the lock is held, nil, or for a waiter's try `{pttl, marked, queued}` (pttl -3
+/// when the user may not run `PTTL`: asked with `pcall`, so that the grant stays optional;
+/// while the lock is free but another waiter's turn runs, the ms left of that turn), after
+/// setting the waiting mark for `ARGV[3]` ms (also with `pcall`; `marked` 0 when the server
+/// refused it), which tells the holder's release that someone waits (see [`RELEASE_LUA`]).
+/// A try with the queue takes the lock only when its waiter is at the head of the queue, or
+/// nobody queues (see `queue_lua!`); `queued` 0 when the server refused the queue.
+pub(crate) const ACQUIRE_FENCED_LUA: &str = concat!(
+    "local lock, q, turn, me, keep = KEYS[1], KEYS[4], KEYS[5], ARGV[4], ARGV[3]
+",
+    queue_lua!(),
+    "if not wait and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if head and head == me then
+    redis.pcall('ZREM', q, me)
+    redis.pcall('DEL', turn)
+  end
   return redis.call('INCR', KEYS[2])
 end
 if ARGV[3] then
@@ -33,26 +115,36 @@ if ARGV[3] then
   if KEYS[3] and redis.pcall('SET', KEYS[3], '1', 'PX', ARGV[3]).err then
     m = 0
   end
-  local t = redis.pcall('PTTL', KEYS[1])
+  local t = wait or redis.pcall('PTTL', KEYS[1])
   if type(t) ~= 'number' then
     t = -3
   end
-  return {t, m}
+  return {t, m, queued}
 end
-return false";
+return false"
+);
 
 /// [`ACQUIRE_FENCED_LUA`] with a shared counter (`fencing_counters`): `KEYS[1]` lock,
 /// `KEYS[2]` the key's counter, `KEYS[3]` the store's record of its counters' mode, `KEYS[4]`
-/// (optional) the lock's waiting mark; `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]` the
-/// mode this backend joined (`N:epoch`), `ARGV[4]` (optional) as `ARGV[3]` above. When the
-/// record holds another mode, nothing is taken and the answer is the error `DLOCKCOUNTERS
-/// <the record>` (see [`crate::counters`]). Otherwise as [`ACQUIRE_FENCED_LUA`].
-pub(crate) const ACQUIRE_COUNTED_LUA: &str = "\
-local m = redis.call('GET', KEYS[3])
+/// (optional) the lock's waiting mark, `KEYS[5]` and `KEYS[6]` (optional, with the mark) its
+/// queue and the record of the head's turn; `ARGV[1]` token, `ARGV[2]` lease in ms, `ARGV[3]`
+/// the mode this backend joined (`N:epoch`), `ARGV[4]` (optional) as `ARGV[3]` above,
+/// `ARGV[5]` (with the queue) the waiter's id. When the record holds another mode, nothing
+/// is taken and the answer is the error `DLOCKCOUNTERS <the record>` (see
+/// [`crate::counters`]). Otherwise as [`ACQUIRE_FENCED_LUA`].
+pub(crate) const ACQUIRE_COUNTED_LUA: &str = concat!(
+    "local m = redis.call('GET', KEYS[3])
 if m ~= ARGV[3] then
   return redis.error_reply('DLOCKCOUNTERS ' .. (m or 'none'))
 end
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+local lock, q, turn, me, keep = KEYS[1], KEYS[5], KEYS[6], ARGV[5], ARGV[4]
+",
+    queue_lua!(),
+    "if not wait and redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  if head and head == me then
+    redis.pcall('ZREM', q, me)
+    redis.pcall('DEL', turn)
+  end
   return redis.call('INCR', KEYS[2])
 end
 if ARGV[4] then
@@ -60,13 +152,14 @@ if ARGV[4] then
   if KEYS[4] and redis.pcall('SET', KEYS[4], '1', 'PX', ARGV[4]).err then
     m = 0
   end
-  local t = redis.pcall('PTTL', KEYS[1])
+  local t = wait or redis.pcall('PTTL', KEYS[1])
   if type(t) ~= 'number' then
     t = -3
   end
-  return {t, m}
+  return {t, m, queued}
 end
-return false";
+return false"
+);
 
 /// Joins the store's shared counters (`fencing_counters`): `KEYS[1]` the record of their
 /// mode (`N:epoch`); `ARGV[1]` this backend's `N`, `ARGV[2]` the largest epoch. Returns the
@@ -316,6 +409,9 @@ pub(crate) struct Conn {
     publish_refused: AtomicBool,
     /// Set once the server refused a waiter's mark (warned once).
     mark_refused: AtomicBool,
+    /// Set once the server refused a command of a lock's queue of waiters (see
+    /// [Fair waiting](super#fair-waiting)): waiters then do not queue.
+    queue_refused: AtomicBool,
     /// The message of this connection's release announcements, random per backend: its
     /// subscribers tell their own backend's releases from others' by it (see
     /// [Fair waiting](super#fair-waiting)).
@@ -341,10 +437,20 @@ pub(crate) const WAITING_MARK: &[u8] = b":waiting";
 /// sets it again: time for a late try.
 const MARK_SLACK: Duration = Duration::from_secs(1);
 
-/// A waiter's try (see [`Conn::take`]): `pause` is the longest it waits before its next try.
+/// The suffix of a lock's queue of waiters (see [Fair waiting](super#fair-waiting)):
+/// `<lock key>:queue`, a sorted set of waiter ids scored by arrival.
+pub(crate) const QUEUE: &[u8] = b":queue";
+
+/// The suffix of the record of the turn of the waiter at the head of a lock's queue:
+/// `<lock key>:turn`.
+pub(crate) const TURN: &[u8] = b":turn";
+
+/// A waiter's try (see [`Conn::take`]): `pause` is the longest it waits before its next try;
+/// `queued`, whether it queues (see [Fair waiting](super#fair-waiting)).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct WaiterTry {
     pub(crate) pause: Duration,
+    pub(crate) queued: bool,
 }
 
 impl WaiterTry {
@@ -638,6 +744,7 @@ impl Conn {
             fence: FenceState::default(),
             publish_refused: AtomicBool::new(false),
             mark_refused: AtomicBool::new(false),
+            queue_refused: AtomicBool::new(false),
             announcer: Arc::from(format!("{:016x}", fastrand::u64(..)).into_bytes()),
             marks_waits: false,
             unmarked_until: Mutex::new(None),
@@ -668,6 +775,30 @@ impl Conn {
     pub(crate) fn waiting_mark(&self, key: &[u8]) -> Option<Vec<u8>> {
         (self.marks_waits && !self.mark_refused.load(Ordering::Relaxed))
             .then(|| [key, WAITING_MARK].concat())
+    }
+
+    /// The queue of the lock under `key` and the record of its head's turn, when this
+    /// connection's waiters queue: it marks waits (the tagged key layout, whose
+    /// `<lock key>:queue` and `<lock key>:turn` share the lock's Cluster slot) and the server
+    /// refused neither a mark nor a command of the queue (see [Fair waiting](super#fair-waiting)).
+    pub(crate) fn queue_keys(&self, key: &[u8]) -> Option<(Vec<u8>, Vec<u8>)> {
+        (!self.queue_refused.load(Ordering::Relaxed))
+            .then(|| self.waiting_mark(key))
+            .flatten()
+            .map(|_| ([key, QUEUE].concat(), [key, TURN].concat()))
+    }
+
+    /// Takes this backend's waiters out of the queue of the lock under `key` (its last waiter
+    /// of the key is gone). Best effort: a waiter left queued is taken out when its turn comes
+    /// and it does not take the lock.
+    pub(crate) async fn leave_queue(&self, key: &[u8]) {
+        if let Some((queue, _)) = self.queue_keys(key) {
+            let mut zrem = redis::cmd("ZREM");
+            zrem.arg(queue).arg(&self.announcer[..]);
+            if let Err(err) = self.query(&zrem).await {
+                tracing::debug!(error = %err, "leaving a redis lock's queue of waiters failed");
+            }
+        }
     }
 
     /// The message of this connection's release announcements.
@@ -1213,6 +1344,15 @@ impl Conn {
         if let Some(Value::Int(0)) = items.get(1) {
             self.refuse_marks(refused);
         }
+        if let Some(Value::Int(0)) = items.get(2)
+            && !self.queue_refused.swap(true, Ordering::Relaxed)
+        {
+            tracing::warn!(
+                "redis waiters do not queue: the server refused a command of a lock's queue of \
+                 waiters (grant the Redis user `+zadd +zrange +zrem +time +get +del +pexpire`, \
+                 see Permissions in the dlock::redis docs); waits are served less evenly"
+            );
+        }
         match items.first() {
             Some(Value::Int(ms)) => Some(*ms),
             _ => None,
@@ -1441,6 +1581,9 @@ impl Conn {
         let wait_cmd = wait_command(wait);
         let mark = waiter.and_then(|_| self.waiting_mark(key));
         let mark_ms = waiter.map(WaiterTry::mark_ms);
+        let queue = waiter
+            .filter(|waiter| waiter.queued)
+            .and_then(|_| self.queue_keys(key));
         match fence_key {
             None => {
                 let mut set = redis::cmd("SET");
@@ -1500,6 +1643,10 @@ impl Conn {
                 }
                 let mut marked = keys.clone();
                 marked.extend(mark.as_deref());
+                if let (Some(_), Some((queue, turn))) = (&mark, &queue) {
+                    marked.extend([&queue[..], &turn[..]]);
+                    args.push(&self.announcer[..]);
+                }
                 let (reply, waited) = self
                     .eval_marked(script, &marked, &keys, &args, wait_cmd.as_ref())
                     .await?;

@@ -9,6 +9,11 @@
 //! If nobody took it by then, the local waiter tries as usual. A release of the key by
 //! another backend, heard by this backend's subscriber, ends the hold-off at once: the key
 //! changed hands since.
+//!
+//! Waiters woken by a key's releases queue with the key instead (see `queue_lua!` in
+//! `commands.rs`), which orders them whatever order the server delivers a release in: their
+//! tries never hold off. The hold-off serves the waits that do not queue (`fencing=false`,
+//! `key_layout=plain`, a user refused the queue's commands).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};

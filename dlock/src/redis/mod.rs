@@ -1669,11 +1669,70 @@ impl LockBackend for RedisBackend {
         Box::pin(async move {
             let channel = self.shared.lock_key(request.key);
             let shared = &self.shared;
-            shared
+            let watch = shared
                 .wakes
                 .watch(&channel, || inspect::cluster_nodes(shared))
-                .await
+                .await?;
+            Some(Box::new(QueuedWatch {
+                watch: Some(watch),
+                shared: Arc::clone(shared),
+                key: Arc::from(channel),
+            }) as Box<dyn ReleaseWatch>)
         })
+    }
+}
+
+/// A waiter's watch on a lock's releases that, once the backend watches the key no more (its
+/// last waiter of the key is gone: it took the lock, gave up, or was dropped), takes the
+/// backend out of the key's queue of waiters in the background (see
+/// [Fair waiting](self#fair-waiting)).
+struct QueuedWatch {
+    watch: Option<Box<dyn ReleaseWatch>>,
+    shared: Arc<Shared>,
+    key: Arc<[u8]>,
+}
+
+impl std::fmt::Debug for QueuedWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuedWatch")
+            .field("watch", &self.watch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for QueuedWatch {
+    fn drop(&mut self) {
+        drop(self.watch.take());
+        if self.shared.wakes.wanted(&self.key) || self.shared.conn.queue_keys(&self.key).is_none() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (shared, key) = (Arc::clone(&self.shared), Arc::clone(&self.key));
+        drop(runtime.spawn(async move {
+            let leaving = shared.conn.leave_queue(&key);
+            let _ = tokio::time::timeout(shared.timeout, leaving).await;
+        }));
+    }
+}
+
+impl ReleaseWatch for QueuedWatch {
+    fn is_live(&self) -> bool {
+        self.watch.as_ref().is_some_and(|watch| watch.is_live())
+    }
+
+    fn mark_seen(&mut self) {
+        if let Some(watch) = &mut self.watch {
+            watch.mark_seen();
+        }
+    }
+
+    fn woken(&mut self) -> BoxFuture<'_, ()> {
+        match &mut self.watch {
+            Some(watch) => watch.woken(),
+            None => Box::pin(std::future::pending()),
+        }
     }
 }
 
@@ -1699,7 +1758,15 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
     let lease = request.lease.unwrap_or(shared.lease);
     check_lease(lease)?;
     let lock_key: Arc<[u8]> = Arc::from(shared.lock_key(request.key));
+    // A waiter woken by the key's releases queues (see [Fair waiting](self#fair-waiting)):
+    // the queue, not a hold-off or the order of the subscribers, decides who goes next.
+    let queued = request.poll_pause.is_some()
+        && shared.hold_offs.is_some()
+        && shared.fencing
+        && shared.conn.queue_keys(&lock_key).is_some()
+        && shared.wakes.live(&lock_key);
     if request.poll_pause.is_some()
+        && !queued
         && let Some(hold_offs) = &shared.hold_offs
         && let Some(left) = hold_offs.left(&lock_key)
     {
@@ -1734,7 +1801,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
                 lease,
                 request
                     .poll_pause
-                    .map(|pause| commands::WaiterTry { pause }),
+                    .map(|pause| commands::WaiterTry { pause, queued }),
                 shared.wait,
             ),
         )
@@ -1765,7 +1832,7 @@ async fn take(shared: &Arc<Shared>, request: LockRequest<'_>) -> Result<WaitTry,
             return Ok(WaitTry::Held { retry_within });
         }
     };
-    if waiting {
+    if waiting && !queued {
         // This backend's subscriber goes behind the other backends' for the key's next release.
         shared.wakes.to_back(&lock_key);
     }

@@ -324,9 +324,16 @@ pub(super) async fn try_acquire(
         armed: true,
         kind: Kind::Read,
     };
-    let mark_ms = request
-        .poll_pause
-        .map_or_else(|| "0".to_owned(), |pause| WaiterTry { pause }.mark_ms());
+    let mark_ms = request.poll_pause.map_or_else(
+        || "0".to_owned(),
+        |pause| {
+            WaiterTry {
+                pause,
+                queued: false,
+            }
+            .mark_ms()
+        },
+    );
     let mut args: Vec<&[u8]> = vec![token.as_bytes(), ms.as_bytes(), mark_ms.as_bytes()];
     args.extend(mode);
     let sent = Instant::now();

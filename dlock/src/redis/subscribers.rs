@@ -64,6 +64,18 @@ impl Subscribers {
         }
     }
 
+    /// Whether one of the backend's subscribers has `channel` subscribed right now: its
+    /// waiters are woken by the key's releases.
+    pub(crate) fn live(&self, channel: &[u8]) -> bool {
+        match self {
+            Subscribers::One(wakes) => wakes.live(channel),
+            Subscribers::PerMaster(masters) => {
+                masters.first.live(channel)
+                    || masters.routes().masters.values().any(|w| w.live(channel))
+            }
+        }
+    }
+
     /// A waiter of this backend took the key of `channel`: its subscriber moves to the back of
     /// the channel's delivery order (see [`Wakes::to_back`]).
     pub(crate) fn to_back(&self, channel: &[u8]) {

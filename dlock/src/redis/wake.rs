@@ -207,6 +207,14 @@ impl Wakes {
         }
     }
 
+    /// Whether `channel` is watched and subscribed on the current connection.
+    pub(crate) fn live(&self, channel: &[u8]) -> bool {
+        self.registry()
+            .channels
+            .get(channel)
+            .is_some_and(|entry| entry.signal.borrow().live)
+    }
+
     /// Whether `channel` is watched.
     pub(crate) fn wanted(&self, channel: &[u8]) -> bool {
         self.registry().channels.contains_key(channel)
