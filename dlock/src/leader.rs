@@ -342,6 +342,71 @@ mod tests {
         assert_eq!(backend.store().releases, 2);
     }
 
+    /// Work that returns by itself after its term was lost (its lease ran out while it ran)
+    /// is not done: the leader contends again and runs it in a new term.
+    #[tokio::test]
+    async fn work_that_returns_after_losing_its_term_runs_again() {
+        let backend = MemoryBackend::default();
+        let lease = Duration::from_millis(50);
+        backend.store().lease_deadline = Some(Instant::now() + lease);
+        let locks = LockProvider::from_backend(backend.clone());
+        let shutdown = CancellationToken::new();
+        let terms = Arc::new(Mutex::new(Vec::new()));
+        let leader = Leader::new(&locks, "leader").backoff(fixed(Duration::from_millis(1)));
+        bounded(&leader, &shutdown, |term| {
+            let (terms, backend, shutdown) =
+                (Arc::clone(&terms), backend.clone(), shutdown.clone());
+            Box::pin(async move {
+                terms.lock().unwrap().push(term.number());
+                if term.number() == 1 {
+                    // A step that blocks past the lease (a pause of the process).
+                    std::thread::sleep(2 * lease);
+                    backend.store().lease_deadline = None;
+                } else if term.number() > 2 {
+                    shutdown.cancel();
+                }
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(*terms.lock().unwrap(), vec![1, 2]);
+        assert!(!backend.is_held("leader"));
+    }
+
+    /// A loss the backend reports (the lock's lost token fires, no lease involved) ends the
+    /// term at once, while the work waits for that end.
+    #[tokio::test]
+    async fn a_loss_the_backend_reports_ends_the_term() {
+        let backend = MemoryBackend::default();
+        let locks = LockProvider::from_backend(backend.clone());
+        let shutdown = CancellationToken::new();
+        let terms = Arc::new(Mutex::new(Vec::new()));
+        let leader = Leader::new(&locks, "leader").backoff(fixed(Duration::from_millis(1)));
+        bounded(&leader, &shutdown, |term| {
+            let (terms, backend, shutdown) =
+                (Arc::clone(&terms), backend.clone(), shutdown.clone());
+            Box::pin(async move {
+                if term.number() == 1 {
+                    let lost = backend.store().lost_tokens.last().cloned().unwrap();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        lost.cancel();
+                    });
+                    term.ended().await;
+                } else {
+                    shutdown.cancel();
+                }
+                terms
+                    .lock()
+                    .unwrap()
+                    .push((term.number(), term.has_ended()));
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(*terms.lock().unwrap(), vec![(1, true), (2, true)]);
+    }
+
     /// Shutdown ends the term: the work is told, it returns, and the lock is given back. A
     /// shutdown before the run takes nothing.
     #[tokio::test]
@@ -359,7 +424,11 @@ mod tests {
                     backend.is_held("leader"),
                     "the work runs while the lock is held"
                 );
-                shutdown.cancel();
+                // Shutdown comes while the work waits for the end of its term.
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    shutdown.cancel();
+                });
                 term.ended().await;
                 ended
                     .lock()

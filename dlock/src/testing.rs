@@ -62,6 +62,8 @@ pub(crate) struct Store {
     pub(crate) lease_control: bool,
     /// The leases asked of [`LeaseControl::extend`].
     pub(crate) extends: Vec<Duration>,
+    /// The lost token of every lock granted, in order.
+    pub(crate) lost_tokens: Vec<CancellationToken>,
 }
 
 /// A semaphore kept natively by [`MemoryBackend`].
@@ -150,6 +152,7 @@ impl MemoryBackend {
         let token = store.next_token;
         store.held.insert(request.key.to_owned(), token);
         let lost = CancellationToken::new();
+        store.lost_tokens.push(lost.clone());
         let acquired = Acquired::new(
             Some(token),
             lost,
