@@ -131,3 +131,171 @@ impl LockProvider {
         Ok(Some(output))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use crate::testing::MemoryBackend;
+    use crate::{LockError, LockProvider};
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// Waits until `key` is free in `backend`, at most `within`.
+    async fn freed(backend: &MemoryBackend, key: &str, within: Duration) -> Instant {
+        tokio::time::timeout(within, async {
+            while backend.is_held(key) {
+                tokio::time::sleep(MS).await;
+            }
+            Instant::now()
+        })
+        .await
+        .expect("the key was given back")
+    }
+
+    /// `at_least_for` longer than `at_most_for` is refused before anything is tried; equal
+    /// bounds are a valid job. A key held elsewhere skips the job.
+    #[tokio::test]
+    async fn bounds_are_checked_and_a_held_key_skips_the_job() {
+        let backend = MemoryBackend::default();
+        let locks = LockProvider::from_backend(backend.clone());
+        let err = locks
+            .run_exclusive("job", 100 * MS, 101 * MS, |_| async { unreachable!() })
+            .await
+            .unwrap_err();
+        assert!(matches!(err, LockError::Config { .. }), "{err:?}");
+        assert!(err.to_string().contains("at_least_for"), "{err}");
+        assert_eq!(backend.store().tries, 0);
+
+        let ran = locks
+            .run_exclusive("job", 100 * MS, 100 * MS, |_| async { 7 })
+            .await
+            .unwrap();
+        assert_eq!(ran, Some(7));
+        freed(&backend, "job", Duration::from_secs(5)).await;
+
+        backend.hold_elsewhere("job");
+        let skipped = locks
+            .run_exclusive("job", 100 * MS, Duration::ZERO, |_| async {
+                unreachable!("the key is held elsewhere")
+            })
+            .await
+            .unwrap();
+        assert_eq!(skipped, None);
+    }
+
+    /// The job runs while the lock is held, with a live token. With no `at_least_for` the lock
+    /// is given back before `run_exclusive` returns; with one, it is kept until `at_least_for`
+    /// after the start, and on a leased lock the lease is first extended to cover the rest
+    /// (a quarter more, and 50 ms), never past `at_most_for`.
+    #[tokio::test]
+    async fn the_lock_is_kept_for_at_least_for_and_given_back_after() {
+        let backend = MemoryBackend::default();
+        let locks = LockProvider::from_backend(backend.clone());
+        let probe = backend.clone();
+        let ran = locks
+            .run_exclusive(
+                "job",
+                Duration::from_secs(10),
+                Duration::ZERO,
+                |token| async move {
+                    assert!(probe.is_held("job") && !token.is_cancelled());
+                    "done"
+                },
+            )
+            .await
+            .unwrap();
+        assert_eq!(ran, Some("done"));
+        assert!(!backend.is_held("job"), "given back before the answer");
+        assert_eq!(backend.store().releases, 1);
+
+        // A lock without a lease: held on for the rest of at_least_for, then given back.
+        let started = Instant::now();
+        let at_least = 200 * MS;
+        locks
+            .run_exclusive("job", Duration::from_secs(10), at_least, |_| async {})
+            .await
+            .unwrap();
+        assert!(backend.is_held("job"), "kept for at_least_for");
+        let freed_at = freed(&backend, "job", Duration::from_secs(5)).await;
+        assert!(freed_at - started >= at_least, "{:?}", freed_at - started);
+        assert!(backend.store().extends.is_empty(), "no lease to extend");
+
+        // A leased lock: its lease is extended to cover the rest.
+        {
+            let mut store = backend.store();
+            store.lease_control = true;
+            store.lease_deadline = Some(Instant::now() + Duration::from_secs(60));
+        }
+        let at_least = 400 * MS;
+        locks
+            .run_exclusive("job", Duration::from_secs(10), at_least, |_| async {})
+            .await
+            .unwrap();
+        let lease = backend
+            .store()
+            .extends
+            .pop()
+            .expect("the lease was extended");
+        // The rest is at most 400 ms, and well over 320 ms on any machine that runs the test.
+        assert!(
+            (450 * MS..=550 * MS).contains(&lease),
+            "the lease covers the rest with a quarter more and 50 ms: {lease:?}"
+        );
+        freed(&backend, "job", Duration::from_secs(5)).await;
+
+        // Never past at_most_for, never short of the rest.
+        locks
+            .run_exclusive("job", 450 * MS, 420 * MS, |_| async {})
+            .await
+            .unwrap();
+        let lease = backend
+            .store()
+            .extends
+            .pop()
+            .expect("the lease was extended");
+        assert!(
+            (300 * MS..=450 * MS).contains(&lease),
+            "at most what is left of at_most_for: {lease:?}"
+        );
+        freed(&backend, "job", Duration::from_secs(5)).await;
+    }
+
+    /// A job whose lease runs out while it runs sees its token fire; the answer is `Lost`
+    /// (another replica may have run the job meanwhile), and the lock is given back at once:
+    /// no hold for `at_least_for` on a lock that is lost.
+    #[tokio::test]
+    async fn a_job_that_outlives_its_lease_is_told_and_not_held_on() {
+        let backend = MemoryBackend::default();
+        backend.store().lease_deadline = Some(Instant::now() + 50 * MS);
+        let locks = LockProvider::from_backend(backend.clone());
+        let told = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen = std::sync::Arc::clone(&told);
+        let err = locks
+            .run_exclusive(
+                "job",
+                Duration::from_secs(10),
+                Duration::from_secs(10),
+                |token| async move {
+                    let started = Instant::now();
+                    while !token.is_cancelled() && started.elapsed() < Duration::from_secs(5) {
+                        tokio::time::sleep(MS).await;
+                    }
+                    seen.store(token.is_cancelled(), std::sync::atomic::Ordering::SeqCst);
+                },
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&err, LockError::Lost { key, .. } if &**key == "job"),
+            "{err:?}"
+        );
+        assert!(
+            told.load(std::sync::atomic::Ordering::SeqCst),
+            "the token fired"
+        );
+        assert!(!backend.is_held("job"), "given back at once");
+        assert_eq!(backend.store().releases, 1);
+        assert!(backend.store().extends.is_empty());
+    }
+}

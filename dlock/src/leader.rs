@@ -237,3 +237,264 @@ async fn lead_until_ended(
     })
     .await
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::backend::BoxFuture;
+    use crate::testing::{Answer, MemoryBackend};
+
+    /// A backoff with no jitter: each pause is `pause`.
+    fn fixed(pause: Duration) -> Backoff {
+        Backoff::new(pause, pause, 0.0).unwrap()
+    }
+
+    /// Runs `leader` until `shutdown` or the work ends it, bounded so that a leader that never
+    /// stops fails the test instead of hanging it.
+    async fn bounded(
+        leader: &Leader,
+        shutdown: &CancellationToken,
+        lead: impl FnMut(LeaderTerm) -> BoxFuture<'static, ()>,
+    ) -> Result<(), LockError> {
+        tokio::time::timeout(Duration::from_secs(10), leader.run(shutdown, lead))
+            .await
+            .expect("the leader stopped")
+    }
+
+    /// A term lost when its lease runs out ends for the work (its token fires, `has_ended`
+    /// answers true) before the work's next step; the lock is given back, the leader contends
+    /// again after its pause and wins a second term with the next number and fencing token.
+    /// A term whose work returns by itself ends the run, and its lock is given back.
+    #[tokio::test]
+    async fn a_lost_term_is_followed_by_the_next_and_a_finished_one_ends_the_run() {
+        let backend = MemoryBackend::default();
+        let lease = Duration::from_millis(150);
+        let deadline = Instant::now() + lease;
+        {
+            let mut store = backend.store();
+            store.next_token = 41;
+            store.lease_deadline = Some(deadline);
+        }
+        let locks = LockProvider::from_backend(backend.clone());
+        let shutdown = CancellationToken::new();
+        // (term, fencing token, ended at its start, ended at its end, steps past the deadline)
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let leader = Leader::new(&locks, "leader").backoff(fixed(Duration::from_millis(100)));
+        let started = Instant::now();
+        let lost_at = Arc::new(Mutex::new(None));
+        let result = bounded(&leader, &shutdown, |term| {
+            let (seen, backend, shutdown, lost_at) = (
+                Arc::clone(&seen),
+                backend.clone(),
+                shutdown.clone(),
+                Arc::clone(&lost_at),
+            );
+            Box::pin(async move {
+                let at_start = term.has_ended() || term.token().is_cancelled();
+                let mut late_steps = 0;
+                if term.number() == 1 {
+                    // Steps that never look at the term: the leader must stop polling them
+                    // once the lease has run out, cancelling the token first.
+                    while !term.token().is_cancelled() {
+                        if Instant::now() > deadline + Duration::from_millis(5) {
+                            late_steps += 1;
+                        }
+                        tokio::time::sleep(Duration::from_millis(2)).await;
+                    }
+                    *lost_at.lock().unwrap() = Some(Instant::now());
+                    term.ended().await;
+                    backend.store().lease_deadline = None;
+                } else if term.number() > 2 {
+                    shutdown.cancel();
+                }
+                let at_end = term.has_ended();
+                seen.lock().unwrap().push((
+                    term.number(),
+                    term.fencing_token(),
+                    at_start,
+                    at_end,
+                    late_steps,
+                ));
+            })
+        })
+        .await;
+        result.unwrap();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            vec![
+                (1, Some(42), false, true, 0),
+                (2, Some(43), false, false, 0)
+            ]
+        );
+        let lost_at = lost_at.lock().unwrap().expect("the first term ended");
+        assert!(
+            lost_at >= deadline,
+            "the term ended before its lease ran out"
+        );
+        assert!(
+            started.elapsed() >= lease + Duration::from_millis(100),
+            "the leader paused before contending again"
+        );
+        assert!(!backend.is_held("leader"), "the lock was given back");
+        assert_eq!(backend.store().releases, 2);
+    }
+
+    /// Work that returns by itself after its term was lost (its lease ran out while it ran)
+    /// is not done: the leader contends again and runs it in a new term.
+    #[tokio::test]
+    async fn work_that_returns_after_losing_its_term_runs_again() {
+        let backend = MemoryBackend::default();
+        let lease = Duration::from_millis(50);
+        backend.store().lease_deadline = Some(Instant::now() + lease);
+        let locks = LockProvider::from_backend(backend.clone());
+        let shutdown = CancellationToken::new();
+        let terms = Arc::new(Mutex::new(Vec::new()));
+        let leader = Leader::new(&locks, "leader").backoff(fixed(Duration::from_millis(1)));
+        bounded(&leader, &shutdown, |term| {
+            let (terms, backend, shutdown) =
+                (Arc::clone(&terms), backend.clone(), shutdown.clone());
+            Box::pin(async move {
+                terms.lock().unwrap().push(term.number());
+                if term.number() == 1 {
+                    // A step that blocks past the lease (a pause of the process).
+                    std::thread::sleep(2 * lease);
+                    backend.store().lease_deadline = None;
+                } else if term.number() > 2 {
+                    shutdown.cancel();
+                }
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(*terms.lock().unwrap(), vec![1, 2]);
+        assert!(!backend.is_held("leader"));
+    }
+
+    /// A loss the backend reports (the lock's lost token fires, no lease involved) ends the
+    /// term at once, while the work waits for that end.
+    #[tokio::test]
+    async fn a_loss_the_backend_reports_ends_the_term() {
+        let backend = MemoryBackend::default();
+        let locks = LockProvider::from_backend(backend.clone());
+        let shutdown = CancellationToken::new();
+        let terms = Arc::new(Mutex::new(Vec::new()));
+        let leader = Leader::new(&locks, "leader").backoff(fixed(Duration::from_millis(1)));
+        bounded(&leader, &shutdown, |term| {
+            let (terms, backend, shutdown) =
+                (Arc::clone(&terms), backend.clone(), shutdown.clone());
+            Box::pin(async move {
+                if term.number() == 1 {
+                    let lost = backend.store().lost_tokens.last().cloned().unwrap();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        lost.cancel();
+                    });
+                    term.ended().await;
+                } else {
+                    shutdown.cancel();
+                }
+                terms
+                    .lock()
+                    .unwrap()
+                    .push((term.number(), term.has_ended()));
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(*terms.lock().unwrap(), vec![(1, true), (2, true)]);
+    }
+
+    /// Shutdown ends the term: the work is told, it returns, and the lock is given back. A
+    /// shutdown before the run takes nothing.
+    #[tokio::test]
+    async fn shutdown_ends_the_term_and_gives_the_lock_back() {
+        let backend = MemoryBackend::default();
+        let locks = LockProvider::from_backend(backend.clone());
+        let shutdown = CancellationToken::new();
+        let ended = Arc::new(Mutex::new(Vec::new()));
+        let leader = Leader::new(&locks, "leader");
+        bounded(&leader, &shutdown, |term| {
+            let (ended, shutdown, backend) =
+                (Arc::clone(&ended), shutdown.clone(), backend.clone());
+            Box::pin(async move {
+                assert!(
+                    backend.is_held("leader"),
+                    "the work runs while the lock is held"
+                );
+                // Shutdown comes while the work waits for the end of its term.
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    shutdown.cancel();
+                });
+                term.ended().await;
+                ended
+                    .lock()
+                    .unwrap()
+                    .push((term.number(), term.has_ended()));
+            })
+        })
+        .await
+        .unwrap();
+        assert_eq!(*ended.lock().unwrap(), vec![(1, true)]);
+        assert!(!backend.is_held("leader"));
+        assert_eq!(backend.store().tries, 1);
+
+        let tries = backend.store().tries;
+        bounded(&leader, &shutdown, |_| {
+            unreachable!("no term after shutdown")
+        })
+        .await
+        .unwrap();
+        assert_eq!(backend.store().tries, tries, "nothing was tried");
+    }
+
+    /// A store that fails is tried again after the pause; a shutdown during that pause ends
+    /// the run at once; an error that trying again cannot mend is returned.
+    #[tokio::test]
+    async fn store_failures_are_tried_again_after_the_pause() {
+        let backend = MemoryBackend::default();
+        {
+            let mut store = backend.store();
+            store.answers.push_back(Answer::Fail);
+            store.answers.push_back(Answer::Fail);
+        }
+        let locks = LockProvider::from_backend(backend.clone());
+        let shutdown = CancellationToken::new();
+        let pause = Duration::from_millis(60);
+        let leader = Leader::new(&locks, "leader").backoff(fixed(pause));
+        let started = Instant::now();
+        let terms = Arc::new(Mutex::new(Vec::new()));
+        bounded(&leader, &shutdown, |term| {
+            let terms = Arc::clone(&terms);
+            Box::pin(async move { terms.lock().unwrap().push(term.number()) })
+        })
+        .await
+        .unwrap();
+        assert_eq!(*terms.lock().unwrap(), vec![1]);
+        assert_eq!(backend.store().tries, 3);
+        assert!(started.elapsed() >= 2 * pause, "{:?}", started.elapsed());
+
+        // A shutdown during a long pause ends the run without waiting it out.
+        backend.store().answers.push_back(Answer::Fail);
+        let leader = Leader::new(&locks, "leader").backoff(fixed(Duration::from_secs(3600)));
+        let stop = shutdown.clone();
+        let cancel = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            stop.cancel();
+        });
+        bounded(&leader, &shutdown, |_| unreachable!("the store failed"))
+            .await
+            .unwrap();
+        cancel.await.unwrap();
+
+        let err = bounded(&Leader::new(&locks, ""), &CancellationToken::new(), |_| {
+            unreachable!("an empty key is never taken")
+        })
+        .await
+        .unwrap_err();
+        assert!(matches!(err, LockError::InvalidKey { .. }), "{err:?}");
+    }
+}

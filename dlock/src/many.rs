@@ -193,6 +193,46 @@ mod tests {
         assert_eq!(guards.len(), 2);
     }
 
+    /// A key held elsewhere that is given back during the wait is taken: each key waits for
+    /// what is left of the timeout (never a single try while time is left), and the guards
+    /// come back in the order of `keys`, each with the key it names.
+    #[tokio::test]
+    async fn a_key_given_back_during_the_wait_is_taken() {
+        let backend = MemoryBackend::default();
+        backend.hold_elsewhere("b");
+        let locks = LockProvider::from_backend(backend.clone());
+        let freeing = {
+            let backend = backend.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                backend.free("b");
+            })
+        };
+        let guards = locks
+            .acquire_many(&["c", "b", "a"], Duration::from_secs(10))
+            .await
+            .expect("b is given back within the timeout");
+        freeing.await.unwrap();
+        let keys: Vec<&str> = guards.iter().map(LockGuard::key).collect();
+        assert_eq!(keys, ["c", "b", "a"]);
+        assert!(["a", "b", "c"].iter().all(|key| backend.is_held(key)));
+        for guard in guards {
+            guard.release().await.unwrap();
+        }
+
+        // The single tries answer the first key held elsewhere, and give back what they took.
+        backend.hold_elsewhere("b");
+        let err = locks.try_acquire_many(&["c", "b", "a"]).await.unwrap_err();
+        assert!(
+            matches!(&err, LockError::AlreadyHeld { key } if &**key == "b"),
+            "{err:?}"
+        );
+        assert!(!backend.is_held("a") && !backend.is_held("c"));
+        let guards = locks.try_acquire_many(&["c", "a"]).await.unwrap();
+        let keys: Vec<&str> = guards.iter().map(LockGuard::key).collect();
+        assert_eq!(keys, ["c", "a"]);
+    }
+
     #[test]
     fn keys_are_taken_in_byte_order_and_never_twice() {
         assert_eq!(canonical_order(&["b", "a", "c"]).unwrap(), vec![1, 0, 2]);

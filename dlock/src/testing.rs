@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::LockError;
 use crate::backend::{
-    Acquired, BoxFuture, HeldLock, LeaseDeadline, LockBackend, LockRequest, PermitRequest,
-    PermitStore, PermitTry, ReleaseWatch, WaitTry,
+    Acquired, BoxFuture, HeldLock, LeaseControl, LeaseDeadline, LockBackend, LockRequest,
+    PermitRequest, PermitStore, PermitTry, ReleaseWatch, WaitTry,
 };
 
 /// A forced answer to the next `try_acquire`.
@@ -58,6 +58,12 @@ pub(crate) struct Store {
     pub(crate) permit_tries: usize,
     /// The waiting mark of every try for a permit.
     pub(crate) permit_waitings: Vec<Option<Duration>>,
+    /// When set, locks have a lease control, whose extensions are recorded in `extends`.
+    pub(crate) lease_control: bool,
+    /// The leases asked of [`LeaseControl::extend`].
+    pub(crate) extends: Vec<Duration>,
+    /// The lost token of every lock granted, in order.
+    pub(crate) lost_tokens: Vec<CancellationToken>,
 }
 
 /// A semaphore kept natively by [`MemoryBackend`].
@@ -146,6 +152,7 @@ impl MemoryBackend {
         let token = store.next_token;
         store.held.insert(request.key.to_owned(), token);
         let lost = CancellationToken::new();
+        store.lost_tokens.push(lost.clone());
         let acquired = Acquired::new(
             Some(token),
             lost,
@@ -250,7 +257,29 @@ struct MemoryLock {
     key: String,
 }
 
+impl LeaseControl for MemoryLock {
+    fn extend(&self, lease: Duration) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move {
+            self.backend.store().extends.push(lease);
+            Ok(true)
+        })
+    }
+
+    fn verify_still_held(&self) -> BoxFuture<'_, Result<bool, LockError>> {
+        Box::pin(async move { Ok(self.backend.is_held(&self.key)) })
+    }
+
+    fn stop_renewal(&self) {}
+}
+
 impl HeldLock for MemoryLock {
+    fn lease_control(&self) -> Option<&dyn LeaseControl> {
+        self.backend
+            .store()
+            .lease_control
+            .then_some(self as &dyn LeaseControl)
+    }
+
     fn release(self: Box<Self>) -> BoxFuture<'static, Result<(), LockError>> {
         Box::pin(async move {
             let gate = self.backend.store().release_gate.clone();

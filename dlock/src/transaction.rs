@@ -198,3 +198,41 @@ mod observing {
 pub(crate) use observing::observe;
 #[cfg(any(feature = "sqlite", feature = "oracle"))]
 pub(crate) use observing::observe_blocking;
+
+#[cfg(test)]
+#[cfg(any(
+    feature = "postgres",
+    feature = "sqlite",
+    feature = "mssql",
+    feature = "oracle"
+))]
+mod tests {
+    use super::TransactionLock;
+
+    /// A transaction lock names its key, backend and fencing token and the advisory lock id of
+    /// its key; two are equal when all three agree.
+    #[test]
+    fn a_lock_names_its_key_backend_and_token_and_equals_only_its_like() {
+        let lock = TransactionLock::new("postgres", "orders:7", Some(42));
+        assert_eq!(lock.key(), "orders:7");
+        assert_eq!(lock.backend(), "postgres");
+        assert_eq!(lock.fencing_token(), Some(42));
+        assert_eq!(lock.lock_id(), crate::lock_id("orders:7"));
+        assert_ne!(crate::lock_id("orders:7"), 0);
+        assert_eq!(lock, lock.clone());
+        assert_eq!(lock, TransactionLock::new("postgres", "orders:7", Some(42)));
+        for other in [
+            TransactionLock::new("sqlite", "orders:7", Some(42)),
+            TransactionLock::new("postgres", "orders:8", Some(42)),
+            TransactionLock::new("postgres", "orders:7", Some(43)),
+            TransactionLock::new("postgres", "orders:7", None),
+            TransactionLock::new("sqlite", "orders:8", None),
+        ] {
+            assert_ne!(lock, other, "{other:?}");
+        }
+        assert_eq!(
+            TransactionLock::new("sqlite", "k", None).fencing_token(),
+            None
+        );
+    }
+}

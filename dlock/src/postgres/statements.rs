@@ -397,6 +397,13 @@ mod tests {
         assert_eq!(lock_timeout_setting(Duration::from_micros(1)), "1ms");
         assert_eq!(lock_timeout_setting(Duration::from_micros(1500)), "2ms");
         assert_eq!(lock_timeout_setting(Duration::MAX), "0");
+        // The setting's largest value is i32::MAX milliseconds; one more is no limit.
+        let largest = Duration::from_millis(i32::MAX as u64);
+        assert_eq!(lock_timeout_setting(largest), "2147483647ms");
+        assert_eq!(
+            lock_timeout_setting(largest + Duration::from_millis(1)),
+            "0"
+        );
     }
 
     /// The permit statements, pinned: the walk (gate, one read of `pg_locks`, the slots from

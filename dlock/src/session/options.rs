@@ -298,6 +298,34 @@ mod tests {
         );
     }
 
+    /// `fencing_counters` needs `fencing`; the engines that do not have it yet refuse it,
+    /// naming themselves.
+    #[test]
+    fn fencing_counters_need_fencing_and_an_engine_that_has_them() {
+        let mut options =
+            read_engine_query::<NoOwn>("fencing_counters=8", |key, _| match key {}).unwrap();
+        assert_eq!(options.fencing_counters, Some(8));
+        let err = options.check().unwrap_err().to_string();
+        assert!(
+            err.contains("fencing_counters") && err.contains("fencing is off"),
+            "{err}"
+        );
+        options.set(SessionKey::Fencing, "true").unwrap();
+        options.check().unwrap();
+        #[cfg(any(feature = "mysql", feature = "mssql", feature = "oracle"))]
+        {
+            let err = refuse_fencing_counters("MySQL", &options)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("MySQL") && err.contains("fencing_counters"),
+                "{err}"
+            );
+            options.fencing_counters = None;
+            refuse_fencing_counters("MySQL", &options).unwrap();
+        }
+    }
+
     #[test]
     fn statement_timeout_default_and_bounds() {
         let defaults = read_engine_query::<NoOwn>("", |key, _| match key {}).unwrap();
