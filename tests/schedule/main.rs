@@ -410,6 +410,39 @@ fn checker_finds_a_loss_not_heard_in_time() {
         assert_eq!(rules(&h), expected, "frozen: {frozen}");
     }
 
+    // A grant that waited in a frozen worker's socket: the server granted the lock before it
+    // killed the session, the worker reports the grant at its thaw, after the kill. Excused
+    // when the worker was frozen from before the kill until the report, as the same history
+    // with a grant truly after the kill is not.
+    for (frozen, expected) in [(true, vec![]), (false, vec!["two holders"])] {
+        let mut h = history(Backend::Postgres, false);
+        op(&mut h, 1, 0, 0, Mode::Wait(3000));
+        if frozen {
+            h.faults.push(Fault::Freeze {
+                worker: 0,
+                generation: 0,
+                t0: ms(50),
+                t1: ms(1_000),
+            });
+        }
+        h.faults.push(Fault::ConnKill {
+            worker: 0,
+            generation: 0,
+            t0: ms(100),
+            t1: ms(110),
+        });
+        section(&mut h, 2, 1, 0, "-", 120, 1_500);
+        h.apply(
+            0,
+            0,
+            &format!("acq 1 ok {} {} {} -", ms(0), ms(1_001), ms(1_001)),
+        )
+        .unwrap();
+        h.apply(0, 0, &format!("lost 1 {} {}", ms(1_200), ms(1_201)))
+            .unwrap();
+        assert_eq!(rules(&h), expected, "frozen: {frozen}");
+    }
+
     // A PostgreSQL shutdown ends the sessions one by one and may grant a waiting session the
     // lock of one it has ended: the documented limit, excused while the victim hears in time.
     for (last, expected) in [

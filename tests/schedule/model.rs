@@ -76,6 +76,10 @@ use std::fmt;
 use super::plan::{Backend, Mode};
 
 pub const MS: u64 = 1_000_000;
+
+/// How long after its thaw a frozen worker may take to report an answer that arrived while it
+/// was frozen (it reads the answer first thing; the report crosses a pipe to the driver).
+const THAW_REPORT: u64 = 50 * MS;
 pub const SEC: u64 = 1_000 * MS;
 
 /// The bounds a backend promises, in ns.
@@ -714,7 +718,9 @@ impl History {
                 if b_first > a_last {
                     continue;
                 }
-                if self.excused(a, b_first) {
+                // The victim of a killed session may be either: one frozen while its grant
+                // waited reports that grant after the next holder's first alive time.
+                if self.excused(a, b_first) || self.excused(b, a_first) {
                     continue;
                 }
                 found.push(Violation {
@@ -879,8 +885,17 @@ impl History {
             return false;
         }
         let last = a.last.unwrap_or(0);
+        // The grant is the one the worker reports: frozen while its answer waited, the worker
+        // reports it at the thaw, though the server granted it before the fault (on the
+        // session the fault then ended). So a grant reported after the fault counts as before
+        // it when the worker was frozen from the fault's end until a moment before the report.
+        let granted_by = |t1: u64| {
+            a.start <= t1
+                && a.granted
+                    <= t1 + self.session_stall(a.worker, a.generation, t1, a.granted) + THAW_REPORT
+        };
         let within = |t0: u64, t1: u64| {
-            a.granted <= t1
+            granted_by(t1)
                 && later >= t0
                 && last
                     <= t1
